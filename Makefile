@@ -1,0 +1,29 @@
+# make test: create .venv/ at the repository root, install sftpack with its test
+#            dependencies (through constraints.txt), run the whole suite.
+# make demo: same .venv/, then run the main job on the embedded default.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sftpack-installed
+
+.PHONY: test demo bench venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/sftpack demo
+
+bench: $(STAMP)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
+	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis src/*.egg-info

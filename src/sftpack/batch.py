@@ -1,0 +1,465 @@
+"""The handoff: :class:`PackedBatch`, one flat run of tokens plus its boundaries.
+
+Every packing path (offline, loader, trainer) ends here, and every consumer
+(Megatron / Transformer Engine, Hugging Face, flash-attn, our own reference
+attention) starts here. Two conversations A (5 tokens) and B (10 tokens),
+each padded to a multiple of 4, laid in one row of width 20::
+
+    slot            0  1  2  3  4  5  6  7 | 8  9 10 11 12 13 14 15 16 17 18 19
+    segment         A  A  A  A  A  .  .  . | B  B  B  B  B  B  B  B  B  B  .  .
+    position_ids    0  1  2  3  4  5  6  7 | 0  1  2  3  4  5  6  7  8  9 10 11
+    labels          a1 a2 a3 a4 -  -  -  - | b1 b2 .. .. .. .. .. .. b9 -  -  -
+    cu_seqlens          [0, 5, 15]      (real lengths, cumulative)
+    cu_seqlens_padded   [0, 8, 20]      (physical segment starts; last == T)
+
+``labels[t]`` is the token at ``t+1`` when that token is trainable and belongs to
+the same sequence, else ``IGNORE_INDEX`` (-100): no label ever crosses a
+boundary, and the last real token and every padding slot carry -100.
+
+The real boundaries (``cu_seqlens``) are the same whichever path built the
+batch; only the padding, and hence ``cu_seqlens_padded``, differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .sample import IGNORE_INDEX, Sample, as_sample
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported lazily
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+__all__ = ["PackedBatch", "PackedBatchError", "round_up"]
+
+
+class PackedBatchError(ValueError):
+    """A :class:`PackedBatch` field breaks the contract (the message names it)."""
+
+
+def round_up(n: int | np.ndarray, multiple: int) -> Any:
+    """Smallest multiple of ``multiple`` that is ``>= n`` (elementwise for arrays)."""
+    return -(-n // multiple) * multiple
+
+
+def _check_multiple(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
+        raise PackedBatchError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+@dataclass(eq=False)
+class PackedBatch:
+    """One flat run of ``T`` token slots holding ``N`` sequences, each followed by its padding.
+
+    Attributes:
+        input_ids: ``(T,)`` int64; padding slots hold the pad id.
+        labels: ``(T,)`` int64; shifted within each sequence, ``-100`` where there is
+            no trainable target (the last real token, every padding slot).
+        position_ids: ``(T,)`` int64; ``t - cu_seqlens_padded[i]`` for slot ``t`` of
+            segment ``i`` (restarts at 0 per sequence, keeps counting through its padding).
+        cu_seqlens: ``(N+1,)`` int32; cumulative real lengths ``[0, l0, l0+l1, ...]``.
+        cu_seqlens_padded: ``(N+1,)`` int32; physical segment starts, last entry ``T``.
+        max_seqlen: the largest padded segment length (a kernel may be given a larger
+            static bound; never a smaller one).
+        sequence_ids: optional, one id per sequence (which conversation each segment
+            holds); carried along, never read by the kernels.
+
+    A batch of several rows is one ``PackedBatch`` whose flat run is the rows laid
+    end to end (THD has no row axis): see :meth:`concat`.
+
+    >>> from sftpack.testing import samples_from_lengths
+    >>> b = PackedBatch.from_samples(samples_from_lengths([5, 10]), pad_multiple=4)
+    >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
+    ([0, 5, 15], [0, 8, 20], 12)
+    >>> b.position_ids.tolist()[:10]
+    [0, 1, 2, 3, 4, 5, 6, 7, 0, 1]
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    sequence_ids: tuple | None = None
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_tokens(self) -> int:
+        """``T``: slots in the flat run, padding included."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_sequences(self) -> int:
+        """``N``: sequences (segments) in the flat run."""
+        return int(self.cu_seqlens.shape[0]) - 1
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """``(N,)`` real length of each sequence."""
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def padded_seqlens(self) -> torch.Tensor:
+        """``(N,)`` padded length of each segment (real tokens + its padding)."""
+        return self.cu_seqlens_padded[1:] - self.cu_seqlens_padded[:-1]
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.cu_seqlens[-1])
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """``(T,)`` bool: slots whose label is trained on (``labels != -100``)."""
+        return self.labels != IGNORE_INDEX
+
+    @property
+    def num_label_tokens(self) -> int:
+        """Supervised targets in this batch: the denominator of a token-mean loss."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def real_token_mask(self) -> torch.Tensor:
+        """``(T,)`` bool: True on real tokens, False on padding slots."""
+        return self.position_ids < torch.repeat_interleave(self.seqlens, self.padded_seqlens)
+
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def __len__(self) -> int:
+        return self.num_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"PackedBatch(T={self.num_tokens}, N={self.num_sequences}, "
+            f"cu_seqlens={self.cu_seqlens.tolist()}, cu_seqlens_padded={self.cu_seqlens_padded.tolist()}, "
+            f"max_seqlen={self.max_seqlen}, device={self.device})"
+        )
+
+    # ------------------------------------------------------------- validation
+    def validate(self) -> PackedBatch:
+        """Check every invariant of the contract; raise :class:`PackedBatchError`
+        naming the field, the expectation and the numbers. Returns ``self``.
+
+        This reads the boundary arrays on the host (a device sync on CUDA): call it
+        in tests and at data-loading time, not inside the training step.
+        """
+        ids, lab, pos = self.input_ids, self.labels, self.position_ids
+        for name, t in (("input_ids", ids), ("labels", lab), ("position_ids", pos)):
+            if not isinstance(t, torch.Tensor):
+                raise PackedBatchError(f"PackedBatch.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 1:
+                raise PackedBatchError(f"PackedBatch.{name} must be 1-D (T,), got shape {tuple(t.shape)}")
+            if t.dtype != torch.int64:
+                raise PackedBatchError(f"PackedBatch.{name} must be int64, got {t.dtype}")
+        T = ids.shape[0]
+        for name, t in (("labels", lab), ("position_ids", pos)):
+            if t.shape[0] != T:
+                raise PackedBatchError(
+                    f"PackedBatch.{name} has {t.shape[0]} slots but input_ids has T={T}: all per-slot "
+                    "fields must have the same length"
+                )
+        cu, cup = self.cu_seqlens, self.cu_seqlens_padded
+        for name, t in (("cu_seqlens", cu), ("cu_seqlens_padded", cup)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 1:
+                raise PackedBatchError(f"PackedBatch.{name} must be a 1-D tensor (N+1,)")
+            if t.dtype != torch.int32:
+                raise PackedBatchError(
+                    f"PackedBatch.{name} must be int32 (what attention kernels take), got {t.dtype}"
+                )
+            if t.shape[0] < 2:
+                raise PackedBatchError(
+                    f"PackedBatch.{name} must hold N+1 >= 2 entries (at least one sequence), got "
+                    f"{t.tolist()}"
+                )
+        if cu.shape[0] != cup.shape[0]:
+            raise PackedBatchError(
+                f"PackedBatch.cu_seqlens has {cu.shape[0]} entries but cu_seqlens_padded has "
+                f"{cup.shape[0]}: both must be N+1 long"
+            )
+        devices = {t.device for t in (ids, lab, pos, cu, cup)}
+        if len(devices) > 1:
+            raise PackedBatchError(
+                f"PackedBatch tensors are on several devices {sorted(map(str, devices))}: call .to(device)"
+            )
+        cu_h, cup_h = cu.cpu().numpy().astype(np.int64), cup.cpu().numpy().astype(np.int64)
+        if cu_h[0] != 0:
+            raise PackedBatchError(f"PackedBatch.cu_seqlens must start with 0, got {cu_h[0]}")
+        if cup_h[0] != 0:
+            raise PackedBatchError(f"PackedBatch.cu_seqlens_padded must start with 0, got {cup_h[0]}")
+        real = np.diff(cu_h)
+        padded = np.diff(cup_h)
+        bad = np.flatnonzero(real < 1)
+        if bad.size:
+            i = int(bad[0])
+            raise PackedBatchError(
+                f"PackedBatch.cu_seqlens: sequence {i} has real length {int(real[i])} "
+                f"(cu_seqlens[{i}]={cu_h[i]}, cu_seqlens[{i + 1}]={cu_h[i + 1]}); every real length must be >= 1"
+            )
+        bad = np.flatnonzero(padded < real)
+        if bad.size:
+            i = int(bad[0])
+            raise PackedBatchError(
+                f"PackedBatch.cu_seqlens_padded: segment {i} has padded length {int(padded[i])} < real "
+                f"length {int(real[i])}; every padded length must be >= its real length"
+            )
+        if cup_h[-1] != T:
+            raise PackedBatchError(
+                f"PackedBatch.cu_seqlens_padded[-1] must equal T = len(input_ids) = {T}, got "
+                f"{cup_h[-1]}; fold the row's tail padding into the last segment"
+            )
+        if int(self.max_seqlen) < int(padded.max()):
+            raise PackedBatchError(
+                f"PackedBatch.max_seqlen = {self.max_seqlen} is smaller than the largest padded segment "
+                f"length {int(padded.max())}; kernels would read out of bounds"
+            )
+        if self.sequence_ids is not None and len(self.sequence_ids) != len(real):
+            raise PackedBatchError(
+                f"PackedBatch.sequence_ids has {len(self.sequence_ids)} entries for N={len(real)} sequences"
+            )
+        starts = np.repeat(cup_h[:-1], padded)
+        expect_pos = np.arange(T, dtype=np.int64) - starts
+        pos_h = pos.cpu().numpy()
+        wrong = np.flatnonzero(pos_h != expect_pos)
+        if wrong.size:
+            t = int(wrong[0])
+            raise PackedBatchError(
+                f"PackedBatch.position_ids[{t}] = {int(pos_h[t])}, expected {int(expect_pos[t])} "
+                "(t - cu_seqlens_padded[i]: positions restart at 0 for each sequence)"
+            )
+        # No label may cross a boundary: the last real token and all padding carry -100.
+        is_real = expect_pos < np.repeat(real, padded)
+        last_real = np.zeros(T, dtype=bool)
+        last_real[cup_h[:-1] + real - 1] = True
+        must_ignore = ~is_real | last_real
+        lab_h = lab.cpu().numpy()
+        wrong = np.flatnonzero(must_ignore & (lab_h != IGNORE_INDEX))
+        if wrong.size:
+            t = int(wrong[0])
+            what = "a padding slot" if not is_real[t] else "the last real token of its sequence"
+            raise PackedBatchError(
+                f"PackedBatch.labels[{t}] = {int(lab_h[t])} but slot {t} is {what}; its label must be "
+                f"{IGNORE_INDEX} so that no label crosses a sequence boundary"
+            )
+        return self
+
+    # ----------------------------------------------------------- construction
+    @classmethod
+    def from_samples(
+        cls,
+        samples: Iterable[Sample | dict | Sequence[int]],
+        *,
+        pad_multiple: int = 1,
+        row_width: int | None = None,
+        pad_id: int = 0,
+        device: torch.device | str | None = None,
+    ) -> PackedBatch:
+        """Lay tokenized samples end to end in one row.
+
+        Args:
+            samples: :class:`~sftpack.Sample` objects (or dicts with ``input_ids`` and
+                ``loss_mask``, or bare id sequences, all tokens trainable).
+            pad_multiple: pad each sequence to a multiple of this (``2 * CP`` for
+                context parallelism, see :func:`sftpack.trainer.pad_multiple_for`).
+            row_width: fixed row width ``T``; the tail padding is folded into the last
+                segment. ``None``: the row is exactly as wide as its padded sequences.
+            pad_id: token id written into padding slots.
+            device: where to put the tensors.
+
+        Raises:
+            PackedBatchError: no samples, or the padded sequences do not fit ``row_width``.
+        """
+        pad_multiple = _check_multiple("pad_multiple", pad_multiple)
+        items = [as_sample(s, i) for i, s in enumerate(samples)]
+        if not items:
+            raise PackedBatchError("PackedBatch.from_samples needs at least one sample, got none")
+        real = np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items))
+        padded = round_up(real, pad_multiple)
+        total = int(padded.sum())
+        if row_width is not None:
+            row_width = _check_multiple("row_width", row_width)
+            if total > row_width:
+                raise PackedBatchError(
+                    f"{len(items)} sequences of {int(real.sum())} tokens take {total} slots after padding each "
+                    f"to a multiple of {pad_multiple}, more than row_width={row_width}: pack fewer sequences "
+                    "per row (sftpack.binpack with cost_multiple=pad_multiple) or raise row_width"
+                )
+            padded[-1] += row_width - total
+            total = row_width
+        cu = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(real, out=cu[1:])
+        cup = np.zeros(len(items) + 1, dtype=np.int64)
+        np.cumsum(padded, out=cup[1:])
+
+        ids_cat = np.concatenate([s.input_ids for s in items])
+        # Target of token j is token j+1 if it is trainable and in the same sequence.
+        mask_cat = np.concatenate([s.loss_mask for s in items])
+        nxt_ok = np.zeros(ids_cat.shape[0], dtype=bool)
+        nxt_ok[:-1] = mask_cat[1:]
+        nxt_ok[cu[1:] - 1] = False  # last real token of every sequence
+        nxt_ids = np.empty_like(ids_cat)
+        nxt_ids[:-1] = ids_cat[1:]
+        nxt_ids[-1] = IGNORE_INDEX
+        lab_cat = np.where(nxt_ok, nxt_ids, IGNORE_INDEX)
+
+        # Physical slot of every real token: its segment start + its offset in the sequence.
+        slot = np.arange(ids_cat.shape[0], dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
+        input_ids = np.full(total, pad_id, dtype=np.int64)
+        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+        input_ids[slot] = ids_cat
+        labels[slot] = lab_cat
+        position_ids = np.arange(total, dtype=np.int64) - np.repeat(cup[:-1], padded)
+        batch = cls(
+            input_ids=torch.from_numpy(input_ids),
+            labels=torch.from_numpy(labels),
+            position_ids=torch.from_numpy(position_ids),
+            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+            cu_seqlens_padded=torch.from_numpy(cup.astype(np.int32)),
+            max_seqlen=int(padded.max()),
+            sequence_ids=tuple(s.conversation_id for s in items),
+        )
+        return batch.to(device) if device is not None else batch
+
+    @classmethod
+    def concat(cls, batches: Sequence[PackedBatch]) -> PackedBatch:
+        """Lay several rows end to end in one flat run (THD has no row axis).
+
+        Usable as a ``collate_fn`` for a ``torch.utils.data.DataLoader`` that yields
+        ``PackedBatch`` rows.
+
+        >>> from sftpack.testing import samples_from_lengths
+        >>> a = PackedBatch.from_samples(samples_from_lengths([3]), row_width=4)
+        >>> b = PackedBatch.from_samples(samples_from_lengths([2, 2]), row_width=4)
+        >>> PackedBatch.concat([a, b]).cu_seqlens_padded.tolist()
+        [0, 4, 6, 8]
+        """
+        batches = list(batches)
+        if not batches:
+            raise PackedBatchError("PackedBatch.concat needs at least one batch, got none")
+        if len(batches) == 1:
+            return batches[0]
+        dev = batches[0].device
+        cu_parts = [batches[0].cu_seqlens]
+        cup_parts = [batches[0].cu_seqlens_padded]
+        real_off = batches[0].cu_seqlens[-1:]
+        pad_off = batches[0].cu_seqlens_padded[-1:]
+        for b in batches[1:]:
+            if b.device != dev:
+                raise PackedBatchError(f"PackedBatch.concat: batches on {dev} and {b.device}; move them first")
+            cu_parts.append(b.cu_seqlens[1:] + real_off)
+            cup_parts.append(b.cu_seqlens_padded[1:] + pad_off)
+            real_off = cu_parts[-1][-1:]
+            pad_off = cup_parts[-1][-1:]
+        ids = None
+        if all(b.sequence_ids is not None for b in batches):
+            ids = tuple(x for b in batches for x in b.sequence_ids)  # type: ignore[union-attr]
+        return cls(
+            input_ids=torch.cat([b.input_ids for b in batches]),
+            labels=torch.cat([b.labels for b in batches]),
+            position_ids=torch.cat([b.position_ids for b in batches]),
+            cu_seqlens=torch.cat(cu_parts),
+            cu_seqlens_padded=torch.cat(cup_parts),
+            max_seqlen=max(int(b.max_seqlen) for b in batches),
+            sequence_ids=ids,
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """A copy with every tensor on ``device``."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **moved)
+
+    def pin_memory(self) -> PackedBatch:
+        """Pinned host copies (DataLoader ``pin_memory=True`` calls this)."""
+        pinned = {
+            f.name: getattr(self, f.name).pin_memory()
+            for f in fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return replace(self, **pinned)
+
+    # --------------------------------------------------------------- adapters
+    def to_packed_seq_params(self, pad_between_seqs: bool = True) -> PackedSeqParams:
+        """Megatron-core's ``PackedSeqParams(qkv_format="thd", ...)``.
+
+        ``pad_between_seqs=True``: ``cu_seqlens_q/kv`` are the real boundaries and
+        ``cu_seqlens_q/kv_padded`` the physical ones (Transformer Engine then uses
+        its fused/cuDNN backend or FA3).
+
+        ``pad_between_seqs=False``: all four fields are the *same tensor object*,
+        ``cu_seqlens_padded``. Transformer Engine detects that and keeps
+        FlashAttention-2 usable; padding sits at the end of each causal segment, so
+        real tokens never attend to it (it only costs FLOPs).
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        if pad_between_seqs:
+            q = kv = self.cu_seqlens
+            q_pad = kv_pad = self.cu_seqlens_padded
+        else:
+            q = kv = q_pad = kv_pad = self.cu_seqlens_padded
+        return PackedSeqParams(
+            qkv_format="thd",
+            cu_seqlens_q=q,
+            cu_seqlens_kv=kv,
+            cu_seqlens_q_padded=q_pad,
+            cu_seqlens_kv_padded=kv_pad,
+            max_seqlen_q=int(self.max_seqlen),
+            max_seqlen_kv=int(self.max_seqlen),
+        )
+
+    def hf_labels(self) -> torch.Tensor:
+        """``(T,)`` labels in the *unshifted* Hugging Face convention: slot ``t`` holds
+        ``input_ids[t]`` when it is a trainable target (the model shifts itself)."""
+        out = torch.full_like(self.labels, IGNORE_INDEX)
+        out[1:] = self.labels[:-1]
+        return out
+
+    def to_hf_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM on one packed row.
+
+        ``input_ids``, ``position_ids`` and ``labels`` have shape ``(1, T)`` (labels
+        unshifted, as Hugging Face expects). Models detect the packing from
+        ``position_ids`` for eager, sdpa and flex attention *only* when no
+        ``attention_mask`` is passed and no cache exists, so ``use_cache=False`` is
+        included. ``cu_seq_lens_q/k`` (physical offsets: padding is part of each
+        segment) and ``max_length_q/k`` feed flash-attention kernels.
+
+        >>> from sftpack.testing import samples_from_lengths
+        >>> kw = PackedBatch.from_samples(samples_from_lengths([2, 3])).to_hf_kwargs()
+        >>> kw["labels"].tolist(), kw["cu_seq_lens_q"].tolist()
+        ([[-100, 1001, -100, 2001, 2002]], [0, 2, 5])
+        """
+        return {
+            "input_ids": self.input_ids.unsqueeze(0),
+            "position_ids": self.position_ids.unsqueeze(0),
+            "labels": self.hf_labels().unsqueeze(0),
+            "cu_seq_lens_q": self.cu_seqlens_padded,
+            "cu_seq_lens_k": self.cu_seqlens_padded,
+            "max_length_q": int(self.max_seqlen),
+            "max_length_k": int(self.max_seqlen),
+            "use_cache": False,
+        }
+
+    def flash_attn_kwargs(self) -> dict[str, Any]:
+        """Boundary arguments of ``flash_attn.flash_attn_varlen_func`` for this run.
+
+        flash-attn takes one offset array per side and reads it as physical
+        offsets, so both get ``cu_seqlens_padded`` (padding trails each causal
+        segment and never reaches a real token).
+        """
+        return {
+            "cu_seqlens_q": self.cu_seqlens_padded,
+            "cu_seqlens_k": self.cu_seqlens_padded,
+            "max_seqlen_q": int(self.max_seqlen),
+            "max_seqlen_k": int(self.max_seqlen),
+        }

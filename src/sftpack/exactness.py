@@ -1,0 +1,297 @@
+"""Proof that packing is exact: packed vs. one-conversation-at-a-time.
+
+Training on a packed row must give the same logits on real tokens, the same
+token-mean loss and the same parameter gradients as running every conversation
+alone. This module holds the small, real models and the comparison used by the
+test suite (and by ``sftpack demo``), so anyone can run the same check against
+their own packing settings.
+
+- :class:`TinyCausalLM`: a plain-PyTorch causal transformer (RMSNorm, RoPE from
+  ``position_ids``, grouped-query attention through :func:`sftpack.attention.varlen_attention`,
+  SwiGLU MLP). Without boundaries it runs one ordinary causal sequence through
+  ``scaled_dot_product_attention(is_causal=True)`` - the reference shares no
+  packing code with the packed path.
+- :func:`check_plain_model` / :func:`check_hf_model` return an
+  :class:`ExactnessReport` with the largest differences.
+
+The reference labels are built here independently of :class:`~sftpack.PackedBatch`
+(target of token ``t`` is token ``t+1`` when that one is trainable).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import varlen_attention
+from .batch import PackedBatch
+from .sample import IGNORE_INDEX, Sample
+
+__all__ = [
+    "ExactnessReport",
+    "TinyCausalLM",
+    "check_hf_model",
+    "check_plain_model",
+    "reference_labels",
+    "tiny_llama",
+]
+
+
+def reference_labels(sample: Sample) -> torch.Tensor:
+    """``(L,)`` shifted labels of one conversation on its own: ``ids[t+1]`` where
+    ``loss_mask[t+1]``, else -100; the last token has no target."""
+    ids = torch.as_tensor(sample.input_ids, dtype=torch.long)
+    mask = torch.as_tensor(sample.loss_mask, dtype=torch.bool)
+    out = torch.full_like(ids, IGNORE_INDEX)
+    out[:-1] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))
+    return out
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _rope(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding of ``x`` ``(T, H, D)`` at ``position_ids`` ``(T,)``."""
+    d = x.shape[-1]
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+    ang = position_ids.to(torch.float32)[:, None] * inv[None, :]  # (T, D/2)
+    cos = torch.cat([ang.cos(), ang.cos()], dim=-1)[:, None, :].to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], dim=-1)[:, None, :].to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.norm1 = _RMSNorm(dim)
+        self.q = nn.Linear(dim, heads * self.hd, bias=False)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.o = nn.Linear(heads * self.hd, dim, bias=False)
+        self.norm2 = _RMSNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, position_ids: torch.Tensor, packed: Any, pad_between_seqs: bool | None
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        h = self.norm1(x)
+        q = _rope(self.q(h).view(T, self.heads, self.hd), position_ids)
+        k, v = self.kv(h).view(T, 2, self.kv_heads, self.hd).unbind(1)
+        k = _rope(k, position_ids)
+        if packed is None:  # one plain causal sequence: the unpacked reference
+            rep = self.heads // self.kv_heads
+            a = F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.repeat_interleave(rep, dim=1).transpose(0, 1),
+                v.repeat_interleave(rep, dim=1).transpose(0, 1),
+                is_causal=True,
+            ).transpose(0, 1)
+        else:
+            a = varlen_attention(q, k, v, packed, pad_between_seqs=pad_between_seqs)
+        x = x + self.o(a.reshape(T, -1))
+        gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class TinyCausalLM(nn.Module):
+    """A small causal transformer in plain PyTorch for exactness checks.
+
+    ``forward(input_ids (T,), position_ids (T,), packed=None)`` -> logits ``(T, vocab)``.
+    With ``packed`` (a :class:`~sftpack.PackedBatch` or Megatron ``PackedSeqParams``)
+    attention is variable-length; without it the input is one causal sequence.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int = 97,
+        dim: int = 32,
+        heads: int = 4,
+        kv_heads: int = 2,
+        layers: int = 2,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, dim)
+        self.blocks = nn.ModuleList(_Block(dim, heads, kv_heads) for _ in range(layers))
+        self.norm = _RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        with torch.no_grad():
+            for p in self.parameters():
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+                else:
+                    p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+        self.to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        packed: Any = None,
+        pad_between_seqs: bool | None = None,
+    ) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for blk in self.blocks:
+            x = blk(x, position_ids, packed, pad_between_seqs)
+        return self.head(self.norm(x))
+
+
+def tiny_llama(vocab_size: int = 97, attn_implementation: str = "sdpa", seed: int = 0) -> Any:
+    """A randomly initialised Hugging Face ``LlamaForCausalLM`` (nothing downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        attention_dropout=0.0,
+        attn_implementation=attn_implementation,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).float().train()
+
+
+@dataclass
+class ExactnessReport:
+    """Largest differences between the packed run and the per-conversation reference."""
+
+    max_logit_diff: float
+    loss_packed: float
+    loss_reference: float
+    max_grad_diff: float
+    num_label_tokens: int
+
+    @property
+    def loss_diff(self) -> float:
+        return abs(self.loss_packed - self.loss_reference)
+
+    def within(self, logits: float, loss: float, grads: float) -> bool:
+        return self.max_logit_diff <= logits and self.loss_diff <= loss and self.max_grad_diff <= grads
+
+
+def _grads(model: nn.Module) -> list[torch.Tensor]:
+    return [
+        (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in model.parameters()
+    ]
+
+
+def _compare(
+    model: nn.Module,
+    samples: Sequence[Sample],
+    packed: PackedBatch,
+    run_packed: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    run_single: Callable[[Sample], tuple[torch.Tensor, torch.Tensor, int]],
+) -> ExactnessReport:
+    model.zero_grad(set_to_none=True)
+    logits, loss = run_packed()
+    loss.backward()
+    g_packed = _grads(model)
+
+    model.zero_grad(set_to_none=True)
+    starts = packed.cu_seqlens_padded[:-1].tolist()
+    total_sum = torch.zeros((), dtype=logits.dtype)
+    total_count = 0
+    max_logit = 0.0
+    with_grad = []
+    for s, start in zip(samples, starts):
+        ref_logits, loss_sum, count = run_single(s)
+        got = logits[start : start + len(s)].detach()
+        max_logit = max(max_logit, float((got - ref_logits.detach()).abs().max()))
+        total_sum = total_sum + loss_sum
+        total_count += count
+        with_grad.append(loss_sum)
+    ref_loss = total_sum / max(total_count, 1)
+    if total_count:
+        ref_loss.backward()
+    g_ref = _grads(model)
+    model.zero_grad(set_to_none=True)
+    grad_diff = max(float((a - b).abs().max()) for a, b in zip(g_packed, g_ref))
+    return ExactnessReport(max_logit, float(loss.detach()), float(ref_loss.detach()), grad_diff, total_count)
+
+
+def check_plain_model(
+    model: TinyCausalLM,
+    samples: Sequence[Sample],
+    packed: PackedBatch,
+    *,
+    pad_between_seqs: bool = True,
+    contaminate: bool = False,
+) -> ExactnessReport:
+    """Run ``packed`` through ``model`` in one pass (Megatron ``PackedSeqParams`` boundaries
+    in the given mode) and each sample alone; compare logits, token-mean loss, gradients.
+
+    ``contaminate=True`` is the negative control: the packed row is run as *one*
+    causal sequence (positions still restart), so later sequences see earlier ones
+    and the check must fail whenever there are two or more sequences.
+    """
+    params = None if contaminate else packed.to_packed_seq_params(pad_between_seqs=pad_between_seqs)
+
+    def run_packed() -> tuple[torch.Tensor, torch.Tensor]:
+        logits = model(packed.input_ids, packed.position_ids, params)
+        n = max(packed.num_label_tokens, 1)
+        loss = F.cross_entropy(logits.float(), packed.labels, ignore_index=IGNORE_INDEX, reduction="sum") / n
+        return logits, loss
+
+    def run_single(s: Sample) -> tuple[torch.Tensor, torch.Tensor, int]:
+        ids = torch.as_tensor(s.input_ids)
+        logits = model(ids, torch.arange(len(s)), None)
+        lab = reference_labels(s)
+        loss_sum = F.cross_entropy(logits.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
+        return logits, loss_sum, int((lab != IGNORE_INDEX).sum())
+
+    return _compare(model, samples, packed, run_packed, run_single)
+
+
+def check_hf_model(model: Any, samples: Sequence[Sample], packed: PackedBatch) -> ExactnessReport:
+    """Same check for a Hugging Face causal LM fed ``packed.to_hf_kwargs()``; the
+    reference runs each conversation as its own ``(1, L)`` batch."""
+
+    def run_packed() -> tuple[torch.Tensor, torch.Tensor]:
+        out = model(**packed.to_hf_kwargs())
+        if packed.num_label_tokens == 0:  # Hugging Face's mean over no targets is NaN
+            return out.logits[0], out.logits.sum() * 0.0
+        return out.logits[0], out.loss
+
+    def run_single(s: Sample) -> tuple[torch.Tensor, torch.Tensor, int]:
+        ids = torch.as_tensor(s.input_ids)[None]
+        lab = torch.as_tensor(s.input_ids).clone()
+        lab[~torch.as_tensor(s.loss_mask)] = IGNORE_INDEX
+        lab[0] = IGNORE_INDEX  # the first token is never a target
+        count = int((lab != IGNORE_INDEX).sum())
+        out = model(input_ids=ids, labels=lab[None] if count else None, use_cache=False)
+        loss_sum = out.loss * count if count else out.logits.sum() * 0.0
+        return out.logits[0], loss_sum, count
+
+    return _compare(model, samples, packed, run_packed, run_single)
+
+
+def random_samples(lengths: Sequence[int], vocab_size: int, seed: int = 0, p_train: float = 0.7) -> list[Sample]:
+    """Random ids and loss masks for the given lengths (seeded)."""
+    rng = np.random.default_rng(seed)
+    return [
+        Sample(rng.integers(1, vocab_size, n), rng.random(n) < p_train, i) for i, n in enumerate(lengths)
+    ]

@@ -1,0 +1,190 @@
+"""PackedBatch: the contract's fields, invariants, worked example and adapters."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sftpack import IGNORE_INDEX, PackedBatch, Sample
+from sftpack.batch import PackedBatchError
+from sftpack.testing import samples_from_lengths
+
+A, B = samples_from_lengths([5, 10])  # ids 1000.. and 2000..
+
+
+# ---------------------------------------------------------------- worked example
+WORKED = [
+    # path, kwargs, width, cu_seqlens, cu_seqlens_padded
+    ("offline", dict(row_width=16), 16, [0, 5, 15], [0, 5, 16]),
+    ("loader", dict(row_width=36, pad_multiple=4), 36, [0, 5, 15], [0, 8, 36]),
+    ("trainer", dict(pad_multiple=4), 20, [0, 5, 15], [0, 8, 20]),
+]
+
+
+@pytest.mark.parametrize("path,kwargs,width,cu,cup", WORKED, ids=[w[0] for w in WORKED])
+def test_worked_example(path, kwargs, width, cu, cup):
+    b = PackedBatch.from_samples([A, B], pad_id=-1, **kwargs).validate()
+    assert b.num_tokens == width
+    assert b.cu_seqlens.tolist() == cu and b.cu_seqlens.dtype == torch.int32
+    assert b.cu_seqlens_padded.tolist() == cup and b.cu_seqlens_padded.dtype == torch.int32
+    assert b.max_seqlen == max(np.diff(cup))
+    a0, b0 = cup[0], cup[1]
+    expect_ids = np.full(width, -1)
+    expect_ids[a0 : a0 + 5] = np.arange(1000, 1005)
+    expect_ids[b0 : b0 + 10] = np.arange(2000, 2010)
+    assert b.input_ids.tolist() == expect_ids.tolist()
+    expect_lab = np.full(width, IGNORE_INDEX)
+    expect_lab[a0 : a0 + 4] = np.arange(1001, 1005)
+    expect_lab[b0 : b0 + 9] = np.arange(2001, 2010)
+    assert b.labels.tolist() == expect_lab.tolist()
+    expect_pos = np.concatenate([np.arange(cup[1] - cup[0]), np.arange(cup[2] - cup[1])])
+    assert b.position_ids.tolist() == expect_pos.tolist()
+
+    # Megatron, both boundary modes
+    p = b.to_packed_seq_params(pad_between_seqs=True)
+    assert type(p).__module__ == "megatron.core.packed_seq_params"
+    assert p.qkv_format == "thd"
+    assert p.cu_seqlens_q.tolist() == cu and p.cu_seqlens_kv.tolist() == cu
+    assert p.cu_seqlens_q_padded.tolist() == cup and p.cu_seqlens_kv_padded.tolist() == cup
+    assert p.cu_seqlens_q is not p.cu_seqlens_q_padded
+    assert p.max_seqlen_q == p.max_seqlen_kv == b.max_seqlen
+    p = b.to_packed_seq_params(pad_between_seqs=False)
+    assert p.cu_seqlens_q is p.cu_seqlens_kv is p.cu_seqlens_q_padded is p.cu_seqlens_kv_padded
+    assert p.cu_seqlens_q.tolist() == cup
+
+    # Hugging Face
+    kw = b.to_hf_kwargs()
+    assert kw["input_ids"].shape == kw["labels"].shape == kw["position_ids"].shape == (1, width)
+    hf_lab = np.full(width, IGNORE_INDEX)
+    hf_lab[a0 + 1 : a0 + 5] = np.arange(1001, 1005)
+    hf_lab[b0 + 1 : b0 + 10] = np.arange(2001, 2010)
+    assert kw["labels"][0].tolist() == hf_lab.tolist()
+    assert kw["cu_seq_lens_q"].tolist() == kw["cu_seq_lens_k"].tolist() == cup
+    assert kw["max_length_q"] == kw["max_length_k"] == b.max_seqlen
+    assert kw["use_cache"] is False
+
+    # flash-attn
+    fa = b.flash_attn_kwargs()
+    assert fa["cu_seqlens_q"].tolist() == cup and fa["max_seqlen_k"] == b.max_seqlen
+
+
+def test_keyword_construction_and_properties():
+    b = PackedBatch(
+        input_ids=torch.tensor([7, 8, 9, 0]),
+        labels=torch.tensor([8, -100, -100, -100]),
+        position_ids=torch.tensor([0, 1, 0, 1]),
+        cu_seqlens=torch.tensor([0, 2, 3], dtype=torch.int32),
+        cu_seqlens_padded=torch.tensor([0, 2, 4], dtype=torch.int32),
+        max_seqlen=2,
+    ).validate()
+    assert b.num_sequences == 2 and b.num_tokens == 4 and b.num_real_tokens == 3
+    assert b.seqlens.tolist() == [2, 1] and b.padded_seqlens.tolist() == [2, 2]
+    assert b.loss_mask.tolist() == [True, False, False, False]
+    assert b.real_token_mask.tolist() == [True, True, True, False]
+    assert b.num_label_tokens == 1
+
+
+def _good():
+    return PackedBatch.from_samples([A, B], pad_multiple=4)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (dict(cu_seqlens=torch.tensor([1, 5, 15], dtype=torch.int32)), "cu_seqlens must start with 0, got 1"),
+        (dict(cu_seqlens_padded=torch.tensor([2, 8, 20], dtype=torch.int32)), "cu_seqlens_padded must start"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 5], dtype=torch.int32)), "sequence 1 has real length 0"),
+        (dict(cu_seqlens=torch.tensor([0, 9, 15], dtype=torch.int32)), "segment 0 has padded length 8 < real length 9"),
+        (dict(cu_seqlens_padded=torch.tensor([0, 8, 18], dtype=torch.int32)), "must equal T = len(input_ids) = 20, got 18"),
+        (dict(cu_seqlens=torch.tensor([0, 5, 15])), "cu_seqlens must be int32"),
+        (dict(input_ids=torch.zeros(20, dtype=torch.int32)), "input_ids must be int64"),
+        (dict(labels=torch.zeros(19, dtype=torch.int64)), "labels has 19 slots but input_ids has T=20"),
+        (dict(max_seqlen=11), "max_seqlen = 11 is smaller than the largest padded segment length 12"),
+        (dict(position_ids=torch.arange(20)), "position_ids[8] = 8, expected 0"),
+        (dict(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32)), "both must be N+1 long"),
+        (dict(cu_seqlens=torch.tensor([0], dtype=torch.int32)), "at least one sequence"),
+        (dict(sequence_ids=(1, 2, 3)), "sequence_ids has 3 entries for N=2"),
+    ],
+)
+def test_validate_names_field_and_numbers(change, message):
+    b = _good()
+    for k, v in change.items():
+        setattr(b, k, v)
+    with pytest.raises(PackedBatchError) as e:
+        b.validate()
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize("slot,what", [(4, "last real token"), (6, "padding slot"), (19, "padding slot")])
+def test_validate_rejects_labels_crossing_boundaries(slot, what):
+    b = _good()
+    b.labels[slot] = 2000
+    with pytest.raises(PackedBatchError, match=f"labels\\[{slot}\\].*{what}"):
+        b.validate()
+
+
+def test_from_samples_errors():
+    with pytest.raises(PackedBatchError, match="at least one sample"):
+        PackedBatch.from_samples([])
+    with pytest.raises(PackedBatchError, match="take 20 slots .* more than row_width=19"):
+        PackedBatch.from_samples([A, B], pad_multiple=4, row_width=19)
+    with pytest.raises(PackedBatchError, match="pad_multiple must be a positive integer"):
+        PackedBatch.from_samples([A], pad_multiple=0)
+    with pytest.raises(ValueError, match="has no tokens"):
+        Sample(np.array([], dtype=np.int64), np.array([], dtype=bool), "empty")
+
+
+def test_accepts_dicts_and_bare_sequences():
+    b = PackedBatch.from_samples([{"input_ids": [5, 6, 7], "loss_mask": [0, 0, 1]}, [8, 9]]).validate()
+    assert b.labels.tolist() == [-100, 7, -100, 9, -100]
+
+
+@given(
+    lens=st.lists(st.integers(1, 30), min_size=1, max_size=12),
+    pad_multiple=st.sampled_from([1, 2, 4, 8]),
+    extra=st.integers(0, 9),
+    data=st.data(),
+)
+@settings(max_examples=60, deadline=None)
+def test_from_samples_properties(lens, pad_multiple, extra, data):
+    rng = np.random.default_rng(len(lens) * 31 + extra)
+    samples = [Sample(rng.integers(1, 50, n), rng.random(n) < 0.6, i) for i, n in enumerate(lens)]
+    padded = [-(-n // pad_multiple) * pad_multiple for n in lens]
+    width = sum(padded) + extra if data.draw(st.booleans()) else None
+    b = PackedBatch.from_samples(samples, pad_multiple=pad_multiple, row_width=width, pad_id=0).validate()
+    assert b.num_tokens == (width or sum(padded))
+    cu = b.cu_seqlens.tolist()
+    assert cu == [0, *np.cumsum(lens).tolist()]
+    assert all(x < y for x, y in zip(cu, cu[1:]))
+    seg = b.padded_seqlens.tolist()
+    assert all(p % pad_multiple == 0 for p in seg[:-1])
+    assert b.num_real_tokens == sum(lens)
+    # Token multiset preserved, and each sample readable back from its segment.
+    for s, start in zip(samples, b.cu_seqlens_padded[:-1].tolist()):
+        assert b.input_ids[start : start + len(s)].tolist() == s.input_ids.tolist()
+    # Supervised label count equals packed and unpacked.
+    assert b.num_label_tokens == sum(int(s.loss_mask[1:].sum()) for s in samples)
+
+
+def test_concat_and_dataloader_collate():
+    rows = [PackedBatch.from_samples(samples_from_lengths(l), row_width=8) for l in ([3, 4], [8], [1, 1, 1])]
+    b = PackedBatch.concat(rows).validate()
+    assert b.cu_seqlens.tolist() == [0, 3, 7, 15, 16, 17, 18]
+    assert b.cu_seqlens_padded.tolist() == [0, 3, 8, 16, 17, 18, 24]
+    assert b.max_seqlen == 8
+    assert b.sequence_ids == (0, 1, 0, 0, 1, 2)
+    loader = torch.utils.data.DataLoader(rows, batch_size=3, collate_fn=PackedBatch.concat)
+    (batch,) = list(loader)
+    assert torch.equal(batch.input_ids, b.input_ids) and torch.equal(batch.cu_seqlens_padded, b.cu_seqlens_padded)
+
+
+def test_to_device_moves_every_tensor():
+    b = _good().to("meta")
+    assert all(t.device.type == "meta" for t in (b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.cu_seqlens_padded))
+    mixed = _good()
+    mixed.labels = mixed.labels.to("meta")
+    with pytest.raises(PackedBatchError, match="several devices"):
+        mixed.validate()
