@@ -22,6 +22,7 @@ batch; only the padding, and hence ``cu_seqlens_padded``, differs.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
@@ -400,7 +401,10 @@ class PackedBatch:
         FlashAttention-2 usable; padding sits at the end of each causal segment, so
         real tokens never attend to it (it only costs FLOPs).
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
+        with warnings.catch_warnings():
+            # megatron-core announces its fallbacks when Transformer Engine is absent (CPU).
+            warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+            from megatron.core.packed_seq_params import PackedSeqParams
 
         if pad_between_seqs:
             q = kv = self.cu_seqlens

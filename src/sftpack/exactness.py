@@ -295,3 +295,39 @@ def random_samples(lengths: Sequence[int], vocab_size: int, seed: int = 0, p_tra
     return [
         Sample(rng.integers(1, vocab_size, n), rng.random(n) < p_train, i) for i, n in enumerate(lengths)
     ]
+
+
+def exactness_table(
+    trials: int = 5, pad_multiples: Sequence[int] = (1, 4, 8), seed: int = 0, max_len: int = 64
+) -> list[dict[str, Any]]:
+    """Measure the worst differences over ``trials`` seeded random rows for every
+    consumer and boundary mode; one dict per (consumer, mode, pad multiple)."""
+    from .attention import register_hf_attention
+
+    rng = np.random.default_rng(seed)
+    vocab = 97
+    plain = TinyCausalLM(vocab_size=vocab, seed=seed)
+    hf_impl = register_hf_attention()
+    consumers: list[tuple[str, str, Callable[[list[Sample], PackedBatch], ExactnessReport]]] = [
+        ("plain + PackedSeqParams", "real+padded", lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=True)),
+        ("plain + PackedSeqParams", "padded-for-both", lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=False)),
+    ]
+    for impl in ("sdpa", "eager", hf_impl):
+        model = tiny_llama(vocab, attn_implementation=impl, seed=seed)
+        mode = "cu_seq_lens (padded)" if impl == hf_impl else "position_ids"
+        consumers.append((f"HF Llama ({impl})", mode, lambda s, p, m=model: check_hf_model(m, s, p)))
+    rows = []
+    batches = []
+    for _ in range(trials):
+        lens = rng.integers(1, max_len + 1, size=int(rng.integers(1, 9))).tolist()
+        batches.append(random_samples(lens, vocab, seed=int(rng.integers(1 << 30))))
+    for name, mode, fn in consumers:
+        for pm in pad_multiples:
+            worst = dict(logits=0.0, loss=0.0, grads=0.0)
+            for samples in batches:
+                r = fn(samples, PackedBatch.from_samples(samples, pad_multiple=pm))
+                worst["logits"] = max(worst["logits"], r.max_logit_diff)
+                worst["loss"] = max(worst["loss"], r.loss_diff)
+                worst["grads"] = max(worst["grads"], r.max_grad_diff)
+            rows.append({"consumer": name, "mode": mode, "pad_multiple": pm, "trials": trials, **worst})
+    return rows

@@ -1,0 +1,135 @@
+"""Pictures of a packed run: the worked example of the contract, as text or PNG.
+
+``sftpack map`` prints, for each packing moment, how two conversations A (5
+tokens) and B (10 tokens) lie in the row and which boundaries the kernel gets::
+
+    offline  max_seq_len=16, no per-sequence pad        width 16
+      A A A A A B B B B B B B B B B .
+      cu_seqlens=[0, 5, 15]  cu_seqlens_padded=[0, 5, 16]  kernel gets: real + padded
+"""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import numpy as np
+
+from .batch import PackedBatch
+from .sample import Sample
+
+__all__ = ["MapRow", "draw_row", "worked_example", "render_map", "save_map_png"]
+
+
+@dataclass
+class MapRow:
+    path: str
+    settings: str
+    batch: PackedBatch
+    kernel_gets: str
+
+
+def _worked_samples() -> list[Sample]:
+    a = Sample(np.arange(1, 6), np.ones(5, dtype=bool), "A")
+    b = Sample(np.arange(101, 111), np.ones(10, dtype=bool), "B")
+    return [a, b]
+
+
+def worked_example() -> list[MapRow]:
+    """The three rows of CONTRACT section 2, each built by the library."""
+    a, b = _worked_samples()
+    offline = PackedBatch.from_samples([a, b], row_width=16)
+    loader = PackedBatch.from_samples([a, b], row_width=36, pad_multiple=4)
+    try:
+        from .trainer import pack_step
+    except ImportError:  # pragma: no cover - trainer path not installed
+        trainer = PackedBatch.from_samples([a, b], pad_multiple=4)
+    else:
+        import torch
+
+        ids = torch.zeros(2, 10, dtype=torch.long)
+        ids[0, :5] = torch.from_numpy(a.input_ids)
+        ids[1, :10] = torch.from_numpy(b.input_ids)
+        trainer = pack_step(ids, torch.tensor([5, 10]), pad_multiple=4)
+    return [
+        MapRow("offline", "max_seq_len=16, no per-sequence pad", offline, "real + padded"),
+        MapRow("loader", "max_seq_len=36, pad each sequence to a multiple of 4", loader, "padded for both"),
+        MapRow("trainer", "batch [2, 10] right-padded, pad each sequence to a multiple of 4", trainer, "real + padded"),
+    ]
+
+
+def _segment_letters(batch: PackedBatch) -> list[str]:
+    """One character per slot: the segment's letter on real tokens, '.' on padding."""
+    real = batch.real_token_mask.tolist()
+    seg = np.repeat(np.arange(batch.num_sequences), batch.padded_seqlens.tolist())
+    names = string.ascii_uppercase + string.ascii_lowercase
+    return [names[s % len(names)] if r else "." for s, r in zip(seg.tolist(), real)]
+
+
+def draw_row(batch: PackedBatch, width: int = 64) -> str:
+    """Text drawing of a packed run, ``width`` slots a line, ``|`` between segments."""
+    cells = _segment_letters(batch)
+    starts = set(batch.cu_seqlens_padded[1:-1].tolist())
+    lines, line = [], []
+    for t, c in enumerate(cells):
+        if t and t % width == 0:
+            lines.append(" ".join(line))
+            line = []
+        line.append(("|" if t in starts else "") + c)
+    lines.append(" ".join(line))
+    return "\n".join(lines)
+
+
+def render_map(rows: list[MapRow] | None = None) -> str:
+    rows = rows if rows is not None else worked_example()
+    out = ["Two conversations, A (5 tokens) and B (10 tokens), packed at three moments:", ""]
+    for r in rows:
+        b = r.batch
+        out.append(f"{r.path:8} {r.settings}  -> row width {b.num_tokens}")
+        out.append("  " + draw_row(b).replace("\n", "\n  "))
+        out.append(
+            f"  cu_seqlens={b.cu_seqlens.tolist()}  cu_seqlens_padded={b.cu_seqlens_padded.tolist()}  "
+            f"max_seqlen={b.max_seqlen}  kernel gets: {r.kernel_gets}"
+        )
+        out.append("")
+    out.append("Letters are real tokens, '.' is padding, '|' starts a segment.")
+    return "\n".join(out)
+
+
+def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
+    """Draw the map as a PNG (needs matplotlib: ``pip install 'sftpack[plot]'``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.patches import Rectangle
+    except ImportError as e:  # pragma: no cover - optional dependency
+        raise RuntimeError("sftpack map --png needs matplotlib: pip install 'sftpack[plot]'") from e
+    rows = rows if rows is not None else worked_example()
+    width = max(r.batch.num_tokens for r in rows)
+    fig, ax = plt.subplots(figsize=(max(8, width * 0.32), 1.3 * len(rows) + 0.8))
+    colours = {"A": "#4C72B0", "B": "#DD8452"}
+    for i, r in enumerate(rows):
+        y = len(rows) - 1 - i
+        cells = _segment_letters(r.batch)
+        for t, c in enumerate(cells):
+            face = colours.get(c, "#55A868") if c != "." else "#E6E6E6"
+            ax.add_patch(Rectangle((t, y + 0.15), 0.95, 0.6, facecolor=face, edgecolor="white"))
+            ax.text(t + 0.47, y + 0.45, c if c != "." else "", ha="center", va="center", fontsize=7, color="white")
+        for s in r.batch.cu_seqlens_padded.tolist():
+            ax.plot([s - 0.025, s - 0.025], [y + 0.05, y + 0.85], color="black", lw=1.5)
+        ax.text(-0.5, y + 0.45, f"{r.path}\n{r.kernel_gets}", ha="right", va="center", fontsize=8)
+        ax.text(
+            0, y + 0.9,
+            f"cu_seqlens={r.batch.cu_seqlens.tolist()}  cu_seqlens_padded={r.batch.cu_seqlens_padded.tolist()}",
+            fontsize=7,
+        )
+    ax.set_xlim(-6, width + 0.5)
+    ax.set_ylim(0, len(rows) + 0.2)
+    ax.axis("off")
+    ax.set_title("sftpack: A (5 tokens) and B (10 tokens) at three packing moments", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
