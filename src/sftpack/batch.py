@@ -127,7 +127,11 @@ class PackedBatch:
     @property
     def real_token_mask(self) -> torch.Tensor:
         """``(T,)`` bool: True on real tokens, False on padding slots."""
-        return self.position_ids < torch.repeat_interleave(self.seqlens, self.padded_seqlens)
+        padded = self.padded_seqlens.long()
+        T = self.num_tokens
+        starts = torch.repeat_interleave(self.cu_seqlens_padded[:-1].long(), padded, output_size=T)
+        offset = torch.arange(T, device=self.device) - starts
+        return offset < torch.repeat_interleave(self.seqlens.long(), padded, output_size=T)
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,222 @@
+"""Micro-batches under a token budget, dealt evenly to data-parallel ranks.
+
+A global batch of sequences is split into micro-batches whose padded tokens fit
+the budget (one packed row each, built at the step by
+:func:`~sftpack.trainer.pack_step`). The bins come from
+:func:`sftpack.binpack.pack` with ``cost_multiple=pad_multiple``: the planner
+charges every sequence exactly what ``pack_step`` will pad it to, so a planned
+micro-batch can never overflow (a mismatch between the two is a bug seen in the
+wild: "expanded size 517 vs 502").
+
+Every rank must run the same number of micro-batches (the gradient all-reduce
+waits for all of them), so the bin count is a multiple of the data-parallel
+size (``bins_multiple_of``; bins are split when there are too few). Bins are
+then dealt longest-processing-time first: heaviest bin to the least loaded rank
+that still has room, which keeps the slowest rank within one bin of the mean.
+``cost="attention"`` weighs a bin by the sum of its squared lengths (causal
+attention FLOPs) instead of its tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import numpy as np
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+__all__ = ["CostModel", "MicrobatchPlan", "PlanError", "plan_microbatches"]
+
+
+class CostModel(StrEnum):
+    """What "balanced" means across data-parallel ranks."""
+
+    TOKENS = "tokens"  #: padded tokens per rank: linear layers, MLP, memory
+    ATTENTION = "attention"  #: sum of squared padded lengths: causal attention FLOPs
+
+
+class PlanError(ValueError):
+    """The global batch cannot be planned as asked (the message says why and how to fix it)."""
+
+
+@dataclass
+class MicrobatchPlan:
+    """Micro-batches per data-parallel rank.
+
+    Attributes:
+        microbatches: ``microbatches[rank][i]`` is a 1-D int64 array of indices into
+            the planned ``lengths``: the sequences of that rank's ``i``-th micro-batch.
+            Every index appears exactly once over all ranks.
+        loads: ``(dp_size, M)`` int64 cost of each micro-batch under ``cost``.
+        tokens: ``(dp_size, M)`` int64 padded tokens of each micro-batch
+            (``<= token_budget``).
+        token_budget, pad_multiple, cost: the settings it was planned with.
+    """
+
+    microbatches: list[list[np.ndarray]]
+    loads: np.ndarray
+    tokens: np.ndarray
+    token_budget: int
+    pad_multiple: int
+    cost: CostModel
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.microbatches)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per rank (the same on every rank)."""
+        return len(self.microbatches[0])
+
+    @property
+    def rank_loads(self) -> np.ndarray:
+        """``(dp_size,)`` total cost per rank."""
+        return self.loads.sum(axis=1)
+
+    @property
+    def imbalance(self) -> float:
+        """Slowest rank's load over the mean load (1.0 is perfect)."""
+        r = self.rank_loads
+        return float(r.max() / r.mean()) if r.mean() > 0 else 1.0
+
+    def __getitem__(self, rank: int) -> list[np.ndarray]:
+        return self.microbatches[rank]
+
+
+def plan_microbatches(
+    lengths: Any,
+    token_budget: int,
+    dp_size: int = 1,
+    cost: CostModel | str = "tokens",
+    pad_multiple: int = 1,
+    *,
+    algorithm: str = "bfd",
+    min_microbatches: int | None = None,
+    max_sequences_per_microbatch: int | None = None,
+    seed: int = 0,
+) -> MicrobatchPlan:
+    """Split a global batch into token-budget micro-batches, balanced over ranks.
+
+    Args:
+        lengths: ``(n,)`` real lengths of the global batch's sequences (>= 1 each).
+        token_budget: padded tokens one micro-batch may hold (its packed row width).
+        dp_size: data-parallel ranks; each gets the same number of micro-batches.
+        cost: ``"tokens"`` or ``"attention"`` (:class:`CostModel`): what is balanced
+            across ranks. Bins are always bounded by tokens (memory).
+        pad_multiple: the ``pad_multiple`` given to ``pack_step``; every sequence
+            costs its length rounded up to it.
+        algorithm: bin-packing algorithm of :func:`sftpack.binpack.pack`.
+        min_microbatches: at least this many micro-batches per rank (e.g. the
+            pipeline-parallel depth).
+        max_sequences_per_microbatch: cap on sequences per micro-batch.
+        seed: for shuffling algorithms.
+
+    Returns:
+        :class:`MicrobatchPlan`.
+
+    Raises:
+        PlanError: fewer sequences than ``dp_size * min_microbatches`` (some rank
+            would get nothing), a sequence over the budget once padded, bad options.
+
+    >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7], token_budget=16, dp_size=2, pad_multiple=4)
+    >>> [[mb.tolist() for mb in rank] for rank in plan.microbatches]
+    [[[0, 3], [1]], [[4, 5], [2]]]
+    >>> plan.tokens.tolist()  # padded tokens per micro-batch (each <= 16)
+    [[16, 12], [16, 4]]
+    """
+    from . import binpack
+
+    try:
+        cost = CostModel(cost)
+    except ValueError:
+        valid = ", ".join(repr(c.value) for c in CostModel)
+        raise PlanError(f"cost must be one of {valid}; got {cost!r}") from None
+    for name, v in (("token_budget", token_budget), ("dp_size", dp_size), ("pad_multiple", pad_multiple)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    per_rank = 1 if min_microbatches is None else int(min_microbatches)
+    if per_rank < 1:
+        raise PlanError(f"min_microbatches must be >= 1, got {min_microbatches}")
+    arr = np.asarray(lengths.detach().cpu().numpy() if hasattr(lengths, "detach") else lengths)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise PlanError(f"lengths must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
+    arr = arr.astype(np.int64)
+    n = arr.shape[0]
+    need = dp_size * per_rank
+    if n < need:
+        raise PlanError(
+            f"{n} sequences cannot give {dp_size} data-parallel ranks {per_rank} micro-batch(es) each ({need} "
+            "needed): some rank would get nothing and the gradient all-reduce would hang; grow the global batch "
+            "or shrink dp_size / min_microbatches"
+        )
+    if n and arr.min() < 1:
+        i = int(np.flatnonzero(arr < 1)[0])
+        raise PlanError(f"lengths[{i}] = {int(arr[i])}: drop empty sequences before planning")
+    padded = -(-arr // pad_multiple) * pad_multiple
+    over = np.flatnonzero(padded > token_budget)
+    if over.size:
+        i = int(over[0])
+        raise PlanError(
+            f"sequence {i} has {int(arr[i])} tokens, {int(padded[i])} once padded to a multiple of {pad_multiple}, "
+            f"more than token_budget={token_budget}: truncate it when tokenizing or raise the budget to "
+            f"{int(padded[i])}"
+        )
+
+    try:
+        bins = binpack.pack(
+            arr,
+            int(token_budget),
+            algorithm,
+            cost_multiple=int(pad_multiple),
+            max_items_per_bin=max_sequences_per_microbatch,
+            min_bins=need,
+            bins_multiple_of=dp_size,
+            seed=seed,
+        )
+    except ValueError as e:
+        # Typically: the sequences need more micro-batches than can be dealt evenly
+        # (3 long sequences, 2 ranks: 4 micro-batches needed, only 3 sequences).
+        raise PlanError(
+            f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {token_budget} "
+            f"tokens from {n} sequences: {e}"
+        ) from e
+    nb = len(bins)
+    if nb % dp_size or nb < need or any(len(b) == 0 for b in bins):
+        raise PlanError(f"binpack returned {nb} bins for dp_size={dp_size} (needed a non-empty multiple); a bug")
+    tokens = np.array([int(padded[b].sum()) for b in bins], dtype=np.int64)
+    weights = tokens if cost is CostModel.TOKENS else np.array([int((padded[b] ** 2).sum()) for b in bins], np.int64)
+    if tokens.max() > token_budget:
+        raise PlanError(f"binpack returned a bin of {int(tokens.max())} tokens over the budget {token_budget}; a bug")
+
+    # Longest processing time first, with a cardinality cap: heaviest bin to the
+    # least loaded rank that still has room for one more micro-batch.
+    per = nb // dp_size
+    heap = [(0, r) for r in range(dp_size)]
+    assigned: list[list[int]] = [[] for _ in range(dp_size)]
+    for b in np.argsort(-weights, kind="stable"):
+        load, r = heapq.heappop(heap)
+        assigned[r].append(int(b))
+        if len(assigned[r]) < per:
+            heapq.heappush(heap, (load + int(weights[b]), r))
+    return MicrobatchPlan(
+        microbatches=[[np.asarray(bins[b], dtype=np.int64) for b in rank] for rank in assigned],
+        loads=np.array([[weights[b] for b in rank] for rank in assigned], dtype=np.int64),
+        tokens=np.array([[tokens[b] for b in rank] for rank in assigned], dtype=np.int64),
+        token_budget=int(token_budget),
+        pad_multiple=int(pad_multiple),
+        cost=cost,
+        meta={"algorithm": str(algorithm), "bins": nb},
+    )

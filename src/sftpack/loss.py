@@ -1,0 +1,229 @@
+"""Loss normalisation that makes packing invisible to the loss.
+
+Packing changes how tokens are grouped into rows and micro-batches; the loss
+must not notice. Two normalisations are exact:
+
+- **Token mean** (the usual SFT loss): the sum of per-token losses over every
+  supervised target of the global batch, divided by the *global* number of
+  supervised targets. Each micro-batch contributes ``sum_mb / N_global``, where
+  ``N_global`` counts targets over all micro-batches of the step and all
+  data-parallel (and context-parallel) ranks, all-reduced once per step
+  (:func:`count_label_tokens`). Summing the micro-batch losses then equals the
+  unpacked loss exactly, however the sequences were grouped.
+- **Sequence mean**: every sequence's own token mean, averaged over the
+  sequences that have at least one target (:func:`sequence_mean_loss`). The
+  sequences are found from the packed boundaries, never from rows.
+
+What is *not* exact, and a bug seen in the wild: averaging per-row (or
+per-micro-batch) means. A row holding one long answer and one short one weighs
+them differently from the unpacked batch, and the loss moves when the packing
+changes (one report: 3x higher with packing).
+
+Gradient averaging: DDP and FSDP *average* gradients over the data-parallel
+ranks, i.e. divide by ``dp_size`` after the sum. With a global denominator that
+average must be undone: pass ``average_over_ranks=dp_size``. Megatron with
+``calculate_per_token_loss`` (a sum all-reduce) needs ``1``.
+
+Typical step::
+
+    n = count_label_tokens(micro_batches, group=dp_group)      # one all-reduce
+    for mb in micro_batches:
+        logits = model(mb.input_ids, mb.position_ids, packed=mb)
+        token_mean_loss(logits, mb, n, average_over_ranks=dp_size).backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .batch import PackedBatch
+from .sample import IGNORE_INDEX
+
+__all__ = [
+    "count_label_tokens",
+    "count_sequences",
+    "sequence_loss_sums",
+    "sequence_mean_loss",
+    "token_losses",
+    "token_mean_loss",
+]
+
+
+def _labels_of(labels: torch.Tensor | PackedBatch) -> torch.Tensor:
+    return labels.labels if isinstance(labels, PackedBatch) else labels
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor | PackedBatch) -> torch.Tensor:
+    """Per-slot cross-entropy, float32, 0 where there is no target.
+
+    Args:
+        logits: ``(T, V)`` (or ``(1, T, V)`` from a Hugging Face model) for the slots
+            of a packed row; any float dtype (computed in float32).
+        labels: ``(T,)`` int64 already-shifted labels (``PackedBatch.labels``), or the
+            batch itself. ``-100`` = no target.
+
+    Returns:
+        ``(T,)`` float32.
+    """
+    lab = _labels_of(labels).reshape(-1)
+    flat = logits.reshape(-1, logits.shape[-1])
+    if flat.shape[0] != lab.shape[0]:
+        raise ValueError(f"logits cover {flat.shape[0]} slots but labels has {lab.shape[0]}")
+    return F.cross_entropy(flat.float(), lab, ignore_index=IGNORE_INDEX, reduction="none")
+
+
+def _dist_ready(group: Any) -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and group is not False
+
+
+def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    if _dist_ready(group):
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
+    return t
+
+
+def _batches(batches: PackedBatch | Iterable[PackedBatch]) -> list[PackedBatch]:
+    items = [batches] if isinstance(batches, PackedBatch) else list(batches)
+    if not items:
+        raise ValueError("count: give at least one PackedBatch (the micro-batches of this rank's step)")
+    return items
+
+
+def count_label_tokens(
+    batches: PackedBatch | Iterable[PackedBatch], *, group: Any = None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Supervised targets of this step, over all micro-batches and ranks.
+
+    Args:
+        batches: this rank's micro-batches of the step (or one batch). CP shards
+            count their own targets, so the CP group's sum is the row's count.
+        group: the process group to sum over when ``torch.distributed`` is
+            initialised: the data-parallel group (times the context-parallel one).
+            ``None``: the default (world) group; ``False``: do not all-reduce.
+        device: where the count lives (default: the first batch's device; with NCCL
+            it must be the CUDA device).
+
+    Returns:
+        0-dim int64 tensor. No host sync: pass it straight to :func:`token_mean_loss`.
+    """
+    items = _batches(batches)
+    dev = torch.device(device) if device is not None else items[0].device
+    n = torch.zeros((), dtype=torch.int64, device=dev)
+    for b in items:
+        n = n + (b.labels != IGNORE_INDEX).sum().to(dev)
+    return _all_reduce_sum(n, group)
+
+
+def token_mean_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor | PackedBatch,
+    num_label_tokens: int | torch.Tensor,
+    *,
+    average_over_ranks: int = 1,
+) -> torch.Tensor:
+    """This micro-batch's share of the global token-mean loss.
+
+    ``sum(token_losses) / num_label_tokens * average_over_ranks``. Summed over the
+    micro-batches of every rank (and divided by ``average_over_ranks`` by the
+    gradient average, if any) it is the token mean of the whole global batch.
+
+    Args:
+        logits: ``(T, V)`` or ``(1, T, V)``.
+        labels: ``(T,)`` shifted labels or the :class:`~sftpack.PackedBatch`.
+        num_label_tokens: the *global* count (:func:`count_label_tokens`); a step
+            with no target at all gives 0 (and zero gradients), not NaN.
+        average_over_ranks: ranks the gradient all-reduce averages over (DDP/FSDP:
+            the data-parallel size); 1 for a sum all-reduce or a single process.
+
+    Returns:
+        0-dim float32 tensor.
+    """
+    total = token_losses(logits, labels).sum()
+    if isinstance(num_label_tokens, torch.Tensor):
+        denom = num_label_tokens.to(device=total.device, dtype=torch.float32).clamp_min(1)
+    else:
+        denom = float(max(int(num_label_tokens), 1))
+    return total / denom * average_over_ranks
+
+
+def _segment_ids(packed: PackedBatch) -> torch.Tensor:
+    from .trainer import segment_ids
+
+    return segment_ids(packed)
+
+
+def sequence_loss_sums(
+    logits: torch.Tensor, packed: PackedBatch
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence loss sums and target counts, from the packed boundaries.
+
+    Returns:
+        ``(sums, counts)``, each ``(N,)``: float32 summed token loss and int64
+        number of targets of every sequence (segment) of ``packed``. For a
+        context-parallel shard, segment ``i`` is sequence ``i``'s chunks on this
+        rank: all-reduce both over the CP group before dividing.
+    """
+    per_slot = token_losses(logits, packed)
+    seg = _segment_ids(packed)
+    n = packed.num_sequences
+    sums = torch.zeros(n, dtype=per_slot.dtype, device=per_slot.device).index_add(0, seg, per_slot)
+    counts = torch.zeros(n, dtype=torch.int64, device=seg.device).index_add(
+        0, seg, (packed.labels != IGNORE_INDEX).to(torch.int64)
+    )
+    return sums, counts
+
+
+def count_sequences(
+    batches: PackedBatch | Iterable[PackedBatch], *, group: Any = None, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Sequences with at least one target, over all micro-batches and ranks.
+
+    The denominator of :func:`sequence_mean_loss`. Same ``group`` / ``device``
+    rules as :func:`count_label_tokens` (not for CP shards: a sequence spans
+    several; count on the whole rows).
+    """
+    items = _batches(batches)
+    dev = torch.device(device) if device is not None else items[0].device
+    n = torch.zeros((), dtype=torch.int64, device=dev)
+    for b in items:
+        counts = torch.zeros(b.num_sequences, dtype=torch.int64, device=b.device).index_add(
+            0, _segment_ids(b), (b.labels != IGNORE_INDEX).to(torch.int64)
+        )
+        n = n + (counts > 0).sum().to(dev)
+    return _all_reduce_sum(n, group)
+
+
+def sequence_mean_loss(
+    logits: torch.Tensor,
+    packed: PackedBatch,
+    num_sequences: int | torch.Tensor,
+    *,
+    average_over_ranks: int = 1,
+) -> torch.Tensor:
+    """This micro-batch's share of the per-sequence mean loss.
+
+    Each sequence's token-mean loss, summed over the sequences of ``packed`` that
+    have a target, divided by the *global* number of such sequences
+    (:func:`count_sequences`). Summed over micro-batches and ranks it equals the
+    average over sequences of each sequence's own mean, exactly as unpacked.
+
+    Args:
+        logits: ``(T, V)`` or ``(1, T, V)``.
+        packed: the micro-batch (whole rows; see :func:`sequence_loss_sums` for CP).
+        num_sequences: the global count; a step without targets gives 0.
+        average_over_ranks: as in :func:`token_mean_loss`.
+
+    Returns:
+        0-dim float32 tensor.
+    """
+    sums, counts = sequence_loss_sums(logits, packed)
+    means = torch.where(counts > 0, sums / counts.clamp_min(1).to(sums.dtype), torch.zeros_like(sums))
+    if isinstance(num_sequences, torch.Tensor):
+        denom = num_sequences.to(device=means.device, dtype=torch.float32).clamp_min(1)
+    else:
+        denom = float(max(int(num_sequences), 1))
+    return means.sum() / denom * average_over_ranks

@@ -1,0 +1,427 @@
+"""The trainer path: pack_step against the contract, unpack, CP shards, alignment, micro-batch plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+from sftpack import IGNORE_INDEX, PackedBatch, Sample
+from sftpack.batch import PackedBatchError
+from sftpack.testing import samples_from_lengths
+from sftpack.trainer import (
+    AlignmentError,
+    CPShard,
+    FP8Recipe,
+    PlanError,
+    cp_slot_indices,
+    pack_step,
+    pad_multiple_for,
+    plan_microbatches,
+    shard_for_cp,
+    unpack,
+    unpack_padded,
+    unshard_cp,
+)
+
+PAD = -1  # a pad id no sample uses, so padding is visible in every assertion
+
+
+def padded_batch(samples: list[Sample], S: int | None = None, pad_id: int = PAD):
+    """Right-padded ``(input_ids, lengths, loss_mask)`` of the samples, row i = sample i."""
+    S = S or max(len(s) for s in samples)
+    ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(samples), S), dtype=torch.bool)
+    for i, s in enumerate(samples):
+        ids[i, : len(s)] = torch.from_numpy(s.input_ids)
+        mask[i, : len(s)] = torch.from_numpy(s.loss_mask)
+    return ids, torch.tensor([len(s) for s in samples]), mask
+
+
+def assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype, (name, x.dtype, y.dtype)
+        assert torch.equal(x, y), (name, x.tolist(), y.tolist())
+    assert a.max_seqlen == b.max_seqlen
+
+
+# ---------------------------------------------------------------- worked example
+def test_worked_example_trainer_row():
+    """CONTRACT section 2, trainer row: batch [2, 10], lengths 5 and 10, multiple of 4."""
+    A, B = samples_from_lengths([5, 10])
+    ids, lens, _ = padded_batch([A, B], S=10)
+    b = pack_step(ids, lens, pad_multiple=4, pad_id=PAD).validate()
+    assert b.num_tokens == 20
+    assert b.cu_seqlens.tolist() == [0, 5, 15] and b.cu_seqlens.dtype == torch.int32
+    assert b.cu_seqlens_padded.tolist() == [0, 8, 20] and b.cu_seqlens_padded.dtype == torch.int32
+    assert b.max_seqlen == 12
+    a, p = list(range(1000, 1005)), [PAD] * 3
+    assert b.input_ids.tolist() == a + p + list(range(2000, 2010)) + [PAD] * 2
+    assert b.labels.tolist() == (
+        list(range(1001, 1005)) + [IGNORE_INDEX] * 4 + list(range(2001, 2010)) + [IGNORE_INDEX] * 3
+    )
+    assert b.position_ids.tolist() == list(range(8)) + list(range(12))
+    assert b.sequence_ids == (0, 1)
+    assert_same_batch(b, PackedBatch.from_samples([A, B], pad_multiple=4, pad_id=PAD))
+    # kernel gets real + padded by default
+    p = b.to_packed_seq_params()
+    assert p.cu_seqlens_q.tolist() == [0, 5, 15] and p.cu_seqlens_q_padded.tolist() == [0, 8, 20]
+
+
+def test_input_forms_agree():
+    """lengths as tensor / list / numpy, or an attention_mask; loss_mask or HF labels."""
+    samples = [Sample([5, 6, 7, 8], [0, 0, 1, 1], 0), Sample([9, 10], [0, 1], 1), Sample([11, 12, 13], [1, 0, 1], 2)]
+    ids, lens, mask = padded_batch(samples, S=6)
+    ref = pack_step(ids, lens, mask, pad_multiple=2, pad_id=PAD)
+    assert_same_batch(ref, PackedBatch.from_samples(samples, pad_multiple=2, pad_id=PAD))
+    am = torch.arange(6)[None, :] < lens[:, None]
+    hf = torch.where(mask, ids, torch.full_like(ids, IGNORE_INDEX))
+    for kw in (
+        dict(lengths=lens.tolist(), loss_mask=mask),
+        dict(lengths=lens.numpy(), loss_mask=mask),
+        dict(attention_mask=am.long(), loss_mask=mask),
+        dict(lengths=lens, labels=hf),
+        dict(attention_mask=am, labels=hf),
+    ):
+        assert_same_batch(pack_step(ids, pad_multiple=2, pad_id=PAD, **kw), ref)
+    # No mask at all: every token is trainable.
+    all_on = [Sample(s.input_ids, np.ones(len(s), bool), i) for i, s in enumerate(samples)]
+    assert_same_batch(
+        pack_step(ids, lens, pad_multiple=2, pad_id=PAD), PackedBatch.from_samples(all_on, pad_multiple=2, pad_id=PAD)
+    )
+    # int32 ids are widened to the contract's int64
+    assert pack_step(ids.int(), lens).input_ids.dtype == torch.int64
+
+
+def test_row_width_options():
+    A, B = samples_from_lengths([5, 10])
+    ids, lens, _ = padded_batch([A, B], S=10)
+    # FP8-style row multiple: 20 -> 32, the last segment absorbs the tail.
+    b = pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=16).validate()
+    assert b.cu_seqlens_padded.tolist() == [0, 8, 32] and b.max_seqlen == 24
+    # Pipeline parallelism: one fixed width.
+    b = pack_step(ids, lens, pad_multiple=4, pad_to=24, pad_id=PAD).validate()
+    assert b.cu_seqlens_padded.tolist() == [0, 8, 24] and b.max_seqlen == 16
+    assert_same_batch(b, PackedBatch.from_samples([A, B], pad_multiple=4, row_width=24, pad_id=PAD))
+    with pytest.raises(PackedBatchError, match=r"2 sequences take 20 slots .* multiple of 4, more than pad_to=16"):
+        pack_step(ids, lens, pad_multiple=4, pad_to=16)
+    with pytest.raises(PackedBatchError, match=r"pad_to=22 is not a multiple of pad_multiple=4.*use pad_to=24"):
+        pack_step(ids, lens, pad_multiple=4, pad_to=22)
+    with pytest.raises(PackedBatchError, match=r"pad_to_multiple_of=6 is not a multiple of pad_multiple=4.*=12"):
+        pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=6)
+    with pytest.raises(PackedBatchError, match=r"pad_to=40 is not a multiple of pad_to_multiple_of=16"):
+        pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=16, pad_to=40)
+
+
+def test_empty_rows_are_skipped_and_recorded():
+    samples = samples_from_lengths([3, 1, 4])
+    ids, lens, _ = padded_batch(samples, S=5)
+    ids = torch.cat([ids[:1], torch.full((1, 5), PAD), ids[1:], torch.full((1, 5), PAD)])
+    lens = torch.tensor([3, 0, 1, 4, 0])
+    b = pack_step(ids, lens, pad_multiple=2, pad_id=PAD).validate()
+    assert b.sequence_ids == (0, 2, 3)
+    assert_same_batch(b, PackedBatch.from_samples(samples, pad_multiple=2, pad_id=PAD))
+    back = unpack_padded(b.input_ids, b, rows=b.sequence_ids, batch_size=5, seq_len=5, padding_value=PAD)
+    assert torch.equal(back, ids)
+    with pytest.raises(PackedBatchError, match=r"every row of the \[2, 5\] batch is empty"):
+        pack_step(ids[:2, :] * 0, torch.tensor([0, 0]))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(lengths=[3, 11]), r"lengths\[1\] = 11 is outside \[0, S=10\]"),
+        (dict(lengths=[-1, 2]), r"lengths\[0\] = -1 is outside"),
+        (dict(lengths=[3]), "lengths has 1 entries for a batch of B=2 rows"),
+        (dict(), "give lengths"),
+        (dict(lengths=[1, 1], attention_mask=torch.ones(2, 10)), "not both"),
+        (dict(lengths=[1, 1], loss_mask=torch.ones(2, 10), labels=torch.ones(2, 10)), "not both"),
+        (dict(lengths=[1, 1], loss_mask=torch.ones(2, 9)), r"loss_mask has shape \(2, 9\)"),
+        (dict(lengths=[1, 1], pad_multiple=0), "pad_multiple must be a positive integer"),
+        (dict(lengths=[2.0, 1.0]), "lengths must be integers"),
+    ],
+)
+def test_errors(kwargs, message):
+    with pytest.raises(PackedBatchError, match=message):
+        pack_step(torch.ones(2, 10, dtype=torch.long), **kwargs)
+
+
+def test_left_padded_mask_is_refused():
+    am = torch.tensor([[1, 1, 0], [0, 1, 1]])
+    with pytest.raises(PackedBatchError, match="attention_mask row 1 is not right-padded"):
+        pack_step(torch.ones(2, 3, dtype=torch.long), attention_mask=am)
+    with pytest.raises(PackedBatchError, match=r"input_ids must be a \(B, S\) tensor"):
+        pack_step(torch.ones(3, dtype=torch.long), [3])
+
+
+# ---------------------------------------------------------------- properties
+@st.composite
+def batches(draw):
+    B = draw(st.integers(1, 8))
+    S = draw(st.integers(1, 24))
+    lens = draw(st.lists(st.integers(0, S), min_size=B, max_size=B).filter(lambda l: max(l) > 0))
+    m = draw(st.sampled_from([1, 2, 3, 4, 8]))
+    width = draw(st.sampled_from(["tight", "multiple", "fixed"]))
+    seed = draw(st.integers(0, 2**16))
+    return lens, S, m, width, seed
+
+
+@given(batches())
+@example(([5, 10], 10, 4, "tight", 0))
+@example(([0, 1, 0], 1, 1, "fixed", 3))
+@settings(max_examples=150, deadline=None)
+def test_pack_step_matches_contract_and_row_builder(case):
+    lens, S, m, width, seed = case
+    rng = np.random.default_rng(seed)
+    B = len(lens)
+    ids = torch.from_numpy(rng.integers(1, 1000, (B, S)))
+    mask = torch.from_numpy(rng.random((B, S)) < 0.6)
+    real = torch.arange(S)[None, :] < torch.tensor(lens)[:, None]
+    ids = torch.where(real, ids, PAD)  # right padding the model must never see
+    kept = [b for b in range(B) if lens[b] > 0]
+    samples = [Sample(ids[b, : lens[b]].numpy(), mask[b, : lens[b]].numpy(), b) for b in kept]
+    total = sum(-(-lens[b] // m) * m for b in kept)
+    kw: dict = {}
+    if width == "multiple":
+        kw["pad_to_multiple_of"] = 4 * m
+    elif width == "fixed":
+        kw["pad_to"] = total + m * int(rng.integers(0, 4))
+    b = pack_step(ids, torch.tensor(lens), mask, pad_multiple=m, pad_id=PAD, **kw).validate()
+
+    # Field by field against the contract's row builder on the same sequences.
+    ref = PackedBatch.from_samples(samples, pad_multiple=m, row_width=b.num_tokens, pad_id=PAD)
+    assert_same_batch(b, ref)
+    assert b.sequence_ids == tuple(kept)
+    assert b.num_tokens == {"tight": total, "multiple": -(-total // (4 * m)) * 4 * m, "fixed": kw.get("pad_to")}[width]
+    assert b.cu_seqlens.tolist() == [0, *np.cumsum([lens[k] for k in kept]).tolist()]
+    assert all(p % m == 0 for p in b.padded_seqlens.tolist())
+    assert b.num_label_tokens == sum(int(s.loss_mask[1:].sum()) for s in samples)
+    # Exact inverse on real tokens.
+    assert [x.tolist() for x in unpack(b.input_ids, b)] == [s.input_ids.tolist() for s in samples]
+    back = unpack_padded(b.input_ids, b, rows=b.sequence_ids, batch_size=B, seq_len=S, padding_value=PAD)
+    assert torch.equal(back, ids)
+    # Per-slot values with a trailing dimension travel the same way.
+    feats = torch.stack([b.input_ids, b.position_ids], dim=-1).float()
+    assert unpack_padded(feats, b, rows=b.sequence_ids, batch_size=B, seq_len=S).shape == (B, S, 2)
+
+
+def test_unpack_is_differentiable_and_checks_shape():
+    b = pack_step(torch.tensor([[1, 2, 0], [3, 4, 5]]), [2, 3], pad_multiple=4)
+    x = torch.arange(8.0, requires_grad=True)
+    parts = unpack(x * 2, b)
+    assert [p.tolist() for p in parts] == [[0.0, 2.0], [8.0, 10.0, 12.0]]
+    sum(p.sum() for p in parts).backward()
+    assert x.grad.tolist() == [2, 2, 0, 0, 2, 2, 2, 0]
+    with pytest.raises(PackedBatchError, match=r"shape \(T=8, ...\), got \(7,\)"):
+        unpack(torch.zeros(7), b)
+    with pytest.raises(PackedBatchError, match="seq_len=2 is shorter than the longest sequence"):
+        unpack_padded(b.input_ids, b, seq_len=2)
+
+
+# ---------------------------------------------------------------- alignment
+@pytest.mark.parametrize(
+    "kwargs,seq,row",
+    [
+        (dict(), 1, 1),
+        (dict(cp_size=2), 4, 4),
+        (dict(cp_size=4), 8, 8),
+        (dict(tp_size=4), 1, 1),  # TP without sequence parallelism does not split tokens
+        (dict(tp_size=4, sequence_parallel=True), 4, 4),
+        (dict(cp_size=2, tp_size=2, sequence_parallel=True), 8, 8),
+        (dict(fp8="tensorwise"), 1, 16),
+        (dict(fp8="delayed", cp_size=2), 4, 32),
+        (dict(fp8="mxfp8", cp_size=2, tp_size=2, sequence_parallel=True), 8, 128),
+        (dict(fp8=FP8Recipe.BLOCKWISE, cp_size=3), 6, 384),
+    ],
+)
+def test_pad_multiple_for(kwargs, seq, row):
+    a = pad_multiple_for(**kwargs)
+    assert (a.seq_multiple, a.row_multiple) == (seq, row)
+    assert a.row_multiple % a.seq_multiple == 0
+    assert a.pack_step_kwargs() == {"pad_multiple": seq, "pad_to_multiple_of": row}
+
+
+def test_alignment_errors_name_the_rule():
+    valid = "'tensorwise', 'delayed', 'mxfp8', 'blockwise'"
+    with pytest.raises(AlignmentError, match=f"fp8 must be None or one of {valid}; got 'fp4'"):
+        pad_multiple_for(fp8="fp4")
+    with pytest.raises(AlignmentError, match="cp_size must be a positive integer, got 0"):
+        pad_multiple_for(cp_size=0)
+    a = pad_multiple_for(cp_size=2, fp8="tensorwise")
+    row = PackedBatch.from_samples(samples_from_lengths([5, 10]), pad_multiple=2)
+    with pytest.raises(AlignmentError, match=r"segment 0 has padded length 6, not a multiple of 4 \(2\*CP = 4: cont"):
+        a.check(row)
+    row = PackedBatch.from_samples(samples_from_lengths([5, 10]), pad_multiple=4)
+    fp8_rule = r"T=20 slots, not a multiple of 32 \(FP8 tensorwise needs each rank's rows to be a multiple of 16"
+    with pytest.raises(AlignmentError, match=fp8_rule):
+        a.check(row)
+    ids, lens, _ = padded_batch(samples_from_lengths([5, 10]))
+    assert a.check(pack_step(ids, lens, **a.pack_step_kwargs())).num_tokens == 32
+    with pytest.raises(AlignmentError, match="row width 40 is not a multiple of 32.*use 64"):
+        a.fixed_width(40)
+
+
+# ---------------------------------------------------------------- context parallelism
+def test_cp_worked_example():
+    """REFERENCE: 5 and 10 tokens, CP=2, padded to 8 and 12: rank 0 holds A[0:2], A[6:8], B[0:3], B[9:12]."""
+    ids, lens, _ = padded_batch(samples_from_lengths([5, 10]))
+    row = pack_step(ids, lens, pad_multiple=4, pad_id=PAD)
+    s0, s1 = (shard_for_cp(row, 2, r).validate() for r in range(2))
+    assert isinstance(s0, CPShard) and isinstance(s0, PackedBatch)
+    assert s0.slot_index.tolist() == [0, 1, 6, 7] + [8, 9, 10, 17, 18, 19]
+    assert s0.input_ids.tolist() == [1000, 1001, PAD, PAD, 2000, 2001, 2002, 2009, PAD, PAD]
+    assert s0.position_ids.tolist() == [0, 1, 6, 7, 0, 1, 2, 9, 10, 11]
+    assert s0.cu_seqlens.tolist() == [0, 2, 6] and s0.cu_seqlens_padded.tolist() == [0, 4, 10]
+    # B2's target B3 lives on rank 1: the label stays (the shard's loss is its share).
+    assert s0.labels.tolist() == [1001, 1002, -100, -100, 2001, 2002, 2003, -100, -100, -100]
+    assert s1.slot_index.tolist() == [2, 3, 4, 5, 11, 12, 13, 14, 15, 16]
+    assert s1.input_ids.tolist() == [1002, 1003, 1004, PAD, 2003, 2004, 2005, 2006, 2007, 2008]
+    assert s1.cu_seqlens.tolist() == [0, 3, 9] and s1.cu_seqlens_padded.tolist() == [0, 4, 10]
+    assert s0.real_token_mask.tolist() == [True, True, False, False, True, True, True, True, False, False]
+    assert s0.num_label_tokens + s1.num_label_tokens == row.num_label_tokens
+    # Transformer Engine takes the whole sequences' boundaries on every CP rank.
+    p = s0.to_packed_seq_params()
+    assert p.cu_seqlens_q.tolist() == [0, 5, 15] and p.cu_seqlens_q_padded.tolist() == [0, 8, 20]
+    assert p.max_seqlen_q == 12
+    with pytest.raises(PackedBatchError, match="not a set of whole sequences"):
+        s0.to_hf_kwargs()
+    assert_same_batch(unshard_cp([s0, s1]), row)
+
+
+@given(
+    lens=st.lists(st.integers(1, 40), min_size=1, max_size=8),
+    cp=st.sampled_from([1, 2, 4]),
+    extra=st.integers(0, 3),
+    seed=st.integers(0, 100),
+)
+@settings(max_examples=40, deadline=None)
+def test_cp_shards_cover_every_slot_once_and_reassemble(lens, cp, extra, seed):
+    rng = np.random.default_rng(seed)
+    samples = [Sample(np.arange(n) + 100 * (i + 1), rng.random(n) < 0.7, i) for i, n in enumerate(lens)]
+    ids, L, mask = padded_batch(samples, pad_id=PAD)
+    m = pad_multiple_for(cp_size=cp).seq_multiple
+    width = sum(-(-n // m) * m for n in lens) + extra * 2 * cp  # the tail keeps the last segment aligned
+    row = pack_step(ids, L, mask, pad_multiple=m, pad_to=width, pad_id=PAD)
+    shards = [shard_for_cp(row, cp, r).validate() for r in range(cp)]
+    slots = torch.cat([s.slot_index for s in shards])
+    assert sorted(slots.tolist()) == list(range(row.num_tokens))  # every slot exactly once
+    for r, s in enumerate(shards):
+        assert torch.equal(s.slot_index, cp_slot_indices(row, cp, r))
+        assert torch.equal(s.input_ids, row.input_ids[s.slot_index])
+        assert torch.equal(s.labels, row.labels[s.slot_index])
+        assert torch.equal(s.position_ids, row.position_ids[s.slot_index])
+        assert s.num_tokens * cp == row.num_tokens
+        assert torch.equal(s.padded_seqlens * cp, row.padded_seqlens)
+        assert int(s.real_token_mask.sum()) == s.num_real_tokens
+    assert torch.equal(sum(s.seqlens for s in shards), row.seqlens)
+    assert sum(s.num_label_tokens for s in shards) == row.num_label_tokens
+    assert_same_batch(unshard_cp(shards), row)
+    # Per-slot values (say, logits) computed per rank come back in row order.
+    vals = torch.randn(row.num_tokens, 3)
+    pieces = [vals[s.slot_index] for s in shards]
+    assert torch.equal(unshard_cp(pieces, row), vals)
+    assert torch.equal(unshard_cp(torch.stack(pieces), row, cp), vals)
+
+
+def test_cp_errors():
+    row = PackedBatch.from_samples(samples_from_lengths([5, 10]), pad_multiple=2)
+    with pytest.raises(PackedBatchError, match=r"2\*CP = 4 chunks, but segment 0 has padded length 6"):
+        shard_for_cp(row, 2, 0)
+    row = PackedBatch.from_samples(samples_from_lengths([5, 10]), pad_multiple=4)
+    with pytest.raises(PackedBatchError, match=r"cp_rank must be in \[0, cp_size=2\), got 2"):
+        shard_for_cp(row, 2, 2)
+    s0, s1 = shard_for_cp(row, 2, 0), shard_for_cp(row, 2, 1)
+    with pytest.raises(PackedBatchError, match="piece 0 is rank 1"):
+        unshard_cp([s1, s0])
+    with pytest.raises(PackedBatchError, match=r"piece 1 has shape \(9,\), expected \(T/CP = 10, ...\)"):
+        unshard_cp([torch.zeros(10), torch.zeros(9)], row)
+    s0.labels[3] = 5  # a padding slot
+    with pytest.raises(PackedBatchError, match=r"CPShard.labels\[3\] = 5 .*\(global slot 7\)"):
+        s0.validate()
+    s1.position_ids = s1.position_ids + 1
+    with pytest.raises(PackedBatchError, match="CPShard.position_ids"):
+        s1.validate()
+    with pytest.raises(PackedBatchError, match="put the row back together first"):
+        unpack(s0.input_ids, s0)
+
+
+def test_shard_moves_to_device_with_its_maps():
+    row = PackedBatch.from_samples(samples_from_lengths([5, 10]), pad_multiple=4)
+    s = shard_for_cp(row, 2, 1).to("meta")
+    assert isinstance(s, CPShard)
+    moved = (s.input_ids, s.slot_index, s.global_cu_seqlens, s.global_cu_seqlens_padded)
+    assert {t.device.type for t in moved} == {"meta"}
+
+
+# ---------------------------------------------------------------- micro-batch plans
+@given(
+    lens=st.lists(st.integers(1, 64), min_size=1, max_size=60),
+    dp=st.integers(1, 4),
+    m=st.sampled_from([1, 2, 4]),
+    cost=st.sampled_from(["tokens", "attention"]),
+    algorithm=st.sampled_from(["bfd", "next_fit", "first_fit_shuffle"]),
+)
+@settings(max_examples=80, deadline=None)
+def test_plan_microbatches_properties(lens, dp, m, cost, algorithm):
+    budget = 64
+    if len(lens) < dp:
+        with pytest.raises(PlanError, match=f"{len(lens)} sequences cannot give {dp} data-parallel ranks"):
+            plan_microbatches(lens, budget, dp, cost, m)
+        return
+    try:
+        plan = plan_microbatches(lens, budget, dp, cost, m, algorithm=algorithm)
+    except PlanError as e:
+        # Only when the micro-batches cannot be dealt evenly: more needed than a
+        # multiple of dp that the sequences can fill.
+        assert "the same number of micro-batches" in str(e) and len(lens) % dp, e
+        return
+    arr = np.asarray(lens)
+    padded = -(-arr // m) * m
+    assert plan.dp_size == dp
+    M = plan.num_microbatches
+    assert all(len(rank) == M and M >= 1 for rank in plan.microbatches)
+    flat = np.concatenate([mb for rank in plan.microbatches for mb in rank])
+    assert sorted(flat.tolist()) == list(range(len(lens)))  # every sequence exactly once
+    for r, rank in enumerate(plan.microbatches):
+        for i, mb in enumerate(rank):
+            assert len(mb) >= 1
+            assert plan.tokens[r, i] == padded[mb].sum() <= budget
+            w = padded[mb].sum() if cost == "tokens" else (padded[mb] ** 2).sum()
+            assert plan.loads[r, i] == w
+    # LPT: the heaviest rank is at most one bin above the lightest.
+    loads = plan.rank_loads
+    assert loads.max() - loads.min() <= plan.loads.max()
+
+
+def test_plan_feeds_pack_step_at_a_fixed_width():
+    """The planner charges what pack_step pads: every micro-batch fits pad_to=budget."""
+    rng = np.random.default_rng(0)
+    lens = rng.integers(1, 30, 40)
+    samples = [Sample(rng.integers(1, 50, n), np.ones(n, bool), i) for i, n in enumerate(lens)]
+    a = pad_multiple_for(cp_size=2)
+    plan = plan_microbatches(lens, 64, dp_size=2, cost="attention", pad_multiple=a.seq_multiple)
+    for rank in plan.microbatches:
+        for mb in rank:
+            ids, L, mask = padded_batch([samples[i] for i in mb])
+            b = pack_step(ids, L, mask, pad_to=64, **{"pad_multiple": a.seq_multiple}).validate()
+            assert b.num_tokens == 64
+            a.check(b)
+    assert plan.imbalance < 1.5
+
+
+def test_plan_errors():
+    over = r"sequence 1 has 10 tokens, 12 once padded to a multiple of 4, more than token_budget=11"
+    with pytest.raises(PlanError, match=over):
+        plan_microbatches([5, 10], 11, pad_multiple=4)
+    with pytest.raises(PlanError, match="cost must be one of 'tokens', 'attention'; got 'flops'"):
+        plan_microbatches([5, 10], 16, cost="flops")
+    with pytest.raises(PlanError, match="3 sequences cannot give 2 data-parallel ranks 2 micro-batch"):
+        plan_microbatches([5, 10, 3], 16, 2, min_microbatches=2)
+    with pytest.raises(PlanError, match=r"lengths\[1\] = 0: drop empty sequences"):
+        plan_microbatches([5, 0, 3], 16)
+    # Three sequences that each fill a micro-batch cannot be dealt evenly to 2 ranks: an error, not a hang.
+    with pytest.raises(PlanError, match="cannot give 2 data-parallel ranks the same number of micro-batches"):
+        plan_microbatches([16, 16, 16], 16, 2)
