@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded default corpus and tokenizer")
     d.add_argument("--quick", action="store_true", help="a smaller, faster run")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--max-seq-len", type=int, default=4096, help="row width in tokens (default 4096)")
+    d.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes (default 1)")
     d.set_defaults(func=_cmd_demo)
     return p
 
