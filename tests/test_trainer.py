@@ -246,7 +246,7 @@ def test_pad_multiple_for(kwargs, seq, row):
 
 def test_alignment_errors_name_the_rule():
     valid = "'tensorwise', 'delayed', 'mxfp8', 'blockwise'"
-    with pytest.raises(AlignmentError, match=f"fp8 must be None or one of {valid}; got 'fp4'"):
+    with pytest.raises(AlignmentError, match=f"fp8 \\(or None\\)='fp4' is not valid: choose one of {valid}"):
         pad_multiple_for(fp8="fp4")
     with pytest.raises(AlignmentError, match="cp_size must be a positive integer, got 0"):
         pad_multiple_for(cp_size=0)
@@ -416,7 +416,7 @@ def test_plan_errors():
     over = r"sequence 1 has 10 tokens, 12 once padded to a multiple of 4, more than token_budget=11"
     with pytest.raises(PlanError, match=over):
         plan_microbatches([5, 10], 11, pad_multiple=4)
-    with pytest.raises(PlanError, match="cost must be one of 'tokens', 'attention'; got 'flops'"):
+    with pytest.raises(PlanError, match="cost='flops' is not valid: choose one of 'tokens', 'attention'"):
         plan_microbatches([5, 10], 16, cost="flops")
     with pytest.raises(PlanError, match="3 sequences cannot give 2 data-parallel ranks 2 micro-batch"):
         plan_microbatches([5, 10, 3], 16, 2, min_microbatches=2)

@@ -9,19 +9,10 @@ are both accepted.
 
 from __future__ import annotations
 
-import enum
-import sys
-from typing import TypeVar
+from ._enums import StrEnum as _StrEnum
+from ._enums import choose
 
 __all__ = ["BadRowReason", "OnBadRow", "Outcome", "Overlong", "TrainOn", "choose"]
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum as _StrEnum
-else:  # pragma: no cover - Python 3.10
-
-    class _StrEnum(str, enum.Enum):
-        def __str__(self) -> str:
-            return str(self.value)
 
 
 class OnBadRow(_StrEnum):
@@ -69,17 +60,3 @@ class Outcome(_StrEnum):
     TRUNCATED = "truncated"
     DROPPED = "dropped"
     SPLIT = "split"
-
-
-E = TypeVar("E", bound=enum.Enum)
-
-
-def choose(kind: type[E], value: object, name: str) -> E:
-    """``kind(value)``, or a ``ValueError`` naming the option and listing the valid values."""
-    if isinstance(value, kind):
-        return value
-    try:
-        return kind(value)
-    except ValueError:
-        valid = ", ".join(repr(m.value) for m in kind)
-        raise ValueError(f"{name}={value!r} is not valid: choose one of {valid}") from None

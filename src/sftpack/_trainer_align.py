@@ -19,19 +19,10 @@ Three rules (Megatron-LM / Transformer Engine conventions):
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
-from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - Python 3.10
-
-    class StrEnum(str, Enum):
-        def __str__(self) -> str:
-            return str(self.value)
-
+from ._enums import StrEnum, choose
 
 if TYPE_CHECKING:  # pragma: no cover
     from .batch import PackedBatch
@@ -59,11 +50,7 @@ class FP8Recipe(StrEnum):
 def _parse_fp8(fp8: Any) -> FP8Recipe | None:
     if fp8 is None or fp8 is False:
         return None
-    try:
-        return FP8Recipe(fp8)
-    except ValueError:
-        valid = ", ".join(repr(r.value) for r in FP8Recipe)
-        raise AlignmentError(f"fp8 must be None or one of {valid}; got {fp8!r}") from None
+    return choose(FP8Recipe, fp8, "fp8 (or None)", AlignmentError)
 
 
 def _size(name: str, value: Any) -> int:

@@ -20,21 +20,12 @@ attention FLOPs) instead of its tokens.
 from __future__ import annotations
 
 import heapq
-import sys
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import numpy as np
 
-if sys.version_info >= (3, 11):
-    from enum import StrEnum
-else:  # pragma: no cover - Python 3.10
-
-    class StrEnum(str, Enum):
-        def __str__(self) -> str:
-            return str(self.value)
-
+from ._enums import StrEnum, choose
 
 __all__ = ["CostModel", "MicrobatchPlan", "PlanError", "plan_microbatches"]
 
@@ -139,11 +130,7 @@ def plan_microbatches(
     """
     from . import binpack
 
-    try:
-        cost = CostModel(cost)
-    except ValueError:
-        valid = ", ".join(repr(c.value) for c in CostModel)
-        raise PlanError(f"cost must be one of {valid}; got {cost!r}") from None
+    cost = choose(CostModel, cost, "cost", PlanError)
     for name, v in (("token_budget", token_budget), ("dp_size", dp_size), ("pad_multiple", pad_multiple)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise PlanError(f"{name} must be a positive integer, got {v!r}")

@@ -56,9 +56,7 @@ they run as plain Python, correct but about 100x slower.
 
 from __future__ import annotations
 
-import enum
 import operator
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple, overload
@@ -66,6 +64,8 @@ from typing import Any, NamedTuple, overload
 import numpy as np
 
 from . import _binpack_kernels as _k
+from ._enums import StrEnum as _StrEnum
+from ._enums import choose
 
 __all__ = [
     "Algorithm",
@@ -78,14 +78,6 @@ __all__ = [
     "pack_histogram",
     "packing_stats",
 ]
-
-if sys.version_info >= (3, 11):
-    from enum import StrEnum as _StrEnum
-else:  # pragma: no cover - Python 3.10
-
-    class _StrEnum(str, enum.Enum):
-        def __str__(self) -> str:
-            return str(self.value)
 
 
 class Algorithm(_StrEnum):
@@ -103,11 +95,7 @@ _HISTOGRAM_ALGORITHMS = (Algorithm.BFD, Algorithm.FFD, Algorithm.GREEDY_KNAPSACK
 
 
 def _choose_algorithm(algorithm: str | Algorithm) -> Algorithm:
-    try:
-        return Algorithm(algorithm)
-    except ValueError:
-        valid = ", ".join(repr(a.value) for a in Algorithm)
-        raise ValueError(f"algorithm={algorithm!r} is not valid: choose one of {valid}") from None
+    return choose(Algorithm, algorithm, "algorithm")
 
 
 # ----------------------------------------------------------------------------
