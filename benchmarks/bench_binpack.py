@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _machine import cpu_model, load_average
 
 from sftpack import binpack
 from sftpack.binpack import lower_bounds, pack, pack_histogram
@@ -305,16 +306,8 @@ def run_case(case: Case, args: argparse.Namespace, trl: Callable[[np.ndarray, in
 
 
 def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    model = cpu_model()
+    load = load_average()
     versions = [f"python {platform.python_version()}", f"numpy {np.__version__}"]
     for mod in ("numba", "trl", "pyarrow"):
         try:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _machine import cpu_model, load_average
 
 from sftpack.chat import renderer_for, tokenize_conversations
 from sftpack.data import default_corpus, default_tokenizer
@@ -85,16 +86,9 @@ def ours(tok: Any, convs: list[Any], batch_size: int, num_proc: int) -> int:
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " / load average %.2f" % os.getloadavg()[0] if hasattr(os, "getloadavg") else ""
+    load = " / load average %.2f" % load_average()
     import tokenizers
     import transformers
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from _machine import cpu_model, load_average
 
 from sftpack.trainer import pack_step
 
@@ -37,15 +38,8 @@ OUT = Path(__file__).resolve().parent / "out"
 
 
 def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    cpu = cpu_model()
+    load = load_average()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (
         f"{cpu}, {os.cpu_count()} logical cores, torch {torch.__version__} with {torch.get_num_threads()} "
