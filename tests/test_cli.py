@@ -12,7 +12,7 @@ from sftpack.layout import worked_example
 def test_help_lists_commands(capsys):
     assert main([]) == 2
     out = capsys.readouterr().out
-    assert "map" in out and "demo" in out
+    assert "map" in out and "demo" in out and "bench" in out
 
 
 def test_map_prints_worked_example(capsys, tmp_path):
@@ -40,3 +40,44 @@ def test_demo_runs_as_a_console_script():
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "exact (<= 1e-5)" in proc.stdout
+
+
+def _chat_file(tmp_path):
+    import json
+
+    path = tmp_path / "chat.jsonl"
+    with path.open("w") as f:
+        for i in range(1, 40):
+            msgs = [{"role": "user", "content": "hi " * i}, {"role": "assistant", "content": "yo " * (2 * i)}]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+        f.write("{not json\n")
+    return path
+
+
+def test_bench_reports_layouts_and_counts_bad_rows(capsys, tmp_path):
+    from sftpack.testing import tiny_chat_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    tiny_chat_tokenizer("chatml").save_pretrained(tok_dir)
+    path = _chat_file(tmp_path)
+    assert main(["bench", str(path), "--tokenizer", str(tok_dir), "--max-seq-len", "128", "--pad-multiple", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "read 40 rows: 39 kept, dropped: invalid_json 1" in out
+    assert "39 conversations ->" in out
+    for layout in ("bfd", "ffd", "first_fit_shuffle", "next_fit", "greedy_knapsack", "one per row, padded to 128"):
+        assert f"\n  {layout} " in out
+    assert "lower bounds on rows: L1=" in out
+
+
+def test_bench_error_mode_names_file_and_line(tmp_path):
+    import pytest
+
+    from sftpack.testing import tiny_chat_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    tiny_chat_tokenizer("chatml").save_pretrained(tok_dir)
+    path = _chat_file(tmp_path)
+    with pytest.raises(SystemExit, match=r"chat.jsonl, line 40: invalid JSON"):
+        main(["bench", str(path), "--tokenizer", str(tok_dir), "--on-bad-row", "error"])
+    with pytest.raises(SystemExit, match="cannot load a tokenizer"):
+        main(["bench", str(path), "--tokenizer", str(tmp_path / "missing")])

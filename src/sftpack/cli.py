@@ -2,6 +2,7 @@
 
     sftpack map [--png FILE]   the contract's worked example at the three packing moments
     sftpack demo               the main job on the embedded default
+    sftpack bench [PATHS]      what packing saves on your conversations, per algorithm
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from .report import run_bench
+
+    return run_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="sftpack",
@@ -44,6 +51,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-seq-len", type=int, default=4096, help="row width in tokens (default 4096)")
     d.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes (default 1)")
     d.set_defaults(func=_cmd_demo)
+    b = sub.add_parser(
+        "bench",
+        help="how much packing saves on your conversations (or the embedded corpus): rows and padding per algorithm",
+    )
+    b.add_argument("paths", nargs="*", help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus)")
+    b.add_argument("--max-seq-len", type=int, default=4096, help="row width in tokens (default 4096)")
+    b.add_argument("--pad-multiple", type=int, default=1, help="pad each sequence to a multiple of this (2*CP)")
+    b.add_argument("--overlong", default="split", choices=["truncate", "drop", "split", "error"])
+    b.add_argument("--on-bad-row", default="skip", choices=["error", "skip"])
+    b.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
+    b.add_argument("--limit", type=int, help="first N conversations only")
+    b.add_argument("--num-proc", type=int, default=1, help="tokenizer worker processes")
+    b.add_argument("--seed", type=int, default=0)
+    b.set_defaults(func=_cmd_bench)
     return p
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -32,24 +31,16 @@ def _rule(title: str) -> None:
     print(f"\n== {title} " + "=" * max(0, 72 - len(title)))
 
 
-def _table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
-    cells = [[str(c) for c in header]] + [[str(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    for j, r in enumerate(cells):
-        print("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if j == 0:
-            print("  " + "  ".join("-" * w for w in widths))
-
-
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from . import PackedBatch
-    from .binpack import lower_bounds, pack, packing_stats
+    from .binpack import pack
     from .chat import tokenize_conversations
     from .data import default_corpus, default_tokenizer
     from .exactness import TinyCausalLM, check_plain_model, exactness_table
     from .layout import render_map
+    from .report import compare_layouts, print_layouts, print_table
     from .trainer import pack_step, pad_multiple_for, shard_for_cp, unshard_cp
 
     max_seq_len: int = args.max_seq_len
@@ -90,24 +81,10 @@ def run_demo(args: argparse.Namespace) -> int:
     )
 
     _rule(f"3. Bin packing into rows of {max_seq_len} tokens")
-    t0 = time.perf_counter()
+    layouts, bounds = compare_layouts(lengths, max_seq_len, algorithms=("bfd", "ffd", "next_fit"))
+    print_layouts(layouts, bounds)
     bins = pack(lengths, max_seq_len, "bfd")
-    t_pack = time.perf_counter() - t0
-    bounds = lower_bounds(lengths, max_seq_len)
     real = int(lengths.sum())
-    rows = []
-    for name in ("bfd", "ffd", "next_fit"):
-        b = bins if name == "bfd" else pack(lengths, max_seq_len, name)
-        s = packing_stats(lengths, b, max_seq_len)
-        rows.append((f"sftpack {name}", f"{s.rows:,}", f"{s.efficiency:.2%}", f"{s.packing_factor:.2f}"))
-    # What the GPU multiplies without packing: every conversation padded to the row width,
-    # or batches of 8 in corpus order padded to their longest.
-    rows.append(("one per row, padded to max_seq_len", f"{len(lengths):,}", f"{real / (len(lengths) * max_seq_len):.2%}", "1.00"))
-    b8 = [lengths[i : i + 8] for i in range(0, len(lengths), 8)]
-    slots = sum(int(x.max()) * len(x) for x in b8)
-    rows.append(("padded batches of 8 (pad to longest)", f"{len(b8):,} x 8", f"{real / slots:.2%}", "-"))
-    _table(("layout", "rows", "real tokens / slots", "seqs per row"), rows)
-    print(f"  lower bounds: L1={bounds.l1:,}, L2={bounds.l2:,}; bfd took {t_pack * 1e3:.1f} ms (first call loads the compiled kernels)")
 
     _rule("4. Build and validate every row (offline layout, fixed width)")
     t0 = time.perf_counter()
@@ -170,7 +147,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\n  consumers ({trials} random rows per line, fp32):")
     table = exactness_table(trials=trials, seed=args.seed)
     worst = max(max(x["logits"], x["loss"], x["grads"]) for x in table)
-    _table(
+    print_table(
         ("consumer", "boundaries", "pad", "max|dlogit|", "|dloss|", "max|dgrad|"),
         [
             (x["consumer"], x["mode"], x["pad_multiple"], f"{x['logits']:.1e}", f"{x['loss']:.1e}", f"{x['grads']:.1e}")
