@@ -233,9 +233,9 @@ class PackedBatch:
         pos_h = pos.cpu().numpy()
         wrong = np.flatnonzero(pos_h != expect_pos)
         if wrong.size:
-            t = int(wrong[0])
+            slot = int(wrong[0])
             raise PackedBatchError(
-                f"PackedBatch.position_ids[{t}] = {int(pos_h[t])}, expected {int(expect_pos[t])} "
+                f"PackedBatch.position_ids[{slot}] = {int(pos_h[slot])}, expected {int(expect_pos[slot])} "
                 "(t - cu_seqlens_padded[i]: positions restart at 0 for each sequence)"
             )
         # No label may cross a boundary: the last real token and all padding carry -100.
@@ -246,10 +246,10 @@ class PackedBatch:
         lab_h = lab.cpu().numpy()
         wrong = np.flatnonzero(must_ignore & (lab_h != IGNORE_INDEX))
         if wrong.size:
-            t = int(wrong[0])
-            what = "a padding slot" if not is_real[t] else "the last real token of its sequence"
+            slot = int(wrong[0])
+            what = "a padding slot" if not is_real[slot] else "the last real token of its sequence"
             raise PackedBatchError(
-                f"PackedBatch.labels[{t}] = {int(lab_h[t])} but slot {t} is {what}; its label must be "
+                f"PackedBatch.labels[{slot}] = {int(lab_h[slot])} but slot {slot} is {what}; its label must be "
                 f"{IGNORE_INDEX} so that no label crosses a sequence boundary"
             )
         return self

@@ -70,7 +70,8 @@ def draw_row(batch: PackedBatch, width: int = 64) -> str:
     """Text drawing of a packed run, ``width`` slots a line, ``|`` between segments."""
     cells = _segment_letters(batch)
     starts = set(batch.cu_seqlens_padded[1:-1].tolist())
-    lines, line = [], []
+    lines: list[str] = []
+    line: list[str] = []
     for t, c in enumerate(cells):
         if t and t % width == 0:
             lines.append(" ".join(line))

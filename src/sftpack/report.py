@@ -34,7 +34,7 @@ def compare_layouts(
     lengths: Sequence[int] | np.ndarray,
     capacity: int,
     *,
-    algorithms: Sequence[str] = tuple(a.value for a in Algorithm),
+    algorithms: Sequence[str] = tuple(Algorithm),
     cost_multiple: int = 1,
     batch_size: int = 8,
     seed: int = 0,
