@@ -22,6 +22,7 @@ from sftpack.loss import (
     token_losses,
     token_mean_loss,
 )
+from sftpack.testing import padded_batch as _padded_batch
 from sftpack.trainer import pack_step, unpack
 
 VOCAB = 97
@@ -39,13 +40,8 @@ def hf_model():
 
 
 def padded_batch(samples: list[Sample], pad_id: int = 0):
-    S = max(len(s) for s in samples) + 3  # extra right padding the packer must drop
-    ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), S), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)] = torch.from_numpy(s.input_ids)
-        mask[i, : len(s)] = torch.from_numpy(s.loss_mask)
-    return ids, torch.tensor([len(s) for s in samples]), mask
+    # extra right padding the packer must drop
+    return _padded_batch(samples, max(len(s) for s in samples) + 3, pad_id)
 
 
 def forward_plain(model, packed: PackedBatch, pad_between_seqs: bool = True) -> torch.Tensor:

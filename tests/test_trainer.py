@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
 from sftpack.batch import PackedBatchError
+from sftpack.testing import padded_batch as _padded_batch
 from sftpack.testing import samples_from_lengths
 from sftpack.trainer import (
     AlignmentError,
@@ -31,13 +32,7 @@ PAD = -1  # a pad id no sample uses, so padding is visible in every assertion
 
 def padded_batch(samples: list[Sample], S: int | None = None, pad_id: int = PAD):
     """Right-padded ``(input_ids, lengths, loss_mask)`` of the samples, row i = sample i."""
-    S = S or max(len(s) for s in samples)
-    ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), S), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)] = torch.from_numpy(s.input_ids)
-        mask[i, : len(s)] = torch.from_numpy(s.loss_mask)
-    return ids, torch.tensor([len(s) for s in samples]), mask
+    return _padded_batch(samples, S, pad_id)
 
 
 def assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:

@@ -102,6 +102,16 @@ def _choose_algorithm(algorithm: str | Algorithm) -> Algorithm:
 # results
 
 
+def _row_index(i: int, rows: int) -> int:
+    """``i`` as a row number in ``[0, rows)`` (negative counts from the end)."""
+    j = operator.index(i)
+    if j < 0:
+        j += rows
+    if not 0 <= j < rows:
+        raise IndexError(f"bin {i} is out of range for {rows} bins")
+    return j
+
+
 class Bins(Sequence[np.ndarray]):
     """Rows of a packing, stored compactly as ``order`` + ``offsets``.
 
@@ -171,12 +181,7 @@ class Bins(Sequence[np.ndarray]):
     def __getitem__(self, i: int | slice) -> np.ndarray | list[np.ndarray]:
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
-        rows = len(self)
-        j = operator.index(i)
-        if j < 0:
-            j += rows
-        if not 0 <= j < rows:
-            raise IndexError(f"bin {i} is out of range for {rows} bins")
+        j = _row_index(i, len(self))
         return self.order[self.offsets[j] : self.offsets[j + 1]]
 
     def __iter__(self) -> Iterator[np.ndarray]:
@@ -278,12 +283,7 @@ class HistogramBins:
 
     def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """``(lengths, counts)`` of row ``i``."""
-        rows = len(self)
-        j = operator.index(i)
-        if j < 0:
-            j += rows
-        if not 0 <= j < rows:
-            raise IndexError(f"bin {i} is out of range for {rows} bins")
+        j = _row_index(i, len(self))
         a, b = self.offsets[j], self.offsets[j + 1]
         return self.lengths[a:b], self.counts[a:b]
 

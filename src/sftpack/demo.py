@@ -41,6 +41,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .exactness import TinyCausalLM, check_plain_model, exactness_table
     from .layout import render_map
     from .report import compare_layouts, print_layouts, print_table
+    from .testing import padded_batch
     from .trainer import pack_step, pad_multiple_for, shard_for_cp, unshard_cp
 
     max_seq_len: int = args.max_seq_len
@@ -109,13 +110,8 @@ def run_demo(args: argparse.Namespace) -> int:
 
     _rule("5. Pack at the training step, shard for context parallelism 2")
     batch = samples[:16]
-    S = max(len(s) for s in batch)
-    ids = torch.zeros(len(batch), S, dtype=torch.long)
-    mask = torch.zeros(len(batch), S, dtype=torch.bool)
-    for i, s in enumerate(batch):
-        ids[i, : len(s)] = torch.from_numpy(s.input_ids)
-        mask[i, : len(s)] = torch.from_numpy(s.loss_mask)
-    lens = torch.tensor([len(s) for s in batch])
+    ids, lens, mask = padded_batch(batch)
+    S = ids.shape[1]
     align = pad_multiple_for(cp_size=2)
     packed = pack_step(ids, lens, mask, **align.pack_step_kwargs())
     same = PackedBatch.from_samples(batch, pad_multiple=align.seq_multiple)
