@@ -231,6 +231,44 @@ def _shelve(
 
 
 @_jit
+def _record(
+    rec_a: np.ndarray, rec_b: np.ndarray, rec_s: np.ndarray, rec_j: np.ndarray, rec_f: np.ndarray,
+    nr: int, a: int, b: int, s: int, j: int, f: int,
+) -> int:
+    """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size ``s`` after ``f``."""
+    rec_a[nr] = a
+    rec_b[nr] = b
+    rec_s[nr] = s
+    rec_j[nr] = j
+    rec_f[nr] = f
+    return nr + 1
+
+
+@_jit
+def _open_segment(
+    a: int, width: int, s: int, take: int, fill: int, room: int, smallest: int, max_items: int,
+    head: np.ndarray, tree: np.ndarray, leaves: int,
+    seg_a: np.ndarray, seg_b: np.ndarray, seg_fill: np.ndarray, seg_next: np.ndarray, n_seg: int, free: int,
+    rec_a: np.ndarray, rec_b: np.ndarray, rec_s: np.ndarray, rec_j: np.ndarray, rec_f: np.ndarray, nr: int,
+) -> tuple[int, int, int]:
+    """A new segment of bins ``a..a+width-1`` that each held ``fill`` items and take
+    ``take`` more of size ``s``: recorded, then shelved at ``room``.
+    Returns the updated ``(nr, n_seg, free)``."""
+    if free >= 0:
+        h = free
+        free = seg_next[free]
+    else:
+        h = n_seg
+        n_seg += 1
+    seg_a[h] = a
+    seg_b[h] = a + width
+    seg_fill[h] = fill + take
+    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, a + width, s, take, fill)
+    free = _shelve(h, room, fill + take, smallest, max_items, head, tree, leaves, seg_next, free)
+    return nr, n_seg, free
+
+
+@_jit
 def bfd_records(counts: np.ndarray, max_items: int) -> Records:
     """Best-fit decreasing over a histogram of units.
 
@@ -288,12 +326,7 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
                 f = seg_fill[g]
                 j = q if q <= max_items - f else max_items - f
                 if (b - a) * j <= k:  # the whole segment
-                    rec_a[nr] = a
-                    rec_b[nr] = b
-                    rec_s[nr] = s
-                    rec_j[nr] = j
-                    rec_f[nr] = f
-                    nr += 1
+                    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, b, s, j, f)
                     k -= (b - a) * j
                     seg_fill[g] = f + j
                     free = _shelve(g, r - j * s, f + j, smallest, max_items, head, tree, leaves, seg_next, free)
@@ -307,22 +340,10 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
                 for take, width in ((j, t), (rest, 1 if rest > 0 else 0)):
                     if width == 0:
                         continue
-                    if free >= 0:
-                        h = free
-                        free = seg_next[free]
-                    else:
-                        h = n_seg
-                        n_seg += 1
-                    seg_a[h] = a
-                    seg_b[h] = a + width
-                    seg_fill[h] = f + take
-                    rec_a[nr] = a
-                    rec_b[nr] = a + width
-                    rec_s[nr] = s
-                    rec_j[nr] = take
-                    rec_f[nr] = f
-                    nr += 1
-                    free = _shelve(h, r - take * s, f + take, smallest, max_items, head, tree, leaves, seg_next, free)
+                    nr, n_seg, free = _open_segment(
+                        a, width, s, take, f, r - take * s, smallest, max_items, head, tree, leaves,
+                        seg_a, seg_b, seg_fill, seg_next, n_seg, free, rec_a, rec_b, rec_s, rec_j, rec_f, nr,
+                    )
                     a += width
                 k = 0
                 if a < b:
@@ -344,22 +365,10 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
             for take, width in ((per_bin, full), (rest, 1 if rest > 0 else 0)):
                 if width == 0:
                     continue
-                if free >= 0:
-                    h = free
-                    free = seg_next[free]
-                else:
-                    h = n_seg
-                    n_seg += 1
-                seg_a[h] = n_bins
-                seg_b[h] = n_bins + width
-                seg_fill[h] = take
-                rec_a[nr] = n_bins
-                rec_b[nr] = n_bins + width
-                rec_s[nr] = s
-                rec_j[nr] = take
-                rec_f[nr] = 0
-                nr += 1
-                free = _shelve(h, cap_units - take * s, take, smallest, max_items, head, tree, leaves, seg_next, free)
+                nr, n_seg, free = _open_segment(
+                    n_bins, width, s, take, 0, cap_units - take * s, smallest, max_items, head, tree, leaves,
+                    seg_a, seg_b, seg_fill, seg_next, n_seg, free, rec_a, rec_b, rec_s, rec_j, rec_f, nr,
+                )
                 n_bins += width
     return rec_a[:nr], rec_b[:nr], rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
