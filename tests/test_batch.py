@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
-from sftpack.batch import PackedBatchError
+from sftpack.handoff import PackedBatchError
 from sftpack.testing import samples_from_lengths
 
 A, B = samples_from_lengths([5, 10])  # ids 1000.. and 2000..
@@ -129,8 +129,12 @@ def test_validate_rejects_labels_crossing_boundaries(slot, what):
 def test_from_samples_errors():
     with pytest.raises(PackedBatchError, match="at least one sample"):
         PackedBatch.from_samples([])
-    with pytest.raises(PackedBatchError, match="take 20 slots .* more than row_width=19"):
-        PackedBatch.from_samples([A, B], pad_multiple=4, row_width=19)
+    with pytest.raises(PackedBatchError, match="take 20 slots .* more than row_width=16"):
+        PackedBatch.from_samples([A, B], pad_multiple=4, row_width=16)
+    # A width that is not a multiple of the per-sequence pad would leave the last
+    # segment (which absorbs the tail) misaligned: refused, with both fixes.
+    with pytest.raises(PackedBatchError, match="row_width=22 is not a multiple of pad_multiple=4.*use row_width=24 or 20"):
+        PackedBatch.from_samples([A, B], pad_multiple=4, row_width=22)
     with pytest.raises(PackedBatchError, match="pad_multiple must be a positive integer"):
         PackedBatch.from_samples([A], pad_multiple=0)
     with pytest.raises(ValueError, match="has no tokens"):
@@ -153,7 +157,7 @@ def test_from_samples_properties(lens, pad_multiple, extra, data):
     rng = np.random.default_rng(len(lens) * 31 + extra)
     samples = [Sample(rng.integers(1, 50, n), rng.random(n) < 0.6, i) for i, n in enumerate(lens)]
     padded = [-(-n // pad_multiple) * pad_multiple for n in lens]
-    width = sum(padded) + extra if data.draw(st.booleans()) else None
+    width = sum(padded) + extra * pad_multiple if data.draw(st.booleans()) else None
     b = PackedBatch.from_samples(samples, pad_multiple=pad_multiple, row_width=width, pad_id=0).validate()
     assert b.num_tokens == (width or sum(padded))
     cu = b.cu_seqlens.tolist()

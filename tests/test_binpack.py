@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sftpack import _binpack_kernels as kernels
+from sftpack.binpack import _kernels as kernels
 from sftpack import binpack
 from sftpack.binpack import Algorithm, Bins, LowerBounds, lower_bounds, pack, pack_histogram, packing_stats
 

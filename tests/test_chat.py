@@ -610,7 +610,7 @@ def test_validate_messages_message() -> None:
 def test_pipelined_batches_and_binary_search_give_the_same_samples(monkeypatch: pytest.MonkeyPatch) -> None:
     """Many small batches (encoded in the helper thread while the next renders) and the
     binary search used for long encodings agree with one plain batch."""
-    import sftpack._chat_tokenize as impl
+    import sftpack.chat._tokenize as impl
 
     tok = tok_of("chatml")
     convs = [c for c, _ in HAND.values()] * 5 + [c["messages"] if isinstance(c, dict) else c.messages for c in _many()]
@@ -627,7 +627,7 @@ def test_pipelined_batches_and_binary_search_give_the_same_samples(monkeypatch: 
 @settings(max_examples=40, deadline=None)
 @given(conversations(), st.sampled_from(STYLES))
 def test_binary_search_edges_equal_offsets_reference(messages: list[dict[str, str]], style: str) -> None:
-    import sftpack._chat_tokenize as impl
+    import sftpack.chat._tokenize as impl
 
     tok = tok_of(style)
     text, spans = renderer_for(tok).spans(messages)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 from sftpack.cli import main
-from sftpack.layout import worked_example
+from sftpack.report.layout import worked_example
 
 
 def test_help_lists_commands(capsys):
@@ -69,7 +70,7 @@ def test_bench_reports_layouts_and_counts_bad_rows(capsys, tmp_path):
     assert "lower bounds on rows: L1=" in out
 
 
-def test_bench_error_mode_names_file_and_line(tmp_path):
+def test_bench_error_mode_names_file_and_line(tmp_path, capsys):
     import pytest
 
     from sftpack.testing import tiny_chat_tokenizer
@@ -77,7 +78,14 @@ def test_bench_error_mode_names_file_and_line(tmp_path):
     tok_dir = tmp_path / "tok"
     tiny_chat_tokenizer("chatml").save_pretrained(tok_dir)
     path = _chat_file(tmp_path)
-    with pytest.raises(SystemExit, match=r"chat.jsonl, line 40: invalid JSON"):
-        main(["bench", str(path), "--tokenizer", str(tok_dir), "--on-bad-row", "error"])
-    with pytest.raises(SystemExit, match="cannot load a tokenizer"):
-        main(["bench", str(path), "--tokenizer", str(tmp_path / "missing")])
+    # A data error: one line naming the file and the line, exit status 1, no traceback.
+    assert main(["bench", str(path), "--tokenizer", str(tok_dir), "--on-bad-row", "error"]) == 1
+    err = capsys.readouterr().err
+    assert re.match(r"sftpack bench: .*chat.jsonl, line 40: invalid JSON", err) and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+    # A usage error: exit status 2.
+    assert main(["bench", str(path), "--tokenizer", str(tmp_path / "missing")]) == 2
+    assert "sftpack bench: cannot load a tokenizer" in capsys.readouterr().err
+    # --debug shows the real exception instead.
+    with pytest.raises(ValueError, match="line 40: invalid JSON"):
+        main(["--debug", "bench", str(path), "--tokenizer", str(tok_dir), "--on-bad-row", "error"])

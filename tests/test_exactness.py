@@ -48,7 +48,7 @@ lengths = st.one_of(
 def _row(lens, pad_multiple, fixed_width, seed):
     samples = random_samples(lens, VOCAB, seed=seed)
     padded = sum(-(-n // pad_multiple) * pad_multiple for n in lens)
-    width = padded + 5 if fixed_width else None
+    width = padded + 5 * pad_multiple if fixed_width else None
     return samples, PackedBatch.from_samples(samples, pad_multiple=pad_multiple, row_width=width).validate()
 
 

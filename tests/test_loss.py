@@ -22,7 +22,7 @@ from sftpack.loss import (
     token_losses,
     token_mean_loss,
 )
-from sftpack.testing import padded_batch as _padded_batch
+from sftpack.trainer import padded_batch as _padded_batch
 from sftpack.trainer import pack_step, unpack
 
 VOCAB = 97
@@ -41,7 +41,7 @@ def hf_model():
 
 def padded_batch(samples: list[Sample], pad_id: int = 0):
     # extra right padding the packer must drop
-    return _padded_batch(samples, max(len(s) for s in samples) + 3, pad_id)
+    return _padded_batch(samples, max(len(s) for s in samples) + 3, pad_id=pad_id)
 
 
 def forward_plain(model, packed: PackedBatch, pad_between_seqs: bool = True) -> torch.Tensor:

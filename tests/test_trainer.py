@@ -9,8 +9,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
-from sftpack.batch import PackedBatchError
-from sftpack.testing import padded_batch as _padded_batch
+from sftpack.handoff import PackedBatchError
+from sftpack.trainer import padded_batch as _padded_batch
 from sftpack.testing import samples_from_lengths
 from sftpack.trainer import (
     AlignmentError,
@@ -32,7 +32,7 @@ PAD = -1  # a pad id no sample uses, so padding is visible in every assertion
 
 def padded_batch(samples: list[Sample], S: int | None = None, pad_id: int = PAD):
     """Right-padded ``(input_ids, lengths, loss_mask)`` of the samples, row i = sample i."""
-    return _padded_batch(samples, S, pad_id)
+    return _padded_batch(samples, S, pad_id=pad_id)
 
 
 def assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
@@ -52,14 +52,14 @@ def test_worked_example_trainer_row():
     assert b.num_tokens == 20
     assert b.cu_seqlens.tolist() == [0, 5, 15] and b.cu_seqlens.dtype == torch.int32
     assert b.cu_seqlens_padded.tolist() == [0, 8, 20] and b.cu_seqlens_padded.dtype == torch.int32
-    assert b.max_seqlen == 12
+    assert b.max_seqlen == 12 and b.source_rows == (0, 1)
     a, p = list(range(1000, 1005)), [PAD] * 3
     assert b.input_ids.tolist() == a + p + list(range(2000, 2010)) + [PAD] * 2
     assert b.labels.tolist() == (
         list(range(1001, 1005)) + [IGNORE_INDEX] * 4 + list(range(2001, 2010)) + [IGNORE_INDEX] * 3
     )
     assert b.position_ids.tolist() == list(range(8)) + list(range(12))
-    assert b.sequence_ids == (0, 1)
+    assert b.source_rows == (0, 1)
     assert_same_batch(b, PackedBatch.from_samples([A, B], pad_multiple=4, pad_id=PAD))
     # kernel gets real + padded by default
     p = b.to_packed_seq_params()
@@ -117,10 +117,18 @@ def test_empty_rows_are_skipped_and_recorded():
     ids = torch.cat([ids[:1], torch.full((1, 5), PAD), ids[1:], torch.full((1, 5), PAD)])
     lens = torch.tensor([3, 0, 1, 4, 0])
     b = pack_step(ids, lens, pad_multiple=2, pad_id=PAD).validate()
-    assert b.sequence_ids == (0, 2, 3)
+    assert b.source_rows == (0, 2, 3) and b.source_batch_size == 5
+    assert b.sequence_ids is None  # pack_step knows no conversation ids unless given them
     assert_same_batch(b, PackedBatch.from_samples(samples, pad_multiple=2, pad_id=PAD))
-    back = unpack_padded(b.input_ids, b, rows=b.sequence_ids, batch_size=5, seq_len=5, padding_value=PAD)
+    # unpack_padded reads the recorded rows by default: the skipped rows stay where they were.
+    assert torch.equal(unpack_padded(b.input_ids, b, seq_len=5, padding_value=PAD), ids)
+    back = unpack_padded(b.input_ids, b, rows=b.source_rows, batch_size=5, seq_len=5, padding_value=PAD)
     assert torch.equal(back, ids)
+    # sequence_ids means one thing: the conversation each segment holds.
+    named = pack_step(ids, lens, pad_multiple=2, pad_id=PAD, sequence_ids=["a", "-", "b", "c", "-"])
+    assert named.sequence_ids == ("a", "b", "c")
+    with pytest.raises(PackedBatchError, match="name a batch row twice"):
+        unpack_padded(b.input_ids, b, rows=[0, 0, 1], seq_len=5)
     with pytest.raises(PackedBatchError, match=r"every row of the \[2, 5\] batch is empty"):
         pack_step(ids[:2, :] * 0, torch.tensor([0, 0]))
 
@@ -189,7 +197,7 @@ def test_pack_step_matches_contract_and_row_builder(case):
     # Field by field against the contract's row builder on the same sequences.
     ref = PackedBatch.from_samples(samples, pad_multiple=m, row_width=b.num_tokens, pad_id=PAD)
     assert_same_batch(b, ref)
-    assert b.sequence_ids == tuple(kept)
+    assert b.source_rows == tuple(kept)
     assert b.num_tokens == {"tight": total, "multiple": -(-total // (4 * m)) * 4 * m, "fixed": kw.get("pad_to")}[width]
     assert b.cu_seqlens.tolist() == [0, *np.cumsum([lens[k] for k in kept]).tolist()]
     assert all(p % m == 0 for p in b.padded_seqlens.tolist())
@@ -364,10 +372,10 @@ def test_plan_microbatches_properties(lens, dp, m, cost, algorithm):
     budget = 64
     if len(lens) < dp:
         with pytest.raises(PlanError, match=f"{len(lens)} sequences cannot give {dp} data-parallel ranks"):
-            plan_microbatches(lens, budget, dp, cost, m)
+            plan_microbatches(lens, budget, dp_size=dp, cost=cost, pad_multiple=m)
         return
     try:
-        plan = plan_microbatches(lens, budget, dp, cost, m, algorithm=algorithm)
+        plan = plan_microbatches(lens, budget, dp_size=dp, cost=cost, pad_multiple=m, algorithm=algorithm)
     except PlanError as e:
         # Only when the micro-batches cannot be dealt evenly: more needed than a
         # multiple of dp that the sequences can fill.
@@ -414,9 +422,9 @@ def test_plan_errors():
     with pytest.raises(PlanError, match="cost='flops' is not valid: choose one of 'tokens', 'attention'"):
         plan_microbatches([5, 10], 16, cost="flops")
     with pytest.raises(PlanError, match="3 sequences cannot give 2 data-parallel ranks 2 micro-batch"):
-        plan_microbatches([5, 10, 3], 16, 2, min_microbatches=2)
+        plan_microbatches([5, 10, 3], 16, dp_size=2, min_microbatches=2)
     with pytest.raises(PlanError, match=r"lengths\[1\] = 0: drop empty sequences"):
         plan_microbatches([5, 0, 3], 16)
     # Three sequences that each fill a micro-batch cannot be dealt evenly to 2 ranks: an error, not a hang.
     with pytest.raises(PlanError, match="cannot give 2 data-parallel ranks the same number of micro-batches"):
-        plan_microbatches([16, 16, 16], 16, 2)
+        plan_microbatches([16, 16, 16], 16, dp_size=2)

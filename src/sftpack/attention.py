@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .handoff import real_token_mask
+
 __all__ = ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"]
 
 
@@ -126,17 +128,10 @@ def varlen_attention(
             causal=causal,
         )
         if mode:
-            real = _real_slots(cu, cup, T)
+            real = real_token_mask(cu, cup, T)
             out = out * real.view(T, 1, 1).to(out.dtype)
         return out
     return _reference(q, k, v, cu, cup, mode, causal, softmax_scale)
-
-
-def _real_slots(cu: torch.Tensor, cup: torch.Tensor, T: int) -> torch.Tensor:
-    padded = (cup[1:] - cup[:-1]).long()
-    real = (cu[1:] - cu[:-1]).long()
-    pos = torch.arange(T, device=cup.device) - torch.repeat_interleave(cup[:-1].long(), padded, output_size=T)
-    return pos < torch.repeat_interleave(real, padded, output_size=T)
 
 
 def _reference(

@@ -34,7 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from ._chat_read import Conversation
+from .chat._rows import Conversation
 
 __all__ = ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"]
 

@@ -31,8 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import varlen_attention
-from .batch import PackedBatch
-from .sample import IGNORE_INDEX, Sample
+from .handoff import IGNORE_INDEX, PackedBatch, Sample
 
 __all__ = [
     "ExactnessReport",

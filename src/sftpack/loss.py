@@ -40,8 +40,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .batch import PackedBatch
-from .sample import IGNORE_INDEX
+from .handoff import IGNORE_INDEX, PackedBatch, segment_ids
 
 __all__ = [
     "count_label_tokens",
@@ -150,12 +149,6 @@ def token_mean_loss(
     return total / denom * average_over_ranks
 
 
-def _segment_ids(packed: PackedBatch) -> torch.Tensor:
-    from .trainer import segment_ids
-
-    return segment_ids(packed)
-
-
 def sequence_loss_sums(
     logits: torch.Tensor, packed: PackedBatch
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +161,7 @@ def sequence_loss_sums(
         rank: all-reduce both over the CP group before dividing.
     """
     per_slot = token_losses(logits, packed)
-    seg = _segment_ids(packed)
+    seg = segment_ids(packed)
     n = packed.num_sequences
     sums = torch.zeros(n, dtype=per_slot.dtype, device=per_slot.device).index_add(0, seg, per_slot)
     counts = torch.zeros(n, dtype=torch.int64, device=seg.device).index_add(
@@ -191,7 +184,7 @@ def count_sequences(
     n = torch.zeros((), dtype=torch.int64, device=dev)
     for b in items:
         counts = torch.zeros(b.num_sequences, dtype=torch.int64, device=b.device).index_add(
-            0, _segment_ids(b), (b.labels != IGNORE_INDEX).to(torch.int64)
+            0, segment_ids(b), (b.labels != IGNORE_INDEX).to(torch.int64)
         )
         n = n + (counts > 0).sum().to(dev)
     return _all_reduce_sum(n, group)

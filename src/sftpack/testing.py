@@ -6,15 +6,14 @@ token id reads back as the text it came from: ``"hi"`` -> ``[104, 105]``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import torch
+from .data import CHATML_TEMPLATE
+from .handoff import Sample
 
-from .sample import Sample
-
-__all__ = ["CHAT_STYLES", "CharTokenizer", "padded_batch", "samples_from_lengths", "tiny_chat_tokenizer"]
+__all__ = ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"]
 
 
 class CharTokenizer:
@@ -65,12 +64,7 @@ def samples_from_lengths(lengths: Iterable[int], *, trainable_from: int = 0) -> 
 # several characters, and "\n\n" merges across a header/content boundary, as in
 # real vocabularies), the special tokens of one chat format, and its template.
 
-_CHATML = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+_CHATML = CHATML_TEMPLATE
 _CHATML_GEN = (
     "{% for message in messages %}"
     "{% if message['role'] == 'assistant' %}"
@@ -179,23 +173,3 @@ def tiny_chat_tokenizer(style: str = "chatml", *, generation: bool = False) -> A
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=specials[0])
     tok.chat_template = marked if generation else plain
     return tok
-
-
-def padded_batch(
-    samples: Sequence[Sample], seq_len: int | None = None, pad_id: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A right-padded batch of samples, as a data loader without packing hands it over:
-    ``input_ids`` ``(B, S)`` int64, ``lengths`` ``(B,)`` int64 and ``loss_mask`` ``(B, S)``
-    bool, row ``i`` holding sample ``i``. ``S`` defaults to the longest sample.
-
-    >>> ids, lengths, mask = padded_batch(samples_from_lengths([2, 3]), pad_id=-1)
-    >>> ids.tolist(), lengths.tolist()
-    ([[1000, 1001, -1], [2000, 2001, 2002]], [2, 3])
-    """
-    S = seq_len or max(len(s) for s in samples)
-    ids = torch.full((len(samples), S), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(samples), S), dtype=torch.bool)
-    for i, s in enumerate(samples):
-        ids[i, : len(s)] = torch.from_numpy(s.input_ids)
-        mask[i, : len(s)] = torch.from_numpy(s.loss_mask)
-    return ids, torch.tensor([len(s) for s in samples], dtype=torch.long), mask

@@ -63,9 +63,9 @@ from typing import Any, NamedTuple, overload
 
 import numpy as np
 
-from . import _binpack_kernels as _k
-from ._enums import StrEnum as _StrEnum
-from ._enums import choose
+from .._base import StrEnum as _StrEnum
+from .._base import choose, round_up
+from . import _kernels as _k
 
 __all__ = [
     "Algorithm",

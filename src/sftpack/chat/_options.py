@@ -9,8 +9,8 @@ are both accepted.
 
 from __future__ import annotations
 
-from ._enums import StrEnum as _StrEnum
-from ._enums import choose
+from .._base import StrEnum as _StrEnum
+from .._base import choose
 
 __all__ = ["BadRowReason", "OnBadRow", "Outcome", "Overlong", "TrainOn", "choose"]
 

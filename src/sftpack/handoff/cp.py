@@ -36,22 +36,37 @@ boundaries: Transformer Engine's context-parallel attention takes the whole
 sequences' ``cu_seqlens`` / ``cu_seqlens_padded`` and finds each rank's chunks
 itself (``thd_get_partitioned_indices`` is the same map as ``slot_index``).
 
-Why a subclass with its own ``validate()``: no shard of a row can satisfy the
-plain contract. The label at the end of chunk ``r`` legitimately points into
-chunk ``r+1``; the plain invariants would require ``-100`` there (it is the last
-local real token), which would drop targets from the loss. ``CPShard.validate()``
-checks the shard's own invariants instead: every field recomputed from the global
-boundaries, padding labelled ``-100``.
+Why :class:`CPShard` is a :class:`~sftpack.PackedBatch` subclass, not a type of
+its own: the contract promises that ``shard_for_cp`` returns the rank's
+``PackedBatch``, and everything that reads per-slot data works on a shard
+unchanged (the loss, ``segment_ids``, ``real_token_mask``, ``.to()``,
+``pin_memory()``, and Megatron's ``PackedSeqParams``, which takes the
+*global* boundaries and which :meth:`CPShard.to_packed_seq_params` returns).
+What differs is exactly two things, both overridden here rather than hidden:
+
+- ``validate()``: no shard satisfies the plain invariants. The label at the end
+  of chunk ``r`` legitimately points into chunk ``r+1``; the plain rule would
+  demand ``-100`` there (it is the last local real token) and drop targets from
+  the loss. The shard checks its own invariants: every field recomputed from the
+  global boundaries, padding labelled ``-100``.
+- the standalone adapters (``to_hf_kwargs``, ``flash_attn_kwargs``,
+  ``hf_labels``) treat each segment as a whole sequence attending only to
+  itself; a chunk needs the other ranks' keys and values, so they raise with
+  the two ways forward (Transformer Engine with the global boundaries, or
+  ``unshard_cp``). Composition would drop the ``PackedBatch`` promise to remove
+  three methods; a subclass keeps the promise and says no where it must.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._base import positive_int
 from .batch import PackedBatch, PackedBatchError
 from .sample import IGNORE_INDEX
 
@@ -62,11 +77,10 @@ __all__ = ["CPShard", "cp_slot_indices", "shard_for_cp", "unshard_cp"]
 
 
 def _check_cp(cp_size: Any, cp_rank: Any = 0) -> tuple[int, int]:
-    for name, v in (("cp_size", cp_size), ("cp_rank", cp_rank)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise PackedBatchError(f"{name} must be an int, got {v!r}")
-    if cp_size < 1:
-        raise PackedBatchError(f"cp_size must be >= 1, got {cp_size}")
+    cp_size = positive_int("cp_size", cp_size, error=PackedBatchError)
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, numbers.Integral):
+        raise PackedBatchError(f"cp_rank must be an int, got {cp_rank!r}")
+    cp_rank = int(cp_rank)
     if not 0 <= cp_rank < cp_size:
         raise PackedBatchError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
     return cp_size, cp_rank

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .batch import PackedBatch
-from .sample import Sample
+from ..handoff import PackedBatch, Sample
 
 __all__ = ["MapRow", "draw_row", "worked_example", "render_map", "save_map_png"]
 
@@ -41,7 +40,7 @@ def worked_example() -> list[MapRow]:
     offline = PackedBatch.from_samples([a, b], row_width=16)
     loader = PackedBatch.from_samples([a, b], row_width=36, pad_multiple=4)
     try:
-        from .trainer import pack_step
+        from ..trainer import pack_step
     except ImportError:  # pragma: no cover - trainer path not installed
         trainer = PackedBatch.from_samples([a, b], pad_multiple=4)
     else:

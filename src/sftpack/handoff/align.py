@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ._enums import StrEnum, choose
+from .._base import StrEnum, choose, positive_int, round_up
 
 if TYPE_CHECKING:  # pragma: no cover
     from .batch import PackedBatch
@@ -54,9 +54,7 @@ def _parse_fp8(fp8: Any) -> FP8Recipe | None:
 
 
 def _size(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise AlignmentError(f"{name} must be a positive integer, got {value!r}")
-    return value
+    return positive_int(name, value, error=AlignmentError)
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,8 @@ class Alignment:
 
     Attributes:
         seq_multiple: pad every sequence to a multiple of this
-            (``pack_step(pad_multiple=...)``, ``plan_microbatches(pad_multiple=...)``).
+            (``pack_step(pad_multiple=...)``, ``plan_microbatches(pad_multiple=...)``,
+            ``build_row(pad_multiple=...)``).
         row_multiple: pad the whole packed row to a multiple of this
             (``pack_step(pad_to_multiple_of=...)``); always a multiple of ``seq_multiple``.
         cp_size, tp_size, sequence_parallel, fp8: the layout it was computed for.
@@ -91,7 +90,7 @@ class Alignment:
         """Check a fixed row width (pipeline parallelism's ``pad_to``); return it."""
         _size("width", width)
         if width % self.row_multiple:
-            up = -(-width // self.row_multiple) * self.row_multiple
+            up = round_up(width, self.row_multiple)
             raise AlignmentError(
                 f"row width {width} is not a multiple of {self.row_multiple} ({self._why_row()}): use {up}"
             )

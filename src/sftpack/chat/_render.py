@@ -47,7 +47,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
-from ._chat_options import TrainOn
+from ._options import TrainOn
 
 __all__ = ["ChatRenderer", "TemplateError", "renderer_for"]
 

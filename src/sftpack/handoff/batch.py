@@ -31,26 +31,16 @@ import numpy as np
 import torch
 
 from .sample import IGNORE_INDEX, Sample, as_sample
+from .slots import real_token_mask
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported lazily
     from megatron.core.packed_seq_params import PackedSeqParams
 
-__all__ = ["PackedBatch", "PackedBatchError", "round_up"]
+__all__ = ["PackedBatch", "PackedBatchError"]
 
 
 class PackedBatchError(ValueError):
     """A :class:`PackedBatch` field breaks the contract (the message names it)."""
-
-
-def round_up(n: int | np.ndarray, multiple: int) -> Any:
-    """Smallest multiple of ``multiple`` that is ``>= n`` (elementwise for arrays)."""
-    return -(-n // multiple) * multiple
-
-
-def _check_multiple(name: str, value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
-        raise PackedBatchError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 @dataclass(eq=False)
@@ -67,8 +57,13 @@ class PackedBatch:
         cu_seqlens_padded: ``(N+1,)`` int32; physical segment starts, last entry ``T``.
         max_seqlen: the largest padded segment length (a kernel may be given a larger
             static bound; never a smaller one).
-        sequence_ids: optional, one id per sequence (which conversation each segment
-            holds); carried along, never read by the kernels.
+        sequence_ids: optional, one id per sequence: which sample / conversation
+            each segment holds (``Sample.conversation_id``); carried along, never
+            read by the kernels.
+        source_rows: optional, one int per sequence: the row of the padded
+            ``[B, S]`` batch each segment came from (set by
+            :func:`sftpack.trainer.pack_step`, read by :func:`unpack_padded`).
+        source_batch_size: optional ``B`` of that padded batch.
 
     A batch of several rows is one ``PackedBatch`` whose flat run is the rows laid
     end to end (THD has no row axis): see :meth:`concat`.
@@ -88,6 +83,8 @@ class PackedBatch:
     cu_seqlens_padded: torch.Tensor
     max_seqlen: int
     sequence_ids: tuple | None = None
+    source_rows: tuple | None = None
+    source_batch_size: int | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -127,11 +124,7 @@ class PackedBatch:
     @property
     def real_token_mask(self) -> torch.Tensor:
         """``(T,)`` bool: True on real tokens, False on padding slots."""
-        padded = self.padded_seqlens.long()
-        T = self.num_tokens
-        starts = torch.repeat_interleave(self.cu_seqlens_padded[:-1].long(), padded, output_size=T)
-        offset = torch.arange(T, device=self.device) - starts
-        return offset < torch.repeat_interleave(self.seqlens.long(), padded, output_size=T)
+        return real_token_mask(self.cu_seqlens, self.cu_seqlens_padded, self.num_tokens)
 
     @property
     def device(self) -> torch.device:
@@ -224,10 +217,10 @@ class PackedBatch:
                 f"PackedBatch.max_seqlen = {self.max_seqlen} is smaller than the largest padded segment "
                 f"length {int(padded.max())}; kernels would read out of bounds"
             )
-        if self.sequence_ids is not None and len(self.sequence_ids) != len(real):
-            raise PackedBatchError(
-                f"PackedBatch.sequence_ids has {len(self.sequence_ids)} entries for N={len(real)} sequences"
-            )
+        for name in ("sequence_ids", "source_rows"):
+            val = getattr(self, name)
+            if val is not None and len(val) != len(real):
+                raise PackedBatchError(f"PackedBatch.{name} has {len(val)} entries for N={len(real)} sequences")
         starts = np.repeat(cup_h[:-1], padded)
         expect_pos = np.arange(T, dtype=np.int64) - starts
         pos_h = pos.cpu().numpy()
@@ -265,71 +258,39 @@ class PackedBatch:
         pad_id: int = 0,
         device: torch.device | str | None = None,
     ) -> PackedBatch:
-        """Lay tokenized samples end to end in one row.
+        """Lay tokenized samples end to end in one row (a thin wrapper over
+        :func:`sftpack.handoff.build_row`, which takes flat arrays).
 
         Args:
             samples: :class:`~sftpack.Sample` objects (or dicts with ``input_ids`` and
                 ``loss_mask``, or bare id sequences, all tokens trainable).
             pad_multiple: pad each sequence to a multiple of this (``2 * CP`` for
                 context parallelism, see :func:`sftpack.trainer.pad_multiple_for`).
-            row_width: fixed row width ``T``; the tail padding is folded into the last
-                segment. ``None``: the row is exactly as wide as its padded sequences.
+            row_width: fixed row width ``T``, a multiple of ``pad_multiple``; the tail
+                padding is folded into the last segment. ``None``: the row is exactly
+                as wide as its padded sequences.
             pad_id: token id written into padding slots.
             device: where to put the tensors.
 
         Raises:
-            PackedBatchError: no samples, or the padded sequences do not fit ``row_width``.
+            PackedBatchError: no samples, a ``row_width`` that is not a multiple of
+                ``pad_multiple``, or padded sequences that do not fit ``row_width``.
         """
-        pad_multiple = _check_multiple("pad_multiple", pad_multiple)
+        from .build import build_row
+
         items = [as_sample(s, i) for i, s in enumerate(samples)]
         if not items:
             raise PackedBatchError("PackedBatch.from_samples needs at least one sample, got none")
-        real = np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items))
-        padded = round_up(real, pad_multiple)
-        total = int(padded.sum())
-        if row_width is not None:
-            row_width = _check_multiple("row_width", row_width)
-            if total > row_width:
-                raise PackedBatchError(
-                    f"{len(items)} sequences of {int(real.sum())} tokens take {total} slots after padding each "
-                    f"to a multiple of {pad_multiple}, more than row_width={row_width}: pack fewer sequences "
-                    "per row (sftpack.binpack with cost_multiple=pad_multiple) or raise row_width"
-                )
-            padded[-1] += row_width - total
-            total = row_width
-        cu = np.zeros(len(items) + 1, dtype=np.int64)
-        np.cumsum(real, out=cu[1:])
-        cup = np.zeros(len(items) + 1, dtype=np.int64)
-        np.cumsum(padded, out=cup[1:])
-
-        ids_cat = np.concatenate([s.input_ids for s in items])
-        # Target of token j is token j+1 if it is trainable and in the same sequence.
-        mask_cat = np.concatenate([s.loss_mask for s in items])
-        nxt_ok = np.zeros(ids_cat.shape[0], dtype=bool)
-        nxt_ok[:-1] = mask_cat[1:]
-        nxt_ok[cu[1:] - 1] = False  # last real token of every sequence
-        nxt_ids = np.empty_like(ids_cat)
-        nxt_ids[:-1] = ids_cat[1:]
-        nxt_ids[-1] = IGNORE_INDEX
-        lab_cat = np.where(nxt_ok, nxt_ids, IGNORE_INDEX)
-
-        # Physical slot of every real token: its segment start + its offset in the sequence.
-        slot = np.arange(ids_cat.shape[0], dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
-        input_ids = np.full(total, pad_id, dtype=np.int64)
-        labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
-        input_ids[slot] = ids_cat
-        labels[slot] = lab_cat
-        position_ids = np.arange(total, dtype=np.int64) - np.repeat(cup[:-1], padded)
-        batch = cls(
-            input_ids=torch.from_numpy(input_ids),
-            labels=torch.from_numpy(labels),
-            position_ids=torch.from_numpy(position_ids),
-            cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-            cu_seqlens_padded=torch.from_numpy(cup.astype(np.int32)),
-            max_seqlen=int(padded.max()),
-            sequence_ids=tuple(s.conversation_id for s in items),
+        return build_row(
+            np.concatenate([s.input_ids for s in items]),
+            np.concatenate([s.loss_mask for s in items]),
+            np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items)),
+            row_width=row_width,
+            pad_multiple=pad_multiple,
+            pad_id=pad_id,
+            sequence_ids=[s.conversation_id for s in items],
+            device=device,
         )
-        return batch.to(device) if device is not None else batch
 
     @classmethod
     def concat(cls, batches: Sequence[PackedBatch]) -> PackedBatch:

@@ -27,10 +27,10 @@ from dataclasses import asdict, dataclass
 from itertools import islice
 from typing import Any
 
-from ._chat_options import Overlong, TrainOn
-from ._chat_render import renderer_for
-from ._chat_tokenize import Encoded, _as_item, _backend, _encode_many, _encode_stream, _Options, _options
-from .sample import Sample
+from ._options import Overlong, TrainOn
+from ._render import renderer_for
+from ._tokenize import Encoded, _as_item, _backend, _encode_many, _encode_stream, _Options, _options
+from ..handoff.sample import Sample
 
 __all__ = ["TokenizeStats", "TokenizedConversations", "tokenize_conversations"]
 

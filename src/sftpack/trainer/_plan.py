@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ._enums import StrEnum, choose
+from .._base import StrEnum, choose, positive_int, round_up
 
 __all__ = ["CostModel", "MicrobatchPlan", "PlanError", "plan_microbatches"]
 
@@ -90,10 +90,10 @@ class MicrobatchPlan:
 def plan_microbatches(
     lengths: Any,
     token_budget: int,
+    *,
     dp_size: int = 1,
     cost: CostModel | str = "tokens",
     pad_multiple: int = 1,
-    *,
     algorithm: str = "bfd",
     min_microbatches: int | None = None,
     max_sequences_per_microbatch: int | None = None,
@@ -128,12 +128,12 @@ def plan_microbatches(
     >>> plan.tokens.tolist()  # padded tokens per micro-batch (each <= 16)
     [[16, 12], [16, 4]]
     """
-    from . import binpack
+    from .. import binpack
 
     cost = choose(CostModel, cost, "cost", PlanError)
-    for name, v in (("token_budget", token_budget), ("dp_size", dp_size), ("pad_multiple", pad_multiple)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise PlanError(f"{name} must be a positive integer, got {v!r}")
+    token_budget = positive_int("token_budget", token_budget, error=PlanError)
+    dp_size = positive_int("dp_size", dp_size, error=PlanError)
+    pad_multiple = positive_int("pad_multiple", pad_multiple, error=PlanError)
     per_rank = 1 if min_microbatches is None else int(min_microbatches)
     if per_rank < 1:
         raise PlanError(f"min_microbatches must be >= 1, got {min_microbatches}")
@@ -152,7 +152,7 @@ def plan_microbatches(
     if n and arr.min() < 1:
         i = int(np.flatnonzero(arr < 1)[0])
         raise PlanError(f"lengths[{i}] = {int(arr[i])}: drop empty sequences before planning")
-    padded = -(-arr // pad_multiple) * pad_multiple
+    padded = round_up(arr, pad_multiple)
     over = np.flatnonzero(padded > token_budget)
     if over.size:
         i = int(over[0])

@@ -2,7 +2,7 @@
 
 The pipeline per conversation is *render once, tokenize once*::
 
-    text, spans = renderer.spans(messages)            # _chat_render: trainable [start, end) chars
+    text, spans = renderer.spans(messages)            # _render: trainable [start, end) chars
     encoding    = fast_tokenizer.encode_batch(texts)  # Rust, a batch at a time
     loss_mask   = tokens whose first character lies in a span
     samples     = over-long policy (fit / truncate / drop / split)
@@ -21,7 +21,7 @@ already rendered texts (rendering about 3%, masking and the samples the rest);
 in wall-clock time it keeps up with it (0.8-1.3x measured), because the Python
 work on one batch runs while a helper thread encodes the previous one in Rust.
 
-Batches of many conversations, stats and worker processes: ``_chat_batch``.
+Batches of many conversations, stats and worker processes: ``_batch``.
 """
 
 from __future__ import annotations
@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from ._chat_options import Outcome, Overlong, TrainOn, choose
-from ._chat_render import renderer_for
-from ._chat_rows import Conversation
-from .sample import Sample
+from ._options import Outcome, Overlong, TrainOn, choose
+from ._render import renderer_for
+from ._rows import Conversation
+from ..handoff.sample import Sample
 
 __all__ = ["Encoded", "OverlongError", "encode_conversation", "mask_from_offsets", "tokenize_conversation"]
 

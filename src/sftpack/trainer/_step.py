@@ -1,32 +1,7 @@
-"""The trainer path: pack an already padded ``[B, S]`` batch at the training step.
+"""``pack_step``: a right-padded ``[B, S]`` batch packed into one flat row at the step.
 
-The data loader hands the step an ordinary right-padded batch; :func:`pack_step`
-turns it, on whatever device it lives, into one flat :class:`~sftpack.PackedBatch`
-as wide as this batch needs. Batch ``[2, 10]`` with lengths 5 and 10, each
-sequence padded to a multiple of 4 (context parallelism 2)::
-
-    input_ids [B, S]          A A A A A . . . . .        pack_step        A A A A A . . . | B B B B B B B B B B . .
-                              B B B B B B B B B B    ------------->       cu_seqlens        [0, 5, 15]
-                                                                          cu_seqlens_padded [0, 8, 20]
-
-Everything is a handful of vectorised tensor operations over the ``T`` output
-slots (no Python loop over sequences or tokens), so the same code runs on CPU
-and CUDA tensors. The only host synchronisation is the one the output shape
-needs: ``T``, ``N`` and ``max_seqlen`` (plus the input checks) come back in one
-small transfer. On 2 CPU cores, ``B=64, S=4096`` with real SFT lengths (~55k
-real tokens) packs in about 2 ms, about 2x a bare boolean-mask gather of the real
-tokens, the least any packer must do (``benchmarks/bench_trainer.py``).
-
-This module also holds what meets packing at the step:
-
-- :func:`pad_multiple_for`: the per-sequence and per-row multiples that context
-  parallelism, sequence parallelism and FP8 need.
-- :func:`shard_for_cp` / :func:`unshard_cp` / :func:`cp_slot_indices`: a row cut
-  for context parallelism and put back together.
-- :func:`unpack` / :func:`unpack_padded`: per-slot values back to sequences.
-- :func:`plan_microbatches`: token-budget micro-batches balanced over
-  data-parallel ranks (bins from :mod:`sftpack.binpack`).
-- The loss normalisation lives in :mod:`sftpack.loss`.
+Vectorised tensor operations over the ``T`` output slots, the same code on CPU
+and CUDA; one small host transfer for the output shape and the checks.
 """
 
 from __future__ import annotations
@@ -37,38 +12,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ._trainer_align import Alignment, AlignmentError, FP8Recipe, pad_multiple_for
-from ._trainer_cp import CPShard, cp_slot_indices, shard_for_cp, unshard_cp
-from ._trainer_plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
-from .batch import PackedBatch, PackedBatchError
-from .sample import IGNORE_INDEX
+from .._base import positive_int, round_up
+from ..handoff import IGNORE_INDEX, PackedBatch, PackedBatchError
 
-__all__ = [
-    "Alignment",
-    "AlignmentError",
-    "CPShard",
-    "CostModel",
-    "FP8Recipe",
-    "MicrobatchPlan",
-    "PlanError",
-    "cp_slot_indices",
-    "pack_step",
-    "pad_multiple_for",
-    "plan_microbatches",
-    "segment_ids",
-    "shard_for_cp",
-    "unpack",
-    "unpack_padded",
-    "unshard_cp",
-]
+__all__ = ["pack_step"]
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or int(value) < 1:
-        raise PackedBatchError(f"pack_step: {name} must be a positive integer, got {value!r}")
-    return int(value)
+    return positive_int(name, value, error=PackedBatchError, allow_none=allow_none, who="pack_step")
 
 
 def _batch_tensor(name: str, t: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
@@ -87,11 +38,12 @@ def pack_step(
     input_ids: torch.Tensor,
     lengths: torch.Tensor | Sequence[int] | np.ndarray | None = None,
     loss_mask: torch.Tensor | None = None,
+    *,
     pad_multiple: int = 1,
     pad_to_multiple_of: int | None = None,
     pad_to: int | None = None,
     pad_id: int = 0,
-    *,
+    sequence_ids: Sequence[Any] | None = None,
     attention_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
 ) -> PackedBatch:
@@ -115,7 +67,10 @@ def pack_step(
         pad_to: fixed row width ``T`` (pipeline parallelism needs one width for
             every micro-batch). Must be a multiple of ``pad_multiple`` and of
             ``pad_to_multiple_of``; raises if the padded sequences do not fit.
-        pad_id: id written into padding slots.
+        pad_id: integer id written into padding slots.
+        sequence_ids: optional ``B`` ids, one per batch row (the conversation each
+            row holds); the result's ``sequence_ids`` keeps those of the non-empty
+            rows. Default ``None``.
         attention_mask: ``(B, S)``, nonzero on real tokens; must be right-padded
             (ones then zeros in every row). Alternative to ``lengths``.
         labels: ``(B, S)`` int, Hugging Face convention (unshifted, -100 = ignore):
@@ -125,12 +80,13 @@ def pack_step(
     Returns:
         A :class:`~sftpack.PackedBatch` on ``input_ids.device``: the ``N`` non-empty
         rows in batch order, each padded to ``pad_multiple``, the row's tail folded
-        into the last segment. ``sequence_ids`` holds each segment's batch row.
+        into the last segment. ``source_rows`` holds each segment's batch row
+        and ``source_batch_size`` is ``B`` (what :func:`unpack_padded` reads).
         Identical to ``PackedBatch.from_samples`` on the same sequences.
 
     Rows of length 0 are skipped (they hold no tokens and no targets; a data-parallel
     rank that pads its batch with empty rows keeps working): ``N`` is the number of
-    non-empty rows and ``sequence_ids`` says which rows they were. A batch whose
+    non-empty rows and ``source_rows`` says which rows they were. A batch whose
     rows are all empty raises.
 
     Raises:
@@ -160,6 +116,10 @@ def pack_step(
     if B == 0 or S == 0:
         raise PackedBatchError(f"pack_step: the batch is empty (shape {(B, S)})")
     dev = input_ids.device
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise PackedBatchError(f"pack_step: pad_id must be an integer token id, got {pad_id!r}")
+    if sequence_ids is not None and len(sequence_ids) != B:
+        raise PackedBatchError(f"pack_step: sequence_ids has {len(sequence_ids)} entries for a batch of B={B} rows")
     m = _positive_int("pad_multiple", pad_multiple)
     row_mult = _positive_int("pad_to_multiple_of", pad_to_multiple_of, allow_none=True)
     width = _positive_int("pad_to", pad_to, allow_none=True)
@@ -175,7 +135,7 @@ def pack_step(
         name, mult = ("pad_to_multiple_of", row_mult) if row_mult else ("pad_multiple", m)
         raise PackedBatchError(
             f"pack_step: pad_to={width} is not a multiple of {name}={mult}; the last sequence absorbs the row's "
-            f"tail and would lose its alignment: use pad_to={int(-(-width // mult) * mult)}"
+            f"tail and would lose its alignment: use pad_to={round_up(width, mult)}"
         )
     if lengths is not None and attention_mask is not None:
         raise PackedBatchError("pack_step: give lengths or attention_mask, not both")
@@ -205,7 +165,7 @@ def pack_step(
 
     # One host transfer for everything the output shape and the checks need. It
     # happens where `lengths` lives: a host-side lengths costs no device sync.
-    padded_src = -(-lens_src // m) * m
+    padded_src = round_up(lens_src, m)
     nonempty = lens_src > 0
     last = torch.argmax(nonempty.to(torch.int64) * torch.arange(1, B + 1, device=lens_src.device))
     stats_parts = [
@@ -237,7 +197,7 @@ def pack_step(
     # ------------------------------------------------------------ row width
     T = total
     if row_mult is not None:
-        T = -(-T // row_mult) * row_mult
+        T = round_up(T, row_mult)
     if width is not None:
         if total > width:
             raise PackedBatchError(
@@ -252,13 +212,13 @@ def pack_step(
     lens = lens_src.to(dev, non_blocking=True)
     if n < B:  # rare: drop empty rows (one more read where `lengths` lives, only on this path)
         kept = torch.nonzero(lens_src > 0).reshape(-1)
-        sequence_ids: tuple = tuple(kept.tolist())
+        source_rows: tuple = tuple(kept.tolist())
         rows = kept.to(dev, non_blocking=True)
         lens = lens.index_select(0, rows)
     else:
         rows = torch.arange(B, device=dev)
-        sequence_ids = tuple(range(B))
-    padded = -(-lens // m) * m
+        source_rows = tuple(range(B))
+    padded = round_up(lens, m)
     if tail:
         padded = torch.cat([padded[:-1], padded[-1:] + tail])
     cup = torch.zeros(n + 1, dtype=torch.int64, device=dev)
@@ -301,115 +261,9 @@ def pack_step(
         cu_seqlens=cu.to(torch.int32),
         cu_seqlens_padded=cup.to(torch.int32),
         max_seqlen=int(max_seqlen),
-        sequence_ids=sequence_ids,
+        sequence_ids=None if sequence_ids is None else tuple(sequence_ids[r] for r in source_rows),
+        source_rows=source_rows,
+        source_batch_size=B,
     )
 
 
-# ---------------------------------------------------------------- unpacking
-def segment_ids(packed: PackedBatch) -> torch.Tensor:
-    """``(T,)`` int64: the segment (sequence) index of every slot, padding included.
-
-    Computed from ``cu_seqlens_padded`` without a host sync (``T`` is known from the
-    tensor shapes).
-    """
-    padded = (packed.cu_seqlens_padded[1:] - packed.cu_seqlens_padded[:-1]).long()
-    n = padded.shape[0]
-    return torch.repeat_interleave(torch.arange(n, device=padded.device), padded, output_size=packed.num_tokens)
-
-
-def _real_slots(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(seg, offset, real)`` per slot: segment index, offset in the segment, real?
-
-    Read from the boundaries, not from ``position_ids`` (never infer boundaries from
-    positions: a CP shard or a user's own positions may differ).
-    """
-    seg = segment_ids(packed)
-    offset = torch.arange(packed.num_tokens, device=seg.device) - packed.cu_seqlens_padded.long()[seg]
-    real = offset < (packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]).long()[seg]
-    return seg, offset, real
-
-
-def _check_values(values: torch.Tensor, packed: PackedBatch, who: str) -> None:
-    if not isinstance(values, torch.Tensor) or values.dim() < 1 or values.shape[0] != packed.num_tokens:
-        shape = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
-        raise PackedBatchError(
-            f"{who}: values must have one entry per slot, shape (T={packed.num_tokens}, ...), got {shape}"
-        )
-    if isinstance(packed, CPShard):
-        raise PackedBatchError(
-            f"{who}: got a context-parallel shard; put the row back together first with unshard_cp(pieces, packed)"
-        )
-
-
-def unpack(values: torch.Tensor, packed: PackedBatch) -> list[torch.Tensor]:
-    """Per-slot values back to one tensor per sequence, real tokens only.
-
-    Args:
-        values: ``(T, ...)`` anything computed per slot of ``packed`` (logits,
-            per-token losses, log-probs, hidden states, ``packed.input_ids``).
-        packed: the batch the values belong to.
-
-    Returns:
-        ``N`` tensors, sequence ``i`` of shape ``(l_i, ...)`` with ``l_i`` its real
-        length; views into one gathered tensor (differentiable).
-
-    >>> b = pack_step(torch.tensor([[7, 8, 0], [9, 9, 9]]), [2, 3], pad_multiple=2)
-    >>> [x.tolist() for x in unpack(b.input_ids, b)]
-    [[7, 8], [9, 9, 9]]
-    """
-    _check_values(values, packed, "unpack")
-    _, _, real = _real_slots(packed)
-    flat = values[real]
-    return list(torch.split(flat, packed.seqlens.tolist()))
-
-
-def unpack_padded(
-    values: torch.Tensor,
-    packed: PackedBatch,
-    *,
-    rows: Sequence[int] | torch.Tensor | None = None,
-    batch_size: int | None = None,
-    seq_len: int | None = None,
-    padding_value: float | int = 0,
-) -> torch.Tensor:
-    """Per-slot values back to a right-padded ``(B, S, ...)`` batch.
-
-    The exact inverse of :func:`pack_step` on real tokens:
-    ``unpack_padded(b.input_ids, b, seq_len=S)`` gives back ``input_ids`` with
-    ``padding_value`` after each row's real tokens.
-
-    Args:
-        values: ``(T, ...)`` per-slot values of ``packed``.
-        packed: the batch they belong to.
-        rows: the batch row of each sequence (``N`` entries). Default: sequence
-            ``i`` goes to row ``i``. When ``pack_step`` skipped empty rows, pass
-            ``rows=packed.sequence_ids`` (it records each segment's row there) and
-            the original ``batch_size``.
-        batch_size: ``B``; default ``max(rows) + 1``.
-        seq_len: ``S``; default the longest real length.
-        padding_value: written after each row's real tokens (and into empty rows).
-
-    Returns:
-        ``(B, S, *values.shape[1:])``, same dtype and device as ``values``.
-    """
-    _check_values(values, packed, "unpack_padded")
-    seg, offset, real = _real_slots(packed)
-    n = packed.num_sequences
-    dev = values.device
-    if rows is None:
-        row_of = torch.arange(n, device=dev)
-    else:
-        row_of = torch.as_tensor(list(rows) if not isinstance(rows, torch.Tensor) else rows, device=dev).long()
-        if row_of.shape != (n,):
-            raise PackedBatchError(f"unpack_padded: rows has {tuple(row_of.shape)} entries for N={n} sequences")
-    B = int(row_of.max()) + 1 if batch_size is None else int(batch_size)
-    S = int(packed.seqlens.max()) if seq_len is None else int(seq_len)
-    longest = int(packed.seqlens.max())
-    if S < longest:
-        raise PackedBatchError(f"unpack_padded: seq_len={S} is shorter than the longest sequence ({longest} tokens)")
-    if int(row_of.min()) < 0 or int(row_of.max()) >= B:
-        raise PackedBatchError(f"unpack_padded: rows {row_of.tolist()} fall outside a batch of {B} rows")
-    dest = row_of[seg[real]] * S + offset[real]
-    out = values.new_full((B * S, *values.shape[1:]), padding_value)
-    out = out.index_copy(0, dest, values[real])
-    return out.view(B, S, *values.shape[1:])

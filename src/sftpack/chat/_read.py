@@ -12,7 +12,7 @@ saved with ``save_to_disk`` or a folder of such files, read in sorted order):
   ``"folder[16]"`` or ``"dataset[16]"``.
 
 A row holds either OpenAI-style ``messages`` or ShareGPT ``conversations``; its
-checks live in ``_chat_rows``.
+checks live in ``_rows``.
 
 Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
@@ -39,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._chat_options import BadRowReason, OnBadRow, choose
-from ._chat_rows import ROLES, BadRowError, Conversation, _Bad, _messages
+from ._options import BadRowReason, OnBadRow, choose
+from ._rows import ROLES, BadRowError, Conversation, _Bad, _messages
 
 __all__ = ["ConversationReader", "ReadStats", "read_conversations"]
 

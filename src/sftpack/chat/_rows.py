@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ._chat_options import BadRowReason
+from ._options import BadRowReason
 
 __all__ = ["ROLES", "SHAREGPT_ROLES", "BadRowError", "Conversation", "validate_messages"]
 

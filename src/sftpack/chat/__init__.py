@@ -2,19 +2,19 @@
 
 The public face of private modules, one concept each:
 
-* ``_chat_options``: the choices (``StrEnum``), validated up front.
-* ``_chat_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
+* ``_options``: the choices (``StrEnum``), validated up front.
+* ``_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
   ``conversations``) and its checks; :class:`BadRowError`.
-* ``_chat_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
+* ``_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
   Face datasets with bounded memory; every bad row is either an exception naming
   file, line and fix, or a count under its reason
   (``stats.read == stats.kept + sum(stats.dropped.values())``).
-* ``_chat_render``: the chat template's text and its trainable characters, with
+* ``_render``: the chat template's text and its trainable characters, with
   or without ``{% generation %}`` markers (one render per conversation on the
   fast path, the prefix-diff reference otherwise).
-* ``_chat_tokenize``: :func:`tokenize_conversation` / :func:`encode_conversation`:
+* ``_tokenize``: :func:`tokenize_conversation` / :func:`encode_conversation`:
   tokens, ``loss_mask`` and the over-long policy.
-* ``_chat_batch``: :func:`tokenize_conversations`: the same in batches,
+* ``_batch``: :func:`tokenize_conversations`: the same in batches,
   optionally in worker processes, in a deterministic order, with stats.
 
 What is trained on (``train_on="all_assistant"``), in ChatML::
@@ -36,12 +36,12 @@ system and user turns, not the newline between turns.
 
 from __future__ import annotations
 
-from ._chat_batch import TokenizedConversations, TokenizeStats, tokenize_conversations
-from ._chat_options import BadRowReason, OnBadRow, Outcome, Overlong, TrainOn
-from ._chat_read import ConversationReader, ReadStats, read_conversations
-from ._chat_render import ChatRenderer, TemplateError, renderer_for
-from ._chat_rows import ROLES, SHAREGPT_ROLES, BadRowError, Conversation, validate_messages
-from ._chat_tokenize import (
+from ._batch import TokenizedConversations, TokenizeStats, tokenize_conversations
+from ._options import BadRowReason, OnBadRow, Outcome, Overlong, TrainOn
+from ._read import ConversationReader, ReadStats, read_conversations
+from ._render import ChatRenderer, TemplateError, renderer_for
+from ._rows import ROLES, SHAREGPT_ROLES, BadRowError, Conversation, validate_messages
+from ._tokenize import (
     Encoded,
     OverlongError,
     encode_conversation,

@@ -1,0 +1,71 @@
+"""The ``sftpack`` command line: the only place that prints.
+
+    sftpack map [--png FILE]   the contract's worked example at the three packing moments
+    sftpack demo               the main job on the embedded default
+    sftpack bench [PATHS]      what packing saves on your conversations, per algorithm
+
+Each command is a module of this package with ``register(subparsers)``. A user
+error (a bad option, a bad file, a conversation that cannot be packed) prints
+one line, ``sftpack <command>: <what> (<fix>)``, and exits 2 for usage errors
+and 1 for data errors; ``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from ._common import UsageError
+
+__all__ = ["build_parser", "main"]
+
+#: command modules, in the order ``sftpack --help`` lists them
+_COMMANDS = ("_map", "_demo", "_bench")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="sftpack",
+        description="Pack SFT conversations into flat rows for variable-length (THD) attention.",
+    )
+    p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMANDS:
+        importlib.import_module(f"{__name__}.{name}").register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except UsageError as e:
+        if args.debug:
+            raise
+        print(f"sftpack {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"sftpack {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, RuntimeError) as e:
+        if args.debug:
+            raise
+        print(f"sftpack {args.command}: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
+        text = f"{e.filename}: {text}"
+    return " ".join(text.split("\n"))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The handoff: what every packing path gives the model, and every operation on it.
+
+Every path (:mod:`sftpack.offline`, :mod:`sftpack.loader`, :mod:`sftpack.trainer`)
+ends here and every consumer (:mod:`sftpack.attention`, :mod:`sftpack.loss`,
+Megatron, Hugging Face, flash-attn) starts here. The paths take these names from
+this package, never from each other.
+
+- ``sample``: :class:`Sample`, one tokenized conversation; ``IGNORE_INDEX``.
+- ``batch``: :class:`PackedBatch`, its validation and kernel adapters.
+- ``build``: :func:`build_row` (a row from flat arrays) and :func:`padded_lengths`
+  (the bin cost that equals what the builder lays).
+- ``align``: :func:`pad_multiple_for`, the multiples CP / TP / FP8 need.
+- ``cp``: :func:`shard_for_cp`, :func:`unshard_cp`, :class:`CPShard`.
+- ``slots``: :func:`segment_ids`, :func:`real_token_mask` from the boundaries.
+- ``unpack``: :func:`unpack`, :func:`unpack_padded`.
+"""
+
+from __future__ import annotations
+
+from .align import Alignment, AlignmentError, FP8Recipe, pad_multiple_for
+from .batch import PackedBatch, PackedBatchError
+from .build import build_row, padded_lengths
+from .cp import CPShard, cp_slot_indices, shard_for_cp, unshard_cp
+from .sample import IGNORE_INDEX, Sample, as_sample
+from .slots import real_token_mask, slot_layout
+from .unpack import segment_ids, unpack, unpack_padded
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Alignment",
+    "AlignmentError",
+    "CPShard",
+    "FP8Recipe",
+    "PackedBatch",
+    "PackedBatchError",
+    "Sample",
+    "as_sample",
+    "build_row",
+    "cp_slot_indices",
+    "pad_multiple_for",
+    "padded_lengths",
+    "real_token_mask",
+    "segment_ids",
+    "shard_for_cp",
+    "slot_layout",
+    "unpack",
+    "unpack_padded",
+    "unshard_cp",
+]

@@ -1,0 +1,8 @@
+"""The faces' data: what ``sftpack map``, ``sftpack bench`` and ``sftpack demo``
+show, computed and returned, never printed (only :mod:`sftpack.cli` prints).
+
+- ``layout``: the contract's worked example built by each path's own code, and
+  its drawings (text, PNG).
+- ``savings``: what packing saves on a set of lengths, per algorithm.
+- ``demo``: the main job on the embedded default, as a stream of sections.
+"""

@@ -1,0 +1,72 @@
+"""The trainer path: pack an already padded ``[B, S]`` batch at the training step.
+
+The data loader hands the step an ordinary right-padded batch; :func:`pack_step`
+turns it, on whatever device it lives, into one flat :class:`~sftpack.PackedBatch`
+as wide as this batch needs. Batch ``[2, 10]`` with lengths 5 and 10, each
+sequence padded to a multiple of 4 (context parallelism 2)::
+
+    input_ids [B, S]          A A A A A . . . . .        pack_step        A A A A A . . . | B B B B B B B B B B . .
+                              B B B B B B B B B B    ------------->       cu_seqlens        [0, 5, 15]
+                                                                          cu_seqlens_padded [0, 8, 20]
+
+Everything is a handful of vectorised tensor operations over the ``T`` output
+slots (no Python loop over sequences or tokens), so the same code runs on CPU
+and CUDA tensors. The only host synchronisation is the one the output shape
+needs: ``T``, ``N`` and ``max_seqlen`` (plus the input checks) come back in one
+small transfer. On 2 CPU cores, ``B=64, S=4096`` with real SFT lengths (~55k
+real tokens) packs in about 2 ms, about 2x a bare boolean-mask gather of the real
+tokens, the least any packer must do (``benchmarks/bench_trainer.py``).
+
+The path itself is two modules:
+
+- ``_step``: :func:`pack_step`.
+- ``_plan``: :func:`plan_microbatches`, token-budget micro-batches balanced
+  over data-parallel ranks (bins from :mod:`sftpack.binpack`).
+- ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``
+  batch an unpacked loader hands over (the input of :func:`pack_step`).
+
+What every path shares lives in :mod:`sftpack.handoff` and is re-exported here
+for convenience (and for the contract's names): :func:`pad_multiple_for`,
+:func:`shard_for_cp` / :func:`unshard_cp` / :func:`cp_slot_indices`,
+:func:`unpack` / :func:`unpack_padded`, :func:`segment_ids`. The loss
+normalisation lives in :mod:`sftpack.loss`.
+"""
+
+from __future__ import annotations
+
+from ..handoff import (
+    Alignment,
+    AlignmentError,
+    CPShard,
+    FP8Recipe,
+    cp_slot_indices,
+    pad_multiple_for,
+    segment_ids,
+    shard_for_cp,
+    unpack,
+    unpack_padded,
+    unshard_cp,
+)
+from ._padded import padded_batch
+from ._plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
+from ._step import pack_step
+
+__all__ = [
+    "Alignment",
+    "AlignmentError",
+    "CPShard",
+    "CostModel",
+    "FP8Recipe",
+    "MicrobatchPlan",
+    "PlanError",
+    "cp_slot_indices",
+    "pack_step",
+    "pad_multiple_for",
+    "padded_batch",
+    "plan_microbatches",
+    "segment_ids",
+    "shard_for_cp",
+    "unpack",
+    "unpack_padded",
+    "unshard_cp",
+]
