@@ -64,7 +64,7 @@ from typing import Any, NamedTuple, overload
 import numpy as np
 
 from .._base import StrEnum as _StrEnum
-from .._base import choose, round_up
+from .._base import choose
 from . import _kernels as _k
 
 __all__ = [

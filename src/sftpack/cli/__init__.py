@@ -4,7 +4,8 @@
     sftpack demo               the main job on the embedded default
     sftpack bench [PATHS]      what packing saves on your conversations, per algorithm
 
-Each command is a module of this package with ``register(subparsers)``. A user
+Each command is a module ``_<name>.py`` of this package with
+``register(subparsers)`` (found at start, listed in :data:`_ORDER`'s order). A user
 error (a bad option, a bad file, a conversation that cannot be packed) prints
 one line, ``sftpack <command>: <what> (<fix>)``, and exits 2 for usage errors
 and 1 for data errors; ``--debug`` shows the traceback instead.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import pkgutil
 import sys
 from collections.abc import Sequence
 
@@ -21,8 +23,14 @@ from ._common import UsageError
 
 __all__ = ["build_parser", "main"]
 
-#: command modules, in the order ``sftpack --help`` lists them
-_COMMANDS = ("_map", "_demo", "_bench")
+#: the order ``sftpack --help`` lists commands in (others follow alphabetically)
+_ORDER = ("prepack", "inspect", "train", "map", "demo", "bench")
+
+
+def _command_modules() -> list[str]:
+    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("_") and m.name != "_common"]
+    rank = {f"_{n}": i for i, n in enumerate(_ORDER)}
+    return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,8 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show Python tracebacks for errors")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMANDS:
-        importlib.import_module(f"{__name__}.{name}").register(sub)
+    for name in _command_modules():
+        module = importlib.import_module(f"{__name__}.{name}")
+        if hasattr(module, "register"):
+            module.register(sub)
     return p
 
 
