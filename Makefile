@@ -23,7 +23,11 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
-	for f in benchmarks/bench_*.py; do $(PY) $$f || exit 1; done
+	@failed=""; for f in benchmarks/bench_*.py; do \
+		echo "== $$f"; $(PY) $$f || failed="$$failed $$f"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "benchmarks that failed:$$failed"; exit 1; fi; \
+	echo "all benchmarks ran"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis src/*.egg-info

@@ -212,6 +212,11 @@ class PackedBatch:
                 f"PackedBatch.cu_seqlens_padded[-1] must equal T = len(input_ids) = {T}, got "
                 f"{cup_h[-1]}; fold the row's tail padding into the last segment"
             )
+        if isinstance(self.max_seqlen, bool) or not isinstance(self.max_seqlen, (int, np.integer)):
+            raise PackedBatchError(
+                f"PackedBatch.max_seqlen must be an int (the largest padded segment length, here "
+                f"{int(padded.max())}), got {self.max_seqlen!r}"
+            )
         if int(self.max_seqlen) < int(padded.max()):
             raise PackedBatchError(
                 f"PackedBatch.max_seqlen = {self.max_seqlen} is smaller than the largest padded segment "
@@ -244,6 +249,18 @@ class PackedBatch:
             raise PackedBatchError(
                 f"PackedBatch.labels[{slot}] = {int(lab_h[slot])} but slot {slot} is {what}; its label must be "
                 f"{IGNORE_INDEX} so that no label crosses a sequence boundary"
+            )
+        # Every other label is the next token (shifted within the sequence) or -100.
+        ids_h = ids.cpu().numpy()
+        nxt = np.empty(T, dtype=np.int64)
+        nxt[:-1] = ids_h[1:]
+        nxt[-1] = IGNORE_INDEX
+        wrong = np.flatnonzero((lab_h != IGNORE_INDEX) & (lab_h != nxt))
+        if wrong.size:
+            slot = int(wrong[0])
+            raise PackedBatchError(
+                f"PackedBatch.labels[{slot}] = {int(lab_h[slot])} but the next token input_ids[{slot + 1}] is "
+                f"{int(nxt[slot])}; a label is the next token of its sequence (shifted) or {IGNORE_INDEX}"
             )
         return self
 

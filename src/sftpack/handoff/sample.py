@@ -45,10 +45,8 @@ class Sample:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.input_ids = np.asarray(self.input_ids, dtype=np.int64)
-        self.loss_mask = np.asarray(self.loss_mask, dtype=bool)
-        if self.input_ids.ndim != 1:
-            raise ValueError(f"Sample.input_ids must be 1-D, got shape {tuple(self.input_ids.shape)}")
+        self.input_ids = _token_ids(self.input_ids, self.conversation_id)
+        self.loss_mask = _mask(self.loss_mask, self.conversation_id)
         if self.loss_mask.shape != self.input_ids.shape:
             raise ValueError(
                 f"Sample.loss_mask has shape {tuple(self.loss_mask.shape)} but input_ids has "
@@ -76,6 +74,47 @@ class Sample:
         return int(self.loss_mask.sum())
 
 
+def _token_ids(values: Any, who: Any) -> np.ndarray:
+    """1-D int64 token ids, refusing what would silently change them (fractions,
+    strings, values beyond int64, extra dimensions)."""
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"Sample {who!r}: input_ids cannot be read as an array of ids ({e})") from None
+    if arr.ndim != 1:
+        raise ValueError(
+            f"Sample {who!r}: input_ids must be 1-D (one id per token), got shape {tuple(arr.shape)}; "
+            "give one sample per sequence"
+        )
+    if arr.size == 0:
+        return arr.astype(np.int64)
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and int(arr.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"Sample {who!r}: token id {int(arr.max())} does not fit in int64")
+    if arr.dtype.kind == "O":
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in arr.tolist()):
+            bad = next(v for v in arr.tolist() if not isinstance(v, (int, np.integer)) or isinstance(v, bool))
+            raise ValueError(f"Sample {who!r}: input_ids must be integers, found {bad!r}")
+        big = [v for v in arr.tolist() if not -(2**63) <= v < 2**63]
+        if big:
+            raise ValueError(f"Sample {who!r}: token id {big[0]} does not fit in int64")
+        return arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise ValueError(
+            f"Sample {who!r}: input_ids must be integers, got dtype {arr.dtype}; token ids are never "
+            "fractional or text (tokenize first, or cast whole-number floats with .astype(np.int64))"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _mask(values: Any, who: Any) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.dtype.kind not in "biu":
+        raise ValueError(f"Sample {who!r}: loss_mask must be bool (or 0/1), got dtype {arr.dtype}")
+    if arr.dtype.kind in "iu" and arr.size and (int(arr.min()) < 0 or int(arr.max()) > 1):
+        raise ValueError(f"Sample {who!r}: loss_mask must hold only 0/1 or bools, found {int(arr.max())}")
+    return arr.astype(bool, copy=False)
+
+
 def as_sample(obj: Any, index: int | None = None) -> Sample:
     """Accept a :class:`Sample`, a mapping with ``input_ids`` (and optionally
     ``loss_mask``), or a bare sequence of ids (all tokens trainable)."""
@@ -84,9 +123,9 @@ def as_sample(obj: Any, index: int | None = None) -> Sample:
     if isinstance(obj, dict) or hasattr(obj, "keys"):
         if "input_ids" not in obj:
             raise KeyError(f"sample {index if index is not None else ''} has no 'input_ids' field")
-        ids = np.asarray(obj["input_ids"], dtype=np.int64).reshape(-1)
-        mask = obj["loss_mask"] if "loss_mask" in obj else np.ones(ids.shape, dtype=bool)
         cid = obj["conversation_id"] if "conversation_id" in obj else index
-        return Sample(ids, np.asarray(mask, dtype=bool).reshape(-1), cid)
-    ids = np.asarray(obj, dtype=np.int64).reshape(-1)
+        ids = _token_ids(obj["input_ids"], cid)
+        mask = obj["loss_mask"] if "loss_mask" in obj else np.ones(ids.shape, dtype=bool)
+        return Sample(ids, mask, cid)
+    ids = _token_ids(obj, index)
     return Sample(ids, np.ones(ids.shape, dtype=bool), index)

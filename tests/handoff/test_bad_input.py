@@ -1,0 +1,88 @@
+"""Bad input to the handoff's builders and validation: a clear error naming the
+field and the value, never a silent conversion (issue 9, validation gaps)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from sftpack import IGNORE_INDEX, PackedBatch, Sample
+from sftpack.handoff import PackedBatchError, build_row
+from sftpack.testing import samples_from_lengths
+from sftpack.trainer import pack_step
+
+
+@pytest.mark.parametrize(
+    "ids, message",
+    [
+        ([1.9, 2.9], "must be integers, got dtype float64"),
+        ([[1, 2], [3, 4]], r"must be 1-D .* got shape \(2, 2\)"),
+        (["a", "b"], "must be integers"),
+        ([2**64 - 1], "does not fit in int64"),
+        ([2**70], "does not fit in int64"),
+        ([True, False], "must be integers"),
+    ],
+)
+def test_from_samples_refuses_ids_it_would_change(ids, message):
+    with pytest.raises(ValueError, match=message):
+        PackedBatch.from_samples([ids])
+    with pytest.raises(ValueError, match=message):
+        PackedBatch.from_samples([{"input_ids": ids, "conversation_id": "c7"}])
+
+
+def test_uint64_ids_that_fit_are_kept_exactly():
+    b = PackedBatch.from_samples([np.array([7, 2**40], dtype=np.uint64)])
+    assert b.input_ids.tolist() == [7, 2**40]
+
+
+@pytest.mark.parametrize("pad_id", [0.5, None, "0", True])
+def test_pad_id_must_be_an_integer(pad_id):
+    with pytest.raises(PackedBatchError, match="pad_id must be an integer token id"):
+        PackedBatch.from_samples(samples_from_lengths([3]), pad_id=pad_id)
+    with pytest.raises(PackedBatchError, match="pad_id must be an integer token id"):
+        pack_step(torch.ones(1, 4, dtype=torch.long), [3], pad_id=pad_id)
+
+
+def test_loss_mask_values_are_checked():
+    with pytest.raises(ValueError, match="loss_mask must hold only 0/1"):
+        Sample(np.arange(3), np.array([0, 2, 1]), "c")
+    with pytest.raises(ValueError, match="loss_mask must be bool"):
+        Sample(np.arange(3), np.array([0.5, 1.0, 0.0]), "c")
+
+
+def test_build_row_checks_sizes_and_dtypes():
+    with pytest.raises(PackedBatchError, match="lengths add up to 5 tokens but input_ids holds 4"):
+        build_row(np.arange(4), np.ones(4, bool), [2, 3])
+    with pytest.raises(PackedBatchError, match=r"lengths\[1\] = 0"):
+        build_row(np.arange(4), np.ones(4, bool), [4, 0])
+    with pytest.raises(PackedBatchError, match="input_ids must hold integers"):
+        build_row(np.arange(4.0), np.ones(4, bool), [4])
+    with pytest.raises(PackedBatchError, match="loss_mask has shape"):
+        build_row(np.arange(4), np.ones(3, bool), [4])
+    with pytest.raises(PackedBatchError, match="sequence_ids has 1 entries for 2 sequences"):
+        build_row(np.arange(4), np.ones(4, bool), [2, 2], sequence_ids=["a"])
+
+
+def _row() -> PackedBatch:
+    return PackedBatch.from_samples(samples_from_lengths([3, 4]), pad_multiple=2)
+
+
+@pytest.mark.parametrize("value", [None, 4.0, "8", True])
+def test_validate_max_seqlen_type(value):
+    b = _row()
+    b.max_seqlen = value
+    with pytest.raises(PackedBatchError, match="max_seqlen must be an int"):
+        b.validate()
+
+
+def test_validate_label_must_be_next_token_or_ignore():
+    b = _row()
+    assert b.labels[0] != IGNORE_INDEX
+    b.labels[0] = -7  # would crash cross-entropy much later
+    with pytest.raises(PackedBatchError, match=r"labels\[0\] = -7 but the next token input_ids\[1\] is 1001"):
+        b.validate()
+    b = _row()
+    b.labels[0] = 1002  # a real id, but not the next one
+    with pytest.raises(PackedBatchError, match=r"labels\[0\] = 1002"):
+        b.validate()
