@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from sftpack.cli import main
 from sftpack.report.layout import worked_example
 
@@ -89,3 +91,33 @@ def test_bench_error_mode_names_file_and_line(tmp_path, capsys):
     # --debug shows the real exception instead.
     with pytest.raises(ValueError, match="line 40: invalid JSON"):
         main(["--debug", "bench", str(path), "--tokenizer", str(tok_dir), "--on-bad-row", "error"])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--max-seq-len", "0"], "argument --max-seq-len: must be a positive integer, got 0"),
+        (["bench", "--max-seq-len", "-5"], "argument --max-seq-len: must be a positive integer, got -5"),
+        (["bench", "--pad-multiple", "0"], "argument --pad-multiple: must be a positive integer"),
+        (["bench", "--num-proc", "0"], "argument --num-proc: must be a positive integer"),
+        (["bench", "--limit", "0"], "argument --limit: must be a positive integer, got 0"),
+        (["bench", "--max-seq-len", "x"], "'x' is not an integer"),
+        (["bench", "--max-seq-len", "1000", "--pad-multiple", "3"], "not a multiple of --pad-multiple 3 (use 999)"),
+        (["nosuchcommand"], "invalid choice"),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        rc = main(argv)
+        raise SystemExit(rc)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_unwritable_png_is_a_one_line_data_error(capsys, tmp_path):
+    assert main(["map", "--png", str(tmp_path / "missing" / "map.png")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sftpack map: ") and "missing" in err and "check that the path exists" in err
+    assert len(err.strip().splitlines()) == 1

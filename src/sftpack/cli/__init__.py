@@ -18,6 +18,7 @@ import importlib
 import pkgutil
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from ._common import UsageError
 
@@ -28,13 +29,24 @@ _ORDER = ("prepack", "inspect", "train", "map", "demo", "bench")
 
 
 def _command_modules() -> list[str]:
-    names = [m.name for m in pkgutil.iter_modules(__path__) if m.name.startswith("_") and m.name != "_common"]
+    names = [
+        m.name
+        for m in pkgutil.iter_modules(__path__)
+        if m.name.startswith("_") and not m.name.startswith("__") and m.name != "_common"
+    ]
     rank = {f"_{n}": i for i, n in enumerate(_ORDER)}
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, ``sftpack <command>: <what> (see --help)``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="sftpack",
         description="Pack SFT conversations into flat rows for variable-length (THD) attention.",
     )
@@ -74,7 +86,11 @@ def _one_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     if isinstance(e, OSError) and e.filename and str(e.filename) not in text:
         text = f"{e.filename}: {text}"
-    return " ".join(text.split("\n"))
+    if isinstance(e, (FileNotFoundError, NotADirectoryError)):
+        text += " (check that the path exists)"
+    elif isinstance(e, PermissionError):
+        text += " (check that you may read or write there)"
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":  # pragma: no cover
