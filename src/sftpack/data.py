@@ -201,4 +201,6 @@ def default_corpus(limit: int | None = None) -> Iterator[Conversation]:
     for n, (cid, turns) in enumerate(_corpus()):
         if limit is not None and n >= limit:
             return
-        yield Conversation(cid, [{"role": r, "content": c} for r, c in turns])
+        # Built to pass the row checks (two speakers, stripped non-empty texts), so the
+        # tokenizer need not run them again: about 5% of its Python time on this corpus.
+        yield Conversation(cid, [{"role": r, "content": c} for r, c in turns], checked=True)

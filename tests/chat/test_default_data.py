@@ -163,3 +163,10 @@ def test_two_processes_with_the_real_tokenizer(qwen: Any, corpus: list[Any]) -> 
         single.input_ids.tolist()
         == np.concatenate([s.input_ids for s in one if s.conversation_id == subset[0].id]).tolist()
     )
+
+
+def test_default_corpus_passes_the_row_checks_it_is_marked_with(corpus: list[Any]) -> None:
+    from sftpack.chat import validate_messages
+
+    for c in corpus:
+        assert c.checked and validate_messages(c.messages) == c.messages

@@ -6,14 +6,17 @@ The public face of private modules, one concept each:
 * ``_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
   ``conversations``) and its checks; :class:`BadRowError`.
 * ``_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
-  Face datasets with bounded memory; every bad row is either an exception naming
-  file, line and fix, or a count under its reason
-  (``stats.read == stats.kept + sum(stats.dropped.values())``).
+  Face datasets (folders searched recursively) with bounded memory; every bad row
+  is either an exception naming file, line and fix, or a count under its reason
+  (``stats.read == stats.kept + sum(stats.dropped.values())``), and every file
+  not read (other kinds, damaged, not JSON Lines) is an error or a count in
+  ``stats.files_skipped``.
 * ``_render``: the chat template's text and its trainable characters, with
   or without ``{% generation %}`` markers (one render per conversation on the
   fast path, the prefix-diff reference otherwise).
 * ``_tokenize``: :func:`tokenize_conversation` / :func:`encode_conversation`:
-  tokens, ``loss_mask`` and the over-long policy.
+  the same row checks, tokens, ``loss_mask`` (special-token text in contents
+  stays text), the over-long policy and the labels it loses.
 * ``_batch``: :func:`tokenize_conversations`: the same in batches,
   optionally in worker processes, in a deterministic order, with stats.
 
@@ -37,11 +40,26 @@ system and user turns, not the newline between turns.
 from __future__ import annotations
 
 from ._batch import TokenizedConversations, TokenizeStats, tokenize_conversations
-from ._options import BadRowReason, OnBadRow, Outcome, Overlong, TrainOn
-from ._read import ConversationReader, ReadStats, read_conversations
+from ._options import (
+    BadRowReason,
+    FileSkipReason,
+    OnBadRow,
+    Outcome,
+    Overlong,
+    SpecialTokensInContent,
+    TrainOn,
+)
+from ._read import (
+    BadFileError,
+    ConversationReader,
+    FileProblem,
+    ReadStats,
+    read_conversations,
+)
 from ._render import ChatRenderer, TemplateError, renderer_for
 from ._rows import ROLES, SHAREGPT_ROLES, BadRowError, Conversation, validate_messages
 from ._tokenize import (
+    ConversationTemplateError,
     Encoded,
     OverlongError,
     encode_conversation,
@@ -52,17 +70,22 @@ from ._tokenize import (
 __all__ = [
     "ROLES",
     "SHAREGPT_ROLES",
+    "BadFileError",
     "BadRowError",
     "BadRowReason",
     "ChatRenderer",
     "Conversation",
     "ConversationReader",
+    "ConversationTemplateError",
     "Encoded",
+    "FileProblem",
+    "FileSkipReason",
     "OnBadRow",
     "Outcome",
     "Overlong",
     "OverlongError",
     "ReadStats",
+    "SpecialTokensInContent",
     "TemplateError",
     "TokenizeStats",
     "TokenizedConversations",

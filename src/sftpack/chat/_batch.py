@@ -11,8 +11,13 @@ Workers are forked on Linux (the tokenizer is inherited, not pickled: about
 2 s saved per worker for the default one), spawned elsewhere, and run the Rust
 tokenizer single-threaded, as the processes already fill the cores.
 
-:class:`TokenizeStats` counts every outcome (fit, truncated, dropped, split) and
-every lost token, so ``conversations == fit + truncated + dropped + split``.
+:class:`TokenizeStats` counts every outcome (fit, truncated, dropped, split,
+skipped by reason) and every lost token and supervised label, so
+``conversations == fit + truncated + dropped + split + sum(skipped.values())`` and
+``label_tokens + labels_lost == labels``, where ``label_tokens`` is exactly what
+the packed rows train on. A bad conversation is decided inside its batch (in the
+worker), and raised, under ``on_bad_row="error"``, only here in the caller's
+process, so the error names it whatever ``num_proc`` is.
 """
 
 from __future__ import annotations
@@ -22,15 +27,25 @@ import multiprocessing
 import os
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
 
-from ._options import Overlong, TrainOn
-from ._render import renderer_for
-from ._tokenize import Encoded, _as_item, _backend, _encode_many, _encode_stream, _Options, _options
 from ..handoff.sample import Sample
+from ._options import OnBadRow, Outcome, Overlong, SpecialTokensInContent, TrainOn
+from ._render import renderer_for
+from ._tokenize import (
+    Encoded,
+    Item,
+    _as_item,
+    _backend,
+    _encode_many,
+    _encode_stream,
+    _Options,
+    _options,
+    _raise_for,
+)
 
 __all__ = ["TokenizeStats", "TokenizedConversations", "tokenize_conversations"]
 
@@ -39,16 +54,34 @@ logger = logging.getLogger("sftpack.chat")
 
 @dataclass
 class TokenizeStats:
-    """What tokenizing did; ``conversations == fit + truncated + dropped + split`` and
-    ``tokens + tokens_lost`` equals the tokens of all rendered conversations.
+    """What tokenizing did, every conversation and every supervised label accounted for.
+
+    Identities (each checked by the tests):
+
+    * ``conversations == fit + truncated + dropped + split + sum(skipped.values())``;
+    * ``tokens + tokens_lost`` equals the tokens of all tokenized (not skipped) conversations;
+    * ``label_tokens + labels_lost == labels``; ``label_tokens`` equals the
+      supervised labels of the rows built from the samples (the sum of
+      ``PackedBatch.num_label_tokens`` over rows of ``build_row`` / ``from_samples``).
 
     Attributes:
         conversations: conversations in.
         samples: samples out (each piece of a split conversation counts).
         fit / truncated / dropped / split: conversations per over-long outcome.
-        tokens / trainable_tokens: tokens (and trainable ones) in the samples out.
+        skipped: reason (a :class:`BadRowReason` value) -> conversations left out
+            under ``on_bad_row="skip"``: the row checks, ``template_error``,
+            ``no_trainable_tokens``, ``invalid_text``.
+        tokens / trainable_tokens: tokens (and ``loss_mask`` True ones) in the samples out.
         tokens_lost / trainable_tokens_lost: tokens removed by truncate and drop.
         no_trainable: samples out with no trainable token (e.g. a split piece of prompt only).
+        labels: supervised labels of the tokenized conversations (``loss_mask[1:]``
+            of each whole rendering: a sequence's first token is never a target).
+        label_tokens: supervised labels the samples out give (``loss_mask[1:]`` of each).
+        labels_lost: labels no sample gives: the tail cut by truncate, all of a
+            dropped conversation, and one per split boundary whose first token is trainable.
+        split_labels_lost: the part of ``labels_lost`` lost at split boundaries.
+        special_text: special-token strings found inside contents (kept as text
+            unless ``special_tokens_in_content="control"``).
     """
 
     conversations: int = 0
@@ -62,9 +95,20 @@ class TokenizeStats:
     tokens_lost: int = 0
     trainable_tokens_lost: int = 0
     no_trainable: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    labels: int = 0
+    label_tokens: int = 0
+    labels_lost: int = 0
+    split_labels_lost: int = 0
+    special_text: int = 0
 
     def add(self, enc: Encoded) -> None:
         self.conversations += 1
+        self.special_text += enc.special_text
+        if enc.skip is not None:
+            key = enc.skip[0].value
+            self.skipped[key] = self.skipped.get(key, 0) + 1
+            return
         setattr(self, enc.outcome.value, getattr(self, enc.outcome.value) + 1)
         self.samples += len(enc.samples)
         for s in enc.samples:
@@ -72,20 +116,32 @@ class TokenizeStats:
             self.tokens += len(s)
             self.trainable_tokens += n_train
             self.no_trainable += n_train == 0
+            self.label_tokens += int(s.loss_mask[1:].sum())
         self.tokens_lost += enc.tokens_lost
         self.trainable_tokens_lost += enc.trainable_lost
+        self.labels += enc.labels
+        self.labels_lost += enc.labels_lost
+        if enc.outcome is Outcome.SPLIT:
+            self.split_labels_lost += enc.labels_lost
 
-    def as_dict(self) -> dict[str, int]:
+    @property
+    def num_skipped(self) -> int:
+        """``sum(skipped.values())``."""
+        return sum(self.skipped.values())
+
+    def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def __getitem__(self, key: str) -> int:
+    def __getitem__(self, key: str) -> Any:
+        if key == "skipped":
+            return self.skipped
         if key in self.__dataclass_fields__:
             return int(getattr(self, key))
         raise KeyError(key)
 
     def _reset(self) -> None:
         for name in self.__dataclass_fields__:
-            setattr(self, name, 0)
+            setattr(self, name, {} if name == "skipped" else 0)
 
 
 # ---------------------------------------------------------------------------- batches
@@ -98,12 +154,12 @@ def _init_worker(tokenizer: Any, opts: _Options) -> None:
     _WORKER = (tokenizer, opts)
 
 
-def _work(items: list[tuple[Any, Sequence[Mapping[str, Any]]]]) -> list[Encoded]:
+def _work(items: list[Item]) -> list[Encoded]:
     assert _WORKER is not None, "worker not initialised"
     return _encode_many(items, *_WORKER)
 
 
-def _batches(conversations: Iterable[Any], size: int) -> Iterator[list[tuple[Any, Sequence[Mapping[str, Any]]]]]:
+def _batches(conversations: Iterable[Any], size: int) -> Iterator[list[Item]]:
     it = enumerate(conversations)
     while True:
         chunk = list(islice(it, size))
@@ -126,7 +182,7 @@ class TokenizedConversations:
         opts: _Options,
         batch_size: int,
         num_proc: int,
-        progress: bool | None,
+        progress: bool | None = False,
     ):
         self.conversations = conversations
         self.tokenizer = tokenizer
@@ -144,17 +200,22 @@ class TokenizedConversations:
         from tqdm.auto import tqdm
 
         show = sys.stderr.isatty() if self.progress is None else bool(self.progress)
+        error_mode = self.opts.on_bad_row is OnBadRow.ERROR
         total = len(self.conversations) if hasattr(self.conversations, "__len__") else None  # type: ignore[arg-type]
         bar = tqdm(total=total, unit="conv", desc="tokenize", disable=not show, delay=1.0, dynamic_ncols=True)
         try:
             for results in self._results():
                 for enc in results:
                     self.stats.add(enc)
+                    if enc.skip is not None and error_mode:
+                        _raise_for(enc)
                     yield from enc.samples
                 bar.update(len(results))
         finally:
             bar.close()
         s = self.stats
+        if s.skipped:
+            logger.warning("skipped %d conversations: %s", s.num_skipped, dict(s.skipped))
         if s.truncated or s.dropped:
             logger.warning(
                 "over max_seq_len=%s: %d conversations truncated, %d dropped, %d tokens lost (%d trainable)",
@@ -210,7 +271,9 @@ def tokenize_conversations(
     overlong: str | Overlong = "truncate",
     batch_size: int = 256,
     num_proc: int = 1,
-    progress: bool | None = None,
+    progress: bool | None = False,
+    on_bad_row: str | OnBadRow = "error",
+    special_tokens_in_content: str | SpecialTokensInContent = "text",
 ) -> TokenizedConversations:
     """Tokenize many conversations in batches through the fast tokenizer.
 
@@ -222,7 +285,21 @@ def tokenize_conversations(
         overlong: ``"truncate"``, ``"drop"``, ``"split"`` or ``"error"``.
         batch_size: conversations rendered and encoded per call.
         num_proc: worker processes; the output order and content do not depend on it.
-        progress: show a tqdm bar (``None``: when stderr is a terminal; shown after 1 s).
+        progress: show a tqdm bar (off by default; the CLI turns it on; ``None``:
+            when stderr is a terminal; shown after 1 s).
+        on_bad_row: what happens to a conversation that fails the row checks (for
+            inputs that did not come from :func:`read_conversations`), that the
+            chat template refuses or cannot render (``raise_exception``, a field it
+            cannot handle), or whose rendering holds no trainable token:
+            ``"error"`` raises :class:`BadRowError` (:class:`ConversationTemplateError`
+            for the template) naming the conversation id and the fix; ``"skip"``
+            leaves it out and counts it in ``stats.skipped[reason]``. The same
+            word as the reader's, so one ``--on-bad-row`` flag drives both.
+        special_tokens_in_content: ``"text"`` (default): special-token strings
+            inside a content (``"<|im_end|>"``) are tokenized as the plain text they
+            are, never as control tokens, and counted in ``stats.special_text``;
+            ``"control"``: they become the control tokens (Hugging Face's behaviour,
+            for data that relies on it).
 
     Returns:
         :class:`TokenizedConversations`, a lazy iterable of samples with ``.stats``.
@@ -231,10 +308,10 @@ def tokenize_conversations(
     >>> convs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo " * n}]
     ...          for n in (1, 20)]
     >>> out = tokenize_conversations(convs, tiny_chat_tokenizer(), max_seq_len=32, overlong="split")
-    >>> [len(s) for s in out], out.stats.split, out.stats.tokens_lost
-    ([20, 32, 7], 1, 0)
+    >>> [len(s) for s in out], out.stats.split, out.stats.tokens_lost, out.stats.split_labels_lost
+    ([20, 32, 7], 1, 0, 1)
     """
-    opts = _options(train_on, max_seq_len, overlong)
+    opts = _options(train_on, max_seq_len, overlong, on_bad_row, special_tokens_in_content)
     for name, value in (("batch_size", batch_size), ("num_proc", num_proc)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")

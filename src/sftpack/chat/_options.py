@@ -12,20 +12,31 @@ from __future__ import annotations
 from .._base import StrEnum as _StrEnum
 from .._base import choose
 
-__all__ = ["BadRowReason", "OnBadRow", "Outcome", "Overlong", "TrainOn", "choose"]
+__all__ = [
+    "BadRowReason",
+    "FileSkipReason",
+    "OnBadRow",
+    "Outcome",
+    "Overlong",
+    "SpecialTokensInContent",
+    "TrainOn",
+    "choose",
+]
 
 
 class OnBadRow(_StrEnum):
-    """What :func:`~sftpack.chat.read_conversations` does with a row it cannot use."""
+    """What the reader and the tokenizer do with a row (or a file) they cannot use."""
 
-    ERROR = "error"  #: raise :class:`~sftpack.chat.BadRowError` naming the file, the line and the fix
-    SKIP = "skip"  #: leave the row out and count it under its reason in ``stats.dropped``
+    ERROR = "error"  #: raise an error naming the file and line (or the conversation id) and the fix
+    SKIP = "skip"  #: leave it out and count it under its reason (``stats.dropped`` / ``stats.files_skipped``)
 
 
 class BadRowReason(_StrEnum):
-    """Why a row was rejected (the keys of ``ReadStats.dropped``)."""
+    """Why a row was rejected: the keys of ``ReadStats.dropped`` (reader) and of
+    ``TokenizeStats.skipped`` (tokenizer; the row checks run again there on rows
+    that did not come from the reader)."""
 
-    INVALID_JSON = "invalid_json"  #: the line is not valid JSON (or not UTF-8)
+    INVALID_JSON = "invalid_json"  #: the line is not valid JSON, not UTF-8, or nested too deeply to parse
     NOT_AN_OBJECT = "not_an_object"  #: valid JSON, but not an object ``{...}``
     MISSING_MESSAGES = "missing_messages"  #: no ``messages`` (or ShareGPT ``conversations``) field
     EMPTY_MESSAGES = "empty_messages"  #: the message list is empty
@@ -33,7 +44,30 @@ class BadRowReason(_StrEnum):
     UNKNOWN_ROLE = "unknown_role"  #: a role outside system/user/assistant/tool (after ``role_map``)
     NON_STRING_CONTENT = "non_string_content"  #: a content that is null, a list, a number...
     EMPTY_CONTENT = "empty_content"  #: a content that is empty or only whitespace
+    INVALID_TEXT = "invalid_text"  #: a content holding a lone surrogate (``"\\ud800"``): no tokenizer encodes it
     NO_ASSISTANT_TURN = "no_assistant_turn"  #: nothing to train on
+    UNREADABLE_TAIL = "unreadable_tail"  #: rows after a file's damaged point (a cut ``.gz``, a bad Parquet page)
+    TEMPLATE_ERROR = "template_error"  #: (tokenizer) the chat template refused or failed to render the conversation
+    NO_TRAINABLE_TOKENS = "no_trainable_tokens"  #: (tokenizer) the rendering holds no trainable token
+
+
+class FileSkipReason(_StrEnum):
+    """Why a whole file was not read (the keys of ``ReadStats.files_skipped``)."""
+
+    #: in a folder or a glob, a file whose name is not ``.jsonl`` / ``.json`` / ``.ndjson`` (``.gz``) / ``.parquet``
+    UNSUPPORTED_FORMAT = "unsupported_format"
+    HIDDEN = "hidden"  #: in a folder, an entry whose name starts with ``.`` (``.git``, ``.DS_Store``): not searched
+    UNREADABLE = "unreadable"  #: a container that does not open: not gzip, not Parquet, 0 bytes, no permission
+    JSON_DOCUMENT = "json_document"  #: one JSON array/object (pretty-printed or on one line), not JSON Lines
+    CR_LINE_ENDINGS = "cr_line_endings"  #: lines end with a bare CR (classic Mac), so the file reads as one line
+    UTF16 = "utf16"  #: UTF-16 (or UTF-32) text, not UTF-8
+
+
+class SpecialTokensInContent(_StrEnum):
+    """What special-token text inside a message's content becomes (``"<|im_end|>"`` typed by a user)."""
+
+    TEXT = "text"  #: plain text, tokenized like any other characters: never a control token (default)
+    CONTROL = "control"  #: the control token itself, as Hugging Face's ``apply_chat_template`` does
 
 
 class TrainOn(_StrEnum):
@@ -57,6 +91,7 @@ class Outcome(_StrEnum):
     """What the over-long policy did to one conversation."""
 
     FIT = "fit"  #: at most ``max_seq_len`` tokens (or no limit): kept whole
-    TRUNCATED = "truncated"
-    DROPPED = "dropped"
-    SPLIT = "split"
+    TRUNCATED = "truncated"  #: cut to its first ``max_seq_len`` tokens
+    DROPPED = "dropped"  #: longer than ``max_seq_len``: left out
+    SPLIT = "split"  #: cut into pieces of at most ``max_seq_len``
+    SKIPPED = "skipped"  #: a bad row or a template error under ``on_bad_row='skip'``: no sample

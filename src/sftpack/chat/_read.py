@@ -1,7 +1,6 @@
-"""Reading conversations from files, streaming, with every rejected row accounted for.
+"""Reading conversations from files, streaming, with every rejected row and file accounted for.
 
-Formats (chosen by file name; a directory is either a Hugging Face dataset
-saved with ``save_to_disk`` or a folder of such files, read in sorted order):
+Formats (chosen by file name):
 
 * ``*.jsonl``, ``*.json``, ``*.ndjson`` (``.gz`` too): one JSON object per line;
   id ``"chat.jsonl:17"`` (line, 1-based).
@@ -11,20 +10,42 @@ saved with ``save_to_disk`` or a folder of such files, read in sorted order):
   or a ``Dataset`` / ``DatasetDict`` / ``IterableDataset`` object; id
   ``"folder[16]"`` or ``"dataset[16]"``.
 
+Folders and globs: a folder is searched **recursively**, in sorted path order
+(so the ids and the output are the same on every machine); a sub-folder written
+by ``save_to_disk`` is read as a dataset, not searched. A glob is expanded with
+``**`` matching any depth. Nothing found there is dropped without a word: a
+file of another kind is counted in ``stats.files_skipped["unsupported_format"]``
+and a hidden entry (``.git``, ``.DS_Store``) under ``"hidden"``, each listed in
+``stats.file_problems``. A file named explicitly must be of a known kind.
+
 A row holds either OpenAI-style ``messages`` or ShareGPT ``conversations``; its
 checks live in ``_rows``.
 
 Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
 column), a saved dataset through its memory-mapped Arrow files. The trade-off is
-that a JSON *array* file (``[{...}, {...}]``) is refused (an indented one as a
-file, a one-line one as a row that is not an object) with the ``jq`` line that
-converts it: parsing an array would need the whole file in memory.
+that a file holding one JSON *document* (an array ``[{...}, {...}]`` or an
+indented object) is refused, with the ``jq`` line that converts it: parsing it
+would need the whole file in memory. Files that are not JSON Lines are told
+apart from bad rows by their first 64 KiB and first rows (a UTF-16 byte order
+mark or zero bytes, line ends that are bare CRs, a first row that is a JSON
+array of objects or that breaks off at its line's end like an indented
+document), so a pretty-printed file is one explained file, not 12
+``invalid_json`` rows.
 
 Accounting: every non-blank line (or table row) is ``read``; each then lands in
 ``kept`` or in exactly one ``dropped[reason]`` (the first problem found), so
 ``read == kept + sum(dropped.values())`` holds at every moment, also after a
 :class:`BadRowError` was raised (the row that raised is counted as dropped).
+A container damaged part-way (a ``.gz`` cut short or with a bad checksum, a
+Parquet page that does not decode) keeps the rows read before the damage and
+counts the rest under ``dropped["unreadable_tail"]``: Parquet knows how many
+rows were lost (its footer), a compressed stream does not, so its tail counts
+as one row. A file that yields nothing (not gzip, not Parquet, 0 bytes, no
+permission, one of the non-JSONL kinds above) counts under
+``stats.files_skipped[reason]`` and is not a row. In ``on_bad_row="error"``
+mode each of these raises :class:`BadFileError` naming the file, what is wrong
+and the fix instead.
 """
 
 from __future__ import annotations
@@ -34,52 +55,115 @@ import gzip
 import json
 import logging
 import os
+import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._options import BadRowReason, OnBadRow, choose
+from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
 from ._rows import ROLES, BadRowError, Conversation, _Bad, _messages
 
-__all__ = ["ConversationReader", "ReadStats", "read_conversations"]
+__all__ = ["BadFileError", "ConversationReader", "FileProblem", "ReadStats", "read_conversations"]
 
 logger = logging.getLogger("sftpack.chat")
 
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
+_SNIFF = 1 << 16  # bytes looked at to tell a JSON Lines file from other text
+#: What a damaged container raises while it is read: gzip EOFError, BadGzipFile (an
+#: OSError), zlib.error; pyarrow ArrowInvalid (a ValueError), OSError.
+_GZIP_ERRORS = (OSError, EOFError, zlib.error)
+_CONTAINER_ERRORS = (*_GZIP_ERRORS, ValueError)
 
 
-@dataclass
+class BadFileError(ValueError):
+    """A file that cannot be read (or the damaged rest of one), in ``on_bad_row='error'`` mode.
+
+    Attributes: ``path``, ``reason`` (a :class:`FileSkipReason`, or
+    ``BadRowReason.UNREADABLE_TAIL`` for damage after some rows), ``detail`` and ``fix``.
+    """
+
+    def __init__(self, path: str, reason: FileSkipReason | BadRowReason, detail: str, fix: str):
+        self.path, self.reason, self.detail, self.fix = path, reason, detail, fix
+        super().__init__(
+            f"{path}: {detail} [{reason.value}]. Fix: {fix}; or pass on_bad_row='skip' to count such files "
+            "(stats.files_skipped, stats.dropped['unreadable_tail']) and read the rest."
+        )
+
+    def __reduce__(self) -> Any:
+        return (type(self), (self.path, self.reason, self.detail, self.fix))
+
+
+@dataclass(frozen=True)
+class FileProblem:
+    """One file not read, or not read to its end: ``reason`` is a :class:`FileSkipReason`
+    value or ``"unreadable_tail"``; ``rows_lost`` the rows counted for it in ``dropped``."""
+
+    path: str
+    reason: str
+    detail: str
+    rows_lost: int = 0
+
+
+@dataclass(repr=False)
 class ReadStats:
     """Counts of one pass over the sources: ``read == kept + sum(dropped.values())``.
 
     Attributes:
-        read: rows seen (blank JSONL lines are not rows).
+        read: rows seen (blank JSONL lines are not rows; the damaged tail of a
+            file counts as its rows where known, else as one).
         kept: rows yielded as conversations.
         dropped: reason (a :class:`BadRowReason` value) -> rows left out for it.
+        files_read: files (and datasets) opened and read, wholly or up to damage.
+        files_skipped: reason (a :class:`FileSkipReason` value) -> files not read.
+        file_problems: every skipped file and every damaged tail, with its path
+            and what is wrong (for a report naming them).
     """
 
     read: int = 0
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    files_read: int = 0
+    files_skipped: dict[str, int] = field(default_factory=dict)
+    file_problems: list[FileProblem] = field(default_factory=list)
 
     @property
     def num_dropped(self) -> int:
         """``sum(dropped.values())``."""
         return sum(self.dropped.values())
 
+    def __repr__(self) -> str:  # the file fields only when a file was skipped or damaged
+        text = f"ReadStats(read={self.read}, kept={self.kept}, dropped={self.dropped}"
+        if self.files_skipped or self.file_problems:
+            text += f", files_read={self.files_read}, files_skipped={self.files_skipped}"
+            text += f", file_problems=[{len(self.file_problems)} files]"
+        return text + ")"
+
     def __getitem__(self, key: str) -> Any:
-        if key in ("read", "kept", "dropped"):
+        if key in ("read", "kept", "dropped", "files_read", "files_skipped", "file_problems"):
             return getattr(self, key)
         raise KeyError(key)
 
-    def as_dict(self) -> dict[str, Any]:
-        return {"read": self.read, "kept": self.kept, "dropped": dict(self.dropped)}
+    def as_dict(self, *, files: bool = False) -> dict[str, Any]:
+        """``read``, ``kept`` and ``dropped`` (JSON-ready); with ``files=True`` also
+        ``files_read``, ``files_skipped`` and ``file_problems`` (a list of dicts)."""
+        out: dict[str, Any] = {"read": self.read, "kept": self.kept, "dropped": dict(self.dropped)}
+        if files:
+            out["files_read"] = self.files_read
+            out["files_skipped"] = dict(self.files_skipped)
+            out["file_problems"] = [asdict(p) for p in self.file_problems]
+        return out
 
     def _reset(self) -> None:
-        self.read = self.kept = 0
+        self.read = self.kept = self.files_read = 0
         self.dropped.clear()
+        self.files_skipped.clear()
+        self.file_problems.clear()
+
+    def _skip_file(self, problem: FileProblem) -> None:
+        self.files_skipped[problem.reason] = self.files_skipped.get(problem.reason, 0) + 1
+        self.file_problems.append(problem)
 
 
 # ---------------------------------------------------------------------------- sources
@@ -105,55 +189,94 @@ def _kind_of(path: Path) -> str | None:
     return None
 
 
-def _resolve(paths: Any, split: str | None) -> list[_Source]:
+_FORMATS = (
+    f"JSON Lines ({', '.join(_JSONL_SUFFIXES)}), Parquet ({', '.join(_PARQUET_SUFFIXES)}), "
+    "or a Hugging Face dataset directory (save_to_disk)"
+)
+
+
+def _resolve(paths: Any, split: str | None) -> tuple[list[_Source], list[FileProblem]]:
+    """The sources to read, and the files found in folders / globs that will not be."""
     if _is_datasets_object(paths):
-        return [_Source("dataset", "dataset", _pick_split(paths, split, "dataset"))]
+        return [_Source("dataset", "dataset", _pick_split(paths, split, "dataset"))], []
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     sources: list[_Source] = []
+    skipped: list[FileProblem] = []
     for p in paths:
         if _is_datasets_object(p):
             sources.append(_Source("dataset", f"dataset{len(sources)}", _pick_split(p, split, "dataset")))
             continue
         text = os.fspath(p)
         if not os.path.exists(text) and glob.has_magic(text):
-            matches = sorted(glob.glob(text))
+            matches = sorted(glob.glob(text, recursive=True))
             if not matches:
                 raise FileNotFoundError(f"no file matches {text!r}")
-            sources.extend(_source_for(Path(m), split) for m in matches)
+            found: list[_Source] = []
+            for m in matches:
+                path = Path(m)
+                if path.is_dir():
+                    found.extend(_walk(path, split, skipped))
+                elif _kind_of(path):
+                    found.append(_Source(_kind_of(path) or "", str(path), path))
+                else:
+                    skipped.append(_unsupported(path))
+            if not found:
+                raise ValueError(
+                    f"{text!r} matches {len(matches)} paths but no file of a known kind; supported: {_FORMATS}"
+                )
+            sources.extend(found)
             continue
-        sources.extend(_sources_for_path(Path(text), split))
-    return sources
+        path = Path(text)
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file or directory")
+        if path.is_dir():
+            found = _walk(path, split, skipped)
+            if not found:
+                raise ValueError(
+                    f"{path} is a directory with no .jsonl / .json / .parquet file (searched recursively) and is "
+                    "not a dataset saved with datasets' save_to_disk: point at the files or the saved dataset"
+                )
+            sources.extend(found)
+            continue
+        kind = _kind_of(path)
+        if kind is None:
+            raise ValueError(f"{path}: unknown format; supported: {_FORMATS}")
+        sources.append(_Source(kind, str(path), path))
+    return sources, skipped
 
 
-def _sources_for_path(path: Path, split: str | None) -> list[_Source]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file or directory")
-    if path.is_dir():
-        if _is_saved_dataset(path):
-            return [_Source("dataset", str(path), (path, split))]
-        files = sorted(f for f in path.iterdir() if f.is_file() and _kind_of(f))
-        if not files:
-            raise ValueError(
-                f"{path} is a directory with no .jsonl / .json / .parquet file and is not a dataset "
-                "saved with datasets' save_to_disk: point at the files or the saved dataset"
-            )
-        return [_source_for(f, split) for f in files]
-    return [_source_for(path, split)]
+def _unsupported(path: Path) -> FileProblem:
+    return FileProblem(
+        str(path),
+        FileSkipReason.UNSUPPORTED_FORMAT.value,
+        f"not read: its name does not end in {', '.join(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)}",
+    )
 
 
-def _source_for(path: Path, split: str | None) -> _Source:
-    if path.is_dir():
-        if _is_saved_dataset(path):
-            return _Source("dataset", str(path), (path, split))
-        raise ValueError(f"{path} is a directory, not a dataset saved with save_to_disk")
-    kind = _kind_of(path)
-    if kind is None:
-        raise ValueError(
-            f"{path}: unknown format; supported: JSON Lines ({', '.join(_JSONL_SUFFIXES)}), "
-            f"Parquet ({', '.join(_PARQUET_SUFFIXES)}), or a Hugging Face dataset directory (save_to_disk)"
-        )
-    return _Source(kind, str(path), path)
+def _walk(root: Path, split: str | None, skipped: list[FileProblem], seen: set[Path] | None = None) -> list[_Source]:
+    """Sources under ``root``, recursively, in sorted order; the rest goes to ``skipped``.
+    A folder reached twice (a symlink loop) is searched once."""
+    seen = set() if seen is None else seen
+    real = root.resolve()
+    if real in seen:
+        return []
+    seen.add(real)
+    if _is_saved_dataset(root):
+        return [_Source("dataset", str(root), (root, split))]
+    found: list[_Source] = []
+    for entry in sorted(root.iterdir(), key=lambda e: e.name):
+        if entry.name.startswith("."):
+            skipped.append(FileProblem(str(entry), FileSkipReason.HIDDEN.value, "not read: a hidden entry"))
+        elif entry.is_dir():
+            found.extend(_walk(entry, split, skipped, seen))
+        elif not entry.is_file():
+            skipped.append(FileProblem(str(entry), FileSkipReason.UNSUPPORTED_FORMAT.value, "not a regular file"))
+        elif _kind_of(entry):
+            found.append(_Source(_kind_of(entry) or "", str(entry), entry))
+        else:
+            skipped.append(_unsupported(entry))
+    return found
 
 
 def _is_datasets_object(obj: Any) -> bool:
@@ -172,6 +295,62 @@ def _pick_split(ds: Any, split: str | None, name: str) -> Any:
     return ds
 
 
+# ---------------------------------------------------------------------------- telling files apart
+
+
+class _NotJsonl(Exception):
+    """Internal: the file is text, but not JSON Lines."""
+
+    def __init__(self, reason: FileSkipReason, detail: str, fix: str):
+        super().__init__(detail)
+        self.reason, self.detail, self.fix = reason, detail, fix
+
+
+def _sniff(head: bytes, name: str) -> None:
+    """Raise :class:`_NotJsonl` if the first bytes show UTF-16/32 text or CR-only line ends."""
+    stem = Path(name).name
+    utf16 = head.startswith((b"\xff\xfe", b"\xfe\xff"))
+    if not utf16 and len(head) >= 4:  # no byte order mark: ASCII in UTF-16 has a zero in every other byte
+        utf16 = (head[1] == 0 and head[3] == 0) or (head[0] == 0 and head[2] == 0)
+    if utf16:
+        raise _NotJsonl(
+            FileSkipReason.UTF16,
+            "is UTF-16 (or UTF-32) text, not UTF-8",
+            f"convert it: iconv -f UTF-16 -t UTF-8 {name} > {stem}.utf8.jsonl",
+        )
+    if b"\r" in head and b"\n" not in head:
+        raise _NotJsonl(
+            FileSkipReason.CR_LINE_ENDINGS,
+            "ends its lines with a bare CR (classic Mac line ends), so it reads as one line",
+            f"convert them: tr '\\r' '\\n' < {name} > {stem}.lf.jsonl",
+        )
+
+
+def _document(name: str, what: str, array: bool) -> _NotJsonl:
+    out = f"{Path(name).name.split('.')[0]}.jsonl"
+    fix = f"jq -c '.[]' {name} > {out}" if array else f"jq -c . {name} > {out} (or jq -c '.KEY[]' for a list under KEY)"
+    return _NotJsonl(
+        FileSkipReason.JSON_DOCUMENT,
+        f"looks like one JSON {what}, not JSON Lines (one object per line), and reading it would load it whole",
+        f"convert it: {fix}",
+    )
+
+
+def _breaks_off(raw: bytes, err: json.JSONDecodeError) -> bool:
+    """Whether the line is the start of a JSON value that goes on on later lines."""
+    if raw.strip()[:1] not in (b"{", b"["):
+        return False
+    return err.pos >= len(raw.decode("utf-8", "replace").rstrip())
+
+
+def _parse(raw: bytes) -> Any:
+    """``json.loads``, with a decoder recursion (thousands of nested levels) as a ValueError."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply for the JSON decoder (thousands of levels)") from None
+
+
 # ---------------------------------------------------------------------------- the reader
 
 
@@ -187,12 +366,16 @@ class ConversationReader:
         on_bad_row: OnBadRow,
         role_map: Mapping[str, str] | None,
         batch_size: int,
+        skipped: list[FileProblem] | None = None,
     ):
         self.sources = sources
         self.on_bad_row = on_bad_row
         self.role_map = dict(role_map) if role_map is not None else None
         self.batch_size = batch_size
+        self.skipped_in_folders = list(skipped or [])
         self.stats = ReadStats()
+        for problem in self.skipped_in_folders:  # known before the first pass
+            self.stats._skip_file(problem)
 
     def __repr__(self) -> str:
         names = [s.name for s in self.sources]
@@ -200,6 +383,8 @@ class ConversationReader:
 
     def __iter__(self) -> Iterator[Conversation]:
         self.stats._reset()
+        for problem in self.skipped_in_folders:
+            self.stats._skip_file(problem)
         for src in self.sources:
             if src.kind == "jsonl":
                 yield from self._read_jsonl(src)
@@ -207,14 +392,18 @@ class ConversationReader:
                 yield from self._read_parquet(src)
             else:
                 yield from self._read_dataset(src)
-        if self.stats.dropped:
+        s = self.stats
+        if s.dropped or s.files_skipped:
             logger.warning(
-                "read %d rows, kept %d, skipped %d bad rows: %s",
-                self.stats.read,
-                self.stats.kept,
-                self.stats.num_dropped,
-                dict(self.stats.dropped),
+                "read %d rows, kept %d, skipped %d bad rows: %s; files not read: %s",
+                s.read,
+                s.kept,
+                s.num_dropped,
+                dict(s.dropped),
+                dict(s.files_skipped) or "none",
             )
+
+    # -- accounting
 
     def _drop(self, src: _Source, location: str, bad: _Bad) -> None:
         key = bad.reason.value
@@ -229,60 +418,173 @@ class ConversationReader:
         except _Bad as bad:
             self._drop(src, location, bad)
             return None
+        except (TypeError, ValueError, RecursionError) as e:  # a value no check foresaw: still one bad row
+            self._drop(
+                src,
+                location,
+                _Bad(
+                    BadRowReason.MALFORMED_MESSAGE,
+                    f"unusable row ({type(e).__name__}: {e})",
+                    "write messages as {'role': str, 'content': str} objects",
+                ),
+            )
+            return None
         self.stats.kept += 1
-        return Conversation(cid, messages)
+        return Conversation(cid, messages, checked=True)
+
+    def _skip_file(self, src: _Source, reason: FileSkipReason, detail: str, fix: str) -> None:
+        self.stats._skip_file(FileProblem(src.name, reason.value, detail))
+        if self.on_bad_row is OnBadRow.ERROR:
+            raise BadFileError(src.name, reason, detail, fix)
+
+    def _lose_tail(self, src: _Source, after: str, error: BaseException, rows: int) -> None:
+        """Count the unreadable rest of a damaged file (``rows``: how many, where known)."""
+        detail = f"damaged after {after}: {_describe(error)}"
+        key = BadRowReason.UNREADABLE_TAIL.value
+        self.stats.read += rows
+        self.stats.dropped[key] = self.stats.dropped.get(key, 0) + rows
+        self.stats.file_problems.append(FileProblem(src.name, key, detail, rows))
+        if self.on_bad_row is OnBadRow.ERROR:
+            raise BadFileError(
+                src.name, BadRowReason.UNREADABLE_TAIL, detail, "restore the file from a good copy (or re-download it)"
+            ) from error
+
+    # -- JSON Lines
 
     def _read_jsonl(self, src: _Source) -> Iterator[Conversation]:
         path: Path = src.target
-        opener = gzip.open if path.name.lower().endswith(".gz") else open
+        gz = path.name.lower().endswith(".gz")
+        opener = gzip.open if gz else open
+        try:
+            with opener(path, "rb") as f:
+                head = f.read(_SNIFF)
+        except _GZIP_ERRORS as e:  # not gzip, no permission...; damage further in is found again below
+            if not (gz and (isinstance(e, (EOFError, zlib.error)) or _is_crc(e))):
+                self._skip_file(src, FileSkipReason.UNREADABLE, _describe(e), _container_fix(gz))
+                return
+            head = b""
+        try:
+            _sniff(head, src.name)
+        except _NotJsonl as e:
+            self._skip_file(src, e.reason, e.detail, e.fix)
+            return
+        self.stats.files_read += 1
+        rows_before = self.stats.read
+        self._last_line = 0
+        try:
+            with opener(path, "rb") as f:
+                yield from self._jsonl_rows(src, f)
+        except _NotJsonl as e:
+            self.stats.files_read -= 1
+            self._skip_file(src, e.reason, e.detail, e.fix)
+        except _GZIP_ERRORS as e:
+            if self.stats.read == rows_before:  # nothing came out: the file is unreadable, not a tail
+                self.stats.files_read -= 1
+                self._skip_file(src, FileSkipReason.UNREADABLE, _describe(e), _container_fix(gz))
+                return
+            self._lose_tail(src, f"line {self._last_line}", e, 1)
+
+    def _jsonl_rows(self, src: _Source, f: Any) -> Iterator[Conversation]:
+        self._last_line = 0
+        lines = enumerate(f, 1)
+        pending: list[tuple[int, bytes]] = []  # a line read ahead to tell a document from a bad first row
         first = True
-        with opener(path, "rb") as f:
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                location = f"line {lineno}"
-                try:
-                    row = json.loads(raw)
-                except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-                    if first and raw.lstrip()[:1] == b"[":  # an indented JSON array: every line would be bad
-                        raise ValueError(
-                            f"{src.name} looks like one JSON array, not JSON Lines (one object per line), and "
-                            "reading an array would load it whole. Convert it: "
-                            f"jq -c '.[]' {src.name} > {Path(src.name).stem}.jsonl"
-                        ) from None
-                    if isinstance(e, json.JSONDecodeError):
-                        detail = f"invalid JSON ({e.msg} at column {e.colno})"
-                    else:  # UnicodeDecodeError
-                        detail = f"invalid JSON: not UTF-8 text ({e})"
-                    self.stats.read += 1
-                    self._drop(
-                        src,
-                        location,
-                        _Bad(BadRowReason.INVALID_JSON, detail, "write one complete UTF-8 JSON object per line"),
-                    )
-                    continue
-                finally:
-                    first = False
-                conv = self._row(src, f"{src.name}:{lineno}", location, row)
-                if conv is not None:
-                    yield conv
+        while True:
+            if pending:
+                lineno, raw = pending.pop()
+            else:
+                nxt = next(lines, None)
+                if nxt is None:
+                    return
+                lineno, raw = nxt
+            self._last_line = lineno
+            if not raw.strip():
+                continue
+            location = f"line {lineno}"
+            try:
+                row = _parse(raw)
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, too deep
+                if first and isinstance(e, json.JSONDecodeError) and _breaks_off(raw, e):
+                    ahead = self._next_nonblank(lines)
+                    # an indented document: line 1 opens it ("{" / "["), line 2 (indented) does not parse either
+                    if (
+                        ahead is not None
+                        and not _parses(ahead[1])
+                        and (raw.strip() in (b"{", b"[") or ahead[1][:1] in (b" ", b"\t"))
+                    ):
+                        array = raw.strip()[:1] == b"["
+                        raise _document(src.name, "array" if array else "object spread over several lines", array)
+                    if ahead is not None:
+                        pending.append(ahead)
+                first = False
+                if isinstance(e, json.JSONDecodeError):
+                    detail = f"invalid JSON ({e.msg} at column {e.colno})"
+                elif isinstance(e, UnicodeDecodeError):
+                    detail = f"invalid JSON: not UTF-8 text ({e})"
+                else:
+                    detail = f"invalid JSON: {e}"
+                self.stats.read += 1
+                self._drop(
+                    src,
+                    location,
+                    _Bad(BadRowReason.INVALID_JSON, detail, "write one complete UTF-8 JSON object per line"),
+                )
+                continue
+            if first and isinstance(row, list) and row and isinstance(row[0], dict):
+                raise _document(src.name, f"array of objects ({len(row)}) on one line", True)
+            first = False
+            conv = self._row(src, f"{src.name}:{lineno}", location, row)
+            if conv is not None:
+                yield conv
+
+    @staticmethod
+    def _next_nonblank(lines: Iterator[tuple[int, bytes]]) -> tuple[int, bytes] | None:
+        for lineno, raw in lines:
+            if raw.strip():
+                return lineno, raw
+        return None
+
+    # -- Parquet
 
     def _read_parquet(self, src: _Source) -> Iterator[Conversation]:
         import pyarrow.parquet as pq
 
-        pf = pq.ParquetFile(src.target)
-        names = set(pf.schema_arrow.names)
+        try:
+            pf = pq.ParquetFile(src.target)
+            names = set(pf.schema_arrow.names)
+            num_rows = pf.metadata.num_rows
+        except _CONTAINER_ERRORS as e:
+            self._skip_file(
+                src,
+                FileSkipReason.UNREADABLE,
+                f"not a readable Parquet file ({_describe(e)})",
+                "write it again (e.g. pyarrow.parquet.write_table), or remove it",
+            )
+            return
+        self.stats.files_read += 1
         columns = [c for c in ("messages", "conversations") if c in names]
         if not columns:
-            yield from self._missing_column(src, pf.metadata.num_rows, sorted(names))
+            yield from self._missing_column(src, num_rows, sorted(names))
             return
         index = 0
-        for batch in pf.iter_batches(batch_size=self.batch_size, columns=columns):
-            for row in batch.to_pylist():
+        batches = pf.iter_batches(batch_size=self.batch_size, columns=columns)
+        while True:
+            rows: list[Any] = []  # free the last batch's rows before the next is decoded
+            try:
+                batch = next(batches, None)
+                rows = [] if batch is None else batch.to_pylist()
+            except _CONTAINER_ERRORS as e:
+                self._lose_tail(src, f"row {index - 1}" if index else "its footer", e, max(num_rows - index, 1))
+                return
+            if batch is None:
+                return
+            for row in rows:
                 conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row)
                 index += 1
                 if conv is not None:
                     yield conv
+
+    # -- datasets
 
     def _read_dataset(self, src: _Source) -> Iterator[Conversation]:
         target = src.target
@@ -290,7 +592,18 @@ class ConversationReader:
             import datasets
 
             path, split = target
-            target = _pick_split(datasets.load_from_disk(str(path)), split, src.name)
+            try:
+                loaded = datasets.load_from_disk(str(path))
+            except (OSError, ValueError, EOFError) as e:
+                self._skip_file(
+                    src,
+                    FileSkipReason.UNREADABLE,
+                    f"not a readable saved dataset ({_describe(e)})",
+                    "save it again with save_to_disk, or point at its data files",
+                )
+                return
+            target = _pick_split(loaded, split, src.name)
+        self.stats.files_read += 1
         index = 0
         if not hasattr(target, "__len__"):  # an IterableDataset: its columns may be unknown, check each row
             for row in target:
@@ -332,6 +645,36 @@ class ConversationReader:
         raise AssertionError("unreachable: _drop raises in error mode")
 
 
+def _parses(raw: bytes) -> bool:
+    try:
+        _parse(raw)
+    except ValueError:
+        return False
+    return True
+
+
+def _is_crc(e: BaseException) -> bool:
+    return isinstance(e, gzip.BadGzipFile) and "CRC" in str(e)
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, EOFError):
+        return "the compressed stream ends before its end marker (the file was cut short)"
+    if isinstance(e, gzip.BadGzipFile):
+        return f"not a valid gzip stream ({e})"
+    if isinstance(e, zlib.error):
+        return f"corrupt compressed data ({e})"
+    if isinstance(e, PermissionError):
+        return "no permission to read it"
+    return f"{type(e).__name__}: {e}"
+
+
+def _container_fix(gz: bool) -> str:
+    if gz:
+        return "check it with gzip -t; re-compress it (gzip -c file.jsonl > file.jsonl.gz) or drop the .gz suffix"
+    return "make it readable (chmod), or remove it"
+
+
 def read_conversations(
     paths: Any,
     on_bad_row: str | OnBadRow = "error",
@@ -343,11 +686,15 @@ def read_conversations(
     """Stream the conversations of JSONL, Parquet or Hugging Face dataset sources.
 
     Args:
-        paths: a path, a glob pattern, a list of them, a directory of files, a
-            folder written by ``datasets``' ``save_to_disk``, or a ``datasets``
-            ``Dataset`` / ``DatasetDict`` / ``IterableDataset`` object.
+        paths: a path, a glob pattern (``**`` matches any depth), a list of them,
+            a directory (searched recursively, in sorted order; other files are
+            counted in ``stats.files_skipped``), a folder written by ``datasets``'
+            ``save_to_disk``, or a ``datasets`` ``Dataset`` / ``DatasetDict`` /
+            ``IterableDataset`` object.
         on_bad_row: ``"error"`` (raise :class:`BadRowError` naming file, line,
-            problem and fix) or ``"skip"`` (count it in ``stats.dropped``).
+            problem and fix, or :class:`BadFileError` for a file that cannot be
+            read) or ``"skip"`` (count it in ``stats.dropped`` or
+            ``stats.files_skipped``; never raises for the data).
         role_map: renames roles before checking them, e.g. ``{"bot": "assistant"}``.
         split: the split to read from a ``DatasetDict``.
         batch_size: rows per Parquet / Arrow batch (bounds memory).
@@ -365,8 +712,8 @@ def read_conversations(
     >>> reader = read_conversations(p, on_bad_row="skip")
     >>> [c.id.rsplit("/", 1)[-1] for c in reader]
     ['chat.jsonl:1']
-    >>> reader.stats
-    ReadStats(read=2, kept=1, dropped={'invalid_json': 1})
+    >>> reader.stats.as_dict()
+    {'read': 2, 'kept': 1, 'dropped': {'invalid_json': 1}}
     """
     mode = choose(OnBadRow, on_bad_row, "on_bad_row")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -375,4 +722,5 @@ def read_conversations(
         bad = {k: v for k, v in role_map.items() if v not in ROLES}
         if bad:
             raise ValueError(f"role_map={bad!r} maps to unknown roles: targets must be one of {sorted(ROLES)}")
-    return ConversationReader(_resolve(paths, split), mode, role_map, batch_size)
+    sources, skipped = _resolve(paths, split)
+    return ConversationReader(sources, mode, role_map, batch_size, skipped)

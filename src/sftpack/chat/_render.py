@@ -36,6 +36,7 @@ Three ways to compute the spans, all equal to the reference where they apply:
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import weakref
@@ -52,6 +53,8 @@ from ._options import TrainOn
 __all__ = ["ChatRenderer", "TemplateError", "renderer_for"]
 
 Span = tuple[int, int]
+
+_MARKER = re.compile("\ue002([0-9]+)\ue003")  # stands for the k-th special-token string of a content
 
 
 class TemplateError(ValueError):
@@ -194,6 +197,69 @@ class ChatRenderer:
         self._profile: _Profile | None = None
         self.fast_renders = 0  # conversations served by the skeleton fast path
         self.slow_renders = 0  # conversations that needed the prefix diff
+        # longest first, so "<|im_end|>" is not found as a shorter token inside it
+        self._special_re = (
+            re.compile("|".join(re.escape(t) for t in self.special_tokens)) if self.special_tokens else None
+        )
+
+    # -- special-token text inside contents
+
+    def count_special_text(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        """How many special-token strings (``"<|im_end|>"``...) the messages' contents hold."""
+        if self._special_re is None:
+            return 0
+        find = self._special_re.findall
+        return sum(len(find(m["content"])) for m in messages if isinstance(m.get("content"), str))
+
+    def spans_special_text(
+        self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn | str = TrainOn.ALL_ASSISTANT
+    ) -> tuple[str, list[Span], list[Span]]:
+        """:meth:`spans` for contents holding special-token text, plus where the
+        *template's own* special tokens are: ``(text, spans, template_specials)``.
+
+        Each special-token string in a content is swapped for a private-use marker
+        before rendering, so the template's special tokens are the only ones left
+        in its output; the markers are then put back and every offset shifted. The
+        tokenizer can then split the text at the template's specials only, and the
+        content's ones stay text.
+        """
+        pattern = self._special_re
+        originals: list[str] = []
+
+        def mark(match: re.Match[str]) -> str:
+            originals.append(match.group(0))
+            return f"\ue002{len(originals) - 1}\ue003"
+
+        marked = [
+            {**m, "content": pattern.sub(mark, m["content"])} if pattern and isinstance(m.get("content"), str) else m
+            for m in messages
+        ]
+        text_m, spans_m = self.spans(marked, train_on)
+        found = list(_MARKER.finditer(text_m))
+        if [int(f.group(1)) for f in found] != list(range(len(originals))):
+            raise TemplateError(
+                "the chat template does not render each content exactly once, in order (or a content holds "
+                "U+E002/U+E003), so special-token text in it cannot be kept as text: pass "
+                "special_tokens_in_content='control' or remove that text"
+            )
+        ends, shifts, parts, pos, shift = [], [], [], 0, 0
+        for f in found:
+            parts.append(text_m[pos : f.start()])
+            parts.append(originals[int(f.group(1))])
+            pos = f.end()
+            shift += len(originals[int(f.group(1))]) - (f.end() - f.start())
+            ends.append(f.end())
+            shifts.append(shift)
+        parts.append(text_m[pos:])
+        text = "".join(parts)
+
+        def moved(p: int) -> int:
+            k = bisect.bisect_right(ends, p)
+            return p + (shifts[k - 1] if k else 0)
+
+        spans = [(moved(a), moved(b)) for a, b in spans_m]
+        template_specials = [(moved(m.start()), moved(m.end())) for m in pattern.finditer(text_m)] if pattern else []
+        return text, spans, template_specials
 
     # -- rendering
 

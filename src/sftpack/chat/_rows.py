@@ -5,7 +5,9 @@ ShareGPT ``conversations`` (``[{"from": "human", "value": ...}]``, mapped to rol
 human/user -> user, gpt/assistant/model/chatgpt/bard/bing -> assistant,
 system -> system, tool/function/observation -> tool). Checks run in a fixed order
 and the first failure is the row's one reason (:class:`BadRowReason`), so every
-rejected row is counted exactly once. Each message error states what is wrong
+rejected row is counted exactly once. Every JSON value in every field reaches a
+check (a role that is a list or an object is a bad row, not a ``TypeError``), so
+nothing but a :class:`BadRowError` (or a count) ever comes out of a row. Each message error states what is wrong
 *and* the fix, because a user reading ``line 48113: ...`` should not need the
 source code to repair the file.
 """
@@ -13,7 +15,7 @@ source code to repair the file.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ._options import BadRowReason
@@ -52,6 +54,8 @@ class Conversation:
 
     id: str
     messages: list[dict[str, Any]]
+    #: True when the row checks already passed (the reader sets it); the tokenizer checks the others.
+    checked: bool = field(default=False, repr=False, compare=False)
 
     # Read-only mapping access, so code written for dict rows keeps working.
     def __getitem__(self, key: str) -> Any:
@@ -74,13 +78,18 @@ class Conversation:
 class BadRowError(ValueError):
     """A row that cannot be used, in ``on_bad_row='error'`` mode.
 
-    Attributes: ``source`` (file or dataset), ``location`` (``"line 7"`` /
-    ``"row 6"``), ``reason`` (:class:`BadRowReason`), ``detail`` and ``fix``.
+    Attributes: ``source`` (file or dataset, or ``"conversation 'id'"`` when
+    the tokenizer finds it), ``location`` (``"line 7"`` / ``"row 6"``, or empty),
+    ``reason`` (:class:`BadRowReason`), ``detail`` and ``fix``.
     """
 
     def __init__(self, source: str, location: str, reason: BadRowReason, detail: str, fix: str):
         self.source, self.location, self.reason, self.detail, self.fix = source, location, reason, detail, fix
-        super().__init__(f"{source}, {location}: {detail} [{reason.value}]. Fix: {fix}; {_SKIP_HINT}.")
+        where = f"{source}, {location}" if location else source
+        super().__init__(f"{where}: {detail} [{reason.value}]. Fix: {fix}; {_SKIP_HINT}.")
+
+    def __reduce__(self) -> Any:  # picklable across worker processes
+        return (type(self), (self.source, self.location, self.reason, self.detail, self.fix))
 
 
 class _Bad(Exception):
@@ -92,7 +101,26 @@ class _Bad(Exception):
 
 
 def _type_name(value: Any) -> str:
-    return "null" if value is None else type(value).__name__
+    if value is None:
+        return "null"
+    return {dict: "object", list: "list", str: "string", bool: "boolean"}.get(type(value), type(value).__name__)
+
+
+def _is_text(s: str) -> bool:
+    """Whether ``s`` encodes as UTF-8: JSON's ``"\\ud800"`` escapes give lone surrogates,
+    which no tokenizer accepts."""
+    if s.isascii():
+        return True
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def validate_messages(row: Any, role_map: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
@@ -173,16 +201,22 @@ def _messages(row: Any, role_map: Mapping[str, str] | None, allow_list: bool = F
                 f"give every message a '{content_key}'",
             )
         raw_role, content = m[rk], m[ck]
+        if not isinstance(raw_role, str):
+            raise _Bad(
+                BadRowReason.UNKNOWN_ROLE,
+                f"message {i} has a {_type_name(raw_role)} '{rk}' ({_short(raw_role)}), expected a string",
+                f"write the '{rk}' as a string: one of {', '.join(sorted(ROLES))}",
+            )
         role = raw_role
         if role_map is not None and raw_role in role_map:
             role = role_map[raw_role]
-        elif sharegpt and isinstance(raw_role, str):
+        elif sharegpt:
             role = SHAREGPT_ROLES.get(raw_role.lower(), raw_role)
         if role not in ROLES:
             known = ", ".join(sorted(ROLES))
             raise _Bad(
                 BadRowReason.UNKNOWN_ROLE,
-                f"message {i} has role {raw_role!r}, which is not one of {known}",
+                f"message {i} has role {_short(raw_role)}, which is not one of {known}",
                 f"map it with role_map={{{raw_role!r}: 'assistant'}} (or 'user', ...)",
             )
         if not isinstance(content, str):
@@ -196,6 +230,12 @@ def _messages(row: Any, role_map: Mapping[str, str] | None, allow_list: bool = F
                 BadRowReason.EMPTY_CONTENT,
                 f"message {i} ({role}) has an empty content",
                 "remove the empty message or the row",
+            )
+        if not _is_text(content):
+            raise _Bad(
+                BadRowReason.INVALID_TEXT,
+                f"message {i} ({role}) holds a lone surrogate (an unpaired \\ud800-\\udfff escape), not text",
+                "fix the escape (a character outside the BMP is a surrogate *pair*) or remove the row",
             )
         has_assistant = has_assistant or role == "assistant"
         if sharegpt or rk != "role" or ck != "content":

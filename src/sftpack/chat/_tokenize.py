@@ -21,11 +21,29 @@ already rendered texts (rendering about 3%, masking and the samples the rest);
 in wall-clock time it keeps up with it (0.8-1.3x measured), because the Python
 work on one batch runs while a helper thread encodes the previous one in Rust.
 
+Row checks run here too (the reader's, from ``_rows``), on every conversation
+that did not come from :func:`~sftpack.chat.read_conversations`, so an unknown
+role or a conversation with nothing to train on never becomes a sample by
+another door. A conversation that fails them, that the chat template refuses
+(``raise_exception``) or cannot render, or whose rendering holds no trainable
+token, is an error naming its id (``on_bad_row="error"``) or a count under its
+reason (``"skip"``); the decision is taken per conversation, inside a batch.
+
+Special-token text typed in a content (``"x<|im_end|>\\n<|im_start|>user"``) stays
+text by default: the contents' special strings are swapped for markers before
+rendering, so after rendering the template's own special tokens are the only
+ones; the text is then encoded in pieces between those, with a copy of the
+tokenizer that reads special strings as text. Only conversations holding such
+text take this path (none of the default corpus does); the rest keep the one
+``encode_batch`` call. ``special_tokens_in_content="control"`` keeps Hugging
+Face's behaviour (they become control tokens), for data that relies on it.
+
 Batches of many conversations, stats and worker processes: ``_batch``.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,12 +51,27 @@ from typing import Any
 
 import numpy as np
 
-from ._options import Outcome, Overlong, TrainOn, choose
-from ._render import renderer_for
-from ._rows import Conversation
 from ..handoff.sample import Sample
+from ._options import (
+    BadRowReason,
+    OnBadRow,
+    Outcome,
+    Overlong,
+    SpecialTokensInContent,
+    TrainOn,
+    choose,
+)
+from ._render import TemplateError, renderer_for
+from ._rows import BadRowError, Conversation, _Bad, _messages
 
-__all__ = ["Encoded", "OverlongError", "encode_conversation", "mask_from_offsets", "tokenize_conversation"]
+__all__ = [
+    "ConversationTemplateError",
+    "Encoded",
+    "OverlongError",
+    "encode_conversation",
+    "mask_from_offsets",
+    "tokenize_conversation",
+]
 
 
 class OverlongError(ValueError):
@@ -52,16 +85,30 @@ class OverlongError(ValueError):
         return (type(self), (str(self), self.conversation_id, self.length, self.max_seq_len))
 
 
+class ConversationTemplateError(BadRowError, TemplateError):
+    """The chat template refused or failed to render one conversation (``on_bad_row='error'``);
+    both a :class:`~sftpack.chat.BadRowError` (``reason='template_error'``) and a
+    :class:`~sftpack.chat.TemplateError`."""
+
+
 @dataclass
 class Encoded:
     """One conversation's result: its samples (none if dropped, several if split) and what happened.
 
     Attributes:
         samples: the samples to train on, in order.
-        outcome: :class:`~sftpack.chat.Outcome` (fit, truncated, dropped, split).
+        outcome: :class:`~sftpack.chat.Outcome` (fit, truncated, dropped, split, skipped).
         num_tokens: tokens of the whole rendered conversation, before the policy.
         tokens_lost: tokens cut off (truncate) or left out (drop).
         trainable_lost: how many of those were trainable.
+        labels: supervised labels of the whole conversation, ``loss_mask[1:].sum()``
+            (the first token is never a target).
+        labels_lost: those no sample gives: the cut tail (truncate), all (drop),
+            the first token of every piece after the first (split: a piece's first
+            token has no earlier token in its row to be the target of).
+        special_text: special-token strings found in the contents.
+        skip: ``(reason, detail, fix)`` when ``outcome`` is ``skipped``.
+        conversation_id: the conversation's id (set when skipped).
     """
 
     samples: list[Sample]
@@ -69,6 +116,11 @@ class Encoded:
     num_tokens: int
     tokens_lost: int = 0
     trainable_lost: int = 0
+    labels: int = 0
+    labels_lost: int = 0
+    special_text: int = 0
+    skip: tuple[BadRowReason, str, str] | None = None
+    conversation_id: Any = None
 
 
 # ---------------------------------------------------------------------------- options
@@ -79,16 +131,26 @@ class _Options:
     train_on: TrainOn = TrainOn.ALL_ASSISTANT
     max_seq_len: int | None = None
     overlong: Overlong = Overlong.TRUNCATE
+    on_bad_row: OnBadRow = OnBadRow.ERROR
+    special_tokens: SpecialTokensInContent = SpecialTokensInContent.TEXT
 
 
-def _options(train_on: Any, max_seq_len: Any, overlong: Any) -> _Options:
+def _options(
+    train_on: Any,
+    max_seq_len: Any,
+    overlong: Any,
+    on_bad_row: Any = "error",
+    special_tokens_in_content: Any = "text",
+) -> _Options:
     t = choose(TrainOn, train_on, "train_on")
     o = choose(Overlong, overlong, "overlong")
+    b = choose(OnBadRow, on_bad_row, "on_bad_row")
+    sp = choose(SpecialTokensInContent, special_tokens_in_content, "special_tokens_in_content")
     if max_seq_len is not None and (
         isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1
     ):
         raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
-    return _Options(t, None if max_seq_len is None else int(max_seq_len), o)
+    return _Options(t, None if max_seq_len is None else int(max_seq_len), o, b, sp)
 
 
 def _backend(tokenizer: Any) -> Any:
@@ -102,20 +164,37 @@ def _backend(tokenizer: Any) -> Any:
     return backend
 
 
-def _as_item(obj: Any, index: int) -> tuple[Any, Sequence[Mapping[str, Any]]]:
+#: One conversation on its way in: (id, messages or the raw row, whether the row checks already passed).
+Item = tuple[Any, Any, bool]
+
+
+def _as_item(obj: Any, index: int) -> Item:
+    """The id and the payload of one input; the row checks (``_checked``) run later, in the worker."""
     if isinstance(obj, Conversation):
-        return obj.id, obj.messages
+        return obj.id, obj.messages, obj.checked
     if isinstance(obj, Mapping):
-        if "messages" not in obj:
-            raise ValueError(f"conversation {index} has no 'messages' (keys: {sorted(obj)[:8]})")
         cid = obj.get("id", obj.get("conversation_id", index))
-        return cid, obj["messages"]
+        return cid, dict(obj), False
     if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        return index, obj
-    raise TypeError(
-        f"conversation {index} is a {type(obj).__name__}: give a list of messages, a dict with 'messages', "
-        "or a sftpack.chat.Conversation"
-    )
+        return index, list(obj), False
+    return index, obj, False  # not a row at all: the checks say so (not_an_object)
+
+
+def _checked(item: Item) -> Sequence[Mapping[str, Any]]:
+    """The item's messages, through the reader's row checks (raises ``_Bad``)."""
+    _, payload, checked = item
+    if checked:
+        return payload  # type: ignore[no-any-return]
+    try:
+        return _messages(payload, None, allow_list=True)
+    except _Bad:
+        raise
+    except (TypeError, ValueError, RecursionError) as e:  # a value no check foresaw: still one bad row
+        raise _Bad(
+            BadRowReason.MALFORMED_MESSAGE,
+            f"unusable row ({type(e).__name__}: {e})",
+            "write messages as {'role': str, 'content': str} objects",
+        ) from None
 
 
 # ---------------------------------------------------------------------------- masks
@@ -184,11 +263,16 @@ def _mask_from_encoding(enc: Any, spans: Sequence[tuple[int, int]], n: int, text
 # ---------------------------------------------------------------------------- one conversation
 
 
-def _apply_policy(ids: np.ndarray, mask: np.ndarray, cid: Any, opts: _Options) -> Encoded:
+def _skipped(cid: Any, reason: BadRowReason, detail: str, fix: str, special_text: int = 0) -> Encoded:
+    return Encoded([], Outcome.SKIPPED, 0, special_text=special_text, skip=(reason, detail, fix), conversation_id=cid)
+
+
+def _apply_policy(ids: np.ndarray, mask: np.ndarray, cid: Any, opts: _Options, special_text: int = 0) -> Encoded:
     n = int(ids.shape[0])
+    labels = int(mask[1:].sum())
     limit = opts.max_seq_len
     if limit is None or n <= limit:
-        return Encoded([Sample(ids, mask, cid)], Outcome.FIT, n)
+        return Encoded([Sample(ids, mask, cid)], Outcome.FIT, n, labels=labels, special_text=special_text)
     if opts.overlong is Overlong.ERROR:
         raise OverlongError(
             f"conversation {cid!r} has {n} tokens > max_seq_len={limit}: raise max_seq_len, or choose "
@@ -198,57 +282,185 @@ def _apply_policy(ids: np.ndarray, mask: np.ndarray, cid: Any, opts: _Options) -
             limit,
         )
     if opts.overlong is Overlong.DROP:
-        return Encoded([], Outcome.DROPPED, n, n, int(mask.sum()))
+        return Encoded([], Outcome.DROPPED, n, n, int(mask.sum()), labels, labels, special_text)
     if opts.overlong is Overlong.TRUNCATE:
         sample = Sample(ids[:limit], mask[:limit], cid, {"truncated_from": n})
-        return Encoded([sample], Outcome.TRUNCATED, n, n - limit, int(mask[limit:].sum()))
+        lost = int(mask[limit:].sum())  # the targets at limit..n-1 (mask[limit] was the last kept token's)
+        return Encoded([sample], Outcome.TRUNCATED, n, n - limit, lost, labels, lost, special_text)
     pieces = -(-n // limit)
     samples = [
         Sample(ids[k * limit : (k + 1) * limit], mask[k * limit : (k + 1) * limit], cid, {"piece": k, "pieces": pieces})
         for k in range(pieces)
     ]
-    return Encoded(samples, Outcome.SPLIT, n)
+    # The first token of each later piece was the target of the token before it, now in another row.
+    boundary = int(mask[limit::limit].sum())
+    return Encoded(samples, Outcome.SPLIT, n, labels=labels, labels_lost=boundary, special_text=special_text)
 
 
-def _render(
-    items: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]], renderer: Any, opts: _Options
-) -> list[tuple[str, list[tuple[int, int]]]]:
-    return [renderer.spans(messages, opts.train_on) for _, messages in items]
+@dataclass
+class _Rendered:
+    """One conversation between rendering and tokenizing."""
+
+    cid: Any
+    text: str = ""
+    spans: list[tuple[int, int]] | None = None
+    template_specials: list[tuple[int, int]] | None = None  # set: encode in pieces (special text kept as text)
+    special_text: int = 0
+    skip: Encoded | None = None
 
 
-def _finish(
-    items: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]],
-    rendered: list[tuple[str, list[tuple[int, int]]]],
-    encodings: list[Any],
-    opts: _Options,
-) -> list[Encoded]:
-    out = []
-    for (cid, _), (text, spans), enc in zip(items, rendered, encodings):
-        ids = np.array(enc.ids, dtype=np.int64)
-        n = int(ids.shape[0])
-        if n == 0:
-            raise ValueError(f"conversation {cid!r} renders to no tokens: check its messages and the chat template")
-        if len(spans) == 1 and spans[0] == (0, len(text)):
-            mask = np.ones(n, dtype=bool)
+_TEMPLATE_FIX = (
+    "make the conversation fit the template (e.g. roles alternating user/assistant, as many templates "
+    "require), or use a template that accepts it"
+)
+
+
+def _render_one(item: Item, renderer: Any, opts: _Options) -> _Rendered:
+    cid = item[0]
+    try:
+        messages = _checked(item)
+    except _Bad as bad:
+        return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
+    n_special = renderer.count_special_text(messages)
+    try:
+        if n_special and opts.special_tokens is SpecialTokensInContent.TEXT:
+            text, spans, specials = renderer.spans_special_text(messages, opts.train_on)
+            return _Rendered(cid, text, spans, specials, n_special)
+        text, spans = renderer.spans(messages, opts.train_on)
+    except Exception as e:  # noqa: BLE001 - TemplateError (raise_exception...) or any failure inside Jinja
+        detail = str(e) if isinstance(e, TemplateError) else f"the chat template failed: {type(e).__name__}: {e}"
+        return _Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, _TEMPLATE_FIX, n_special))
+    return _Rendered(cid, text, spans, None, n_special)
+
+
+def _render(items: Sequence[Item], renderer: Any, opts: _Options) -> list[_Rendered]:
+    return [_render_one(item, renderer, opts) for item in items]
+
+
+def _plain_texts(rendered: Sequence[_Rendered]) -> list[str]:
+    """The texts that go through the one ``encode_batch`` call, in order."""
+    return [r.text for r in rendered if r.skip is None and r.template_specials is None]
+
+
+def _encode_texts(backend: Any, texts: list[str]) -> list[Any]:
+    """``encode_batch``; if it fails, one text at a time, a failure as the exception itself."""
+    try:
+        return list(backend.encode_batch(texts, add_special_tokens=False))
+    except Exception:  # noqa: BLE001 - whatever the Rust side raises: find the text that caused it
+        out: list[Any] = []
+        for t in texts:
+            try:
+                out.append(backend.encode(t, add_special_tokens=False))
+            except Exception as e:  # noqa: BLE001 - e.g. a surrogate from a template variable
+                out.append(e)
+        return out
+
+
+_TEXT_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _text_backend(tokenizer: Any) -> Any:
+    """A copy of the fast tokenizer that reads special-token strings as plain text
+    (built on first need: about 1 s for a 150k vocabulary; cached per tokenizer)."""
+    try:
+        cached = _TEXT_BACKENDS.get(tokenizer)
+    except TypeError:
+        cached = None
+    if cached is not None:
+        return cached
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(_backend(tokenizer).to_str())
+    copy.encode_special_tokens = True
+    try:
+        _TEXT_BACKENDS[tokenizer] = copy
+    except TypeError:  # not weak-referenceable: no cache
+        pass
+    return copy
+
+
+def _encode_pieces(r: _Rendered, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and ``(L, 2)`` offsets of ``r.text``, special tokens only where the template put them."""
+    backend, plain = _backend(tokenizer), _text_backend(tokenizer)
+    text = r.text
+    order: list[tuple[bool, int, int]] = []  # (is_special, start, end): text pieces between the template's specials
+    pos = 0
+    for a, b in r.template_specials or []:
+        if a > pos:
+            order.append((False, pos, a))
+        order.append((True, a, b))
+        pos = b
+    if pos < len(text):
+        order.append((False, pos, len(text)))
+    texts = [text[a:b] for special, a, b in order if not special]
+    encs = iter(plain.encode_batch(texts, add_special_tokens=False) if texts else [])
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    for special, a, b in order:
+        if special:
+            ids.append(backend.token_to_id(text[a:b]))
+            offsets.append((a, b))
         else:
-            mask = _mask_from_encoding(enc, spans, n, len(text))
-        out.append(_apply_policy(ids, mask, cid, opts))
+            enc = next(encs)
+            ids.extend(enc.ids)
+            offsets.extend((a + o0, a + o1) for o0, o1 in enc.offsets)
+    return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+
+
+def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Any, opts: _Options) -> list[Encoded]:
+    out: list[Encoded] = []
+    plain = iter(encodings)
+    for r in rendered:
+        if r.skip is not None:
+            out.append(r.skip)
+            continue
+        assert r.spans is not None
+        if r.template_specials is not None:
+            ids, offsets = _encode_pieces(r, tokenizer)
+            mask = mask_from_offsets(offsets, r.spans)
+        else:
+            enc = next(plain)
+            if isinstance(enc, Exception):
+                out.append(
+                    _skipped(
+                        r.cid,
+                        BadRowReason.INVALID_TEXT,
+                        f"the tokenizer refused the rendered text ({type(enc).__name__}: {enc})",
+                        "remove lone surrogates and other non-characters from the row",
+                        r.special_text,
+                    )
+                )
+                continue
+            ids = np.array(enc.ids, dtype=np.int64)
+            n = int(ids.shape[0])
+            if len(r.spans) == 1 and r.spans[0] == (0, len(r.text)):
+                mask = np.ones(n, dtype=bool)
+            else:
+                mask = _mask_from_encoding(enc, r.spans, n, len(r.text))
+        if not mask[1:].any():  # also catches a rendering with no tokens at all
+            out.append(
+                _skipped(
+                    r.cid,
+                    BadRowReason.NO_TRAINABLE_TOKENS,
+                    f"the rendering ({len(ids)} tokens) holds no trainable token for train_on={opts.train_on.value!r}"
+                    " (does the chat template drop or hide the assistant turns?)",
+                    "use a template that renders the assistant turns, or train_on='everything'",
+                    r.special_text,
+                )
+            )
+            continue
+        out.append(_apply_policy(ids, mask, r.cid, opts, r.special_text))
     return out
 
 
-def _encode_many(
-    items: Sequence[tuple[Any, Sequence[Mapping[str, Any]]]], tokenizer: Any, opts: _Options
-) -> list[Encoded]:
-    """Render, tokenize (one ``encode_batch`` call) and mask a batch of conversations, in order."""
+def _encode_many(items: Sequence[Item], tokenizer: Any, opts: _Options) -> list[Encoded]:
+    """Check, render, tokenize (one ``encode_batch`` call) and mask a batch of conversations, in order."""
     backend = _backend(tokenizer)
     rendered = _render(items, renderer_for(tokenizer), opts)
-    encodings = backend.encode_batch([t for t, _ in rendered], add_special_tokens=False)
-    return _finish(items, rendered, encodings, opts)
+    return _finish(rendered, _encode_texts(backend, _plain_texts(rendered)), tokenizer, opts)
 
 
-def _encode_stream(
-    batches: Iterable[Sequence[tuple[Any, Sequence[Mapping[str, Any]]]]], tokenizer: Any, opts: _Options
-) -> Iterator[list[Encoded]]:
+def _encode_stream(batches: Iterable[Sequence[Item]], tokenizer: Any, opts: _Options) -> Iterator[list[Encoded]]:
     """:func:`_encode_many` over batches, pipelined: while a helper thread encodes
     batch ``k`` (Rust, the GIL released), this thread renders batch ``k + 1`` and
     then masks batch ``k``, so the Python work overlaps the encoding."""
@@ -258,12 +470,21 @@ def _encode_stream(
         pending = None
         for items in batches:
             rendered = _render(items, renderer, opts)
-            future = pool.submit(backend.encode_batch, [t for t, _ in rendered], add_special_tokens=False)
+            future = pool.submit(_encode_texts, backend, _plain_texts(rendered))
             if pending is not None:
-                yield _finish(pending[0], pending[1], pending[2].result(), opts)
-            pending = (items, rendered, future)
+                yield _finish(pending[0], pending[1].result(), tokenizer, opts)
+            pending = (rendered, future)
         if pending is not None:
-            yield _finish(pending[0], pending[1], pending[2].result(), opts)
+            yield _finish(pending[0], pending[1].result(), tokenizer, opts)
+
+
+def _raise_for(enc: Encoded) -> None:
+    """``on_bad_row='error'``: the skipped conversation as an exception naming it."""
+    assert enc.skip is not None
+    cid = enc.conversation_id
+    reason, detail, fix = enc.skip
+    cls = ConversationTemplateError if reason is BadRowReason.TEMPLATE_ERROR else BadRowError
+    raise cls(f"conversation {cid!r}", "", reason, detail, fix)
 
 
 def encode_conversation(
@@ -274,16 +495,26 @@ def encode_conversation(
     max_seq_len: int | None = None,
     overlong: str | Overlong = "truncate",
     conversation_id: Any = None,
+    on_bad_row: str | OnBadRow = "error",
+    special_tokens_in_content: str | SpecialTokensInContent = "text",
 ) -> Encoded:
     """Tokenize one conversation under any over-long policy; see :func:`tokenize_conversation`.
 
+    ``on_bad_row="skip"`` returns a conversation that fails the row checks, that the
+    template refuses or that has no trainable token as an :class:`Encoded` with
+    outcome ``skipped`` and ``skip=(reason, detail, fix)``, instead of raising.
+
     Returns:
-        :class:`Encoded`: zero samples (dropped), one (fit, truncated) or
-        several (split), with the outcome and the tokens lost.
+        :class:`Encoded`: zero samples (dropped, skipped), one (fit, truncated) or
+        several (split), with the outcome and the tokens and labels lost.
     """
-    opts = _options(train_on, max_seq_len, overlong)
-    cid, msgs = _as_item(messages, 0)
-    return _encode_many([(cid if conversation_id is None else conversation_id, msgs)], tokenizer, opts)[0]
+    opts = _options(train_on, max_seq_len, overlong, on_bad_row, special_tokens_in_content)
+    cid, payload, checked = _as_item(messages, 0)
+    cid = cid if conversation_id is None else conversation_id
+    enc = _encode_many([(cid, payload, checked)], tokenizer, opts)[0]
+    if enc.skip is not None and opts.on_bad_row is OnBadRow.ERROR:
+        _raise_for(enc)
+    return enc
 
 
 def tokenize_conversation(
@@ -294,6 +525,7 @@ def tokenize_conversation(
     max_seq_len: int | None = None,
     overlong: str | Overlong = "truncate",
     conversation_id: Any = None,
+    special_tokens_in_content: str | SpecialTokensInContent = "text",
 ) -> Sample:
     """Render one conversation with ``tokenizer``'s chat template into a :class:`~sftpack.Sample`.
 
@@ -308,10 +540,20 @@ def tokenize_conversation(
             ``"error"`` (:class:`OverlongError`). ``"drop"`` and ``"split"`` give
             zero or several samples: use :func:`encode_conversation`.
         conversation_id: stored in the sample (default: the ``Conversation``'s id).
+        special_tokens_in_content: ``"text"`` (special-token strings inside a
+            content are tokenized as plain text) or ``"control"`` (they become the
+            control tokens, as in ``apply_chat_template``).
 
     Returns:
         A :class:`~sftpack.Sample`: ``input_ids`` ``(L,)`` int64 and ``loss_mask``
         ``(L,)`` bool, True on the assistant's tokens.
+
+    Raises:
+        BadRowError: the messages fail the reader's row checks (unknown role,
+            no assistant turn...), or the rendering holds no trainable token; the
+            message names the conversation and the fix.
+        ConversationTemplateError: the chat template refuses or fails to render it.
+        OverlongError: over ``max_seq_len`` with ``overlong="error"``.
 
     >>> from sftpack.testing import tiny_chat_tokenizer
     >>> tok = tiny_chat_tokenizer("chatml")
@@ -320,7 +562,7 @@ def tokenize_conversation(
     >>> tok.decode(s.input_ids[s.loss_mask])
     'yo<|im_end|>'
     """
-    opts = _options(train_on, max_seq_len, overlong)
+    opts = _options(train_on, max_seq_len, overlong, "error", special_tokens_in_content)
     if opts.overlong in (Overlong.DROP, Overlong.SPLIT):
         raise ValueError(
             f"tokenize_conversation returns one sample, so overlong={opts.overlong.value!r} is not valid here: "
@@ -334,4 +576,5 @@ def tokenize_conversation(
         max_seq_len=opts.max_seq_len,
         overlong=opts.overlong,
         conversation_id=conversation_id,
+        special_tokens_in_content=opts.special_tokens,
     ).samples[0]
