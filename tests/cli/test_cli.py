@@ -121,3 +121,18 @@ def test_unwritable_png_is_a_one_line_data_error(capsys, tmp_path):
     err = capsys.readouterr().err
     assert err.startswith("sftpack map: ") and "missing" in err and "check that the path exists" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_bench_reports_every_file_it_did_not_read(capsys, tmp_path):
+    from sftpack.testing import tiny_chat_tokenizer
+
+    tok_dir = tmp_path / "tok"
+    tiny_chat_tokenizer("chatml").save_pretrained(tok_dir)
+    data = tmp_path / "data"
+    (data / "sub").mkdir(parents=True)
+    _chat_file(data / "sub")  # 39 good rows and one bad one, one folder down
+    (data / "notes.txt").write_text("not a chat file\n")
+    assert main(["bench", str(data), "--tokenizer", str(tok_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "read 40 rows: 39 kept, dropped: invalid_json 1" in out
+    assert "not read: unsupported_format 1" in out and "notes.txt: unsupported_format" in out

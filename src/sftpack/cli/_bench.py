@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import UsageError, load_tokenizer, positive
+from ._common import UsageError, load_tokenizer, positive, render_read_stats, render_tokenize_stats
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,19 +55,16 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         pad_multiple=args.pad_multiple,
         overlong=args.overlong,
+        on_bad_row=args.on_bad_row,
         num_proc=args.num_proc,
         seed=args.seed,
+        progress=True,
     )
     st = r.tokenize_stats
     print(f"source: {r.source}")
     if r.read_stats is not None:
-        rs = r.read_stats
-        dropped = ", ".join(f"{k} {v:,}" for k, v in rs.dropped.items()) or "none"
-        print(f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {dropped}")
-    print(
-        f"  {st.conversations:,} conversations -> {len(r.lengths):,} samples ({st.fit:,} fit, {st.split:,} split, "
-        f"{st.truncated:,} truncated, {st.dropped:,} dropped; {st.tokens_lost:,} tokens lost) in {r.seconds:.1f} s"
-    )
+        print(render_read_stats(r.read_stats))
+    print(render_tokenize_stats(st, len(r.lengths), r.seconds))
     if not len(r.lengths):
         print("  nothing to pack")
         return 1

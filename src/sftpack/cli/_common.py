@@ -6,7 +6,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-__all__ = ["UsageError", "load_tokenizer", "positive", "non_negative"]
+__all__ = [
+    "UsageError",
+    "load_tokenizer",
+    "non_negative",
+    "positive",
+    "render_read_stats",
+    "render_tokenize_stats",
+]
 
 
 class UsageError(ValueError):
@@ -50,3 +57,46 @@ def load_tokenizer(path: str | None) -> Any:
             f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder written "
             "by tokenizer.save_pretrained(), or leave --tokenizer out for the embedded Qwen tokenizer"
         ) from None
+
+
+def _reasons(counts: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) or "none"
+
+
+def render_read_stats(rs: Any, *, max_files: int = 10) -> str:
+    """The reader's accounting in words: rows read/kept/dropped by reason, and every
+    file that was not read (or only partly), with its reason."""
+    lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}"]
+    skipped = getattr(rs, "files_skipped", {}) or {}
+    problems = list(getattr(rs, "file_problems", []) or [])
+    if skipped or problems:
+        lines.append(
+            f"  files: {getattr(rs, 'files_read', 0):,} read, not read: {_reasons(skipped)}"
+        )
+        for p in problems[:max_files]:
+            lost = f", {p.rows_lost:,} rows lost" if getattr(p, "rows_lost", None) else ""
+            lines.append(f"    {p.path}: {p.reason} ({p.detail}{lost})")
+        if len(problems) > max_files:
+            lines.append(f"    ... and {len(problems) - max_files:,} more")
+    return "\n".join(lines)
+
+
+def render_tokenize_stats(st: Any, samples: int, seconds: float) -> str:
+    """The tokenizer's accounting in words: outcomes, skips by reason, tokens and labels lost."""
+    skipped = getattr(st, "skipped", {}) or {}
+    lines = [
+        f"  {st.conversations:,} conversations -> {samples:,} samples ({st.fit:,} fit, {st.split:,} split, "
+        f"{st.truncated:,} truncated, {st.dropped:,} dropped, {sum(skipped.values()):,} skipped) in {seconds:.1f} s"
+    ]
+    if skipped:
+        lines.append(f"  skipped: {_reasons(skipped)}")
+    lost = [f"{st.tokens_lost:,} tokens lost"]
+    if hasattr(st, "labels_lost"):
+        lost.append(
+            f"{st.labels_lost:,} of {st.labels:,} supervised labels lost "
+            f"({st.split_labels_lost:,} at split boundaries)"
+        )
+    if getattr(st, "special_text", 0):
+        lost.append(f"{st.special_text:,} conversations had special-token text in content (kept as text)")
+    lines.append("  " + "; ".join(lost))
+    return "\n".join(lines)

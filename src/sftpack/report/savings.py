@@ -125,15 +125,23 @@ def bench_lengths(
     max_seq_len: int,
     pad_multiple: int = 1,
     overlong: str = "split",
+    on_bad_row: str = "error",
     num_proc: int = 1,
     seed: int = 0,
+    progress: bool = False,
 ) -> BenchReport:
     """Tokenize ``conversations`` and compare the packing layouts of their lengths."""
     from ..chat import tokenize_conversations
 
     t0 = time.perf_counter()
     tokenized = tokenize_conversations(
-        conversations, tokenizer, max_seq_len=max_seq_len, overlong=overlong, num_proc=num_proc
+        conversations,
+        tokenizer,
+        max_seq_len=max_seq_len,
+        overlong=overlong,
+        on_bad_row=on_bad_row,
+        num_proc=num_proc,
+        progress=progress,
     )
     lengths = np.fromiter((len(s) for s in tokenized), dtype=np.int64)
     dt = time.perf_counter() - t0
