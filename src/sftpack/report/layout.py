@@ -38,7 +38,9 @@ def worked_example() -> list[MapRow]:
     """The three rows of CONTRACT section 2, each built by the library."""
     a, b = _worked_samples()
     offline = PackedBatch.from_samples([a, b], row_width=16)
-    loader = PackedBatch.from_samples([a, b], row_width=36, pad_multiple=4)
+    from ..loader import worked_example_row
+
+    loader = worked_example_row()
     try:
         from ..trainer import pack_step
     except ImportError:  # pragma: no cover - trainer path not installed

@@ -1,0 +1,72 @@
+"""The loader path: pack while streaming, into rows of exactly ``max_seq_len``.
+
+The second packing moment. A bounded buffer of tokenized samples is
+bin-packed into rows that are always ``max_seq_len`` wide; each sequence is
+padded to a multiple (``2 * CP``) and the kernel gets the padded boundary
+array for both ``cu_seqlens`` and ``cu_seqlens_padded`` (``pad_between_seqs=False``,
+:meth:`PackingDataset.packed_seq_params`), which keeps Transformer Engine's
+FlashAttention-2 usable. Streaming::
+
+    samples ──▶ share of (rank, worker) ──▶ buffer (buffer_size) ──plan_rows──▶ rows ──build_row──▶ PackedBatch
+                                                 ▲                    │
+                                                 └── under-filled rows wait (≤ max_wait rounds)
+
+One concept per module:
+
+- ``_source``: a worker's share of an epoch, by source index; :class:`Overlong`.
+- ``_plan``: :func:`plan_rows` (BFD on ``padded_lengths``, the cost the builder
+  lays) and :func:`hold_back` (which under-filled rows wait).
+- ``_dataset``: :class:`PackingDataset`: shares, buffer rounds, rows, exact resume.
+- ``_state``: the index-only state and its checks (:class:`StateError`).
+- ``_stats``: :class:`LoaderStats` (samples in, rows out, fill, split / truncated / dropped).
+- ``resume``: :class:`StatefulLoader`, torchdata's ``StatefulDataLoader`` with a
+  clear error for a state of another ``num_workers`` (needs ``torchdata``).
+- ``energon``: :class:`PackingTaskEncoder`, the same rule in Megatron-Energon's
+  packing hooks (needs ``megatron-energon``; both load on first use).
+- ``_example``: :func:`worked_example_row`, the contract's worked example.
+
+>>> row = worked_example_row()
+>>> row.num_tokens, row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
+(36, [0, 5, 15], [0, 8, 36])
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._dataset import PAD_BETWEEN_SEQS, PackingDataset
+from ._example import worked_example_row
+from ._plan import hold_back, plan_rows
+from ._source import Overlong
+from ._state import StateError
+from ._stats import LoaderStats
+
+_LAZY = {
+    "StatefulLoader": "resume",
+    "saved_num_workers": "resume",
+    "PackingTaskEncoder": "energon",
+}
+
+__all__ = [
+    "PAD_BETWEEN_SEQS",
+    "LoaderStats",
+    "Overlong",
+    "PackingDataset",
+    "PackingTaskEncoder",
+    "StateError",
+    "StatefulLoader",
+    "hold_back",
+    "plan_rows",
+    "saved_num_workers",
+    "worked_example_row",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """Optional parts (torchdata, megatron-energon) load on first use."""
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

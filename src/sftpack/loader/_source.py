@@ -1,0 +1,177 @@
+"""Where a loader's samples come from: one worker's share of one epoch, by index.
+
+A source is either *map-style* (``len()`` and ``[i]``: a list, a Hugging Face
+dataset, any ``torch`` map-style dataset) or *iterable* (re-iterable, such as
+the output of :func:`sftpack.chat.tokenize_conversations`). Every sample is
+named by its index in the source, and that index is all a loader's state
+stores: restoring reads the samples again.
+
+Epoch ``e`` visits the map-style source in ``permutation(seed, e)`` order
+(``shuffle=True``) or in order; (rank, worker) share ``s`` of ``S`` takes
+positions ``s, s + S, s + 2S, ...`` of that order, so the shares are disjoint
+and their union is every sample exactly once. An iterable source is read in
+order and dealt the same way; resuming it re-reads the stream up to the saved
+cursor (O(cursor) reads, no packing), so prefer a map-style source for long
+epochs.
+
+:class:`Overlong` is what happens to a sample longer than a row, applied
+*before* it is costed (costing before truncation crashed jobs upstream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .._base import StrEnum
+from ..handoff import Sample, as_sample
+
+__all__ = ["Item", "Lookahead", "Overlong", "Source", "cut_overlong"]
+
+
+class Overlong(StrEnum):
+    """What the loader does with a sample longer than ``max_seq_len``."""
+
+    SPLIT = "split"  #: cut into pieces of ``max_seq_len`` (the last shorter), each packed as a sequence
+    TRUNCATE = "truncate"  #: keep the first ``max_seq_len`` tokens; the rest is counted as lost
+    DROP = "drop"  #: leave the sample out, counted
+    ERROR = "error"  #: raise, naming the sample, its length and the fixes
+
+
+class Item:
+    """One sequence in a loader's buffer: a sample, or one piece of a split sample.
+
+    ``ref`` is ``(source index, piece)``; the state stores only refs. (A slotted
+    class: the loader makes one per sample, so a dataclass's overhead shows.)
+    """
+
+    __slots__ = ("input_ids", "length", "loss_mask", "ref", "sequence_id")
+
+    def __init__(self, ref: tuple[int, int], input_ids: np.ndarray, loss_mask: np.ndarray, sequence_id: Any) -> None:
+        self.ref = ref
+        self.input_ids = input_ids
+        self.loss_mask = loss_mask
+        self.sequence_id = sequence_id
+        self.length = int(input_ids.shape[0])
+
+
+def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> tuple[list[Item], int]:
+    """The items of source sample ``index`` under the over-long policy, and the
+    tokens it loses (truncated or dropped).
+
+    >>> items, lost = cut_overlong(3, list(range(1, 11)), 4, Overlong.SPLIT)
+    >>> [i.input_ids.tolist() for i in items], [i.ref for i in items], lost
+    ([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]], [(3, 0), (3, 1), (3, 2)], 0)
+    """
+    s = obj if isinstance(obj, Sample) else as_sample(obj, index)
+    sid = s.conversation_id if s.conversation_id is not None else index
+    n = s.input_ids.shape[0]
+    if n <= max_seq_len:
+        return [Item((index, 0), s.input_ids, s.loss_mask, sid)], 0
+    if overlong is Overlong.SPLIT:
+        cuts = range(0, n, max_seq_len)
+        return [
+            Item((index, k), s.input_ids[a : a + max_seq_len], s.loss_mask[a : a + max_seq_len], sid)
+            for k, a in enumerate(cuts)
+        ], 0
+    if overlong is Overlong.TRUNCATE:
+        return [Item((index, 0), s.input_ids[:max_seq_len], s.loss_mask[:max_seq_len], sid)], n - max_seq_len
+    if overlong is Overlong.DROP:
+        return [], n
+    raise ValueError(
+        f"sample {index} (conversation {sid!r}) has {n} tokens, more than max_seq_len={max_seq_len}: "
+        "raise max_seq_len, or pass overlong='split', 'truncate' or 'drop'"
+    )
+
+
+class Source:
+    """Index-addressed access to the samples of a map-style or re-iterable source."""
+
+    def __init__(self, samples: Any, *, shuffle: bool, seed: int) -> None:
+        self.samples = samples
+        self.map_style = hasattr(samples, "__getitem__") and hasattr(samples, "__len__")
+        if not self.map_style and not isinstance(samples, Iterable):
+            raise TypeError(
+                f"samples must be a map-style dataset (len() and [i]) or an iterable of samples, "
+                f"got {type(samples).__name__}"
+            )
+        if shuffle and not self.map_style:
+            raise ValueError(
+                "shuffle=True needs a map-style source (len() and [i]) to permute; an iterable is read in "
+                "order: shuffle it upstream or pass a list / map-style dataset"
+            )
+        self.shuffle = shuffle
+        self.seed = seed
+        self._opened = False
+
+    def order(self, epoch: int, shard: int, num_shards: int) -> np.ndarray:
+        """Source indices of one share of epoch ``epoch``, in reading order (map-style only)."""
+        n = len(self.samples)
+        if self.shuffle:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(n)
+        else:
+            perm = np.arange(n, dtype=np.int64)
+        return perm[shard::num_shards]
+
+    def open(
+        self, epoch: int, shard: int, num_shards: int, start: int, need: set[int]
+    ) -> tuple[dict[int, Any], Iterator[tuple[int, Any]]]:
+        """``(samples of the indices in need, iterator of (index, sample) of the share from position start)``.
+
+        ``need`` are indices read before ``start`` (a restored buffer's).
+        """
+        if self.map_style:
+            mine = self.order(epoch, shard, num_shards)
+            got = {i: self.samples[i] for i in sorted(need)}
+            return got, ((int(i), self.samples[int(i)]) for i in mine[start:])
+        it = iter(self.samples)
+        if it is self.samples and self._opened:
+            raise ValueError(
+                "samples is a one-shot iterator, so it cannot be read for a second epoch or a resume: pass a "
+                "re-iterable (a list, a map-style dataset, or sftpack.chat.tokenize_conversations output)"
+            )
+        self._opened = True
+        got: dict[int, Any] = {}
+        own = 0
+        for i, obj in enumerate(it):
+            if i % num_shards != shard:
+                continue
+            if own >= start:
+                return got, _chain_first((i, obj), _own(it, i + 1, shard, num_shards))
+            if i in need:
+                got[i] = obj
+            own += 1
+        return got, iter(())
+
+
+def _own(it: Iterator[Any], first: int, shard: int, num_shards: int) -> Iterator[tuple[int, Any]]:
+    for i, obj in enumerate(it, start=first):
+        if i % num_shards == shard:
+            yield i, obj
+
+
+def _chain_first(head: tuple[int, Any], rest: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
+    yield head
+    yield from rest
+
+
+class Lookahead:
+    """An iterator with its next item read ahead, so the end of a share is known before
+    its last row is emitted. The read-ahead sample is not consumed (the cursor does not
+    count it): a resume reads it again."""
+
+    def __init__(self, it: Iterator[tuple[int, Any]]) -> None:
+        self._it = it
+        self._head = next(it, None)
+
+    @property
+    def done(self) -> bool:
+        return self._head is None
+
+    def pop(self) -> tuple[int, Any]:
+        head = self._head
+        assert head is not None
+        self._head = next(self._it, None)
+        return head

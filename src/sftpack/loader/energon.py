@@ -1,0 +1,191 @@
+"""The loader path inside Megatron-Energon: a ``TaskEncoder`` that packs with sftpack.
+
+Energon's packing hooks, per worker: it fills a buffer of
+``packing_buffer_size`` encoded samples, calls ``select_samples_to_pack(buffer)``
+once, then ``pack_selected_samples(group)`` for each group it got back, and
+refills while it emits. :class:`PackingTaskEncoder` plugs in the same rule as
+:class:`~sftpack.loader.PackingDataset` with ``max_wait=0``
+(:func:`~sftpack.loader.plan_rows`: BFD on ``padded_lengths``, buffer order kept
+in a row) and the same row builder, so for the same buffer both lay the same
+rows. Energon silently drops any buffered sample the selector leaves out:
+``plan_rows`` places every one of them, always.
+
+Recipe (``pip install 'sftpack[loader]'``)::
+
+    energon prepare chats.jsonl                      # writes the index chats.jsonl.idx
+    encoder = PackingTaskEncoder(tokenizer, max_seq_len=4096, pad_multiple=4)
+    ds = get_train_dataset("chats.jsonl", worker_config=WorkerConfig(rank=r, world_size=w, num_workers=2,
+                           global_error_handler=reraise_exception), batch_size=1, packing_buffer_size=256,
+                           shuffle_buffer_size=None, max_samples_per_sequence=None, task_encoder=encoder)
+    loader = get_savable_loader(ds)                   # loader.save_state_rank() / restore_state_rank(state)
+    for batch in loader:                              # a PackedBatch of batch_size rows laid end to end
+        params = batch.to_packed_seq_params(pad_between_seqs=False)
+
+What Energon needs, all done here (each pitfall reproduced on this machine with Energon 7.4.1):
+``batch()`` is overridden (the default would call ``PackedBatch.from_samples``
+on the rows); the cooker, ``encode_sample``, ``pack_selected_samples`` and
+``batch`` are ``@stateless`` (Energon restores by re-reading and re-packing,
+so they must be deterministic); the samples they return are Energon
+``Sample`` subclasses built with ``derive_from`` (else the restore key is
+lost). ``shuffle_buffer_size`` and ``max_samples_per_sequence`` are required
+keywords of ``get_train_dataset``, and Energon logs and skips a failing sample
+unless the worker config has a re-raising error handler.
+
+This module imports ``megatron.energon``; ``import sftpack.loader`` does not
+(``sftpack.loader.PackingTaskEncoder`` loads it on first use).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from megatron.energon import (
+    Cooker,
+    Sample,
+    SkipSample,
+    TaskEncoder,
+    basic_sample_keys,
+    edataclass,
+    stateless,
+)
+
+from ..chat import tokenize_conversation
+from ..handoff import PackedBatch, build_row
+from ._plan import plan_rows
+
+__all__ = ["ConversationSample", "PackedRowSample", "PackingTaskEncoder", "TokenizedSample", "cook_conversation"]
+
+
+@edataclass
+class ConversationSample(Sample):
+    """One chat conversation read from the dataset (``{"messages": [...]}``)."""
+
+    messages: list
+    conversation_id: Any = None
+
+
+@edataclass
+class TokenizedSample(Sample):
+    """One tokenized conversation: ``input_ids`` ``(L,)`` int64, ``loss_mask`` ``(L,)`` bool."""
+
+    input_ids: np.ndarray
+    loss_mask: np.ndarray
+    conversation_id: Any = None
+
+
+@edataclass
+class PackedRowSample(Sample):
+    """One packed row (``row`` is a :class:`~sftpack.PackedBatch` of ``max_seq_len`` slots)."""
+
+    row: PackedBatch
+
+
+@stateless
+def cook_conversation(sample: dict) -> ConversationSample:
+    """A JSONL line ``{"messages": [...], "id": ...}`` (Energon's crude sample) as a
+    :class:`ConversationSample`; the id defaults to the sample's ``__key__``."""
+    data = sample["json"]
+    if isinstance(data, (bytes, str)):
+        import json
+
+        data = json.loads(data)
+    if not isinstance(data, dict) or "messages" not in data:
+        raise ValueError(f"Energon sample {sample.get('__key__')!r} has no 'messages' field: {str(data)[:80]}")
+    cid = data.get("id", sample.get("__key__"))
+    return ConversationSample(**basic_sample_keys(sample), messages=data["messages"], conversation_id=cid)
+
+
+class PackingTaskEncoder(TaskEncoder):
+    """Tokenize conversations and pack them into ``max_seq_len`` rows in Energon's packing hooks.
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer with a chat template.
+        max_seq_len: row width, a multiple of ``pad_multiple``.
+        pad_multiple: per-sequence pad multiple (``2 * CP``).
+        algorithm: a :func:`sftpack.binpack.pack` algorithm.
+        overlong: ``"truncate"`` (default), ``"drop"`` (Energon skips the sample)
+            or ``"error"`` for conversations longer than a row.
+        train_on: as :func:`sftpack.chat.tokenize_conversation`.
+        pad_id: token id of padding slots.
+
+    Samples may also arrive tokenized (an Energon ``Sample`` with ``input_ids``
+    and ``loss_mask``): ``encode_sample`` then only applies the over-long policy.
+    """
+
+    cookers = (Cooker(cook_conversation),)
+
+    def __init__(
+        self,
+        tokenizer: Any = None,
+        *,
+        max_seq_len: int,
+        pad_multiple: int = 1,
+        algorithm: str = "bfd",
+        overlong: str = "truncate",
+        train_on: str = "all_assistant",
+        pad_id: int = 0,
+    ) -> None:
+        super().__init__()
+        if overlong not in ("truncate", "drop", "error"):
+            raise ValueError(
+                f"PackingTaskEncoder: overlong={overlong!r} is not valid: choose one of 'truncate', 'drop', "
+                "'error' (Energon encodes one sample into one sample, so 'split' is PackingDataset's alone)"
+            )
+        if max_seq_len % pad_multiple:
+            raise ValueError(
+                f"PackingTaskEncoder: max_seq_len={max_seq_len} is not a multiple of pad_multiple={pad_multiple}"
+            )
+        self.tokenizer = tokenizer
+        self.max_seq_len = max_seq_len
+        self.pad_multiple = pad_multiple
+        self.algorithm = algorithm
+        self.overlong = overlong
+        self.train_on = train_on
+        self.pad_id = pad_id
+
+    @stateless
+    def encode_sample(self, sample: Any) -> TokenizedSample:
+        if hasattr(sample, "input_ids"):
+            ids = np.asarray(sample.input_ids, dtype=np.int64)
+            mask = np.asarray(sample.loss_mask, dtype=bool)
+            cid = getattr(sample, "conversation_id", None)
+        else:
+            s = tokenize_conversation(
+                sample.messages, self.tokenizer, train_on=self.train_on, conversation_id=sample.conversation_id
+            )
+            ids, mask, cid = s.input_ids, s.loss_mask, s.conversation_id
+        if ids.shape[0] > self.max_seq_len:
+            if self.overlong == "drop":
+                raise SkipSample()
+            if self.overlong == "error":
+                raise ValueError(
+                    f"conversation {cid!r} has {ids.shape[0]} tokens, more than max_seq_len={self.max_seq_len}: "
+                    "raise max_seq_len or use overlong='truncate' or 'drop'"
+                )
+            ids, mask = ids[: self.max_seq_len], mask[: self.max_seq_len]
+        return TokenizedSample.derive_from(sample, input_ids=ids, loss_mask=mask, conversation_id=cid)
+
+    def select_samples_to_pack(self, samples: list[TokenizedSample]) -> list[list[TokenizedSample]]:
+        """Every buffered sample in exactly one group: :func:`~sftpack.loader.plan_rows` on the buffer."""
+        lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
+        rows = plan_rows(lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, algorithm=self.algorithm)
+        return [[samples[i] for i in row.tolist()] for row in rows]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[TokenizedSample]) -> PackedRowSample:
+        row = build_row(
+            np.concatenate([s.input_ids for s in samples]),
+            np.concatenate([s.loss_mask for s in samples]),
+            np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples)),
+            row_width=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            pad_id=self.pad_id,
+            sequence_ids=[s.conversation_id for s in samples],
+        )
+        return PackedRowSample.derive_from(samples[0], row=row)
+
+    @stateless
+    def batch(self, samples: list[PackedRowSample]) -> PackedBatch:
+        """``batch_size`` rows laid end to end in one :class:`~sftpack.PackedBatch` (THD has no row axis)."""
+        return PackedBatch.concat([s.row for s in samples])
