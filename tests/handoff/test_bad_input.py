@@ -86,3 +86,31 @@ def test_validate_label_must_be_next_token_or_ignore():
     b.labels[0] = 1002  # a real id, but not the next one
     with pytest.raises(PackedBatchError, match=r"labels\[0\] = 1002"):
         b.validate()
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_build_row_copy_strategies_agree(monkeypatch, n, pad_multiple):
+    """build_row lays rows by one block copy, slice copies or a scatter depending on the
+    sequences; every strategy gives the same row, which validates."""
+    import sftpack.handoff.build as build
+
+    rng = np.random.default_rng(n * 7 + pad_multiple)
+    lengths = rng.integers(1, 30, n)
+    ids = rng.integers(0, 50_000, int(lengths.sum())).astype(np.int32)
+    mask = rng.random(int(lengths.sum())) < 0.6
+    width = int((-(-lengths // pad_multiple) * pad_multiple).sum()) + 2 * pad_multiple
+    rows = []
+    for limit in (0, 10_000):
+        monkeypatch.setattr(build, "_SLICE_COPY_MAX", limit)
+        rows.append(build_row(ids, mask, lengths, row_width=width, pad_multiple=pad_multiple).validate())
+    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
+        assert torch.equal(getattr(rows[0], name), getattr(rows[1], name)), name
+    # and the labels are what the contract says: next token where it is trainable, same sequence
+    start = 0
+    cup = rows[0].cu_seqlens_padded.tolist()
+    for i, L in enumerate(lengths.tolist()):
+        seq_ids, seq_mask = ids[start : start + L], mask[start : start + L]
+        want = [int(seq_ids[j + 1]) if seq_mask[j + 1] else IGNORE_INDEX for j in range(L - 1)] + [IGNORE_INDEX]
+        assert rows[0].labels[cup[i] : cup[i] + L].tolist() == want
+        start += L

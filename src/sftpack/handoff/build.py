@@ -15,7 +15,7 @@ the width :func:`build_row` lays for it: one function for both, so a planned
 row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
 
 Everything is a few vectorised numpy operations (no Python loop over
-sequences or tokens): about 80 µs for a 4,096-token row of 5 sequences on the
+sequences or tokens; each sequence is one slice copy): tens of µs for a 4,096-token row of 5 sequences on the
 development machine (``benchmarks/bench_rowbuild.py``).
 """
 
@@ -32,6 +32,10 @@ from .batch import PackedBatch, PackedBatchError
 from .sample import IGNORE_INDEX
 
 __all__ = ["build_row", "padded_lengths"]
+
+#: up to this many sequences a row is laid by slice copies (a Python loop over
+#: sequences, never over tokens); above it by one vectorised scatter
+_SLICE_COPY_MAX = 32
 
 
 def padded_lengths(lengths: Any, pad_multiple: int) -> np.ndarray:
@@ -144,15 +148,26 @@ def build_row(
     cup = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(padded, out=cup[1:])
 
-    # Physical slot of every real token: its segment start + its offset in the sequence.
-    slot = np.arange(n_tok, dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
+    # Real tokens sit contiguously at the start of each segment, so each sequence
+    # is one slice copy. Three ways to do the same copy, by what is cheapest:
+    # no padding between sequences (one block), few sequences (a slice per
+    # sequence), many (one vectorised scatter).
     out_ids = np.full(total, pad_id, dtype=np.int64)
-    out_ids[slot] = ids
-    # Target of slot t is the id at t+1 when that token is trainable and in the same
-    # sequence. Real tokens sit contiguously in each segment, so "next token" is the
-    # next slot; the last real token of every sequence gets no target.
-    ok = np.zeros(total, dtype=bool)
-    ok[slot[:-1]] = mask[1:].astype(bool, copy=False)
+    ok = np.zeros(total, dtype=bool)  # slot t has a trainable target (token t+1, same sequence)
+    mask_b = mask.astype(bool, copy=False)
+    if n == 1 or bool((padded[:-1] == real[:-1]).all()):
+        out_ids[:n_tok] = ids
+        ok[: n_tok - 1] = mask_b[1:]
+    elif n <= _SLICE_COPY_MAX:
+        for i in range(n):
+            a, b, p = int(cu[i]), int(cu[i + 1]), int(cup[i])
+            out_ids[p : p + b - a] = ids[a:b]
+            ok[p : p + b - a - 1] = mask_b[a + 1 : b]
+    else:
+        slot = np.arange(n_tok, dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
+        out_ids[slot] = ids
+        ok[slot[:-1]] = mask_b[1:]
+    # The last real token of every sequence has no target.
     ok[cup[:-1] + real - 1] = False
     labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
     labels[:-1] = np.where(ok[:-1], out_ids[1:], IGNORE_INDEX)
