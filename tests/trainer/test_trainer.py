@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
 from sftpack.handoff import PackedBatchError
-from sftpack.trainer import padded_batch as _padded_batch
 from sftpack.testing import samples_from_lengths
 from sftpack.trainer import (
     PlanError,
@@ -20,21 +19,7 @@ from sftpack.trainer import (
     unpack,
     unpack_padded,
 )
-
-PAD = -1  # a pad id no sample uses, so padding is visible in every assertion
-
-
-def padded_batch(samples: list[Sample], S: int | None = None, pad_id: int = PAD):
-    """Right-padded ``(input_ids, lengths, loss_mask)`` of the samples, row i = sample i."""
-    return _padded_batch(samples, S, pad_id=pad_id)
-
-
-def assert_same_batch(a: PackedBatch, b: PackedBatch) -> None:
-    for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype, (name, x.dtype, y.dtype)
-        assert torch.equal(x, y), (name, x.tolist(), y.tolist())
-    assert a.max_seqlen == b.max_seqlen
+from tests.helpers import PAD, assert_same_batch, padded_batch
 
 
 # ---------------------------------------------------------------- worked example
