@@ -1,0 +1,120 @@
+"""``sftpack prepack``: conversations to a packed, checksummed, memory-mapped directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import UsageError, load_tokenizer, non_negative, positive
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "prepack",
+        help="tokenize and bin-pack conversations once, write the rows to a directory (the offline path)",
+        description="Read + tokenize, bin-pack, and write rows of --max-seq-len tokens to --out, with a manifest "
+        "(fingerprint, counts, checksums). The directory appears complete or not at all.",
+    )
+    p.add_argument("inputs", nargs="*", help="JSONL(.gz) / Parquet files, globs, folders or saved datasets "
+                   "(default: the embedded chitchat corpus)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist)")
+    p.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
+    p.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
+    p.add_argument("--algorithm", default="bfd", help="bin packer: bfd (default), ffd, first_fit_shuffle, next_fit, "
+                   "greedy_knapsack")
+    p.add_argument("--pad-multiple", type=positive, help="pad each sequence to a multiple of this (default: from --cp/--tp)")
+    p.add_argument("--cp", type=positive, default=1, help="context-parallel size: sequences padded to 2*CP")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel size (matters with --sequence-parallel)")
+    p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (pad x TP)")
+    p.add_argument("--fp8", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+                   help="FP8 recipe: --max-seq-len must then be a multiple of the row multiple it needs")
+    p.add_argument("--overlong", default="split", choices=["truncate", "drop", "split", "error"],
+                   help="a conversation longer than --max-seq-len (default split: nothing lost)")
+    p.add_argument("--on-bad-row", default="skip", choices=["error", "skip"], help="bad input rows (default skip, counted)")
+    p.add_argument("--train-on", default="all_assistant", choices=["all_assistant", "last_assistant", "everything"])
+    p.add_argument("--seed", type=non_negative, default=0)
+    p.add_argument("--num-proc", type=positive, default=1, help="tokenizer processes (the files do not depend on it)")
+    p.add_argument("--engine", default="local", help="where tokenizing and writing run (local)")
+    p.add_argument("--limit", type=positive, help="first N conversations only")
+    p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=run)
+
+
+def _fmt(n: float) -> str:
+    return f"{n:,}" if isinstance(n, int) else f"{n:,.2f}"
+
+
+def summary_lines(result: object) -> list[str]:
+    """The end-of-run table (also used by the tests)."""
+    m = result.manifest  # type: ignore[attr-defined]
+    c = m["counts"]
+    sec = result.seconds  # type: ignore[attr-defined]
+    dropped = ", ".join(f"{k} {v:,}" for k, v in c["dropped"].items()) or "none"
+    oc = c.get("overlong") or {}
+    rows = [
+        ("conversations read", _fmt(c["read"])),
+        ("  kept", _fmt(c["kept"])),
+        ("  dropped (bad rows)", dropped),
+    ]
+    if oc:
+        rows += [
+            ("  fit / split / truncated", f"{oc['fit']:,} / {oc['split']:,} / {oc['truncated']:,}"),
+            ("  dropped (over-long)", _fmt(oc["dropped"])),
+        ]
+    rows += [
+        ("samples (sequences)", _fmt(c["sequences"])),
+        ("tokens", f"{c['tokens']:,} (lost: {c['tokens_lost']:,}, of them trainable {c['trainable_tokens_lost']:,})"),
+        ("supervised labels", _fmt(c["labels"])),
+        ("rows", f"{c['rows']:,} x {m['max_seq_len']:,} slots, pad multiple {m['pad_multiple']}"),
+        ("fill", f"{c['fill']:.3%} of slots hold real tokens"),
+        ("L1 bound", f"{c['l1']:,} rows (gap {c['gap_l1']:.3%})"),
+        ("time", "  ".join(f"{k} {v:.2f}s" for k, v in sec.items())),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return [f"{k:<{width}}  {v}" for k, v in rows]
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..handoff import pad_multiple_for
+    from ..offline import prepack
+
+    align = pad_multiple_for(cp_size=args.cp, tp_size=args.tp, sequence_parallel=args.sequence_parallel, fp8=args.fp8)
+    if args.max_seq_len % align.row_multiple:
+        raise UsageError(
+            f"--max-seq-len {args.max_seq_len} is not a multiple of {align.row_multiple}, which every row needs "
+            f"with --cp {args.cp} --tp {args.tp}{' --sequence-parallel' if args.sequence_parallel else ''}"
+            f"{' --fp8 ' + args.fp8 if args.fp8 else ''} (use "
+            f"{args.max_seq_len // align.row_multiple * align.row_multiple or align.row_multiple})"
+        )
+    pad_multiple = args.pad_multiple if args.pad_multiple is not None else align.seq_multiple
+    if args.pad_multiple is not None and args.pad_multiple % align.seq_multiple:
+        raise UsageError(
+            f"--pad-multiple {args.pad_multiple} is not a multiple of {align.seq_multiple}, which --cp/--tp need"
+        )
+    if args.max_seq_len % pad_multiple:
+        raise UsageError(
+            f"--max-seq-len {args.max_seq_len} is not a multiple of the pad multiple {pad_multiple} "
+            f"(use {args.max_seq_len // pad_multiple * pad_multiple or pad_multiple})"
+        )
+    tok = load_tokenizer(args.tokenizer)
+    result = prepack(
+        args.inputs or None,
+        args.out,
+        tokenizer=tok,
+        max_seq_len=args.max_seq_len,
+        pad_multiple=pad_multiple,
+        algorithm=args.algorithm,
+        seed=args.seed,
+        overlong=args.overlong,
+        train_on=args.train_on,
+        on_bad_row=args.on_bad_row,
+        num_proc=args.num_proc,
+        engine=args.engine,
+        limit=args.limit,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print(f"wrote {result.path}")
+    for line in summary_lines(result):
+        print("  " + line)
+    return 0

@@ -1,0 +1,320 @@
+"""``PrepackedDataset``: a prepack directory as a map-style torch dataset of rows.
+
+Row ``r`` is read as two slices of the memory-mapped ``tokens.npy`` and
+``loss_mask.npy`` (its sequences are contiguous) plus its index entries, and
+laid out by :func:`sftpack.handoff.build_row` with the width, pad multiple and
+pad id of the manifest::
+
+    tokens   ... A0 A1 A2 A3 A4 B0 B1 ... B9 ...   (row r's slice, no padding on disk)
+    row      A0 A1 A2 A3 A4 B0 B1 ... B9 .         width max_seq_len = 16
+    cu_seqlens [0, 5, 15]   cu_seqlens_padded [0, 5, 16]   sequence_ids ("A", "B")
+
+Reading the stored slices (:meth:`~PrepackedDataset.row_arrays`) costs what
+copying the same bytes out of a raw ``np.memmap`` costs (about 20 µs for a
+4,096-token row on the busy 2-core development machine); building the
+``PackedBatch`` (five ``(4096,)`` tensors, 160 KB) adds the row builder's
+100-200 µs there (``benchmarks/bench_offline.py``). Resident pages of a file
+mapping count in a process's RSS, so the reader hands them back to the page
+cache (``madvise(MADV_DONTNEED)``) after every 16 MB read: an epoch over a
+1.8 GB prepack peaked 42 MB above the process's starting RSS, over an 18 MB
+one 19 MB.
+
+Opening checks the manifest and every file's size (``verify="size"``, the
+default), or every file's SHA-256 (``verify="full"``; about 1.5 GB/s), or
+nothing but the manifest (``verify=None``). ``expect=`` compares the trainer's
+settings with the fingerprint.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._base import StrEnum, choose
+from ..handoff import PackedBatch, build_row, padded_lengths
+from ._fingerprint import tokenizer_fingerprint
+from ._format import FILES, PrepackError, file_sha256, open_npy, read_manifest
+from ._shard import Balance, epoch_rows
+
+__all__ = ["PrepackedDataset", "Verify"]
+
+_RELEASE_BYTES = 16 << 20
+
+
+class Verify(StrEnum):
+    """How much :class:`PrepackedDataset` checks when it opens a directory."""
+
+    SIZE = "size"  #: the manifest, every file present with its recorded size, the index consistent
+    FULL = "full"  #: all of that plus every file's SHA-256 (reads every byte)
+
+
+_EXPECT_KEYS = ("max_seq_len", "pad_multiple", "tokenizer", "pad_id", "train_on", "overlong")
+
+
+class PrepackedDataset(torch.utils.data.Dataset):
+    """The rows of a prepack directory (written by ``sftpack prepack``).
+
+    Args:
+        path: the directory.
+        verify: ``"size"`` (default), ``"full"`` or ``None`` (see :class:`Verify`).
+        expect: the trainer's settings, checked against the fingerprint: a mapping
+            with any of ``max_seq_len``, ``pad_multiple``, ``tokenizer`` (a tokenizer
+            object, or its fingerprint's ``sha256``), ``pad_id``, ``train_on``,
+            ``overlong``. A mismatch raises :class:`PrepackError` naming both values.
+        shuffle, seed: epoch-seeded reading order (:meth:`set_epoch`).
+        rank, world_size: data-parallel shard: this rank reads its rows only;
+            across ranks every row is read exactly once per epoch.
+        balance: ``"tokens"`` or ``"attention"``: what ranks are balanced by.
+
+    ``len(ds)`` is the number of rows this rank reads per epoch and ``ds[i]`` the
+    ``i``-th of them (with the defaults: row ``i``). :meth:`row` reads any row by
+    its global number. ``ds.collate`` (= :meth:`PackedBatch.concat`) lays
+    several rows end to end for a ``DataLoader``.
+
+    >>> import tempfile, numpy as np
+    >>> from sftpack import Sample
+    >>> from sftpack.offline import prepack_samples
+    >>> a = Sample(np.arange(1, 6), np.ones(5, bool), "A")
+    >>> b = Sample(np.arange(101, 111), np.ones(10, bool), "B")
+    >>> out = prepack_samples([a, b], tempfile.mkdtemp() + "/ab", max_seq_len=16).path
+    >>> ds = PrepackedDataset(out)
+    >>> row = ds[0]
+    >>> row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist(), row.sequence_ids
+    ([0, 5, 15], [0, 5, 16], ('A', 'B'))
+    """
+
+    collate = staticmethod(PackedBatch.concat)
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        verify: str | Verify | None = "size",
+        expect: Mapping[str, Any] | None = None,
+        shuffle: bool = False,
+        seed: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        balance: str | Balance = "tokens",
+    ):
+        self.path = Path(path)
+        self.manifest: dict[str, Any] = read_manifest(self.path)
+        mode = None if verify is None else choose(Verify, verify, "verify")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size")
+        self.shuffle, self.seed, self.rank, self.world_size = bool(shuffle), int(seed), int(rank), int(world_size)
+        self.balance = choose(Balance, balance, "balance")
+        self.max_seq_len = int(self.manifest["max_seq_len"])
+        self.pad_multiple = int(self.manifest["pad_multiple"])
+        self.pad_id = int(self.manifest["pad_id"])
+        if expect is not None:
+            self._check_expect(expect)
+        self._open(mode)
+        self.epoch = 0
+        self._order = self._epoch_order()
+
+    # ------------------------------------------------------------------ opening and checks
+
+    def _open(self, mode: Verify | None) -> None:
+        files = self.manifest["files"]
+        for name in FILES:
+            p = self.path / name
+            if name not in files:
+                raise PrepackError(f"{self.path / 'manifest.json'} lists no {name}: the manifest is damaged")
+            if not p.is_file():
+                raise PrepackError(
+                    f"{p} is missing (deleted or renamed?): the prepack is incomplete; write it again with sftpack prepack"
+                )
+            if mode is not None and p.stat().st_size != files[name]["bytes"]:
+                raise PrepackError(
+                    f"{p} is {p.stat().st_size} bytes, the manifest says {files[name]['bytes']}: the file is "
+                    "truncated or was replaced; write the prepack again"
+                )
+        if mode is Verify.FULL:
+            for name in FILES:
+                if file_sha256(self.path / name) != files[name]["sha256"]:
+                    raise PrepackError(
+                        f"{self.path / name} does not match its checksum in the manifest (SHA-256 differs): the "
+                        "file is damaged; write the prepack again"
+                    )
+        self._arrays = {}
+        self._maps: dict[str, mmap.mmap | None] = {}
+        for name in FILES:
+            arr, mm = open_npy(self.path / name)
+            key = name[: -len(".npy")]
+            self._arrays[key], self._maps[key] = arr, mm
+        self.tokens = self._arrays["tokens"]
+        self.loss_mask = self._arrays["loss_mask"]
+        self.sequences = self._arrays["sequences"]
+        self.rows = self._arrays["rows"]
+        if mode is not None:
+            self._check_index(full=mode is Verify.FULL)
+        self._read_bytes = 0
+
+    def _check_index(self, *, full: bool) -> None:
+        rows, seqs, n_tok = self.rows, self.sequences, self.tokens.shape[0]
+        c = self.manifest["counts"]
+        problems = []
+        if rows.shape[0] != c["rows"] + 1:
+            problems.append(f"rows.npy holds {rows.shape[0] - 1} rows, the manifest counts {c['rows']}")
+        elif rows.shape[0] and (int(rows[-1]["sequence"]) != seqs.shape[0] or int(rows[-1]["token"]) != n_tok):
+            problems.append("rows.npy does not end at the last sequence and token")
+        if seqs.shape[0] != c["sequences"] or n_tok != c["tokens"]:
+            problems.append(f"{seqs.shape[0]} sequences / {n_tok} tokens on disk, the manifest counts "
+                            f"{c['sequences']} / {c['tokens']}")
+        offs = self._arrays["conversation_offsets"]
+        if offs.shape[0] and int(offs[-1]) != self._arrays["conversation_ids"].shape[0]:
+            problems.append("conversation_offsets.npy does not end at the end of conversation_ids.npy")
+        if full and not problems and seqs.shape[0]:
+            ends = seqs["start"].astype(np.int64) + seqs["length"]
+            if int(seqs["start"][0]) != 0 or np.any(ends[:-1] != seqs["start"][1:]) or int(ends[-1]) != n_tok:
+                problems.append("sequences.npy: the sequences do not tile tokens.npy")
+            loads = np.add.reduceat(padded_lengths(seqs["length"], self.pad_multiple), rows["sequence"][:-1])
+            if loads.max() > self.max_seq_len:
+                problems.append(f"row {int(np.argmax(loads))} does not fit max_seq_len={self.max_seq_len}")
+        if problems:
+            raise PrepackError(f"{self.path}: the index is inconsistent ({'; '.join(problems)}); write the prepack again")
+
+    def _check_expect(self, expect: Mapping[str, Any]) -> None:
+        unknown = sorted(set(expect) - set(_EXPECT_KEYS))
+        if unknown:
+            raise ValueError(f"expect= has unknown keys {unknown}: valid keys are {', '.join(_EXPECT_KEYS)}")
+        fp = self.manifest["fingerprint"]
+        for key in ("max_seq_len", "pad_multiple", "pad_id", "train_on", "overlong"):
+            if key not in expect:
+                continue
+            have = self.manifest.get(key, fp.get(key))
+            want = expect[key]
+            if str(have) != str(want):
+                flag = "--" + key.replace("_", "-")
+                raise PrepackError(
+                    f"{self.path} was prepacked with {key}={have!r} but the trainer expects {key}={want!r}: "
+                    f"prepack again with {flag} {want} or set the trainer's {key} to {have}"
+                )
+        if "tokenizer" in expect:
+            want_tok = expect["tokenizer"]
+            want = want_tok if isinstance(want_tok, str) else tokenizer_fingerprint(want_tok)["sha256"]
+            have_fp = fp.get("tokenizer") or {}
+            if have_fp.get("sha256") != want:
+                name = have_fp.get("name_or_path") or "?"
+                raise PrepackError(
+                    f"{self.path} was prepacked with another tokenizer (fingerprint {str(have_fp.get('sha256'))[:12]}, "
+                    f"{name!r}) than the trainer's (fingerprint {want[:12]}): token ids would mean different "
+                    "things; prepack again with --tokenizer pointing at the trainer's tokenizer"
+                )
+
+    # ------------------------------------------------------------------ epochs and shards
+
+    def row_costs(self, balance: str | Balance | None = None) -> np.ndarray:
+        """``(R,)`` int64 cost of every row: real tokens, or ``sum(len**2)`` for ``"attention"``."""
+        b = self.balance if balance is None else choose(Balance, balance, "balance")
+        if b is Balance.TOKENS:
+            return np.diff(self.rows["token"].astype(np.int64))
+        lens = self.sequences["length"].astype(np.int64)
+        if not lens.shape[0]:
+            return np.zeros(0, np.int64)
+        return np.add.reduceat(lens * lens, self.rows["sequence"][:-1])
+
+    def _epoch_order(self) -> np.ndarray:
+        if self.world_size == 1 and not self.shuffle:
+            return np.arange(self.num_rows, dtype=np.int64)
+        return epoch_rows(self.row_costs(), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
+                          rank=self.rank, world_size=self.world_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Reorder (with ``shuffle``) and re-deal the rows for ``epoch``; every rank must call it alike."""
+        self.epoch = int(epoch)
+        self._order = self._epoch_order()
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the whole prepack (all ranks)."""
+        return int(self.rows.shape[0] - 1)
+
+    def epoch_rows(self) -> np.ndarray:
+        """``(len(self),)`` int64: the global rows this rank reads this epoch, in order."""
+        return self._order.copy()
+
+    # ------------------------------------------------------------------ reading
+
+    def __len__(self) -> int:
+        return int(self._order.shape[0])
+
+    def __getitem__(self, i: int) -> PackedBatch:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} is out of range for {n} rows")
+        return self.row(int(self._order[i]))
+
+    def conversation_id(self, c: int) -> Any:
+        """The id of conversation number ``c`` (as the source gave it)."""
+        offs, blob = self._arrays["conversation_offsets"], self._arrays["conversation_ids"]
+        raw = blob[int(offs[c]) : int(offs[c + 1])].tobytes()
+        if raw[:1] == b'"' and b"\\" not in raw:  # a plain string: skip the JSON parser (5x faster)
+            return raw[1:-1].decode("utf-8")
+        return json.loads(raw)
+
+    def row_sequences(self, r: int) -> np.ndarray:
+        """The index records (start, length, conversation, piece) of row ``r``'s sequences."""
+        a, b = int(self.rows[r]["sequence"]), int(self.rows[r + 1]["sequence"])
+        return self.sequences[a:b]
+
+    def row_arrays(self, r: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Global row ``r`` as stored: ``(ids (L,), loss_mask (L,) bool, sequences (N,) records)``,
+        read-only memmap slices (no copy, no padding)."""
+        n = self.num_rows
+        if not -n <= r < n:
+            raise IndexError(f"row {r} is out of range for {n} rows")
+        r %= n
+        lo, hi = self.rows[r], self.rows[r + 1]
+        t0, t1 = int(lo["token"]), int(hi["token"])
+        self._read_bytes += (t1 - t0) * (self.tokens.itemsize + 1)
+        if self._read_bytes >= _RELEASE_BYTES:
+            self.release_pages()
+        return self.tokens[t0:t1], self.loss_mask[t0:t1], self.sequences[int(lo["sequence"]) : int(hi["sequence"])]
+
+    def row(self, r: int) -> PackedBatch:
+        """Global row ``r`` as a :class:`PackedBatch` of width ``max_seq_len``; ``sequence_ids`` holds
+        each segment's conversation id."""
+        ids, mask, seqs = self.row_arrays(r)
+        return build_row(
+            ids,
+            mask,
+            seqs["length"],
+            row_width=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            pad_id=self.pad_id,
+            sequence_ids=[self.conversation_id(int(c)) for c in seqs["conversation"]],
+        )
+
+    def release_pages(self) -> None:
+        """Hand the pages read so far back to the page cache (they stop counting in RSS)."""
+        self._read_bytes = 0
+        for mm in self._maps.values():  # the index too: over an epoch it is touched end to end
+            if mm is not None and hasattr(mm, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+                mm.madvise(mmap.MADV_DONTNEED)
+
+    def __repr__(self) -> str:
+        c = self.manifest["counts"]
+        return (
+            f"PrepackedDataset({str(self.path)!r}, rows={self.num_rows}, max_seq_len={self.max_seq_len}, "
+            f"pad_multiple={self.pad_multiple}, fill={c['fill']:.2%}, rank={self.rank}/{self.world_size})"
+        )
+
+    # ------------------------------------------------------------------ pickling (DataLoader workers)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_arrays", "_maps", "tokens", "loss_mask", "sequences", "rows")}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._open(None)

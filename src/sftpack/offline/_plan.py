@@ -1,0 +1,147 @@
+"""Stage 2 of a prepack: lengths in, the row assignment out.
+
+Bin packing sees only the lengths: each sample costs
+:func:`sftpack.handoff.padded_lengths` (its length rounded up to the pad
+multiple), the same function the row builder uses to lay it, so a planned row
+never overflows ``max_seq_len`` once padded. Within a row the samples keep
+their input order (the contract's rows built from samples: A before B);
+rows come in the packer's order. The plan is a pure function of the lengths
+and the options, so any engine that feeds it the same lengths writes the same
+files.
+
+A :class:`RowPlan` also fixes where every sequence lands in ``tokens.npy``,
+so stage 3 can write any range of rows independently (in parallel, in any
+order) and still produce the same bytes::
+
+    lengths        [5, 10, 3, 8, 6]                   capacity 16
+    order          [1, 4, 0, 2, 3]                    rows: [1, 4] and [0, 2, 3]
+    row_offsets    [0, 2, 5]
+    starts         [0, 10, 16, 21, 24]                (output token offset of each sequence)
+
+Memory: about 24 bytes per sample (the order, the output lengths and starts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._base import positive_int
+from ..binpack import Algorithm, lower_bounds, pack
+from ..handoff import padded_lengths
+
+__all__ = ["RowPlan", "plan_from_membership", "plan_rows"]
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Which samples each row holds, and where their tokens go.
+
+    Attributes:
+        order: ``(S,)`` int64 sample index of every output sequence, row after row.
+        row_offsets: ``(R+1,)`` int64: row ``r`` holds ``order[row_offsets[r]:row_offsets[r+1]]``.
+        lengths: ``(S,)`` int64 length of every output sequence (``lengths_in[order]``).
+        starts: ``(S,)`` int64 offset of every output sequence in ``tokens.npy``.
+        row_width: ``max_seq_len``; pad_multiple: the per-sequence multiple.
+        l1, l2: lower bounds on the row count (on padded costs).
+    """
+
+    order: np.ndarray
+    row_offsets: np.ndarray
+    lengths: np.ndarray
+    starts: np.ndarray
+    row_width: int
+    pad_multiple: int
+    l1: int
+    l2: int
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.row_offsets.shape[0] - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    def row_token_offsets(self) -> np.ndarray:
+        """``(R+1,)`` int64: row ``r``'s tokens are ``tokens[off[r]:off[r+1]]``."""
+        out = np.empty(self.num_rows + 1, np.int64)
+        out[:-1] = self.starts[self.row_offsets[:-1]] if self.num_rows else np.zeros(0, np.int64)
+        out[-1] = self.num_tokens
+        return out
+
+
+def _finish(lengths_in: np.ndarray, order: np.ndarray, row_offsets: np.ndarray, width: int, m: int) -> RowPlan:
+    lengths = lengths_in[order]
+    starts = np.zeros(lengths.shape[0], np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    costs = padded_lengths(lengths, m)
+    if lengths.shape[0]:
+        loads = np.add.reduceat(costs, row_offsets[:-1])
+        if loads.max() > width:
+            r = int(np.argmax(loads))
+            raise ValueError(
+                f"row {r} needs {int(loads[r])} slots once each sequence is padded to a multiple of {m}, "
+                f"more than max_seq_len={width}: raise max_seq_len"
+            )
+        bounds = lower_bounds(costs, width)
+    else:
+        bounds = lower_bounds([], width)
+    return RowPlan(order, row_offsets, lengths, starts, width, m, bounds.l1, bounds.l2)
+
+
+def _check_width(max_seq_len: Any, pad_multiple: Any) -> tuple[int, int]:
+    width = positive_int("max_seq_len", max_seq_len)
+    m = positive_int("pad_multiple", pad_multiple)
+    if width % m:
+        raise ValueError(
+            f"max_seq_len={width} is not a multiple of pad_multiple={m}: the last sequence of a row absorbs "
+            f"its tail and would lose its alignment; use max_seq_len={width // m * m or m}"
+        )
+    return width, m
+
+
+def plan_rows(
+    lengths: Any,
+    *,
+    max_seq_len: int,
+    pad_multiple: int = 1,
+    algorithm: str | Algorithm = "bfd",
+    seed: int = 0,
+) -> RowPlan:
+    """Bin-pack ``lengths`` into rows of ``max_seq_len`` slots.
+
+    Args:
+        lengths: ``(S,)`` integer sample lengths, each ``1 <= len <= max_seq_len``.
+        max_seq_len: row width ``T`` (a multiple of ``pad_multiple``).
+        pad_multiple: each sample is padded to a multiple of this (``2*CP``).
+        algorithm: a :class:`sftpack.binpack.Algorithm` name.
+        seed: for ``first_fit_shuffle``.
+
+    >>> p = plan_rows([5, 10, 3, 8, 6], max_seq_len=16)
+    >>> p.order.tolist(), p.row_offsets.tolist(), p.starts.tolist()
+    ([1, 4, 0, 2, 3], [0, 2, 5], [0, 10, 16, 21, 24])
+    """
+    width, m = _check_width(max_seq_len, pad_multiple)
+    lengths_in = np.asarray(lengths, dtype=np.int64)
+    bins = pack(padded_lengths(lengths_in, m), width, algorithm, seed=seed)
+    order = bins.order.copy()
+    offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
+    # input order within each row: sort by (row, index) in one stable pass
+    if order.shape[0]:
+        row_of = np.repeat(np.arange(len(bins), dtype=np.int64), np.diff(offsets))
+        order = order[np.lexsort((order, row_of))]
+    return _finish(lengths_in, order, offsets, width, m)
+
+
+def plan_from_membership(lengths: Any, row_offsets: Any, *, max_seq_len: int, pad_multiple: int = 1) -> RowPlan:
+    """A plan that keeps a given packing: samples in input order, row ``r`` holding
+    samples ``row_offsets[r]:row_offsets[r+1]`` (what an importer read)."""
+    width, m = _check_width(max_seq_len, pad_multiple)
+    lengths_in = np.asarray(lengths, dtype=np.int64)
+    offsets = np.asarray(row_offsets, dtype=np.int64)
+    if offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != lengths_in.shape[0] or np.any(np.diff(offsets) < 1):
+        raise ValueError("row_offsets must run from 0 to the number of samples, strictly increasing")
+    return _finish(lengths_in, np.arange(lengths_in.shape[0], dtype=np.int64), offsets, width, m)

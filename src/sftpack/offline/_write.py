@@ -1,0 +1,188 @@
+"""Stage 3 of a prepack: the plan and a token source in, the files out.
+
+:func:`allocate` creates ``tokens.npy`` and ``loss_mask.npy`` at their final
+size (header + items, space reserved up front so a full disk fails before the
+long write, not after); :func:`write_rows` fills any range of rows at the
+offsets the plan fixed, with ``os.pwrite``; :func:`write_index` writes the
+small per-sequence and per-row index and the conversation ids. Because every
+byte's position comes from the plan, rows can be written in any order, by any
+number of workers (an engine runs :func:`write_rows` on disjoint row ranges),
+and the files come out the same.
+
+A token source is anything with ``gather(sample_indices) -> (ids, mask)``
+returning the samples' tokens and masks laid end to end in that order (the
+local engine's is :class:`~sftpack.offline._stage.StagingSource`).
+
+Memory: one chunk of rows at a time (``chunk_tokens``, 1M tokens by default:
+about 10 MB), whatever the dataset size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from ._format import ROW_DTYPE, SEQUENCE_DTYPE, npy_header
+from ._plan import RowPlan
+
+__all__ = ["TokenSource", "allocate", "row_chunks", "write_index", "write_rows"]
+
+CHUNK_TOKENS = 1 << 20
+
+
+class TokenSource(Protocol):
+    def gather(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+def _create(path: Path, header: bytes, nbytes: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, header)
+        total = len(header) + nbytes
+        if nbytes:
+            if hasattr(os, "posix_fallocate"):
+                try:
+                    os.posix_fallocate(fd, 0, total)
+                except OSError as e:
+                    if e.errno not in (95, 22):  # EOPNOTSUPP / EINVAL: the filesystem cannot, so extend below
+                        raise
+                    os.ftruncate(fd, total)
+            else:  # pragma: no cover - non-POSIX
+                os.ftruncate(fd, total)
+    finally:
+        os.close(fd)
+
+
+def allocate(directory: Path, plan: RowPlan, dtype: np.dtype) -> None:
+    """Create ``tokens.npy`` (``dtype``) and ``loss_mask.npy`` (bool) at full size."""
+    n = plan.num_tokens
+    _create(directory / "tokens.npy", npy_header(dtype, n), n * np.dtype(dtype).itemsize)
+    _create(directory / "loss_mask.npy", npy_header(np.bool_, n), n)
+
+
+def row_chunks(plan: RowPlan, rows: tuple[int, int] | None = None, chunk_tokens: int = CHUNK_TOKENS) -> list[tuple[int, int]]:
+    """Split rows ``[a, b)`` into consecutive ranges of about ``chunk_tokens`` tokens each."""
+    a, b = rows if rows is not None else (0, plan.num_rows)
+    if a >= b:
+        return []
+    tok = plan.row_token_offsets()
+    out = []
+    start = a
+    while start < b:
+        end = int(np.searchsorted(tok, tok[start] + chunk_tokens, side="right")) - 1
+        end = min(max(end, start + 1), b)
+        out.append((start, end))
+        start = end
+    return out
+
+
+def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    while view.nbytes:
+        n = os.pwrite(fd, view, offset)
+        view = view[n:]
+        offset += n
+
+
+def write_rows(
+    directory: Path,
+    plan: RowPlan,
+    source: TokenSource,
+    dtype: np.dtype,
+    *,
+    rows: tuple[int, int] | None = None,
+    chunk_tokens: int = CHUNK_TOKENS,
+    on_chunk: Callable[[int], None] | None = None,
+) -> None:
+    """Fill the tokens and masks of rows ``[a, b)`` (default: all) into the allocated files.
+
+    Args:
+        directory: where :func:`allocate` created the files.
+        plan: the :class:`RowPlan`.
+        source: a token source (``gather(sample_indices) -> (ids, mask)``).
+        dtype: the token dtype :func:`allocate` used.
+        rows: the row range to write.
+        chunk_tokens: tokens gathered and written per step.
+        on_chunk: called with the number of rows after each chunk (progress).
+    """
+    dtype = np.dtype(dtype)
+    n = plan.num_tokens
+    tok_header = len(npy_header(dtype, n))
+    mask_header = len(npy_header(np.bool_, n))
+    tok_off = plan.row_token_offsets()
+    fd_t = os.open(directory / "tokens.npy", os.O_WRONLY)
+    fd_m = os.open(directory / "loss_mask.npy", os.O_WRONLY)
+    try:
+        for a, b in row_chunks(plan, rows, chunk_tokens):
+            samples = plan.order[plan.row_offsets[a] : plan.row_offsets[b]]
+            ids, mask = source.gather(samples)
+            expected = int(tok_off[b] - tok_off[a])
+            if ids.shape[0] != expected or mask.shape[0] != expected:
+                raise RuntimeError(
+                    f"the token source returned {ids.shape[0]} tokens for rows {a}..{b - 1}, the plan expects "
+                    f"{expected}: the source does not match the lengths the plan was made from"
+                )
+            _pwrite_all(fd_t, np.ascontiguousarray(ids, dtype=dtype).view(np.uint8), tok_header + int(tok_off[a]) * dtype.itemsize)
+            _pwrite_all(fd_m, np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8), mask_header + int(tok_off[a]))
+            if on_chunk is not None:
+                on_chunk(b - a)
+        os.fsync(fd_t)
+        os.fsync(fd_m)
+    finally:
+        os.close(fd_t)
+        os.close(fd_m)
+
+
+def _write_npy(path: Path, arr: np.ndarray) -> None:
+    with open(path, "wb") as f:
+        f.write(npy_header(arr.dtype, arr.shape[0]))
+        f.write(np.ascontiguousarray(arr).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_index(
+    directory: Path,
+    plan: RowPlan,
+    *,
+    conversation: np.ndarray,
+    piece: np.ndarray,
+    conversation_offsets: np.ndarray,
+    conversation_ids: Path | bytes,
+) -> None:
+    """Write ``sequences.npy``, ``rows.npy``, ``conversation_ids.npy`` and ``conversation_offsets.npy``.
+
+    ``conversation`` / ``piece`` are per *input* sample (reordered here by the
+    plan); ``conversation_ids`` is the file (or bytes) of the ids' UTF-8 JSON
+    laid end to end, ``conversation_offsets`` the ``(C+1,)`` byte offsets into it.
+    """
+    seq = np.zeros(plan.order.shape[0], SEQUENCE_DTYPE)
+    seq["start"] = plan.starts
+    seq["length"] = plan.lengths
+    seq["conversation"] = np.asarray(conversation, np.int64)[plan.order]
+    seq["piece"] = np.asarray(piece, np.int32)[plan.order]
+    _write_npy(directory / "sequences.npy", seq)
+    rows = np.zeros(plan.num_rows + 1, ROW_DTYPE)
+    rows["sequence"] = plan.row_offsets
+    rows["token"] = plan.row_token_offsets()
+    _write_npy(directory / "rows.npy", rows)
+    offsets = np.asarray(conversation_offsets, np.int64)
+    blob_len = int(offsets[-1])
+    with open(directory / "conversation_ids.npy", "wb") as f:
+        f.write(npy_header(np.uint8, blob_len))
+        if isinstance(conversation_ids, (bytes, bytearray)):
+            f.write(conversation_ids)
+        else:
+            with open(conversation_ids, "rb") as src:
+                while chunk := src.read(1 << 22):
+                    f.write(chunk)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.getsize(directory / "conversation_ids.npy") != len(npy_header(np.uint8, blob_len)) + blob_len:
+        raise RuntimeError("conversation ids: the staged id file does not match its offsets")
+    _write_npy(directory / "conversation_offsets.npy", offsets)
+
