@@ -23,13 +23,19 @@ plus its binning loop. It is about 0.05M lengths/s, so by default it runs on a
 1M-length subsample (``--trl-items``; 0 = all), beside sftpack's BFD on the same
 subsample, and its row says so.
 
+- ``capacity``: the cost must not grow with the capacity. Two lengths in rows
+  of ``10**8``, ``10**9`` and ``2**31 - 1`` tokens (the old dense kernels took
+  19 s and 4 GB at ``10**8`` and failed at ``10**9``), and the 10M lognormal
+  lengths multiplied by ``K = 262,143`` in rows of ``8192 * K`` tokens (just
+  under ``2**31``): the sparse route, with exactly the rows of the small case.
+
 Usage::
 
     python benchmarks/bench_binpack.py            # the full run (a few minutes)
     python benchmarks/bench_binpack.py --quick    # 1M lognormal, small TRL subsample
-    python benchmarks/bench_binpack.py --data ../shared/data --cases lognormal squad
+    python benchmarks/bench_binpack.py --cases lognormal squad
 
-The data histograms are read from ``../shared/data`` beside the repository
+The data histograms are read from ``benchmarks/data/`` in the repository
 (``--data`` to point elsewhere). Results are printed and written to
 ``benchmarks/out/bench_binpack.csv``.
 """
@@ -55,7 +61,7 @@ from sftpack import binpack
 from sftpack.binpack import lower_bounds, pack, pack_histogram
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_DATA = ROOT.parent / "shared" / "data"
+DEFAULT_DATA = ROOT / "benchmarks" / "data"
 OUT = ROOT / "benchmarks" / "out"
 
 
@@ -301,6 +307,43 @@ def run_case(case: Case, args: argparse.Namespace, trl: Callable[[np.ndarray, in
     return out
 
 
+def run_capacity(args: argparse.Namespace) -> list[dict]:
+    """Rows whose capacity is 10**8 .. 2**31 - 1 tokens: the cost follows the items."""
+    out: list[dict] = []
+    two = np.array([5, 6], np.int64)
+    two_case = Case("capacity: 2 lengths", two, 0, two, np.ones(2, np.int64), "[5, 6]")
+    for cap in (10**8, 10**9, binpack.MAX_CAPACITY):
+        two_case.capacity = cap
+        for algo in ("bfd", "next_fit"):
+            # best of 5 at least: one run of a microsecond call measures page faults, not packing
+            res = measure(lambda c=cap, a=algo: pack(two, c, a), lambda b: {"rows": len(b)}, max(args.repeats, 5))
+            row = stats_row(two_case, f"sftpack {algo}, capacity {cap:,}", res, 2, 11, lower_bounds(two, cap))
+            row["capacity"] = cap
+            if "time_s" in row:
+                row["note"] = f"{row['time_s'] * 1e6:.0f} us"
+            out.append(row)
+    base = lognormal_case(args.items)
+    k = binpack.MAX_CAPACITY // base.capacity
+    scaled = Case(
+        f"capacity: lognormal {args.items / 1e6:g}M x {k:,}",
+        base.lengths * k,
+        base.capacity * k,
+        base.values * k,
+        base.counts,
+        f"the lognormal case, lengths and capacity times {k:,}",
+    )
+    bounds = lower_bounds(scaled.values, scaled.capacity, counts=scaled.counts)
+    n, tokens = int(scaled.lengths.shape[0]), int(scaled.lengths.sum())
+    small = measure(lambda: pack(base.lengths, base.capacity), lambda b: {"rows": len(b)}, 1)
+    for algo in ("bfd", "next_fit"):
+        res = measure(lambda a=algo: pack(scaled.lengths, scaled.capacity, a), lambda b: {"rows": len(b)}, args.repeats)
+        row = stats_row(scaled, f"sftpack {algo}, capacity {scaled.capacity:,}", res, n, tokens, bounds)
+        if algo == "bfd" and "rows" in res:
+            row["note"] = "same row count as capacity 8192" if res["rows"] == small.get("rows") else "ROWS DIFFER"
+        out.append(row)
+    return out
+
+
 # ----------------------------------------------------------------------------
 # output
 
@@ -357,8 +400,8 @@ def render(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M lognormal lengths, TRL on 100k, one repeat")
-    parser.add_argument("--cases", nargs="+", default=["lognormal", "wikipedia", "squad"],
-                        choices=["lognormal", "wikipedia", "squad"])
+    parser.add_argument("--cases", nargs="+", default=["lognormal", "wikipedia", "squad", "capacity"],
+                        choices=["lognormal", "wikipedia", "squad", "capacity"])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"histogram folder (default {DEFAULT_DATA})")
     parser.add_argument("--items", type=int, default=None, help="lognormal lengths (default 10M, 1M with --quick)")
     parser.add_argument("--trl-items", type=int, default=None,
@@ -374,24 +417,27 @@ def main(argv: list[str] | None = None) -> int:
     missing = [files[c][0] for c in args.cases if c in files and not (args.data / files[c][0]).is_file()]
     if missing:
         print(
-            f"error: {', '.join(missing)} not found in {args.data}: put the project's shared/ folder beside the "
-            f"repository, pass --data DIR, or run only --cases lognormal",
+            f"error: {', '.join(missing)} not found in {args.data}: restore benchmarks/data/ from the "
+            f"repository, pass --data DIR, or run only --cases lognormal capacity",
             file=sys.stderr,
         )
         return 2
 
     print(f"machine: {machine()}")
-    print(f"numba kernels: {'compiled' if binpack._k.HAVE_NUMBA else 'plain Python (numba not installed)'}")
     t0 = time.perf_counter()
     for algo in binpack.Algorithm:  # compile (or load the cache) before timing
         pack(np.array([3, 5, 1, 3]), 8, algo)
+    pack(np.array([3, 5, 1, 3]), binpack.MAX_CAPACITY)  # the sparse route's kernel
     pack_histogram([3, 5], [1, 2], 8)
-    print(f"first calls (JIT compile or cache load): {time.perf_counter() - t0:.1f} s")
+    print(f"first calls (numba compile or cache load, all kernels): {time.perf_counter() - t0:.1f} s")
     trl = _trl_packer()
 
     results: list[dict] = []
     for name in args.cases:
         print(f"preparing {name} ...", file=sys.stderr, flush=True)
+        if name == "capacity":
+            results.extend(run_capacity(args))
+            continue
         if name == "lognormal":
             case = lognormal_case(args.items)
         else:

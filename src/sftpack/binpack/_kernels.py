@@ -1,29 +1,53 @@
-"""The loops behind :mod:`sftpack.binpack`, compiled with numba when it is installed.
+"""The loops behind :mod:`sftpack.binpack`, compiled by numba on first use.
 
 Every kernel works in *units*: an item of length ``L`` costs
 ``u = ceil(L / cost_multiple)`` units and a bin holds ``U = capacity // cost_multiple``
 units, so "a bin never overflows after padding" is the plain integer test
-``sum(u) <= U``.
+``sum(u) <= U``. The packing kernels never index an array by units: the
+sizes present are compressed to their *ranks* ``0..D-1`` in ``sizes`` (the
+``D`` distinct unit sizes, ascending), so their time and memory follow the
+items, the distinct sizes and the bins, never ``U``. Only the grouping of
+items by size has a dense form (:func:`scan_units` + :func:`bucket_by_units`,
+arrays over ``0..U``, used while ``U`` is small); :func:`sort_by_units` (a
+radix sort) gives the same groups for any ``U < 2**31``.
 
-Three kernels decide the bins from the *histogram* of units alone (items of
-equal cost are interchangeable) and emit *records* ``(first bin, end bin,
-size, count, before)``: "each of the bins ``first..end-1`` receives ``count``
-items of ``size`` units after the ``before`` it holds" (:func:`bfd_records`,
+Three kernels decide the bins from the size histogram alone (items of equal
+cost are interchangeable) and emit *records* ``(first bin, end bin, size rank,
+count, before)``: "each of the bins ``first..end-1`` receives ``count`` items
+of that size after the ``before`` it holds" (:func:`bfd_records`,
 :func:`ffd_records`, :func:`greedy_records`). BFD keeps bins in segments of
-equal history, so it needs few records (about 25,000 for 10M SFT-like lengths,
-1,400 for Wikipedia's 16.3M); FFD and greedy make one per (bin, size) pair
-(2.3M and 16M there), which is why they are 3-8x slower. Two kernels then turn records into item indices
-(:func:`records_to_order`, after :func:`bucket_by_units` has grouped the item
-indices by size with a counting sort) or into per-bin histograms
-(:func:`records_to_runs`). :func:`first_fit_items` (shuffled first fit) and
-:func:`next_fit_offsets` need the item order and go item by item.
+equal history, so it needs few records (about 25,000 for 10M SFT-like
+lengths, 1,400 for Wikipedia's 16.3M); FFD and greedy make one per (bin,
+size) pair (2.3M and 16M there), which is why they are 3-8x slower. Two
+kernels then turn records into item indices (:func:`records_to_order`) or
+into per-bin histograms (:func:`records_to_runs`). :func:`first_fit_items`
+(shuffled first fit) and :func:`next_fit_offsets` need the item order and go
+item by item.
 
-Without numba the same functions run as plain Python: correct, about 100x
-slower, fine for a few thousand items.
+BFD asks one question per segment move: the smallest room ``r >= s`` among
+the open bins. Its room index is a crit-bit tree (a binary trie with one
+fork per branching) over the *distinct rooms in use*: ``2R - 1`` nodes for
+``R`` live rooms, each query or update at most 31 steps down, whatever the
+capacity. (It replaced a max segment tree over all rooms ``0..U``: the same
+answers, so the same rows, but that tree cost ``16 * U`` bytes and the loop
+over every size ``U..1`` cost ``O(U)``: 19 s and 4 GB at ``U = 10**8``.)
+Segments with equal room share a stack under their leaf, last shelved first.
+
+Compiling is lazy and per kernel: importing this module does not import
+numba; :func:`load` (called by the packers) makes every kernel a numba
+dispatcher (``cache=True``), and each compiles, or loads from numba's
+on-disk cache, on its first call only, so a packer waits only for the
+kernels its algorithm runs. Compile time shapes the code: explicit loops
+instead of array expressions or slice assignments (``out[:] = x`` alone cost
+2-3 s of compiling in :func:`sort_by_units`), and typed values
+(``np.int64(0)``) instead of bare constants as helper arguments (a literal
+argument compiles the helper once more: ``_open_segment`` was compiled four
+times per BFD).
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,22 +55,40 @@ import numpy as np
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
-#: ``(first bin, end bin, size, count, before, n_records, n_bins)``, see :func:`bfd_records`
+#: ``(first bin, end bin, size rank, count, before, n_records, n_bins)``, see :func:`bfd_records`
 Records = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int, int]
 
-try:  # numba is optional: the kernels are plain Python that it compiles.
-    import numba as _numba
+_KERNELS: list[str] = []
+_loaded = False
+_lock = threading.Lock()
 
-    HAVE_NUMBA = True
 
-    def _jit(fn: _F) -> _F:
-        return _numba.njit(cache=True, nogil=True)(fn)  # type: ignore[no-any-return]
+def _kernel(fn: _F) -> _F:
+    """Mark ``fn`` for compiling by :func:`load` (it stays plain Python until then)."""
+    _KERNELS.append(fn.__name__)
+    return fn
 
-except ImportError:  # pragma: no cover - exercised only where numba is missing
-    HAVE_NUMBA = False
 
-    def _jit(fn: _F) -> _F:
-        return fn
+def load() -> None:
+    """Import numba and make every kernel a lazily compiling, disk-cached dispatcher.
+
+    Creating a dispatcher compiles nothing; a kernel compiles (or loads from
+    numba's on-disk cache) on its first call. All kernels are swapped in at
+    once because a compiled kernel resolves the helpers it calls as module
+    globals when it compiles.
+    """
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        import numba
+
+        namespace = globals()
+        for name in _KERNELS:
+            namespace[name] = numba.njit(cache=True, nogil=True)(namespace[name])
+        _loaded = True
 
 
 # Every array that may hold up to one slot per item or per bin is allocated
@@ -59,7 +101,7 @@ except ImportError:  # pragma: no cover - exercised only where numba is missing
 # a max segment tree: ``tree[leaves + i]`` is leaf ``i``, ``leaves`` a power of two
 
 
-@_jit
+@_kernel
 def _tree_set(tree: np.ndarray, leaves: int, i: int, value: int) -> None:
     i += leaves
     tree[i] = value
@@ -71,7 +113,7 @@ def _tree_set(tree: np.ndarray, leaves: int, i: int, value: int) -> None:
         i >>= 1
 
 
-@_jit
+@_kernel
 def _tree_leftmost_ge(tree: np.ndarray, leaves: int, value: int) -> int:
     """Index of the leftmost leaf holding ``>= value``, or -1."""
     if tree[1] < value:
@@ -84,7 +126,7 @@ def _tree_leftmost_ge(tree: np.ndarray, leaves: int, value: int) -> int:
     return i - leaves
 
 
-@_jit
+@_kernel
 def _tree_prefix_max(tree: np.ndarray, leaves: int, last: int) -> int:
     """Largest value among leaves ``0..last``."""
     lo = leaves
@@ -104,7 +146,7 @@ def _tree_prefix_max(tree: np.ndarray, leaves: int, last: int) -> int:
     return best
 
 
-@_jit
+@_kernel
 def _pow2_at_least(x: int) -> int:
     p = 1
     while p < x:
@@ -113,10 +155,137 @@ def _pow2_at_least(x: int) -> int:
 
 
 # ----------------------------------------------------------------------------
-# passes over the lengths
+# a crit-bit tree over non-negative keys below 2**62: node ``i`` is
+# ``nodes[4 * i : 4 * i + 4]`` = (child 0, child 1, crit bit, key); a leaf has
+# crit bit -1 and a key, a fork the highest bit on which its two subtrees
+# differ (every key below it agrees on the bits above). ``meta`` is (root,
+# free list, nodes used); free nodes are chained through child 0.
+
+_C0, _C1, _CRIT, _KEY = 0, 1, 2, 3
+_ROOT, _FREE, _USED = 0, 1, 2
 
 
-@_jit
+@_kernel
+def _cb_insert(nodes: np.ndarray, meta: np.ndarray, head: np.ndarray, x: int) -> int:
+    """The leaf of key ``x``, created (with an empty stack, ``head = -1``) if absent."""
+    node = meta[_ROOT]
+    if node >= 0:  # the leaf that shares the longest prefix with x
+        while nodes[4 * node + _CRIT] >= 0:
+            node = nodes[4 * node + _C1] if (x >> nodes[4 * node + _CRIT]) & 1 else nodes[4 * node + _C0]
+        if nodes[4 * node + _KEY] == x:
+            return node
+    leaf = -1  # a new leaf, and (unless the tree is empty) a new fork above it
+    fork = -1
+    for t in range(2 if node >= 0 else 1):
+        i = meta[_FREE]
+        if i >= 0:
+            meta[_FREE] = nodes[4 * i + _C0]
+        else:
+            i = meta[_USED]
+            meta[_USED] = i + 1
+        if t == 0:
+            leaf = i
+        else:
+            fork = i
+    nodes[4 * leaf + _CRIT] = -1
+    nodes[4 * leaf + _KEY] = x
+    head[leaf] = -1
+    if node < 0:
+        meta[_ROOT] = leaf
+        return leaf
+    diff = nodes[4 * node + _KEY] ^ x
+    p = 0  # the highest bit on which x and its nearest key differ
+    while diff > 1:
+        diff >>= 1
+        p += 1
+    parent = -1
+    node = meta[_ROOT]
+    while nodes[4 * node + _CRIT] > p:
+        parent = node
+        node = nodes[4 * node + _C1] if (x >> nodes[4 * node + _CRIT]) & 1 else nodes[4 * node + _C0]
+    nodes[4 * fork + _CRIT] = p
+    side = (x >> p) & 1
+    nodes[4 * fork + _C0 + side] = leaf
+    nodes[4 * fork + _C1 - side] = node
+    if parent < 0:
+        meta[_ROOT] = fork
+    elif nodes[4 * parent + _C0] == node:
+        nodes[4 * parent + _C0] = fork
+    else:
+        nodes[4 * parent + _C1] = fork
+    return leaf
+
+
+@_kernel
+def _cb_delete(nodes: np.ndarray, meta: np.ndarray, x: int) -> None:
+    """Remove key ``x`` (present); its leaf and its parent fork go to the free list."""
+    grand = -1
+    parent = -1
+    node = meta[_ROOT]
+    while nodes[4 * node + _CRIT] >= 0:
+        grand = parent
+        parent = node
+        node = nodes[4 * node + _C1] if (x >> nodes[4 * node + _CRIT]) & 1 else nodes[4 * node + _C0]
+    nodes[4 * node + _C0] = meta[_FREE]
+    meta[_FREE] = node
+    if parent < 0:
+        meta[_ROOT] = -1
+        return
+    sibling = nodes[4 * parent + _C0] if nodes[4 * parent + _C1] == node else nodes[4 * parent + _C1]
+    if grand < 0:
+        meta[_ROOT] = sibling
+    elif nodes[4 * grand + _C0] == parent:
+        nodes[4 * grand + _C0] = sibling
+    else:
+        nodes[4 * grand + _C1] = sibling
+    nodes[4 * parent + _C0] = meta[_FREE]
+    meta[_FREE] = parent
+
+
+@_kernel
+def _cb_find_ge(nodes: np.ndarray, meta: np.ndarray, x: int) -> int:
+    """The leaf of the smallest key ``>= x``, or -1.
+
+    Walk by the bits of ``x`` to a leaf ``k``; if ``k != x`` they first differ
+    at bit ``p``. Walking again down to the subtree below bit ``p`` reaches
+    the keys that agree with ``x`` above ``p``: all larger than ``x`` if ``x``
+    has 0 at ``p`` (take their smallest), else all smaller (take the smallest
+    key of the last subtree passed on the right).
+    """
+    node = meta[_ROOT]
+    if node < 0:
+        return -1
+    while nodes[4 * node + _CRIT] >= 0:
+        node = nodes[4 * node + _C1] if (x >> nodes[4 * node + _CRIT]) & 1 else nodes[4 * node + _C0]
+    diff = nodes[4 * node + _KEY] ^ x
+    if diff == 0:
+        return node
+    p = 0
+    while diff > 1:
+        diff >>= 1
+        p += 1
+    right = -1
+    node = meta[_ROOT]
+    while nodes[4 * node + _CRIT] > p:
+        if (x >> nodes[4 * node + _CRIT]) & 1:
+            node = nodes[4 * node + _C1]
+        else:
+            right = nodes[4 * node + _C1]
+            node = nodes[4 * node + _C0]
+    if (x >> p) & 1:  # the keys below are all smaller than x
+        if right < 0:
+            return -1
+        node = right
+    while nodes[4 * node + _CRIT] >= 0:  # the smallest key below
+        node = nodes[4 * node + _C0]
+    return node
+
+
+# ----------------------------------------------------------------------------
+# passes over the lengths (the dense route: arrays over units 0..U)
+
+
+@_kernel
 def scan_units(lengths: np.ndarray, multiple: int, cap_units: int) -> tuple[np.ndarray, int]:
     """Histogram of item units ``(cap_units + 1,)`` int64, and the first invalid index.
 
@@ -143,7 +312,7 @@ def scan_units(lengths: np.ndarray, multiple: int, cap_units: int) -> tuple[np.n
     return counts, -1
 
 
-@_jit
+@_kernel
 def bucket_by_units(lengths: np.ndarray, multiple: int, counts: np.ndarray, out: np.ndarray) -> np.ndarray:
     """Stable counting sort of item indices by units, largest first, into ``out`` ``(n,)``.
 
@@ -174,24 +343,116 @@ def bucket_by_units(lengths: np.ndarray, multiple: int, counts: np.ndarray, out:
 
 
 # ----------------------------------------------------------------------------
-# histogram-driven algorithms: emit records (first bin, end bin, size, count)
+# the sparse route: a radix sort, nothing indexed by units
 
 
-@_jit
-def _totals(counts: np.ndarray) -> tuple[int, int, int]:
-    """(items, units, smallest size present) of a histogram."""
+@_kernel
+def _radix_pass(
+    key: np.ndarray, index: np.ndarray, key_to: np.ndarray, index_to: np.ndarray, shift: int, count: np.ndarray,
+    first: bool,
+) -> None:
+    """One stable counting pass on the 11 bits of ``key`` at ``shift``: ``(key, index)``
+    -> ``(key_to, index_to)``; the first pass reads the identity for ``index``."""
+    n = key.shape[0]
+    for d in range(2048):
+        count[d] = 0
+    for p in range(n):
+        count[(key[p] >> shift) & 2047] += 1
+    acc = 0
+    for d in range(2048):
+        c = count[d]
+        count[d] = acc
+        acc += c
+    for p in range(n):
+        k = key[p]
+        d = (k >> shift) & 2047
+        q = count[d]
+        count[d] = q + 1
+        index_to[q] = p if first else index[p]
+        key_to[q] = k
+
+
+@_kernel
+def sort_by_units(
+    lengths: np.ndarray, multiple: int, cap_units: int, out: np.ndarray, scratch: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Item indices grouped by units, largest first, input order within a size, into ``out`` ``(n,)``.
+
+    An LSD radix sort of the keys ``U - units`` (``< 2**31``) in digits of 11
+    bits, the keys travelling with the indices so every pass reads
+    sequentially; a digit on which no two keys differ is skipped (3 passes at
+    most, often 1-2). ``O(n)`` time and 12 bytes per item of scratch (two
+    int32 key arrays and ``scratch``) for any capacity: the sparse route's counterpart of :func:`scan_units` +
+    :func:`bucket_by_units`. Lengths must be valid (``1 <= units <= U``);
+    ``scratch`` is ``(n,)`` like ``out``. Returns ``(sizes, counts, start)``,
+    each ``(D,)`` int64 by size rank (sizes ascending): the items of
+    ``sizes[k]`` units are ``out[start[k]:start[k] + counts[k]]``.
+    """
+    n = out.shape[0]
+    key = np.empty(n, np.int32)
+    key_to = np.empty(n, np.int32)
+    k_or = 0
+    k_and = (1 << 31) - 1
+    for i in range(n):
+        u = lengths[i] if multiple == 1 else (lengths[i] + multiple - 1) // multiple
+        k = cap_units - u
+        key[i] = k
+        k_or |= k
+        k_and &= k
+    varying = k_or ^ k_and  # the bits on which some keys differ
+    count = np.empty(2048, np.int64)
+    passes = 0
+    for step in range(3):
+        shift = 11 * step
+        if (varying >> shift) & 2047 == 0:
+            continue
+        # even passes read (key, scratch) and write (key_to, out); odd ones the reverse
+        if passes % 2 == 0:
+            _radix_pass(key, scratch, key_to, out, shift, count, passes == 0)
+        else:
+            _radix_pass(key_to, out, key, scratch, shift, count, passes == 0)
+        passes += 1
+    if passes == 0:  # every item has the same size
+        for p in range(n):
+            out[p] = p
+    elif passes % 2 == 0:  # the last pass wrote into scratch and key
+        for p in range(n):
+            out[p] = scratch[p]
+    if passes % 2 == 1:
+        key = key_to
+    n_sizes = 0
+    for p in range(n):
+        if p == 0 or key[p] != key[p - 1]:
+            n_sizes += 1
+    sizes = np.empty(n_sizes, np.int64)
+    counts = np.zeros(n_sizes, np.int64)
+    start = np.empty(n_sizes, np.int64)
+    rank = n_sizes
+    for p in range(n):
+        if p == 0 or key[p] != key[p - 1]:
+            rank -= 1
+            sizes[rank] = cap_units - key[p]
+            start[rank] = p
+        counts[rank] += 1
+    return sizes, counts, start
+
+
+# ----------------------------------------------------------------------------
+# histogram-driven algorithms over (sizes, counts): emit records
+
+
+@_kernel
+def _totals(sizes: np.ndarray, counts: np.ndarray) -> tuple[int, int]:
+    """(items, units) of a histogram."""
     n_items = 0
-    n_units = 0
-    smallest = counts.shape[0]
-    for s in range(counts.shape[0] - 1, 0, -1):
-        if counts[s] > 0:
-            n_items += counts[s]
-            n_units += s * counts[s]
-            smallest = s
-    return n_items, n_units, smallest
+    n_units = np.int64(0)
+    for k in range(sizes.shape[0]):
+        n_items += counts[k]
+        n_units += sizes[k] * counts[k]
+    return n_items, n_units
 
 
-@_jit
+@_kernel
 def _max_bins(n_items: int, n_units: int, cap_units: int, max_items: int) -> int:
     """An upper bound on the bins of any any-fit packing (BFD, FFD, first fit).
 
@@ -205,37 +466,28 @@ def _max_bins(n_items: int, n_units: int, cap_units: int, max_items: int) -> int
     return n_items if n_items < bound else bound
 
 
-@_jit
+@_kernel
 def _shelve(
-    g: int,
-    room: int,
-    fill: int,
-    smallest: int,
-    max_items: int,
-    head: np.ndarray,
-    tree: np.ndarray,
-    leaves: int,
-    seg_next: np.ndarray,
-    free: int,
+    g: int, room: int, fill: int, smallest: int, max_items: int,
+    head: np.ndarray, nodes: np.ndarray, meta: np.ndarray, seg_next: np.ndarray, free: int,
 ) -> int:
     """Put segment ``g`` (room ``room``, ``fill`` items per bin) on its room's stack,
     or on the free list when its bins can take nothing more. Returns the free list."""
     if room >= smallest and fill < max_items:
-        if head[room] < 0:
-            _tree_set(tree, leaves, room, room)
-        seg_next[g] = head[room]
-        head[room] = g
+        h = _cb_insert(nodes, meta, head, room)
+        seg_next[g] = head[h]
+        head[h] = g
         return free
     seg_next[g] = free
     return g
 
 
-@_jit
+@_kernel
 def _record(
     rec_a: np.ndarray, rec_b: np.ndarray, rec_s: np.ndarray, rec_j: np.ndarray, rec_f: np.ndarray,
     nr: int, a: int, b: int, s: int, j: int, f: int,
 ) -> int:
-    """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size ``s`` after ``f``."""
+    """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size rank ``s`` after ``f``."""
     rec_a[nr] = a
     rec_b[nr] = b
     rec_s[nr] = s
@@ -244,15 +496,15 @@ def _record(
     return nr + 1
 
 
-@_jit
+@_kernel
 def _open_segment(
-    a: int, width: int, s: int, take: int, fill: int, room: int, smallest: int, max_items: int,
-    head: np.ndarray, tree: np.ndarray, leaves: int,
+    a: int, width: int, rank: int, take: int, fill: int, room: int, smallest: int, max_items: int,
+    head: np.ndarray, nodes: np.ndarray, meta: np.ndarray,
     seg_a: np.ndarray, seg_b: np.ndarray, seg_fill: np.ndarray, seg_next: np.ndarray, n_seg: int, free: int,
     rec_a: np.ndarray, rec_b: np.ndarray, rec_s: np.ndarray, rec_j: np.ndarray, rec_f: np.ndarray, nr: int,
 ) -> tuple[int, int, int]:
     """A new segment of bins ``a..a+width-1`` that each held ``fill`` items and take
-    ``take`` more of size ``s``: recorded, then shelved at ``room``.
+    ``take`` more of size rank ``rank``: recorded, then shelved at ``room``.
     Returns the updated ``(nr, n_seg, free)``."""
     if free >= 0:
         h = free
@@ -263,62 +515,74 @@ def _open_segment(
     seg_a[h] = a
     seg_b[h] = a + width
     seg_fill[h] = fill + take
-    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, a + width, s, take, fill)
-    free = _shelve(h, room, fill + take, smallest, max_items, head, tree, leaves, seg_next, free)
+    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, a + width, rank, take, fill)
+    free = _shelve(h, room, fill + take, smallest, max_items, head, nodes, meta, seg_next, free)
     return nr, n_seg, free
 
 
-@_jit
-def bfd_records(counts: np.ndarray, max_items: int) -> Records:
-    """Best-fit decreasing over a histogram of units.
+@_kernel
+def bfd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items: int) -> Records:
+    """Best-fit decreasing over a histogram: ``counts[k]`` items of ``sizes[k]`` units.
+
+    ``sizes`` ``(D,)`` int64 ascending and distinct, ``counts`` ``(D,)`` int64
+    ``>= 1``, every size ``<= cap_units``.
 
     Bins are kept in *segments*: runs of consecutive bin ids with one history,
     hence one room and one item count. Segments with equal room are
     interchangeable and share a stack. For each size ``s``, largest first,
-    the best fit is any bin of the smallest non-empty room ``r >= s`` (a max
-    segment tree over rooms whose leaf ``r`` holds ``r`` while that stack is
-    non-empty); that bin stays the best fit until its room drops below ``s``,
-    so each bin of a segment takes ``j = min(r // s, max_items - fill)`` at
-    once, and the segment moves whole to room ``r - j * s``. Only the last
-    segment a size touches is split. New bins open as one segment per size.
+    the best fit is any bin of the smallest non-empty room ``r >= s`` (the
+    crit-bit room index of the module docstring); that bin stays the
+    best fit until its room drops below ``s``, so each bin of a segment takes
+    ``j = min(r // s, max_items - fill)`` at once, and the segment moves whole
+    to room ``r - j * s``. Only the last segment a size touches is split. New
+    bins open as one segment per size.
 
-    Returns ``(first, end, size, count, before, n_records, n_bins)``: record
-    ``i`` puts ``count[i]`` items of ``size[i]`` units into each bin
+    Returns ``(first, end, rank, count, before, n_records, n_bins)``: record
+    ``i`` puts ``count[i]`` items of ``sizes[rank[i]]`` units into each bin
     ``first[i]..end[i]-1``, after the ``before[i]`` items each of them holds
     already (a segment's bins share their whole history, so they hold the
     same number); records come in the order BFD makes them (sizes descending).
     """
-    cap_units = counts.shape[0] - 1
-    n_items, n_units, smallest = _totals(counts)
-    leaves = _pow2_at_least(cap_units + 1)
-    tree = np.zeros(2 * leaves, np.int64)
-    head = np.full(cap_units + 1, -1, np.int64)
+    n_items, n_units = _totals(sizes, counts)
+    n_sizes = sizes.shape[0]
+    smallest = sizes[0] if n_sizes > 0 else cap_units + 1
 
     # live segments partition the live bins: at most max_bins (+2 while splitting)
     pool = _max_bins(n_items, n_units, cap_units, max_items) + 4
+    # the room index: a crit-bit tree of R live rooms has 2R - 1 nodes, R <= live segments
+    nodes = np.empty(8 * pool, np.int64)
+    head = np.empty(2 * pool, np.int64)  # the stack of each room, by its leaf
+    meta = np.empty(3, np.int64)
+    meta[_ROOT] = -1
+    meta[_FREE] = -1
+    meta[_USED] = 0
     seg_a = np.empty(pool, np.int64)  # first bin
     seg_b = np.empty(pool, np.int64)  # one past the last bin
     seg_fill = np.empty(pool, np.int64)  # items in each of its bins
     seg_next = np.empty(pool, np.int64)  # next segment on the stack / free list
-    free = -1
-    n_seg = 0
+    # np.int64(...) and not bare constants: a literal argument would make numba
+    # compile the helpers again for it (4 versions of _open_segment instead of 1)
+    free = np.int64(-1)
+    n_seg = np.int64(0)
 
     rec_a = np.empty(n_items, np.int64)  # each record places >= 1 item
     rec_b = np.empty(n_items, np.int64)
     rec_s = np.empty(n_items, np.int32)
     rec_j = np.empty(n_items, np.int32)
     rec_f = np.empty(n_items, np.int64)
-    nr = 0
-    n_bins = 0
+    nr = np.int64(0)
+    n_bins = np.int64(0)
 
-    for s in range(cap_units, 0, -1):
-        k = counts[s]
+    for rank in range(n_sizes - 1, -1, -1):
+        s = sizes[rank]
+        k = counts[rank]
         while k > 0:
-            r = _tree_leftmost_ge(tree, leaves, s)
-            if r < 0:
+            h = _cb_find_ge(nodes, meta, s)
+            if h < 0:
                 break
+            r = nodes[4 * h + _KEY]
             q = r // s
-            g = head[r]
+            g = head[h]
             while g >= 0:
                 after = seg_next[g]
                 a = seg_a[g]
@@ -326,10 +590,10 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
                 f = seg_fill[g]
                 j = q if q <= max_items - f else max_items - f
                 if (b - a) * j <= k:  # the whole segment
-                    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, b, s, j, f)
+                    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, b, rank, j, f)
                     k -= (b - a) * j
                     seg_fill[g] = f + j
-                    free = _shelve(g, r - j * s, f + j, smallest, max_items, head, tree, leaves, seg_next, free)
+                    free = _shelve(g, r - j * s, f + j, smallest, max_items, head, nodes, meta, seg_next, free)
                     g = after
                     if k == 0:
                         break
@@ -341,7 +605,8 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
                     if width == 0:
                         continue
                     nr, n_seg, free = _open_segment(
-                        a, width, s, take, f, r - take * s, smallest, max_items, head, tree, leaves,
+                        a, width, rank, take, f, r - take * s, smallest, max_items,
+                        head, nodes, meta,
                         seg_a, seg_b, seg_fill, seg_next, n_seg, free, rec_a, rec_b, rec_s, rec_j, rec_f, nr,
                     )
                     a += width
@@ -353,9 +618,9 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
                     free = g
                     g = after
                 break
-            head[r] = g
+            head[h] = g
             if g < 0:
-                _tree_set(tree, leaves, r, 0)
+                _cb_delete(nodes, meta, r)
         if k > 0:  # no bin has room: open new ones, filled with this size
             per_bin = cap_units // s
             if max_items < per_bin:
@@ -366,24 +631,33 @@ def bfd_records(counts: np.ndarray, max_items: int) -> Records:
                 if width == 0:
                     continue
                 nr, n_seg, free = _open_segment(
-                    n_bins, width, s, take, 0, cap_units - take * s, smallest, max_items, head, tree, leaves,
+                    n_bins, width, rank, take, np.int64(0), cap_units - take * s, smallest, max_items,
+                    head, nodes, meta,
                     seg_a, seg_b, seg_fill, seg_next, n_seg, free, rec_a, rec_b, rec_s, rec_j, rec_f, nr,
                 )
                 n_bins += width
     return rec_a[:nr], rec_b[:nr], rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
 
-@_jit
-def ffd_records(counts: np.ndarray, max_items: int) -> Records:
-    """First-fit decreasing over a histogram of units.
+@_kernel
+def _plus_one(a: np.ndarray, n: int) -> np.ndarray:
+    """``a[:n] + 1`` as a loop (an array expression costs seconds more to compile)."""
+    out = np.empty(n, np.int64)
+    for i in range(n):
+        out[i] = a[i] + 1
+    return out
+
+
+@_kernel
+def ffd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items: int) -> Records:
+    """First-fit decreasing over a histogram (as :func:`bfd_records`).
 
     A max segment tree over bins (leaf = room, 0 once at ``max_items``) finds
     the leftmost bin with room ``>= s``; it stays the leftmost fit until its
     room drops below ``s``, so it takes its share of the size at once.
     Same return as :func:`bfd_records`, one bin per record.
     """
-    cap_units = counts.shape[0] - 1
-    n_items, n_units, _ = _totals(counts)
+    n_items, n_units = _totals(sizes, counts)
     leaves = _pow2_at_least(_max_bins(n_items, n_units, cap_units, max_items))
     tree = np.zeros(2 * leaves, np.int64)
     fill = np.zeros(leaves, np.int64)
@@ -393,8 +667,9 @@ def ffd_records(counts: np.ndarray, max_items: int) -> Records:
     rec_f = np.empty(n_items, np.int64)
     nr = 0
     n_bins = 0
-    for s in range(cap_units, 0, -1):
-        k = counts[s]
+    for rank in range(sizes.shape[0] - 1, -1, -1):
+        s = sizes[rank]
+        k = counts[rank]
         while k > 0:
             b = _tree_leftmost_ge(tree, leaves, s)
             if b < 0:
@@ -409,7 +684,7 @@ def ffd_records(counts: np.ndarray, max_items: int) -> Records:
             if k < j:
                 j = k
             rec_a[nr] = b
-            rec_s[nr] = s
+            rec_s[nr] = rank
             rec_j[nr] = j
             rec_f[nr] = fill[b]
             nr += 1
@@ -417,27 +692,28 @@ def ffd_records(counts: np.ndarray, max_items: int) -> Records:
             fill[b] += j
             room -= j * s
             _tree_set(tree, leaves, b, room if fill[b] < max_items else 0)
-    return rec_a[:nr], rec_a[:nr] + 1, rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
+    return rec_a[:nr], _plus_one(rec_a, nr), rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
 
-@_jit
-def greedy_records(counts: np.ndarray, max_items: int) -> Records:
+@_kernel
+def greedy_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items: int) -> Records:
     """Greedy knapsack: fill one bin at a time with the largest item that fits.
 
-    A max segment tree over sizes (leaf ``s`` holds ``s`` while items of that
-    size are left) gives the largest size ``<= room`` by a prefix maximum.
+    A max segment tree over size ranks (leaf ``k`` holds ``k + 1`` while items
+    of ``sizes[k]`` are left) gives the largest size ``<= room`` as a prefix
+    maximum up to the last rank whose size fits (a binary search).
     This makes the same bins as first-fit decreasing (FFD's first bin is
     exactly the greedy fill of the sorted items, and so on) by another route.
     Same return as :func:`bfd_records`, one bin per record, bin after bin.
     """
-    cap_units = counts.shape[0] - 1
+    n_sizes = sizes.shape[0]
     left = counts.copy()
-    remaining, _, _ = _totals(counts)
-    leaves = _pow2_at_least(cap_units + 1)
+    remaining, _ = _totals(sizes, counts)
+    leaves = _pow2_at_least(n_sizes if n_sizes > 0 else 1)
     tree = np.zeros(2 * leaves, np.int64)
-    for s in range(1, cap_units + 1):
-        if left[s] > 0:
-            _tree_set(tree, leaves, s, s)
+    for k in range(n_sizes):
+        if left[k] > 0:
+            _tree_set(tree, leaves, k, k + 1)
     rec_a = np.empty(remaining, np.int64)
     rec_s = np.empty(remaining, np.int32)
     rec_j = np.empty(remaining, np.int32)
@@ -450,33 +726,37 @@ def greedy_records(counts: np.ndarray, max_items: int) -> Records:
         room = cap_units
         fill = 0
         while fill < max_items and room > 0:
-            s = _tree_prefix_max(tree, leaves, room)
-            if s <= 0:
+            last = np.searchsorted(sizes, room, side="right") - 1
+            if last < 0:
                 break
+            rank = _tree_prefix_max(tree, leaves, last) - 1
+            if rank < 0:
+                break
+            s = sizes[rank]
             j = room // s
-            if left[s] < j:
-                j = left[s]
+            if left[rank] < j:
+                j = left[rank]
             if max_items - fill < j:
                 j = max_items - fill
             rec_a[nr] = b
-            rec_s[nr] = s
+            rec_s[nr] = rank
             rec_j[nr] = j
             rec_f[nr] = fill
             nr += 1
-            left[s] -= j
-            if left[s] == 0:
-                _tree_set(tree, leaves, s, 0)
+            left[rank] -= j
+            if left[rank] == 0:
+                _tree_set(tree, leaves, rank, np.int64(0))
             room -= j * s
             fill += j
             remaining -= j
-    return rec_a[:nr], rec_a[:nr] + 1, rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
+    return rec_a[:nr], _plus_one(rec_a, nr), rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
 
 # ----------------------------------------------------------------------------
 # records -> bins
 
 
-@_jit
+@_kernel
 def _bin_offsets(rec_a: np.ndarray, rec_b: np.ndarray, per: np.ndarray, nr: int, n_bins: int) -> np.ndarray:
     """``(n_bins + 1,)`` offsets from records adding ``per[i]`` to bins ``rec_a[i]..rec_b[i]-1``."""
     offsets = np.zeros(n_bins + 1, np.int64)
@@ -492,7 +772,7 @@ def _bin_offsets(rec_a: np.ndarray, rec_b: np.ndarray, per: np.ndarray, nr: int,
     return offsets
 
 
-@_jit
+@_kernel
 def records_to_order(
     rec_a: np.ndarray,
     rec_b: np.ndarray,
@@ -504,8 +784,11 @@ def records_to_order(
     bucket: np.ndarray,
     start: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Deal the items of ``bucket`` (grouped by units, see :func:`bucket_by_units`)
-    to the bins, replaying the records in their order.
+    """Deal the items of ``bucket`` to the bins, replaying the records in their order.
+
+    ``bucket`` ``(n,)`` holds the item indices grouped by size, largest first
+    (input order within a size); the items of size rank ``k`` start at
+    ``bucket[start[k]]`` (``start`` ``(D,)``).
 
     Each record hands each of its bins the next ``count`` items of its size,
     placed after the ``before`` items the bin holds, so a bin lists its items
@@ -534,7 +817,7 @@ def records_to_order(
     return order, offsets
 
 
-@_jit
+@_kernel
 def records_to_runs(
     rec_a: np.ndarray,
     rec_b: np.ndarray,
@@ -547,9 +830,9 @@ def records_to_runs(
     run_cnt: np.ndarray,
     run_start: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Like :func:`records_to_order` for a histogram: the items of ``u`` units
-    are the runs ``run_start[u]:run_start[u + 1]`` (``run_cnt`` items of length
-    ``run_len`` each), handed out front to back. Returns ``(offsets
+    """Like :func:`records_to_order` for a histogram: the items of size rank
+    ``k`` are the runs ``run_start[k]:run_start[k + 1]`` (``run_cnt`` items of
+    length ``run_len`` each), handed out front to back. Returns ``(offsets
     (n_bins + 1,), length (m,), count (m,))``: bin ``b`` holds ``count[j]``
     items of ``length[j]`` for ``j`` in ``offsets[b]:offsets[b + 1]``.
     """
@@ -598,7 +881,7 @@ def records_to_runs(
 # order-driven algorithms
 
 
-@_jit
+@_kernel
 def first_fit_items(
     lengths: np.ndarray, multiple: int, cap_units: int, max_items: int, visit: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -607,7 +890,7 @@ def first_fit_items(
     Returns ``(order, offsets)``; each bin lists its items in visiting order.
     """
     n = visit.shape[0]
-    n_units = 0
+    n_units = np.int64(0)
     for t in range(n):
         n_units += (lengths[visit[t]] + multiple - 1) // multiple
     leaves = _pow2_at_least(_max_bins(n, n_units, cap_units, max_items))
@@ -640,7 +923,7 @@ def first_fit_items(
     return order, offsets
 
 
-@_jit
+@_kernel
 def next_fit_offsets(lengths: np.ndarray, multiple: int, cap_units: int, max_items: int) -> np.ndarray:
     """Next fit in input order: bin offsets ``(n_bins + 1,)`` int64 (the order is ``arange(n)``)."""
     n = lengths.shape[0]

@@ -1,0 +1,274 @@
+"""The packers: :func:`pack` (item indices) and :func:`pack_histogram` (counts only).
+
+Both validate, group the sequences by cost (a counting sort while the capacity
+is small, a radix sort above it: :func:`_group_by_size`), run the algorithm's
+kernels (:mod:`._kernels`, compiled on first use) and, for :func:`pack`,
+split rows until ``min_bins`` / ``bins_multiple_of`` are met.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._base import StrEnum as _StrEnum
+from .._base import choose, positive_int, round_up
+from . import _inputs
+from . import _kernels as _k
+from ._bins import Bins, HistogramBins
+from ._inputs import (
+    _as_counts,
+    _as_lengths,
+    _capacity,
+    _check_fits,
+    _non_negative_int,
+    _too_long,
+    _units,
+)
+
+
+class Algorithm(_StrEnum):
+    """How :func:`pack` chooses the row of each sequence."""
+
+    BFD = "bfd"  #: best-fit decreasing: longest first, into the row it fills most tightly
+    FFD = "ffd"  #: first-fit decreasing: longest first, into the first row it fits
+    FIRST_FIT_SHUFFLE = "first_fit_shuffle"  #: seeded shuffle, then first fit (Megatron-Bridge)
+    NEXT_FIT = "next_fit"  #: input order kept; a new row when the next one does not fit
+    GREEDY_KNAPSACK = "greedy_knapsack"  #: one row at a time, longest that fits (Energon); = ffd rows
+
+
+#: The algorithms that only need the length histogram (and so work in :func:`pack_histogram`).
+_HISTOGRAM_ALGORITHMS = (Algorithm.BFD, Algorithm.FFD, Algorithm.GREEDY_KNAPSACK)
+
+
+def _choose_algorithm(algorithm: str | Algorithm) -> Algorithm:
+    return choose(Algorithm, algorithm, "algorithm")
+
+
+def pack(
+    lengths: Any,
+    capacity: int,
+    algorithm: str | Algorithm = "bfd",
+    *,
+    cost_multiple: int = 1,
+    max_items_per_bin: int | None = None,
+    min_bins: int | None = None,
+    bins_multiple_of: int | None = None,
+    seed: int = 0,
+) -> Bins:
+    """Pack sequences of the given lengths into rows of ``capacity`` tokens.
+
+    Args:
+        lengths: ``(n,)`` integer lengths, each ``>= 1`` (numpy array, list or
+            torch tensor; tens of millions are fine).
+        capacity: tokens per row, ``1 .. 2**31 - 1`` (the cost does not grow
+            with it).
+        algorithm: one of :class:`Algorithm` (``"bfd"`` by default).
+        cost_multiple: each sequence costs its length rounded up to this
+            multiple (the per-sequence pad multiple of the row builder, e.g.
+            ``2 * CP``); rows hold at most ``capacity`` of cost.
+        max_items_per_bin: at most this many sequences per row.
+        min_bins: at least this many rows (rows are split, largest item count
+            first, until there are enough).
+        bins_multiple_of: the row count is a multiple of this (e.g. the
+            data-parallel size, so every rank gets a row).
+        seed: shuffle seed of ``first_fit_shuffle`` (the others are
+            deterministic without it).
+
+    Returns:
+        :class:`Bins`: every index of ``lengths`` exactly once; each row's cost
+        ``<= capacity``. Histogram-driven algorithms list each row's items
+        longest first; ``next_fit`` keeps the input order.
+
+    Raises:
+        ValueError: an unknown algorithm (listing the valid ones), a bad option,
+            a length below 1 or above the capacity (naming its index, length
+            and the capacity) or beyond int64, or fewer sequences than the rows
+            required.
+        TypeError: a length that is not an integer (naming its index and value).
+
+    >>> bins = pack([5, 10, 3, 8, 6], capacity=16)
+    >>> bins.to_lists()
+    [[1, 4], [3, 0, 2]]
+    >>> pack([5, 10, 3, 8, 6], capacity=16, algorithm="next_fit").to_lists()
+    [[0, 1], [2, 3], [4]]
+    >>> pack([5, 10, 3, 8, 6], capacity=2**31 - 1).to_lists()  # one row, in microseconds
+    [[1, 3, 4, 0, 2]]
+    """
+    algo = _choose_algorithm(algorithm)
+    capacity = _capacity(capacity)
+    cost_multiple = positive_int("cost_multiple", cost_multiple)
+    max_items = positive_int("max_items_per_bin", max_items_per_bin, allow_none=True)
+    min_rows = 0 if min_bins is None else _non_negative_int("min_bins", min_bins)
+    multiple_of = positive_int("bins_multiple_of", bins_multiple_of, allow_none=True) or 1
+    seed = _non_negative_int("seed", seed)
+
+    arr = _as_lengths(lengths)
+    n = arr.shape[0]
+    if min_rows > n:
+        raise ValueError(
+            f"min_bins={min_rows} rows need at least {min_rows} sequences, got {n}: "
+            f"lower min_bins or pack more sequences"
+        )
+    cap_units = capacity // cost_multiple
+    item_cap = n + 1 if max_items is None else max_items
+    if n == 0:
+        _check_fits(arr, capacity, cost_multiple)
+        return Bins._trusted(np.zeros(0, np.int64), np.zeros(1, np.int64))
+    _k.load()
+
+    if algo in _HISTOGRAM_ALGORITHMS:
+        sizes, counts, bucket, start = _group_by_size(arr, capacity, cost_multiple)
+        records = _records(algo, sizes, counts, cap_units, item_cap)
+        order, offsets = _k.records_to_order(*records, bucket, start)
+        del bucket
+    elif algo is Algorithm.FIRST_FIT_SHUFFLE:
+        _check_fits(arr, capacity, cost_multiple)
+        visit = np.random.default_rng(seed).permutation(n)
+        order, offsets = _k.first_fit_items(arr, cost_multiple, cap_units, item_cap, visit)
+    else:  # next_fit
+        _check_fits(arr, capacity, cost_multiple)
+        offsets = _k.next_fit_offsets(arr, cost_multiple, cap_units, item_cap)
+        order = np.arange(n, dtype=np.int64)
+
+    rows = offsets.shape[0] - 1
+    target = round_up(max(rows, min_rows), multiple_of)
+    if target > rows:
+        if target > n:
+            raise ValueError(
+                f"{target} rows are required (min_bins={min_bins}, bins_multiple_of={bins_multiple_of}, "
+                f"packing made {rows}) but there are only {n} sequences to fill them: pack more sequences, "
+                f"or lower min_bins / bins_multiple_of"
+            )
+        offsets = _split_rows(offsets, target)
+    return Bins._trusted(order, offsets)
+
+
+def _group_by_size(
+    arr: np.ndarray, capacity: int, cost_multiple: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The items grouped by cost, validated: ``(sizes, counts, bucket, start)``.
+
+    ``sizes`` ``(D,)`` int64: the distinct unit sizes ascending; ``counts``
+    ``(D,)``: items of each; ``bucket`` ``(n,)`` int32 (int64 from 2**31
+    items): the item indices, largest size first and in input order within a
+    size; ``start`` ``(D,)``: where each size's items begin in ``bucket``.
+
+    Dense route: one counting pass and one dealing pass, ``O(n + U)``. Sparse
+    route: a radix sort (at most 3 passes), ``O(n)``, nothing over ``U``. Both
+    give the same arrays.
+    """
+    n = arr.shape[0]
+    cap_units = capacity // cost_multiple
+    index_type = np.int32 if n < 2**31 else np.int64  # int32 halves the dealing traffic
+    if _inputs._dense_route(cap_units, n):  # looked up here, so a test can force either route
+        hist, bad = _k.scan_units(arr, cost_multiple, cap_units)
+        if bad >= 0:
+            raise _too_long(int(bad), int(arr[bad]), capacity, cost_multiple)
+        bucket = np.empty(n, index_type)
+        start = _k.bucket_by_units(arr, cost_multiple, hist, bucket)
+        sizes = np.flatnonzero(hist).astype(np.int64)
+        return sizes, hist[sizes], bucket, start[sizes]
+    _check_fits(arr, capacity, cost_multiple)
+    bucket = np.empty(n, index_type)
+    sizes, counts, start = _k.sort_by_units(arr, cost_multiple, cap_units, bucket, np.empty(n, index_type))
+    return sizes, counts, bucket, start
+
+
+def _records(algo: Algorithm, sizes: np.ndarray, counts: np.ndarray, cap_units: int, item_cap: int) -> _k.Records:
+    if algo is Algorithm.BFD:
+        return _k.bfd_records(sizes, counts, cap_units, item_cap)
+    if algo is Algorithm.FFD:
+        return _k.ffd_records(sizes, counts, cap_units, item_cap)
+    return _k.greedy_records(sizes, counts, cap_units, item_cap)
+
+
+def _split_rows(offsets: np.ndarray, target: int) -> np.ndarray:
+    """Split rows (contiguous runs of ``order``) until there are ``target`` of them.
+
+    Chooses the piece count ``k_b`` of each row to minimise the largest piece
+    (``P``: the smallest with ``sum(ceil(c_b / P)) <= target``, the rest of the
+    pieces going to the first rows that can take one more), then cuts each row
+    into ``k_b`` near-equal runs. Pieces are subsets, so capacity and
+    ``max_items_per_bin`` still hold, and ``order`` is untouched.
+    """
+    sizes = np.diff(offsets)
+    n = int(offsets[-1])
+    lo, hi = 1, int(sizes.max())
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if int((-(-sizes // mid)).sum()) <= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    pieces = -(-sizes // lo)
+    extra = target - int(pieces.sum())
+    if extra > 0:  # lo > 1 here, since sum(ceil(c / 1)) = n >= target
+        more = -(-sizes // (lo - 1)) - pieces
+        before = np.cumsum(more) - more
+        pieces = pieces + np.clip(extra - before, 0, more)
+    owner = np.repeat(np.arange(sizes.shape[0]), pieces)
+    first = np.cumsum(pieces) - pieces
+    i = np.arange(target, dtype=np.int64) - first[owner]
+    starts = offsets[:-1][owner] + (i * sizes[owner]) // pieces[owner]
+    return np.append(starts, n).astype(np.int64)
+
+
+
+
+def pack_histogram(
+    lengths: Any,
+    counts: Any,
+    capacity: int,
+    algorithm: str | Algorithm = "bfd",
+    *,
+    cost_multiple: int = 1,
+    max_items_per_bin: int | None = None,
+) -> HistogramBins:
+    """Pack a length histogram (``counts[j]`` sequences of ``lengths[j]``) without item indices.
+
+    The same rows as :func:`pack` on the expanded lengths, in memory
+    proportional to the rows, not to the sequences. Only the histogram-driven
+    algorithms (``bfd``, ``ffd``, ``greedy_knapsack``) apply.
+
+    Args:
+        lengths: ``(k,)`` integer lengths (repeats are allowed).
+        counts: ``(k,)`` integer counts, ``>= 0``.
+        capacity, algorithm, cost_multiple, max_items_per_bin: as in :func:`pack`.
+
+    Returns:
+        :class:`HistogramBins`.
+
+    >>> hb = pack_histogram([10, 8, 6, 5, 3], [1, 1, 1, 1, 1], capacity=16)
+    >>> [(l.tolist(), c.tolist()) for l, c in hb]
+    [([10, 6], [1, 1]), ([8, 5, 3], [1, 1, 1])]
+    """
+    algo = _choose_algorithm(algorithm)
+    if algo not in _HISTOGRAM_ALGORITHMS:
+        valid = ", ".join(repr(a.value) for a in _HISTOGRAM_ALGORITHMS)
+        raise ValueError(f"pack_histogram needs a histogram-driven algorithm ({valid}), got {algo.value!r}")
+    capacity = _capacity(capacity)
+    cost_multiple = positive_int("cost_multiple", cost_multiple)
+    max_items = positive_int("max_items_per_bin", max_items_per_bin, allow_none=True)
+    values = _as_lengths(lengths)
+    cnts = _as_counts(counts, values)
+    used = cnts > 0
+    values, cnts = values[used], cnts[used]
+    _check_fits(values, capacity, cost_multiple, indexed=False)
+    empty = np.zeros(0, np.int64)
+    if values.shape[0] == 0:
+        return HistogramBins(np.zeros(1, np.int64), empty, empty)
+    units = _units(values, cost_multiple)
+    by_class = np.lexsort((-values, units))  # within a cost class, longest first
+    run_len, run_cnt, run_units = values[by_class], cnts[by_class], units[by_class]
+    first = np.flatnonzero(np.diff(run_units, prepend=run_units[0] - 1))  # where each size's runs start
+    sizes = run_units[first]
+    per_size = np.add.reduceat(run_cnt, first)
+    run_start = np.append(first, run_units.shape[0]).astype(np.int64)
+    n = int(per_size.sum())
+    _k.load()
+    cap_units = capacity // cost_multiple
+    records = _records(algo, sizes, per_size, cap_units, n + 1 if max_items is None else max_items)
+    offsets, out_len, out_cnt = _k.records_to_runs(*records, run_len, run_cnt, run_start)
+    return HistogramBins(offsets, out_len, out_cnt)
