@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
 
+from .._base import positive_int
 from ..handoff.sample import Sample
 from ._options import OnBadRow, Outcome, Overlong, SpecialTokensInContent, TrainOn
 from ._render import renderer_for
@@ -312,9 +313,8 @@ def tokenize_conversations(
     ([20, 32, 7], 1, 0, 1)
     """
     opts = _options(train_on, max_seq_len, overlong, on_bad_row, special_tokens_in_content)
-    for name, value in (("batch_size", batch_size), ("num_proc", num_proc)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    batch_size = positive_int("batch_size", batch_size)
+    num_proc = positive_int("num_proc", num_proc)
     _backend(tokenizer)
     renderer_for(tokenizer)  # fails now, not mid-stream, if there is no chat template
     return TokenizedConversations(conversations, tokenizer, opts, batch_size, num_proc, progress)

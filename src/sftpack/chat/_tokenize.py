@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base import positive_int
 from ..handoff.sample import Sample
 from ._options import (
     BadRowReason,
@@ -146,11 +147,8 @@ def _options(
     o = choose(Overlong, overlong, "overlong")
     b = choose(OnBadRow, on_bad_row, "on_bad_row")
     sp = choose(SpecialTokensInContent, special_tokens_in_content, "special_tokens_in_content")
-    if max_seq_len is not None and (
-        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len < 1
-    ):
-        raise ValueError(f"max_seq_len must be a positive integer or None, got {max_seq_len!r}")
-    return _Options(t, None if max_seq_len is None else int(max_seq_len), o, b, sp)
+    limit = positive_int("max_seq_len (or None)", max_seq_len, allow_none=True)
+    return _Options(t, limit, o, b, sp)
 
 
 def _backend(tokenizer: Any) -> Any:
