@@ -154,3 +154,24 @@ def test_options_are_checked_before_anything_is_read(tmp_path, chat_file, tok):
     with pytest.raises(ValueError, match="algorithm='best' is not valid"):
         prepack(chat_file, tmp_path / "o", tokenizer=tok, algorithm="best")
     assert not (tmp_path / "o").exists()
+
+
+def test_a_lone_later_piece_keeps_its_own_conversation_id(tmp_path):
+    """A piece of a split conversation whose earlier pieces were filtered out starts its
+    own conversation: its segment is labelled with its id, never the previous sample's."""
+    from sftpack import Sample
+
+    a = Sample(np.arange(1, 6), np.ones(5, bool), "conv-a")
+    b_piece1 = Sample(np.arange(101, 111), np.ones(10, bool), "conv-b", meta={"piece": 1})
+    c0 = Sample(np.arange(201, 204), np.ones(3, bool), "conv-c", meta={"piece": 0})
+    c1 = Sample(np.arange(301, 305), np.ones(4, bool), "conv-c", meta={"piece": 1})
+    out = prepack_samples([a, b_piece1, c0, c1], tmp_path / "p", max_seq_len=32).path
+    ds = PrepackedDataset(out, verify="full")
+    held = {}
+    for i in range(len(ds)):
+        row = ds[i]
+        for cid, ids in zip(row.sequence_ids, row.input_ids.split(row.padded_seqlens.tolist())):
+            held.setdefault(cid, []).append(int(ids[0]))
+    assert held["conv-a"] == [1]
+    assert held["conv-b"] == [101]  # before the fix: labelled "conv-a"
+    assert sorted(held["conv-c"]) == [201, 301]

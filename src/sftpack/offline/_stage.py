@@ -14,8 +14,10 @@ by default: 5 MB), whatever the number of tokens. The sample order is the
 tokenizer's output order, which does not depend on its ``num_proc``, so the
 staged bytes (and everything after them) are identical for any process count.
 
-A conversation starts with every sample whose ``meta["piece"]`` is 0 (or absent):
-the pieces of a split conversation share its number.
+A conversation starts with every sample whose ``meta["piece"]`` is 0 (or absent),
+or whose conversation id differs from the previous sample's (a piece whose
+earlier pieces were filtered out): the pieces of a split conversation share its
+number.
 """
 
 from __future__ import annotations
@@ -111,6 +113,7 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
     max_id = -1
     trainable = labels = first_trainable = 0
     n_conv = -1
+    prev_blob = b""
     with open(directory / _TOKENS, "wb") as ft, open(directory / _MASK, "wb") as fm, open(directory / _IDS, "wb") as fi:
 
         def flush() -> None:
@@ -134,11 +137,15 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
                 )
             max_id = max(max_id, hi)
             k = int(s.meta.get("piece", 0)) if s.meta else 0
-            if k == 0 or n_conv < 0:
+            blob = _id_json(s.conversation_id)
+            # A new conversation starts at piece 0, and also at a later piece whose
+            # conversation differs from the previous sample's (its earlier pieces
+            # were filtered out upstream): ids are never inherited.
+            if k == 0 or n_conv < 0 or blob != prev_blob:
                 n_conv += 1
-                blob = _id_json(s.conversation_id)
                 fi.write(blob)
                 id_offsets.append(id_offsets[-1] + len(blob))
+                prev_blob = blob
             mask = s.loss_mask
             t = int(np.count_nonzero(mask))
             first = bool(mask[0])
