@@ -1,4 +1,4 @@
-"""``sftpack demo``: the main job on the embedded default, printed as it runs."""
+"""``sftpack demo``: the whole story on the embedded default, printed as it runs."""
 
 from __future__ import annotations
 
@@ -8,20 +8,50 @@ from ._common import positive
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("demo", help="the main job on the embedded default corpus and tokenizer")
-    d.add_argument("--quick", action="store_true", help="a smaller, faster run (the first 400 conversations)")
+    d = sub.add_parser(
+        "demo",
+        help="the main job on the embedded default: the three paths, exactness, training vs padded batches",
+    )
+    d.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smaller, faster run (the first 400 conversations)",
+    )
     d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
-    d.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes (default 1)")
+    d.add_argument(
+        "--max-seq-len",
+        type=positive,
+        default=4096,
+        help="row width in tokens (default 4096)",
+    )
+    d.add_argument(
+        "--num-proc",
+        type=positive,
+        default=1,
+        help="tokenizer worker processes (default 1)",
+    )
+    d.add_argument(
+        "--report",
+        metavar="DIR",
+        help="also write a PNG report (rows, fill, loss curves, tokens/s)",
+    )
     d.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from ..report.demo import DemoDone, Section, run_demo
 
-    for item in run_demo(quick=args.quick, seed=args.seed, max_seq_len=args.max_seq_len, num_proc=args.num_proc):
+    for item in run_demo(
+        quick=args.quick,
+        seed=args.seed,
+        max_seq_len=args.max_seq_len,
+        num_proc=args.num_proc,
+        report_dir=args.report,
+    ):
         if isinstance(item, Section):
-            print(f"\n== {item.title} " + "=" * max(0, 72 - len(item.title)), flush=True)
+            print(
+                f"\n== {item.title} " + "=" * max(0, 72 - len(item.title)), flush=True
+            )
         elif isinstance(item, DemoDone):
             return 0 if item.ok else 1
         else:

@@ -1,0 +1,321 @@
+"""``sftpack train``: train a causal LM on rows from any packing path, or on padded batches.
+
+sftpack train --packing trainer --steps 50 --batch-size 8 --max-seq-len 1024 --log run.jsonl --plot run.png
+torchrun --nproc-per-node 2 -m sftpack.cli train --packing loader ...      # data parallel (gloo on CPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import tempfile
+from pathlib import Path
+
+from ._common import UsageError, load_tokenizer, non_negative, positive
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    t = sub.add_parser(
+        "train",
+        help="train a causal LM on packed rows (offline, loader, trainer) or padded batches (none)",
+        description="A small training loop (AdamW, LR schedule, gradient accumulation, clipping, the global "
+        "token-mean loss, DDP under torchrun, checkpoints with exact resume). Data: the embedded corpus by default, "
+        "chat files, or a prepacked directory. Model: a small Llama built from a config (nothing downloaded) or "
+        "--model DIR.",
+    )
+    t.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
+    )
+    t.add_argument(
+        "--packing",
+        choices=["offline", "loader", "trainer", "none"],
+        default="trainer",
+        help="when rows are packed; none = padded batches, the baseline (default trainer)",
+    )
+    t.add_argument(
+        "--prepacked",
+        metavar="DIR",
+        help="--packing offline: a directory from sftpack prepack "
+        "(default: prepack the data into a temporary directory first)",
+    )
+    t.add_argument(
+        "--steps", type=positive, default=50, help="optimizer steps (default 50)"
+    )
+    t.add_argument(
+        "--batch-size",
+        type=positive,
+        default=8,
+        help="per step, over all ranks: conversations (trainer, none) or rows (offline, loader); default 8",
+    )
+    t.add_argument(
+        "--max-seq-len",
+        type=positive,
+        default=1024,
+        help="row width / micro-batch token budget; longer conversations are split (default 1024)",
+    )
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log", metavar="FILE.jsonl", help="write one JSON object per step")
+    t.add_argument(
+        "--plot", metavar="FILE.png", help="draw the loss and tokens/s curves"
+    )
+    t.add_argument("--limit", type=positive, help="use the first N conversations only")
+    g = t.add_argument_group("optimisation")
+    g.add_argument(
+        "--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)"
+    )
+    g.add_argument("--warmup-steps", type=non_negative, default=0)
+    g.add_argument(
+        "--schedule", choices=["cosine", "linear", "constant"], default="cosine"
+    )
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="final LR as a fraction of --lr (default 0.1)",
+    )
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument(
+        "--grad-accum",
+        type=positive,
+        default=1,
+        help="micro-batches per rank per step, at least",
+    )
+    g.add_argument(
+        "--clip-norm",
+        type=float,
+        default=1.0,
+        help="gradient-norm clipping; 0 = off (default 1.0)",
+    )
+    p = t.add_argument_group("packing")
+    p.add_argument(
+        "--pad-multiple",
+        type=positive,
+        default=1,
+        help="pad each sequence to a multiple (2*CP)",
+    )
+    p.add_argument(
+        "--boundaries",
+        choices=["real", "padded"],
+        help="kernel boundaries: real+padded or padded for both (default: the path's own)",
+    )
+    p.add_argument(
+        "--buffer-size",
+        type=positive,
+        default=256,
+        help="loader packing buffer (sequences)",
+    )
+    m = t.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local model folder (default: a small Llama from a config)",
+    )
+    m.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local tokenizer folder (default: the embedded Qwen BPE)",
+    )
+    m.add_argument(
+        "--vocab",
+        choices=["tokenizer", "data"],
+        default="tokenizer",
+        help="the default model's vocabulary: the tokenizer's (151,646 ids for the embedded one) or only the "
+        "ids that occur in the data, renumbered (a much cheaper head on CPU; a different model)",
+    )
+    m.add_argument("--dim", type=positive, default=64)
+    m.add_argument("--layers", type=positive, default=2)
+    m.add_argument("--heads", type=positive, default=4)
+    m.add_argument("--kv-heads", type=positive, default=2)
+    m.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    c = t.add_argument_group("checkpoints")
+    c.add_argument("--checkpoint-dir", metavar="DIR")
+    c.add_argument(
+        "--checkpoint-every",
+        type=non_negative,
+        default=0,
+        help="save every K steps (0: never)",
+    )
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir",
+    )
+    t.add_argument(
+        "--num-proc", type=positive, default=1, help="tokenizer worker processes"
+    )
+    t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
+    t.set_defaults(func=run)
+
+
+def _config(args: argparse.Namespace):
+    from ..train import TrainConfig
+
+    try:
+        return TrainConfig(
+            packing=args.packing,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            max_seq_len=args.max_seq_len,
+            grad_accum=args.grad_accum,
+            lr=args.lr,
+            weight_decay=args.weight_decay,
+            warmup_steps=args.warmup_steps,
+            schedule=args.schedule,
+            min_lr_ratio=args.min_lr_ratio,
+            clip_norm=args.clip_norm or None,
+            pad_multiple=args.pad_multiple,
+            boundaries=args.boundaries,
+            buffer_size=args.buffer_size,
+            seed=args.seed,
+            dim=args.dim,
+            layers=args.layers,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            checkpoint_every=args.checkpoint_every,
+            device=args.device,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..train import (
+        build_model,
+        init_distributed,
+        load_model,
+        make_source,
+        plot_training,
+        tokenized_samples,
+        train,
+    )
+
+    cfg = _config(args)
+    if args.resume and not args.checkpoint_dir:
+        raise UsageError("--resume needs --checkpoint-dir")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    if args.prepacked and args.packing != "offline":
+        raise UsageError("--prepacked is for --packing offline")
+    if args.vocab == "data" and (args.model or args.prepacked):
+        raise UsageError(
+            "--vocab data renumbers the ids of INPUT files or the corpus for the default model: "
+            "not with --model or --prepacked"
+        )
+    if args.prepacked and args.inputs:
+        raise UsageError("give either INPUT files or --prepacked, not both")
+    rank, world = init_distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
+
+    tok = load_tokenizer(args.tokenizer)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
+    vocab_size = len(tok)
+    samples = None
+    workdir = None
+    prepacked = args.prepacked
+    if prepacked is None:
+        if args.inputs:
+            from ..chat import read_conversations
+
+            conversations = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+            if args.limit:
+                conversations = itertools.islice(conversations, args.limit)
+        else:
+            conversations = None
+        samples, stats = tokenized_samples(
+            tok,
+            conversations,
+            max_seq_len=cfg.max_seq_len,
+            limit=args.limit,
+            num_proc=args.num_proc,
+            progress=rank == 0,
+        )
+        say(
+            f"data: {stats.conversations:,} conversations -> {len(samples):,} samples ({stats.split:,} split, "
+            f"{stats.dropped:,} dropped), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable"
+        )
+        if args.vocab == "data":
+            from ..train import compact_vocabulary
+
+            samples, kept_ids = compact_vocabulary(samples)
+            vocab_size, pad_id = len(kept_ids), 0
+            say(
+                f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})"
+            )
+        if args.packing == "offline":
+            from ..offline import prepack_samples
+
+            workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
+            prepacked = prepack_samples(
+                samples,
+                Path(workdir.name) / "rows",
+                max_seq_len=cfg.max_seq_len,
+                pad_multiple=cfg.pad_multiple,
+                pad_id=pad_id,
+                tokenizer=tok if args.vocab == "tokenizer" else None,
+                seed=cfg.seed,
+            ).path
+            say(
+                f"prepacked into {prepacked} (temporary; sftpack prepack writes a lasting one)"
+            )
+    try:
+        source = make_source(
+            cfg,
+            samples=samples,
+            prepacked=prepacked,
+            rank=rank,
+            world=world,
+            pad_id=pad_id,
+        )
+        if args.model:
+            model = load_model(args.model)
+        else:
+            model = build_model(
+                vocab_size,
+                dim=cfg.dim,
+                layers=cfg.layers,
+                heads=cfg.heads,
+                kv_heads=cfg.kv_heads,
+                seed=cfg.seed,
+            )
+        n_params = sum(p.numel() for p in model.parameters())
+        say(
+            f"model: {type(model).__name__}, {n_params / 1e6:.2f} M parameters, vocabulary {model.config.vocab_size:,}; "
+            f"packing {cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
+        )
+        result = train(
+            cfg,
+            source=source,
+            model=model,
+            log=args.log,
+            checkpoint_dir=args.checkpoint_dir,
+            resume=args.resume,
+            progress=rank == 0,
+        )
+    finally:
+        if workdir is not None:
+            workdir.cleanup()
+    logs = result.logs
+    if result.resumed_from:
+        say(
+            f"resumed from step {result.resumed_from}"
+            + ("" if logs else f": nothing left to do (--steps {cfg.steps})")
+        )
+    if rank == 0 and logs:
+        real = sum(r.real_tokens for r in logs)
+        slots = sum(r.slots for r in logs)
+        secs = sum(r.step_time for r in logs)
+        say(
+            f"loss {logs[0].loss:.4f} (step {logs[0].step}) -> {logs[-1].loss:.4f} (step {logs[-1].step}); "
+            f"{real / secs:,.0f} real tokens/s, {1 - real / max(slots, 1):.1%} padding over {len(logs)} steps"
+        )
+        if args.log:
+            say(f"wrote {args.log}")
+        if args.plot:
+            from ..train import read_log
+
+            records = read_log(args.log) if args.log else [r.as_dict() for r in logs]
+            say(f"wrote {plot_training({str(cfg.packing): records}, args.plot)}")
+    return 0

@@ -1,0 +1,522 @@
+"""What one optimizer step trains on, for each packing path, with a resumable position.
+
+A *source* hands each rank, step after step, its micro-batches: packed rows
+(:class:`~sftpack.PackedBatch`) for the three paths, right-padded ``[b, S]``
+batches (:class:`PaddedMicroBatch`) for the baseline. Every source can say where
+it is (:meth:`state_dict`) and go back there (:meth:`load_state_dict`), and
+fingerprints its data so that a checkpoint of other data is refused.
+
+How a step is chosen, and sharded over ``world`` data-parallel ranks:
+
+- ``trainer`` / ``none``: the step's ``batch_size`` conversations are the next
+  slice of a seeded permutation of the samples (one permutation per epoch, the
+  last incomplete batch dropped), the *same* conversations for both. The
+  trainer path bins them into token-budget micro-batches dealt evenly to the
+  ranks (:func:`sftpack.trainer.plan_microbatches`) and packs each at the step
+  (:func:`sftpack.trainer.pack_step`); the baseline deals them round-robin and
+  pads each micro-batch to its longest conversation.
+- ``offline``: rows of the prepacked dataset in its own seeded epoch order,
+  sharded over ranks by the dataset itself (balanced by tokens).
+- ``loader``: the next rows of a :class:`sftpack.loader.PackingDataset`, which
+  shards the *samples* over ranks itself.
+- ``replay``: given conversations per step (the unpacked reference of a packed run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..handoff import IGNORE_INDEX, PackedBatch, Sample
+
+__all__ = [
+    "LoaderSource",
+    "OfflineSource",
+    "PaddedMicroBatch",
+    "PaddedSource",
+    "ReplaySource",
+    "SampleOrder",
+    "Source",
+    "TrainerSource",
+    "compact_vocabulary",
+    "padded_micro_batch",
+    "samples_fingerprint",
+]
+
+MicroBatch = Any  # PackedBatch | PaddedMicroBatch
+
+
+@dataclass
+class PaddedMicroBatch:
+    """A right-padded ``[b, S]`` batch, the unpacked baseline's micro-batch.
+
+    Attributes:
+        input_ids: ``(b, S)`` int64, padding holds ``pad_id``.
+        labels: ``(b, S)`` int64, already shifted like :attr:`PackedBatch.labels`:
+            ``labels[i, t] = input_ids[i, t+1]`` when token ``t+1`` is real and
+            trainable, else -100.
+        lengths: ``(b,)`` int64 real lengths.
+        sequence_ids: the conversation id of each row.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    lengths: torch.Tensor
+    sequence_ids: tuple
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def to(self, device: torch.device | str) -> PaddedMicroBatch:
+        return PaddedMicroBatch(
+            self.input_ids.to(device),
+            self.labels.to(device),
+            self.lengths,
+            self.sequence_ids,
+        )
+
+
+def padded_micro_batch(
+    samples: Sequence[Sample], *, pad_id: int = 0
+) -> PaddedMicroBatch:
+    """Right-pad ``samples`` to their longest and shift the labels within each row.
+
+    >>> from sftpack.testing import samples_from_lengths
+    >>> mb = padded_micro_batch(samples_from_lengths([2, 3]))
+    >>> mb.labels.tolist()
+    [[1001, -100, -100], [2001, 2002, -100]]
+    """
+    from ..trainer import padded_batch
+
+    ids, lengths, mask = padded_batch(samples, pad_id=pad_id)
+    S = ids.shape[1]
+    nxt_real = torch.arange(1, S + 1)[None, :] < lengths[:, None]  # token t+1 exists
+    nxt_mask = torch.zeros_like(mask)
+    nxt_mask[:, :-1] = mask[:, 1:]
+    nxt_ids = torch.full_like(ids, IGNORE_INDEX)
+    nxt_ids[:, :-1] = ids[:, 1:]
+    labels = torch.where(
+        nxt_real & nxt_mask, nxt_ids, torch.full_like(ids, IGNORE_INDEX)
+    )
+    return PaddedMicroBatch(
+        ids, labels, lengths, tuple(s.conversation_id for s in samples)
+    )
+
+
+def samples_fingerprint(samples: Sequence[Sample]) -> str:
+    """sha256 over every sample's ids and loss mask, in order (about 30 ms per million tokens)."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(np.int64(len(s)).tobytes())
+        h.update(s.input_ids.tobytes())
+        h.update(np.packbits(s.loss_mask).tobytes())
+    return h.hexdigest()
+
+
+def _hash(obj: Any) -> str:
+    return hashlib.sha256(
+        json.dumps(obj, sort_keys=True, default=str).encode()
+    ).hexdigest()
+
+
+class Source:
+    """Base: ``next_step()`` -> this rank's micro-batches of the next optimizer step."""
+
+    def next_step(self) -> list[MicroBatch]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def load_state_dict(
+        self, state: dict[str, Any]
+    ) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+class SampleOrder:
+    """A seeded permutation of ``n`` items per epoch, read ``batch_size`` at a time.
+
+    >>> o = SampleOrder(5, batch_size=2, seed=0)
+    >>> [o.take().tolist() for _ in range(3)]  # 2 batches per epoch, the 5th item dropped
+    [[2, 4], [3, 0], [1, 4]]
+    """
+
+    def __init__(self, n: int, *, batch_size: int, seed: int) -> None:
+        if batch_size > n:
+            raise ValueError(
+                f"batch_size={batch_size} is more than the {n} conversations available: lower --batch-size or "
+                "give more data"
+            )
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.epoch, self.position = 0, 0
+
+    def _perm(self) -> np.ndarray:
+        return np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+
+    def take(self) -> np.ndarray:
+        if self.position + self.batch_size > self.n:
+            self.epoch, self.position = self.epoch + 1, 0
+        out = self._perm()[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class _SampleSource(Source):
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int,
+        world: int,
+        grad_accum: int,
+    ) -> None:
+        if batch_size < world * grad_accum:
+            raise ValueError(
+                f"batch_size={batch_size} conversations cannot give {world} rank(s) {grad_accum} micro-batch(es) "
+                f"each: raise --batch-size to at least {world * grad_accum}"
+            )
+        self.samples = samples
+        self.order = SampleOrder(len(samples), batch_size=batch_size, seed=seed)
+        self.rank, self.world, self.grad_accum = rank, world, grad_accum
+        self._fp = samples_fingerprint(samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"order": self.order.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order.load_state_dict(state["order"])
+
+    def fingerprint(self) -> str:
+        return _hash(
+            {
+                "samples": self._fp,
+                "kind": "samples",
+                "batch_size": self.order.batch_size,
+            }
+        )
+
+
+class PaddedSource(_SampleSource):
+    """The baseline: the step's conversations dealt round-robin to the ranks, each
+    rank's share cut into ``grad_accum`` right-padded micro-batches (in order)."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        *,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world: int = 1,
+        grad_accum: int = 1,
+        pad_id: int = 0,
+    ) -> None:
+        super().__init__(
+            samples,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world=world,
+            grad_accum=grad_accum,
+        )
+        self.pad_id = pad_id
+
+    def next_step(self) -> list[MicroBatch]:
+        mine = self.order.take()[self.rank :: self.world]
+        parts = np.array_split(mine, self.grad_accum)
+        return [
+            padded_micro_batch([self.samples[i] for i in p], pad_id=self.pad_id)
+            for p in parts
+        ]
+
+
+class TrainerSource(_SampleSource):
+    """The trainer path: the step's conversations binned into micro-batches of at
+    most ``token_budget`` padded tokens, the same number per rank
+    (:func:`~sftpack.trainer.plan_microbatches`), each packed at the step from
+    its right-padded batch (:func:`~sftpack.trainer.pack_step`)."""
+
+    def __init__(
+        self,
+        samples: Sequence[Sample],
+        *,
+        batch_size: int,
+        seed: int,
+        token_budget: int,
+        rank: int = 0,
+        world: int = 1,
+        grad_accum: int = 1,
+        pad_multiple: int = 1,
+        pad_id: int = 0,
+    ) -> None:
+        super().__init__(
+            samples,
+            batch_size=batch_size,
+            seed=seed,
+            rank=rank,
+            world=world,
+            grad_accum=grad_accum,
+        )
+        self.token_budget, self.pad_multiple, self.pad_id = (
+            token_budget,
+            pad_multiple,
+            pad_id,
+        )
+
+    def next_step(self) -> list[MicroBatch]:
+        from ..trainer import pack_step, padded_batch, plan_microbatches
+
+        chosen = self.order.take()
+        lengths = np.fromiter(
+            (len(self.samples[i]) for i in chosen), dtype=np.int64, count=len(chosen)
+        )
+        plan = plan_microbatches(
+            lengths,
+            self.token_budget,
+            dp_size=self.world,
+            pad_multiple=self.pad_multiple,
+            min_microbatches=self.grad_accum,
+        )
+        out = []
+        for mb in plan[self.rank]:
+            picked = [self.samples[int(chosen[i])] for i in sorted(mb.tolist())]
+            ids, lens, mask = padded_batch(picked, pad_id=self.pad_id)
+            out.append(
+                pack_step(
+                    ids,
+                    lens,
+                    mask,
+                    pad_multiple=self.pad_multiple,
+                    pad_id=self.pad_id,
+                    sequence_ids=[s.conversation_id for s in picked],
+                )
+            )
+        return out
+
+    def fingerprint(self) -> str:
+        return _hash(
+            {
+                "base": super().fingerprint(),
+                "budget": self.token_budget,
+                "pad_multiple": self.pad_multiple,
+            }
+        )
+
+
+class ReplaySource(Source):
+    """Given conversations per step (over all ranks), as padded micro-batches: the
+    unpacked reference of a packed run. Rank ``r`` takes conversations ``r::world``."""
+
+    def __init__(
+        self,
+        steps: Sequence[Sequence[Sample]],
+        *,
+        rank: int = 0,
+        world: int = 1,
+        grad_accum: int = 1,
+        pad_id: int = 0,
+    ) -> None:
+        self.steps = [list(s) for s in steps]
+        self.rank, self.world, self.grad_accum, self.pad_id = (
+            rank,
+            world,
+            grad_accum,
+            pad_id,
+        )
+        self.position = 0
+
+    def next_step(self) -> list[MicroBatch]:
+        if self.position >= len(self.steps):
+            raise ValueError(f"ReplaySource: only {len(self.steps)} steps were given")
+        mine = self.steps[self.position][self.rank :: self.world]
+        self.position += 1
+        parts = [
+            p for p in np.array_split(np.arange(len(mine)), self.grad_accum) if len(p)
+        ]
+        return [
+            padded_micro_batch([mine[i] for i in p], pad_id=self.pad_id) for p in parts
+        ]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+    def fingerprint(self) -> str:
+        return _hash(
+            {"replay": samples_fingerprint([s for step in self.steps for s in step])}
+        )
+
+
+def _rows_to_micro_batches(
+    rows: list[PackedBatch], grad_accum: int
+) -> list[MicroBatch]:
+    parts = np.array_split(np.arange(len(rows)), grad_accum)
+    return [PackedBatch.concat([rows[i] for i in p]) for p in parts if len(p)]
+
+
+def _rows_per_rank(batch_size: int, world: int, grad_accum: int) -> int:
+    if batch_size % world or batch_size // world < grad_accum:
+        raise ValueError(
+            f"batch_size={batch_size} rows must be a multiple of the {world} rank(s), with at least grad_accum="
+            f"{grad_accum} rows per rank: use --batch-size {max(grad_accum, -(-batch_size // world)) * world}"
+        )
+    return batch_size // world
+
+
+class OfflineSource(Source):
+    """Rows of a prepacked directory (:class:`sftpack.offline.PrepackedDataset`,
+    opened with this rank's ``rank`` / ``world_size``: the path's own shards,
+    balanced by tokens, every row read once per epoch over all ranks).
+
+    Each step takes the next ``batch_size / world`` rows of this rank's shard in
+    the dataset's epoch order; when fewer are left the next epoch starts
+    (``set_epoch``, a fresh seeded order) and the leftover rows wait for it.
+    """
+
+    def __init__(
+        self, dataset: Any, *, batch_size: int, world: int = 1, grad_accum: int = 1
+    ) -> None:
+        self.ds = dataset
+        self.batch_size = batch_size
+        self.per_rank = _rows_per_rank(batch_size, world, grad_accum)
+        if len(dataset) < self.per_rank:
+            raise ValueError(
+                f"this rank's share of the prepacked dataset has {len(dataset)} rows, fewer than the "
+                f"{self.per_rank} a step needs (batch_size={batch_size} over {world} rank(s)): lower --batch-size"
+            )
+        self.grad_accum = grad_accum
+        self.epoch, self.position = 0, 0
+
+    def next_step(self) -> list[MicroBatch]:
+        if self.position + self.per_rank > len(self.ds):
+            self.epoch, self.position = self.epoch + 1, 0
+            self.ds.set_epoch(self.epoch)
+        rows = [self.ds[self.position + i] for i in range(self.per_rank)]
+        self.position += self.per_rank
+        return _rows_to_micro_batches(rows, self.grad_accum)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self.ds.set_epoch(self.epoch)
+
+    def fingerprint(self) -> str:
+        manifest = getattr(self.ds, "manifest", None) or {}
+        key = manifest.get("fingerprint") or manifest
+        return _hash(
+            {
+                "offline": key,
+                "batch_size": self.batch_size,
+                "seed": getattr(self.ds, "seed", None),
+            }
+        )
+
+
+class LoaderSource(Source):
+    """Rows streamed from a :class:`sftpack.loader.PackingDataset` (built with this
+    rank's ``rank`` / ``world_size`` and ``num_epochs=None``); ``B/W`` rows per rank
+    per step. The position is the dataset's own ``state_dict``."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int,
+        samples_fp: str,
+        rank: int = 0,
+        world: int = 1,
+        grad_accum: int = 1,
+    ) -> None:
+        self.ds = dataset
+        self.batch_size = batch_size
+        self.per_rank = _rows_per_rank(batch_size, world, grad_accum)
+        self.grad_accum = grad_accum
+        self._fp = samples_fp
+        self._it: Any = None
+
+    def next_step(self) -> list[MicroBatch]:
+        if self._it is None:
+            self._it = iter(self.ds)
+        rows = []
+        for _ in range(self.per_rank):
+            try:
+                rows.append(next(self._it))
+            except StopIteration:
+                raise ValueError(
+                    "the loader ran out of rows: build it with num_epochs=None"
+                ) from None
+        return _rows_to_micro_batches(rows, self.grad_accum)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": self.ds.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.ds.load_state_dict(state["loader"])
+        self._it = None
+
+    def fingerprint(self) -> str:
+        cfg = {
+            k: getattr(self.ds, k, None)
+            for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")
+        }
+        return _hash({"loader": self._fp, "config": cfg, "batch_size": self.batch_size})
+
+
+def compact_vocabulary(samples: Sequence[Sample]) -> tuple[list[Sample], np.ndarray]:
+    """Renumber the token ids that occur in ``samples`` as ``0..U-1`` (in id order).
+
+    A model over the ``U`` ids of the data has a ``U``-row embedding and head instead
+    of the tokenizer's (the embedded corpus uses 34,460 of the Qwen BPE's 151,646 ids),
+    which makes a tiny CPU model's head 4.4x cheaper. It is a different model (the
+    softmax runs over ``U`` classes), so use it to measure and demonstrate, not to
+    ship. Returns the renumbered samples and the ``(U,)`` int64 original id of each new id.
+
+    >>> from sftpack.testing import samples_from_lengths
+    >>> new, ids = compact_vocabulary(samples_from_lengths([2, 1]))
+    >>> [s.input_ids.tolist() for s in new], ids.tolist()
+    ([[0, 1], [2]], [1000, 1001, 2000])
+    """
+    if not samples:
+        raise ValueError("compact_vocabulary needs at least one sample")
+    ids = np.unique(np.concatenate([s.input_ids for s in samples]))
+    out = [
+        Sample(
+            np.searchsorted(ids, s.input_ids),
+            s.loss_mask,
+            s.conversation_id,
+            dict(s.meta),
+        )
+        for s in samples
+    ]
+    return out, ids

@@ -1,0 +1,315 @@
+"""The model side of a step: a Hugging Face causal LM and the global token-mean loss
+of one micro-batch, packed or padded.
+
+The default model is a small Llama built from a config (nothing downloaded) with
+the tokenizer's vocabulary; ``load_model(DIR)`` opens a local folder instead.
+Packed rows run through variable-length attention, registered with transformers
+as :data:`TRAIN_ATTENTION`: on CPU one causal 4-D SDPA call per segment (the fused
+flash kernel: exact, differentiable; a 3,000-token segment takes 0.06 s forward
+where the 3-D call of :func:`sftpack.attention.varlen_attention` takes 0.9 s),
+on CUDA :func:`sftpack.attention.varlen_attention` (flash-attn when installed);
+``flash_attention_2`` works too where flash-attn is present. Both boundary modes
+are honoured: ``padded`` hands the kernel ``cu_seqlens_padded`` for both sides,
+``real`` the real lengths too (padding slots then get zero attention output).
+Padded batches (the baseline) run one batched causal SDPA call, no mask needed:
+padding is on the right and attention is causal.
+
+The loss is :func:`sftpack.loss.token_mean_loss`: the summed token loss over the
+global count of supervised targets, the same normalisation for every path, the
+padded baseline included. The output head runs only on slots that have a target
+(the same loss and gradients as ``model(**batch)``, which computes logits for
+every slot): with the embedded tokenizer's 151,646 ids a logit row is 0.6 MB, and
+on the embedded corpus about 38% of the real tokens are supervised, so this skips
+most of the head's work for every path alike (prompt tokens, and the baseline's
+padding). Long runs are cut into chunks of at most 2**27 logits (512 MB),
+recomputed in the backward pass (``torch.utils.checkpoint``) instead of holding
+several GB.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..attention import hf_attention_forward, varlen_attention
+from ..handoff import IGNORE_INDEX
+from ..loss import token_mean_loss
+
+__all__ = [
+    "TRAIN_ATTENTION",
+    "LossModule",
+    "build_model",
+    "load_model",
+    "register_train_attention",
+]
+
+#: transformers attention name registered by :func:`register_train_attention`
+TRAIN_ATTENTION = "sftpack_varlen_train"
+_CHUNK_LOGITS = 1 << 27
+
+
+class _Bounds:
+    """The boundary fields :func:`sftpack.attention.varlen_attention` reads (Megatron's names)."""
+
+    def __init__(
+        self, real: torch.Tensor, padded: torch.Tensor, max_len: int | None
+    ) -> None:
+        self.cu_seqlens_q = real
+        self.cu_seqlens_q_padded = padded
+        self.max_seqlen_q = max_len
+
+
+def _segments_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    starts: list[int],
+    lens: list[int],
+    scale: float | None,
+) -> torch.Tensor:
+    """Causal attention of each segment ``[s, s + n)`` with itself; zeros elsewhere.
+
+    ``q`` ``(1, Hq, T, D)``, ``k``/``v`` ``(1, Hkv, T, D)`` as Hugging Face hands them;
+    returns ``(1, T, Hq, D)``. Each call is a 4-D ``scaled_dot_product_attention``:
+    on CPU that is the fused flash kernel (about 10x faster than the 3-D call, which
+    falls back to the math kernel and materialises the ``n x n`` scores).
+    """
+    rep = q.shape[1] // k.shape[1]
+    T = q.shape[2]
+    pieces, pos = [], 0
+    for s, n in zip(starts, lens):
+        if s > pos:
+            pieces.append(q.new_zeros(1, q.shape[1], s - pos, v.shape[3]))
+        ks, vs = k[:, :, s : s + n], v[:, :, s : s + n]
+        if rep > 1:
+            ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
+        pieces.append(
+            F.scaled_dot_product_attention(
+                q[:, :, s : s + n], ks, vs, is_causal=True, scale=scale
+            )
+        )
+        pos = s + n
+    if pos < T:
+        pieces.append(q.new_zeros(1, q.shape[1], T - pos, v.shape[3]))
+    return torch.cat(pieces, dim=2).transpose(1, 2)
+
+
+def _train_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Hugging Face attention over a packed row in either boundary mode.
+
+    Boundaries come from ``cu_seq_lens_q`` (physical, padded, as
+    :meth:`~sftpack.PackedBatch.to_hf_kwargs` gives them) and, in the ``real``
+    mode, ``sftpack_cu_seqlens_real`` (real lengths: padding slots get zeros).
+    On CUDA tensors :func:`sftpack.attention.varlen_attention` (flash-attn);
+    without boundaries (padded batches) :func:`sftpack.attention.hf_attention_forward`.
+    """
+    real = kwargs.pop("sftpack_cu_seqlens_real", None)
+    padded = kwargs.get("cu_seq_lens_q")
+    if padded is None:
+        return hf_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout, **kwargs
+        )
+    if dropout:
+        raise ValueError(
+            "sftpack's reference attention has no dropout; set attention_dropout=0"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(
+            f"packed rows have batch size 1, got query of shape {tuple(query.shape)}"
+        )
+    if query.is_cuda:
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
+        bounds = _Bounds(
+            padded if real is None else real, padded, kwargs.get("max_length_q")
+        )
+        out = varlen_attention(
+            q, k, v, bounds, pad_between_seqs=real is not None, softmax_scale=scaling
+        )
+        return out.unsqueeze(0), None
+    starts = padded[:-1].tolist()
+    lens = (padded[1:] - padded[:-1] if real is None else real[1:] - real[:-1]).tolist()
+    return _segments_attention(query, key, value, starts, lens, scaling), None
+
+
+def register_train_attention() -> str:
+    """Register the training attention with transformers; returns its name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(TRAIN_ATTENTION, _train_attention)
+    AttentionMaskInterface.register(TRAIN_ATTENTION, lambda *args, **kwargs: None)
+    return TRAIN_ATTENTION
+
+
+def _flash_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_attention(device: torch.device | str) -> str:
+    """``flash_attention_2`` on CUDA with flash-attn installed, else the reference."""
+    return (
+        "flash_attention_2"
+        if _flash_available(torch.device(device))
+        else register_train_attention()
+    )
+
+
+def build_model(
+    vocab_size: int,
+    *,
+    dim: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    max_positions: int = 32768,
+    seed: int = 0,
+    attn_implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A randomly initialised ``LlamaForCausalLM`` (seeded, nothing downloaded).
+
+    >>> m = build_model(1000, dim=32, layers=1, heads=2, kv_heads=1)
+    >>> m.config.vocab_size, sum(p.numel() for p in m.parameters())
+    (1000, 79456)
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=dim,
+        intermediate_size=4 * dim,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    cfg._attn_implementation = attn_implementation or register_train_attention()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(cfg)
+    return model.to(dtype).train()
+
+
+def load_model(
+    path: str,
+    *,
+    attn_implementation: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A causal LM from a local folder (``save_pretrained``); never downloads."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            local_files_only=True,
+            attn_implementation=attn_implementation or register_train_attention(),
+            dtype=dtype,
+        )
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot load a causal LM from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "
+            "written by model.save_pretrained(), or leave --model out for the default small Llama"
+        ) from None
+    return model.train()
+
+
+def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
+    head = model.get_output_embeddings()
+    body = model.base_model
+    if head is None or body is model:
+        raise ValueError(
+            f"{type(model).__name__} has no separate base model and output head: not a causal LM"
+        )
+    return body, head
+
+
+def _head_piece(
+    head: nn.Module,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    n: torch.Tensor,
+    avg: int,
+) -> torch.Tensor:
+    return token_mean_loss(head(hidden), labels, n, average_over_ranks=avg)
+
+
+class LossModule(nn.Module):
+    """The model plus the loss, as one module (so DDP wraps the whole forward).
+
+    ``forward(mb, n)`` returns the micro-batch's share of the global token-mean loss:
+    ``sum of token losses / n * average_over_ranks`` (a 0-dim float32 tensor).
+    """
+
+    def __init__(
+        self, model: Any, *, pad_between_seqs: bool, average_over_ranks: int = 1
+    ) -> None:
+        super().__init__()
+        self.model = model
+        self.pad_between_seqs = pad_between_seqs
+        self.average_over_ranks = average_over_ranks
+
+    def forward(self, mb: Any, num_label_tokens: torch.Tensor) -> torch.Tensor:
+        body, head = _body_and_head(self.model)
+        if hasattr(mb, "cu_seqlens_padded"):  # a packed run
+            kw = mb.to_hf_kwargs()
+            kw.pop("labels")
+            if (
+                self.pad_between_seqs
+                and getattr(self.model.config, "_attn_implementation", None)
+                == TRAIN_ATTENTION
+            ):
+                kw["sftpack_cu_seqlens_real"] = (
+                    mb.cu_seqlens
+                )  # other kernels read the padded boundaries only
+            hidden = body(**kw).last_hidden_state[0]
+            labels = mb.labels
+        else:  # right-padded rows: causal attention never looks right, so no mask is needed
+            hidden = body(
+                input_ids=mb.input_ids, use_cache=False
+            ).last_hidden_state.flatten(0, 1)
+            labels = mb.labels.reshape(-1)
+        # The head only where there is a target: the same loss, without the logits of
+        # prompt and padding slots (with a 151,646-id vocabulary they cost more than the body).
+        keep = labels != IGNORE_INDEX
+        hidden, labels = hidden[keep], labels[keep]
+        chunk = max(1, _CHUNK_LOGITS // head.weight.shape[0])
+        avg = self.average_over_ranks
+        if hidden.shape[0] <= chunk:
+            return _head_piece(head, hidden, labels, num_label_tokens, avg)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for s in range(0, hidden.shape[0], chunk):
+            total = total + checkpoint(
+                _head_piece,
+                head,
+                hidden[s : s + chunk],
+                labels[s : s + chunk],
+                num_label_tokens,
+                avg,
+                use_reentrant=False,
+            )
+        return total

@@ -1,0 +1,190 @@
+"""The choices and settings of a training run, validated up front."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .._base import StrEnum, choose, positive_int
+
+__all__ = ["Boundaries", "Packing", "Schedule", "TrainConfig"]
+
+
+class Packing(StrEnum):
+    """When the rows are packed (or not at all)."""
+
+    OFFLINE = "offline"  #: rows written once by ``sftpack prepack`` and re-read (``sftpack.offline``)
+    LOADER = "loader"  #: rows packed while streaming, from a bounded buffer (``sftpack.loader``)
+    TRAINER = (
+        "trainer"  #: a padded ``[B, S]`` batch packed at the step (``sftpack.trainer``)
+    )
+    NONE = "none"  #: right-padded ``[B, S]`` batches: the unpacked baseline
+
+
+class Boundaries(StrEnum):
+    """What the attention kernel is given for a packed row."""
+
+    REAL = "real"  #: real and padded boundaries (``pad_between_seqs=True``): padding slots skipped
+    PADDED = "padded"  #: the padded boundaries for both (``pad_between_seqs=False``): FlashAttention-2 friendly
+
+
+class Schedule(StrEnum):
+    """Learning-rate shape after the linear warm-up."""
+
+    COSINE = "cosine"  #: cosine decay to ``min_lr_ratio * lr`` at the last step
+    LINEAR = "linear"  #: linear decay to ``min_lr_ratio * lr`` at the last step
+    CONSTANT = "constant"  #: ``lr`` throughout
+
+
+#: Each path's own boundary mode (CONTRACT section 1): offline and trainer hand the
+#: kernel real + padded boundaries, the loader the padded array for both.
+PATH_BOUNDARIES = {
+    Packing.OFFLINE: Boundaries.REAL,
+    Packing.TRAINER: Boundaries.REAL,
+    Packing.LOADER: Boundaries.PADDED,
+    Packing.NONE: Boundaries.PADDED,
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides a run (the data itself is passed beside it).
+
+    Attributes:
+        packing: :class:`Packing`.
+        steps: optimizer steps.
+        batch_size: per optimizer step, over all ranks: *conversations* for
+            ``trainer`` and ``none`` (the same conversations for both, given the
+            seed), *rows* of ``max_seq_len`` slots for ``offline`` and ``loader``.
+        max_seq_len: row width (offline, loader) and token budget of one packed
+            micro-batch (trainer); conversations are at most this long.
+        grad_accum: micro-batches per rank per step, at least (gradient accumulation).
+            The trainer path may use more: its micro-batches are token-budget bins.
+        micro_batch_tokens: the trainer path's token budget of one packed
+            micro-batch (default ``max_seq_len``). Larger budgets mean fewer, wider
+            forward passes (less per-call overhead, more activation memory).
+        lr, weight_decay, betas, eps: AdamW.
+        warmup_steps, schedule, min_lr_ratio: the learning-rate schedule.
+        clip_norm: gradient-norm clipping (``None``: off).
+        pad_multiple: pad every sequence to a multiple of this (``2 * CP``).
+        boundaries: :class:`Boundaries`; ``None``: the path's own default.
+        buffer_size: the loader's packing buffer (sequences).
+        seed: model init, data order, everything.
+        dim, layers, heads, kv_heads: the default model's shape (ignored with a model folder).
+        checkpoint_every: save every this many steps (``None``/0: never).
+        device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when present).
+    """
+
+    packing: Packing | str = Packing.TRAINER
+    steps: int = 20
+    batch_size: int = 8
+    max_seq_len: int = 1024
+    grad_accum: int = 1
+    micro_batch_tokens: int | None = None
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: Schedule | str = Schedule.COSINE
+    min_lr_ratio: float = 0.1
+    clip_norm: float | None = 1.0
+    pad_multiple: int = 1
+    boundaries: Boundaries | str | None = None
+    buffer_size: int = 256
+    seed: int = 0
+    dim: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    checkpoint_every: int | None = None
+    device: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.packing = choose(Packing, self.packing, "packing")
+        self.schedule = choose(Schedule, self.schedule, "schedule")
+        self.boundaries = (
+            PATH_BOUNDARIES[self.packing]
+            if self.boundaries is None
+            else choose(Boundaries, self.boundaries, "boundaries")
+        )
+        for name in (
+            "steps",
+            "batch_size",
+            "max_seq_len",
+            "grad_accum",
+            "pad_multiple",
+            "buffer_size",
+        ):
+            setattr(
+                self, name, positive_int(name, getattr(self, name), who="TrainConfig")
+            )
+        if self.micro_batch_tokens is not None:
+            self.micro_batch_tokens = positive_int(
+                "micro_batch_tokens", self.micro_batch_tokens, who="TrainConfig"
+            )
+            if self.micro_batch_tokens < self.max_seq_len:
+                raise ValueError(
+                    f"TrainConfig: micro_batch_tokens={self.micro_batch_tokens} is below max_seq_len="
+                    f"{self.max_seq_len}: a conversation of max_seq_len tokens must fit one micro-batch"
+                )
+        for name in ("dim", "layers", "heads", "kv_heads"):
+            setattr(
+                self, name, positive_int(name, getattr(self, name), who="TrainConfig")
+            )
+        if self.max_seq_len % self.pad_multiple:
+            raise ValueError(
+                f"TrainConfig: max_seq_len={self.max_seq_len} is not a multiple of pad_multiple={self.pad_multiple}; "
+                f"use max_seq_len={self.max_seq_len // self.pad_multiple * self.pad_multiple}"
+            )
+        if self.warmup_steps < 0 or not isinstance(self.warmup_steps, int):
+            raise ValueError(
+                f"TrainConfig: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
+            )
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(
+                f"TrainConfig: lr must be a positive number, got {self.lr!r}"
+            )
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(
+                f"TrainConfig: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"
+            )
+        if self.clip_norm is not None and not self.clip_norm > 0:
+            raise ValueError(
+                f"TrainConfig: clip_norm must be > 0 or None, got {self.clip_norm!r}"
+            )
+        if self.checkpoint_every is not None and self.checkpoint_every < 0:
+            raise ValueError(
+                f"TrainConfig: checkpoint_every must be >= 0, got {self.checkpoint_every!r}"
+            )
+        if self.dim % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                f"TrainConfig: dim={self.dim} must be a multiple of heads={self.heads}, and heads a multiple of "
+                f"kv_heads={self.kv_heads}"
+            )
+
+    @property
+    def pad_between_seqs(self) -> bool:
+        return self.boundaries is Boundaries.REAL
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("packing", "schedule", "boundaries"):
+            d[k] = str(d[k])
+        d["betas"] = list(d["betas"])
+        return d
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier of ``lr`` for optimizer step ``step`` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule is Schedule.CONSTANT:
+            return 1.0
+        span = max(self.steps - self.warmup_steps - 1, 1)
+        progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
+        lo = self.min_lr_ratio
+        if self.schedule is Schedule.LINEAR:
+            return 1.0 - (1.0 - lo) * progress
+        return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))

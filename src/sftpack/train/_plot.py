@@ -1,0 +1,52 @@
+"""Loss and real tokens/s curves of one or several runs, as a PNG (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["plot_training", "read_log"]
+
+
+def read_log(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The records of a JSONL training log (one dict per step)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_training(
+    runs: Mapping[str, Sequence[Mapping[str, Any]]],
+    out: str | os.PathLike[str],
+    *,
+    title: str | None = None,
+) -> Path:
+    """Draw ``runs`` (name -> per-step records with ``step``, ``loss``, ``tokens_per_s``)
+    side by side: loss per step (left), real tokens/s per step (right). Returns ``out``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, recs in runs.items():
+        steps = [r["step"] for r in recs]
+        ax_loss.plot(steps, [r["loss"] for r in recs], label=name, linewidth=1.5)
+        ax_speed.plot(
+            steps, [r["tokens_per_s"] for r in recs], label=name, linewidth=1.5
+        )
+    ax_loss.set(xlabel="step", ylabel="token-mean loss", title="loss")
+    ax_speed.set(xlabel="step", ylabel="real tokens / s", title="throughput")
+    for ax in (ax_loss, ax_speed):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
