@@ -33,7 +33,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-on", default="all_assistant", choices=["all_assistant", "last_assistant", "everything"])
     p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument("--num-proc", type=positive, default=1, help="tokenizer processes (the files do not depend on it)")
-    p.add_argument("--engine", default="local", help="where tokenizing and writing run (local)")
+    p.add_argument("--engine", default="local", choices=["local", "ray"],
+                   help="where tokenizing and writing run: local (this machine, --num-proc) or ray (Ray Data "
+                   "actors; the same files byte for byte)")
+    p.add_argument("--workers", type=positive, help="--engine ray: tokenize actors (default 2)")
+    p.add_argument("--ray-address", metavar="ADDR", help="--engine ray: join this running Ray cluster ('auto', "
+                   "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs and the "
+                   "parent of --out must be at the same paths on every node")
     p.add_argument("--limit", type=positive, help="first N conversations only")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -70,6 +76,11 @@ def summary_lines(result: object) -> list[str]:
         ("L1 bound", f"{c['l1']:,} rows (gap {c['gap_l1']:.3%})"),
         ("time", "  ".join(f"{k} {v:.2f}s" for k, v in sec.items())),
     ]
+    actors = getattr(result, "actors", None)
+    if actors:
+        rates = ", ".join(f"{a['tokens_per_s'] / 1e3:,.0f}k" for a in actors)
+        nodes = len({a["node"] for a in actors})
+        rows.append(("ray actors", f"{len(actors)} on {nodes} node(s); tokens/s each: {rates}"))
     width = max(len(k) for k, _ in rows)
     return [f"{k:<{width}}  {v}" for k, v in rows]
 
@@ -96,7 +107,14 @@ def run(args: argparse.Namespace) -> int:
             f"--max-seq-len {args.max_seq_len} is not a multiple of the pad multiple {pad_multiple} "
             f"(use {args.max_seq_len // pad_multiple * pad_multiple or pad_multiple})"
         )
-    tok = load_tokenizer(args.tokenizer)
+    if args.engine == "ray":
+        if args.num_proc != 1:
+            raise UsageError("--num-proc is the local engine's; with --engine ray use --workers")
+        tok = args.tokenizer  # a path (or None: the embedded one): each Ray actor loads it, the driver never does
+    else:
+        if args.workers is not None or args.ray_address is not None:
+            raise UsageError("--workers and --ray-address need --engine ray (the local engine uses --num-proc)")
+        tok = load_tokenizer(args.tokenizer)
     result = prepack(
         args.inputs or None,
         args.out,
@@ -110,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         on_bad_row=args.on_bad_row,
         num_proc=args.num_proc,
         engine=args.engine,
+        workers=args.workers or 2,
+        ray_address=args.ray_address,
         limit=args.limit,
         overwrite=args.overwrite,
         progress=not args.no_progress,

@@ -47,6 +47,7 @@ from ._format import FORMAT_VERSION, PrepackError, read_manifest
 from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl, split_packed_messages
 from ._plan import RowPlan, plan_from_membership, plan_rows
 from ._prepack import Engine, PrepackResult, prepack, prepack_samples
+from ._ray import RayPrepackResult, prepack_ray, ray_session
 from ._shard import Balance, epoch_rows
 from ._stage import StagedSamples, StagingSource, stage_samples
 from ._write import allocate, write_index, write_rows
@@ -59,6 +60,7 @@ __all__ = [
     "PrepackError",
     "PrepackResult",
     "PrepackedDataset",
+    "RayPrepackResult",
     "RowPlan",
     "StagedSamples",
     "StagingSource",
@@ -73,7 +75,9 @@ __all__ = [
     "plan_from_membership",
     "plan_rows",
     "prepack",
+    "prepack_ray",
     "prepack_samples",
+    "ray_session",
     "read_manifest",
     "split_packed_messages",
     "stage_samples",

@@ -47,6 +47,7 @@ class Engine(StrEnum):
     """Where stages 1 and 3 run."""
 
     LOCAL = "local"  #: this process (and ``num_proc`` tokenizer workers)
+    RAY = "ray"  #: Ray Data actors tokenize, Ray actors write (:func:`~sftpack.offline.prepack_ray`): same bytes
 
 
 @dataclass
@@ -264,6 +265,8 @@ def prepack(
     on_bad_row: str = "skip",
     num_proc: int = 1,
     engine: str | Engine = "local",
+    workers: int = 2,
+    ray_address: str | None = None,
     limit: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
@@ -285,7 +288,8 @@ def prepack(
         overlong, train_on: as :func:`sftpack.chat.tokenize_conversations`.
         on_bad_row: ``"skip"`` (count bad rows) or ``"error"`` (stop at the first, naming file and line).
         num_proc: tokenizer processes; the files do not depend on it.
-        engine: ``"local"``.
+        engine: ``"local"`` or ``"ray"`` (:func:`~sftpack.offline.prepack_ray`; the same files).
+        workers, ray_address: the Ray engine's actors and cluster (``None``: a private local Ray).
         limit: first ``limit`` conversations only.
         overwrite: replace an existing prepack at ``out``.
         progress: tqdm bars per stage on stderr.
@@ -293,7 +297,14 @@ def prepack(
     Returns:
         :class:`PrepackResult` (``.path``, ``.manifest``, ``.counts``, ``.seconds``).
     """
-    choose(Engine, engine, "engine")
+    if choose(Engine, engine, "engine") is Engine.RAY:
+        from ._ray import prepack_ray  # imports ray only when called
+
+        return prepack_ray(
+            inputs, out, tokenizer=tokenizer, max_seq_len=max_seq_len, pad_multiple=pad_multiple,
+            algorithm=algorithm, seed=seed, overlong=overlong, train_on=train_on, on_bad_row=on_bad_row,
+            workers=workers, ray_address=ray_address, limit=limit, overwrite=overwrite, progress=progress,
+        )
     choose(Algorithm, algorithm, "algorithm")
     width = positive_int("max_seq_len", max_seq_len)
     m = positive_int("pad_multiple", pad_multiple)

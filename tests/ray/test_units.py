@@ -1,0 +1,125 @@
+"""The Ray engine's driver-side pieces, without starting Ray: units and their merge
+give exactly the local engine's staging, the multi-unit token source gathers exactly
+what one staging folder does, the write ranges cover every row, and importing the
+engine loads no Ray."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+from itertools import pairwise
+
+import numpy as np
+import pytest
+
+from sftpack.chat import BadRowError, tokenize_conversations
+from sftpack.data import default_corpus
+from sftpack.offline import plan_rows, stage_samples
+from sftpack.offline._ray import (
+    _merge,
+    _TokenizeActor,
+    _units,
+    _UnitsSource,
+    split_rows,
+)
+from sftpack.testing import samples_from_lengths, tiny_chat_tokenizer
+
+OPTIONS = {"max_seq_len": 256, "overlong": "split", "train_on": "all_assistant"}
+
+
+def _run_units(units, tok):
+    """The actor's work, in this process, one unit per call as Ray Data hands them over."""
+    actor = _TokenizeActor(tok, OPTIONS)
+    out = []
+    for u in units:
+        batch = actor({"key": np.array([u.key]), "unit": np.array([pickle.dumps(u)], dtype=object)})
+        out.append(pickle.loads(batch["result"][0]))
+    return out
+
+
+def _iterable():
+    """Conversations in three shapes: Conversation objects (ids), bare message lists
+    (ids = global positions) and a dict without an id."""
+    convs = list(default_corpus(limit=20))
+    items: list = []
+    for i, c in enumerate(convs):
+        items.append(c if i % 3 == 0 else c.messages if i % 3 == 1 else {"messages": c.messages})
+    return items
+
+
+def test_units_of_an_iterable_merge_into_the_local_staging(tmp_path):
+    tok = tiny_chat_tokenizer("chatml")
+    items = _iterable()
+    units, reader, hashing, _ = _units(items, tmp_path / "ray", on_bad_row="skip", limit=17, unit_size=5)
+    assert reader is None and [len(u.conversations) for u in units] == [5, 5, 5, 2] and hashing.count == 17
+    results = _run_units(units, tok)
+    assert all(r["ok"] for r in results)
+    staged, unit_samples = _merge(results, tmp_path / "ray")
+
+    local_tok = tokenize_conversations(items[:17], tok, **OPTIONS)
+    local = stage_samples(local_tok, tmp_path / "local")
+    for name in ("lengths", "conversation", "piece", "conversation_offsets"):
+        np.testing.assert_array_equal(getattr(staged, name), getattr(local, name), err_msg=name)
+    for name in ("max_id", "tokens", "trainable", "labels", "first_trainable"):
+        assert getattr(staged, name) == getattr(local, name), name
+    ids = b"".join((tmp_path / "ray" / f"u{k:06d}" / "ids.json8").read_bytes() for k in range(len(units)))
+    assert ids == (tmp_path / "local" / "ids.json8").read_bytes()
+    assert b'"chitchat:' in ids and b",1" not in ids[:0]  # Conversation ids kept
+    # a bare list at global position 16 got id 16, not its position in its unit (1)
+    assert staged.conversation_offsets.shape[0] == 18
+    off = staged.conversation_offsets
+    assert ids[off[16] : off[17]] == b"16"
+    assert unit_samples[-1] == staged.num_samples
+    assert sum(r["tokenize"]["split"] for r in results) == local_tok.stats.split > 0
+
+
+def test_a_bad_row_in_error_mode_comes_back_as_the_local_error(tmp_path):
+    tok = tiny_chat_tokenizer("chatml")
+    path = tmp_path / "chat.jsonl"
+    good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
+    path.write_text(f'{good}\n{good}\n{{"messages": []}}\n{good}\n')
+    units, reader, _, fp = _units([path], tmp_path / "ray", on_bad_row="error", limit=None, unit_size=5)
+    assert len(units) == 1 and units[0].source is not None and fp[0]["size"] == path.stat().st_size
+    (result,) = _run_units(units, tok)
+    assert not result["ok"] and isinstance(result["error"], BadRowError)
+    with pytest.raises(BadRowError) as local:
+        list(tokenize_conversations(reader, tok, **OPTIONS))
+    assert str(result["error"]) == str(local.value) and "chat.jsonl" in str(local.value) and "line 3" in str(local.value)
+
+
+def test_the_multi_unit_source_gathers_what_one_staging_folder_does(tmp_path):
+    lengths = [5, 10, 3, 8, 6, 9, 16, 2, 1, 7, 12, 4]
+    samples = samples_from_lengths(lengths)
+    whole = stage_samples(samples, tmp_path / "whole")
+    cuts = [0, 3, 4, 9, 12]  # four units, one of a single sample
+    for k, (a, b) in enumerate(pairwise(cuts)):
+        stage_samples(samples[a:b], tmp_path / f"u{k}")
+    multi = _UnitsSource([str(tmp_path / f"u{k}") for k in range(4)], whole.lengths, np.array(cuts))
+    rng = np.random.default_rng(0)
+    for request in (np.arange(12), rng.permutation(12), np.array([11, 0, 3, 3, 8]), np.array([6])):
+        got, want = multi.gather(request), whole.source().gather(request)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3, 7, 100])
+def test_write_ranges_cover_every_row_once_balanced_by_tokens(parts):
+    rng = np.random.default_rng(parts)
+    plan = plan_rows(rng.integers(1, 64, 500), max_seq_len=64)
+    ranges = split_rows(plan, parts)
+    assert ranges[0][0] == 0 and ranges[-1][1] == plan.num_rows and len(ranges) <= parts
+    assert all(a < b for a, b in ranges) and all(r[1] == s[0] for r, s in pairwise(ranges))
+    tok = plan.row_token_offsets()
+    sizes = [tok[b] - tok[a] for a, b in ranges]
+    if parts <= 7:  # each range within one row's worth of tokens of an equal share
+        assert max(sizes) - plan.num_tokens / len(ranges) <= 64
+
+
+def test_importing_the_engine_loads_no_ray_and_no_transformers():
+    code = (
+        "import sys, sftpack.offline, sftpack.offline._ray; "
+        "print(','.join(m for m in ('ray', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == ""
