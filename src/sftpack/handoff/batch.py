@@ -43,6 +43,32 @@ class PackedBatchError(ValueError):
     """A :class:`PackedBatch` field breaks the contract (the message names it)."""
 
 
+def packed_seq_params(
+    cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int, pad_between_seqs: bool
+) -> PackedSeqParams:
+    """Megatron-core's ``PackedSeqParams(qkv_format="thd", ...)`` for these boundaries
+    (see :meth:`PackedBatch.to_packed_seq_params`; a CP shard passes the global ones)."""
+    with warnings.catch_warnings():
+        # megatron-core announces its fallbacks when Transformer Engine is absent (CPU).
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+    if pad_between_seqs:
+        q = kv = cu_seqlens
+        q_pad = kv_pad = cu_seqlens_padded
+    else:
+        q = kv = q_pad = kv_pad = cu_seqlens_padded
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=q,
+        cu_seqlens_kv=kv,
+        cu_seqlens_q_padded=q_pad,
+        cu_seqlens_kv_padded=kv_pad,
+        max_seqlen_q=int(max_seqlen),
+        max_seqlen_kv=int(max_seqlen),
+    )
+
+
 @dataclass(eq=False)
 class PackedBatch:
     """One flat run of ``T`` token slots holding ``N`` sequences, each followed by its padding.
@@ -383,25 +409,7 @@ class PackedBatch:
         FlashAttention-2 usable; padding sits at the end of each causal segment, so
         real tokens never attend to it (it only costs FLOPs).
         """
-        with warnings.catch_warnings():
-            # megatron-core announces its fallbacks when Transformer Engine is absent (CPU).
-            warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-            from megatron.core.packed_seq_params import PackedSeqParams
-
-        if pad_between_seqs:
-            q = kv = self.cu_seqlens
-            q_pad = kv_pad = self.cu_seqlens_padded
-        else:
-            q = kv = q_pad = kv_pad = self.cu_seqlens_padded
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=q,
-            cu_seqlens_kv=kv,
-            cu_seqlens_q_padded=q_pad,
-            cu_seqlens_kv_padded=kv_pad,
-            max_seqlen_q=int(self.max_seqlen),
-            max_seqlen_kv=int(self.max_seqlen),
-        )
+        return packed_seq_params(self.cu_seqlens, self.cu_seqlens_padded, self.max_seqlen, pad_between_seqs)
 
     def hf_labels(self) -> torch.Tensor:
         """``(T,)`` labels in the *unshifted* Hugging Face convention: slot ``t`` holds

@@ -67,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._base import positive_int
-from .batch import PackedBatch, PackedBatchError
+from .batch import PackedBatch, PackedBatchError, packed_seq_params
 from .sample import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -285,22 +285,9 @@ class CPShard(PackedBatch):
         works out each rank's chunks itself; feed it this shard's ``input_ids`` /
         ``position_ids`` and these parameters.
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
-
-        gcu, gcup = self.global_cu_seqlens, self.global_cu_seqlens_padded
-        if pad_between_seqs:
-            q = kv = gcu
-            q_pad = kv_pad = gcup
-        else:
-            q = kv = q_pad = kv_pad = gcup
-        return PackedSeqParams(
-            qkv_format="thd",
-            cu_seqlens_q=q,
-            cu_seqlens_kv=kv,
-            cu_seqlens_q_padded=q_pad,
-            cu_seqlens_kv_padded=kv_pad,
-            max_seqlen_q=int(self.global_max_seqlen),
-            max_seqlen_kv=int(self.global_max_seqlen),
+        assert self.global_cu_seqlens is not None and self.global_cu_seqlens_padded is not None
+        return packed_seq_params(
+            self.global_cu_seqlens, self.global_cu_seqlens_padded, self.global_max_seqlen, pad_between_seqs
         )
 
     def _no_standalone(self, what: str) -> Any:

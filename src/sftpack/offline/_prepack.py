@@ -171,6 +171,44 @@ def _counts(staged: StagedSamples, plan: RowPlan, extra: dict[str, Any]) -> dict
     return counts
 
 
+def build_manifest(
+    staged: Any,
+    plan: RowPlan,
+    extra: dict[str, Any],
+    fingerprint: dict[str, Any],
+    *,
+    source: str,
+    pad_id: int,
+    dtype: np.dtype,
+    vocab: int,
+    files: dict[str, Any],
+) -> dict[str, Any]:
+    """The manifest of a finished prepack (every engine writes exactly this): the
+    counts, checked against the accounting identities, and the fingerprint, sealed
+    with its own digest."""
+    from .. import __version__
+
+    counts = _counts(staged, plan, extra)
+    _check_identity(counts)
+    fingerprint = dict(fingerprint, sftpack_version=__version__)
+    fingerprint["sha256"] = digest({k: v for k, v in fingerprint.items() if k != "sha256"})
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "sftpack_version": __version__,
+        "source": source,
+        "max_seq_len": plan.row_width,
+        "pad_multiple": plan.pad_multiple,
+        "pad_id": int(pad_id),
+        "pad_between_seqs": True,
+        "token_dtype": dtype.name,
+        "vocab_size": int(vocab),
+        "fingerprint": fingerprint,
+        "counts": counts,
+        "files": files,
+    }
+
+
 def _finish(
     out: Path,
     *,
@@ -185,7 +223,6 @@ def _finish(
     progress: bool,
     seconds: dict[str, float],
 ) -> PrepackResult:
-    from .. import __version__
 
     out = Path(out)
     stage = "creating the output folder"
@@ -214,25 +251,10 @@ def _finish(
 
             stage = "writing the manifest"
             shutil.rmtree(tmp / "_staging")
-            counts = _counts(staged, plan, extra)
-            _check_identity(counts)
-            fingerprint = dict(fingerprint, sftpack_version=__version__)
-            fingerprint["sha256"] = digest({k: v for k, v in fingerprint.items() if k != "sha256"})
-            manifest = {
-                "format": FORMAT,
-                "format_version": FORMAT_VERSION,
-                "sftpack_version": __version__,
-                "source": source_kind,
-                "max_seq_len": plan.row_width,
-                "pad_multiple": plan.pad_multiple,
-                "pad_id": int(pad_id),
-                "pad_between_seqs": True,
-                "token_dtype": dtype.name,
-                "vocab_size": int(vocab),
-                "fingerprint": fingerprint,
-                "counts": counts,
-                "files": files,
-            }
+            manifest = build_manifest(
+                staged, plan, extra, fingerprint,
+                source=source_kind, pad_id=pad_id, dtype=dtype, vocab=vocab, files=files,
+            )
             write_json(tmp / MANIFEST, manifest)
             publish(tmp, out)
             seconds["finalize"] = time.perf_counter() - t0

@@ -80,8 +80,6 @@ from ..chat import (
 from ._fingerprint import digest, input_fingerprints
 from ._format import (
     FILES,
-    FORMAT,
-    FORMAT_VERSION,
     MANIFEST,
     PrepackError,
     file_sha256,
@@ -89,7 +87,7 @@ from ._format import (
     write_json,
 )
 from ._plan import RowPlan, plan_rows
-from ._prepack import PrepackResult, _bar, _check_identity, _counts, _Hashing, _is_paths
+from ._prepack import PrepackResult, _bar, _Hashing, _is_paths, build_manifest
 from ._publish import publish, writing
 from ._stage import StagedSamples, StagingSource, stage_samples
 from ._write import allocate, write_index, write_rows
@@ -783,7 +781,6 @@ def _stages(
     seconds: dict[str, float],
     t0: float,
 ) -> RayPrepackResult:
-    from .. import __version__
 
     staging = tmp / "_staging"
     results = _tokenize_stage(
@@ -867,25 +864,10 @@ def _stages(
 
     t0 = time.perf_counter()
     shutil.rmtree(staging)
-    counts = _counts(staged, plan, extra)
-    _check_identity(counts)
-    fingerprint = dict(fingerprint, sftpack_version=__version__)
-    fingerprint["sha256"] = digest({k: v for k, v in fingerprint.items() if k != "sha256"})
-    manifest = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "sftpack_version": __version__,
-        "source": "conversations",
-        "max_seq_len": plan.row_width,
-        "pad_multiple": plan.pad_multiple,
-        "pad_id": int(pad_id),
-        "pad_between_seqs": True,
-        "token_dtype": dtype.name,
-        "vocab_size": int(vocab),
-        "fingerprint": fingerprint,
-        "counts": counts,
-        "files": files,
-    }
+    manifest = build_manifest(
+        staged, plan, extra, fingerprint,
+        source="conversations", pad_id=pad_id, dtype=dtype, vocab=vocab, files=files,
+    )
     write_json(tmp / MANIFEST, manifest)
     publish(tmp, out)
     seconds["finalize"] = time.perf_counter() - t0
