@@ -144,16 +144,11 @@ def run_demo(
         ds = PrepackedDataset(path, verify="full")
         rows = [ds[i].validate() for i in range(len(ds))]
         s = summary["offline"]
-        s.pack_seconds = time.perf_counter() - t0
-        ok &= _accounted(rows, len(samples), real, expect_labels)
-        s.rows, s.fill, s.first_rows = (
-            len(rows),
-            real / sum(r.num_tokens for r in rows),
-            _middle(rows),
-        )
+        good = _record(s, rows, _middle(rows), t0, len(samples), real, expect_labels)
+        ok &= good
         yield (
             f"  offline  prepack + read back {s.rows:,} rows in {s.pack_seconds:.1f} s: fill {s.fill:.2%}, "
-            f"every token and label accounted for: {_accounted(rows, len(samples), real, expect_labels)}"
+            f"every token and label accounted for: {good}"
         )
 
         # Loader: one epoch streamed from a 256-sample buffer.
@@ -169,16 +164,11 @@ def run_demo(
             )
         ]
         s = summary["loader"]
-        s.pack_seconds = time.perf_counter() - t0
-        ok &= _accounted(rows, len(samples), real, expect_labels)
-        s.rows, s.fill, s.first_rows = (
-            len(rows),
-            real / sum(r.num_tokens for r in rows),
-            _middle(rows),
-        )
+        good = _record(s, rows, _middle(rows), t0, len(samples), real, expect_labels)
+        ok &= good
         yield (
             f"  loader   one epoch streamed (buffer 256) into {s.rows:,} rows in {s.pack_seconds:.1f} s: fill "
-            f"{s.fill:.2%}, every token and label accounted for: {_accounted(rows, len(samples), real, expect_labels)}"
+            f"{s.fill:.2%}, every token and label accounted for: {good}"
         )
 
     # Trainer: padded batches of 8 in a seeded order, packed at the step.
@@ -191,14 +181,9 @@ def run_demo(
         padded_slots += ids.numel()
         rows.append(pack_step(ids, lens, mask, pad_id=pad_id))
     s = summary["trainer"]
-    s.pack_seconds = time.perf_counter() - t0
+    s.pack_seconds = time.perf_counter() - t0  # packing only, before validation
     rows = [r.validate() for r in rows]
-    ok &= _accounted(rows, len(samples), real, expect_labels)
-    s.rows, s.fill, s.first_rows = (
-        len(rows),
-        real / sum(r.num_tokens for r in rows),
-        rows[:3],
-    )
+    ok &= _record(s, rows, rows[:3], None, len(samples), real, expect_labels)
     n = summary["none"]
     n.rows, n.fill = len(batches), real / padded_slots
     widest = int(lengths[batches[0]].max())
@@ -305,6 +290,17 @@ def _middle(rows: list[Any], k: int = 3) -> list[Any]:
     """``k`` rows from the middle (the first rows of a best-fit packing hold the longest conversations alone)."""
     mid = max(0, len(rows) // 2 - k // 2)
     return rows[mid : mid + k]
+
+
+def _record(
+    s: Any, rows: list[Any], shown: list[Any], t0: float | None, n_samples: int, real: int, labels: int
+) -> bool:
+    """Fill a path's summary from its rows (and its packing time since ``t0``, unless
+    already set); return whether every sample, token and label is accounted for."""
+    if t0 is not None:
+        s.pack_seconds = time.perf_counter() - t0
+    s.rows, s.fill, s.first_rows = len(rows), real / sum(r.num_tokens for r in rows), shown
+    return _accounted(rows, n_samples, real, labels)
 
 
 def _accounted(rows: list[Any], n_samples: int, real: int, labels: int) -> bool:
