@@ -91,3 +91,36 @@ def test_energon_encoder_refuses_what_it_cannot_do():
         PackingTaskEncoder(None, max_seq_len=64, overlong="split")
     with pytest.raises(ValueError, match="max_seq_len=30 is not a multiple of pad_multiple=4"):
         PackingTaskEncoder(None, max_seq_len=30, pad_multiple=4)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_energon_restore_sample_rebuilds_each_batch_exactly(prepared, num_workers):
+    """Energon's own contract (its tests assert it): ``loader.restore_sample(batch.__restore_key__)``
+    re-reads the batch's samples and re-packs them into an equal batch. With batch_size=2 each batch
+    holds two packed rows, so the key nests Energon's loader, batcher, packer and reader levels."""
+    from sftpack import PackedBatch
+    from sftpack.loader import EnergonPackedBatch
+
+    path, _, tok = prepared
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, global_error_handler=reraise_exception)
+    ds = get_train_dataset(path, worker_config=wc, batch_size=2, packing_buffer_size=BUFFER,
+                           shuffle_buffer_size=None, max_samples_per_sequence=None,
+                           task_encoder=PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT), repeat=False)
+    loader = get_savable_loader(ds)
+    assert loader.can_restore_sample()
+    batches = list(loader)
+    assert len(batches) >= 4
+    assert sorted(i for b in batches for i in b.sequence_ids) == list(range(N))
+    for b in batches:
+        assert isinstance(b, EnergonPackedBatch) and isinstance(b, PackedBatch)
+        key = b.__restore_key__
+        names = [k for k in key if isinstance(k, str)]  # the levels Energon's wrappers prepended
+        assert names[0].endswith("SavableDatasetWrapper") and "BatchDataset" in names, key  # (Simple...: 0 workers)
+        assert "PackingDataset" in str(key), key
+        again = loader.restore_sample(key)
+        assert sig(again.validate()) == sig(b)
+        assert again.max_seqlen == b.max_seqlen and again.num_tokens in (WIDTH, 2 * WIDTH)
+        assert again.__key__ == b.__key__ and len(b.__key__) == again.num_tokens // WIDTH
+        assert again.__restore_key__ == key
+    # Two different batches restore to two different batches (the key is not ignored).
+    assert sig(loader.restore_sample(batches[1].__restore_key__)) != sig(batches[0])

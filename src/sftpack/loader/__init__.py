@@ -22,7 +22,8 @@ One concept per module:
 - ``resume``: :class:`StatefulLoader`, torchdata's ``StatefulDataLoader`` with a
   clear error for a state of another ``num_workers`` (needs ``torchdata``).
 - ``energon``: :class:`PackingTaskEncoder`, the same rule in Megatron-Energon's
-  packing hooks (needs ``megatron-energon``; both load on first use).
+  packing hooks; its batches are :class:`EnergonPackedBatch` (a ``PackedBatch``
+  with Energon's restore key) (needs ``megatron-energon``; both load on first use).
 - ``_example``: :func:`worked_example_row`, the contract's worked example.
 
 >>> row = worked_example_row()
@@ -45,10 +46,12 @@ _LAZY = {
     "StatefulLoader": "resume",
     "saved_num_workers": "resume",
     "PackingTaskEncoder": "energon",
+    "EnergonPackedBatch": "energon",
 }
 
 __all__ = [
     "PAD_BETWEEN_SEQS",
+    "EnergonPackedBatch",
     "LoaderStats",
     "Overlong",
     "PackingDataset",

@@ -27,7 +27,12 @@ on the rows); the cooker, ``encode_sample``, ``pack_selected_samples`` and
 ``batch`` are ``@stateless`` (Energon restores by re-reading and re-packing,
 so they must be deterministic); the samples they return are Energon
 ``Sample`` subclasses built with ``derive_from`` (else the restore key is
-lost). ``shuffle_buffer_size`` and ``max_samples_per_sequence`` are required
+lost); the batch is an :class:`EnergonPackedBatch`, a ``PackedBatch`` that
+carries Energon's ``__key__`` and ``__restore_key__``, so
+``loader.restore_sample(batch.__restore_key__)`` rebuilds it exactly (Energon's
+wrappers and loader write the key only onto an object that already has the
+attribute; a plain ``PackedBatch`` raised ``AttributeError`` there).
+``shuffle_buffer_size`` and ``max_samples_per_sequence`` are required
 keywords of ``get_train_dataset``, and Energon logs and skips a failing sample
 unless the worker config has a re-raising error handler.
 
@@ -37,6 +42,7 @@ This module imports ``megatron.energon``; ``import sftpack.loader`` does not
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -54,7 +60,14 @@ from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row
 from ._plan import plan_rows
 
-__all__ = ["ConversationSample", "PackedRowSample", "PackingTaskEncoder", "TokenizedSample", "cook_conversation"]
+__all__ = [
+    "ConversationSample",
+    "EnergonPackedBatch",
+    "PackedRowSample",
+    "PackingTaskEncoder",
+    "TokenizedSample",
+    "cook_conversation",
+]
 
 
 @edataclass
@@ -79,6 +92,22 @@ class PackedRowSample(Sample):
     """One packed row (``row`` is a :class:`~sftpack.PackedBatch` of ``max_seq_len`` slots)."""
 
     row: PackedBatch
+
+
+@dataclass(eq=False, repr=False)
+class EnergonPackedBatch(PackedBatch):
+    """A :class:`~sftpack.PackedBatch` that carries Energon's sample metadata (the contract's
+    fields unchanged; the two extra fields have defaults, as the contract allows).
+
+    Attributes:
+        __key__: the Energon ``__key__`` of each row's first sample, one per row.
+        __restore_key__: set by Energon's batcher and loader as the batch passes through them;
+            ``loader.restore_sample(batch.__restore_key__)`` re-reads the row's samples and
+            re-packs them into an equal batch (same tokens, labels, boundaries and ids).
+    """
+
+    __key__: tuple = ()
+    __restore_key__: tuple = field(default=())
 
 
 @stateless
@@ -186,6 +215,11 @@ class PackingTaskEncoder(TaskEncoder):
         return PackedRowSample.derive_from(samples[0], row=row)
 
     @stateless
-    def batch(self, samples: list[PackedRowSample]) -> PackedBatch:
-        """``batch_size`` rows laid end to end in one :class:`~sftpack.PackedBatch` (THD has no row axis)."""
-        return PackedBatch.concat([s.row for s in samples])
+    def batch(self, samples: list[PackedRowSample]) -> EnergonPackedBatch:
+        """``batch_size`` rows laid end to end in one :class:`EnergonPackedBatch` (THD has no row
+        axis); Energon fills in its ``__restore_key__``."""
+        row = PackedBatch.concat([s.row for s in samples])
+        return EnergonPackedBatch(
+            **{f.name: getattr(row, f.name) for f in fields(PackedBatch)},
+            __key__=tuple(s.__key__ for s in samples),
+        )
