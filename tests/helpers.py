@@ -7,7 +7,9 @@ import torch
 from sftpack import PackedBatch, Sample
 from sftpack.trainer import padded_batch as _padded_batch
 
-PAD = -1  # a pad id no sample uses, so padding is visible in every assertion
+# A pad id no sample uses (samples_from_lengths ids are >= 1000; pad ids must be >= 0),
+# so padding is visible in every assertion.
+PAD = 999
 
 
 def padded_batch(samples: list[Sample], S: int | None = None, pad_id: int = PAD):

@@ -114,3 +114,41 @@ def test_build_row_copy_strategies_agree(monkeypatch, n, pad_multiple):
         want = [int(seq_ids[j + 1]) if seq_mask[j + 1] else IGNORE_INDEX for j in range(L - 1)] + [IGNORE_INDEX]
         assert rows[0].labels[cup[i] : cup[i] + L].tolist() == want
         start += L
+
+
+# ---------------------------------------------------------------- negative ids (issue 16, item 10)
+# The prepack path refuses ids outside [0, 2**32) at staging; the row builders and validate()
+# refuse negative ids and pad ids the same way: an embedding has no row for them.
+def test_build_row_refuses_a_negative_token_id_naming_the_sequence():
+    ids = np.array([5, 6, 7, 8, -3, 9])
+    with pytest.raises(PackedBatchError, match=r"build_row: sequence 1, id 'b' holds token id -3 at input position 4: "
+                                               r"token ids must be non-negative"):
+        build_row(ids, np.ones(6, bool), [3, 3], row_width=8, sequence_ids=["a", "b"])
+    with pytest.raises(PackedBatchError, match=r"build_row: sequence 0 holds token id -1 at input position 0"):
+        build_row(np.array([-1, 4]), np.ones(2, bool), [2], row_width=4)  # no sequence ids given: none named
+    with pytest.raises(PackedBatchError, match=r"sequence 1, id 'c7' holds token id -2 at input position 3"):
+        PackedBatch.from_samples([[1, 2], {"input_ids": [3, -2], "conversation_id": "c7"}])
+    # the same ids, non-negative, build (the check is not a blanket refusal)
+    build_row(np.abs(ids), np.ones(6, bool), [3, 3], row_width=8, sequence_ids=["a", "b"]).validate()
+
+
+@pytest.mark.parametrize("pad_id", [-1, -100, np.int64(-7)])
+def test_a_negative_pad_id_is_refused_by_every_row_builder(pad_id):
+    msg = rf"pad_id={int(pad_id)} is negative: padding slots are fed to the embedding.*token id >= 0"
+    with pytest.raises(PackedBatchError, match="build_row: " + msg):
+        build_row(np.arange(1, 4), np.ones(3, bool), [3], row_width=4, pad_id=pad_id)
+    with pytest.raises(PackedBatchError, match="build_row: " + msg):
+        PackedBatch.from_samples(samples_from_lengths([3]), pad_id=pad_id)
+    with pytest.raises(PackedBatchError, match="pack_step: " + msg):
+        pack_step(torch.ones(1, 4, dtype=torch.long), [3], pad_id=pad_id)
+
+
+def test_validate_refuses_a_negative_id_naming_the_slot_and_segment():
+    good = PackedBatch.from_samples(samples_from_lengths([3, 2]), row_width=8).validate()
+    for slot, what in ((6, "segment 1"), (1, "segment 0")):
+        bad = good.to("cpu")
+        bad.input_ids = good.input_ids.clone()
+        bad.input_ids[slot] = -1  # a padding slot (6) or a real token (1), labels left as they were
+        with pytest.raises(PackedBatchError, match=rf"PackedBatch.input_ids\[{slot}\] = -1 \({what}\): token ids, "
+                                                   r"padding included, must be non-negative"):
+            bad.validate()

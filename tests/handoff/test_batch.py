@@ -26,13 +26,13 @@ WORKED = [
 
 @pytest.mark.parametrize("path,kwargs,width,cu,cup", WORKED, ids=[w[0] for w in WORKED])
 def test_worked_example(path, kwargs, width, cu, cup):
-    b = PackedBatch.from_samples([A, B], pad_id=-1, **kwargs).validate()
+    b = PackedBatch.from_samples([A, B], pad_id=999, **kwargs).validate()  # an id no sample uses
     assert b.num_tokens == width
     assert b.cu_seqlens.tolist() == cu and b.cu_seqlens.dtype == torch.int32
     assert b.cu_seqlens_padded.tolist() == cup and b.cu_seqlens_padded.dtype == torch.int32
     assert b.max_seqlen == max(np.diff(cup))
     a0, b0 = cup[0], cup[1]
-    expect_ids = np.full(width, -1)
+    expect_ids = np.full(width, 999)
     expect_ids[a0 : a0 + 5] = np.arange(1000, 1005)
     expect_ids[b0 : b0 + 10] = np.arange(2000, 2010)
     assert b.input_ids.tolist() == expect_ids.tolist()

@@ -24,7 +24,7 @@ from sftpack.loader import (
 )
 from sftpack.testing import samples_from_lengths
 
-PAD = -1  # a pad id no sample uses
+PAD = 999  # a pad id no sample uses (samples_from_lengths ids are >= 1000; pad ids must be >= 0)
 
 
 def lengths_of(n: int, hi: int, seed: int = 0) -> list[int]:

@@ -213,6 +213,15 @@ class PackedBatch:
                 f"PackedBatch tensors are on several devices {sorted(map(str, devices))}: call .to(device)"
             )
         cu_h, cup_h = cu.cpu().numpy().astype(np.int64), cup.cpu().numpy().astype(np.int64)
+        if T and int(ids.min()) < 0:
+            slot = int(torch.nonzero(ids < 0)[0, 0])
+            seg = int(np.searchsorted(cup_h, slot, side="right")) - 1
+            what = f"segment {seg}" if 0 <= seg < len(cup_h) - 1 else "no segment"
+            raise PackedBatchError(
+                f"PackedBatch.input_ids[{slot}] = {int(ids[slot])} ({what}): token ids, padding included, must be "
+                "non-negative (an embedding has no row for a negative id); build rows with a pad_id >= 0 from "
+                "samples tokenized by the model's tokenizer"
+            )
         if cu_h[0] != 0:
             raise PackedBatchError(f"PackedBatch.cu_seqlens must start with 0, got {cu_h[0]}")
         if cup_h[0] != 0:

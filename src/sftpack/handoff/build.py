@@ -31,7 +31,7 @@ from .._base import positive_int, round_up
 from .batch import PackedBatch, PackedBatchError
 from .sample import IGNORE_INDEX
 
-__all__ = ["build_row", "padded_lengths"]
+__all__ = ["build_row", "check_pad_id", "padded_lengths"]
 
 #: up to this many sequences a row is laid by slice copies (a Python loop over
 #: sequences, never over tokens); above it by one vectorised scatter
@@ -47,6 +47,20 @@ def padded_lengths(lengths: Any, pad_multiple: int) -> np.ndarray:
     """
     m = positive_int("pad_multiple", pad_multiple, error=PackedBatchError)
     return round_up(np.asarray(lengths, dtype=np.int64), m)
+
+
+def check_pad_id(pad_id: Any, who: str, error: type[ValueError] = PackedBatchError) -> int:
+    """``pad_id`` as an ``int >= 0``, or ``error``: padding slots are fed to the embedding
+    like any token, so a negative id fails there (or wraps to the last rows)."""
+    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+        raise error(f"{who}: pad_id must be an integer token id, got {pad_id!r}")
+    if int(pad_id) < 0:
+        raise error(
+            f"{who}: pad_id={int(pad_id)} is negative: padding slots are fed to the embedding like any token, "
+            "so it must be a token id >= 0; use the tokenizer's pad id (or 0: padding carries label -100 and "
+            "is never trained on)"
+        )
+    return int(pad_id)
 
 
 def _int_ids(name: str, arr: Any) -> np.ndarray:
@@ -94,7 +108,8 @@ def build_row(
         boundaries).
 
     Raises:
-        PackedBatchError: mismatched sizes, a non-integer dtype, an empty sequence,
+        PackedBatchError: mismatched sizes, a non-integer dtype, a negative token id or
+            ``pad_id``, an empty sequence,
             a ``row_width`` that is not a multiple of ``pad_multiple``, or padded
             sequences that do not fit ``row_width`` (the message gives the numbers).
 
@@ -103,8 +118,7 @@ def build_row(
     ([0, 5, 15], [0, 8, 36], 28)
     """
     m = positive_int("pad_multiple", pad_multiple, error=PackedBatchError)
-    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
-        raise PackedBatchError(f"build_row: pad_id must be an integer token id, got {pad_id!r}")
+    check_pad_id(pad_id, "build_row", PackedBatchError)
     ids = _int_ids("input_ids", input_ids)
     real = _int_ids("lengths", lengths).astype(np.int64, copy=False)
     mask = np.asarray(loss_mask)
@@ -125,6 +139,15 @@ def build_row(
         )
     if sequence_ids is not None and len(sequence_ids) != n:
         raise PackedBatchError(f"build_row: sequence_ids has {len(sequence_ids)} entries for {n} sequences")
+    if ids.dtype.kind == "i" and n_tok and int(ids.min()) < 0:  # one pass over the ids (~2 us per 4,096)
+        t = int(np.flatnonzero(ids < 0)[0])
+        i = int(np.searchsorted(np.cumsum(real), t, side="right"))
+        who = f", id {sequence_ids[i]!r}" if sequence_ids is not None else ""
+        raise PackedBatchError(
+            f"build_row: sequence {i}{who} holds token id {int(ids[t])} at input position {t}: token ids must be "
+            "non-negative (an embedding has no row for a negative id); tokenize the conversation again with "
+            "the model's tokenizer"
+        )
     padded = round_up(real, m)
     total = int(padded.sum())
     if row_width is not None:

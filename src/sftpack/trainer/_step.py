@@ -14,6 +14,7 @@ import torch
 
 from .._base import positive_int, round_up
 from ..handoff import IGNORE_INDEX, PackedBatch, PackedBatchError
+from ..handoff.build import check_pad_id
 
 __all__ = ["pack_step"]
 
@@ -116,8 +117,7 @@ def pack_step(
     if B == 0 or S == 0:
         raise PackedBatchError(f"pack_step: the batch is empty (shape {(B, S)})")
     dev = input_ids.device
-    if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
-        raise PackedBatchError(f"pack_step: pad_id must be an integer token id, got {pad_id!r}")
+    check_pad_id(pad_id, "pack_step")
     if sequence_ids is not None and len(sequence_ids) != B:
         raise PackedBatchError(f"pack_step: sequence_ids has {len(sequence_ids)} entries for a batch of B={B} rows")
     m = _positive_int("pad_multiple", pad_multiple)
