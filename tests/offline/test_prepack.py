@@ -103,7 +103,7 @@ def test_tokens_are_stored_in_the_vocabulary_dtype_without_padding(built, tok):
 def test_manifest_fingerprint_records_what_the_rows_depend_on(built, chat_file, tok):
     m = json.loads((built[1] / "manifest.json").read_text())
     fp = m["fingerprint"]
-    assert m["format_version"] == 1 and m["sftpack_version"]
+    assert m["format_version"] == 2 and m["sftpack_version"]
     want = {"max_seq_len": MAX_SEQ_LEN, "pad_multiple": 4, "algorithm": "bfd", "seed": 0, "overlong": "split",
             "train_on": "all_assistant"}
     for key, value in want.items():

@@ -19,10 +19,18 @@ cache (``madvise(MADV_DONTNEED)``) after every 16 MB read: an epoch over a
 1.8 GB prepack peaked 42 MB above the process's starting RSS, over an 18 MB
 one 19 MB.
 
-Opening checks the manifest and every file's size (``verify="size"``, the
-default), or every file's SHA-256 (``verify="full"``; about 1.5 GB/s), or
-nothing but the manifest (``verify=None``). ``expect=`` compares the trainer's
-settings with the fingerprint.
+Opening always checks the manifest (its own checksum, every entry's type,
+the layout against the fingerprint), every file's size and every ``.npy``
+header (dtype and length against the manifest). ``verify="size"`` (the
+default) also checks the small index files: their SHA-256 and their structure
+(offsets that increase, sequences that tile the tokens, conversation numbers in
+range, every row fitting ``max_seq_len`` with its sequences padded to the pad
+multiple), O(rows + sequences) and about 0.5 ms for the embedded corpus's
+prepack; ``verify="full"`` adds the SHA-256 of the bulk token and mask data
+(about 1.5 GB/s). ``verify=None`` skips the index checks (a DataLoader worker
+re-opening what its parent checked). Any damage is a :class:`PrepackError`
+naming the file. ``expect=`` compares the trainer's settings with the
+fingerprint.
 """
 
 from __future__ import annotations
@@ -38,9 +46,9 @@ import numpy as np
 import torch
 
 from .._base import StrEnum, choose
-from ..handoff import PackedBatch, build_row, padded_lengths
+from ..handoff import PackedBatch, PackedBatchError, build_row, padded_lengths
 from ._fingerprint import tokenizer_fingerprint
-from ._format import FILES, PrepackError, file_sha256, open_npy, read_manifest
+from ._format import FILES, INDEX_FILES, ROW_DTYPE, SEQUENCE_DTYPE, PrepackError, file_sha256, open_npy, read_manifest
 from ._shard import Balance, epoch_rows
 
 __all__ = ["PrepackedDataset", "Verify"]
@@ -51,8 +59,8 @@ _RELEASE_BYTES = 16 << 20
 class Verify(StrEnum):
     """How much :class:`PrepackedDataset` checks when it opens a directory."""
 
-    SIZE = "size"  #: the manifest, every file present with its recorded size, the index consistent
-    FULL = "full"  #: all of that plus every file's SHA-256 (reads every byte)
+    SIZE = "size"  #: the manifest, every file's size and header, the index files' SHA-256 and structure
+    FULL = "full"  #: all of that plus the SHA-256 of tokens.npy and loss_mask.npy (reads every byte)
 
 
 _EXPECT_KEYS = ("max_seq_len", "pad_multiple", "tokenizer", "pad_id", "train_on", "overlong")
@@ -63,7 +71,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     Args:
         path: the directory.
-        verify: ``"size"`` (default), ``"full"`` or ``None`` (see :class:`Verify`).
+        verify: ``"size"`` (default), ``"full"`` or ``None`` (see :class:`Verify`): ``None`` still
+            checks the manifest, the sizes and the headers, but not the index.
         expect: the trainer's settings, checked against the fingerprint: a mapping
             with any of ``max_seq_len``, ``pad_multiple``, ``tokenizer`` (a tokenizer
             object, or its fingerprint's ``sha256``), ``pad_id``, ``train_on``,
@@ -123,64 +132,98 @@ class PrepackedDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ opening and checks
 
     def _open(self, mode: Verify | None) -> None:
-        files = self.manifest["files"]
+        files, counts = self.manifest["files"], self.manifest["counts"]
         for name in FILES:
             p = self.path / name
-            if name not in files:
-                raise PrepackError(f"{self.path / 'manifest.json'} lists no {name}: the manifest is damaged")
             if not p.is_file():
                 raise PrepackError(
                     f"{p} is missing (deleted or renamed?): the prepack is incomplete; write it again with sftpack prepack"
                 )
-            if mode is not None and p.stat().st_size != files[name]["bytes"]:
+            if p.stat().st_size != files[name]["bytes"]:
                 raise PrepackError(
                     f"{p} is {p.stat().st_size} bytes, the manifest says {files[name]['bytes']}: the file is "
                     "truncated or was replaced; write the prepack again"
                 )
-        if mode is Verify.FULL:
-            for name in FILES:
+        if mode is not None:  # the index always, the bulk token and mask data with "full"
+            for name in FILES if mode is Verify.FULL else INDEX_FILES:
                 if file_sha256(self.path / name) != files[name]["sha256"]:
                     raise PrepackError(
                         f"{self.path / name} does not match its checksum in the manifest (SHA-256 differs): the "
                         "file is damaged; write the prepack again"
                     )
+        shapes = {
+            "tokens": (np.dtype(self.manifest["token_dtype"]), counts["tokens"]),
+            "loss_mask": (np.dtype(np.bool_), counts["tokens"]),
+            "sequences": (SEQUENCE_DTYPE, counts["sequences"]),
+            "rows": (ROW_DTYPE, counts["rows"] + 1),
+            "conversation_ids": (np.dtype(np.uint8), None),
+            "conversation_offsets": (np.dtype("<i8"), None),
+        }
         self._arrays = {}
         self._maps: dict[str, mmap.mmap | None] = {}
         for name in FILES:
-            arr, mm = open_npy(self.path / name)
             key = name[: -len(".npy")]
+            dtype, length = shapes[key]
+            arr, mm = open_npy(self.path / name, dtype, length)
             self._arrays[key], self._maps[key] = arr, mm
         self.tokens = self._arrays["tokens"]
         self.loss_mask = self._arrays["loss_mask"]
         self.sequences = self._arrays["sequences"]
         self.rows = self._arrays["rows"]
         if mode is not None:
-            self._check_index(full=mode is Verify.FULL)
+            self._check_index()
         self._read_bytes = 0
 
-    def _check_index(self, *, full: bool) -> None:
+    def _check_index(self) -> None:
+        """The index files' structure, against each other and the manifest: O(rows + sequences),
+        never the tokens. Each failed check names the file and the first bad entry."""
         rows, seqs, n_tok = self.rows, self.sequences, self.tokens.shape[0]
+        offs, blob = self._arrays["conversation_offsets"], self._arrays["conversation_ids"]
+        n_conv = offs.shape[0] - 1
+
+        def fail(name: str, what: str) -> PrepackError:
+            return PrepackError(f"{self.path / name} is inconsistent ({what}): the prepack is damaged; write it again")
+
+        def first(bad: np.ndarray) -> int:
+            return int(np.flatnonzero(bad)[0])
+
+        if n_conv < 0 or int(offs[0]) != 0 or int(offs[-1]) != blob.shape[0]:
+            raise fail("conversation_offsets.npy", f"it must run from 0 to {blob.shape[0]}, the size of conversation_ids.npy")
+        if np.any(np.diff(offs) < 1):
+            raise fail("conversation_offsets.npy", f"entry {first(np.diff(offs) < 1) + 1} does not increase")
+        r_seq, r_tok = rows["sequence"], rows["token"]
+        if rows.shape[0] < 2 or int(r_seq[0]) != 0 or int(r_tok[0]) != 0:
+            raise fail("rows.npy", "it must start at sequence 0, token 0 and hold at least one row")
+        if int(r_seq[-1]) != seqs.shape[0] or int(r_tok[-1]) != n_tok:
+            raise fail("rows.npy", f"it must end at sequence {seqs.shape[0]}, token {n_tok}")
+        if np.any(np.diff(r_seq) < 1):
+            raise fail("rows.npy", f"row {first(np.diff(r_seq) < 1)} holds no sequence (sequence offsets must increase)")
+        length, start = seqs["length"].astype(np.int64), seqs["start"]
+        if np.any(length < 1):
+            raise fail("sequences.npy", f"sequence {first(length < 1)} has length {int(length[first(length < 1)])}")
+        ends = np.cumsum(length)
+        tiled = start != ends - length
+        if np.any(tiled) or int(ends[-1]) != n_tok:
+            k = first(tiled) if np.any(tiled) else seqs.shape[0] - 1
+            raise fail("sequences.npy", f"sequence {k} does not start where the one before it ends (the sequences "
+                       f"must tile the {n_tok} tokens)")
+        if np.any(r_tok[:-1] != start[r_seq[:-1]]):
+            raise fail("rows.npy", f"row {first(r_tok[:-1] != start[r_seq[:-1]])} does not start at its first sequence's token")
+        conv = seqs["conversation"]
+        if np.any((conv < 0) | (conv >= n_conv)):
+            k = first((conv < 0) | (conv >= n_conv))
+            raise fail("sequences.npy", f"sequence {k} names conversation {int(conv[k])}, there are {n_conv}")
+        if np.any(seqs["piece"] < 0):
+            raise fail("sequences.npy", f"sequence {first(seqs['piece'] < 0)} has a negative piece number")
+        loads = np.add.reduceat(padded_lengths(length, self.pad_multiple), r_seq[:-1])
+        if int(loads.max()) > self.max_seq_len:
+            r = int(np.argmax(loads))
+            raise fail("sequences.npy", f"row {r} needs {int(loads[r])} slots with each sequence padded to a multiple "
+                       f"of {self.pad_multiple}, more than max_seq_len={self.max_seq_len}")
         c = self.manifest["counts"]
-        problems = []
-        if rows.shape[0] != c["rows"] + 1:
-            problems.append(f"rows.npy holds {rows.shape[0] - 1} rows, the manifest counts {c['rows']}")
-        elif rows.shape[0] and (int(rows[-1]["sequence"]) != seqs.shape[0] or int(rows[-1]["token"]) != n_tok):
-            problems.append("rows.npy does not end at the last sequence and token")
-        if seqs.shape[0] != c["sequences"] or n_tok != c["tokens"]:
-            problems.append(f"{seqs.shape[0]} sequences / {n_tok} tokens on disk, the manifest counts "
-                            f"{c['sequences']} / {c['tokens']}")
-        offs = self._arrays["conversation_offsets"]
-        if offs.shape[0] and int(offs[-1]) != self._arrays["conversation_ids"].shape[0]:
-            problems.append("conversation_offsets.npy does not end at the end of conversation_ids.npy")
-        if full and not problems and seqs.shape[0]:
-            ends = seqs["start"].astype(np.int64) + seqs["length"]
-            if int(seqs["start"][0]) != 0 or np.any(ends[:-1] != seqs["start"][1:]) or int(ends[-1]) != n_tok:
-                problems.append("sequences.npy: the sequences do not tile tokens.npy")
-            loads = np.add.reduceat(padded_lengths(seqs["length"], self.pad_multiple), rows["sequence"][:-1])
-            if loads.max() > self.max_seq_len:
-                problems.append(f"row {int(np.argmax(loads))} does not fit max_seq_len={self.max_seq_len}")
-        if problems:
-            raise PrepackError(f"{self.path}: the index is inconsistent ({'; '.join(problems)}); write the prepack again")
+        if int(np.diff(r_seq).max()) != c["max_sequences_per_row"]:
+            raise fail("rows.npy", f"its longest row holds {int(np.diff(r_seq).max())} sequences, the manifest "
+                       f"counts {c['max_sequences_per_row']}")
 
     def _check_expect(self, expect: Mapping[str, Any]) -> None:
         unknown = sorted(set(expect) - set(_EXPECT_KEYS))
@@ -257,9 +300,15 @@ class PrepackedDataset(torch.utils.data.Dataset):
         """The id of conversation number ``c`` (as the source gave it)."""
         offs, blob = self._arrays["conversation_offsets"], self._arrays["conversation_ids"]
         raw = blob[int(offs[c]) : int(offs[c + 1])].tobytes()
-        if raw[:1] == b'"' and b"\\" not in raw:  # a plain string: skip the JSON parser (5x faster)
-            return raw[1:-1].decode("utf-8")
-        return json.loads(raw)
+        try:
+            if raw[:1] == b'"' and raw[-1:] == b'"' and b"\\" not in raw:  # a plain string: skip the JSON parser (5x faster)
+                return raw[1:-1].decode("utf-8")
+            return json.loads(raw)
+        except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            raise PrepackError(
+                f"{self.path / 'conversation_ids.npy'}: the id of conversation {c} is not valid JSON ({e}): the "
+                "file is damaged (verify='full' checks it); write the prepack again"
+            ) from None
 
     def row_sequences(self, r: int) -> np.ndarray:
         """The index records (start, length, conversation, piece) of row ``r``'s sequences."""
@@ -284,15 +333,21 @@ class PrepackedDataset(torch.utils.data.Dataset):
         """Global row ``r`` as a :class:`PackedBatch` of width ``max_seq_len``; ``sequence_ids`` holds
         each segment's conversation id."""
         ids, mask, seqs = self.row_arrays(r)
-        return build_row(
-            ids,
-            mask,
-            seqs["length"],
-            row_width=self.max_seq_len,
-            pad_multiple=self.pad_multiple,
-            pad_id=self.pad_id,
-            sequence_ids=[self.conversation_id(int(c)) for c in seqs["conversation"]],
-        )
+        try:
+            return build_row(
+                ids,
+                mask,
+                seqs["length"],
+                row_width=self.max_seq_len,
+                pad_multiple=self.pad_multiple,
+                pad_id=self.pad_id,
+                sequence_ids=[self.conversation_id(int(c)) for c in seqs["conversation"]],
+            )
+        except (PackedBatchError, IndexError) as e:  # only a damaged index gets here (opening with verify=None skips its checks)
+            raise PrepackError(
+                f"{self.path}: row {r} cannot be read ({e}): the index is damaged; open it with verify='size' to "
+                "find the file, and write the prepack again"
+            ) from None
 
     def release_pages(self) -> None:
         """Hand the pages read so far back to the page cache (they stop counting in RSS)."""

@@ -24,18 +24,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ._format import file_sha256
+from ._format import digest, file_sha256
 
 __all__ = ["digest", "input_fingerprints", "pad_id_of", "tokenizer_fingerprint"]
-
-
-def digest(obj: Any) -> str:
-    """SHA-256 of the canonical JSON of ``obj`` (sorted keys, no spaces).
-
-    >>> digest({"b": 1, "a": [2, 3]}) == digest({"a": [2, 3], "b": 1})
-    True
-    """
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:

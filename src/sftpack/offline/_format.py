@@ -1,7 +1,7 @@
 """The on-disk format of a prepack directory: file names, dtypes, ``.npy`` headers,
 checksums and the manifest.
 
-One directory, six ``.npy`` arrays and a manifest (format version 1)::
+One directory, six ``.npy`` arrays and a manifest (format version 2)::
 
     tokens.npy                (T,)   uint8 / uint16 / uint32   real tokens only, row after row, no padding
     loss_mask.npy             (T,)   bool                      True on tokens the model is trained to produce
@@ -9,7 +9,8 @@ One directory, six ``.npy`` arrays and a manifest (format version 1)::
     rows.npy                  (R+1,) sequence i8, token i8     row r = sequences[rows[r].sequence : rows[r+1].sequence]
     conversation_ids.npy      (B,)   uint8                     UTF-8 JSON of each conversation id, end to end
     conversation_offsets.npy  (C+1,) int64                     conversation c is bytes [off[c], off[c+1])
-    manifest.json                                              fingerprint, counts, per-file size + sha256
+    manifest.json                                              fingerprint, counts, per-file size + sha256,
+                                                               and its own checksum (``manifest_sha256``)
 
 Why this shape: tokens are stored once, without padding (the row builder lays
 the padding from ``max_seq_len`` and the pad multiple, so padding costs no
@@ -18,6 +19,14 @@ vocabulary under 65,536: 2 bytes). A row's tokens are one contiguous slice, so
 reading row ``r`` is two index look-ups and two slices of ``(len,)``, about
 5 bytes per token. Plain ``.npy`` files open with ``np.load(mmap_mode="r")``
 in any numpy, so a prepack is readable without sftpack.
+
+Every byte is covered by a checksum: the six files by the SHA-256 the manifest
+records for each, the manifest by ``manifest_sha256``, the SHA-256 of its own
+canonical JSON without that key (format version 2; version 1 had none and is
+refused with the fix). :func:`read_manifest` checks that seal, every entry's
+type and range, and the layout (``max_seq_len``, ``pad_multiple``, ``pad_id``)
+against the fingerprint, whose own digest it also checks; an edited or damaged
+manifest is a :class:`PrepackError` naming it, never a ``KeyError``.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import io
 import json
 import mmap
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -36,21 +46,32 @@ __all__ = [
     "FILES",
     "FORMAT",
     "FORMAT_VERSION",
+    "INDEX_FILES",
     "MANIFEST",
+    "MAX_ROW_WIDTH",
     "ROW_DTYPE",
     "SEQUENCE_DTYPE",
     "PrepackError",
+    "check_row_width",
+    "digest",
     "file_sha256",
     "npy_header",
     "open_npy",
     "read_manifest",
+    "seal_manifest",
     "token_dtype",
     "write_json",
 ]
 
 FORMAT = "sftpack.prepack"
-FORMAT_VERSION = 1
+#: 2: the manifest carries ``manifest_sha256`` and the fingerprint ``pad_id``; 1 is refused (no manifest checksum).
+FORMAT_VERSION = 2
 MANIFEST = "manifest.json"
+#: The widest row a prepack may have (16 Mi slots). A row is built as five int64
+#: tensors of its width (40 bytes a slot: 640 MB at this width), the boundaries are
+#: int32, and no model trains on longer contexts; wider is refused when writing and
+#: when opening (a damaged manifest must not make a reader allocate terabytes).
+MAX_ROW_WIDTH = 1 << 24
 
 #: One record per sequence, in row order.
 SEQUENCE_DTYPE = np.dtype(
@@ -68,11 +89,40 @@ FILES = (
     "conversation_ids.npy",
     "conversation_offsets.npy",
 )
+#: The small index files: checked (SHA-256 and structure) on every default open.
+INDEX_FILES = FILES[2:]
 
 
 class PrepackError(ValueError):
     """A prepack directory that cannot be used: missing, damaged, foreign or mismatched.
     The message names the directory or file and the fix."""
+
+
+def digest(obj: Any) -> str:
+    """SHA-256 of the canonical JSON of ``obj`` (sorted keys, no spaces).
+
+    >>> digest({"b": 1, "a": [2, 3]}) == digest({"a": [2, 3], "b": 1})
+    True
+    """
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def check_row_width(max_seq_len: int, what: str = "max_seq_len") -> int:
+    """``max_seq_len`` if it is at most :data:`MAX_ROW_WIDTH`, else a ``ValueError`` with the limit and why."""
+    if max_seq_len > MAX_ROW_WIDTH:
+        raise ValueError(
+            f"{what}={max_seq_len:,} is wider than sftpack's limit of {MAX_ROW_WIDTH:,} slots per row (a row is "
+            f"built as five int64 tensors of its width: {max_seq_len * 40 / 1e9:,.1f} GB each time one is read): "
+            "use the context length your model trains on"
+        )
+    return max_seq_len
+
+
+def seal_manifest(manifest: dict[str, Any]) -> dict[str, Any]:
+    """``manifest`` with ``manifest_sha256``: the digest of its canonical JSON (as written and
+    read back, so keys and numbers are what a reader will see) without that key."""
+    body = json.loads(json.dumps({k: v for k, v in manifest.items() if k != "manifest_sha256"}))
+    return dict(manifest, manifest_sha256=digest(body))
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -99,22 +149,44 @@ def npy_header(dtype: np.dtype, length: int) -> bytes:
     return buf.getvalue()
 
 
-def open_npy(path: Path) -> tuple[np.ndarray, mmap.mmap | None]:
+def open_npy(
+    path: Path, dtype: np.dtype | None = None, length: int | None = None
+) -> tuple[np.ndarray, mmap.mmap | None]:
     """Memory-map a 1-D ``.npy`` file read-only: ``(array, mapping)``.
 
     The mapping is returned so a reader can ``madvise`` pages away (resident
     pages of a file mapping count in RSS) or close it. An empty array has no
-    mapping (``mmap`` refuses zero-length files).
+    mapping (``mmap`` refuses zero-length files). With ``dtype`` / ``length``, a
+    header that says otherwise is refused. A header that does not parse (one
+    flipped bit is enough) is a :class:`PrepackError` naming the file.
     """
+    path = Path(path)
+    damaged = f"{path}: the .npy header is damaged"
     with open(path, "rb") as f:
-        major, minor = np.lib.format.read_magic(f)
+        try:
+            major, minor = np.lib.format.read_magic(f)
+        except (ValueError, OSError) as e:
+            raise PrepackError(f"{damaged} ({e}); write the prepack again") from None
         if (major, minor) != (1, 0):
-            raise PrepackError(f"{path}: .npy version {major}.{minor}, expected 1.0")
-        shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            raise PrepackError(f"{path}: .npy version {major}.{minor}, expected 1.0: {damaged}; write the prepack again")
+        try:
+            shape, fortran, found = np.lib.format.read_array_header_1_0(f)
+        except Exception as e:  # noqa: BLE001 - numpy's header parser raises SyntaxError, tokenize.TokenError, ...
+            why = " ".join(str(e).split())[:120] or type(e).__name__
+            raise PrepackError(f"{damaged} ({type(e).__name__}: {why}); write the prepack again") from None
         offset = f.tell()
-        if len(shape) != 1 or fortran:
-            raise PrepackError(f"{path}: expected a 1-D array, got shape {shape}")
+        if not isinstance(shape, tuple) or len(shape) != 1 or fortran:
+            raise PrepackError(f"{damaged}: expected a 1-D array, got shape {shape}; write the prepack again")
+        if dtype is not None and found != np.dtype(dtype):
+            raise PrepackError(
+                f"{damaged}: it holds {found}, expected {np.dtype(dtype)}; write the prepack again"
+            )
+        dtype = found
         n = int(shape[0])
+        if length is not None and n != length:
+            raise PrepackError(
+                f"{damaged}: it holds {n} items, the manifest counts {length}; write the prepack again"
+            )
         size = os.fstat(f.fileno()).st_size
         need = offset + n * dtype.itemsize
         if size != need:
@@ -189,7 +261,107 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             f"{directory} was written by a newer sftpack (format version {version} > {FORMAT_VERSION}, "
             f"written by sftpack {manifest.get('sftpack_version', '?')}): upgrade sftpack to read it"
         )
-    for key in ("files", "counts", "fingerprint", "pad_id"):
-        if key not in manifest:
-            raise PrepackError(f"{path} has no {key!r} entry: the manifest is damaged; write the prepack again")
+    if version < FORMAT_VERSION:
+        raise PrepackError(
+            f"{directory} was written by an older sftpack (format version {version} < {FORMAT_VERSION}, "
+            f"sftpack {manifest.get('sftpack_version', '?')}), whose manifest carries no checksum: write it again "
+            f"with this sftpack (sftpack prepack ... --out {directory} --overwrite)"
+        )
+    seal = manifest.get("manifest_sha256")
+    if seal_manifest(manifest)["manifest_sha256"] != seal:
+        raise PrepackError(
+            f"{path} does not match its own checksum (manifest_sha256): the manifest was edited or damaged; "
+            "write the prepack again"
+        )
+    check_manifest(manifest, path)
     return manifest
+
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_TOKEN_DTYPES = ("uint8", "uint16", "uint32")
+_COUNT_INTS = (
+    "read", "kept", "packed_conversations", "sequences", "tokens", "trainable_tokens", "labels",
+    "first_token_trainable", "rows", "max_seq_len", "slots", "padding", "l1", "l2", "max_sequences_per_row",
+    "tokens_lost", "trainable_tokens_lost", "tokens_rendered",
+)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_manifest(m: dict[str, Any], path: Path) -> None:
+    """Every manifest entry a reader uses has its type and range, and the layout agrees with the
+    fingerprint (whose own digest is checked). Raises :class:`PrepackError` naming the entry."""
+
+    def bad(where: str, value: Any, want: str) -> PrepackError:
+        shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+        return PrepackError(
+            f"{path}: {where} is {shown}, expected {want}: the manifest is damaged; write the prepack again"
+        )
+
+    def get(obj: dict[str, Any], key: str, where: str, ok: Any, want: str) -> Any:
+        if key not in obj:
+            raise PrepackError(f"{path} has no {where!r} entry: the manifest is damaged; write the prepack again")
+        if not ok(obj[key]):
+            raise bad(where, obj[key], want)
+        return obj[key]
+
+    is_dict = lambda v: isinstance(v, dict)  # noqa: E731
+    for key in ("sftpack_version", "source", "token_dtype"):
+        get(m, key, key, lambda v: isinstance(v, str), "a string")
+    width = get(m, "max_seq_len", "max_seq_len", lambda v: _int(v) and 1 <= v <= MAX_ROW_WIDTH,
+                f"an integer from 1 to {MAX_ROW_WIDTH:,}")
+    mult = get(m, "pad_multiple", "pad_multiple", lambda v: _int(v) and 1 <= v <= width and width % v == 0,
+               f"a positive divisor of max_seq_len={width}")
+    if m["token_dtype"] not in _TOKEN_DTYPES:
+        raise bad("token_dtype", m["token_dtype"], " or ".join(_TOKEN_DTYPES))
+    top = int(np.iinfo(np.dtype(m["token_dtype"])).max)
+    pad_id = get(m, "pad_id", "pad_id", lambda v: _int(v) and 0 <= v <= top, f"an integer id from 0 to {top}")
+    get(m, "vocab_size", "vocab_size", lambda v: _int(v) and 1 <= v <= top + 1, f"an integer from 1 to {top + 1}")
+    get(m, "pad_between_seqs", "pad_between_seqs", lambda v: isinstance(v, bool), "true or false")
+    files = get(m, "files", "files", is_dict, "an object")
+    for name in FILES:
+        entry = get(files, name, f"files.{name}", is_dict, "an object")
+        get(entry, "bytes", f"files.{name}.bytes", lambda v: _int(v) and v >= 0, "a byte count")
+        get(entry, "sha256", f"files.{name}.sha256", lambda v: isinstance(v, str) and _HEX64.fullmatch(v),
+            "64 hex digits")
+    counts = get(m, "counts", "counts", is_dict, "an object")
+    for key in _COUNT_INTS:
+        get(counts, key, f"counts.{key}", lambda v: _int(v) and v >= 0, "a count (an integer >= 0)")
+    for key in ("fill", "gap_l1"):
+        get(counts, key, f"counts.{key}", _number, "a number")
+    get(counts, "dropped", "counts.dropped",
+        lambda v: is_dict(v) and all(_int(n) and n >= 0 for n in v.values()), "an object of counts")
+    if "overlong" in counts:
+        get(counts, "overlong", "counts.overlong",
+            lambda v: is_dict(v) and all(_int(v.get(k)) and v[k] >= 0 for k in ("fit", "split", "truncated", "dropped")),
+            "an object with the counts fit, split, truncated, dropped")
+    fp = get(m, "fingerprint", "fingerprint", is_dict, "an object")
+    get(fp, "sha256", "fingerprint.sha256", lambda v: isinstance(v, str) and _HEX64.fullmatch(v), "64 hex digits")
+    if "tokenizer" in fp:
+        get(fp, "tokenizer", "fingerprint.tokenizer", lambda v: v is None or is_dict(v), "an object")
+    if "inputs" in fp:
+        get(fp, "inputs", "fingerprint.inputs", lambda v: isinstance(v, list) and all(is_dict(i) for i in v),
+            "a list of objects")
+    if digest({k: v for k, v in fp.items() if k != "sha256"}) != fp["sha256"]:
+        raise PrepackError(
+            f"{path}: the fingerprint does not match its own digest (fingerprint.sha256): the manifest was edited "
+            "or damaged; write the prepack again"
+        )
+    # the layout the rows are read with must be the one they were written with
+    for key, have in (("max_seq_len", width), ("pad_multiple", mult), ("pad_id", pad_id)):
+        if fp.get(key) != have:
+            raise PrepackError(
+                f"{path}: {key} is {have!r} but the fingerprint says {fp.get(key)!r}: the manifest was edited or "
+                "damaged (the rows were written for the fingerprint's value); write the prepack again"
+            )
+    if counts["max_seq_len"] != width or counts["slots"] != counts["rows"] * width:
+        raise PrepackError(
+            f"{path}: the counts (max_seq_len {counts['max_seq_len']}, {counts['slots']} slots in {counts['rows']} "
+            f"rows) disagree with max_seq_len={width}: the manifest is damaged; write the prepack again"
+        )

@@ -31,6 +31,7 @@ import numpy as np
 from .._base import positive_int
 from ..binpack import Algorithm, lower_bounds, pack
 from ..handoff import padded_lengths
+from ._format import check_row_width
 
 __all__ = ["RowPlan", "plan_from_membership", "plan_rows"]
 
@@ -93,7 +94,7 @@ def _finish(lengths_in: np.ndarray, order: np.ndarray, row_offsets: np.ndarray, 
 
 
 def _check_width(max_seq_len: Any, pad_multiple: Any) -> tuple[int, int]:
-    width = positive_int("max_seq_len", max_seq_len)
+    width = check_row_width(positive_int("max_seq_len", max_seq_len))
     m = positive_int("pad_multiple", pad_multiple)
     if width % m:
         raise ValueError(

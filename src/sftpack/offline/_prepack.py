@@ -34,7 +34,18 @@ from ..binpack import Algorithm
 from ..chat import ConversationReader, Overlong, TrainOn, read_conversations, tokenize_conversations
 from ..handoff import Sample, padded_lengths
 from ._fingerprint import digest, input_fingerprints, pad_id_of, tokenizer_fingerprint
-from ._format import FILES, FORMAT, FORMAT_VERSION, MANIFEST, PrepackError, file_sha256, token_dtype, write_json
+from ._format import (
+    FILES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    PrepackError,
+    check_row_width,
+    file_sha256,
+    seal_manifest,
+    token_dtype,
+    write_json,
+)
 from ._plan import RowPlan, plan_from_membership, plan_rows
 from ._publish import publish, writing
 from ._stage import StagedSamples, stage_samples
@@ -185,14 +196,16 @@ def build_manifest(
 ) -> dict[str, Any]:
     """The manifest of a finished prepack (every engine writes exactly this): the
     counts, checked against the accounting identities, and the fingerprint, sealed
-    with its own digest."""
+    with its own digest, and the whole manifest sealed with ``manifest_sha256``."""
     from .. import __version__
 
     counts = _counts(staged, plan, extra)
     _check_identity(counts)
-    fingerprint = dict(fingerprint, sftpack_version=__version__)
+    # the layout the rows were built with, as the reader checks it against the manifest's own entries
+    fingerprint = dict(fingerprint, sftpack_version=__version__, max_seq_len=plan.row_width,
+                       pad_multiple=plan.pad_multiple, pad_id=int(pad_id))
     fingerprint["sha256"] = digest({k: v for k, v in fingerprint.items() if k != "sha256"})
-    return {
+    return seal_manifest({
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "sftpack_version": __version__,
@@ -206,7 +219,7 @@ def build_manifest(
         "fingerprint": fingerprint,
         "counts": counts,
         "files": files,
-    }
+    })
 
 
 def _finish(
@@ -328,7 +341,7 @@ def prepack(
             workers=workers, ray_address=ray_address, limit=limit, overwrite=overwrite, progress=progress,
         )
     choose(Algorithm, algorithm, "algorithm")
-    width = positive_int("max_seq_len", max_seq_len)
+    width = check_row_width(positive_int("max_seq_len", max_seq_len))
     m = positive_int("pad_multiple", pad_multiple)
     if width % m:
         raise ValueError(
@@ -455,6 +468,8 @@ def prepack_samples(
     """
     m = positive_int("pad_multiple", pad_multiple)
     width = positive_int("max_seq_len", max_seq_len, allow_none=row_sizes is not None)
+    if width is not None:
+        check_row_width(width)
     fp: dict[str, Any] = {"max_seq_len": width, "pad_multiple": m, **(fingerprint or {})}
     if tokenizer is not None:
         tok_fp = tokenizer_fingerprint(tokenizer)

@@ -82,6 +82,7 @@ from ._format import (
     FILES,
     MANIFEST,
     PrepackError,
+    check_row_width,
     file_sha256,
     token_dtype,
     write_json,
@@ -672,7 +673,7 @@ def prepack_ray(
         a worker cannot load the tokenizer or Ray fails. Nothing is left at ``out``.
     """
     choose(Algorithm, algorithm, "algorithm")
-    width = positive_int("max_seq_len", max_seq_len)
+    width = check_row_width(positive_int("max_seq_len", max_seq_len))
     m = positive_int("pad_multiple", pad_multiple)
     if width % m:
         raise ValueError(
