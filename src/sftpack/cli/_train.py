@@ -38,8 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--prepacked",
         metavar="DIR",
-        help="--packing offline: a directory from sftpack prepack "
-        "(default: prepack the data into a temporary directory first)",
+        help="--packing offline: a directory from sftpack prepack (default: prepack the data into a temporary "
+        "directory first); its row width, pad multiple and tokenizer come from its manifest",
     )
     t.add_argument(
         "--steps", type=positive, default=50, help="optimizer steps (default 50)"
@@ -53,8 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.add_argument(
         "--max-seq-len",
         type=positive,
-        default=1024,
-        help="row width / micro-batch token budget; longer conversations are split (default 1024)",
+        help="row width / micro-batch token budget; longer conversations are split (default 1024; with "
+        "--prepacked: the prepack's)",
     )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log", metavar="FILE.jsonl", help="write one JSON object per step")
@@ -89,12 +89,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=1.0,
         help="gradient-norm clipping; 0 = off (default 1.0)",
     )
+    g.add_argument(
+        "--on-nonfinite",
+        choices=["error", "skip"],
+        default="error",
+        help="a step whose loss or gradient norm is NaN/inf: stop with an error naming the step (default), or "
+        "skip its update (counted in the log and the summary)",
+    )
     p = t.add_argument_group("packing")
     p.add_argument(
         "--pad-multiple",
         type=positive,
-        default=1,
-        help="pad each sequence to a multiple (2*CP)",
+        help="pad each sequence to a multiple (2*CP; default 1; with --prepacked: the prepack's)",
     )
     p.add_argument(
         "--boundaries",
@@ -141,13 +147,50 @@ def register(sub: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--resume",
         action="store_true",
-        help="continue from the latest checkpoint in --checkpoint-dir",
+        help="continue from the latest checkpoint in --checkpoint-dir (there must be one; it is verified "
+        "against its checksums, and the optimisation options must be the checkpoint's)",
+    )
+    c.add_argument(
+        "--resume-if-any",
+        action="store_true",
+        help="like --resume, but start at step 1 when --checkpoint-dir holds no checkpoint yet "
+        "(re-running the same command after a preemption)",
     )
     t.add_argument(
         "--num-proc", type=positive, default=1, help="tokenizer worker processes"
     )
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
     t.set_defaults(func=run)
+
+
+def _layout(args: argparse.Namespace) -> dict | None:
+    """With ``--prepacked``: its manifest, and ``--max-seq-len`` / ``--pad-multiple``
+    taken from it (an explicit different value is refused, naming both); else the defaults."""
+    manifest = None
+    if args.prepacked:
+        from ..offline import read_manifest
+
+        manifest = read_manifest(Path(args.prepacked))
+        for key, default in (("max_seq_len", 1024), ("pad_multiple", 1)):
+            have = manifest.get(key)
+            if not isinstance(have, int):
+                raise ValueError(
+                    f"{Path(args.prepacked) / 'manifest.json'} has no integer {key}: the prepack is damaged"
+                )
+            given = getattr(args, key)
+            flag = "--" + key.replace("_", "-")
+            if given is not None and given != have:
+                raise UsageError(
+                    f"{flag} {given} but {args.prepacked} was prepacked with {key}={have}: leave {flag} out "
+                    f"(--prepacked takes it from the prepack) or prepack again with {flag} {given}"
+                )
+            setattr(args, key, have)
+    else:
+        if args.max_seq_len is None:
+            args.max_seq_len = 1024
+        if args.pad_multiple is None:
+            args.pad_multiple = 1
+    return manifest
 
 
 def _config(args: argparse.Namespace):
@@ -176,6 +219,7 @@ def _config(args: argparse.Namespace):
             kv_heads=args.kv_heads,
             checkpoint_every=args.checkpoint_every,
             device=args.device,
+            on_nonfinite=args.on_nonfinite,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -184,17 +228,23 @@ def _config(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     from ..train import (
         build_model,
+        check_targets,
         init_distributed,
         load_model,
         make_source,
+        model_vocab_size,
         plot_training,
+        resolve_device,
+        supervised_targets,
         tokenized_samples,
         train,
     )
 
-    cfg = _config(args)
-    if args.resume and not args.checkpoint_dir:
-        raise UsageError("--resume needs --checkpoint-dir")
+    if args.resume and args.resume_if_any:
+        raise UsageError("give --resume or --resume-if-any, not both")
+    resume = True if args.resume else ("auto" if args.resume_if_any else False)
+    if resume and not args.checkpoint_dir:
+        raise UsageError(f"--resume{'-if-any' if args.resume_if_any else ''} needs --checkpoint-dir")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.prepacked and args.packing != "offline":
@@ -206,12 +256,37 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.prepacked and args.inputs:
         raise UsageError("give either INPUT files or --prepacked, not both")
+    manifest = _layout(args)
+    cfg = _config(args)
+    try:  # before anything slow: a device this machine does not have is a usage error
+        resolve_device(cfg.device)
+    except ValueError as e:
+        raise UsageError(f"--device {e}") from None
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
     tok = load_tokenizer(args.tokenizer)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     vocab_size = len(tok)
+    data_vocab = int((manifest or {}).get("vocab_size") or 0)
+    if args.model:  # before tokenizing: a model too small for the tokenizer cannot train on its ids
+        model_vocab = model_vocab_size(args.model)
+        for size, whose in ((vocab_size, "the tokenizer's"), (data_vocab, f"{args.prepacked}'s ids")):
+            if size > model_vocab:
+                raise UsageError(
+                    f"--model {args.model} has a vocabulary of {model_vocab:,} ids, {whose} go up to {size:,}: "
+                    f"ids >= {model_vocab:,} have no embedding; give the tokenizer the model was trained with "
+                    "(--tokenizer DIR) or a model whose vocabulary covers it"
+                )
+    elif data_vocab > vocab_size:
+        vocab_size = data_vocab  # a prepack of ids beyond this tokenizer (it records none)
+    check_tokenizer = None
+    if manifest is not None:
+        recorded = (manifest.get("fingerprint") or {}).get("tokenizer") or {}
+        if recorded.get("sha256"):
+            check_tokenizer = tok  # PrepackedDataset(expect={"tokenizer": ...}) refuses another one
+        else:
+            say(f"note: {args.prepacked} records no tokenizer: its ids are taken to be this tokenizer's")
     samples = None
     workdir = None
     prepacked = args.prepacked
@@ -232,10 +307,13 @@ def run(args: argparse.Namespace) -> int:
             num_proc=args.num_proc,
             progress=rank == 0,
         )
+        targets = supervised_targets(samples)
         say(
             f"data: {stats.conversations:,} conversations -> {len(samples):,} samples ({stats.split:,} split, "
-            f"{stats.dropped:,} dropped), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable"
+            f"{stats.dropped:,} dropped), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
+            f"{targets:,} supervised targets"
         )
+        check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
         if args.vocab == "data":
             from ..train import compact_vocabulary
 
@@ -244,7 +322,8 @@ def run(args: argparse.Namespace) -> int:
             say(
                 f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})"
             )
-        if args.packing == "offline":
+    try:
+        if prepacked is None and args.packing == "offline":
             from ..offline import prepack_samples
 
             workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
@@ -260,7 +339,6 @@ def run(args: argparse.Namespace) -> int:
             say(
                 f"prepacked into {prepacked} (temporary; sftpack prepack writes a lasting one)"
             )
-    try:
         source = make_source(
             cfg,
             samples=samples,
@@ -268,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
             rank=rank,
             world=world,
             pad_id=pad_id,
+            tokenizer=check_tokenizer,
         )
         if args.model:
             model = load_model(args.model)
@@ -291,7 +370,7 @@ def run(args: argparse.Namespace) -> int:
             model=model,
             log=args.log,
             checkpoint_dir=args.checkpoint_dir,
-            resume=args.resume,
+            resume=resume,
             progress=rank == 0,
         )
     finally:
@@ -303,14 +382,26 @@ def run(args: argparse.Namespace) -> int:
             f"resumed from step {result.resumed_from}"
             + ("" if logs else f": nothing left to do (--steps {cfg.steps})")
         )
-    if rank == 0 and logs:
+    elif resume == "auto" and args.checkpoint_dir:
+        say(f"no checkpoint in {args.checkpoint_dir} yet: started at step 1")
+    skipped = result.skipped_steps
+    reasons = {
+        "nonfinite": "a non-finite loss or gradient (--on-nonfinite skip)",
+        "no_targets": "no supervised target in the batch",
+    }
+    for why, steps in sorted(skipped.items()):
+        shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
+        say(f"skipped {len(steps):,} of {len(logs):,} step(s), {reasons.get(why, why)}: step {shown}")
+    applied = [r for r in logs if not r.skipped]
+    if rank == 0 and applied:
         real = sum(r.real_tokens for r in logs)
         slots = sum(r.slots for r in logs)
         secs = sum(r.step_time for r in logs)
         say(
-            f"loss {logs[0].loss:.4f} (step {logs[0].step}) -> {logs[-1].loss:.4f} (step {logs[-1].step}); "
+            f"loss {applied[0].loss:.4f} (step {applied[0].step}) -> {applied[-1].loss:.4f} (step {applied[-1].step}); "
             f"{real / secs:,.0f} real tokens/s, {1 - real / max(slots, 1):.1%} padding over {len(logs)} steps"
         )
+    if rank == 0 and logs:
         if args.log:
             say(f"wrote {args.log}")
         if args.plot:
@@ -318,4 +409,8 @@ def run(args: argparse.Namespace) -> int:
 
             records = read_log(args.log) if args.log else [r.as_dict() for r in logs]
             say(f"wrote {plot_training({str(cfg.packing): records}, args.plot)}")
+    if logs and not applied:
+        raise ValueError(
+            f"not one of the {len(logs):,} steps was applied (all skipped, see above): nothing was learned"
+        )
     return 0

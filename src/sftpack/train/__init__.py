@@ -41,7 +41,7 @@ A training step in five lines:
 
 from __future__ import annotations
 
-from ._checkpoint import CheckpointError, latest_checkpoint
+from ._checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
 from ._data import (
     LoaderSource,
     OfflineSource,
@@ -56,7 +56,15 @@ from ._data import (
     samples_fingerprint,
 )
 from ._hf import PackingCollator, PaddedCollator, RowsCollator, hf_row_kwargs
-from ._loop import StepLog, TrainResult, dist_info, init_distributed, train
+from ._loop import (
+    NonFiniteError,
+    StepLog,
+    TrainResult,
+    dist_info,
+    init_distributed,
+    resolve_device,
+    train,
+)
 from ._model import (
     TRAIN_ATTENTION,
     LossModule,
@@ -65,9 +73,15 @@ from ._model import (
     load_model,
     register_train_attention,
 )
-from ._options import Boundaries, Packing, Schedule, TrainConfig
+from ._options import Boundaries, NonFinite, Packing, Schedule, TrainConfig
 from ._plot import plot_training, read_log
-from ._setup import make_source, tokenized_samples
+from ._setup import (
+    check_targets,
+    make_source,
+    model_vocab_size,
+    supervised_targets,
+    tokenized_samples,
+)
 
 __all__ = [
     "TRAIN_ATTENTION",
@@ -75,6 +89,8 @@ __all__ = [
     "CheckpointError",
     "LoaderSource",
     "LossModule",
+    "NonFinite",
+    "NonFiniteError",
     "OfflineSource",
     "Packing",
     "PackingCollator",
@@ -91,6 +107,7 @@ __all__ = [
     "TrainResult",
     "TrainerSource",
     "build_model",
+    "check_targets",
     "compact_vocabulary",
     "default_attention",
     "dist_info",
@@ -99,11 +116,15 @@ __all__ = [
     "latest_checkpoint",
     "load_model",
     "make_source",
+    "model_vocab_size",
     "padded_micro_batch",
     "plot_training",
     "read_log",
     "register_train_attention",
+    "resolve_device",
     "samples_fingerprint",
+    "supervised_targets",
     "tokenized_samples",
     "train",
+    "verify_checkpoint",
 ]

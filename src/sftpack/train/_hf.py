@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..handoff import IGNORE_INDEX, PackedBatch, as_sample
+from ..handoff import IGNORE_INDEX, PackedBatch, Sample, as_sample
 
 __all__ = ["PackingCollator", "PaddedCollator", "RowsCollator", "hf_row_kwargs"]
 
@@ -61,16 +61,80 @@ def hf_row_kwargs(
     return kw
 
 
+_FIX_KEYS = (
+    "with Trainer, pass remove_unused_columns=False in TrainingArguments (its default drops every column the "
+    "model's forward does not name, loss_mask included); to train on every token, say so with "
+    "loss_mask=[1] * len(input_ids)"
+)
+
+
 def _sample(feature: Any, i: int) -> Any:
-    if (
-        isinstance(feature, Mapping)
-        and "loss_mask" not in feature
-        and "labels" in feature
-    ):
+    """One feature as a :class:`~sftpack.Sample`, refusing what would train the wrong tokens.
+
+    A mapping must say which tokens are trained: ``loss_mask``, or Hugging Face
+    ``labels`` (unshifted: the token itself where trained, -100 elsewhere). An
+    ``attention_mask`` is honoured when it only marks right padding (the padding is
+    cut off); left padding or holes are refused (they would become context).
+    """
+    if isinstance(feature, Mapping):
+        keys = sorted(str(k) for k in feature)
+        if "input_ids" not in feature:
+            raise KeyError(
+                f"feature {i} has no 'input_ids' (keys: {', '.join(keys) or 'none'}); {_FIX_KEYS}"
+            )
         ids = np.asarray(feature["input_ids"], dtype=np.int64)
-        labels = np.asarray(feature["labels"], dtype=np.int64)
-        return as_sample({"input_ids": ids, "loss_mask": labels != IGNORE_INDEX}, i)
-    return as_sample(feature, i)
+        if ids.ndim != 1:
+            raise ValueError(
+                f"feature {i}: input_ids has shape {ids.shape}, expected one sequence of ids (1-D)"
+            )
+        if "loss_mask" in feature:
+            mask = np.asarray(feature["loss_mask"]).astype(bool)
+        elif "labels" in feature:
+            labels = np.asarray(feature["labels"], dtype=np.int64)
+            if labels.shape != ids.shape:
+                raise ValueError(
+                    f"feature {i}: labels has shape {labels.shape}, input_ids {ids.shape}: they must match"
+                )
+            mask = labels != IGNORE_INDEX
+            if np.any(labels[mask] != ids[mask]):
+                t = int(np.flatnonzero(mask & (labels != ids))[0])
+                raise ValueError(
+                    f"feature {i}: labels[{t}]={int(labels[t])} differs from input_ids[{t}]={int(ids[t])}: the "
+                    "collators read Hugging Face's unshifted labels (the token itself where trained, -100 "
+                    "elsewhere); pass loss_mask instead of shifted or other labels"
+                )
+        else:
+            raise KeyError(
+                f"feature {i} has neither 'loss_mask' nor 'labels' (keys: {', '.join(keys)}), so nothing says "
+                f"which tokens to train on; {_FIX_KEYS}"
+            )
+        if mask.shape != ids.shape:
+            raise ValueError(
+                f"feature {i}: loss_mask has shape {mask.shape}, input_ids {ids.shape}: they must match"
+            )
+        if "attention_mask" in feature:
+            att = np.asarray(feature["attention_mask"])
+            if att.shape != ids.shape or not np.isin(att, (0, 1)).all():
+                raise ValueError(
+                    f"feature {i}: attention_mask must be 0/1 of the shape of input_ids {ids.shape}"
+                )
+            real = int(att.sum())
+            if not att[:real].all():
+                first = int(np.flatnonzero(att == 0)[0])
+                raise ValueError(
+                    f"feature {i}: attention_mask has padding at position {first}, before real tokens (left "
+                    "padding or holes): packing would turn those pads into context; tokenize without padding "
+                    "(padding=False) or pad on the right"
+                )
+            ids, mask = ids[:real], mask[:real]  # right padding: cut off
+        cid = feature["conversation_id"] if "conversation_id" in feature else i
+        return as_sample({"input_ids": ids, "loss_mask": mask, "conversation_id": cid}, i)
+    if isinstance(feature, Sample):
+        return feature
+    raise TypeError(
+        f"feature {i} is a {type(feature).__name__}: give a Sample or a mapping with input_ids and loss_mask "
+        "(or labels)"
+    )
 
 
 class PackingCollator:

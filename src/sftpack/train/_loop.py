@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from ._checkpoint import (
+    CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     rng_state,
@@ -37,9 +39,24 @@ from ._checkpoint import (
 )
 from ._data import Source
 from ._model import LossModule
-from ._options import TrainConfig
+from ._options import NonFinite, TrainConfig
 
-__all__ = ["StepLog", "TrainResult", "dist_info", "init_distributed", "train"]
+__all__ = [
+    "NonFiniteError",
+    "StepLog",
+    "TrainResult",
+    "dist_info",
+    "init_distributed",
+    "resolve_device",
+    "train",
+]
+
+
+class NonFiniteError(RuntimeError):
+    """A step's loss or gradient norm was NaN or infinite (the message names the step).
+
+    Raised before the optimizer step, so the parameters, the optimizer state and
+    every checkpoint written so far are untouched."""
 
 
 def dist_info() -> tuple[int, int]:
@@ -77,6 +94,10 @@ class StepLog:
     time: float  #: seconds since the start (of this process)
     lr: float
     grad_norm: float
+    #: "" for a step that was applied; "nonfinite" (loss or gradient not finite,
+    #: ``on_nonfinite="skip"``) or "no_targets" (no supervised target in the whole
+    #: global batch) for a step whose optimizer update was skipped
+    skipped: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -96,6 +117,15 @@ class TrainResult:
     def losses(self) -> list[float]:
         return [r.loss for r in self.logs]
 
+    @property
+    def skipped_steps(self) -> dict[str, list[int]]:
+        """The steps whose update was skipped, by reason (``"nonfinite"``, ``"no_targets"``)."""
+        out: dict[str, list[int]] = {}
+        for r in self.logs:
+            if r.skipped:
+                out.setdefault(r.skipped, []).append(r.step)
+        return out
+
 
 def _step_of(line: str) -> float:
     """The ``step`` of a log line; a line cut short by a kill counts as after any checkpoint."""
@@ -111,12 +141,102 @@ def _allreduce(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _device(cfg: TrainConfig) -> torch.device:
-    if cfg.device:
-        return torch.device(cfg.device)
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def resolve_device(name: str | None) -> torch.device:
+    """The torch device ``name`` names, checked to be usable here (``None``: CUDA when
+    present, else the CPU).
+
+    Raises:
+        ValueError: not a device name, or a device this machine does not have (the
+            message says which and what to use instead).
+    """
+    if not name:
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(
+            f"device {name!r} is not a torch device name: use cpu, cuda or cuda:N"
+        ) from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = (
+                "this torch is built without CUDA"
+                if torch.version.cuda is None
+                else "no CUDA device is visible"
+            )
+            raise ValueError(
+                f"device {name!r}: CUDA is not available here ({why}); use --device cpu, or leave --device "
+                "out to use CUDA only when present"
+            )
+        count = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= count:
+            raise ValueError(
+                f"device {name!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    elif dev.type != "cpu":
+        try:
+            torch.empty(0, device=dev)
+        except (RuntimeError, AssertionError) as e:
+            raise ValueError(
+                f"device {name!r} is not usable here ({' '.join(str(e).split())[:100]}); use --device cpu"
+            ) from None
+    return dev
+
+
+#: options whose saved values a resumed run keeps (the optimizer and scheduler
+#: state restore them), so a different value now would be silently ignored
+_RESUME_FIXED = {
+    "lr": "--lr",
+    "schedule": "--schedule",
+    "warmup_steps": "--warmup-steps",
+    "min_lr_ratio": "--min-lr-ratio",
+    "weight_decay": "--weight-decay",
+    "clip_norm": "--clip-norm",
+    "betas": "betas",
+    "eps": "eps",
+}
+
+
+def _check_resume_options(path: Path, saved: dict[str, Any], now: dict[str, Any]) -> None:
+    diffs = [
+        f"{flag} {saved[k]!r} (checkpoint) vs {now[k]!r} (this run)"
+        for k, flag in _RESUME_FIXED.items()
+        if k in saved and saved[k] != now[k]
+    ]
+    if diffs:
+        raise CheckpointError(
+            f"{path}: a resumed run continues with the optimizer and schedule it saved, so these options "
+            f"would be ignored: {'; '.join(diffs)}; resume with the checkpoint's values, or start a fresh "
+            "--checkpoint-dir (from the saved model, to train on with new settings)"
+        )
+
+
+def _check_ids(mbs: list[Any], vocab: int, step: int) -> None:
+    """Every token id of the step is a row of the model's embedding (else one clear error)."""
+    for mb in mbs:
+        ids = mb.input_ids
+        if ids.numel() == 0:
+            continue
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            bad = hi if hi >= vocab else lo
+            who = ", ".join(str(c) for c in (mb.sequence_ids or ())[:3])
+            raise ValueError(
+                f"step {step}: token id {bad} is outside the model's vocabulary of {vocab:,} ids (conversations "
+                f"{who}...): the data was tokenized with another tokenizer than the model's; use the model's "
+                "tokenizer (--tokenizer) or a model with a large enough vocabulary"
+            )
+
+
+def _check_finite_params(model: Any, step: int) -> None:
+    for name, p in model.named_parameters():
+        if not bool(torch.isfinite(p).all()):
+            raise NonFiniteError(
+                f"step {step}: parameter {name} holds NaN or infinite values; no checkpoint was written "
+                "(lower --lr)"
+            )
 
 
 def train(
@@ -139,7 +259,9 @@ def train(
         model: a Hugging Face causal LM (``build_model`` / ``load_model``), trained in place.
         log: JSONL file, one :class:`StepLog` per line (rank 0 writes it).
         checkpoint_dir: where ``config.checkpoint_every`` saves (and ``resume`` reads).
-        resume: continue from the latest checkpoint in ``checkpoint_dir`` if there is one.
+        resume: ``True``: continue from the latest checkpoint in ``checkpoint_dir``
+            (there must be one); ``"auto"``: continue from it if there is one, else
+            start at step 1 (a job re-run after preemption); ``False``: start at step 1.
         stop_after: stop after this optimizer step (a simulated interruption), as if killed.
         progress: a tqdm bar with the loss and real tokens/s (rank 0).
         on_step: called with each :class:`StepLog`.
@@ -148,10 +270,17 @@ def train(
         :class:`TrainResult`.
 
     Raises:
-        CheckpointError: ``resume`` found a checkpoint of other data (fingerprint) or world size.
+        CheckpointError: ``resume`` found no checkpoint, a damaged one (a file that does
+            not match its checksum), or one of other data (fingerprint), world size or
+            optimisation options.
+        NonFiniteError: a step's loss or gradient norm was not finite (with
+            ``config.on_nonfinite="error"``).
+        ValueError: an unusable ``config.device``, or a token id outside the model's vocabulary.
     """
+    if resume not in (True, False, "auto"):
+        raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
     rank, world = dist_info()
-    device = _device(config)
+    device = resolve_device(config.device)
     model.to(device)
     loss_module = LossModule(
         model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world
@@ -175,11 +304,26 @@ def train(
         if checkpoint_dir is None:
             raise ValueError("resume needs a checkpoint directory (--checkpoint-dir)")
         path = latest_checkpoint(checkpoint_dir)
+        if path is None and resume is True:
+            found = sorted(p.name for p in Path(checkpoint_dir).glob("step_*") if p.is_dir())
+            raise CheckpointError(
+                f"{checkpoint_dir} holds no checkpoint to resume from (no 'latest' pointer"
+                + (f"; folders {', '.join(found[-3:])} are there" if found else "")
+                + "): check the --checkpoint-dir path, or use --resume-if-any (resume='auto') to start at step "
+                "1 when there is none"
+            )
         if path is not None:
             shared, mine = load_checkpoint(
                 path, rank=rank, world=world, fingerprint=fingerprint
             )
-            model.load_state_dict(shared["model"])
+            _check_resume_options(path, shared.get("config") or {}, config.as_dict())
+            try:
+                model.load_state_dict(shared["model"])
+            except RuntimeError as e:
+                raise CheckpointError(
+                    f"{path / 'state.pt'} holds another model's weights ({' '.join(str(e).split())[:160]}): "
+                    "resume with the same --model or --dim/--layers/--heads/--kv-heads/--vocab"
+                ) from None
             opt.load_state_dict(shared["optimizer"])
             sched.load_state_dict(shared["scheduler"])
             source.load_state_dict(mine["data"])
@@ -209,6 +353,7 @@ def train(
             unit="step",
         )
 
+    vocab = model.get_input_embeddings().num_embeddings
     logs: list[StepLog] = []
     conversations: list[list[Any]] = []
     t_start = time.perf_counter()
@@ -216,7 +361,9 @@ def train(
     try:
         for step in range(start, last):
             t0 = time.perf_counter()
-            mbs = [mb.to(device) for mb in source.next_step()]
+            mbs = source.next_step()
+            _check_ids(mbs, vocab, step + 1)
+            mbs = [mb.to(device) for mb in mbs]
             n = _allreduce(
                 torch.tensor(
                     sum(mb.num_label_tokens for mb in mbs),
@@ -226,22 +373,24 @@ def train(
             )
             opt.zero_grad(set_to_none=True)
             step_loss = torch.zeros((), dtype=torch.float32, device=device)
-            for i, mb in enumerate(mbs):
-                sync = world == 1 or i == len(mbs) - 1
-                ctx = contextlib.nullcontext() if sync else runner.no_sync()  # type: ignore[operator]
-                with ctx:
-                    loss = runner(mb, n)
-                    loss.backward()
-                step_loss += loss.detach()
-            if config.clip_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm(
-                    [p.grad for p in params if p.grad is not None]
-                )
+            # n is global: every rank agrees on a step with no supervised target at all
+            skipped = "" if int(n) else "no_targets"
+            grad_norm: Any = 0.0
+            if not skipped:
+                for i, mb in enumerate(mbs):
+                    sync = world == 1 or i == len(mbs) - 1
+                    ctx = contextlib.nullcontext() if sync else runner.no_sync()  # type: ignore[operator]
+                    with ctx:
+                        loss = runner(mb, n)
+                        loss.backward()
+                    step_loss += loss.detach()
+                if config.clip_norm is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+                else:
+                    grad_norm = torch.nn.utils.get_total_norm(
+                        [p.grad for p in params if p.grad is not None]
+                    )
             lr = opt.param_groups[0]["lr"]
-            opt.step()
-            sched.step()
             counts = torch.tensor(
                 [
                     float(step_loss) / world,
@@ -253,6 +402,22 @@ def train(
                 device=device,
             )
             _allreduce(counts)
+            # The summed loss (all ranks) and the norm of the synchronised gradients are
+            # the same on every rank, so every rank takes the same decision.
+            loss_sum, norm = float(counts[0]), float(grad_norm)
+            if not skipped and not (math.isfinite(loss_sum) and math.isfinite(norm)):
+                if config.on_nonfinite is NonFinite.ERROR:
+                    raise NonFiniteError(
+                        f"step {step + 1}: the loss is {loss_sum} and the gradient norm {norm} (not finite), at "
+                        f"learning rate {lr:.3g}: lower --lr (or raise --warmup-steps), or pass --on-nonfinite "
+                        f"skip to skip such steps; step {step + 1} was not applied and nothing of it was saved"
+                    )
+                skipped = "nonfinite"
+            if skipped:
+                opt.zero_grad(set_to_none=True)  # the parameters and AdamW's moments stay as they are
+            else:
+                opt.step()
+            sched.step()  # a skipped step still counts: the schedule follows the step number
             dt = time.perf_counter() - t0
             real, slots = int(counts[1]), int(counts[2])
             rec = StepLog(
@@ -268,7 +433,8 @@ def train(
                 step_time=dt,
                 time=time.perf_counter() - t_start,
                 lr=float(lr),
-                grad_norm=float(grad_norm),
+                grad_norm=norm,
+                skipped=skipped,
             )
             logs.append(rec)
             conversations.append([c for mb in mbs for c in (mb.sequence_ids or ())])
@@ -284,6 +450,7 @@ def train(
                 on_step(rec)
             every = config.checkpoint_every
             if checkpoint_dir is not None and every and (step + 1) % every == 0:
+                _check_finite_params(model, step + 1)  # never a checkpoint that cannot train on
                 shared = None
                 if rank == 0:
                     shared = {

@@ -8,7 +8,7 @@ from typing import Any
 
 from .._base import StrEnum, choose, positive_int
 
-__all__ = ["Boundaries", "Packing", "Schedule", "TrainConfig"]
+__all__ = ["Boundaries", "NonFinite", "Packing", "Schedule", "TrainConfig"]
 
 
 class Packing(StrEnum):
@@ -35,6 +35,13 @@ class Schedule(StrEnum):
     COSINE = "cosine"  #: cosine decay to ``min_lr_ratio * lr`` at the last step
     LINEAR = "linear"  #: linear decay to ``min_lr_ratio * lr`` at the last step
     CONSTANT = "constant"  #: ``lr`` throughout
+
+
+class NonFinite(StrEnum):
+    """What a step whose loss or gradient norm is NaN or infinite does."""
+
+    ERROR = "error"  #: stop with :class:`~sftpack.train.NonFiniteError` naming the step (nothing applied or saved)
+    SKIP = "skip"  #: skip the optimizer step (parameters and optimizer state untouched), counted in the log
 
 
 #: Each path's own boundary mode (CONTRACT section 1): offline and trainer hand the
@@ -74,6 +81,8 @@ class TrainConfig:
         dim, layers, heads, kv_heads: the default model's shape (ignored with a model folder).
         checkpoint_every: save every this many steps (``None``/0: never).
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when present).
+        on_nonfinite: :class:`NonFinite`: stop (default) or skip a step whose loss
+            or gradient norm is not finite.
     """
 
     packing: Packing | str = Packing.TRAINER
@@ -100,11 +109,13 @@ class TrainConfig:
     kv_heads: int = 2
     checkpoint_every: int | None = None
     device: str | None = None
+    on_nonfinite: NonFinite | str = NonFinite.ERROR
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.packing = choose(Packing, self.packing, "packing")
         self.schedule = choose(Schedule, self.schedule, "schedule")
+        self.on_nonfinite = choose(NonFinite, self.on_nonfinite, "on_nonfinite")
         self.boundaries = (
             PATH_BOUNDARIES[self.packing]
             if self.boundaries is None
@@ -171,7 +182,7 @@ class TrainConfig:
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("packing", "schedule", "boundaries"):
+        for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
         return d

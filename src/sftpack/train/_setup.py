@@ -17,7 +17,61 @@ from ._data import (
 )
 from ._options import Packing, TrainConfig
 
-__all__ = ["make_source", "tokenized_samples"]
+__all__ = [
+    "check_targets",
+    "make_source",
+    "model_vocab_size",
+    "supervised_targets",
+    "tokenized_samples",
+]
+
+
+def supervised_targets(samples: Sequence[Sample]) -> int:
+    """The number of supervised targets in ``samples``: trained tokens that follow
+    another token of the same sample (a sample's first token is never predicted).
+
+    >>> from sftpack.testing import samples_from_lengths
+    >>> supervised_targets(samples_from_lengths([1, 1, 4]))
+    3
+    """
+    return sum(int(s.loss_mask[1:].sum()) for s in samples)
+
+
+def check_targets(samples: Sequence[Sample], max_seq_len: int) -> int:
+    """``supervised_targets(samples)``, or a ``ValueError`` saying why there is none."""
+    n = supervised_targets(samples)
+    if samples and not n:
+        raise _no_targets(f"the {len(samples):,} samples", max(len(s) for s in samples), max_seq_len)
+    return n
+
+
+def _no_targets(what: str, longest: int, max_seq_len: int) -> ValueError:
+    why = (
+        f"every sample is at most {longest} token(s) long (max_seq_len={max_seq_len} splits the conversations "
+        "into pieces whose first token has nothing before it to be predicted from): raise --max-seq-len"
+        if longest <= 1
+        else "no trained token follows another token of its sample: check the loss mask (train_on, the "
+        "chat template's assistant markers)"
+    )
+    return ValueError(f"{what} hold(s) no supervised target, so training would learn nothing: {why}")
+
+
+def model_vocab_size(path: str | os.PathLike[str]) -> int:
+    """The vocabulary size in the config of the local model folder ``path`` (no weights read)."""
+    from transformers import AutoConfig
+
+    try:
+        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(
+            f"cannot read a model config from {str(path)!r} ({' '.join(str(e).split())[:200]}); give a local "
+            "folder written by model.save_pretrained(), or leave --model out for the default small Llama"
+        ) from None
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    size = getattr(text, "vocab_size", None)
+    if not isinstance(size, int):
+        raise ValueError(f"{path}: the model config names no vocab_size")
+    return size
 
 
 def tokenized_samples(
@@ -63,6 +117,7 @@ def make_source(
     rank: int = 0,
     world: int = 1,
     pad_id: int = 0,
+    tokenizer: Any = None,
 ) -> Source:
     """The data source of ``config.packing`` for this rank.
 
@@ -72,6 +127,13 @@ def make_source(
         prepacked: a prepacked directory (or an opened ``PrepackedDataset``) for ``offline``.
         rank, world: data-parallel coordinates.
         pad_id: token id of padding slots.
+        tokenizer: the model's tokenizer (or its fingerprint's ``sha256``): a prepacked
+            directory written with another one is refused (``PrepackedDataset(expect=)``).
+
+    Raises:
+        ValueError: data with no supervised target at all (nothing to learn), or that
+            does not fit the options; ``PrepackError`` for a prepack of other
+            settings or another tokenizer.
     """
     p = config.packing
     if p is Packing.OFFLINE:
@@ -82,13 +144,16 @@ def make_source(
         if isinstance(prepacked, (str, os.PathLike)):
             from ..offline import PrepackedDataset
 
+            expect: dict[str, Any] = {
+                "max_seq_len": config.max_seq_len,
+                "pad_multiple": config.pad_multiple,
+            }
+            if tokenizer is not None:
+                expect["tokenizer"] = tokenizer
             ds = PrepackedDataset(
                 prepacked,
                 verify="size",
-                expect={
-                    "max_seq_len": config.max_seq_len,
-                    "pad_multiple": config.pad_multiple,
-                },
+                expect=expect,
                 shuffle=True,
                 seed=config.seed,
                 rank=rank,
@@ -96,6 +161,13 @@ def make_source(
             )
         else:
             ds = prepacked
+        counts = (getattr(ds, "manifest", None) or {}).get("counts") or {}
+        if counts.get("labels") == 0:
+            raise _no_targets(
+                f"{getattr(ds, 'path', 'the prepack')} ({counts.get('sequences', 0):,} sequences)",
+                int(ds.sequences["length"].max()) if len(getattr(ds, "sequences", ())) else 0,
+                config.max_seq_len,
+            )
         return OfflineSource(
             ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum
         )
@@ -107,6 +179,7 @@ def make_source(
             f"sample {long[0]} has {len(samples[long[0]])} tokens, more than max_seq_len={config.max_seq_len}: "
             "tokenize with the same max_seq_len (over-long conversations are split)"
         )
+    check_targets(samples, config.max_seq_len)
     common = {
         "batch_size": config.batch_size,
         "seed": config.seed,
