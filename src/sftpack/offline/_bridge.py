@@ -3,7 +3,7 @@
 Megatron-Bridge (NeMo's Megatron path) stores one packed row per Parquet row,
 with exactly three columns::
 
-    input_ids     list<int64>   the row's sequences end to end, no padding
+    input_ids     list<int64>   the row's sequences end to end
     loss_mask     list<int8>    ROLLED by one: loss_mask[t] = mask[t + 1]; 0 on each sequence's last token
     seq_start_id  list<int64>   start of each sequence (from 0, no end entry)
 
@@ -19,17 +19,28 @@ What differs from a prepack, and what the conversion keeps:
   token. Exporting rolls ours by one within each sequence; importing unrolls
   it (a sequence's first token, never a target, gets False). Labels are equal
   both ways.
-- Bridge feeds each sequence's ``len - 1`` tokens (``seq[:-1]`` as inputs,
-  ``seq[1:]`` as labels) and bounds ``sum(len_i - 1)`` by ``pack_size``; sftpack
-  lays all ``len`` tokens (the last one's label is -100) and bounds
-  ``sum(len_i)``. An exported row therefore always fits Bridge's ``pack_size =
-  max_seq_len``; an imported row may need up to ``max_samples_per_bin`` more
-  slots, so the import's default width is the widest row's need.
-- Bridge pads for context parallelism itself (pre-padding with EOS and
-  recovering lengths by scanning back for the last non-EOS token, which
-  shortens content that really ends in EOS); the export writes real tokens
-  only and leaves sftpack's pad multiple out, the import takes ``seq_start_id``
-  as the truth.
+- Bridge feeds each stored sequence's ``len - 1`` tokens (``seq[:-1]`` as
+  inputs, ``seq[1:]`` as labels): its reader's ``cu_seqlens`` step by
+  ``len - 1``, and its writer bounds ``sum(len_i - 1)`` by ``pack_size``. The
+  metadata is in those units too: ``dataset_max_seqlen`` is the largest
+  ``len - 1``, ``min_packed_seqlen`` the smallest row sum of ``len - 1``, and
+  ``packing_efficiency`` counts ``len - 1`` per sequence. Bridge's reader with
+  ``pad_cu_seqlens=True`` hands the attention kernel
+  ``max(dataset_max_seqlen, max_length - min_packed_seqlen)`` as ``max_seqlen``,
+  which bounds every segment (the row's trailing padding segment included) only
+  when the metadata is in these units; the export writes them. sftpack lays all
+  ``len`` tokens (the last one's label is -100) and bounds ``sum(len_i)``, so
+  an exported row always fits ``pack_size = max_seq_len``; an imported row may
+  need up to ``max_samples_per_bin`` more slots, so the import's default width
+  is the widest row's need.
+- Context parallelism: Bridge pads for CP in its *writer*
+  (``pad_seq_to_mult``), never in its reader. Its writer rounds each sequence's
+  ``len - 1`` up to the multiple by appending the tokenizer's EOS id (loss mask
+  0 there, before the roll), so every ``cu_seqlens`` entry is a multiple. The
+  export does the same for the prepack's pad multiple (or ``pad_multiple=``);
+  it needs the EOS id, from ``tokenizer=``. The import takes ``seq_start_id`` as
+  the truth (a padded file's EOS pads become untrained tokens of their
+  sequence).
 - Random access: Parquet decodes a whole row group per row (about 40 ms per
   row at 500 rows a group), the prepack reads a row in microseconds.
 """
@@ -44,18 +55,63 @@ from typing import Any
 
 import numpy as np
 
+from .._base import positive_int
 from ..handoff import Sample
 from ._prepack import PrepackResult, prepack_samples
 
 __all__ = ["export_megatron_bridge", "import_megatron_bridge"]
 
 
-def _rolled(mask: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Per-token mask -> Bridge's target mask: ``out[t] = mask[t+1]``, 0 at each sequence's end."""
-    out = np.zeros(mask.shape[0], np.int8)
-    out[:-1] = mask[1:]
-    out[np.cumsum(lengths) - 1] = 0
-    return out
+def _bridge_lengths(lengths: Any, pad_multiple: int = 1) -> np.ndarray:
+    """Stored length of each sequence as Bridge's writer lays it for ``pad_seq_to_mult``.
+
+    A sequence of ``L`` real tokens feeds ``L - 1`` (its runtime length); the
+    writer rounds that up to ``pad_multiple`` and stores one token more::
+
+        stored = ceil((L - 1) / m) * m + 1
+
+    >>> _bridge_lengths([5, 6, 9, 1], 4).tolist()
+    [5, 9, 9, 1]
+    """
+    m = positive_int("pad_multiple", pad_multiple)
+    runtime = np.maximum(np.asarray(lengths, dtype=np.int64) - 1, 0)
+    return -(-runtime // m) * m + 1
+
+
+def _layout(lens: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where a row's real tokens go in Bridge's stored layout: ``(seq_start_id, slot of every real token)``."""
+    begin = np.zeros(stored.shape[0], np.int64)
+    np.cumsum(stored[:-1], out=begin[1:])
+    first = np.zeros(lens.shape[0], np.int64)
+    np.cumsum(lens[:-1], out=first[1:])
+    return begin, np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(begin - first, lens)
+
+
+def _eos_id(ds: Any, tokenizer: Any) -> int:
+    """The EOS id Bridge's writer pads with (its ``tokenizer.eod``), from ``tokenizer`` or, when
+    the prepack was made with sftpack's default tokenizer, from that one."""
+    from ._fingerprint import tokenizer_fingerprint
+
+    have = (ds.manifest["fingerprint"].get("tokenizer") or {}).get("sha256")
+    if tokenizer is None:
+        from ..data import default_tokenizer
+
+        default = default_tokenizer()
+        if have is None or tokenizer_fingerprint(default)["sha256"] != have:
+            raise ValueError(
+                f"{ds.path}: padding for context parallelism needs the tokenizer's EOS id (Bridge's writer pads "
+                "with it): pass tokenizer= (the prepack's tokenizer), or pad_multiple=1 to export without CP padding"
+            )
+        tokenizer = default
+    elif have is not None and tokenizer_fingerprint(tokenizer)["sha256"] != have:
+        raise ValueError(
+            f"{ds.path} was prepacked with another tokenizer (fingerprint {have[:12]}) than tokenizer= "
+            f"({tokenizer_fingerprint(tokenizer)['sha256'][:12]}): pass the prepack's tokenizer"
+        )
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if not isinstance(eos, int) or eos < 0:
+        raise ValueError(f"tokenizer= has no EOS token (eos_token_id={eos!r}): Bridge's writer pads with it")
+    return eos
 
 
 def export_megatron_bridge(
@@ -64,6 +120,8 @@ def export_megatron_bridge(
     *,
     split: str = "training",
     row_group_size: int = 500,
+    pad_multiple: int | None = None,
+    tokenizer: Any = None,
 ) -> Path:
     """Write a prepack's rows as Megatron-Bridge packed Parquet; returns the Parquet path.
 
@@ -72,6 +130,15 @@ def export_megatron_bridge(
         out_dir: folder for ``{split}_{pack_size}.idx.parquet`` and ``{pack_size}_metadata.jsonl``.
         split: ``"training"``, ``"validation"`` or ``"test"``.
         row_group_size: rows per Parquet row group (Bridge writes 500).
+        pad_multiple: Bridge's ``pad_seq_to_mult`` (``2 * context_parallel_size``): each
+            sequence is padded as Bridge's writer pads it (``ceil((len - 1) / m) * m + 1`` tokens, EOS
+            tokens, loss mask 0). ``None``: the prepack's pad multiple; 1: no padding.
+        tokenizer: the prepack's tokenizer, for its EOS id; needed when padding, unless
+            the prepack was made with sftpack's default tokenizer.
+
+    Raises:
+        ValueError: a row that does not fit ``pack_size`` once padded to ``pad_multiple``
+            (only for a multiple other than the prepack's), or no EOS id to pad with.
     """
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -79,43 +146,65 @@ def export_megatron_bridge(
     from ._dataset import PrepackedDataset
 
     ds = dataset if isinstance(dataset, PrepackedDataset) else PrepackedDataset(dataset)
+    m = ds.pad_multiple if pad_multiple is None else positive_int("pad_multiple", pad_multiple)
+    pack_size = ds.max_seq_len
+    rows = ds.rows
+    seq_off = rows["sequence"].astype(np.int64)
+    real = ds.sequences["length"].astype(np.int64)
+    stored_all = _bridge_lengths(real, m)
+    runtime_all = stored_all - 1
+    per_row = np.diff(seq_off)
+    loads = np.add.reduceat(runtime_all, seq_off[:-1]) if real.shape[0] else np.zeros(0, np.int64)
+    if loads.shape[0] and int(loads.max()) > pack_size:
+        r = int(np.argmax(loads))
+        raise ValueError(
+            f"{ds.path} row {r} needs {int(loads[r])} slots once its sequences are padded to pad_multiple={m} as "
+            f"Bridge's writer pads them, more than pack_size={pack_size}: prepack with --pad-multiple {m} "
+            f"(then every row fits) or export with pad_multiple={ds.pad_multiple}"
+        )
+    eos = _eos_id(ds, tokenizer) if m > 1 else 0
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    pack_size = ds.max_seq_len
     path = out / f"{split}_{pack_size}.idx.parquet"
     schema = pa.schema([
         ("input_ids", pa.list_(pa.int64())),
         ("loss_mask", pa.list_(pa.int8())),
         ("seq_start_id", pa.list_(pa.int64())),
     ])
-    rows = ds.rows
     with pq.ParquetWriter(path, schema) as writer:
         for a in range(0, ds.num_rows, row_group_size):
             b = min(a + row_group_size, ds.num_rows)
             ids, masks, starts = [], [], []
             for r in range(a, b):
-                t0, t1 = int(rows[r]["token"]), int(rows[r + 1]["token"])
-                seqs = ds.row_sequences(r)
-                lens = seqs["length"].astype(np.int64)
-                ids.append(np.asarray(ds.tokens[t0:t1], dtype=np.int64))
-                masks.append(_rolled(np.asarray(ds.loss_mask[t0:t1]), lens))
-                starts.append(seqs["start"].astype(np.int64) - t0)
+                tok, mask, _ = ds.row_arrays(r)
+                lens = real[seq_off[r] : seq_off[r + 1]]
+                stored = stored_all[seq_off[r] : seq_off[r + 1]]
+                begin, at = _layout(lens, stored)
+                row_ids = np.full(int(stored.sum()), eos, np.int64)  # the pads: Bridge's writer uses EOS
+                row_ids[at] = tok
+                per_token = np.zeros(row_ids.shape[0], np.int8)  # pads: mask 0, as the writer pads it
+                per_token[at] = mask
+                rolled = np.zeros_like(per_token)  # Bridge's target mask: rolled[t] = mask[t+1] ...
+                rolled[:-1] = per_token[1:]
+                rolled[begin + stored - 1] = 0  # ... and 0 on each sequence's last slot
+                ids.append(row_ids)
+                masks.append(rolled)
+                starts.append(begin)
             table = pa.table(
                 [pa.array(ids, pa.list_(pa.int64())), pa.array(masks, pa.list_(pa.int8())),
                  pa.array(starts, pa.list_(pa.int64()))],
                 schema=schema,
             )
             writer.write_table(table, row_group_size=row_group_size)
-    totals = np.diff(rows["token"].astype(np.int64))
-    per_row = np.diff(rows["sequence"].astype(np.int64))
-    c = ds.manifest["counts"]
-    meta = {
-        "dataset_max_seqlen": int(ds.sequences["length"].max()) if ds.sequences.shape[0] else 0,
-        "max_samples_per_bin": int(per_row.max()) if per_row.shape[0] else 0,
-        "packing_factor": round(c["sequences"] / max(c["rows"], 1), 2),
-        "packing_efficiency": round(100.0 * c["tokens"] / max(c["rows"] * pack_size, 1), 2),
+    n_rows, n_seqs = ds.num_rows, int(real.shape[0])
+    meta = {  # Bridge's units: a sequence counts its runtime length, stored len - 1
+        "dataset_max_seqlen": int(runtime_all.max()) if n_seqs else 0,
+        "max_samples_per_bin": int(per_row.max()) if n_rows else 0,
+        "packing_factor": round(n_seqs / max(n_rows, 1), 2),
+        "packing_efficiency": round(100.0 * int(runtime_all.sum()) / max(n_rows * pack_size, 1), 2),
         "pack_size": pack_size,
-        "min_packed_seqlen": int(totals.min()) if totals.shape[0] else 0,
+        "min_packed_seqlen": int(loads.min()) if n_rows and n_seqs else 0,
     }
     meta_path = out / f"{pack_size}_metadata.jsonl"
     entries = json.loads(meta_path.read_text()) if meta_path.exists() else []
