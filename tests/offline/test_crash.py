@@ -1,9 +1,11 @@
 """Crash safety: a prepack killed with SIGKILL mid-write, or hitting a full disk, leaves
-nothing that opens; a rerun writes the same bytes."""
+nothing that opens; a rerun writes the same bytes; an --overwrite killed at any point of its
+publish leaves the old prepack or the new one."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,17 +15,22 @@ from pathlib import Path
 import pytest
 
 from sftpack.offline import PrepackedDataset, PrepackError, prepack
+from sftpack.offline._format import FILES
+from sftpack.offline._publish import recover
 
 from .conftest import MAX_SEQ_LEN
 
-# The child runs a real prepack; a hook blocks it at a chosen moment (after the first
-# chunk of rows is written, or with every file and the manifest written, just before the
-# rename) and signals readiness, so the kill lands exactly there.
+# The child runs a real prepack; a hook the test passes in (a patched function in the child
+# only) blocks it at a chosen moment (after the first chunk of rows is written; with every
+# file and the manifest written, just before the publish; just before or just after the
+# atomic exchange of --overwrite; between the two renames of the fallback for systems without
+# renameat2) and signals readiness, so the kill lands exactly there.
 CHILD = r"""
-import sys, time
+import os, sys, time
 from pathlib import Path
-mode, inp, out, ready = sys.argv[1:5]
+mode, inp, out, ready, width, overwrite = sys.argv[1:7]
 import sftpack.offline._prepack as pp
+import sftpack.offline._publish as pub
 import sftpack.offline._write as w
 from sftpack.testing import tiny_chat_tokenizer
 
@@ -39,9 +46,29 @@ if mode == "write":
     w._pwrite_all = first_then_block
     w.CHUNK_TOKENS = 2048
 elif mode == "publish":
-    pp.publish = block
-pp.prepack(inp, out, tokenizer=tiny_chat_tokenizer("chatml"), max_seq_len=MAX_SEQ_LEN, pad_multiple=4, overlong="split")
-""".replace("MAX_SEQ_LEN", str(MAX_SEQ_LEN))
+    pub.Output.publish = block
+elif mode in ("before-exchange", "exchanged"):
+    rename2 = pub._renameat2
+    def at_exchange(src, dst, flags):
+        if flags == pub._RENAME_EXCHANGE and mode == "before-exchange":
+            block()
+        done = rename2(src, dst, flags)
+        assert done, "this filesystem has no RENAME_EXCHANGE"
+        if flags == pub._RENAME_EXCHANGE:
+            block()
+        return done
+    pub._renameat2 = at_exchange
+elif mode == "between-renames":
+    pub._renameat2 = lambda src, dst, flags: False  # a system without renameat2: the two-rename fallback
+    rename = os.rename
+    def parked_then_block(src, dst):
+        rename(src, dst)
+        if ".sftpack-old-" in str(dst):
+            block()
+    os.rename = parked_then_block
+pp.prepack(inp, out, tokenizer=tiny_chat_tokenizer("chatml"), max_seq_len=int(width), pad_multiple=4,
+           overlong="split", overwrite=overwrite == "1")
+"""
 
 FSIZE_CHILD = r"""
 import resource, sys
@@ -55,15 +82,20 @@ def _partials(parent: Path, name: str) -> list[Path]:
     return sorted(parent.glob(f".{name}.sftpack-partial-*"))
 
 
-def test_kill_9_mid_write_and_before_the_rename_leaves_nothing_that_opens(built, chat_file, tok, tmp_path):
-    procs = {}
-    for mode in ("write", "publish"):
-        out, ready = tmp_path / mode, tmp_path / f"{mode}.ready"
-        procs[mode] = (subprocess.Popen([sys.executable, "-c", CHILD, mode, str(chat_file), str(out), str(ready)]),
-                       out, ready)
+def _hidden(parent: Path, name: str) -> list[Path]:
+    return sorted(parent.glob(f".{name}.sftpack-*"))
+
+
+def _child(mode, chat_file, out, ready, width, *, overwrite):
+    args = [mode, str(chat_file), str(out), str(ready), str(width), "1" if overwrite else "0"]
+    return subprocess.Popen([sys.executable, "-c", CHILD, *args])
+
+
+def _kill_at_hooks(procs):
+    """Wait until every child has reached its hook, then SIGKILL it there."""
     try:
-        for mode, (proc, out, ready) in procs.items():
-            deadline = time.monotonic() + 120
+        for mode, (proc, _, ready) in procs.items():
+            deadline = time.monotonic() + 150
             while not ready.exists():
                 assert proc.poll() is None, f"the {mode} child exited early with {proc.returncode}"
                 assert time.monotonic() < deadline, f"the {mode} child never reached its hook"
@@ -75,6 +107,15 @@ def test_kill_9_mid_write_and_before_the_rename_leaves_nothing_that_opens(built,
         for proc, _, _ in procs.values():
             if proc.poll() is None:
                 proc.kill()
+                proc.wait(timeout=30)
+
+
+def test_kill_9_mid_write_and_before_the_rename_leaves_nothing_that_opens(built, chat_file, tok, tmp_path):
+    procs = {}
+    for mode in ("write", "publish"):
+        out, ready = tmp_path / mode, tmp_path / f"{mode}.ready"
+        procs[mode] = (_child(mode, chat_file, out, ready, MAX_SEQ_LEN, overwrite=False), out, ready)
+    _kill_at_hooks(procs)
     for mode, (_, out, _) in procs.items():
         assert not out.exists(), "the output appears only by the final rename"
         partials = _partials(tmp_path, mode)
@@ -107,3 +148,62 @@ def test_a_full_disk_mid_write_is_a_clean_error_and_leaves_nothing(chat_file, to
     assert err.startswith("sftpack prepack: writing the prepack") and "File too large" in err
     assert f"nothing was left at {out}" in err
     assert not out.exists() and _partials(tmp_path, "out") == []
+
+
+def test_overwrite_killed_at_any_point_of_the_swap_leaves_the_old_prepack_or_the_new_one(built, chat_file, tok,
+                                                                                          tmp_path):
+    """The old prepack (1024 wide) is replaced by a new one (512 wide) with --overwrite; each
+    child is killed at one point of the publish. Afterwards the output opens (verify="full") as
+    the old or the new prepack, never neither; with the two-rename fallback (no renameat2) the
+    next run repairs the one moment where it is missing, and opening it meanwhile says so."""
+    old_bytes = {f.name: f.read_bytes() for f in built[1].iterdir()}
+    procs = {}
+    for mode in ("before-exchange", "exchanged", "between-renames"):
+        out, ready = tmp_path / mode, tmp_path / f"{mode}.ready"
+        shutil.copytree(built[1], out)
+        procs[mode] = (_child(mode, chat_file, out, ready, 512, overwrite=True), out, ready)
+    _kill_at_hooks(procs)
+
+    def is_old(out):
+        return {f.name: f.read_bytes() for f in out.iterdir()} == old_bytes
+
+    before, after, between = (procs[m][1] for m in ("before-exchange", "exchanged", "between-renames"))
+    assert is_old(before) and PrepackedDataset(before, verify="full").max_seq_len == MAX_SEQ_LEN
+    new = PrepackedDataset(after, verify="full")  # swapped in one step: the new one is in place
+    assert new.max_seq_len == 512 and len(new) > 0
+    # the old one sits in the dead run's hidden folder, which the next run removes
+    assert len(_partials(tmp_path, after.name)) == 1
+    # the fallback's two renames: killed between them, the output is missing for a moment ...
+    assert not between.exists()
+    parked = sorted(tmp_path.glob(f".{between.name}.sftpack-old-*"))
+    assert len(parked) == 1 and (parked[0] / "manifest.json").is_file()
+    with pytest.raises(PrepackError, match=rf"interrupted --overwrite left the previous prepack at .*{parked[0].name}"):
+        PrepackedDataset(between)
+    # ... and the next run for it first finishes the swap (the new folder was complete)
+    recover(between)
+    assert PrepackedDataset(between, verify="full").max_seq_len == 512 and _hidden(tmp_path, between.name) == []
+    # a rerun with --overwrite cleans up after the dead runs and writes the same bytes as a clean run
+    for out in (before, after):
+        prepack(chat_file, out, tokenizer=tok, max_seq_len=512, pad_multiple=4, overlong="split", overwrite=True)
+        assert _hidden(tmp_path, out.name) == []
+        for f in FILES + ("manifest.json",):
+            assert (out / f).read_bytes() == (between / f).read_bytes(), f
+
+
+def test_recover_puts_the_old_prepack_back_when_the_new_one_never_finished(built, tmp_path):
+    out = tmp_path / "p"
+    dead = _dead_pid()
+    parked = tmp_path / f".p.sftpack-old-{dead}-0000"
+    shutil.copytree(built[1], parked)
+    unfinished = tmp_path / f".p.sftpack-partial-{dead}-0000"
+    unfinished.mkdir()
+    (unfinished / "tokens.npy").write_bytes(b"half")
+    recover(out)
+    assert PrepackedDataset(out, verify="full").manifest == PrepackedDataset(built[1]).manifest
+    assert not parked.exists()
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid

@@ -70,19 +70,41 @@ def describe_lines(ds: object) -> list[str]:
     return out
 
 
-def _scaled(b: object, cells: int) -> tuple[object, int]:
-    """``b`` shrunk to at most ``cells`` cells (one cell = ``k`` slots) for drawing, and ``k``."""
+def row_layout(ds: object, i: int) -> dict[str, object]:
+    """Row ``i``'s boundaries and counts from the index and its stored tokens only: what
+    :meth:`PrepackedDataset.row` would build, without laying ``max_seq_len`` slots (a row
+    is five int64 tensors of that width; drawing one must not cost that)."""
+    import numpy as np
+
+    from ..handoff import padded_lengths
+
+    _, mask, seqs = ds.row_arrays(i)  # type: ignore[attr-defined]
+    real = seqs["length"].astype(np.int64)
+    padded = padded_lengths(real, ds.pad_multiple)  # type: ignore[attr-defined]
+    padded[-1] += ds.max_seq_len - int(padded.sum())  # type: ignore[attr-defined]  # the tail, folded in
+    cu = np.concatenate([[0], np.cumsum(real)])
+    cup = np.concatenate([[0], np.cumsum(padded)])
+    m = np.asarray(mask, dtype=bool)
+    # slot t has a label when token t+1 is trainable and in the same sequence: every
+    # trainable token but the first of each sequence
+    labels = int(m.sum()) - int(m[cu[:-1]].sum())
+    return {"real": real, "padded": padded, "cu": cu, "cup": cup, "labels": labels, "sequences": seqs}
+
+
+def _scaled(real: object, padded: object, cells: int) -> tuple[object, int]:
+    """A boundary-only ``PackedBatch`` of the row, shrunk to at most ``cells`` cells
+    (one cell = ``k`` slots) for drawing, and ``k``."""
     import numpy as np
     import torch
 
     from ..handoff import PackedBatch
 
-    T = b.num_tokens  # type: ignore[attr-defined]
-    k = -(-T // cells)
-    if k <= 1:
-        return b, 1
-    real = np.maximum(1, np.rint(b.seqlens.numpy() / k)).astype(np.int64)  # type: ignore[attr-defined]
-    padded = np.maximum(real, np.rint(b.padded_seqlens.numpy() / k)).astype(np.int64)  # type: ignore[attr-defined]
+    real, padded = np.asarray(real), np.asarray(padded)
+    T = int(padded.sum())
+    k = max(1, -(-T // cells))
+    if k > 1:
+        real = np.maximum(1, np.rint(real / k)).astype(np.int64)
+        padded = np.maximum(real, np.rint(padded / k)).astype(np.int64)
     cu = np.concatenate([[0], np.cumsum(real)]).astype(np.int32)
     cup = np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)
     n = int(cup[-1])
@@ -99,24 +121,26 @@ def _scaled(b: object, cells: int) -> tuple[object, int]:
 
 def row_lines(ds: object, i: int, *, cells: int = 256) -> list[str]:
     """Row ``i`` drawn as ``sftpack map`` draws rows (one cell per slot, or per ``k`` slots
-    for rows wider than ``cells``), with its boundaries and conversations."""
+    for rows wider than ``cells``), with its boundaries and conversations. Memory: the row's
+    stored tokens and ``cells`` cells, whatever ``max_seq_len``."""
     from ..report.layout import draw_row
 
-    b = ds.row(i)  # type: ignore[attr-defined]
+    lay = row_layout(ds, i)
+    real, padded, cu, cup, seqs = lay["real"], lay["padded"], lay["cu"], lay["cup"], lay["sequences"]
     names = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
-    small, k = _scaled(b, cells)
+    small, k = _scaled(real, padded, cells)
     scale = "one cell per slot" if k == 1 else f"one cell per {k} slots"
     out = [
         (
-            f"row {i}: {b.num_sequences} sequences, {b.num_real_tokens:,} real tokens in {b.num_tokens:,} slots, "
-            f"{b.num_label_tokens:,} labels  (letters: real tokens, '.': padding, '|': segment start; {scale})"
+            f"row {i}: {len(real)} sequences, {int(cu[-1]):,} real tokens in {int(cup[-1]):,} slots, "  # type: ignore[arg-type]
+            f"{lay['labels']:,} labels  (letters: real tokens, '.': padding, '|': segment start; {scale})"
         )
     ]
     out += ["  " + line for line in draw_row(small, width=64).split("\n")]
-    out.append(f"  cu_seqlens={b.cu_seqlens.tolist()}")
-    out.append(f"  cu_seqlens_padded={b.cu_seqlens_padded.tolist()}  max_seqlen={b.max_seqlen}")
-    recs = ds.row_sequences(i)  # type: ignore[attr-defined]
-    for j, (cid, rec) in enumerate(zip(b.sequence_ids or (), recs)):
+    out.append(f"  cu_seqlens={[int(x) for x in cu]}")  # type: ignore[attr-defined]
+    out.append(f"  cu_seqlens_padded={[int(x) for x in cup]}  max_seqlen={int(padded.max())}")  # type: ignore[attr-defined]
+    for j, rec in enumerate(seqs):  # type: ignore[arg-type]
+        cid = ds.conversation_id(int(rec["conversation"]))  # type: ignore[attr-defined]
         piece = f" piece {int(rec['piece'])}" if int(rec["piece"]) else ""
         out.append(f"  {names[j % len(names)]}: {cid}{piece}, {int(rec['length']):,} tokens")
     return out

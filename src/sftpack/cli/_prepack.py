@@ -16,8 +16,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("inputs", nargs="*", help="JSONL(.gz) / Parquet files, globs, folders or saved datasets "
                    "(default: the embedded chitchat corpus)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist)")
-    p.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist, unless "
+                   "--overwrite; never inside an input folder)")
+    p.add_argument("--max-seq-len", type=positive, default=4096,
+                   help="row width in tokens (default 4096, at most 16,777,216)")
     p.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
     p.add_argument("--algorithm", default="bfd", help="bin packer: bfd (default), ffd, first_fit_shuffle, next_fit, "
                    "greedy_knapsack")
@@ -89,6 +91,12 @@ def run(args: argparse.Namespace) -> int:
     from ..handoff import pad_multiple_for
     from ..offline import prepack
 
+    from ..offline._format import check_row_width
+
+    try:
+        check_row_width(args.max_seq_len, "--max-seq-len")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     align = pad_multiple_for(cp_size=args.cp, tp_size=args.tp, sequence_parallel=args.sequence_parallel, fp8=args.fp8)
     if args.max_seq_len % align.row_multiple:
         raise UsageError(

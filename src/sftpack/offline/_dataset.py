@@ -221,6 +221,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
             raise fail("sequences.npy", f"row {r} needs {int(loads[r])} slots with each sequence padded to a multiple "
                        f"of {self.pad_multiple}, more than max_seq_len={self.max_seq_len}")
         c = self.manifest["counts"]
+        if n_conv != c["packed_conversations"]:
+            raise fail("conversation_offsets.npy", f"it holds {n_conv} conversations, the manifest counts "
+                       f"{c['packed_conversations']}")
         if int(np.diff(r_seq).max()) != c["max_sequences_per_row"]:
             raise fail("rows.npy", f"its longest row holds {int(np.diff(r_seq).max())} sequences, the manifest "
                        f"counts {c['max_sequences_per_row']}")

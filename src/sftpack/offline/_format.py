@@ -231,6 +231,13 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             never finished), invalid JSON, another format, or a newer format version.
     """
     directory = Path(directory)
+    if not directory.exists():
+        parked = sorted(directory.parent.glob(f".{directory.name}.sftpack-old-*"))
+        if parked:
+            raise PrepackError(
+                f"{directory}: no such directory; an interrupted --overwrite left the previous prepack at "
+                f"{parked[0]}: run the same sftpack prepack again (it finishes or undoes the swap first)"
+            )
     if not directory.is_dir():
         raise PrepackError(
             f"{directory}: no such directory" if not directory.exists() else f"{directory} is a file, not a prepack directory"

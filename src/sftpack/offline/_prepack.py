@@ -16,6 +16,7 @@ and hashing about 0.1 s (numbers: ``benchmarks/bench_offline.py``).
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
@@ -47,7 +48,7 @@ from ._format import (
     write_json,
 )
 from ._plan import RowPlan, plan_from_membership, plan_rows
-from ._publish import publish, writing
+from ._publish import writing
 from ._stage import StagedSamples, stage_samples
 from ._write import allocate, write_index, write_rows
 
@@ -103,6 +104,31 @@ class _Hashing:
             self.h.update(json.dumps([cid, msgs], sort_keys=True, default=str).encode())
             self.count += 1
             yield item
+
+
+def check_out_outside_inputs(inputs: Any, out: str | os.PathLike[str]) -> None:
+    """Refuse an output folder inside an input folder (a folder is read recursively, so the
+    next run would read the prepack's own files as conversations), an input inside the output,
+    or the output given as an input."""
+    if inputs is None or not _is_paths(inputs) or type(inputs).__module__.startswith("datasets."):
+        return
+    given = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    target = Path(out).resolve()
+    for p in given:
+        text = os.fspath(p)
+        found = sorted(glob.glob(text, recursive=True)) if not os.path.exists(text) and glob.has_magic(text) else [text]
+        for f in found:
+            src = Path(f).resolve()
+            if src == target or src.is_relative_to(target):
+                raise PrepackError(
+                    f"the input {f} is inside --out {out}: a prepack's own files are not conversations; "
+                    "name the inputs without the output folder, or choose an --out outside them"
+                )
+            if Path(f).is_dir() and target.is_relative_to(src):
+                raise PrepackError(
+                    f"--out {out} is inside the input folder {f}, which is read recursively: the next run would "
+                    "read the prepack's own files as input; choose an --out outside it"
+                )
 
 
 def _check_identity(counts: dict[str, Any]) -> None:
@@ -240,7 +266,8 @@ def _finish(
     out = Path(out)
     stage = "creating the output folder"
     try:
-        with writing(out, overwrite) as tmp:
+        with writing(out, overwrite) as output:
+            tmp = output.tmp
             stage = "staging the tokenized samples (stage 1)"
             t0 = time.perf_counter()
             staged = stage_samples(samples, tmp / "_staging")
@@ -269,7 +296,8 @@ def _finish(
                 source=source_kind, pad_id=pad_id, dtype=dtype, vocab=vocab, files=files,
             )
             write_json(tmp / MANIFEST, manifest)
-            publish(tmp, out)
+            stage = "publishing the prepack"
+            output.publish()
             seconds["finalize"] = time.perf_counter() - t0
     except OSError as e:
         if isinstance(e, PrepackError):
@@ -347,6 +375,7 @@ def prepack(
         raise ValueError(
             f"max_seq_len={width} is not a multiple of pad_multiple={m}: use max_seq_len={width // m * m or m}"
         )
+    check_out_outside_inputs(inputs, out)
     positive_int("num_proc", num_proc)
     positive_int("limit", limit, allow_none=True)
     if tokenizer is None:

@@ -88,8 +88,8 @@ from ._format import (
     write_json,
 )
 from ._plan import RowPlan, plan_rows
-from ._prepack import PrepackResult, _bar, _Hashing, _is_paths, build_manifest
-from ._publish import publish, writing
+from ._prepack import PrepackResult, _bar, _Hashing, _is_paths, build_manifest, check_out_outside_inputs
+from ._publish import Output, writing
 from ._stage import StagedSamples, StagingSource, stage_samples
 from ._write import allocate, write_index, write_rows
 
@@ -688,6 +688,7 @@ def prepack_ray(
     ov = choose(Overlong, overlong, "overlong")
     to = choose(TrainOn, train_on, "train_on")
     choose(OnBadRow, on_bad_row, "on_bad_row")
+    check_out_outside_inputs(inputs, out)
     out = Path(out)
     seconds: dict[str, float] = {}
     fingerprint: dict[str, Any] = {
@@ -707,9 +708,9 @@ def prepack_ray(
     with ray_session(ray_address, num_cpus=None if ray_address else workers + 1):
         seconds["ray_start"] = time.perf_counter() - t0
         try:
-            with writing(out, overwrite) as tmp:
+            with writing(out, overwrite) as output:
                 result = _run(
-                    inputs, out, tmp, tokenizer=tokenizer, options=options, fingerprint=fingerprint,
+                    inputs, output, tokenizer=tokenizer, options=options, fingerprint=fingerprint,
                     width=width, m=m, algorithm=algorithm, seed=seed, on_bad_row=str(on_bad_row),
                     limit=limit, unit_size=unit_size, workers=workers, parts=parts, actor_cpus=float(actor_cpus),
                     progress=progress, seconds=seconds,
@@ -728,8 +729,7 @@ def prepack_ray(
 
 def _run(
     inputs: Any,
-    out: Path,
-    tmp: Path,
+    output: Output,
     *,
     tokenizer: Any,
     options: dict[str, Any],
@@ -748,20 +748,20 @@ def _run(
     seconds: dict[str, float],
 ) -> RayPrepackResult:
     t0 = time.perf_counter()
+    tmp = output.tmp
     staging = tmp / "_staging"
     staging.mkdir()
     units, reader, hashing, fp_inputs = _units(inputs, staging, on_bad_row=on_bad_row, limit=limit, unit_size=unit_size)
     with contextlib.ExitStack() as stack:  # closes the writer pool, however _stages ends
         return _stages(
-            out, tmp, units, reader, hashing, fp_inputs, stack=stack, parts=parts, tokenizer=tokenizer,
+            output, units, reader, hashing, fp_inputs, stack=stack, parts=parts, tokenizer=tokenizer,
             options=options, fingerprint=fingerprint, width=width, m=m, algorithm=algorithm, seed=seed,
             workers=workers, actor_cpus=actor_cpus, progress=progress, seconds=seconds, t0=t0,
         )
 
 
 def _stages(
-    out: Path,
-    tmp: Path,
+    output: Output,
     units: list[_Unit],
     reader: ConversationReader | None,
     hashing: _Hashing | None,
@@ -783,6 +783,7 @@ def _stages(
     t0: float,
 ) -> RayPrepackResult:
 
+    out, tmp = output.out, output.tmp
     staging = tmp / "_staging"
     results = _tokenize_stage(
         units, tokenizer=tokenizer, options=options, workers=workers, actor_cpus=actor_cpus, progress=progress
@@ -870,6 +871,6 @@ def _stages(
         source="conversations", pad_id=pad_id, dtype=dtype, vocab=vocab, files=files,
     )
     write_json(tmp / MANIFEST, manifest)
-    publish(tmp, out)
+    output.publish()
     seconds["finalize"] = time.perf_counter() - t0
     return RayPrepackResult(out, manifest, seconds, actors=_actor_table(results), writers=written)
