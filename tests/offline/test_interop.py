@@ -135,22 +135,22 @@ def test_import_packed_jsonl_keeps_one_row_per_line(tmp_path, tok):
     assert not (tmp_path / "bad").exists()
 
 
-def test_export_packed_jsonl_writes_our_packing_for_the_upstream_reader(chat_file, tok, tmp_path):
+def test_export_packed_jsonl_writes_rows_our_importer_reads_back(chat_file, tok, tmp_path):
     out = prepack(chat_file, tmp_path / "p", tokenizer=tok, max_seq_len=2048, overlong="drop").path
     ds = PrepackedDataset(out)
     dst = tmp_path / "train.jsonl.packed"
-    counts = export_packed_jsonl(ds, dst)
+    counts = export_packed_jsonl(ds, dst, tokenizer=tok)
     lines = [json.loads(x) for x in dst.read_text().splitlines()]
-    assert len(lines) == counts["rows"] == len(ds)
-    for r, line in enumerate(lines):
+    assert len(lines) == counts["rows"] and counts["conversations"] == ds.manifest["counts"]["sequences"]
+    per_line = []
+    for line in lines:
         msgs = line["messages"]
         assert msgs[0]["role"] == "system" and msgs[-1]["role"] == "assistant"
-        # split at system messages as the upstream reader does: the row's conversations, in order
-        n_conv = sum(m["role"] == "system" for m in msgs)
-        assert n_conv == ds.row(r).num_sequences
-    # our importer reads it back with the same membership
-    back = PrepackedDataset(import_packed_jsonl(dst, tmp_path / "back", tokenizer=tok).path)
-    assert [back.row(i).num_sequences for i in range(len(back))] == [ds.row(i).num_sequences for i in range(len(ds))]
+        per_line.append(sum(m["role"] == "system" for m in msgs))  # conversations, split as upstream does
+    assert sum(per_line) == counts["conversations"]
+    # our importer reads it back with the same membership, every row within the width
+    back = PrepackedDataset(import_packed_jsonl(dst, tmp_path / "back", tokenizer=tok, max_seq_len=2048).path)
+    assert [back.row(i).num_sequences for i in range(len(back))] == per_line
     split = prepack(chat_file, tmp_path / "s", tokenizer=tok, max_seq_len=512, overlong="split").path
     with pytest.raises(ValueError, match="split into pieces"):
-        export_packed_jsonl(split, tmp_path / "s.jsonl.packed")
+        export_packed_jsonl(split, tmp_path / "s.jsonl.packed", tokenizer=tok)

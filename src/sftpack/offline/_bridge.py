@@ -87,9 +87,9 @@ def _layout(lens: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return begin, np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(begin - first, lens)
 
 
-def _eos_id(ds: Any, tokenizer: Any) -> int:
-    """The EOS id Bridge's writer pads with (its ``tokenizer.eod``), from ``tokenizer`` or, when
-    the prepack was made with sftpack's default tokenizer, from that one."""
+def _prepack_tokenizer(ds: Any, tokenizer: Any, need: str, *, check: bool) -> Any:
+    """``tokenizer``, or the prepack's own when it is sftpack's default tokenizer; ``check``:
+    refuse a tokenizer other than the prepack's (its ids must mean what the prepack's mean)."""
     from ._fingerprint import tokenizer_fingerprint
 
     have = (ds.manifest["fingerprint"].get("tokenizer") or {}).get("sha256")
@@ -99,15 +99,22 @@ def _eos_id(ds: Any, tokenizer: Any) -> int:
         default = default_tokenizer()
         if have is None or tokenizer_fingerprint(default)["sha256"] != have:
             raise ValueError(
-                f"{ds.path}: padding for context parallelism needs the tokenizer's EOS id (Bridge's writer pads "
-                "with it): pass tokenizer= (the prepack's tokenizer), or pad_multiple=1 to export without CP padding"
+                f"{ds.path}: {need} needs a tokenizer, and the prepack was not made with sftpack's default one: "
+                "pass tokenizer="
             )
-        tokenizer = default
-    elif have is not None and tokenizer_fingerprint(tokenizer)["sha256"] != have:
+        return default
+    if check and have is not None and tokenizer_fingerprint(tokenizer)["sha256"] != have:
         raise ValueError(
             f"{ds.path} was prepacked with another tokenizer (fingerprint {have[:12]}) than tokenizer= "
             f"({tokenizer_fingerprint(tokenizer)['sha256'][:12]}): pass the prepack's tokenizer"
         )
+    return tokenizer
+
+
+def _eos_id(ds: Any, tokenizer: Any) -> int:
+    """The EOS id Bridge's writer pads with (its ``tokenizer.eod``)."""
+    need = "padding for context parallelism (Bridge's writer pads with the EOS id; pad_multiple=1 does not pad)"
+    tokenizer = _prepack_tokenizer(ds, tokenizer, need, check=True)
     eos = getattr(tokenizer, "eos_token_id", None)
     if not isinstance(eos, int) or eos < 0:
         raise ValueError(f"tokenizer= has no EOS token (eos_token_id={eos!r}): Bridge's writer pads with it")

@@ -12,17 +12,20 @@ silently). Its converter packs next-fit in input order.
   per line, conversations in line order), tokenizing each conversation with the
   given tokenizer's chat template. A row that does not fit ``max_seq_len`` is an
   error naming the line, never a silent truncation.
-- :func:`export_packed_jsonl` writes a prepack's packing (rows from sftpack's
-  BFD) as such a file, so that pipeline can train on it. It needs the
-  conversations' text: it re-reads the prepack's inputs (checking their SHA-256
-  against the fingerprint) or takes them as an argument. A conversation without
-  a system message gets ``system_prompt`` (the format splits at system
-  messages), and turns after a conversation's last assistant message (never
-  trained on) are left out, as the format ends conversations with the assistant.
-  Conversations split into pieces by ``overlong="split"`` cannot be
-  written as text: export a prepack made with ``truncate`` or ``drop``.
-  The rows fit the upstream ``max_seq_length`` when it tokenizes with the same
-  tokenizer and template; its other prompt formats produce other token counts.
+- :func:`export_packed_jsonl` writes a prepack's conversations as such a file,
+  so that pipeline can train on them. It needs the conversations' text: it
+  re-reads the prepack's inputs (checking their SHA-256 against the
+  fingerprint) or takes them as an argument. A conversation without a system
+  message gets ``system_prompt`` (the format splits at system messages), and
+  turns after a conversation's last assistant message (never trained on) are
+  left out, as the format ends conversations with the assistant. The rows are
+  packed (the prepack's algorithm and width) on each conversation's length *as
+  written*, system prompt included, counted as the upstream loader counts it
+  (``apply_chat_template`` with the given tokenizer and template, each
+  conversation rounded up to the pad multiple, 2·CP): no row overflows under
+  that loader, so they need not be the prepack's own rows. Conversations split
+  into pieces by ``overlong="split"`` cannot be written as text: export a
+  prepack made with ``truncate`` or ``drop``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from .._base import positive_int
+from ..binpack import Algorithm
 from ..chat import read_conversations, tokenize_conversation
 from ..handoff import Sample
 from ._fingerprint import input_fingerprints
@@ -142,16 +149,57 @@ def _source_conversations(ds: Any) -> Iterable[Any]:
     return read_conversations([i["name"] for i in inputs], on_bad_row="skip")
 
 
+def _chat_lengths(convs: list[tuple[Any, list[dict[str, Any]]]], tokenizer: Any, chat_template: str | None) -> np.ndarray:
+    """Token count of every (id, messages) as the upstream loader renders it: the whole
+    conversation through ``apply_chat_template`` (no generation prompt), special tokens as
+    control tokens."""
+
+    def render(batch: list[list[dict[str, Any]]]) -> list[int]:
+        out = tokenizer.apply_chat_template(batch, tokenize=True, add_generation_prompt=False,
+                                            chat_template=chat_template)
+        ids = out["input_ids"] if hasattr(out, "keys") else out  # a BatchEncoding in transformers 5
+        return [len(x) for x in ids]
+
+    lengths: list[int] = []
+    for a in range(0, len(convs), 256):
+        batch = convs[a : a + 256]
+        try:
+            lengths += render([m for _, m in batch])
+        except Exception:  # find the conversation the template refuses, and name it
+            for cid, msgs in batch:
+                try:
+                    lengths += render([msgs])
+                except Exception as e:
+                    raise ValueError(
+                        f"conversation {cid!r}: the chat template cannot render it as written to packed JSONL "
+                        f"({type(e).__name__}: {e}); pass chat_template= (the template the upstream loader uses)"
+                    ) from None
+    return np.asarray(lengths, dtype=np.int64)
+
+
 def export_packed_jsonl(
     dataset: Any,
     path: str | os.PathLike[str],
     *,
     conversations: Iterable[Any] | None = None,
     system_prompt: str = "You are a helpful assistant.",
+    tokenizer: Any = None,
+    chat_template: str | None = None,
+    pad_multiple: int | None = None,
+    overlong: str | None = None,
 ) -> dict[str, int]:
-    """Write a prepack's rows as a packed JSONL file; returns counts (rows, conversations,
-    system prompts added, trailing non-assistant turns left out, truncated conversations
-    written whole).
+    """Write a prepack's conversations as a packed JSONL file, packed by sftpack's packer on
+    their lengths *as written*; returns counts (rows, conversations, system prompts added,
+    trailing non-assistant turns left out, truncated conversations written whole, conversations
+    longer than a row as written dropped or written whole, tokens counted).
+
+    Each conversation is written as the upstream loader will read it (``system_prompt`` added
+    when it has no system message, trailing non-assistant turns left out) and counted the way
+    that loader counts it: ``tokenizer.apply_chat_template`` of the conversation as written,
+    rounded up to ``pad_multiple`` (the loader pads each conversation to ``2 * CP``). The rows
+    are then planned on those counts with the prepack's packing algorithm and row width, so no
+    row exceeds ``max_seq_len`` under that loader with that tokenizer and template. The rows
+    therefore need not match the prepack's (which were packed without the added text).
 
     Args:
         dataset: a :class:`~sftpack.offline.PrepackedDataset` or its directory.
@@ -159,8 +207,21 @@ def export_packed_jsonl(
         conversations: the source conversations (objects with ``id`` and ``messages``);
             default: re-read the prepack's inputs.
         system_prompt: the system message given to conversations that have none.
+        tokenizer: the tokenizer the upstream loader uses (default: the prepack's, when it
+            is sftpack's default tokenizer).
+        chat_template: the template the upstream loader renders with (its prompt format's);
+            default: the tokenizer's own.
+        pad_multiple: ``2 * context_parallel_size`` of the upstream run (default: the
+            prepack's pad multiple).
+        overlong: a conversation longer than a row *as written* (a ``truncate`` prepack's, or
+            one the system prompt pushes over): ``"drop"`` leaves it out (counted in
+            ``over_length_dropped``), ``"truncate"`` writes it whole alone in its row (counted
+            in ``over_length_written_whole``; the upstream loader cuts it there), ``"error"``
+            raises naming it. Default: the prepack's ``overlong``.
     """
+    from ._bridge import _prepack_tokenizer
     from ._dataset import PrepackedDataset
+    from ._plan import plan_rows
 
     ds = dataset if isinstance(dataset, PrepackedDataset) else PrepackedDataset(dataset)
     pieces = ds.sequences["piece"]
@@ -169,31 +230,68 @@ def export_packed_jsonl(
             f"{ds.path} holds conversations split into pieces (overlong='split'), which text cannot express: "
             "prepack with --overlong truncate or drop to export packed JSONL"
         )
-    wanted = {ds.conversation_id(c) for c in range(ds._arrays["conversation_offsets"].shape[0] - 1)}
+    width = ds.max_seq_len
+    m = ds.pad_multiple if pad_multiple is None else positive_int("pad_multiple", pad_multiple)
+    if width % m:
+        raise ValueError(f"pad_multiple={m} does not divide the row width {width}: the upstream loader needs "
+                         "max_seq_length to be a multiple of 2 * context_parallel_size")
+    tokenizer = _prepack_tokenizer(ds, tokenizer, "counting the rows as the upstream loader tokenizes them",
+                                   check=False)
+    order = [int(c) for c in np.unique(ds.sequences["conversation"])]  # input order
+    wanted = {ds.conversation_id(c): c for c in order}
     source = conversations if conversations is not None else _source_conversations(ds)
     messages: dict[Any, list[dict[str, Any]]] = {}
     for item in source:
         cid = getattr(item, "id", None) if not isinstance(item, dict) else item.get("id")
         if cid in wanted:
             messages[cid] = list(item.messages if not isinstance(item, dict) else item["messages"])
-    missing = wanted - set(messages)
+    missing = set(wanted) - set(messages)
     if missing:
         raise PrepackError(f"{len(missing)} conversations of the prepack are not in the source, e.g. {sorted(map(str, missing))[:3]}")
-    added = trimmed = 0
+    written: list[tuple[Any, list[dict[str, Any]]]] = []
+    edits = np.zeros((len(wanted), 2), np.int64)  # per conversation: system prompt added, trailing turns left out
+    for k, cid in enumerate(wanted):
+        conv = messages[cid]
+        end = len(conv)
+        while end and conv[end - 1].get("role") != "assistant":  # untrained trailing turns
+            end -= 1
+        out: list[dict[str, Any]] = []
+        if conv[0].get("role") != "system":  # the format splits at system messages
+            out.append({"role": "system", "content": system_prompt})
+        out.extend({"role": m_["role"], "content": m_["content"]} for m_ in conv[:end])
+        edits[k] = (conv[0].get("role") != "system", len(conv) - end)
+        written.append((cid, out))
+    lengths = _chat_lengths(written, tokenizer, chat_template)
+    policy = overlong if overlong is not None else str(ds.manifest["fingerprint"].get("overlong") or "truncate")
+    if policy not in ("truncate", "drop", "error"):
+        raise ValueError(f"overlong={policy!r} is not valid here: choose 'truncate', 'drop' or 'error'")
+    over = np.flatnonzero(lengths > width)
+    if over.shape[0] and policy == "error":
+        cid, n = written[int(over[0])][0], int(lengths[over[0]])
+        raise ValueError(
+            f"conversation {cid!r} is {n} tokens as written to packed JSONL (system prompt included), more than "
+            f"the row width {width}: {over.shape[0]} such; pass overlong='drop' or 'truncate', or prepack wider rows"
+        )
+    if over.shape[0] and policy == "drop":
+        keep = lengths <= width
+        written = [w for w, k in zip(written, keep) if k]
+        lengths, edits = lengths[keep], edits[keep]
+        if not written:
+            raise ValueError(f"every conversation of {ds.path} is longer than the row width {width} as written to "
+                             "packed JSONL: nothing to write; prepack wider rows")
+    fp = ds.manifest["fingerprint"]
+    algorithm = fp.get("algorithm") if fp.get("algorithm") in {a.value for a in Algorithm} else "bfd"
+    plan = plan_rows(np.minimum(lengths, width), max_seq_len=width, pad_multiple=m, algorithm=algorithm,
+                     seed=int(fp.get("seed") or 0))
     with open(path, "w", encoding="utf-8") as f:
-        for r in range(ds.num_rows):
+        for r in range(plan.num_rows):
             row: list[dict[str, Any]] = []
-            for c in ds.row_sequences(r)["conversation"]:
-                conv = messages[ds.conversation_id(int(c))]
-                end = len(conv)
-                while end and conv[end - 1].get("role") != "assistant":  # untrained trailing turns
-                    end -= 1
-                trimmed += len(conv) - end
-                if conv[0].get("role") != "system":
-                    row.append({"role": "system", "content": system_prompt})
-                    added += 1
-                row.extend({"role": m["role"], "content": m["content"]} for m in conv[:end])
+            for i in plan.order[plan.row_offsets[r] : plan.row_offsets[r + 1]]:
+                row.extend(written[int(i)][1])
             f.write(json.dumps({"messages": row}, ensure_ascii=False) + "\n")
     oc = ds.manifest["counts"].get("overlong") or {}
-    return {"rows": ds.num_rows, "conversations": len(wanted), "system_prompts_added": added,
-            "trailing_turns_dropped": trimmed, "truncated_written_whole": int(oc.get("truncated", 0))}
+    return {"rows": plan.num_rows, "conversations": len(written), "system_prompts_added": int(edits[:, 0].sum()),
+            "trailing_turns_dropped": int(edits[:, 1].sum()), "truncated_written_whole": int(oc.get("truncated", 0)),
+            "over_length_dropped": int(over.shape[0]) if policy == "drop" else 0,
+            "over_length_written_whole": int(over.shape[0]) if policy == "truncate" else 0,
+            "tokens": int(lengths.sum())}
