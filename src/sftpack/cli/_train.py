@@ -271,12 +271,12 @@ def run(args: argparse.Namespace) -> int:
     data_vocab = int((manifest or {}).get("vocab_size") or 0)
     if args.model:  # before tokenizing: a model too small for the tokenizer cannot train on its ids
         model_vocab = model_vocab_size(args.model)
-        for size, whose in ((vocab_size, "the tokenizer's"), (data_vocab, f"{args.prepacked}'s ids")):
+        for size, whose in ((vocab_size, "the tokenizer's"), (data_vocab, "the prepack's (its manifest)")):
             if size > model_vocab:
                 raise UsageError(
-                    f"--model {args.model} has a vocabulary of {model_vocab:,} ids, {whose} go up to {size:,}: "
-                    f"ids >= {model_vocab:,} have no embedding; give the tokenizer the model was trained with "
-                    "(--tokenizer DIR) or a model whose vocabulary covers it"
+                    f"--model {args.model} has a vocabulary of {model_vocab:,} ids, smaller than {whose} "
+                    f"{size:,}: ids >= {model_vocab:,} have no embedding; give the tokenizer the model was "
+                    "trained with (--tokenizer DIR) or a model whose vocabulary covers it"
                 )
     elif data_vocab > vocab_size:
         vocab_size = data_vocab  # a prepack of ids beyond this tokenizer (it records none)
