@@ -174,7 +174,7 @@ def test_export_refuses_what_it_cannot_write(built, unpadded, tok, tmp_path):
     ds = PrepackedDataset(unpadded)
     with pytest.raises(ValueError, match=r"row \d+ needs \d+ slots .* pad_multiple=256 .* --pad-multiple 256"):
         export_megatron_bridge(ds, tmp_path / "wide", pad_multiple=256, tokenizer=tok)
-    with pytest.raises(ValueError, match=r"EOS id .* pass tokenizer="):
+    with pytest.raises(ValueError, match=r"EOS id.*pass tokenizer="):
         export_megatron_bridge(built[1], tmp_path / "noeos")  # the tiny tokenizer is not the default one
     from sftpack.testing import tiny_chat_tokenizer
 
