@@ -291,3 +291,21 @@ def test_samples_are_sample_objects_with_any_ids():
     s = [Sample(np.arange(1, 4), np.ones(3, bool), "c0"), Sample(np.arange(5, 7), np.ones(2, bool), None)]
     (row,) = list(PackingDataset(s, max_seq_len=8, buffer_size=2))
     assert row.sequence_ids == ("c0", 1)  # no conversation id: the source index
+
+
+# ------------------------------------------------------------------ negative ids (issue 16, item 10)
+def test_negative_token_ids_and_pad_ids_are_refused_on_intake():
+    """As the prepack path refuses ids outside [0, 2**32) at staging, the loader refuses a negative
+    id when it reads the sample, naming the source index, the conversation and the position."""
+    samples = samples_from_lengths([4, 6, 3])
+    bad = Sample(np.array([11, 12, -5, 14]), np.ones(4, bool), "chat.jsonl:7")
+    ds = PackingDataset([*samples, bad], max_seq_len=16, buffer_size=8)
+    with pytest.raises(ValueError, match=r"sample 3 \(conversation 'chat.jsonl:7'\) holds token id -5 at position 2: "
+                                         r"token ids must be non-negative"):
+        list(ds)
+    with pytest.raises(ValueError, match=r"sample 1 \(conversation 1\) holds token id -1 at position 0"):
+        list(PackingDataset([[3, 4], [-1, 2]], max_seq_len=8, buffer_size=2))  # bare id lists: index as id
+    with pytest.raises(ValueError, match=r"PackingDataset: pad_id=-1 is negative: padding slots are fed to the "
+                                         r"embedding.*token id >= 0"):
+        PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=-1)
+    assert len(list(PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=0))) == 1  # the same, valid

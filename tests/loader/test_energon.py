@@ -91,6 +91,8 @@ def test_energon_encoder_refuses_what_it_cannot_do():
         PackingTaskEncoder(None, max_seq_len=64, overlong="split")
     with pytest.raises(ValueError, match="max_seq_len=30 is not a multiple of pad_multiple=4"):
         PackingTaskEncoder(None, max_seq_len=30, pad_multiple=4)
+    with pytest.raises(ValueError, match="PackingTaskEncoder: pad_id=-1 is negative"):
+        PackingTaskEncoder(None, max_seq_len=64, pad_id=-1)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -132,11 +132,12 @@ def _dataset_states(state):
 
 def test_a_worker_state_refuses_another_share():
     """Loaded straight into a dataset iterated as another worker count, a worker state says so."""
-    loader = _loader(0, 0, 1)
+    loader = _loader(2, 0, 1)
     it = iter(loader)
-    next(it)
-    (st,) = list(_dataset_states(loader.state_dict()))
-    st = dict(st, shard=1, num_shards=2, num_workers=2)
+    for _ in range(3):
+        next(it)
+    st = next(s for s in _dataset_states(loader.state_dict()) if s["shard"] == 1)
+    assert (st["num_shards"], st["num_workers"]) == (2, 2) and st["cursor"] > 0
     ds = PackingDataset(SAMPLES, **KW)
     ds.load_state_dict(st)
     with pytest.raises(StateError, match=r"saved by worker 1 of num_workers=2.*restored into worker 0 of "

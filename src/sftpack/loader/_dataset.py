@@ -51,12 +51,15 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._base import choose, positive_int
 from ..binpack import Algorithm
 from ..handoff import PackedBatch, build_row, padded_lengths
+from ..handoff.build import check_pad_id
 from ._plan import hold_back, plan_flat
 from ._source import Item, Lookahead, Overlong, Source, cut_overlong
 from ._state import (
     STATE_VERSION,
     StateError,
+    check_fields,
     check_loadable,
+    check_refs,
     check_share,
     refs_needed,
     restore_items,
@@ -162,7 +165,7 @@ class PackingDataset(IterableDataset):
         self.num_epochs = positive_int("num_epochs", num_epochs, allow_none=True, who=who)
         if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral):
             raise TypeError(f"{who}: pad_id must be an integer token id, got {pad_id!r}")
-        self.pad_id = int(pad_id)
+        self.pad_id = check_pad_id(pad_id, who, ValueError)
         dist_rank, dist_world = _dist_rank_world()
         self.world_size = positive_int("world_size", world_size if world_size is not None else dist_world, who=who)
         self.rank = _non_negative("rank", rank if rank is not None else dist_rank)
@@ -249,16 +252,25 @@ class PackingDataset(IterableDataset):
             "buffer": [[*it.ref, age] for it, age in zip(self._buffer, self._ages)],
             "pending": [[list(it.ref) for it in row] for row in self._pending],
             "stats": self._stats.as_dict(),
+            "num_samples": len(self.source.samples) if self.source.map_style else None,
+            "lengths": [[*it.ref, it.length] for it in self._buffer]
+            + [[*it.ref, it.length] for row in self._pending for it in row],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from :meth:`state_dict`'s output (taken from a dataset built with the same arguments).
 
         Raises:
-            StateError: not such a state, other arguments, another rank or world size
-                (checked now); another ``num_workers`` (checked when iteration starts).
+            StateError: not such a state, other arguments, another rank or world size, a
+                damaged field, a state saved over other data (checked now: see ``_state``);
+                another ``num_workers`` (checked when iteration starts).
         """
         check_loadable(state, self._config(), self.rank, self.world_size)
+        check_fields(state, self.max_wait)
+        order = None
+        if self.source.map_style:
+            order = self.source.order(state["epoch"], state["shard"], state["num_shards"])
+        check_refs(state, order, len(self.source.samples) if self.source.map_style else None)
         self._reset(epoch=int(state["epoch"]))
         self._restore = state
         self._stats = LoaderStats.from_dict(state["stats"])
@@ -279,11 +291,21 @@ class PackingDataset(IterableDataset):
         self._buffer, self._ages, self._pending = restore_items(
             self._restore, got, lambda i, obj: cut_overlong(i, obj, self.max_seq_len, self.overlong)[0]
         )
+        for r, row in enumerate(self._pending):
+            cost = int(padded_lengths([it.length for it in row], self.pad_multiple).sum())
+            if cost > self.max_seq_len:
+                raise StateError(
+                    f"state['pending'][{r}] holds {len(row)} sequences of {cost} padded slots, more than "
+                    f"max_seq_len={self.max_seq_len}: the state was saved over other data (or edited); resume "
+                    "with the same samples in the same order"
+                )
         self._restore = None
 
     # ------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[PackedBatch]:
         shard, shards, nw = self._shard()
+        if self.source.map_style and len(self.source.samples) < shards:
+            raise ValueError(self._too_few(shard, shards, nw, len(self.source.samples)))
         need: set[int] = set()
         if self._restore is not None:
             need = self._apply_restore(shard, shards, nw)
@@ -298,8 +320,56 @@ class PackingDataset(IterableDataset):
             if self._restore is not None:
                 self._rebuild(got)
             need = set()
+            fresh = self._cursor == 0 and not self._buffer and not self._pending
+            before = (self._stats.rows_out, self._stats.samples_in, self._stats.dropped)
             yield from self._run_epoch(Lookahead(stream))
+            if fresh and self._stats.rows_out == before[0]:
+                read, dropped = self._stats.samples_in - before[1], self._stats.dropped - before[2]
+                raise ValueError(self._no_row(shard, shards, nw, read, dropped))
         self._active = False
+
+    # ------------------------------------------------------------ empty shares
+    # A share that yields no row is refused, never looped over: endless (num_epochs=None)
+    # it would read its empty share forever without yielding, and with one epoch the
+    # ranks would disagree on the row count (a DDP step waits forever for the rank
+    # that has none). Equal row counts would need every share's rows, which a
+    # streaming packer only knows at the end of the epoch.
+    def _who(self, shard: int, shards: int, nw: int) -> str:
+        return (
+            f"PackingDataset (rank {self.rank} of world_size={self.world_size}, worker {shard - self.rank * nw} "
+            f"of num_workers={nw if get_worker_info() is not None else 0})"
+        )
+
+    _WHY = (
+        "a share with no row would never yield with num_epochs=None, and with a fixed number of epochs the "
+        "ranks would disagree on the row count (a DDP step waits forever)"
+    )
+
+    def _too_few(self, shard: int, shards: int, nw: int, n: int) -> str:
+        if n == 0:
+            return f"{self._who(shard, shards, nw)}: the source holds no sample: give it at least one"
+        fix = (
+            f"num_workers <= {n // self.world_size}" if n >= self.world_size else f"at most {n} ranks"
+        )
+        return (
+            f"{self._who(shard, shards, nw)}: the source holds {n} samples but they are dealt to {shards} shares "
+            f"(world_size={self.world_size} x {nw} worker(s) per rank), so {shards - n} share(s) get none; "
+            f"{self._WHY}: use {fix}, or more samples"
+        )
+
+    def _no_row(self, shard: int, shards: int, nw: int, read: int, dropped: int) -> str:
+        head = f"{self._who(shard, shards, nw)}: epoch {self._epoch - 1} of share {shard} of {shards} emitted no row"
+        if read and dropped == read:
+            return (
+                f"{head}: all {read} of its samples are longer than max_seq_len={self.max_seq_len} and were "
+                f"dropped (overlong='drop'); {self._WHY}: raise max_seq_len, or pass overlong='split' or 'truncate'"
+            )
+        if read == 0:
+            return (
+                f"{head}: it read no sample (the source is empty, or holds fewer samples than the {shards} shares "
+                f"of world_size x num_workers); {self._WHY}: use fewer ranks x workers, or more samples"
+            )
+        return f"{head}: it read {read} samples, {dropped} dropped; {self._WHY}"
 
     def _run_epoch(self, stream: Lookahead) -> Iterator[PackedBatch]:
         """Rows of the rest of this epoch; the epoch advances *before* its last row is

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._base import StrEnum
 from ..handoff import Sample, as_sample
+from ._state import StateError
 
 __all__ = ["Item", "Lookahead", "Overlong", "Source", "cut_overlong"]
 
@@ -68,6 +69,12 @@ def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> 
     s = obj if isinstance(obj, Sample) else as_sample(obj, index)
     sid = s.conversation_id if s.conversation_id is not None else index
     n = s.input_ids.shape[0]
+    if n and int(s.input_ids.min()) < 0:
+        raise ValueError(
+            f"sample {index} (conversation {sid!r}) holds token id {int(s.input_ids.min())} at position "
+            f"{int(np.argmin(s.input_ids))}: token ids must be non-negative (an embedding has no row for a "
+            "negative id); tokenize it again with the model's tokenizer, or leave it out"
+        )
     if n <= max_seq_len:
         return [Item((index, 0), s.input_ids, s.loss_mask, sid)], 0
     if overlong is Overlong.SPLIT:
@@ -143,6 +150,11 @@ class Source:
             if i in need:
                 got[i] = obj
             own += 1
+        if start > own:  # a restored cursor beyond the share: other (shorter) data
+            raise StateError(
+                f"the state's cursor is {start} but share {shard} of {num_shards} holds {own} samples in this "
+                "stream: the state was saved over other data; resume with the same samples in the same order"
+            )
         return got, iter(())
 
 

@@ -58,6 +58,7 @@ from megatron.energon import (
 
 from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row
+from ..handoff.build import check_pad_id
 from ._plan import plan_rows
 
 __all__ = [
@@ -171,7 +172,7 @@ class PackingTaskEncoder(TaskEncoder):
         self.algorithm = algorithm
         self.overlong = overlong
         self.train_on = train_on
-        self.pad_id = pad_id
+        self.pad_id = check_pad_id(pad_id, "PackingTaskEncoder", ValueError)
 
     @stateless
     def encode_sample(self, sample: Any) -> TokenizedSample:
