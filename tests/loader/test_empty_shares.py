@@ -150,3 +150,19 @@ def test_shares_with_rows_are_untouched_and_endless_keeps_yielding(kind):
     for rank in range(3):
         got = rows(PackingDataset(SOURCES[kind](samples), rank=rank, world_size=3, num_epochs=None, **KW))
         assert [r.sequence_ids for r in got] == [(rank,)] * STEPS
+
+
+def test_train_packing_loader_with_more_ranks_than_conversations_stops_on_every_rank():
+    """``sftpack train --packing loader`` under torchrun with 3 ranks and 2 conversations: each
+    rank's data source (what the trainer builds for it) refuses at its first step, instead of two
+    ranks training while the third spins forever (the run used to never end)."""
+    from sftpack.train import TrainConfig, make_source
+
+    cfg = TrainConfig(packing="loader", batch_size=3, max_seq_len=64, buffer_size=4)
+    for rank in range(3):
+        source = make_source(cfg, samples=Bounded(samples_from_lengths([20, 30])), rank=rank, world=3)
+        with pytest.raises(ValueError, match=rf"rank {rank} of world_size=3.*the source holds 2 samples but they are "
+                                             r"dealt to 3 shares.*use at most 2 ranks"):
+            source.next_step()
+    ok = make_source(cfg, samples=samples_from_lengths([20, 30, 9]), rank=2, world=3)
+    assert [mb for mb in ok.next_step()]  # three conversations, three ranks: each has a row per step
