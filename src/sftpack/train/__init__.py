@@ -4,7 +4,9 @@ A small, readable loop for a Hugging Face causal LM (``sftpack train`` wraps it)
 AdamW, warm-up + cosine/linear decay, gradient accumulation, clipping, the global
 token-mean loss of :mod:`sftpack.loss`, seeded everything, DDP over
 ``torch.distributed`` (``torchrun``; gloo on CPU, NCCL on GPU), atomic
-checkpoints with exact resume, and a JSONL log per step.
+checksummed checkpoints with exact resume, and a JSONL log per step. A step whose
+loss or gradient is not finite stops the run (or is skipped and counted), data
+with no supervised target is refused, and a step with none is skipped and counted.
 
 - ``_options``: :class:`TrainConfig`, :class:`Packing`, :class:`Boundaries`, :class:`Schedule`.
 - ``_data``: per-path sources of micro-batches with resumable positions

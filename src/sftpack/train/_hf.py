@@ -31,6 +31,14 @@ Recipe::
     args = TrainingArguments(out, per_device_train_batch_size=8, remove_unused_columns=False, ...)
     Trainer(model=model, args=args, train_dataset=samples, data_collator=PackingCollator()).train()
 
+What each feature trains on must be said: a ``loss_mask``, or Hugging Face
+``labels`` (unshifted: the token itself where trained, -100 elsewhere). A feature
+with neither is refused with a ``KeyError`` naming its keys and the fix (Trainer's
+default ``remove_unused_columns=True`` drops the ``loss_mask`` column: pass
+``remove_unused_columns=False``), never trained on every token. An
+``attention_mask`` that marks right padding is honoured (the padding is cut off);
+left padding or holes are refused, as packing would make those pads context.
+
 The model's attention must read the boundaries: ``flash_attention_2`` on GPU, or
 on CPU :data:`~sftpack.train.TRAIN_ATTENTION` (``build_model``'s default; register
 it with :func:`~sftpack.train.register_train_attention`).
