@@ -69,7 +69,7 @@ def test_inspect_describes_draws_a_row_verifies_and_plots(built, tmp_path, capsy
     c = ds.manifest["counts"]
     assert f"{c['rows']:,} rows, fill {c['fill']:.3%}, L1 bound {c['l1']:,}" in text
     assert "row fill:" in text and "sequences per row:" in text
-    assert "verified: every file matches its SHA-256 (6 files)" in text
+    assert "verified: every file matches its SHA-256 (6 files), and the manifest its own" in text
     row = ds.row(i)
     assert f"cu_seqlens={row.cu_seqlens.tolist()}" in text
     assert f"cu_seqlens_padded={row.cu_seqlens_padded.tolist()}" in text
@@ -94,3 +94,31 @@ def test_inspect_draws_narrow_rows_one_cell_per_slot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "  A A A A A |B B B B B B B B B B ." in text  # the worked example, as sftpack map draws it
     assert "cu_seqlens=[0, 5, 15]" in text and "cu_seqlens_padded=[0, 5, 16]" in text
+
+
+def test_inspect_draws_a_row_of_the_widest_allowed_prepack_without_laying_its_slots(tmp_path, capsys):
+    """``--row`` reads the row's index and stored tokens only. A row of the widest allowed
+    width (2**24 slots) built as tensors would take 2**24 x 8 bytes = 134 MB for input_ids
+    alone (and as much for labels and position_ids); drawing it must stay far below: the
+    bound, 16 MB, is one eighth of that single tensor."""
+    import tracemalloc
+
+    import numpy as np
+
+    from sftpack import Sample
+    from sftpack.offline import prepack_samples
+    from sftpack.offline._format import MAX_ROW_WIDTH
+
+    a = Sample(np.arange(1, 6), np.ones(5, bool), "A")
+    b = Sample(np.arange(101, 111), np.ones(10, bool), "B")
+    out = prepack_samples([a, b], tmp_path / "wide", max_seq_len=MAX_ROW_WIDTH, pad_multiple=4).path
+    tracemalloc.start()
+    try:
+        assert main(["inspect", str(out), "--row", "0"]) == 0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    text = capsys.readouterr().out
+    assert peak < 16 << 20, peak
+    assert f"row 0: 2 sequences, 15 real tokens in {MAX_ROW_WIDTH:,} slots, 13 labels" in text
+    assert f"cu_seqlens=[0, 5, 15]" in text and f"cu_seqlens_padded=[0, 8, {MAX_ROW_WIDTH}]" in text

@@ -11,7 +11,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a prepack directory: fingerprint, counts, fill, histograms, a row")
     p.add_argument("directory", metavar="DIR", help="a directory written by sftpack prepack")
     p.add_argument("--row", type=non_negative, metavar="I", help="draw row I (segments, padding, cu_seqlens)")
-    p.add_argument("--verify", action="store_true", help="recompute every file's SHA-256")
+    p.add_argument("--verify", action="store_true", help="recompute the SHA-256 of the token and mask data too "
+                   "(the manifest, the sizes, the headers and the index are always checked)")
     p.add_argument("--png", metavar="FILE", help="draw the histograms as a PNG (needs matplotlib)")
     p.set_defaults(func=run)
 
@@ -154,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
     for line in describe_lines(ds):
         print(line)
     if args.verify:
-        print(f"\nverified: every file matches its SHA-256 ({len(ds.manifest['files'])} files)")
+        print(f"\nverified: every file matches its SHA-256 ({len(ds.manifest['files'])} files), and the manifest its own")
     if args.row is not None:
         if args.row >= ds.num_rows:
             from ._common import UsageError

@@ -179,13 +179,15 @@ def open_npy(
             raise PrepackError(f"{damaged}: expected a 1-D array, got shape {shape}; write the prepack again")
         if dtype is not None and found != np.dtype(dtype):
             raise PrepackError(
-                f"{damaged}: it holds {found}, expected {np.dtype(dtype)}; write the prepack again"
+                f"{path}: its .npy header says {found}, the prepack format needs {np.dtype(dtype)}: the file or "
+                "the manifest is damaged; write the prepack again"
             )
         dtype = found
         n = int(shape[0])
         if length is not None and n != length:
             raise PrepackError(
-                f"{damaged}: it holds {n} items, the manifest counts {length}; write the prepack again"
+                f"{path}: its .npy header says {n} items, the manifest counts {length}: the file or the manifest "
+                "is damaged; write the prepack again"
             )
         size = os.fstat(f.fileno()).st_size
         need = offset + n * dtype.itemsize
@@ -262,7 +264,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise PrepackError(f"{path} is not a sftpack prepack manifest (format {found!r}, expected {FORMAT!r})")
     version = manifest.get("format_version")
     if not isinstance(version, int):
-        raise PrepackError(f"{path}: format_version is {version!r}, expected an integer")
+        raise PrepackError(
+            f"{path}: format_version is {version!r}, expected an integer: the manifest is damaged; write the prepack again"
+        )
     if version > FORMAT_VERSION:
         raise PrepackError(
             f"{directory} was written by a newer sftpack (format version {version} > {FORMAT_VERSION}, "
