@@ -300,3 +300,21 @@ def test_an_id_that_is_not_json_is_a_prepack_error_when_read(pristine, tmp_path)
     ds = PrepackedDataset(d)
     with pytest.raises(PrepackError, match=r"conversation_ids.npy: the id of conversation 0 is not valid JSON"):
         _read_everything(ds)
+
+
+def test_free_form_fingerprint_details_rewritten_consistently_still_inspect(pristine, tmp_path, capsys):
+    """The fingerprint's details (tokenizer facts, inputs) are free-form records: rewritten with
+    odd types (and re-digested, resealed), ``sftpack inspect`` prints them rather than failing."""
+
+    def odd(d: Path) -> None:
+        m = _manifest(d)
+        fp = m["fingerprint"]
+        fp["tokenizer"] = {"sha256": 5, "name_or_path": 7}
+        fp["inputs"] = [{}]
+        fp["sha256"] = digest({k: v for k, v in fp.items() if k != "sha256"})
+        _write_manifest(d, m, reseal=True)
+
+    d, _ = _damaged(pristine, tmp_path, odd)
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer 5 (? ids, 7)" in out and "input ?  ?  sha256 None" in out

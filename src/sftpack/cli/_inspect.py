@@ -28,7 +28,7 @@ def describe_lines(ds: object) -> list[str]:
     d = describe(ds)
     m = d.manifest
     c, fp = m["counts"], m["fingerprint"]
-    tok = fp.get("tokenizer") or {}
+    tok = fp.get("tokenizer") or {}  # the manifest's entries are checked on opening; the fingerprint's details are free-form
     out = [
         f"prepack {ds.path}  (format {m['format_version']}, sftpack {m['sftpack_version']}, source: {m['source']})",  # type: ignore[attr-defined]
         (
@@ -36,15 +36,15 @@ def describe_lines(ds: object) -> list[str]:
             f"pad id {m['pad_id']}, tokens stored as {m['token_dtype']}"
         ),
         (
-            f"  fingerprint {fp['sha256'][:16]}: tokenizer {tok.get('sha256', '?')[:16]} "
-            f"({tok.get('vocab_size', '?')} ids{', ' + tok['name_or_path'] if tok.get('name_or_path') else ''}), "
+            f"  fingerprint {fp['sha256'][:16]}: tokenizer {str(tok.get('sha256', '?'))[:16]} "
+            f"({tok.get('vocab_size', '?')} ids{', ' + str(tok['name_or_path']) if tok.get('name_or_path') else ''}), "
             f"algorithm {fp.get('algorithm')}, seed {fp.get('seed')}, overlong {fp.get('overlong', '-')}, "
             f"train_on {fp.get('train_on', '-')}"
         ),
     ]
     for inp in fp.get("inputs", []):
         size = f"{inp['size']:,} bytes" if isinstance(inp.get("size"), int) else "?"
-        out.append(f"  input {inp['name']}  {size}  sha256 {str(inp.get('sha256'))[:16]}")
+        out.append(f"  input {inp.get('name', '?')}  {size}  sha256 {str(inp.get('sha256'))[:16]}")
     dropped = ", ".join(f"{k} {v:,}" for k, v in c["dropped"].items()) or "none dropped"
     out.append(f"  conversations: {c['read']:,} read, {c['kept']:,} kept ({dropped}), "
                f"{c['packed_conversations']:,} packed")
