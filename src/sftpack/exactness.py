@@ -32,12 +32,14 @@ from torch import nn
 
 from .attention import varlen_attention
 from .handoff import IGNORE_INDEX, PackedBatch, Sample
+from .loss import loss_dtype
 
 __all__ = [
     "ExactnessReport",
     "TinyCausalLM",
     "check_hf_model",
     "check_plain_model",
+    "norms_in_model_dtype",
     "reference_labels",
     "tiny_llama",
 ]
@@ -66,8 +68,9 @@ class _RMSNorm(nn.Module):
 def _rope(x: torch.Tensor, position_ids: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary embedding of ``x`` ``(T, H, D)`` at ``position_ids`` ``(T,)``."""
     d = x.shape[-1]
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
-    ang = position_ids.to(torch.float32)[:, None] * inv[None, :]  # (T, D/2)
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=dt, device=x.device) / d))
+    ang = position_ids.to(dt)[:, None] * inv[None, :]  # (T, D/2)
     cos = torch.cat([ang.cos(), ang.cos()], dim=-1)[:, None, :].to(x.dtype)
     sin = torch.cat([ang.sin(), ang.sin()], dim=-1)[:, None, :].to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -155,8 +158,37 @@ class TinyCausalLM(nn.Module):
         return self.head(self.norm(x))
 
 
-def tiny_llama(vocab_size: int = 97, attn_implementation: str = "sdpa", seed: int = 0) -> Any:
-    """A randomly initialised Hugging Face ``LlamaForCausalLM`` (nothing downloaded)."""
+def _rms_norm_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    x = hidden_states
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+def norms_in_model_dtype(model: nn.Module) -> nn.Module:
+    """Make a float64 Hugging Face Llama compute its RMSNorms in float64; returns ``model``.
+
+    ``LlamaRMSNorm`` upcasts to float32 (for bfloat16 stability) and casts back, so in a
+    float64 model every normalised activation would be rounded to float32: float64 would
+    then not be float64, and two groupings of the same tokens could differ by a float32
+    rounding step. This swaps in the same formula, ``w * x / sqrt(mean(x**2) + eps)``,
+    computed in the input's dtype, on every ``LlamaRMSNorm`` of ``model`` (parameters and
+    state-dict keys unchanged). Only for float64 models; other dtypes are left as they are.
+    """
+    import types
+
+    for mod in model.modules():
+        if type(mod).__name__ == "LlamaRMSNorm":
+            mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)  # type: ignore[method-assign]
+    return model
+
+
+def tiny_llama(
+    vocab_size: int = 97, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32
+) -> Any:
+    """A randomly initialised Hugging Face ``LlamaForCausalLM`` (nothing downloaded).
+
+    ``dtype=torch.float64`` gives a model that computes in float64 throughout
+    (:func:`norms_in_model_dtype`), except the ``eager`` attention's softmax, which
+    Hugging Face computes in float32."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
@@ -171,7 +203,8 @@ def tiny_llama(vocab_size: int = 97, attn_implementation: str = "sdpa", seed: in
         attn_implementation=attn_implementation,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).float().train()
+    model = LlamaForCausalLM(cfg).to(dtype).train()
+    return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
 @dataclass
@@ -232,6 +265,10 @@ def _compare(
     return ExactnessReport(max_logit, float(loss.detach()), float(ref_loss.detach()), grad_diff, total_count)
 
 
+def _for_loss(logits: torch.Tensor) -> torch.Tensor:
+    return logits.to(loss_dtype(logits.dtype))
+
+
 def check_plain_model(
     model: TinyCausalLM,
     samples: Sequence[Sample],
@@ -252,28 +289,44 @@ def check_plain_model(
     def run_packed() -> tuple[torch.Tensor, torch.Tensor]:
         logits = model(packed.input_ids, packed.position_ids, params)
         n = max(packed.num_label_tokens, 1)
-        loss = F.cross_entropy(logits.float(), packed.labels, ignore_index=IGNORE_INDEX, reduction="sum") / n
+        loss = F.cross_entropy(_for_loss(logits), packed.labels, ignore_index=IGNORE_INDEX, reduction="sum") / n
         return logits, loss
 
     def run_single(s: Sample) -> tuple[torch.Tensor, torch.Tensor, int]:
         ids = torch.as_tensor(s.input_ids)
         logits = model(ids, torch.arange(len(s)), None)
         lab = reference_labels(s)
-        loss_sum = F.cross_entropy(logits.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum")
+        loss_sum = F.cross_entropy(_for_loss(logits), lab, ignore_index=IGNORE_INDEX, reduction="sum")
         return logits, loss_sum, int((lab != IGNORE_INDEX).sum())
 
     return _compare(model, samples, packed, run_packed, run_single)
 
 
+def _hf_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's causal-LM loss (``labels`` unshifted: slot ``t`` predicts
+    ``labels[t + 1]``), summed, in the logits' own dtype where that is float64."""
+    shifted = torch.cat([labels[1:], labels.new_full((1,), IGNORE_INDEX)])
+    return F.cross_entropy(_for_loss(logits), shifted, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def check_hf_model(model: Any, samples: Sequence[Sample], packed: PackedBatch) -> ExactnessReport:
     """Same check for a Hugging Face causal LM fed ``packed.to_hf_kwargs()``; the
-    reference runs each conversation as its own ``(1, L)`` batch."""
+    reference runs each conversation as its own ``(1, L)`` batch.
+
+    The loss is the model's own (``labels`` passed in), except for a float64 model:
+    Hugging Face's loss upcasts the logits to float32, so there the same loss (the
+    same shift of the same ``labels``) is computed from the logits in float64."""
+    native = next(model.parameters()).dtype != torch.float64
 
     def run_packed() -> tuple[torch.Tensor, torch.Tensor]:
-        out = model(**packed.to_hf_kwargs())
+        kw = packed.to_hf_kwargs()
+        labels = kw["labels"] if native else kw.pop("labels")
+        out = model(**kw)
         if packed.num_label_tokens == 0:  # Hugging Face's mean over no targets is NaN
             return out.logits[0], out.logits.sum() * 0.0
-        return out.logits[0], out.loss
+        if native:
+            return out.logits[0], out.loss
+        return out.logits[0], _hf_loss_sum(out.logits[0], labels[0]) / packed.num_label_tokens
 
     def run_single(s: Sample) -> tuple[torch.Tensor, torch.Tensor, int]:
         ids = torch.as_tensor(s.input_ids)[None]
@@ -281,6 +334,10 @@ def check_hf_model(model: Any, samples: Sequence[Sample], packed: PackedBatch) -
         lab[~torch.as_tensor(s.loss_mask)] = IGNORE_INDEX
         lab[0] = IGNORE_INDEX  # the first token is never a target
         count = int((lab != IGNORE_INDEX).sum())
+        if not native:
+            out = model(input_ids=ids, use_cache=False)
+            loss_sum = _hf_loss_sum(out.logits[0], lab) if count else out.logits.sum() * 0.0
+            return out.logits[0], loss_sum, count
         out = model(input_ids=ids, labels=lab[None] if count else None, use_cache=False)
         loss_sum = out.loss * count if count else out.logits.sum() * 0.0
         return out.logits[0], loss_sum, count

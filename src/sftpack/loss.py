@@ -45,6 +45,7 @@ from .handoff import IGNORE_INDEX, PackedBatch, segment_ids
 __all__ = [
     "count_label_tokens",
     "count_sequences",
+    "loss_dtype",
     "sequence_loss_sums",
     "sequence_mean_loss",
     "token_losses",
@@ -56,23 +57,30 @@ def _labels_of(labels: torch.Tensor | PackedBatch) -> torch.Tensor:
     return labels.labels if isinstance(labels, PackedBatch) else labels
 
 
+def loss_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a loss is computed in for logits of ``dtype``: float64 stays float64,
+    everything else (float32, bfloat16, float16) is computed in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def token_losses(logits: torch.Tensor, labels: torch.Tensor | PackedBatch) -> torch.Tensor:
-    """Per-slot cross-entropy, float32, 0 where there is no target.
+    """Per-slot cross-entropy, 0 where there is no target.
 
     Args:
         logits: ``(T, V)`` (or ``(1, T, V)`` from a Hugging Face model) for the slots
-            of a packed row; any float dtype (computed in float32).
+            of a packed row; any float dtype (computed in float32, or in float64 for
+            float64 logits: :func:`loss_dtype`).
         labels: ``(T,)`` int64 already-shifted labels (``PackedBatch.labels``), or the
             batch itself. ``-100`` = no target.
 
     Returns:
-        ``(T,)`` float32.
+        ``(T,)`` float32 (float64 for float64 logits).
     """
     lab = _labels_of(labels).reshape(-1)
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.shape[0] != lab.shape[0]:
         raise ValueError(f"logits cover {flat.shape[0]} slots but labels has {lab.shape[0]}")
-    return F.cross_entropy(flat.float(), lab, ignore_index=IGNORE_INDEX, reduction="none")
+    return F.cross_entropy(flat.to(loss_dtype(flat.dtype)), lab, ignore_index=IGNORE_INDEX, reduction="none")
 
 
 def _dist_ready(group: Any) -> bool:
@@ -139,11 +147,11 @@ def token_mean_loss(
             the data-parallel size); 1 for a sum all-reduce or a single process.
 
     Returns:
-        0-dim float32 tensor.
+        0-dim float32 tensor (float64 for float64 logits).
     """
     total = token_losses(logits, labels).sum()
     if isinstance(num_label_tokens, torch.Tensor):
-        denom = num_label_tokens.to(device=total.device, dtype=torch.float32).clamp_min(1)
+        denom = num_label_tokens.to(device=total.device, dtype=total.dtype).clamp_min(1)
     else:
         denom = float(max(int(num_label_tokens), 1))
     return total / denom * average_over_ranks
@@ -155,7 +163,7 @@ def sequence_loss_sums(
     """Per-sequence loss sums and target counts, from the packed boundaries.
 
     Returns:
-        ``(sums, counts)``, each ``(N,)``: float32 summed token loss and int64
+        ``(sums, counts)``, each ``(N,)``: float32 (float64 for float64 logits) summed token loss and int64
         number of targets of every sequence (segment) of ``packed``. For a
         context-parallel shard, segment ``i`` is sequence ``i``'s chunks on this
         rank: all-reduce both over the CP group before dividing.
@@ -211,12 +219,12 @@ def sequence_mean_loss(
         average_over_ranks: as in :func:`token_mean_loss`.
 
     Returns:
-        0-dim float32 tensor.
+        0-dim float32 tensor (float64 for float64 logits).
     """
     sums, counts = sequence_loss_sums(logits, packed)
     means = torch.where(counts > 0, sums / counts.clamp_min(1).to(sums.dtype), torch.zeros_like(sums))
     if isinstance(num_sequences, torch.Tensor):
-        denom = num_sequences.to(device=means.device, dtype=torch.float32).clamp_min(1)
+        denom = num_sequences.to(device=means.device, dtype=means.dtype).clamp_min(1)
     else:
         denom = float(max(int(num_sequences), 1))
     return means.sum() / denom * average_over_ranks

@@ -5,6 +5,7 @@ about a second on 2 cores."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from sftpack.handoff import Sample
 from sftpack.train import TrainConfig, build_model
@@ -27,8 +28,8 @@ def tiny_config(**kw) -> TrainConfig:
     return TrainConfig(**base)
 
 
-def tiny_model(seed: int = 0):
-    return build_model(VOCAB, seed=seed, **MODEL)
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32):
+    return build_model(VOCAB, seed=seed, dtype=dtype, **MODEL)
 
 
 def tiny_samples(n: int = 72, seed: int = 3) -> list[Sample]:

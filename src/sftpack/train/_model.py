@@ -36,8 +36,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..attention import hf_attention_forward, varlen_attention
+from ..exactness import norms_in_model_dtype
 from ..handoff import IGNORE_INDEX
-from ..loss import token_mean_loss
+from ..loss import loss_dtype, token_mean_loss
 
 __all__ = [
     "TRAIN_ATTENTION",
@@ -187,6 +188,10 @@ def build_model(
 ) -> Any:
     """A randomly initialised ``LlamaForCausalLM`` (seeded, nothing downloaded).
 
+    ``dtype=torch.float64`` computes in float64 throughout, norms included
+    (:func:`sftpack.exactness.norms_in_model_dtype`); the training-equality tests
+    use it to compare packings to 1e-10.
+
     >>> m = build_model(1000, dim=32, layers=1, heads=2, kv_heads=1)
     >>> m.config.vocab_size, sum(p.numel() for p in m.parameters())
     (1000, 79456)
@@ -211,7 +216,8 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(cfg)
-    return model.to(dtype).train()
+    model = model.to(dtype).train()
+    return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
 def load_model(
@@ -235,7 +241,8 @@ def load_model(
             f"cannot load a causal LM from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "
             "written by model.save_pretrained(), or leave --model out for the default small Llama"
         ) from None
-    return model.train()
+    model = model.train()
+    return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
 def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
@@ -262,7 +269,8 @@ class LossModule(nn.Module):
     """The model plus the loss, as one module (so DDP wraps the whole forward).
 
     ``forward(mb, n)`` returns the micro-batch's share of the global token-mean loss:
-    ``sum of token losses / n * average_over_ranks`` (a 0-dim float32 tensor).
+    ``sum of token losses / n * average_over_ranks`` (a 0-dim float32 tensor;
+    float64 for a float64 model).
     """
 
     def __init__(
@@ -301,7 +309,7 @@ class LossModule(nn.Module):
         avg = self.average_over_ranks
         if hidden.shape[0] <= chunk:
             return _head_piece(head, hidden, labels, num_label_tokens, avg)
-        total = hidden.new_zeros((), dtype=torch.float32)
+        total = hidden.new_zeros((), dtype=loss_dtype(hidden.dtype))
         for s in range(0, hidden.shape[0], chunk):
             total = total + checkpoint(
                 _head_piece,
