@@ -383,7 +383,7 @@ def train(
                     with ctx:
                         loss = runner(mb, n)
                         loss.backward()
-                    step_loss += loss.detach()
+                    step_loss = step_loss + loss.detach()  # a float64 model's loss stays float64
                 if config.clip_norm is not None:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
                 else:
