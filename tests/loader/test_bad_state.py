@@ -72,6 +72,8 @@ def test_the_unedited_state_still_resumes_exactly():
          r"state\['buffer'\]\[0\] = \[5000, 0, \d\] names sample 5000, which is not among the \d+ samples share 0 of "
          r"1 had read in epoch 0"),
         (lambda s: s.update(end_epoch=s["epoch"] - 1 if s["epoch"] else -1), r"end_epoch"),
+        (lambda s: s["lengths"].pop(), r"state\['lengths'\] must hold one token count \(>= 1\) per buffer and "
+                                       r"pending entry"),
     ],
 )
 def test_a_damaged_state_is_refused_naming_the_field(edit, message):
@@ -118,13 +120,15 @@ def test_a_piece_beyond_its_sample_and_an_overfull_pending_row_are_refused():
     bad = copy.deepcopy(st)
     src = bad["buffer"][0][0]
     bad["buffer"][0][1] = 2  # samples here are shorter than a row: one piece each
-    bad["lengths"] = [e for e in bad["lengths"] if e[0] != src]
     ds = PackingDataset(SAMPLES, **KW)
     ds.load_state_dict(bad)
     with pytest.raises(StateError, match=rf"names piece 2 of sample {src}, which has 1 piece\(s\) here"):
         next(iter(ds))
     # move every buffered sequence into the first pending row: it no longer fits max_seq_len
     bad = copy.deepcopy(st)
+    nb, n0 = len(bad["buffer"]), len(bad["pending"][0])
+    lens = bad["lengths"]  # one per buffer entry, then one per pending entry: keep them aligned
+    bad["lengths"] = lens[nb : nb + n0] + lens[:nb] + lens[nb + n0 :]
     bad["pending"][0] += [e[:2] for e in bad["buffer"]]
     bad["buffer"] = []
     ds = PackingDataset(SAMPLES, **KW)

@@ -253,8 +253,7 @@ class PackingDataset(IterableDataset):
             "pending": [[list(it.ref) for it in row] for row in self._pending],
             "stats": self._stats.as_dict(),
             "num_samples": len(self.source.samples) if self.source.map_style else None,
-            "lengths": [[*it.ref, it.length] for it in self._buffer]
-            + [[*it.ref, it.length] for row in self._pending for it in row],
+            "lengths": [it.length for it in self._buffer] + [it.length for row in self._pending for it in row],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

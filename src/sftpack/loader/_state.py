@@ -9,7 +9,7 @@ One (rank, worker)'s state, as :meth:`PackingDataset.state_dict` writes it::
      "pending": [[[source index, piece], ...], ...],             # rows decided, not yet emitted
      "stats": {...},                                              # LoaderStats counts
      "num_samples": 5000,                                         # len() of a map-style source (else None)
-     "lengths": [[source index, piece, tokens], ...]}             # of every buffered and pending sequence
+     "lengths": [tokens, ...]}                                     # of each buffer entry, then each pending one
 
 No token is stored: a restore re-reads the named samples (O(buffer) reads on
 a map-style source) and replays the pending rows exactly as decided. A state
@@ -145,6 +145,16 @@ def check_fields(state: dict[str, Any], max_wait: int) -> None:
             raise StateError(f"state['pending'][{r}] = {row!r}: a pending row is a non-empty list of sequences")
         for j, entry in enumerate(row):
             once(_ref(f"state['pending'][{r}][{j}]", entry, 2), f"state['pending'][{r}][{j}]")
+    lengths = state.get("lengths")
+    if lengths is not None and (
+        not isinstance(lengths, (list, tuple))
+        or len(lengths) != len(seen)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+    ):
+        raise StateError(
+            f"state['lengths'] must hold one token count (>= 1) per buffer and pending entry ({len(seen)}), got "
+            f"{str(lengths)[:60]}; the state is damaged or edited"
+        )
 
 
 def check_refs(state: dict[str, Any], order: Any, num_samples: int | None) -> None:
@@ -208,7 +218,8 @@ def restore_items(
     """``(buffer items, their ages, pending rows of items)`` of ``state``, from the re-read
     ``samples`` (index -> sample) and ``cut`` (the over-long policy: sample -> its items)."""
     cache: dict[int, list[Any]] = {}
-    saved = {(int(e[0]), int(e[1])): int(e[2]) for e in state.get("lengths") or ()}
+    refs = [b[:2] for b in state["buffer"]] + [r for row in state["pending"] for r in row]
+    saved = {(int(r[0]), int(r[1])): n for r, n in zip(refs, state.get("lengths") or ())}
 
     def item(ref: list[int]) -> Any:
         src, piece = int(ref[0]), int(ref[1])
