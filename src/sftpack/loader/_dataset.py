@@ -18,7 +18,9 @@ a decided row before its worker has read ``(max_wait + 1) * buffer_size``
 further samples (``buffer_size`` counts pieces of split samples); ``max_wait=0``
 packs each buffer whole (Megatron-Energon's rule). At the end of
 a share the buffer is flushed, so each epoch emits every sample exactly once
-(or its pieces, or its truncation; dropped samples are counted).
+(or its pieces, or its truncation; dropped samples are counted). A share
+that would emit no row at all (no sample, or all dropped) raises a
+``ValueError`` naming the rank, worker, counts and fix, instead of spinning.
 
 Fill against offline BFD on the whole set (``benchmarks/bench_loader.py``,
 one run on 2 busy cores): embedded corpus at 4,096: buffer 16: 94.7%, 64:
@@ -106,6 +108,14 @@ class PackingDataset(IterableDataset):
         num_epochs: epochs one ``iter()`` runs (``None``: endless).
         rank, world_size: data-parallel coordinates (default: ``torch.distributed``'s, else 0 and 1).
         pad_id: token id of padding slots.
+
+    Raises:
+        ValueError: when iteration starts, a map-style source with fewer samples than
+            ``world_size * num_workers`` shares (every rank and worker raises, together);
+            at the end of an epoch, a share that emitted no row (an empty stream share,
+            every sample dropped as over-long). Such a share would never yield with
+            ``num_epochs=None``, and with a fixed number of epochs the ranks would disagree
+            on the row count (a DDP step waits forever), so it is refused, never looped over.
 
     One ``iter()`` continues from the current state (a fresh dataset: epoch 0);
     with DataLoader workers that are not persistent, call :meth:`set_epoch`
