@@ -4,6 +4,12 @@ gradients, and context parallelism 2 reassembles the unsharded row exactly.
 Each rank is a spawned process; a failed assertion in a rank fails the test with
 that rank's traceback. The measured differences are written to a JSON file and
 checked here, so the numbers are visible in a failure message.
+
+Everything runs in float64, to a fixed 1e-10: the derivation is
+tests/consumers/test_exactness.py's (the same function in other summation
+orders; the all-reduces add one rounding per value). A negative control: the
+per-rank mean (each rank normalising by its own count of targets, then the
+ranks averaged) moves the loss by more than 1e-3.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ from sftpack.trainer import pack_step, pad_multiple_for, plan_microbatches, segm
 
 VOCAB = 97
 WORLD = 2
-TOL = 1e-5
+TOL = 1e-10  # float64; see the docstring
+BUG = 1e-3
+F64 = torch.float64
 
 
 def _padded(samples: list[Sample]):
@@ -51,11 +59,12 @@ def _data_parallel(rank: int) -> dict[str, float]:
     samples = random_samples(lengths, VOCAB, seed=7)
     m = 4
     plan = plan_microbatches(lengths, token_budget=48, dp_size=WORLD, pad_multiple=m)
-    model = TinyCausalLM(vocab_size=VOCAB, seed=0)
+    model = TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=F64)
     ddp = torch.nn.parallel.DistributedDataParallel(model)  # averages gradients over the ranks
     mine = [pack_step(*_padded([samples[i] for i in mb]), pad_multiple=m) for mb in plan[rank]]
     n = count_label_tokens(mine)  # all-reduced over the world group
-    step_loss = torch.zeros(())
+    step_loss = torch.zeros((), dtype=F64)
+    own_sum = torch.zeros((), dtype=F64)  # the negative control: this rank's own mean
     for i, b in enumerate(mine):
         last = i == len(mine) - 1
         ctx = ddp.no_sync() if not last else _null()
@@ -64,10 +73,13 @@ def _data_parallel(rank: int) -> dict[str, float]:
             loss = token_mean_loss(logits, b, n, average_over_ranks=WORLD)
             loss.backward()
         step_loss += loss.detach() / WORLD
+        own_sum += token_losses(logits.detach(), b).sum()
     dist.all_reduce(step_loss)
+    per_rank_mean = own_sum / sum(b.num_label_tokens for b in mine) / WORLD
+    dist.all_reduce(per_rank_mean)
 
     # The same step on one rank, every conversation unpacked.
-    ref = TinyCausalLM(vocab_size=VOCAB, seed=0)
+    ref = TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=F64)
     sums, count = [], 0
     for s in samples:
         lab = reference_labels(s)
@@ -79,6 +91,7 @@ def _data_parallel(rank: int) -> dict[str, float]:
     assert int(n) == count
     return {
         "dp_loss_diff": abs(float(step_loss) - float(ref_loss)),
+        "dp_per_rank_mean_diff": abs(float(per_rank_mean) - float(ref_loss)),
         "dp_grad_diff": _max_grad_diff(model, ref),
         "dp_microbatches_per_rank": float(plan.num_microbatches),
     }
@@ -139,7 +152,7 @@ def _context_parallel(rank: int) -> dict[str, float]:
         assert torch.equal(unshard_cp(stacked, row, WORLD), getattr(row, name)), name
 
     # Ring-free context-parallel attention: local queries, all-gathered keys/values.
-    model = _OneLayer()
+    model = _OneLayer().to(F64)
     q, k, v = model.qkv_of(shard.input_ids, shard.position_ids)
     k_full = unshard_cp(_AllGather.apply(k), row, WORLD)
     v_full = unshard_cp(_AllGather.apply(v), row, WORLD)
@@ -161,7 +174,7 @@ def _context_parallel(rank: int) -> dict[str, float]:
     out_full = unshard_cp(_AllGather.apply(out.detach()), row, WORLD)
 
     # The unsharded row on one rank.
-    ref = _OneLayer()
+    ref = _OneLayer().to(F64)
     rq, rk, rv = ref.qkv_of(row.input_ids, row.position_ids)
     r_out = varlen_attention(rq, rk, rv, row)
     r_logits = ref.head(r_out.reshape(r_out.shape[0], -1))
@@ -206,3 +219,5 @@ def test_two_ranks_gloo(tmp_path):
     assert r["dp_microbatches_per_rank"] >= 1
     for key in ("dp_loss_diff", "dp_grad_diff", "cp_out_diff", "cp_loss_diff", "cp_grad_diff"):
         assert r[key] <= TOL, r
+    print(f"per-rank mean: {r['dp_per_rank_mean_diff']:.2e} = {r['dp_per_rank_mean_diff'] / TOL:.1e} x TOL")
+    assert r["dp_per_rank_mean_diff"] > BUG, r

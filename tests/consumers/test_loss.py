@@ -1,5 +1,9 @@
 """Packing at the step is exact: any micro-batch split, normalised by the global count,
-gives the unpacked loss, logits and gradients (plain PyTorch model and a Hugging Face Llama)."""
+gives the unpacked loss, logits and gradients (plain PyTorch model and a Hugging Face Llama).
+
+In float64, to a fixed 1e-10: the derivation is tests/consumers/test_exactness.py's
+(the same models, the same function in other summation orders, n*u with n <= 2,000
+roundings: <= 4.4e-12). The per-row-mean bug moves the loss by more than 1e-2."""
 
 from __future__ import annotations
 
@@ -26,17 +30,18 @@ from sftpack.trainer import padded_batch as _padded_batch
 from sftpack.trainer import pack_step, unpack
 
 VOCAB = 97
-TOL = 1e-5
+TOL = 1e-10  # float64; see the docstring
+F64 = torch.float64
 
 
 @functools.lru_cache(maxsize=None)
 def plain_model() -> TinyCausalLM:
-    return TinyCausalLM(vocab_size=VOCAB, seed=0)
+    return TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=F64)
 
 
 @functools.lru_cache(maxsize=None)
 def hf_model():
-    return tiny_llama(VOCAB, attn_implementation="sdpa")
+    return tiny_llama(VOCAB, attn_implementation="sdpa", dtype=F64)
 
 
 def padded_batch(samples: list[Sample], pad_id: int = 0):
@@ -75,7 +80,7 @@ def run_packed(model, forward, samples, splits, *, pad_multiple, mode="token", p
         batches.append(pack_step(ids, L, mask, pad_multiple=pad_multiple, pad_to=pad_to))
     n_tok = count_label_tokens(batches)  # no process group: nothing to all-reduce
     n_seq = count_sequences(batches)
-    total = torch.zeros(())
+    total = torch.zeros((), dtype=F64)
     logits_of: dict[int, torch.Tensor] = {}
     for idx, b in zip(splits, batches):
         logits = forward(model, b)
@@ -97,7 +102,7 @@ def run_reference(model, reference, samples, *, mode="token"):
     for i, s in enumerate(samples):
         logits = reference(model, s)
         lab = reference_labels(s)
-        sums.append(F.cross_entropy(logits.float(), lab, ignore_index=IGNORE_INDEX, reduction="sum"))
+        sums.append(F.cross_entropy(logits, lab, ignore_index=IGNORE_INDEX, reduction="sum"))
         counts.append(int((lab != IGNORE_INDEX).sum()))
         logits_of[i] = logits.detach()
     if mode == "token":
@@ -194,6 +199,7 @@ def test_per_row_means_are_wrong_and_ours_are_not():
         ours = sum(token_mean_loss(forward_plain(model, b), b, n) for b in batches)
     ref = run_reference(model, reference_plain, samples)[0]
     assert abs(float(ours) - ref) <= TOL
+    print(f"per-row means: |dloss| {abs(float(row_means) - ref):.2e} = {abs(float(row_means) - ref) / TOL:.1e} x TOL")
     assert abs(float(row_means) - ref) > 1e-2
 
 
@@ -225,3 +231,18 @@ def test_counts_and_sums_from_boundaries():
     assert torch.allclose(token_mean_loss(logits[None], b, 4), torch.tensor(np.log(VOCAB), dtype=torch.float32))
     with pytest.raises(ValueError, match="logits cover 3 slots but labels has 12"):
         token_losses(logits[:3], b)
+
+
+def test_loss_dtype_follows_the_logits():
+    """float64 logits keep float64 (the exactness tests rely on it); float32 stays
+    float32; bfloat16 and float16 are computed in float32."""
+    samples = [Sample([1, 2, 3, 4], [0, 1, 1, 1], 0)]
+    b = pack_step(*padded_batch(samples))
+    logits = torch.randn(b.num_tokens, VOCAB, generator=torch.Generator().manual_seed(0), dtype=F64)
+    for dtype, want in [(F64, F64), (torch.float32, torch.float32), (torch.bfloat16, torch.float32)]:
+        x = logits.to(dtype)
+        assert token_losses(x, b).dtype == want
+        assert token_mean_loss(x, b, count_label_tokens(b)).dtype == want
+        assert sequence_mean_loss(x, b, count_sequences(b)).dtype == want
+    exact = F.cross_entropy(logits[:3], b.labels[:3], reduction="sum") / 3
+    assert abs(float(token_mean_loss(logits, b, 3)) - float(exact)) <= 1e-15
