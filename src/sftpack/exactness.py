@@ -354,22 +354,29 @@ def random_samples(lengths: Sequence[int], vocab_size: int, seed: int = 0, p_tra
 
 
 def exactness_table(
-    trials: int = 5, pad_multiples: Sequence[int] = (1, 4, 8), seed: int = 0, max_len: int = 64
+    trials: int = 5,
+    pad_multiples: Sequence[int] = (1, 4, 8),
+    seed: int = 0,
+    max_len: int = 64,
+    dtype: torch.dtype = torch.float32,
 ) -> list[dict[str, Any]]:
     """Measure the worst differences over ``trials`` seeded random rows for every
-    consumer and boundary mode; one dict per (consumer, mode, pad multiple)."""
+    consumer and boundary mode; one dict per (consumer, mode, pad multiple).
+
+    ``dtype=torch.float64`` runs every model in float64 (Hugging Face's ``eager``
+    attention still takes its softmax in float32)."""
     from .attention import register_hf_attention
 
     rng = np.random.default_rng(seed)
     vocab = 97
-    plain = TinyCausalLM(vocab_size=vocab, seed=seed)
+    plain = TinyCausalLM(vocab_size=vocab, seed=seed, dtype=dtype)
     hf_impl = register_hf_attention()
     consumers: list[tuple[str, str, Callable[[list[Sample], PackedBatch], ExactnessReport]]] = [
         ("plain + PackedSeqParams", "real+padded", lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=True)),
         ("plain + PackedSeqParams", "padded-for-both", lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=False)),
     ]
     for impl in ("sdpa", "eager", hf_impl):
-        model = tiny_llama(vocab, attn_implementation=impl, seed=seed)
+        model = tiny_llama(vocab, attn_implementation=impl, seed=seed, dtype=dtype)
         mode = "cu_seq_lens (padded)" if impl == hf_impl else "position_ids"
         consumers.append((f"HF Llama ({impl})", mode, lambda s, p, m=model: check_hf_model(m, s, p)))
     rows = []
