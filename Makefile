@@ -1,5 +1,6 @@
 # make test: create .venv/ at the repository root, install sftpack with its test
-#            dependencies (through constraints.txt), run the whole suite.
+#            dependencies (through constraints.txt), lint and format-check with ruff,
+#            run the whole suite.
 # make demo: same .venv/, then run the main job on the embedded default.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -16,6 +17,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -55,8 +55,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _machine import cpu_model, load_average
 
+from _machine import cpu_model, load_average
 from sftpack import binpack
 from sftpack.binpack import lower_bounds, pack, pack_histogram
 
@@ -244,8 +244,9 @@ def run_case(case: Case, args: argparse.Namespace, trl: Callable[[np.ndarray, in
     def add(method: str, fn: Callable[[], Any], summarize: Callable[[Any], dict], repeats: int, **kw: Any) -> dict:
         progress(f"{method} ...")
         res = measure(fn, summarize, repeats)
-        row = stats_row(case, method, res, kw.get("n", n), kw.get("tokens", tokens), kw.get("bounds", bounds),
-                        kw.get("note", ""))
+        row = stats_row(
+            case, method, res, kw.get("n", n), kw.get("tokens", tokens), kw.get("bounds", bounds), kw.get("note", "")
+        )
         if "time_s" in row:
             progress(f"{method}: {row['time_s']:.3f} s, {row['rows']} rows")
         else:
@@ -400,12 +401,20 @@ def render(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="1M lognormal lengths, TRL on 100k, one repeat")
-    parser.add_argument("--cases", nargs="+", default=["lognormal", "wikipedia", "squad", "capacity"],
-                        choices=["lognormal", "wikipedia", "squad", "capacity"])
+    parser.add_argument(
+        "--cases",
+        nargs="+",
+        default=["lognormal", "wikipedia", "squad", "capacity"],
+        choices=["lognormal", "wikipedia", "squad", "capacity"],
+    )
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help=f"histogram folder (default {DEFAULT_DATA})")
     parser.add_argument("--items", type=int, default=None, help="lognormal lengths (default 10M, 1M with --quick)")
-    parser.add_argument("--trl-items", type=int, default=None,
-                        help="lengths given to TRL per case (default 1M, 100k with --quick; 0 = all)")
+    parser.add_argument(
+        "--trl-items",
+        type=int,
+        default=None,
+        help="lengths given to TRL per case (default 1M, 100k with --quick; 0 = all)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="best of this many runs (default 3, 1 with --quick)")
     parser.add_argument("--csv", type=Path, default=OUT / "bench_binpack.csv")
     args = parser.parse_args(argv)

@@ -18,8 +18,8 @@ import platform
 import time
 
 import torch
-from _machine import cpu_model
 
+from _machine import cpu_model
 from sftpack.exactness import exactness_table
 
 
@@ -30,7 +30,9 @@ def main() -> None:
     ap.add_argument("--csv", default="benchmarks/out/exactness.csv")
     args = ap.parse_args()
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}, fp32")
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, Python {platform.python_version()}, fp32"
+    )
     t0 = time.perf_counter()
     rows = exactness_table(trials=args.trials, seed=args.seed)
     print(f"{'consumer':28} {'boundaries':22} {'pad':>4} {'max|dlogit|':>12} {'|dloss|':>10} {'max|dgrad|':>11}")

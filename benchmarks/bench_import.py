@@ -106,8 +106,14 @@ def bench_imports(repeats: int) -> list[dict]:
         print(f"  import {module} x{repeats} ...", file=sys.stderr, flush=True)
         runs = [run_probe(IMPORT_PROBE.format(module=module, heavy=HEAVY)) for _ in range(repeats)]
         loaded = runs[-1].get("loaded", [])
-        rows.append(summarise(f"import {module}", "fresh process", runs, "loads " + (", ".join(loaded) or "none of ") +
-                              ("" if loaded else ", ".join(HEAVY))))
+        rows.append(
+            summarise(
+                f"import {module}",
+                "fresh process",
+                runs,
+                "loads " + (", ".join(loaded) or "none of ") + ("" if loaded else ", ".join(HEAVY)),
+            )
+        )
     return rows
 
 
@@ -159,7 +165,9 @@ def render(rows: list[dict]) -> str:
     left = (0, 1, len(COLUMNS) - 1)
     lines = []
     for k, line in enumerate(cells):
-        lines.append("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip())
+        lines.append(
+            "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths))).rstrip()
+        )
         if k == 0:
             lines.append("  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _machine import cpu_model, load_average
 from torch.utils.data import DataLoader
 
+from _machine import cpu_model, load_average
 from sftpack.binpack import pack
 from sftpack.handoff import Sample, build_row, padded_lengths
 from sftpack.loader import PackingDataset
@@ -78,8 +78,13 @@ def fill_curve(name: str, lengths: np.ndarray, width: int) -> list[dict]:
     off = offline_fill(lengths, width)
     rows = []
     for b in BUFFERS:  # a buffer as large as the set packs it whole: offline BFD's rows
-        row = {"dataset": name, "max_seq_len": width, "samples": len(samples), "buffer_size": b,
-               "offline_bfd_fill": round(off, 6)}
+        row = {
+            "dataset": name,
+            "max_seq_len": width,
+            "samples": len(samples),
+            "buffer_size": b,
+            "offline_bfd_fill": round(off, 6),
+        }
         for w in (0, 2):
             ds = PackingDataset(samples, max_seq_len=width, buffer_size=b, max_wait=w)
             t0 = time.perf_counter()
@@ -90,8 +95,10 @@ def fill_curve(name: str, lengths: np.ndarray, width: int) -> list[dict]:
             row[f"rows_wait{w}"] = n
             row[f"us_per_row_wait{w}"] = round(1e6 * dt / n, 1)
         rows.append(row)
-        print(f"{name:10} {width:5} {b:6} {off * 100:8.3f} {row['fill_wait0'] * 100:9.3f} {row['fill_wait2'] * 100:9.3f} "
-              f"{row['gap_wait2_pct']:8.3f} {row['us_per_row_wait2']:9.1f}")
+        print(
+            f"{name:10} {width:5} {b:6} {off * 100:8.3f} {row['fill_wait0'] * 100:9.3f} {row['fill_wait2'] * 100:9.3f} "
+            f"{row['gap_wait2_pct']:8.3f} {row['us_per_row_wait2']:9.1f}"
+        )
     return rows
 
 
@@ -103,8 +110,12 @@ def overhead(lengths: np.ndarray, width: int, rounds: int) -> dict:
 
     def run_packed() -> tuple[float, int]:
         t0 = time.perf_counter()
-        n = sum(1 for _ in DataLoader(PackingDataset(samples, max_seq_len=width, buffer_size=256),
-                                      batch_size=None, num_workers=0))
+        n = sum(
+            1
+            for _ in DataLoader(
+                PackingDataset(samples, max_seq_len=width, buffer_size=256), batch_size=None, num_workers=0
+            )
+        )
         return time.perf_counter() - t0, n
 
     def run_unpacked() -> tuple[float, int]:
@@ -114,8 +125,10 @@ def overhead(lengths: np.ndarray, width: int, rounds: int) -> dict:
 
     # The row builder alone on the packed rows' flat arrays: the part of a packed row's cost
     # that is build_row's (its work grows with the real tokens a row carries).
-    flat = [(r.input_ids[r.real_token_mask].numpy(), r.seqlens.numpy())
-            for r in PackingDataset(samples, max_seq_len=width, buffer_size=256)]
+    flat = [
+        (r.input_ids[r.real_token_mask].numpy(), r.seqlens.numpy())
+        for r in PackingDataset(samples, max_seq_len=width, buffer_size=256)
+    ]
 
     def run_builder() -> tuple[float, int]:
         t0 = time.perf_counter()
@@ -131,12 +144,17 @@ def overhead(lengths: np.ndarray, width: int, rounds: int) -> dict:
         tb.append(c / nb)
     per_p, per_u, per_b = float(np.median(tp)), float(np.median(tu)), float(np.median(tb))
     real = float(lengths.clip(max=width).sum())
-    return {"packed_rows": np_, "unpacked_rows": nu, "us_per_packed_row": round(1e6 * per_p, 1),
-            "us_per_unpacked_row": round(1e6 * per_u, 1), "ratio_per_row": round(per_p / per_u, 3),
-            "us_build_row_per_packed_row": round(1e6 * per_b, 1),
-            "us_loader_own_per_row": round(1e6 * (per_p - per_b), 1),
-            "ns_per_real_token_packed": round(1e9 * per_p * np_ / real, 2),
-            "ns_per_real_token_unpacked": round(1e9 * per_u * nu / real, 2)}
+    return {
+        "packed_rows": np_,
+        "unpacked_rows": nu,
+        "us_per_packed_row": round(1e6 * per_p, 1),
+        "us_per_unpacked_row": round(1e6 * per_u, 1),
+        "ratio_per_row": round(per_p / per_u, 3),
+        "us_build_row_per_packed_row": round(1e6 * per_b, 1),
+        "us_loader_own_per_row": round(1e6 * (per_p - per_b), 1),
+        "ns_per_real_token_packed": round(1e9 * per_p * np_ / real, 2),
+        "ns_per_real_token_unpacked": round(1e9 * per_u * nu / real, 2),
+    }
 
 
 def resume_cost(lengths: np.ndarray, width: int) -> dict:
@@ -187,10 +205,21 @@ def plot(rows: list[dict], path: Path) -> None:
         b = [r["buffer_size"] for r in rs]
         label = f"{name} @ {rs[0]['max_seq_len']}"
         ax.plot(b, [100 * r["fill_wait2"] for r in rs], "o-", color=colours.get(name), label=f"{label}, max_wait=2")
-        ax.plot(b, [100 * r["fill_wait0"] for r in rs], "s--", color=colours.get(name), alpha=0.6,
-                label=f"{label}, max_wait=0 (Energon rule)")
-        ax.axhline(100 * rs[0]["offline_bfd_fill"], color=colours.get(name), lw=0.8, ls=":",
-                   label=f"{label}, offline BFD on the whole set")
+        ax.plot(
+            b,
+            [100 * r["fill_wait0"] for r in rs],
+            "s--",
+            color=colours.get(name),
+            alpha=0.6,
+            label=f"{label}, max_wait=0 (Energon rule)",
+        )
+        ax.axhline(
+            100 * rs[0]["offline_bfd_fill"],
+            color=colours.get(name),
+            lw=0.8,
+            ls=":",
+            label=f"{label}, offline BFD on the whole set",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("buffer size (samples per worker)")
     ax.set_ylabel("fill: real tokens / slots (%)")
@@ -208,14 +237,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--png", default=str(HERE.parent / "docs" / "loader_fill.png"))
     args = ap.parse_args(argv)
-    print(f"machine: {cpu_model()}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
-          f"Python {platform.python_version()}; 1-min load average at start {load_average():.2f}")
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
+        f"Python {platform.python_version()}; 1-min load average at start {load_average():.2f}"
+    )
     corpus = corpus_lengths()
     wiki = wikipedia_lengths(args.wiki_samples)
-    print(f"corpus: {len(corpus)} conversations, {int(corpus.sum()):,} tokens; wikipedia: {len(wiki):,} lengths "
-          f"drawn from the histogram (seed 0)\n")
-    print(f"{'dataset':10} {'width':>5} {'buffer':>6} {'offline%':>8} {'wait0 %':>9} {'wait2 %':>9} "
-          f"{'gap2 %':>8} {'us/row':>9}")
+    print(
+        f"corpus: {len(corpus)} conversations, {int(corpus.sum()):,} tokens; wikipedia: {len(wiki):,} lengths "
+        f"drawn from the histogram (seed 0)\n"
+    )
+    print(
+        f"{'dataset':10} {'width':>5} {'buffer':>6} {'offline%':>8} {'wait0 %':>9} {'wait2 %':>9} "
+        f"{'gap2 %':>8} {'us/row':>9}"
+    )
     rows = fill_curve("corpus", corpus, 4096) + fill_curve("wikipedia", wiki, 512)
     plot(rows, Path(args.png))
     print(f"\nwrote {args.png}")
@@ -223,17 +258,21 @@ def main(argv: list[str] | None = None) -> int:
         ok = [r["buffer_size"] for r in rows if r["dataset"] == name and r["gap_wait2_pct"] <= 0.5]
         print(f"{name}: within 0.5% of offline BFD from buffer_size={ok[0] if ok else 'none'} (max_wait=2)")
     ov = overhead(corpus, 4096, args.rounds)
-    print(f"\noverhead (corpus @ 4096, DataLoader num_workers=0, medians of {args.rounds}): packed "
-          f"{ov['us_per_packed_row']} us/row ({ov['packed_rows']} rows) vs unpacked {ov['us_per_unpacked_row']} "
-          f"us/row ({ov['unpacked_rows']} rows): {ov['ratio_per_row']}x per row (goal <= 1.5x); per real token "
-          f"{ov['ns_per_real_token_packed']} vs {ov['ns_per_real_token_unpacked']} ns; of a packed row, "
-          f"build_row alone takes {ov['us_build_row_per_packed_row']} us, the loader's own work (reading, "
-          f"planning, gathering) {ov['us_loader_own_per_row']} us")
+    print(
+        f"\noverhead (corpus @ 4096, DataLoader num_workers=0, medians of {args.rounds}): packed "
+        f"{ov['us_per_packed_row']} us/row ({ov['packed_rows']} rows) vs unpacked {ov['us_per_unpacked_row']} "
+        f"us/row ({ov['unpacked_rows']} rows): {ov['ratio_per_row']}x per row (goal <= 1.5x); per real token "
+        f"{ov['ns_per_real_token_packed']} vs {ov['ns_per_real_token_unpacked']} ns; of a packed row, "
+        f"build_row alone takes {ov['us_build_row_per_packed_row']} us, the loader's own work (reading, "
+        f"planning, gathering) {ov['us_loader_own_per_row']} us"
+    )
     rc = resume_cost(corpus, 4096)
-    print(f"resume (corpus @ 4096, buffer 1024, mid-epoch): load_state_dict to first row {rc['resume_ms_map-style']} ms "
-          f"map-style, {rc['resume_ms_iterable']} ms iterable; first row of a fresh start "
-          f"{rc['first_row_ms_map-style']} ms (state: {rc['state_buffer_entries']} buffered, "
-          f"{rc['state_pending_rows']} decided rows)")
+    print(
+        f"resume (corpus @ 4096, buffer 1024, mid-epoch): load_state_dict to first row {rc['resume_ms_map-style']} ms "
+        f"map-style, {rc['resume_ms_iterable']} ms iterable; first row of a fresh start "
+        f"{rc['first_row_ms_map-style']} ms (state: {rc['state_buffer_entries']} buffered, "
+        f"{rc['state_pending_rows']} decided rows)"
+    )
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "bench_loader.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]) + ["section", "value"])

@@ -41,12 +41,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from _machine import cpu_model, load_average
 
 
 def machine() -> str:
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu_model()}, {usable} usable cores / load average {load_average():.2f}; Python {platform.python_version()}"
+    return (
+        f"{cpu_model()}, {usable} usable cores / load average {load_average():.2f}; Python {platform.python_version()}"
+    )
 
 
 def _cpu() -> float:
@@ -97,15 +100,27 @@ def child_prepack_replicate(src: str, out: str, factor: int) -> dict[str, Any]:
                 for rec in ds.row_sequences(r):
                     a, n = int(rec["start"]), int(rec["length"])
                     cid = ds.conversation_id(int(rec["conversation"]))
-                    yield Sample(ds.tokens[a : a + n], ds.loss_mask[a : a + n], f"{cid}#{rep}",
-                                 {"piece": int(rec["piece"])})
+                    yield Sample(
+                        ds.tokens[a : a + n], ds.loss_mask[a : a + n], f"{cid}#{rep}", {"piece": int(rec["piece"])}
+                    )
             ds.release_pages()
 
     t0 = time.perf_counter()
-    r = prepack_samples(samples(), out, max_seq_len=ds.max_seq_len, vocab_size=ds.manifest["vocab_size"],
-                        pad_id=ds.pad_id, overwrite=True)
-    return {"base_mb": base, "peak_mb": _peak_mb(), "tokens": r.counts["tokens"],
-            "bytes": sum(f["bytes"] for f in r.manifest["files"].values()), "seconds": time.perf_counter() - t0}
+    r = prepack_samples(
+        samples(),
+        out,
+        max_seq_len=ds.max_seq_len,
+        vocab_size=ds.manifest["vocab_size"],
+        pad_id=ds.pad_id,
+        overwrite=True,
+    )
+    return {
+        "base_mb": base,
+        "peak_mb": _peak_mb(),
+        "tokens": r.counts["tokens"],
+        "bytes": sum(f["bytes"] for f in r.manifest["files"].values()),
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def child_read_epoch(path: str) -> dict[str, Any]:
@@ -129,8 +144,11 @@ def _run_child(*args: str) -> dict[str, Any]:
 
 
 def plain_tokenizer(tok: Any, texts: list[str], batch_size: int = 256) -> int:
-    return sum(len(ids) for i in range(0, len(texts), batch_size)
-               for ids in tok(texts[i : i + batch_size], add_special_tokens=False)["input_ids"])
+    return sum(
+        len(ids)
+        for i in range(0, len(texts), batch_size)
+        for ids in tok(texts[i : i + batch_size], add_special_tokens=False)["input_ids"]
+    )
 
 
 def reads(path: Path, n_random: int, seed: int = 0) -> dict[str, float]:
@@ -153,6 +171,7 @@ def reads(path: Path, n_random: int, seed: int = 0) -> dict[str, float]:
         ds.row(int(r))
         raw(int(r))
     out = {}
+
     def arrays(r: int) -> int:
         ids, mask, seqs = ds.row_arrays(r)
         return np.array(ids).shape[0] + np.array(mask).shape[0] + seqs.shape[0]
@@ -187,13 +206,23 @@ def verification(path: Path, repeats: int = 5) -> list[dict[str, Any]]:
     sizes = {f.name: f.stat().st_size for f in path.iterdir()}
     index_bytes = sum(v for k, v in sizes.items() if k not in ("tokens.npy", "loss_mask.npy", "manifest.json"))
     ds = PrepackedDataset(path)
-    out = [{"measure": f"open, verify={mode}", "value": opens[mode] * 1e3, "unit": "ms",
-            "yardstick": opens[None] * 1e3, "ratio": opens[mode] / opens[None], "cpu_ratio": float("nan"),
-            "detail": {None: "manifest (seal, entries, layout), sizes, .npy headers",
-                       "size": f"+ SHA-256 and structure of the index ({index_bytes / 1e6:.2f} MB, "
-                               f"{int(ds.sequences.shape[0]):,} sequences, {ds.num_rows:,} rows)",
-                       "full": f"+ SHA-256 of tokens and masks ({(sizes['tokens.npy'] + sizes['loss_mask.npy']) / 1e6:.1f} MB)"}[mode]}
-           for mode in (None, "size", "full")]
+    out = [
+        {
+            "measure": f"open, verify={mode}",
+            "value": opens[mode] * 1e3,
+            "unit": "ms",
+            "yardstick": opens[None] * 1e3,
+            "ratio": opens[mode] / opens[None],
+            "cpu_ratio": float("nan"),
+            "detail": {
+                None: "manifest (seal, entries, layout), sizes, .npy headers",
+                "size": f"+ SHA-256 and structure of the index ({index_bytes / 1e6:.2f} MB, "
+                f"{int(ds.sequences.shape[0]):,} sequences, {ds.num_rows:,} rows)",
+                "full": f"+ SHA-256 of tokens and masks ({(sizes['tokens.npy'] + sizes['loss_mask.npy']) / 1e6:.1f} MB)",
+            }[mode],
+        }
+        for mode in (None, "size", "full")
+    ]
 
     def epoch(hashing: bool) -> float:
         t0 = time.perf_counter()
@@ -207,9 +236,17 @@ def verification(path: Path, repeats: int = 5) -> list[dict[str, Any]]:
 
     plain = min(epoch(False) for _ in range(2))
     hashed = min(epoch(True) for _ in range(2))
-    out.append({"measure": "epoch + SHA-256 of bytes read", "value": ds.num_rows / hashed, "unit": "rows/s",
-                "yardstick": ds.num_rows / plain, "ratio": plain / hashed, "cpu_ratio": float("nan"),
-                "detail": "what a per-chunk checksum verified on first read adds to an epoch (per process)"})
+    out.append(
+        {
+            "measure": "epoch + SHA-256 of bytes read",
+            "value": ds.num_rows / hashed,
+            "unit": "rows/s",
+            "yardstick": ds.num_rows / plain,
+            "ratio": plain / hashed,
+            "cpu_ratio": float("nan"),
+            "detail": "what a per-chunk checksum verified on first read adds to an epoch (per process)",
+        }
+    )
     return out
 
 
@@ -219,8 +256,10 @@ def _table(results: list[dict[str, Any]]) -> None:
     print("-" * 120)
     for r in results:
         cr = f"{r['cpu_ratio']:>8.2f}x" if r["cpu_ratio"] == r["cpu_ratio"] else f"{'':>9}"
-        print(f"{r['measure']:<34} | {r['value']:>10,.1f} {r['unit'][:3]:<3} | {r['yardstick']:>10,.1f} "
-              f"{r['unit'][:3]:<3} | {r['ratio']:>5.2f}x | {cr} | {r['detail']}")
+        print(
+            f"{r['measure']:<34} | {r['value']:>10,.1f} {r['unit'][:3]:<3} | {r['yardstick']:>10,.1f} "
+            f"{r['unit'][:3]:<3} | {r['ratio']:>5.2f}x | {cr} | {r['detail']}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,38 +319,78 @@ def main(argv: list[str] | None = None) -> int:
     t_plain, c_plain = best["plain"]
     for procs in (1, 2):
         t, cpu = best[f"p{procs}"]
-        results.append({
-            "measure": f"prepack, {procs} process(es)", "value": n_plain / t, "unit": "tokens/s",
-            "yardstick": n_plain / t_plain, "ratio": t_plain / t, "cpu_ratio": c_plain / cpu,
-            "detail": " ".join(f"{k} {v:.2f}s" for k, v in seconds[procs].items()),
-        })
-    same = all((work / "x1_p1" / f).read_bytes() == (work / "x1_p2" / f).read_bytes()
-               for f in os.listdir(work / "x1_p1"))
+        results.append(
+            {
+                "measure": f"prepack, {procs} process(es)",
+                "value": n_plain / t,
+                "unit": "tokens/s",
+                "yardstick": n_plain / t_plain,
+                "ratio": t_plain / t,
+                "cpu_ratio": c_plain / cpu,
+                "detail": " ".join(f"{k} {v:.2f}s" for k, v in seconds[procs].items()),
+            }
+        )
+    same = all(
+        (work / "x1_p1" / f).read_bytes() == (work / "x1_p2" / f).read_bytes() for f in os.listdir(work / "x1_p1")
+    )
     print(f"1 and 2 processes wrote byte-identical directories: {same}")
 
     rd = reads(work / "x1_p1", args.reads)
-    results.append({"measure": "random row reads", "value": rd["random_ours_per_s"], "unit": "rows/s",
-                    "yardstick": rd["random_raw_per_s"], "ratio": rd["random_ours_per_s"] / rd["random_raw_per_s"],
-                    "cpu_ratio": float("nan"),
-                    "detail": f"{args.reads} random rows of 4096 slots, each a PackedBatch (5 tensors, 160 KB)"})
-    results.append({"measure": "random row reads, flat arrays", "value": rd["random_arrays_per_s"], "unit": "rows/s",
-                    "yardstick": rd["random_raw_per_s"], "ratio": rd["random_arrays_per_s"] / rd["random_raw_per_s"],
-                    "cpu_ratio": float("nan"), "detail": "ds.row_arrays (ids, mask, index), copied: the I/O alone"})
-    results.append({"measure": "full epoch read", "value": rd["rows"] / rd["epoch_ours_s"], "unit": "rows/s",
-                    "yardstick": rd["rows"] / rd["epoch_raw_s"], "ratio": rd["epoch_raw_s"] / rd["epoch_ours_s"],
-                    "cpu_ratio": float("nan"), "detail": f"{rd['rows']} rows in {rd['epoch_ours_s']:.3f} s"})
+    results.append(
+        {
+            "measure": "random row reads",
+            "value": rd["random_ours_per_s"],
+            "unit": "rows/s",
+            "yardstick": rd["random_raw_per_s"],
+            "ratio": rd["random_ours_per_s"] / rd["random_raw_per_s"],
+            "cpu_ratio": float("nan"),
+            "detail": f"{args.reads} random rows of 4096 slots, each a PackedBatch (5 tensors, 160 KB)",
+        }
+    )
+    results.append(
+        {
+            "measure": "random row reads, flat arrays",
+            "value": rd["random_arrays_per_s"],
+            "unit": "rows/s",
+            "yardstick": rd["random_raw_per_s"],
+            "ratio": rd["random_arrays_per_s"] / rd["random_raw_per_s"],
+            "cpu_ratio": float("nan"),
+            "detail": "ds.row_arrays (ids, mask, index), copied: the I/O alone",
+        }
+    )
+    results.append(
+        {
+            "measure": "full epoch read",
+            "value": rd["rows"] / rd["epoch_ours_s"],
+            "unit": "rows/s",
+            "yardstick": rd["rows"] / rd["epoch_raw_s"],
+            "ratio": rd["epoch_raw_s"] / rd["epoch_ours_s"],
+            "cpu_ratio": float("nan"),
+            "detail": f"{rd['rows']} rows in {rd['epoch_ours_s']:.3f} s",
+        }
+    )
     results += verification(work / "x1_p1")
 
     rss = [] if args.no_rss else [("prepack (tokenize) 1x", _run_child("tokenize", str(work / "rss_tok")))]
     for k in ([] if args.no_rss else [1, 10]) + ([args.big] if args.big and not args.no_rss else []):
-        rss.append((f"prepack (samples) {k}x", _run_child("replicate", str(work / "x1_p1"), str(work / f"x{k}"), str(k))))
+        rss.append(
+            (f"prepack (samples) {k}x", _run_child("replicate", str(work / "x1_p1"), str(work / f"x{k}"), str(k)))
+        )
         rss.append((f"read epoch {k}x", _run_child("read", str(work / f"x{k}"))))
     for name, r in rss:
         size = f", {r['bytes'] / 1e6:,.0f} MB on disk" if "bytes" in r else ""
         secs = r["seconds"] if isinstance(r["seconds"], float) else r["seconds"]["total"]
-        results.append({"measure": f"peak RSS, {name}", "value": r["peak_mb"], "unit": "MB",
-                        "yardstick": r["base_mb"], "ratio": r["peak_mb"] / r["base_mb"], "cpu_ratio": float("nan"),
-                        "detail": f"{r['tokens']:,} tokens in {secs:.1f} s{size}; yardstick = RSS before the work"})
+        results.append(
+            {
+                "measure": f"peak RSS, {name}",
+                "value": r["peak_mb"],
+                "unit": "MB",
+                "yardstick": r["base_mb"],
+                "ratio": r["peak_mb"] / r["base_mb"],
+                "cpu_ratio": float("nan"),
+                "detail": f"{r['tokens']:,} tokens in {secs:.1f} s{size}; yardstick = RSS before the work",
+            }
+        )
 
     _table(results)
     print(

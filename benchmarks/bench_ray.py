@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from _machine import cpu_model, load_average
 
 HERE = Path(__file__).resolve().parent
@@ -216,31 +217,48 @@ def main() -> None:
     import psutil
 
     total_ram = psutil.virtual_memory().total
-    print(f"machine: {cpu_model()}, {os.cpu_count()} cores, {total_ram / 2**30:.0f} GiB RAM, "
-          f"Python {platform.python_version()}, load {load_average():.1f} at start")
+    print(
+        f"machine: {cpu_model()}, {os.cpu_count()} cores, {total_ram / 2**30:.0f} GiB RAM, "
+        f"Python {platform.python_version()}, load {load_average():.1f} at start"
+    )
     csv_rows: list[dict[str, Any]] = []
 
     if not a.skip_driver:
         print("\n1. driver: pack-and-assign (BFD, max_seq_len 4096), fresh process per size")
-        print(f"{'samples':>12} {'tokens':>15} {'rows':>11} {'fill':>7} {'pack s':>8} {'ranges s':>9} "
-              f"{'peak RSS MB':>12} {'B/sample':>9}")
+        print(
+            f"{'samples':>12} {'tokens':>15} {'rows':>11} {'fill':>7} {'pack s':>8} {'ranges s':>9} "
+            f"{'peak RSS MB':>12} {'B/sample':>9}"
+        )
         results = []
         for text in a.sizes.split(","):
             n = int(float(text))
             r = _child(["--_driver", str(n)])
             results.append(r)
-            print(f"{n:>12,} {r['tokens']:>15,} {r['rows']:>11,} {r['fill']:>7.2%} {r['pack_s']:>8.2f} "
-                  f"{r['split_s']:>9.3f} {_mb(r['peak_rss']):>12} {r['bytes_per_sample']:>9.1f}")
-            csv_rows.append({"section": "driver", "config": f"{n}", "samples": n, "tokens": r["tokens"],
-                             "rows": r["rows"], "pack_s": round(r["pack_s"], 3),
-                             "peak_rss_mb": round(r["peak_rss"] / 2**20), "bytes_per_sample": round(r["bytes_per_sample"], 1)})
+            print(
+                f"{n:>12,} {r['tokens']:>15,} {r['rows']:>11,} {r['fill']:>7.2%} {r['pack_s']:>8.2f} "
+                f"{r['split_s']:>9.3f} {_mb(r['peak_rss']):>12} {r['bytes_per_sample']:>9.1f}"
+            )
+            csv_rows.append(
+                {
+                    "section": "driver",
+                    "config": f"{n}",
+                    "samples": n,
+                    "tokens": r["tokens"],
+                    "rows": r["rows"],
+                    "pack_s": round(r["pack_s"], 3),
+                    "peak_rss_mb": round(r["peak_rss"] / 2**20),
+                    "bytes_per_sample": round(r["bytes_per_sample"], 1),
+                }
+            )
         big = results[-1]
         per = big["bytes_per_sample"]
         fits = int(0.8 * total_ram / per)
         t8 = big["pack_s"] * (1e8 / big["n"]) * math.log(1e8) / math.log(big["n"])
-        print(f"   -> {per:.0f} bytes a sample: one driver with {total_ram / 2**30:.0f} GiB packs about {fits:,.0f} "
-              f"samples (80% of RAM); 1e8 samples need {1e8 * per / 2**30:.1f} GiB and about {t8:.0f} s "
-              "to pack (n log n from the largest size)")
+        print(
+            f"   -> {per:.0f} bytes a sample: one driver with {total_ram / 2**30:.0f} GiB packs about {fits:,.0f} "
+            f"samples (80% of RAM); 1e8 samples need {1e8 * per / 2**30:.1f} GiB and about {t8:.0f} s "
+            "to pack (n log n from the largest size)"
+        )
 
     if not a.skip_engines:
         with tempfile.TemporaryDirectory(prefix="sfr-bench-", dir="/tmp") as tmp:
@@ -252,27 +270,41 @@ def main() -> None:
                 runs.append(_child(["--_engine", spec, "--_inputs", ",".join(inputs), "--_out", out]))
             ref = runs[0]["files"]
             stages = ("tokenizer_load", "ray_start", "read_tokenize", "pack", "write", "checksum", "finalize")
-            print(f"{'engine':<10} {'wall s':>7} " + " ".join(f"{s[:13]:>13}" for s in stages)
-                  + f" {'tree RSS MB':>12} {'tree PSS MB':>12} {'procs':>6} {'tok/s/actor':>12} {'actor load s':>12} {'same bytes':>10}")
+            print(
+                f"{'engine':<10} {'wall s':>7} "
+                + " ".join(f"{s[:13]:>13}" for s in stages)
+                + f" {'tree RSS MB':>12} {'tree PSS MB':>12} {'procs':>6} {'tok/s/actor':>12} {'actor load s':>12} {'same bytes':>10}"
+            )
             for r in runs:
                 sec = r["seconds"]
                 tps = ",".join(f"{x['tokens_per_s'] / 1e3:.0f}k" for x in r["actors"]) or "-"
                 load = ",".join(f"{x.get('load_seconds', float('nan')):.1f}" for x in r["actors"]) or "-"
                 same = "yes" if r["files"] == ref else "NO"
-                print(f"{r['engine'] + ':' + str(r['n']):<10} {r['wall_s']:>7.1f} "
-                      + " ".join(f"{sec.get(s, float('nan')):>13.2f}" for s in stages)
-                      + f" {_mb(r['peak_tree_rss']):>12} {_mb(r['peak_tree_pss']):>12} {r['processes']:>6} {tps:>12} {load:>12} {same:>10}")
-                csv_rows.append({
-                    "section": "engine", "config": f"{r['engine']}:{r['n']}", "samples": r["counts"]["sequences"],
-                    "tokens": r["counts"]["tokens"], "rows": r["counts"]["rows"], "wall_s": round(r["wall_s"], 2),
-                    **{f"{s}_s": round(sec[s], 3) for s in stages if s in sec},
-                    "tree_rss_mb": round(r["peak_tree_rss"] / 2**20), "tree_pss_mb": round(r["peak_tree_pss"] / 2**20),
-                    "actor_tokens_per_s": ";".join(f"{x['tokens_per_s']:.0f}" for x in r["actors"]),
-                    "actor_load_s": ";".join(f"{x.get('load_seconds', float('nan')):.2f}" for x in r["actors"]),
-                    "identical_to_first": r["files"] == ref,
-                })
+                print(
+                    f"{r['engine'] + ':' + str(r['n']):<10} {r['wall_s']:>7.1f} "
+                    + " ".join(f"{sec.get(s, float('nan')):>13.2f}" for s in stages)
+                    + f" {_mb(r['peak_tree_rss']):>12} {_mb(r['peak_tree_pss']):>12} {r['processes']:>6} {tps:>12} {load:>12} {same:>10}"
+                )
+                csv_rows.append(
+                    {
+                        "section": "engine",
+                        "config": f"{r['engine']}:{r['n']}",
+                        "samples": r["counts"]["sequences"],
+                        "tokens": r["counts"]["tokens"],
+                        "rows": r["counts"]["rows"],
+                        "wall_s": round(r["wall_s"], 2),
+                        **{f"{s}_s": round(sec[s], 3) for s in stages if s in sec},
+                        "tree_rss_mb": round(r["peak_tree_rss"] / 2**20),
+                        "tree_pss_mb": round(r["peak_tree_pss"] / 2**20),
+                        "actor_tokens_per_s": ";".join(f"{x['tokens_per_s']:.0f}" for x in r["actors"]),
+                        "actor_load_s": ";".join(f"{x.get('load_seconds', float('nan')):.2f}" for x in r["actors"]),
+                        "identical_to_first": r["files"] == ref,
+                    }
+                )
             c = runs[0]["counts"]
-            print(f"   {c['read']:,} conversations, {c['sequences']:,} sequences, {c['tokens']:,} tokens, {c['rows']:,} rows")
+            print(
+                f"   {c['read']:,} conversations, {c['sequences']:,} sequences, {c['tokens']:,} tokens, {c['rows']:,} rows"
+            )
 
     OUT.mkdir(parents=True, exist_ok=True)
     ran = {row["section"] for row in csv_rows}

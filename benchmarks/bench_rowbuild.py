@@ -32,8 +32,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _machine import cpu_model, load_average
 
+from _machine import cpu_model, load_average
 from sftpack.handoff import PackedBatch, Sample, build_row
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -76,7 +76,11 @@ def main() -> None:
             ids, mask, lengths, row_width=args.width, pad_multiple=m, sequence_ids=seq_ids
         ),
         "build_row (memmap slices)": lambda: build_row(
-            ro_ids[500 : 500 + n_tok], ro_mask[500 : 500 + n_tok], lengths, row_width=args.width, pad_multiple=m,
+            ro_ids[500 : 500 + n_tok],
+            ro_mask[500 : 500 + n_tok],
+            lengths,
+            row_width=args.width,
+            pad_multiple=m,
             sequence_ids=seq_ids,
         ),
         "PackedBatch.from_samples": lambda: PackedBatch.from_samples(samples, row_width=args.width, pad_multiple=m),

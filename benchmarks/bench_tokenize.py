@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _machine import cpu_model, load_average
 
+from _machine import cpu_model, load_average
 from sftpack.chat import renderer_for, tokenize_conversations
 from sftpack.data import default_corpus, default_tokenizer
 
@@ -88,7 +88,7 @@ def ours(tok: Any, convs: list[Any], batch_size: int, num_proc: int) -> int:
 def machine() -> str:
     cpu = cpu_model()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    load = " / load average %.2f" % load_average()
+    load = f" / load average {load_average():.2f}"
     import tokenizers
     import transformers
 

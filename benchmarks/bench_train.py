@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from _machine import cpu_model, load_average
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -73,9 +74,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     tok = default_tokenizer()
     t0 = time.perf_counter()
-    samples, stats = tokenized_samples(
-        tok, max_seq_len=args.max_seq_len, limit=args.limit
-    )
+    samples, stats = tokenized_samples(tok, max_seq_len=args.max_seq_len, limit=args.limit)
     vocab, pad_id = len(tok), tok.pad_token_id
     if args.vocab == "data":
         samples, ids = compact_vocabulary(samples)
@@ -115,9 +114,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         )
         return train(
             cfg,
-            source=make_source(
-                cfg, samples=samples, prepacked=prepacked, pad_id=pad_id
-            ),
+            source=make_source(cfg, samples=samples, prepacked=prepacked, pad_id=pad_id),
             model=model,
         )
 
@@ -127,9 +124,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         prepacked = None
         if "offline" in args.paths:
-            prepacked = prepack_samples(
-                samples, Path(tmp) / "rows", max_seq_len=args.max_seq_len, pad_id=pad_id
-            ).path
+            prepacked = prepack_samples(samples, Path(tmp) / "rows", max_seq_len=args.max_seq_len, pad_id=pad_id).path
         t = time.perf_counter()
         for path in args.paths:  # untimed: first calls, allocator growth
             run_once(path, args.seed, 1, prepacked)
@@ -140,16 +135,11 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         for r in range(args.rounds):
             # Round r: every path once, in a rotated order, on the conversations of seed + r; a busy
             # machine then slows every path alike instead of whichever ran during the busy minute.
-            order = (
-                args.paths[r % len(args.paths) :] + args.paths[: r % len(args.paths)]
-            )
+            order = args.paths[r % len(args.paths) :] + args.paths[: r % len(args.paths)]
             for path in order:
                 res = run_once(path, args.seed + r, args.steps, prepacked)
                 logs[path].extend(res.logs)
-                per_round[path].append(
-                    sum(x.real_tokens for x in res.logs)
-                    / sum(x.step_time for x in res.logs)
-                )
+                per_round[path].append(sum(x.real_tokens for x in res.logs) / sum(x.step_time for x in res.logs))
                 if r == 0:
                     first_last[path] = (res.logs[0].loss, res.logs[-1].loss)
             print(
@@ -171,8 +161,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
                 "slots": slots,
                 "label_tokens": sum(x.label_tokens for x in timed),
                 "fill": real / slots,
-                "micro_batches_per_step": sum(x.micro_batches for x in timed)
-                / len(timed),
+                "micro_batches_per_step": sum(x.micro_batches for x in timed) / len(timed),
                 "sequences_per_step": sum(x.sequences for x in timed) / len(timed),
                 "seconds": sum(x.step_time for x in timed),
                 "real_tokens_per_s": float(np.median(per_round[path])),
@@ -184,9 +173,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         )
     base = next((r for r in rows if r["path"] == "none"), None)
     for r in rows:
-        r["speedup"] = (
-            r["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
-        )
+        r["speedup"] = r["real_tokens_per_s"] / base["real_tokens_per_s"] if base else float("nan")
         r["bound"] = r["fill"] / base["fill"] if base else float("nan")
         r["of_bound"] = r["speedup"] / r["bound"] if base else float("nan")
     return rows
@@ -201,18 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         default=600,
         help="first N conversations of the corpus (default 600)",
     )
-    p.add_argument(
-        "--paths", default=",".join(PATHS), help="comma-separated (default: all four)"
-    )
+    p.add_argument("--paths", default=",".join(PATHS), help="comma-separated (default: all four)")
     p.add_argument(
         "--conversations",
         type=int,
         default=8,
         help="conversations per step (none, trainer)",
     )
-    p.add_argument(
-        "--rows", type=int, default=2, help="rows per step (loader, offline)"
-    )
+    p.add_argument("--rows", type=int, default=2, help="rows per step (loader, offline)")
     p.add_argument(
         "--steps",
         type=int,
@@ -254,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     print(f"machine: {machine(device)}")
     if load_average() > (os.cpu_count() or 1):
-        print(
-            "note: the machine is busy (load average above the core count); timings are noisy"
-        )
+        print("note: the machine is busy (load average above the core count); timings are noisy")
     print(
         f"model: Llama dim {args.dim}, {args.layers} layers, {args.heads} heads ({args.kv_heads} kv); "
         f"max_seq_len {args.max_seq_len}; {args.conversations} conversations or {args.rows} rows per step; "

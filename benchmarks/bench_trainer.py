@@ -30,8 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from _machine import cpu_model, load_average
 
+from _machine import cpu_model, load_average
 from sftpack.trainer import pack_step
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for d in devices:
         ratio = float(np.median(results[d]["pack_step(ids, lengths, loss_mask)"]) / np.median(results[d][base]))
-        print(f"{d}: pack_step / minimal gather = {ratio:.2f}x (goal <= 3x on CPU): {'met' if ratio <= 3 else 'NOT met'}")
+        print(
+            f"{d}: pack_step / minimal gather = {ratio:.2f}x (goal <= 3x on CPU): {'met' if ratio <= 3 else 'NOT met'}"
+        )
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "bench_trainer.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

@@ -26,11 +26,7 @@ import torch
 
 
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [
-        p.grad.detach().float().clone()
-        for p in model.parameters()
-        if p.grad is not None
-    ]
+    return [p.grad.detach().float().clone() for p in model.parameters() if p.grad is not None]
 
 
 def _unpacked(model, samples, n_labels):
@@ -44,12 +40,7 @@ def _unpacked(model, samples, n_labels):
         out = model.model(input_ids=ids, use_cache=False).last_hidden_state[0]
         lg = model.lm_head(out)
         lab = reference_labels(s).cuda()
-        loss = (
-            torch.nn.functional.cross_entropy(
-                lg.float(), lab, ignore_index=-100, reduction="sum"
-            )
-            / n_labels
-        )
+        loss = torch.nn.functional.cross_entropy(lg.float(), lab, ignore_index=-100, reduction="sum") / n_labels
         loss.backward()
         total += float(loss)
         logits.append(lg.detach().float())
@@ -64,9 +55,7 @@ def bf16_exactness(*, seed: int = 0) -> list[tuple[str, float, float, float]]:
     from sftpack.train import build_model, default_attention
 
     vocab = 4096
-    lengths = torch.randint(
-        16, 1024, (12,), generator=torch.Generator().manual_seed(seed)
-    ).tolist()
+    lengths = torch.randint(16, 1024, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
     samples = random_samples(lengths, vocab, seed=seed)
     attn = default_attention("cuda")
     fp32 = build_model(
@@ -99,9 +88,7 @@ def bf16_exactness(*, seed: int = 0) -> list[tuple[str, float, float, float]]:
     loss.backward()
     p_grads = _grads(packed_model)
     starts = packed.cu_seqlens_padded[:-1].tolist()
-    p_logits = [
-        logits[s : s + len(x)].detach().float() for s, x in zip(starts, samples)
-    ]
+    p_logits = [logits[s : s + len(x)].detach().float() for s, x in zip(starts, samples)]
 
     def worst(a, b):
         return max(float((x - y).abs().max()) for x, y in zip(a, b))
@@ -136,16 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         flash = f"flash-attn {flash_attn.__version__}"
     except ImportError:
         flash = "flash-attn NOT installed: packed rows use sftpack's reference attention on CUDA"
-    print(
-        f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {flash}"
-    )
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, {flash}")
 
     print(
         "\n1. bf16 exactness (12 conversations of 16-1023 tokens, Llama dim 256 x 4 layers), errors vs fp32 unpacked:"
     )
-    print(
-        f"   {'quantity':8s} {'packed bf16':>12s} {'unpacked bf16':>14s} {'ratio':>7s}"
-    )
+    print(f"   {'quantity':8s} {'packed bf16':>12s} {'unpacked bf16':>14s} {'ratio':>7s}")
     ok = True
     for name, packed_err, low_err, ratio in bf16_exactness():
         print(f"   {name:8s} {packed_err:12.3e} {low_err:14.3e} {ratio:7.2f}")

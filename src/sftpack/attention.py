@@ -33,9 +33,7 @@ from .handoff import real_token_mask
 __all__ = ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"]
 
 
-def boundaries_of(
-    packed: Any, pad_between_seqs: bool | None = None
-) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+def boundaries_of(packed: Any, pad_between_seqs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
     """``(cu_seqlens, cu_seqlens_padded, max_seqlen, pad_between_seqs)`` of a
     :class:`~sftpack.PackedBatch` or a Megatron ``PackedSeqParams``.
 
@@ -163,9 +161,7 @@ def _reference(
             vs = vs.repeat_interleave(rep, dim=0)
         # 4-D (1, H, n, D): on CPU, 3-D inputs fall back to the slow math kernel
         # (a 3,000-token segment: 0.9 s forward against 0.06 s).
-        o = F.scaled_dot_product_attention(
-            qs[None], ks[None], vs[None], is_causal=causal, scale=softmax_scale
-        )[0]
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=causal, scale=softmax_scale)[0]
         pieces.append(o.transpose(0, 1))
         pos = s + n
     if pos < q.shape[0]:

@@ -226,9 +226,7 @@ class ExactnessReport:
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
-    return [
-        (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in model.parameters()
-    ]
+    return [(p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)) for p in model.parameters()]
 
 
 def _compare(
@@ -348,9 +346,7 @@ def check_hf_model(model: Any, samples: Sequence[Sample], packed: PackedBatch) -
 def random_samples(lengths: Sequence[int], vocab_size: int, seed: int = 0, p_train: float = 0.7) -> list[Sample]:
     """Random ids and loss masks for the given lengths (seeded)."""
     rng = np.random.default_rng(seed)
-    return [
-        Sample(rng.integers(1, vocab_size, n), rng.random(n) < p_train, i) for i, n in enumerate(lengths)
-    ]
+    return [Sample(rng.integers(1, vocab_size, n), rng.random(n) < p_train, i) for i, n in enumerate(lengths)]
 
 
 def exactness_table(
@@ -373,7 +369,11 @@ def exactness_table(
     hf_impl = register_hf_attention()
     consumers: list[tuple[str, str, Callable[[list[Sample], PackedBatch], ExactnessReport]]] = [
         ("plain + PackedSeqParams", "real+padded", lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=True)),
-        ("plain + PackedSeqParams", "padded-for-both", lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=False)),
+        (
+            "plain + PackedSeqParams",
+            "padded-for-both",
+            lambda s, p: check_plain_model(plain, s, p, pad_between_seqs=False),
+        ),
     ]
     for impl in ("sdpa", "eager", hf_impl):
         model = tiny_llama(vocab, attn_implementation=impl, seed=seed, dtype=dtype)

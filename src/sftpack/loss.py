@@ -157,9 +157,7 @@ def token_mean_loss(
     return total / denom * average_over_ranks
 
 
-def sequence_loss_sums(
-    logits: torch.Tensor, packed: PackedBatch
-) -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_loss_sums(logits: torch.Tensor, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence loss sums and target counts, from the packed boundaries.
 
     Returns:

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
+
 from .data import CHATML_TEMPLATE
 from .handoff import Sample
 

@@ -234,7 +234,10 @@ def test_special_text_masks_match_the_prefix_diff_reference(style: str, generati
     s = tokenize_conversation(messages, tok)
     special_ids = set(tok.convert_tokens_to_ids(specials))
     plain = tokenize_conversation([U("say x"), A("no y way z"), U("ok"), A("fine")], tok)
-    n_special = lambda x: sum(t in special_ids for t in x.input_ids.tolist())
+
+    def n_special(x):
+        return sum(t in special_ids for t in x.input_ids.tolist())
+
     assert n_special(s) == n_special(plain)  # only the template's
     runs = trainable_runs(tok, s)
     eot = runs[-1][len("fine") :]

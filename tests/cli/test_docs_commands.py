@@ -187,7 +187,9 @@ def test_every_flag_in_the_docs_exists():
     missing = []
     for doc in DOCS:
         for no, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
-            scripts = "".join((ROOT / s).read_text(encoding="utf-8") for s in _SCRIPT.findall(line) if (ROOT / s).exists())
+            scripts = "".join(
+                (ROOT / s).read_text(encoding="utf-8") for s in _SCRIPT.findall(line) if (ROOT / s).exists()
+            )
             missing += [
                 f"{doc.name}:{no}: {flag}"
                 for flag in _FLAG.findall(line)

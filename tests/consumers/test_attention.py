@@ -45,7 +45,9 @@ def test_matches_block_diagonal_mask(pad_between_seqs, lens, pm, width):
     mask = _block_mask(b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), T, pad_between_seqs)
     rows = mask.any(-1)
     ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[:, rows], k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1),
+        q.transpose(0, 1)[:, rows],
+        k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1),
         attn_mask=mask[rows],
     ).transpose(0, 1)
     torch.testing.assert_close(out[rows], ref, atol=1e-12, rtol=0)

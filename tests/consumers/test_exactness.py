@@ -53,12 +53,12 @@ BUG = 1e-3  # what contamination must move the logits by, at least
 F64 = torch.float64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plain_model(dtype: torch.dtype = F64) -> TinyCausalLM:
     return TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=dtype)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model(impl: str):
     if impl == "sftpack_varlen":
         register_hf_attention()

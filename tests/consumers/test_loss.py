@@ -26,20 +26,20 @@ from sftpack.loss import (
     token_losses,
     token_mean_loss,
 )
-from sftpack.trainer import padded_batch as _padded_batch
 from sftpack.trainer import pack_step, unpack
+from sftpack.trainer import padded_batch as _padded_batch
 
 VOCAB = 97
 TOL = 1e-10  # float64; see the docstring
 F64 = torch.float64
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def plain_model() -> TinyCausalLM:
     return TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=F64)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_model():
     return tiny_llama(VOCAB, attn_implementation="sdpa", dtype=F64)
 
@@ -194,7 +194,7 @@ def test_per_row_means_are_wrong_and_ours_are_not():
     batches = [pack_step(*padded_batch([samples[i] for i in idx])) for idx in splits]
     with torch.no_grad():
         per_row = [token_losses(forward_plain(model, b), b) for b in batches]
-        row_means = torch.stack([l.sum() / b.num_label_tokens for l, b in zip(per_row, batches)]).mean()
+        row_means = torch.stack([loss.sum() / b.num_label_tokens for loss, b in zip(per_row, batches)]).mean()
         n = count_label_tokens(batches)
         ours = sum(token_mean_loss(forward_plain(model, b), b, n) for b in batches)
     ref = run_reference(model, reference_plain, samples)[0]

@@ -121,8 +121,11 @@ def test_build_row_copy_strategies_agree(monkeypatch, n, pad_multiple):
 # refuse negative ids and pad ids the same way: an embedding has no row for them.
 def test_build_row_refuses_a_negative_token_id_naming_the_sequence():
     ids = np.array([5, 6, 7, 8, -3, 9])
-    with pytest.raises(PackedBatchError, match=r"build_row: sequence 1, id 'b' holds token id -3 at input position 4: "
-                                               r"token ids must be non-negative"):
+    with pytest.raises(
+        PackedBatchError,
+        match=r"build_row: sequence 1, id 'b' holds token id -3 at input position 4: "
+        r"token ids must be non-negative",
+    ):
         build_row(ids, np.ones(6, bool), [3, 3], row_width=8, sequence_ids=["a", "b"])
     with pytest.raises(PackedBatchError, match=r"build_row: sequence 0 holds token id -1 at input position 0"):
         build_row(np.array([-1, 4]), np.ones(2, bool), [2], row_width=4)  # no sequence ids given: none named
@@ -149,6 +152,9 @@ def test_validate_refuses_a_negative_id_naming_the_slot_and_segment():
         bad = good.to("cpu")
         bad.input_ids = good.input_ids.clone()
         bad.input_ids[slot] = -1  # a padding slot (6) or a real token (1), labels left as they were
-        with pytest.raises(PackedBatchError, match=rf"PackedBatch.input_ids\[{slot}\] = -1 \({what}\): token ids, "
-                                                   r"padding included, must be non-negative"):
+        with pytest.raises(
+            PackedBatchError,
+            match=rf"PackedBatch.input_ids\[{slot}\] = -1 \({what}\): token ids, "
+            r"padding included, must be non-negative",
+        ):
             bad.validate()

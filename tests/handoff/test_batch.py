@@ -98,7 +98,10 @@ def _good():
         (dict(cu_seqlens_padded=torch.tensor([2, 8, 20], dtype=torch.int32)), "cu_seqlens_padded must start"),
         (dict(cu_seqlens=torch.tensor([0, 5, 5], dtype=torch.int32)), "sequence 1 has real length 0"),
         (dict(cu_seqlens=torch.tensor([0, 9, 15], dtype=torch.int32)), "segment 0 has padded length 8 < real length 9"),
-        (dict(cu_seqlens_padded=torch.tensor([0, 8, 18], dtype=torch.int32)), "must equal T = len(input_ids) = 20, got 18"),
+        (
+            dict(cu_seqlens_padded=torch.tensor([0, 8, 18], dtype=torch.int32)),
+            "must equal T = len(input_ids) = 20, got 18",
+        ),
         (dict(cu_seqlens=torch.tensor([0, 5, 15])), "cu_seqlens must be int32"),
         (dict(input_ids=torch.zeros(20, dtype=torch.int32)), "input_ids must be int64"),
         (dict(labels=torch.zeros(19, dtype=torch.int64)), "labels has 19 slots but input_ids has T=20"),
@@ -133,7 +136,9 @@ def test_from_samples_errors():
         PackedBatch.from_samples([A, B], pad_multiple=4, row_width=16)
     # A width that is not a multiple of the per-sequence pad would leave the last
     # segment (which absorbs the tail) misaligned: refused, with both fixes.
-    with pytest.raises(PackedBatchError, match="row_width=22 is not a multiple of pad_multiple=4.*use row_width=24 or 20"):
+    with pytest.raises(
+        PackedBatchError, match="row_width=22 is not a multiple of pad_multiple=4.*use row_width=24 or 20"
+    ):
         PackedBatch.from_samples([A, B], pad_multiple=4, row_width=22)
     with pytest.raises(PackedBatchError, match="pad_multiple must be a positive integer"):
         PackedBatch.from_samples([A], pad_multiple=0)
@@ -174,7 +179,7 @@ def test_from_samples_properties(lens, pad_multiple, extra, data):
 
 
 def test_concat_and_dataloader_collate():
-    rows = [PackedBatch.from_samples(samples_from_lengths(l), row_width=8) for l in ([3, 4], [8], [1, 1, 1])]
+    rows = [PackedBatch.from_samples(samples_from_lengths(ls), row_width=8) for ls in ([3, 4], [8], [1, 1, 1])]
     b = PackedBatch.concat(rows).validate()
     assert b.cu_seqlens.tolist() == [0, 3, 7, 15, 16, 17, 18]
     assert b.cu_seqlens_padded.tolist() == [0, 3, 8, 16, 17, 18, 24]
@@ -187,7 +192,9 @@ def test_concat_and_dataloader_collate():
 
 def test_to_device_moves_every_tensor():
     b = _good().to("meta")
-    assert all(t.device.type == "meta" for t in (b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.cu_seqlens_padded))
+    assert all(
+        t.device.type == "meta" for t in (b.input_ids, b.labels, b.position_ids, b.cu_seqlens, b.cu_seqlens_padded)
+    )
     mixed = _good()
     mixed.labels = mixed.labels.to("meta")
     with pytest.raises(PackedBatchError, match="several devices"):

@@ -60,20 +60,29 @@ def test_the_unedited_state_still_resumes_exactly():
         (lambda s: s.update(cursor=10_000), r"state\['cursor'\] = 10000 but share 0 of 1 holds 120 samples in epoch 0"),
         (lambda s: s.update(epoch=-1), r"state\['epoch'\] = -1: it must be an integer >= 0"),
         (lambda s: s.update(cursor="3"), r"state\['cursor'\] = '3': it must be an integer >= 0"),
-        (lambda s: s["buffer"].append(list(s["buffer"][0])),
-         r"state\['buffer'\]\[\d+\] names sample \d+ piece 0, already named by state\['buffer'\]\[0\].*emitted twice"),
-        (lambda s: s["buffer"].append([*s["pending"][0][0], 0]),
-         r"state\['pending'\]\[0\]\[0\] names sample \d+ piece 0, already named by state\['buffer'\]\[\d+\]"),
+        (
+            lambda s: s["buffer"].append(list(s["buffer"][0])),
+            r"state\['buffer'\]\[\d+\] names sample \d+ piece 0, already named by state\['buffer'\]\[0\].*emitted twice",
+        ),
+        (
+            lambda s: s["buffer"].append([*s["pending"][0][0], 0]),
+            r"state\['pending'\]\[0\]\[0\] names sample \d+ piece 0, already named by state\['buffer'\]\[\d+\]",
+        ),
         (lambda s: s["buffer"][0].__setitem__(2, 9), r"has waited 9 rounds, more than max_wait=2"),
         (lambda s: s["buffer"][0].__setitem__(0, -3), r"state\['buffer'\]\[0\] = \[-3, .*non-negative integers"),
         (lambda s: s["pending"].append([]), r"state\['pending'\]\[\d+\] = \[\]: a pending row is a non-empty list"),
         (lambda s: s.pop("buffer"), r"the PackingDataset state lacks buffer"),
-        (lambda s: s["buffer"][0].__setitem__(0, 5000),
-         r"state\['buffer'\]\[0\] = \[5000, 0, \d\] names sample 5000, which is not among the \d+ samples share 0 of "
-         r"1 had read in epoch 0"),
+        (
+            lambda s: s["buffer"][0].__setitem__(0, 5000),
+            r"state\['buffer'\]\[0\] = \[5000, 0, \d\] names sample 5000, which is not among the \d+ samples share 0 of "
+            r"1 had read in epoch 0",
+        ),
         (lambda s: s.update(end_epoch=s["epoch"] - 1 if s["epoch"] else -1), r"end_epoch"),
-        (lambda s: s["lengths"].pop(), r"state\['lengths'\] must hold one token count \(>= 1\) per buffer and "
-                                       r"pending entry"),
+        (
+            lambda s: s["lengths"].pop(),
+            r"state\['lengths'\] must hold one token count \(>= 1\) per buffer and "
+            r"pending entry",
+        ),
     ],
 )
 def test_a_damaged_state_is_refused_naming_the_field(edit, message):
@@ -87,15 +96,21 @@ def test_a_damaged_state_is_refused_naming_the_field(edit, message):
 def test_a_state_over_other_data_is_refused_not_an_index_error():
     st, _ = saved()
     # fewer samples (the old failure: IndexError)
-    with pytest.raises(StateError, match=r"saved over a source of 120 samples but this dataset's source holds 40: "
-                                         r"resume with the same samples"):
+    with pytest.raises(
+        StateError,
+        match=r"saved over a source of 120 samples but this dataset's source holds 40: "
+        r"resume with the same samples",
+    ):
         PackingDataset(SAMPLES[:40], **KW).load_state_dict(st)
     # as many samples, other lengths: the re-read sequences do not match what was saved
     other = samples_from_lengths(np.random.default_rng(4).integers(1, 200, 120).tolist())
     ds = PackingDataset(other, **KW)
     ds.load_state_dict(st)
-    with pytest.raises(StateError, match=r"sample \d+ piece 0 has \d+ tokens here but had \d+ when the state was "
-                                         r"saved: the state was saved over other data"):
+    with pytest.raises(
+        StateError,
+        match=r"sample \d+ piece 0 has \d+ tokens here but had \d+ when the state was "
+        r"saved: the state was saved over other data",
+    ):
         next(iter(ds))
 
 
@@ -104,14 +119,20 @@ def test_a_stream_state_over_shorter_data_is_refused():
     st, _ = saved(Stream(SAMPLES), kw)
     short = PackingDataset(Stream(SAMPLES[: st["cursor"] - 3]), **kw)
     short.load_state_dict(st)
-    with pytest.raises(StateError, match=rf"the state's cursor is {st['cursor']} but share 0 of 1 holds "
-                                         rf"{st['cursor'] - 3} samples in this stream"):
+    with pytest.raises(
+        StateError,
+        match=rf"the state's cursor is {st['cursor']} but share 0 of 1 holds "
+        rf"{st['cursor'] - 3} samples in this stream",
+    ):
         next(iter(short))
     # a buffer entry beyond the cursor cannot have been read yet
     bad = copy.deepcopy(st)
     bad["buffer"][0][0] = st["cursor"] + 7
-    with pytest.raises(StateError, match=rf"names sample {st['cursor'] + 7}, which is not among the {st['cursor']} "
-                                         r"samples share 0 of 1 had read"):
+    with pytest.raises(
+        StateError,
+        match=rf"names sample {st['cursor'] + 7}, which is not among the {st['cursor']} "
+        r"samples share 0 of 1 had read",
+    ):
         PackingDataset(Stream(SAMPLES), **kw).load_state_dict(bad)
 
 
@@ -133,6 +154,9 @@ def test_a_piece_beyond_its_sample_and_an_overfull_pending_row_are_refused():
     bad["buffer"] = []
     ds = PackingDataset(SAMPLES, **KW)
     ds.load_state_dict(bad)
-    with pytest.raises(StateError, match=r"state\['pending'\]\[0\] holds \d+ sequences of \d+ padded slots, more than "
-                                         r"max_seq_len=256"):
+    with pytest.raises(
+        StateError,
+        match=r"state\['pending'\]\[0\] holds \d+ sequences of \d+ padded slots, more than "
+        r"max_seq_len=256",
+    ):
         next(iter(ds))

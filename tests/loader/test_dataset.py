@@ -56,8 +56,9 @@ def test_the_loader_hands_the_padded_boundaries_for_both_by_default():
     p = ds.packed_seq_params(row)
     assert p.cu_seqlens_q is p.cu_seqlens_kv is p.cu_seqlens_q_padded is p.cu_seqlens_kv_padded
     assert p.cu_seqlens_q.tolist() == [0, 8, 36]
-    both = PackingDataset(samples_from_lengths([5, 10]), max_seq_len=36, buffer_size=4, pad_multiple=4,
-                          pad_between_seqs=True)
+    both = PackingDataset(
+        samples_from_lengths([5, 10]), max_seq_len=36, buffer_size=4, pad_multiple=4, pad_between_seqs=True
+    )
     q = both.packed_seq_params(next(iter(both)))
     assert q.cu_seqlens_q.tolist() == [0, 5, 15] and q.cu_seqlens_q_padded.tolist() == [0, 8, 36]
 
@@ -96,8 +97,13 @@ def test_every_sample_once_in_full_width_rows_in_input_order(pad_multiple):
 )
 def test_rows_never_overflow_and_hold_every_sample_once(lengths, pad_multiple, buffer_size, max_wait):
     """The bin cost is the width build_row lays: a planned row always builds."""
-    ds = PackingDataset(samples_from_lengths(lengths), max_seq_len=64, buffer_size=buffer_size,
-                        pad_multiple=pad_multiple, max_wait=max_wait)
+    ds = PackingDataset(
+        samples_from_lengths(lengths),
+        max_seq_len=64,
+        buffer_size=buffer_size,
+        pad_multiple=pad_multiple,
+        max_wait=max_wait,
+    )
     rows = list(ds)
     assert sorted(i for r in rows for i in r.sequence_ids) == list(range(len(lengths)))
     for r in rows:
@@ -118,7 +124,11 @@ def test_hold_back_waits_only_under_filled_rows_within_budget_and_age():
     young = np.zeros(5, int)
     kw = {"max_seq_len": 36, "min_fill": 0.99, "max_items": 3}
     assert hold_back(rows, costs, young, max_wait=2, max_seq_len=36, min_fill=0.99, max_items=4).tolist() == [
-        False, True, True, True]
+        False,
+        True,
+        True,
+        True,
+    ]
     # the emptiest wait first; the 2-sample row no longer fits the budget of 3
     assert hold_back(rows, costs, young, max_wait=2, **kw).tolist() == [False, False, True, True]
     old = np.array([0, 0, 0, 2, 0])
@@ -131,8 +141,7 @@ def test_a_sample_is_decided_within_the_stated_bound(max_wait):
     """Decided (and emitted) before its worker reads (max_wait + 1) * buffer_size more samples."""
     lengths = lengths_of(400, 120, seed=max_wait)
     B = 16
-    ds = PackingDataset(samples_from_lengths(lengths), max_seq_len=128, buffer_size=B, max_wait=max_wait,
-                        min_fill=1.0)
+    ds = PackingDataset(samples_from_lengths(lengths), max_seq_len=128, buffer_size=B, max_wait=max_wait, min_fill=1.0)
     emitted_at = {}
     for row in ds:
         for sid in row.sequence_ids:
@@ -166,7 +175,7 @@ def test_overlong_policies_are_applied_before_costing_and_counted():
     for r in rows:
         for sid, toks in zip(r.sequence_ids, unpacked_ids(r)):
             pieces.setdefault(sid, []).append(toks)
-    for sid, n in enumerate(lengths):  # pieces rejoin to the sample, in order
+    for sid in range(len(lengths)):  # pieces rejoin to the sample, in order
         joined = np.concatenate(sorted(pieces[sid], key=lambda t: int(t[0])))
         assert np.array_equal(joined, samples[sid].input_ids)
     assert (split.stats.split, split.stats.extra_pieces) == (2, 1 + 2)
@@ -183,8 +192,11 @@ def test_overlong_policies_are_applied_before_costing_and_counted():
     assert (drop.stats.dropped, drop.stats.tokens_dropped, drop.stats.samples_in) == (2, 220, 5)
     assert drop.stats.samples_in == drop.stats.samples_packed + drop.stats.dropped
 
-    with pytest.raises(ValueError, match=r"sample 1 \(conversation 1\) has 70 tokens, more than max_seq_len=64.*"
-                                         r"overlong='split'"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 \(conversation 1\) has 70 tokens, more than max_seq_len=64.*"
+        r"overlong='split'",
+    ):
         list(PackingDataset(samples, max_seq_len=64, buffer_size=8, overlong="error"))
 
 
@@ -213,8 +225,9 @@ def test_iterable_and_map_style_sources_give_the_same_rows():
 
 
 def test_dicts_and_bare_id_lists_are_samples_too():
-    ds = PackingDataset([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "conversation_id": "x"}, [7, 8]],
-                        max_seq_len=8, buffer_size=2)
+    ds = PackingDataset(
+        [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "conversation_id": "x"}, [7, 8]], max_seq_len=8, buffer_size=2
+    )
     (row,) = list(ds)
     assert row.sequence_ids == ("x", 1)
     assert row.labels.tolist()[:5] == [2, 3, -100, 8, -100]
@@ -300,12 +313,18 @@ def test_negative_token_ids_and_pad_ids_are_refused_on_intake():
     samples = samples_from_lengths([4, 6, 3])
     bad = Sample(np.array([11, 12, -5, 14]), np.ones(4, bool), "chat.jsonl:7")
     ds = PackingDataset([*samples, bad], max_seq_len=16, buffer_size=8)
-    with pytest.raises(ValueError, match=r"sample 3 \(conversation 'chat.jsonl:7'\) holds token id -5 at position 2: "
-                                         r"token ids must be non-negative"):
+    with pytest.raises(
+        ValueError,
+        match=r"sample 3 \(conversation 'chat.jsonl:7'\) holds token id -5 at position 2: "
+        r"token ids must be non-negative",
+    ):
         list(ds)
     with pytest.raises(ValueError, match=r"sample 1 \(conversation 1\) holds token id -1 at position 0"):
         list(PackingDataset([[3, 4], [-1, 2]], max_seq_len=8, buffer_size=2))  # bare id lists: index as id
-    with pytest.raises(ValueError, match=r"PackingDataset: pad_id=-1 is negative: padding slots are fed to the "
-                                         r"embedding.*token id >= 0"):
+    with pytest.raises(
+        ValueError,
+        match=r"PackingDataset: pad_id=-1 is negative: padding slots are fed to the "
+        r"embedding.*token id >= 0",
+    ):
         PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=-1)
     assert len(list(PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=0))) == 1  # the same, valid

@@ -70,9 +70,11 @@ def rows(ds, steps: int = STEPS) -> list:
 @pytest.mark.parametrize("kind", SOURCES)
 def test_an_empty_source_is_refused(kind, num_epochs):
     ds = PackingDataset(SOURCES[kind]([]), num_epochs=num_epochs, **KW)
-    msg = (r"PackingDataset \(rank 0 of world_size=1, worker 0 of num_workers=0\): "
-           + (r"the source holds no sample: give it at least one" if kind == "map"
-              else r"epoch 0 of share 0 of 1 emitted no row: it read no sample.*use fewer ranks x workers, or more"))
+    msg = r"PackingDataset \(rank 0 of world_size=1, worker 0 of num_workers=0\): " + (
+        r"the source holds no sample: give it at least one"
+        if kind == "map"
+        else r"epoch 0 of share 0 of 1 emitted no row: it read no sample.*use fewer ranks x workers, or more"
+    )
     with pytest.raises(ValueError, match=msg):
         rows(ds)
 
@@ -82,12 +84,14 @@ def test_more_ranks_than_samples_is_refused_on_every_rank_of_a_map_style_source(
     """Every rank can count the shares of a map-style source, so every rank refuses, together:
     no rank starts a DDP step that another will never join."""
     for rank in range(3):
-        ds = PackingDataset(Bounded(samples_from_lengths([5, 9])), rank=rank, world_size=3,
-                            num_epochs=num_epochs, **KW)
-        with pytest.raises(ValueError, match=rf"\(rank {rank} of world_size=3, worker 0 of num_workers=0\): the "
-                                             r"source holds 2 samples but they are dealt to 3 shares \(world_size=3 "
-                                             r"x 1 worker\(s\) per rank\), so 1 share\(s\) get none.*DDP step waits "
-                                             r"forever\): use at most 2 ranks, or more samples"):
+        ds = PackingDataset(Bounded(samples_from_lengths([5, 9])), rank=rank, world_size=3, num_epochs=num_epochs, **KW)
+        with pytest.raises(
+            ValueError,
+            match=rf"\(rank {rank} of world_size=3, worker 0 of num_workers=0\): the "
+            r"source holds 2 samples but they are dealt to 3 shares \(world_size=3 "
+            r"x 1 worker\(s\) per rank\), so 1 share\(s\) get none.*DDP step waits "
+            r"forever\): use at most 2 ranks, or more samples",
+        ):
             rows(ds)
 
 
@@ -96,13 +100,20 @@ def test_more_ranks_than_samples_in_a_stream_refuses_on_the_rank_with_none(num_e
     """A stream's length is only known by reading it: the rank with no sample refuses at the end
     of its (empty) epoch; the others yield their rows (and, endless, keep yielding)."""
     lengths = [5, 9]
-    r0 = rows(PackingDataset(BoundedStream(samples_from_lengths(lengths)), rank=0, world_size=3,
-                             num_epochs=num_epochs, **KW))
+    r0 = rows(
+        PackingDataset(BoundedStream(samples_from_lengths(lengths)), rank=0, world_size=3, num_epochs=num_epochs, **KW)
+    )
     assert [r.sequence_ids for r in r0] == [(0,)] * (1 if num_epochs == 1 else STEPS)
-    with pytest.raises(ValueError, match=r"\(rank 2 of world_size=3, worker 0 of num_workers=0\): epoch 0 of share 2 "
-                                         r"of 3 emitted no row: it read no sample"):
-        rows(PackingDataset(BoundedStream(samples_from_lengths(lengths)), rank=2, world_size=3,
-                            num_epochs=num_epochs, **KW))
+    with pytest.raises(
+        ValueError,
+        match=r"\(rank 2 of world_size=3, worker 0 of num_workers=0\): epoch 0 of share 2 "
+        r"of 3 emitted no row: it read no sample",
+    ):
+        rows(
+            PackingDataset(
+                BoundedStream(samples_from_lengths(lengths)), rank=2, world_size=3, num_epochs=num_epochs, **KW
+            )
+        )
 
 
 @pytest.mark.parametrize("num_epochs", EPOCHS)
@@ -113,8 +124,10 @@ def test_more_workers_than_samples_through_a_real_dataloader(kind, num_epochs):
     ds = PackingDataset(SOURCES[kind](samples_from_lengths([7])), num_epochs=num_epochs, **KW)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     if kind == "map":
-        msg = (r"\(rank 0 of world_size=1, worker [01] of num_workers=2\): the source holds 1 samples but they are "
-               r"dealt to 2 shares.*use num_workers <= 1, or more samples")
+        msg = (
+            r"\(rank 0 of world_size=1, worker [01] of num_workers=2\): the source holds 1 samples but they are "
+            r"dealt to 2 shares.*use num_workers <= 1, or more samples"
+        )
     else:
         msg = r"\(rank 0 of world_size=1, worker 1 of num_workers=2\): epoch 0 of share 1 of 2 emitted no row"
     with pytest.raises(ValueError, match=msg):
@@ -129,14 +142,16 @@ def test_a_share_whose_samples_are_all_dropped_as_overlong_is_refused(kind, num_
     kw = KW | {"overlong": "drop", "num_epochs": num_epochs, "world_size": 2}
     good = rows(PackingDataset(SOURCES[kind](samples), rank=1, **kw))
     assert good and all(r.sequence_ids == (1, 3) for r in good)
-    with pytest.raises(ValueError, match=r"\(rank 0 of world_size=2, worker 0 of num_workers=0\): epoch 0 of share 0 "
-                                         r"of 2 emitted no row: all 2 of its samples are longer than max_seq_len=64 "
-                                         r"and were dropped \(overlong='drop'\).*raise max_seq_len, or pass "
-                                         r"overlong='split' or 'truncate'"):
+    with pytest.raises(
+        ValueError,
+        match=r"\(rank 0 of world_size=2, worker 0 of num_workers=0\): epoch 0 of share 0 "
+        r"of 2 emitted no row: all 2 of its samples are longer than max_seq_len=64 "
+        r"and were dropped \(overlong='drop'\).*raise max_seq_len, or pass "
+        r"overlong='split' or 'truncate'",
+    ):
         rows(PackingDataset(SOURCES[kind](samples), rank=0, **kw))
     # a single rank whose every sample is dropped: the same error, counted
-    every = PackingDataset(SOURCES[kind](samples_from_lengths([100, 80])), overlong="drop",
-                           num_epochs=num_epochs, **KW)
+    every = PackingDataset(SOURCES[kind](samples_from_lengths([100, 80])), overlong="drop", num_epochs=num_epochs, **KW)
     with pytest.raises(ValueError, match=r"all 2 of its samples are longer than max_seq_len=64"):
         rows(every)
     assert (every.stats.samples_in, every.stats.dropped, every.stats.rows_out) == (2, 2, 0)
@@ -161,8 +176,11 @@ def test_train_packing_loader_with_more_ranks_than_conversations_stops_on_every_
     cfg = TrainConfig(packing="loader", batch_size=3, max_seq_len=64, buffer_size=4)
     for rank in range(3):
         source = make_source(cfg, samples=Bounded(samples_from_lengths([20, 30])), rank=rank, world=3)
-        with pytest.raises(ValueError, match=rf"rank {rank} of world_size=3.*the source holds 2 samples but they are "
-                                             r"dealt to 3 shares.*use at most 2 ranks"):
+        with pytest.raises(
+            ValueError,
+            match=rf"rank {rank} of world_size=3.*the source holds 2 samples but they are "
+            r"dealt to 3 shares.*use at most 2 ranks",
+        ):
             source.next_step()
     ok = make_source(cfg, samples=samples_from_lengths([20, 30, 9]), rank=2, world=3)
     assert [mb for mb in ok.next_step()]  # three conversations, three ranks: each has a row per step

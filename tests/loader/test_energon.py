@@ -38,15 +38,27 @@ def prepared(tmp_path_factory):
 def _loader(path, tok, num_workers):
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, global_error_handler=reraise_exception)
     encoder = PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT)
-    ds = get_train_dataset(path, worker_config=wc, batch_size=1, packing_buffer_size=BUFFER,
-                           shuffle_buffer_size=None, max_samples_per_sequence=None, task_encoder=encoder,
-                           repeat=False)
+    ds = get_train_dataset(
+        path,
+        worker_config=wc,
+        batch_size=1,
+        packing_buffer_size=BUFFER,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        task_encoder=encoder,
+        repeat=False,
+    )
     return get_savable_loader(ds)
 
 
 def sig(b) -> tuple:
-    return (b.input_ids.numpy().tobytes(), b.labels.numpy().tobytes(), b.cu_seqlens_padded.tolist(),
-            b.cu_seqlens.tolist(), tuple(b.sequence_ids))
+    return (
+        b.input_ids.numpy().tobytes(),
+        b.labels.numpy().tobytes(),
+        b.cu_seqlens_padded.tolist(),
+        b.cu_seqlens.tolist(),
+        tuple(b.sequence_ids),
+    )
 
 
 def _run_with_save(loader, k):
@@ -68,8 +80,9 @@ def test_energon_rows_equal_the_packing_dataset_rule_and_resume_exactly(prepared
 
     # The same conversations in the same order through PackingDataset, each buffer packed whole.
     samples = [tokenize_conversation(c.messages, tok, conversation_id=i) for i, c in enumerate(convs)]
-    ours = PackingDataset(samples, max_seq_len=WIDTH, buffer_size=BUFFER, pad_multiple=MULT, max_wait=0,
-                          overlong="truncate")
+    ours = PackingDataset(
+        samples, max_seq_len=WIDTH, buffer_size=BUFFER, pad_multiple=MULT, max_wait=0, overlong="truncate"
+    )
     assert [sig(b) for b in ours] == rows
 
     again = _loader(path, tok, 0)
@@ -105,9 +118,16 @@ def test_energon_restore_sample_rebuilds_each_batch_exactly(prepared, num_worker
 
     path, _, tok = prepared
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, global_error_handler=reraise_exception)
-    ds = get_train_dataset(path, worker_config=wc, batch_size=2, packing_buffer_size=BUFFER,
-                           shuffle_buffer_size=None, max_samples_per_sequence=None,
-                           task_encoder=PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT), repeat=False)
+    ds = get_train_dataset(
+        path,
+        worker_config=wc,
+        batch_size=2,
+        packing_buffer_size=BUFFER,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        task_encoder=PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT),
+        repeat=False,
+    )
     loader = get_savable_loader(ds)
     assert loader.can_restore_sample()
     batches = list(loader)

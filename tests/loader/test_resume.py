@@ -21,8 +21,13 @@ KW = {"max_seq_len": 512, "buffer_size": 24, "pad_multiple": 4, "shuffle": True,
 
 
 def sig(row) -> tuple:
-    return (row.input_ids.numpy().tobytes(), row.labels.numpy().tobytes(), row.cu_seqlens_padded.tolist(),
-            row.cu_seqlens.tolist(), row.sequence_ids)
+    return (
+        row.input_ids.numpy().tobytes(),
+        row.labels.numpy().tobytes(),
+        row.cu_seqlens_padded.tolist(),
+        row.cu_seqlens.tolist(),
+        row.sequence_ids,
+    )
 
 
 class Stream:
@@ -116,8 +121,11 @@ def test_resume_through_the_stateful_dataloader_over_two_ranks(num_workers):
         assert [sig(r) for r in again] == full[k:], f"num_workers={num_workers}: resume after row {k}"
 
     other = 2 if num_workers == 0 else 0
-    with pytest.raises(StateError, match=f"saved with num_workers={num_workers} but the loader has "
-                                         f"num_workers={other}.*resume with num_workers={num_workers}"):
+    with pytest.raises(
+        StateError,
+        match=f"saved with num_workers={num_workers} but the loader has "
+        f"num_workers={other}.*resume with num_workers={num_workers}",
+    ):
         _loader(other, 1, world).load_state_dict(states[1])
 
 
@@ -140,8 +148,11 @@ def test_a_worker_state_refuses_another_share():
     assert (st["num_shards"], st["num_workers"]) == (2, 2) and st["cursor"] > 0
     ds = PackingDataset(SAMPLES, **KW)
     ds.load_state_dict(st)
-    with pytest.raises(StateError, match=r"saved by worker 1 of num_workers=2.*restored into worker 0 of "
-                                         r"num_workers=1.*resume with num_workers=2"):
+    with pytest.raises(
+        StateError,
+        match=r"saved by worker 1 of num_workers=2.*restored into worker 0 of "
+        r"num_workers=1.*resume with num_workers=2",
+    ):
         next(iter(ds))
 
 
@@ -150,8 +161,10 @@ def test_the_chat_pipeline_output_streams_and_resumes():
     from sftpack.chat import tokenize_conversations
     from sftpack.testing import tiny_chat_tokenizer
 
-    convs = [[{"role": "user", "content": "hi " * (i % 7 + 1)},
-              {"role": "assistant", "content": "yo " * (3 * i % 40 + 1)}] for i in range(30)]
+    convs = [
+        [{"role": "user", "content": "hi " * (i % 7 + 1)}, {"role": "assistant", "content": "yo " * (3 * i % 40 + 1)}]
+        for i in range(30)
+    ]
     source = tokenize_conversations(convs, tiny_chat_tokenizer("chatml"))
     kw = {"max_seq_len": 128, "buffer_size": 8, "num_epochs": 2}
     full = [sig(r) for r in PackingDataset(source, **kw)]

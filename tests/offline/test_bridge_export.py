@@ -37,8 +37,10 @@ from .conftest import MAX_SEQ_LEN
 
 def _read(path):
     t = pq.read_table(path)
-    return [(np.asarray(a, np.int64), np.asarray(b, np.int64), np.asarray(c, np.int64)) for a, b, c in
-            zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), t["seq_start_id"].to_pylist())]
+    return [
+        (np.asarray(a, np.int64), np.asarray(b, np.int64), np.asarray(c, np.int64))
+        for a, b, c in zip(t["input_ids"].to_pylist(), t["loss_mask"].to_pylist(), t["seq_start_id"].to_pylist())
+    ]
 
 
 def _reader_cu_seqlens(ids, starts, max_length):

@@ -20,8 +20,18 @@ def tok_dir(tmp_path_factory, tok):
 
 def test_prepack_writes_a_directory_and_prints_the_summary(chat_file, tok_dir, tmp_path, capsys):
     out = tmp_path / "pp"
-    args = ["prepack", str(chat_file), "--out", str(out), "--tokenizer", str(tok_dir), "--max-seq-len", "512",
-            "--cp", "2"]
+    args = [
+        "prepack",
+        str(chat_file),
+        "--out",
+        str(out),
+        "--tokenizer",
+        str(tok_dir),
+        "--max-seq-len",
+        "512",
+        "--cp",
+        "2",
+    ]
     assert main(args) == 0
     text = capsys.readouterr().out
     m = json.loads((out / "manifest.json").read_text())
@@ -46,15 +56,20 @@ def test_prepack_usage_errors(chat_file, tok_dir, tmp_path, capsys):
     assert main(base + ["--max-seq-len", "1000", "--pad-multiple", "16"]) == 2
     assert "not a multiple of the pad multiple 16 (use 992)" in capsys.readouterr().err
     assert main(base + ["--max-seq-len", "1000", "--cp", "2", "--fp8", "mxfp8"]) == 2
-    assert "not a multiple of 64, which every row needs with --cp 2 --tp 1 --fp8 mxfp8 (use 960)" in capsys.readouterr().err
+    assert (
+        "not a multiple of 64, which every row needs with --cp 2 --tp 1 --fp8 mxfp8 (use 960)"
+        in capsys.readouterr().err
+    )
     assert main(base + ["--on-bad-row", "error"]) == 1
     err = capsys.readouterr().err
     assert "chat.jsonl" in err and "line 11" in err  # the first bad row, by file and line
     assert not (tmp_path / "x").exists()
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("keep me")
-    assert main(["prepack", str(chat_file), "--out", str(tmp_path / "other"), "--tokenizer", str(tok_dir),
-                 "--overwrite"]) == 1
+    assert (
+        main(["prepack", str(chat_file), "--out", str(tmp_path / "other"), "--tokenizer", str(tok_dir), "--overwrite"])
+        == 1
+    )
     assert "is not a prepack" in capsys.readouterr().err
     assert (tmp_path / "other" / "notes.txt").read_text() == "keep me"
 
@@ -121,4 +136,4 @@ def test_inspect_draws_a_row_of_the_widest_allowed_prepack_without_laying_its_sl
     text = capsys.readouterr().out
     assert peak < 16 << 20, peak
     assert f"row 0: 2 sequences, 15 real tokens in {MAX_ROW_WIDTH:,} slots, 13 labels" in text
-    assert f"cu_seqlens=[0, 5, 15]" in text and f"cu_seqlens_padded=[0, 8, {MAX_ROW_WIDTH}]" in text
+    assert "cu_seqlens=[0, 5, 15]" in text and f"cu_seqlens_padded=[0, 8, {MAX_ROW_WIDTH}]" in text

@@ -139,9 +139,25 @@ def test_a_full_disk_mid_write_is_a_clean_error_and_leaves_nothing(chat_file, to
     out = tmp_path / "out"
     # a file-size limit makes the big write fail with EFBIG, as a full disk fails with ENOSPC
     proc = subprocess.run(
-        [sys.executable, "-c", FSIZE_CHILD, "50000", "prepack", str(chat_file), "--out", str(out),
-         "--tokenizer", str(tok_dir), "--max-seq-len", "1024", "--no-progress"],
-        capture_output=True, text=True, timeout=300, check=False,
+        [
+            sys.executable,
+            "-c",
+            FSIZE_CHILD,
+            "50000",
+            "prepack",
+            str(chat_file),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tok_dir),
+            "--max-seq-len",
+            "1024",
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     assert proc.returncode == 1, proc.stderr
     err = proc.stderr.strip().splitlines()[-1]
@@ -150,8 +166,9 @@ def test_a_full_disk_mid_write_is_a_clean_error_and_leaves_nothing(chat_file, to
     assert not out.exists() and _partials(tmp_path, "out") == []
 
 
-def test_overwrite_killed_at_any_point_of_the_swap_leaves_the_old_prepack_or_the_new_one(built, chat_file, tok,
-                                                                                          tmp_path):
+def test_overwrite_killed_at_any_point_of_the_swap_leaves_the_old_prepack_or_the_new_one(
+    built, chat_file, tok, tmp_path
+):
     """The old prepack (1024 wide) is replaced by a new one (512 wide) with --overwrite; each
     child is killed at one point of the publish. Afterwards the output opens (verify="full") as
     the old or the new prepack, never neither; with the two-rename fallback (no renameat2) the

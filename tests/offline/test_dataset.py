@@ -160,8 +160,9 @@ def test_training_on_rows_read_back_equals_the_conversations_alone(chat_file, to
     out = prepack(chat_file, tmp_path / "p", tokenizer=tok, max_seq_len=256, pad_multiple=4, limit=24).path
     ds = PrepackedDataset(out)
     reference = {}
-    for s in tokenize_conversations(read_conversations(chat_file, on_bad_row="skip"), tok,
-                                    max_seq_len=256, overlong="split"):
+    for s in tokenize_conversations(
+        read_conversations(chat_file, on_bad_row="skip"), tok, max_seq_len=256, overlong="split"
+    ):
         reference.setdefault(s.conversation_id, []).append(s)
     model = TinyCausalLM(vocab_size=len(tok), seed=0, dtype=torch.float64)
     threads = torch.get_num_threads()

@@ -41,11 +41,13 @@ def _bridge_file(path, rows):
         ids.append(row_ids)
         lm.append(row_lm)
         st.append(starts)
-    table = pa.table({
-        "input_ids": pa.array(ids, pa.list_(pa.int64())),
-        "loss_mask": pa.array(lm, pa.list_(pa.int8())),
-        "seq_start_id": pa.array(st, pa.list_(pa.int64())),
-    })
+    table = pa.table(
+        {
+            "input_ids": pa.array(ids, pa.list_(pa.int64())),
+            "loss_mask": pa.array(lm, pa.list_(pa.int8())),
+            "seq_start_id": pa.array(st, pa.list_(pa.int64())),
+        }
+    )
     pq.write_table(table, path, row_group_size=500)
 
 
@@ -61,8 +63,10 @@ def test_import_megatron_bridge_keeps_rows_and_labels(tmp_path):
     assert len(ds) == 2 and r.manifest["source"] == "megatron_bridge_parquet"
     assert ds.max_seq_len == 7  # 4 + 3 tokens: Bridge's row exceeds pack_size 8 - 2 by design; width = need
     row = ds[0].validate()
-    assert row.cu_seqlens.tolist() == [0, 4, 7] and row.sequence_ids == ("training_8.idx.parquet[0]#0",
-                                                                      "training_8.idx.parquet[0]#1")
+    assert row.cu_seqlens.tolist() == [0, 4, 7] and row.sequence_ids == (
+        "training_8.idx.parquet[0]#0",
+        "training_8.idx.parquet[0]#1",
+    )
     # labels: slot t targets token t+1 where Bridge's loss_mask[t] is 1, never across a boundary
     assert row.labels.tolist() == [-100, 7, 8, -100, 10, 11, -100]
     assert ds[1].labels.tolist()[:6] == [-100, -100, 23, 24, 25, -100]
@@ -75,8 +79,11 @@ def test_export_megatron_bridge_follows_the_schema(built, tmp_path):
     path = export_megatron_bridge(ds, tmp_path / "mb", pad_multiple=1)  # no CP padding: real tokens only
     assert path.name == f"training_{ds.max_seq_len}.idx.parquet"
     pf = pq.ParquetFile(path)
-    assert [str(t) for t in pf.schema_arrow.types] == ["list<element: int64>", "list<element: int8>",
-                                                       "list<element: int64>"]
+    assert [str(t) for t in pf.schema_arrow.types] == [
+        "list<element: int64>",
+        "list<element: int8>",
+        "list<element: int64>",
+    ]
     assert pf.schema_arrow.names == ["input_ids", "loss_mask", "seq_start_id"]
     table = pf.read()
     assert table.num_rows == len(ds)
@@ -94,8 +101,9 @@ def test_export_megatron_bridge_follows_the_schema(built, tmp_path):
     assert isinstance(meta, list) and meta[0]["pack_size"] == ds.max_seq_len
     assert meta[0]["max_samples_per_bin"] == int(np.diff(ds.rows["sequence"]).max())
     # and back: the same rows, labels and membership
-    back = PrepackedDataset(import_megatron_bridge(path, tmp_path / "back", max_seq_len=ds.max_seq_len,
-                                                   pad_multiple=ds.pad_multiple).path)
+    back = PrepackedDataset(
+        import_megatron_bridge(path, tmp_path / "back", max_seq_len=ds.max_seq_len, pad_multiple=ds.pad_multiple).path
+    )
     assert len(back) == len(ds)
     for r in (0, len(ds) // 2):
         a, b = ds.row(r), back.row(r)

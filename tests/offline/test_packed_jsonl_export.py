@@ -60,8 +60,11 @@ def _trimmed(messages):
 
 @pytest.mark.parametrize("pad_multiple, template", [(1, None), (4, None), (1, CONTENT_ONLY)])
 def test_no_row_overflows_the_upstream_reader_and_nothing_is_lost(chat_file, tok, tmp_path, pad_multiple, template):
-    ds = PrepackedDataset(prepack(chat_file, tmp_path / "p", tokenizer=tok, max_seq_len=WIDTH,
-                                  pad_multiple=pad_multiple, overlong="drop").path)
+    ds = PrepackedDataset(
+        prepack(
+            chat_file, tmp_path / "p", tokenizer=tok, max_seq_len=WIDTH, pad_multiple=pad_multiple, overlong="drop"
+        ).path
+    )
     source = {c.id: c.messages for c in read_conversations(chat_file, on_bad_row="skip")}
     assert not any(m[0]["role"] == "system" for m in source.values())  # every one gets the system prompt
     dst = tmp_path / "train.jsonl.packed"
@@ -79,22 +82,29 @@ def test_no_row_overflows_the_upstream_reader_and_nothing_is_lost(chat_file, tok
     want = sorted(json.dumps(_trimmed(source[i])) for i in ids - too_long)
     got = sorted(json.dumps(conv[1:]) for msgs in lines for conv in _split(msgs))  # less the added system prompt
     assert got == want and counts["conversations"] == len(want)
-    assert all(conv[0] == {"role": "system", "content": "You are a helpful assistant."}
-               for msgs in lines for conv in _split(msgs))
+    assert all(
+        conv[0] == {"role": "system", "content": "You are a helpful assistant."}
+        for msgs in lines
+        for conv in _split(msgs)
+    )
     # the bug this guards: the prepack's own rows, with the system prompts added after packing
     old = []
     for r in range(ds.num_rows):
         row = []
         for c in ds.row_sequences(r)["conversation"]:
-            row += [{"role": "system", "content": "You are a helpful assistant."}, *_trimmed(source[ds.conversation_id(int(c))])]
+            row += [
+                {"role": "system", "content": "You are a helpful assistant."},
+                *_trimmed(source[ds.conversation_id(int(c))]),
+            ]
         old.append(_upstream_row_tokens(tok, row, pad_multiple, template))
     if template is None:
         assert sum(s > WIDTH for s in old) > 0
 
 
 def test_over_length_conversations_follow_the_overlong_policy(chat_file, tok, tmp_path):
-    ds = PrepackedDataset(prepack(chat_file, tmp_path / "p", tokenizer=tok, max_seq_len=WIDTH,
-                                  overlong="truncate").path)
+    ds = PrepackedDataset(
+        prepack(chat_file, tmp_path / "p", tokenizer=tok, max_seq_len=WIDTH, overlong="truncate").path
+    )
     dst = tmp_path / "t.jsonl.packed"
     counts = export_packed_jsonl(ds, dst, tokenizer=tok)  # the prepack's policy: truncate
     lines = [json.loads(x)["messages"] for x in dst.read_text().splitlines()]

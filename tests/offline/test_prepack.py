@@ -70,8 +70,9 @@ def test_truncate_and_drop_count_their_losses(chat_file, tok, tmp_path):
         c = r.counts
         assert c["overlong"][{"truncate": "truncated", "drop": "dropped"}[policy]] > 0
         assert c["tokens_lost"] > 0
-        ref = tokenize_conversations(read_conversations(chat_file, on_bad_row="skip"), tok, max_seq_len=512,
-                                     overlong=policy)
+        ref = tokenize_conversations(
+            read_conversations(chat_file, on_bad_row="skip"), tok, max_seq_len=512, overlong=policy
+        )
         samples = ref.to_list()
         assert c["tokens"] == sum(len(s) for s in samples)
         assert c["tokens_lost"] == ref.stats.tokens_lost
@@ -104,12 +105,23 @@ def test_manifest_fingerprint_records_what_the_rows_depend_on(built, chat_file, 
     m = json.loads((built[1] / "manifest.json").read_text())
     fp = m["fingerprint"]
     assert m["format_version"] == 2 and m["sftpack_version"]
-    want = {"max_seq_len": MAX_SEQ_LEN, "pad_multiple": 4, "algorithm": "bfd", "seed": 0, "overlong": "split",
-            "train_on": "all_assistant"}
+    want = {
+        "max_seq_len": MAX_SEQ_LEN,
+        "pad_multiple": 4,
+        "algorithm": "bfd",
+        "seed": 0,
+        "overlong": "split",
+        "train_on": "all_assistant",
+    }
     for key, value in want.items():
         assert fp[key] == value, key
-    assert fp["inputs"] == [{"name": str(chat_file), "size": chat_file.stat().st_size,
-                             "sha256": __import__("hashlib").sha256(chat_file.read_bytes()).hexdigest()}]
+    assert fp["inputs"] == [
+        {
+            "name": str(chat_file),
+            "size": chat_file.stat().st_size,
+            "sha256": __import__("hashlib").sha256(chat_file.read_bytes()).hexdigest(),
+        }
+    ]
     assert fp["tokenizer"]["vocab_size"] == len(tok) and len(fp["tokenizer"]["chat_template_sha256"]) == 64
     for name in FILES:
         assert m["files"][name]["bytes"] == (built[1] / name).stat().st_size

@@ -51,8 +51,9 @@ def _run(chat_file, tok, out, **kw):
     return prepack(chat_file, out, tokenizer=tok, max_seq_len=512, pad_multiple=4, limit=20, **kw)
 
 
-def test_a_folder_that_appears_at_out_during_the_run_is_left_untouched(chat_file, tok, tmp_path, monkeypatch,
-                                                                        publish_mode):
+def test_a_folder_that_appears_at_out_during_the_run_is_left_untouched(
+    chat_file, tok, tmp_path, monkeypatch, publish_mode
+):
     out = tmp_path / "out"
 
     def appear():
@@ -66,14 +67,23 @@ def test_a_folder_that_appears_at_out_during_the_run_is_left_untouched(chat_file
     assert _hidden(tmp_path, "out") == []  # this run's own folder is gone, nothing else
 
 
-def test_two_prepacks_with_the_same_out_one_wins_the_other_fails_clearly(chat_file, tok, tmp_path, monkeypatch,
-                                                                          publish_mode):
+def test_two_prepacks_with_the_same_out_one_wins_the_other_fails_clearly(
+    chat_file, tok, tmp_path, monkeypatch, publish_mode
+):
     out = tmp_path / "out"
     winner = {}
 
     def second_run():  # a whole second prepack (another seed) finishes while the first is about to publish
-        winner["result"] = prepack(chat_file, out, tokenizer=tok, max_seq_len=512, pad_multiple=4, limit=20,
-                                   seed=5, algorithm="first_fit_shuffle")
+        winner["result"] = prepack(
+            chat_file,
+            out,
+            tokenizer=tok,
+            max_seq_len=512,
+            pad_multiple=4,
+            limit=20,
+            seed=5,
+            algorithm="first_fit_shuffle",
+        )
 
     _before_publish(monkeypatch, second_run)
     with pytest.raises(PrepackError, match="appeared while this run was writing"):
@@ -83,15 +93,25 @@ def test_two_prepacks_with_the_same_out_one_wins_the_other_fails_clearly(chat_fi
     assert _hidden(tmp_path, "out") == []
 
 
-def test_two_overwrites_of_the_same_prepack_one_wins_the_other_fails_clearly(built, chat_file, tok, tmp_path,
-                                                                              monkeypatch, publish_mode):
+def test_two_overwrites_of_the_same_prepack_one_wins_the_other_fails_clearly(
+    built, chat_file, tok, tmp_path, monkeypatch, publish_mode
+):
     out = tmp_path / "out"
     shutil.copytree(built[1], out)
     winner = {}
 
     def second_run():
-        winner["result"] = prepack(chat_file, out, tokenizer=tok, max_seq_len=512, pad_multiple=4, limit=20,
-                                   seed=5, algorithm="first_fit_shuffle", overwrite=True)
+        winner["result"] = prepack(
+            chat_file,
+            out,
+            tokenizer=tok,
+            max_seq_len=512,
+            pad_multiple=4,
+            limit=20,
+            seed=5,
+            algorithm="first_fit_shuffle",
+            overwrite=True,
+        )
 
     _before_publish(monkeypatch, second_run)
     with pytest.raises(PrepackError, match=r"was replaced while this run was writing .* left as it is"):
@@ -119,8 +139,21 @@ def test_the_cli_says_in_one_line_that_the_output_appeared(chat_file, tok, tmp_p
     tok.save_pretrained(tok_dir)
     out = tmp_path / "out"
     _before_publish(monkeypatch, lambda: (out.mkdir(), (out / "keep.txt").write_text("mine")))
-    code = main(["prepack", str(chat_file), "--out", str(out), "--tokenizer", str(tok_dir), "--max-seq-len", "512",
-                 "--limit", "20", "--no-progress"])
+    code = main(
+        [
+            "prepack",
+            str(chat_file),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(tok_dir),
+            "--max-seq-len",
+            "512",
+            "--limit",
+            "20",
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1
     assert err[0].startswith(f"sftpack prepack: {out} appeared while this run was writing")
@@ -133,8 +166,11 @@ def test_an_output_inside_an_input_folder_is_refused_before_reading(chat_file, t
     data.mkdir()
     shutil.copy(chat_file, data / "chat.jsonl")
     for out in (data / "pp", data / "sub" / "pp"):
-        with pytest.raises(PrepackError, match=rf"--out {out} is inside the input folder {data}, which is read "
-                                               "recursively"):
+        with pytest.raises(
+            PrepackError,
+            match=rf"--out {out} is inside the input folder {data}, which is read "
+            "recursively",
+        ):
             _run(data, tok, out)
     # an output written elsewhere and then named as an input (a glob that reaches it) is refused too
     pp = tmp_path / "pp"
@@ -156,8 +192,21 @@ def test_a_row_wider_than_the_limit_is_refused_up_front(chat_file, tok, tmp_path
         prepack(chat_file, tmp_path / "w", tokenizer=tok, max_seq_len=2_000_000_000)
     tok_dir = tmp_path / "tok"
     tok.save_pretrained(tok_dir)
-    assert main(["prepack", str(chat_file), "--out", str(tmp_path / "w"), "--tokenizer", str(tok_dir),
-                 "--max-seq-len", "2000000000"]) == 2
+    assert (
+        main(
+            [
+                "prepack",
+                str(chat_file),
+                "--out",
+                str(tmp_path / "w"),
+                "--tokenizer",
+                str(tok_dir),
+                "--max-seq-len",
+                "2000000000",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("sftpack prepack: --max-seq-len=2,000,000,000 is wider than")
     assert not (tmp_path / "w").exists()

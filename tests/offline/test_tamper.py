@@ -133,17 +133,34 @@ CASES: dict[str, tuple[Callable[[Path], None], str, str | None]] = {}
 
 # --- the manifest, edited without its seal: caught by verify=None
 for key, value in [
-    ("max_seq_len", 2048), ("max_seq_len", 512), ("pad_multiple", 8), ("pad_multiple", 1), ("pad_id", 0),
-    ("pad_id", 7), ("counts|rows", lambda v: v + 1), ("counts|fill", 1.0),
-    ("files|tokens.npy|sha256", "0" * 64), ("fingerprint|max_seq_len", 2048), ("token_dtype", "uint32"),
+    ("max_seq_len", 2048),
+    ("max_seq_len", 512),
+    ("pad_multiple", 8),
+    ("pad_multiple", 1),
+    ("pad_id", 0),
+    ("pad_id", 7),
+    ("counts|rows", lambda v: v + 1),
+    ("counts|fill", 1.0),
+    ("files|tokens.npy|sha256", "0" * 64),
+    ("fingerprint|max_seq_len", 2048),
+    ("token_dtype", "uint32"),
 ]:
     CASES[f"manifest-edited-{key}={value if not callable(value) else '+1'}"] = (
-        _edit(key, value, reseal=False), "manifest.json", None)
+        _edit(key, value, reseal=False),
+        "manifest.json",
+        None,
+    )
 for pos in (0, 1, 37, 200, 777, 1500, -300, -70, -3):
     CASES[f"manifest-bitflip@{pos}"] = (
-        lambda d, pos=pos: _flip("manifest.json", lambda h, n: pos % n)(d), "manifest.json", None)
-CASES["manifest-truncated"] = (lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:500]),
-                               "manifest.json", None)
+        lambda d, pos=pos: _flip("manifest.json", lambda h, n: pos % n)(d),
+        "manifest.json",
+        None,
+    )
+CASES["manifest-truncated"] = (
+    lambda d: (d / "manifest.json").write_bytes((d / "manifest.json").read_bytes()[:500]),
+    "manifest.json",
+    None,
+)
 CASES["manifest-empty"] = (lambda d: (d / "manifest.json").write_bytes(b""), "manifest.json", None)
 CASES["manifest-a-list"] = (lambda d: (d / "manifest.json").write_text("[]"), "manifest.json", None)
 CASES["manifest-not-utf8"] = (lambda d: (d / "manifest.json").write_bytes(b"\xff\xfe{}"), "manifest.json", None)
@@ -151,19 +168,61 @@ CASES["manifest-deleted"] = (lambda d: (d / "manifest.json").unlink(), "manifest
 CASES["manifest-format-version-a-string"] = (_edit("format_version", "2", reseal=True), "manifest.json", None)
 
 # --- the manifest, rewritten consistently (resealed) with a missing or mistyped entry
-for key in ("max_seq_len", "pad_multiple", "pad_id", "token_dtype", "vocab_size", "files", "counts", "fingerprint",
-            "source", "sftpack_version", "pad_between_seqs", "files|tokens.npy", "files|rows.npy|sha256",
-            "files|sequences.npy|bytes", "counts|rows", "counts|tokens", "counts|fill", "counts|dropped",
-            "counts|packed_conversations", "counts|overlong|split", "fingerprint|sha256", "fingerprint|pad_id"):
+for key in (
+    "max_seq_len",
+    "pad_multiple",
+    "pad_id",
+    "token_dtype",
+    "vocab_size",
+    "files",
+    "counts",
+    "fingerprint",
+    "source",
+    "sftpack_version",
+    "pad_between_seqs",
+    "files|tokens.npy",
+    "files|rows.npy|sha256",
+    "files|sequences.npy|bytes",
+    "counts|rows",
+    "counts|tokens",
+    "counts|fill",
+    "counts|dropped",
+    "counts|packed_conversations",
+    "counts|overlong|split",
+    "fingerprint|sha256",
+    "fingerprint|pad_id",
+):
     CASES[f"resealed-missing-{key}"] = (_edit(key, DELETE, reseal=True), "manifest.json", None)
 for key, value in [
-    ("max_seq_len", "1024"), ("max_seq_len", 1024.0), ("max_seq_len", None), ("max_seq_len", True),
-    ("max_seq_len", -1), ("max_seq_len", 0), ("max_seq_len", 2_000_000_000), ("pad_multiple", 0),
-    ("pad_multiple", 3), ("pad_multiple", "4"), ("pad_id", -1), ("pad_id", "x"), ("pad_id", 2**40),
-    ("token_dtype", "float32"), ("token_dtype", "int64"), ("vocab_size", 0), ("files", []),
-    ("files|tokens.npy", "abc"), ("files|tokens.npy|bytes", "12"), ("files|rows.npy|sha256", "zz"),
-    ("counts", []), ("counts|rows", "3"), ("counts|rows", -1), ("counts|fill", "x"), ("counts|dropped", {"x": "1"}),
-    ("counts|overlong", []), ("fingerprint", "x"), ("fingerprint|tokenizer", "x"), ("fingerprint|inputs", {}),
+    ("max_seq_len", "1024"),
+    ("max_seq_len", 1024.0),
+    ("max_seq_len", None),
+    ("max_seq_len", True),
+    ("max_seq_len", -1),
+    ("max_seq_len", 0),
+    ("max_seq_len", 2_000_000_000),
+    ("pad_multiple", 0),
+    ("pad_multiple", 3),
+    ("pad_multiple", "4"),
+    ("pad_id", -1),
+    ("pad_id", "x"),
+    ("pad_id", 2**40),
+    ("token_dtype", "float32"),
+    ("token_dtype", "int64"),
+    ("vocab_size", 0),
+    ("files", []),
+    ("files|tokens.npy", "abc"),
+    ("files|tokens.npy|bytes", "12"),
+    ("files|rows.npy|sha256", "zz"),
+    ("counts", []),
+    ("counts|rows", "3"),
+    ("counts|rows", -1),
+    ("counts|fill", "x"),
+    ("counts|dropped", {"x": "1"}),
+    ("counts|overlong", []),
+    ("fingerprint", "x"),
+    ("fingerprint|tokenizer", "x"),
+    ("fingerprint|inputs", {}),
     ("pad_between_seqs", "yes"),
 ]:
     CASES[f"resealed-type-{key}={value!r}"] = (_edit(key, value, reseal=True), "manifest.json", None)
@@ -179,7 +238,10 @@ CASES["resealed-index-sha256"] = (_edit("files|rows.npy|sha256", "a" * 64, resea
 CASES["resealed-tokens-sha256"] = (_edit("files|tokens.npy|sha256", "a" * 64, reseal=True), "tokens.npy", "full")
 CASES["forged-narrower-rows"] = (_forge_width(512), "sequences.npy", "size")
 CASES["resealed-max-sequences-per-row"] = (
-    _edit("counts|max_sequences_per_row", lambda v: v + 1, reseal=True), "rows.npy", "size")
+    _edit("counts|max_sequences_per_row", lambda v: v + 1, reseal=True),
+    "rows.npy",
+    "size",
+)
 
 # --- the .npy files
 for name in FILES:
@@ -188,10 +250,17 @@ for name in FILES:
     CASES[f"{name}-emptied"] = (lambda d, n=name: (d / n).write_bytes(b""), name, None)
     CASES[f"{name}-deleted"] = (lambda d, n=name: (d / n).unlink(), name, None)
     data_mode = "size" if name in INDEX_FILES else "full"
-    for label, where in [("first", lambda h, n: h), ("middle", lambda h, n: (h + n) // 2), ("last", lambda h, n: n - 1)]:
+    for label, where in [
+        ("first", lambda h, n: h),
+        ("middle", lambda h, n: (h + n) // 2),
+        ("last", lambda h, n: n - 1),
+    ]:
         CASES[f"{name}-data-bitflip-{label}"] = (_flip(name, where, bit=3), name, data_mode)
 CASES["rows.npy-replaced-by-conversation_offsets.npy"] = (
-    lambda d: shutil.copy(d / "conversation_offsets.npy", d / "rows.npy"), "rows.npy", None)
+    lambda d: shutil.copy(d / "conversation_offsets.npy", d / "rows.npy"),
+    "rows.npy",
+    None,
+)
 
 # --- index files structurally wrong, with their checksums updated
 CASES["rows-out-of-order"] = (_rewrite_index("rows.npy", _swap_rows), "rows.npy", "size")
@@ -200,20 +269,41 @@ CASES["rows-token-offset"] = (_rewrite_index("rows.npy", _set("token", 1, lambda
 CASES["rows-first-entry"] = (_rewrite_index("rows.npy", _set("sequence", 0, 1)), "rows.npy", "size")
 CASES["sequences-zero-length"] = (_rewrite_index("sequences.npy", _set("length", 3, 0)), "sequences.npy", "size")
 CASES["sequences-length-moved"] = (
-    _rewrite_index("sequences.npy", _set("length", 3, lambda a: a[3] + 1)), "sequences.npy", "size")
+    _rewrite_index("sequences.npy", _set("length", 3, lambda a: a[3] + 1)),
+    "sequences.npy",
+    "size",
+)
 CASES["sequences-start-moved"] = (
-    _rewrite_index("sequences.npy", _set("start", 2, lambda a: a[2] + 1)), "sequences.npy", "size")
+    _rewrite_index("sequences.npy", _set("start", 2, lambda a: a[2] + 1)),
+    "sequences.npy",
+    "size",
+)
 CASES["sequences-conversation-out-of-range"] = (
-    _rewrite_index("sequences.npy", _set("conversation", 4, 10**6)), "sequences.npy", "size")
+    _rewrite_index("sequences.npy", _set("conversation", 4, 10**6)),
+    "sequences.npy",
+    "size",
+)
 CASES["sequences-conversation-negative"] = (
-    _rewrite_index("sequences.npy", _set("conversation", 4, -1)), "sequences.npy", "size")
+    _rewrite_index("sequences.npy", _set("conversation", 4, -1)),
+    "sequences.npy",
+    "size",
+)
 CASES["sequences-piece-negative"] = (_rewrite_index("sequences.npy", _set("piece", 0, -1)), "sequences.npy", "size")
 CASES["offsets-not-increasing"] = (
-    _rewrite_index("conversation_offsets.npy", _set(None, 5, lambda a: a[4])), "conversation_offsets.npy", "size")
+    _rewrite_index("conversation_offsets.npy", _set(None, 5, lambda a: a[4])),
+    "conversation_offsets.npy",
+    "size",
+)
 CASES["offsets-wrong-end"] = (
-    _rewrite_index("conversation_offsets.npy", _set(None, -1, lambda a: a[-1] - 1)), "conversation_offsets.npy", "size")
+    _rewrite_index("conversation_offsets.npy", _set(None, -1, lambda a: a[-1] - 1)),
+    "conversation_offsets.npy",
+    "size",
+)
 CASES["offsets-first-entry"] = (
-    _rewrite_index("conversation_offsets.npy", _set(None, 0, 1)), "conversation_offsets.npy", "size")
+    _rewrite_index("conversation_offsets.npy", _set(None, 0, 1)),
+    "conversation_offsets.npy",
+    "size",
+)
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +329,7 @@ def _read_everything(ds: PrepackedDataset) -> None:
 def test_damage_is_refused_naming_the_file(case, pristine, tmp_path, capsys):
     damage, named, weakest = CASES[case]
     d, files = _damaged(pristine, tmp_path, damage)
-    strict = MODES[MODES.index(weakest):]
+    strict = MODES[MODES.index(weakest) :]
     for mode in strict:
         with pytest.raises(PrepackError) as err:
             _read_everything(PrepackedDataset(d, verify=mode))

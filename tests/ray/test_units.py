@@ -85,7 +85,9 @@ def test_a_bad_row_in_error_mode_comes_back_as_the_local_error(tmp_path):
     assert not result["ok"] and isinstance(result["error"], BadRowError)
     with pytest.raises(BadRowError) as local:
         list(tokenize_conversations(reader, tok, **OPTIONS))
-    assert str(result["error"]) == str(local.value) and "chat.jsonl" in str(local.value) and "line 3" in str(local.value)
+    assert (
+        str(result["error"]) == str(local.value) and "chat.jsonl" in str(local.value) and "line 3" in str(local.value)
+    )
 
 
 def test_the_multi_unit_source_gathers_what_one_staging_folder_does(tmp_path):

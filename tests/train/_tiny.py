@@ -39,18 +39,13 @@ def tiny_samples(n: int = 72, seed: int = 3) -> list[Sample]:
     rng = np.random.default_rng(seed)
     out = []
     for i, n_tok in enumerate(rng.integers(3, 61, size=n)):
-        ids = (
-            int(rng.integers(VOCAB)) + int(rng.integers(1, 4)) * np.arange(n_tok)
-        ) % VOCAB
+        ids = (int(rng.integers(VOCAB)) + int(rng.integers(1, 4)) * np.arange(n_tok)) % VOCAB
         out.append(Sample(ids, np.arange(n_tok) >= n_tok // 3, f"c{i}"))
     return out
 
 
 def max_param_diff(a, b) -> float:
-    return max(
-        float((p.detach() - q.detach()).abs().max())
-        for p, q in zip(a.parameters(), b.parameters())
-    )
+    return max(float((p.detach() - q.detach()).abs().max()) for p, q in zip(a.parameters(), b.parameters()))
 
 
 def max_loss_diff(a, b) -> float:

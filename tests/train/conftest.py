@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -19,3 +21,20 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def chat(tmp_path_factory):
+    """40 short chats in a JSONL file and a local ChatML tokenizer (``root/tok``)."""
+    from sftpack.testing import tiny_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("chat")
+    tiny_chat_tokenizer("chatml").save_pretrained(root / "tok")
+    with (root / "chat.jsonl").open("w") as f:
+        for i in range(1, 41):
+            msgs = [
+                {"role": "user", "content": "count " * (i % 7 + 1)},
+                {"role": "assistant", "content": "one two three " * (i % 5 + 1)},
+            ]
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    return root

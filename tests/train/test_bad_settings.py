@@ -15,15 +15,15 @@ from sftpack.cli import main
 from sftpack.handoff import Sample
 from sftpack.train import (
     CheckpointError,
-    build_model,
     NonFiniteError,
+    build_model,
     latest_checkpoint,
     make_source,
     train,
 )
 
 from ._tiny import MODEL, VOCAB, tiny_config, tiny_model, tiny_samples
-from .test_cli_train import _args, chat  # noqa: F401 - chat is a fixture
+from .test_cli_train import _args
 
 #: a learning rate that blows the tiny model up at step 2: AdamW's first step moves
 #: every parameter by about lr, so step 2 multiplies weights of ~1e6 through a few
@@ -73,8 +73,15 @@ def test_blow_up_stops_naming_the_step_and_saves_nothing_of_it(chat, tmp_path, c
 def test_blow_up_with_skip_counts_every_skipped_step(chat, tmp_path, capsys):
     ckpt = tmp_path / "ckpt"
     args = _args(
-        chat, tmp_path, "trainer", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "1",
-        "--on-nonfinite", "skip",
+        chat,
+        tmp_path,
+        "trainer",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "1",
+        "--on-nonfinite",
+        "skip",
     )
     assert main(_set(args, "--lr", BLOW_UP_LR)) == 0
     out = capsys.readouterr().out
@@ -124,8 +131,9 @@ def test_max_seq_len_1_is_refused_before_training(chat, tmp_path, capsys):
 def test_prepack_without_targets_is_refused(tmp_path):
     from sftpack.offline import prepack_samples
 
-    flat = [Sample(s.input_ids, torch.zeros(len(s), dtype=torch.bool).numpy(), s.conversation_id)
-            for s in tiny_samples(8)]
+    flat = [
+        Sample(s.input_ids, torch.zeros(len(s), dtype=torch.bool).numpy(), s.conversation_id) for s in tiny_samples(8)
+    ]
     out = prepack_samples(flat, tmp_path / "rows", max_seq_len=128).path
     cfg = tiny_config(packing="offline", batch_size=2)
     with pytest.raises(ValueError, match="no supervised target"):
@@ -189,8 +197,18 @@ def test_token_id_outside_the_model_is_one_clear_error(samples):
 @pytest.fixture(scope="module")
 def prepacked(chat, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepacked") / "rows"
-    argv = ["prepack", str(chat / "chat.jsonl"), "--tokenizer", str(chat / "tok"),
-            "--max-seq-len", "512", "--pad-multiple", "2", "--out", str(out)]
+    argv = [
+        "prepack",
+        str(chat / "chat.jsonl"),
+        "--tokenizer",
+        str(chat / "tok"),
+        "--max-seq-len",
+        "512",
+        "--pad-multiple",
+        "2",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     return out
 
@@ -262,8 +280,8 @@ def test_resume_with_other_optimisation_options_is_refused(chat, tmp_path, capsy
 def test_resume_true_in_the_library_needs_a_checkpoint(samples, tmp_path):
     cfg = tiny_config(packing="trainer", steps=2)
     with pytest.raises(CheckpointError, match="holds no checkpoint"):
-        train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path,
-              resume=True)
-    out = train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path,
-                resume="auto")
+        train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, resume=True)
+    out = train(
+        cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, resume="auto"
+    )
     assert out.resumed_from == 0 and len(out.logs) == 2

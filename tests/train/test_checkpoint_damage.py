@@ -32,8 +32,14 @@ def pristine(samples, tmp_path_factory):
     """A run of 4 steps with checkpoints at steps 2 and 4, and its log."""
     root = tmp_path_factory.mktemp("pristine")
     cfg = tiny_config(**CFG)
-    train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=root / "ckpt",
-          log=root / "log.jsonl", stop_after=4)
+    train(
+        cfg,
+        source=make_source(cfg, samples=samples),
+        model=tiny_model(),
+        checkpoint_dir=root / "ckpt",
+        log=root / "log.jsonl",
+        stop_after=4,
+    )
     return root
 
 
@@ -47,8 +53,15 @@ def ckpt(pristine, tmp_path):
 
 def _resume(samples, run, **kw):
     cfg = tiny_config(**CFG)
-    return train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(seed=1),
-                 checkpoint_dir=run / "ckpt", log=run / "log.jsonl", resume=True, **kw)
+    return train(
+        cfg,
+        source=make_source(cfg, samples=samples),
+        model=tiny_model(seed=1),
+        checkpoint_dir=run / "ckpt",
+        log=run / "log.jsonl",
+        resume=True,
+        **kw,
+    )
 
 
 def _snapshot(run) -> dict[str, bytes]:
@@ -100,7 +113,7 @@ DAMAGE = {
     "half rank_0.pt": ("rank_0.pt", _cut, "bytes, checkpoint.json says"),
     "flipped bit in a weight": ("state.pt", _flip_weight_bit, "does not match its SHA-256"),
     "checkpoint.json removed": ("checkpoint.json", lambda p: p.unlink(), "is missing"),
-    "checkpoint.json overwritten": ("checkpoint.json", lambda p: p.write_text("{\"files\": 3"), "cannot be read"),
+    "checkpoint.json overwritten": ("checkpoint.json", lambda p: p.write_text('{"files": 3'), "cannot be read"),
 }
 
 
@@ -147,12 +160,33 @@ def test_cli_prints_one_line_naming_the_file(samples, tmp_path, capsys):
     tiny_chat_tokenizer("chatml").save_pretrained(tmp_path / "tok")
     with chat.open("w") as f:
         for i in range(8):
-            msgs = [{"role": "user", "content": "count " * (i + 1)},
-                    {"role": "assistant", "content": "one two " * (i + 1)}]
+            msgs = [
+                {"role": "user", "content": "count " * (i + 1)},
+                {"role": "assistant", "content": "one two " * (i + 1)},
+            ]
             f.write(json.dumps({"messages": msgs}) + "\n")
-    base = ["train", str(chat), "--tokenizer", str(tmp_path / "tok"), "--steps", "2", "--batch-size", "2",
-            "--max-seq-len", "128", "--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1",
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    base = [
+        "train",
+        str(chat),
+        "--tokenizer",
+        str(tmp_path / "tok"),
+        "--steps",
+        "2",
+        "--batch-size",
+        "2",
+        "--max-seq-len",
+        "128",
+        "--dim",
+        "16",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+    ]
     assert main([*base, "--checkpoint-every", "2"]) == 0
     state = tmp_path / "ckpt" / "step_000002" / "state.pt"
     _empty(state)

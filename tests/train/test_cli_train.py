@@ -10,22 +10,6 @@ import pytest
 from sftpack.cli import main
 
 
-@pytest.fixture(scope="module")
-def chat(tmp_path_factory):
-    from sftpack.testing import tiny_chat_tokenizer
-
-    root = tmp_path_factory.mktemp("chat")
-    tiny_chat_tokenizer("chatml").save_pretrained(root / "tok")
-    with (root / "chat.jsonl").open("w") as f:
-        for i in range(1, 41):
-            msgs = [
-                {"role": "user", "content": "count " * (i % 7 + 1)},
-                {"role": "assistant", "content": "one two three " * (i % 5 + 1)},
-            ]
-            f.write(json.dumps({"messages": msgs}) + "\n")
-    return root
-
-
 def _args(chat, tmp_path, packing, *extra):
     return [
         "train",
@@ -61,10 +45,7 @@ def test_train_trainer_writes_log_and_plot(chat, tmp_path, capsys):
     assert main(_args(chat, tmp_path, "trainer", "--plot", str(png))) == 0
     out = capsys.readouterr().out
     assert "40 conversations -> 40 samples" in out and "real tokens/s" in out
-    recs = [
-        json.loads(line)
-        for line in (tmp_path / "trainer.jsonl").read_text().splitlines()
-    ]
+    recs = [json.loads(line) for line in (tmp_path / "trainer.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3, 4]
     for r in recs:
         assert {
@@ -86,10 +67,7 @@ def test_train_each_path(chat, tmp_path, packing, capsys):
     assert main(_args(chat, tmp_path, packing, *extra)) == 0
     if extra:  # only the ids of the data, renumbered: a smaller model, prepacked after renumbering
         assert "ids that occur in the data, renumbered" in capsys.readouterr().out
-    recs = [
-        json.loads(line)
-        for line in (tmp_path / f"{packing}.jsonl").read_text().splitlines()
-    ]
+    recs = [json.loads(line) for line in (tmp_path / f"{packing}.jsonl").read_text().splitlines()]
     assert len(recs) == 4
     if packing in ("loader", "offline"):
         assert all(r["slots"] == 2 * 256 for r in recs)  # rows of exactly max_seq_len
@@ -133,10 +111,7 @@ def test_resume_and_refusals(chat, tmp_path, capsys):
     longer[longer.index("--steps") + 1] = "6"
     assert main(longer) == 0
     assert "resumed from step 4" in capsys.readouterr().out
-    assert [
-        json.loads(x)["step"]
-        for x in (tmp_path / "trainer.jsonl").read_text().splitlines()
-    ] == [1, 2, 3, 4, 5, 6]
+    assert [json.loads(x)["step"] for x in (tmp_path / "trainer.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5, 6]
     # Other data options: one clear line, exit 1.
     args = _args(chat, tmp_path, "trainer", "--checkpoint-dir", ckpt, "--resume")
     args[args.index("--max-seq-len") + 1] = "128"
@@ -146,6 +121,4 @@ def test_resume_and_refusals(chat, tmp_path, capsys):
     # Usage errors: exit 2.
     assert main(_args(chat, tmp_path, "trainer", "--resume")) == 2
     assert main(_args(chat, tmp_path, "trainer", "--pad-multiple", "3")) == 2
-    assert (
-        "max_seq_len=256 is not a multiple of pad_multiple=3" in capsys.readouterr().err
-    )
+    assert "max_seq_len=256 is not a multiple of pad_multiple=3" in capsys.readouterr().err

@@ -89,10 +89,7 @@ def _two_ranks(tmp_path, unsharded=False):
 
 def _diffs(two, one):
     loss_diff = max(abs(x - y) for x, y in zip(two["losses"], one.losses))
-    param_diff = max(
-        float((p - q.detach()).abs().max())
-        for p, q in zip(two["params"], one.model.parameters())
-    )
+    param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(two["params"], one.model.parameters()))
     return loss_diff, param_diff
 
 
@@ -113,13 +110,9 @@ needs_gloo = pytest.mark.skipif(
 @needs_gloo
 def test_two_ranks_train_like_one(tmp_path, one_rank):
     two, other = _two_ranks(tmp_path)
-    for step, (a, b, both) in enumerate(
-        zip(two["conversations"], other["conversations"], one_rank.conversations)
-    ):
+    for step, (a, b, both) in enumerate(zip(two["conversations"], other["conversations"], one_rank.conversations)):
         assert a and b, f"step {step}: a rank got no conversation"
-        assert sorted(a + b) == sorted(both), (
-            f"step {step}: the ranks together did not see the global batch"
-        )
+        assert sorted(a + b) == sorted(both), f"step {step}: the ranks together did not see the global batch"
     loss_diff, param_diff = _diffs(two, one_rank)
     print(f"float64, 2 ranks vs 1: max |dloss| {loss_diff:.1e}, max |dparam| {param_diff:.1e} (tolerance {TOL:.0e})")
     assert loss_diff <= TOL and param_diff <= TOL, (loss_diff, param_diff)

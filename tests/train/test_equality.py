@@ -75,9 +75,7 @@ BUG = 1e-3  # what every negative control below must move the loss by, at least
 def _prepack(samples, tmp_path_factory):
     from sftpack.offline import prepack_samples
 
-    return prepack_samples(
-        samples, tmp_path_factory.mktemp("prepack") / "rows", max_seq_len=128
-    ).path
+    return prepack_samples(samples, tmp_path_factory.mktemp("prepack") / "rows", max_seq_len=128).path
 
 
 PATHS = {

@@ -34,8 +34,11 @@ def _same(a, b):
 def test_a_feature_without_loss_mask_or_labels_is_refused(samples, collate):
     feats = _features(samples)
     feats[1] = {"input_ids": feats[1]["input_ids"], "loss_maks": feats[1]["loss_mask"]}  # a typo
-    with pytest.raises(KeyError, match=r"feature 1 has neither 'loss_mask' nor 'labels' \(keys: input_ids, "
-                       r"loss_maks\).*remove_unused_columns=False"):
+    with pytest.raises(
+        KeyError,
+        match=r"feature 1 has neither 'loss_mask' nor 'labels' \(keys: input_ids, "
+        r"loss_maks\).*remove_unused_columns=False",
+    ):
         collate(feats)
     with pytest.raises(TypeError, match="feature 0 is a list"):
         collate([f["input_ids"] for f in feats])  # bare ids say nothing about what to train on
@@ -47,11 +50,20 @@ def test_trainer_default_remove_unused_columns_is_refused(samples, tmp_path):
     ``loss_mask`` column before the collator: refused, naming the fix."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=1, report_to=[],
-                             save_strategy="no", use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    args = TrainingArguments(
+        str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
     assert args.remove_unused_columns is True
-    trainer = Trainer(model=tiny_model(), args=args, train_dataset=_features(samples, 4),
-                      data_collator=PackingCollator())
+    trainer = Trainer(
+        model=tiny_model(), args=args, train_dataset=_features(samples, 4), data_collator=PackingCollator()
+    )
     with pytest.raises(KeyError, match="remove_unused_columns=False"):
         trainer.train()
 
@@ -76,10 +88,20 @@ def test_right_padding_is_cut_and_left_padding_refused(samples, collate):
     right, left = [], []
     for f in feats:
         n, pad = len(f["input_ids"]), width - len(f["input_ids"])
-        right.append({"input_ids": f["input_ids"] + [0] * pad, "loss_mask": f["loss_mask"] + [1] * pad,
-                      "attention_mask": [1] * n + [0] * pad})
-        left.append({"input_ids": [0] * pad + f["input_ids"], "loss_mask": [0] * pad + f["loss_mask"],
-                     "attention_mask": [0] * pad + [1] * n})
+        right.append(
+            {
+                "input_ids": f["input_ids"] + [0] * pad,
+                "loss_mask": f["loss_mask"] + [1] * pad,
+                "attention_mask": [1] * n + [0] * pad,
+            }
+        )
+        left.append(
+            {
+                "input_ids": [0] * pad + f["input_ids"],
+                "loss_mask": [0] * pad + f["loss_mask"],
+                "attention_mask": [0] * pad + [1] * n,
+            }
+        )
     # the padding (even marked trainable) is cut off: exactly the unpadded batch
     _same(collate(right), collate(feats))
     with pytest.raises(ValueError, match="feature 0: attention_mask has padding at position 0, before real tokens"):

@@ -84,9 +84,7 @@ def test_trainer_with_packing_collator_equals_padded(samples, tmp_path):
     data = [{"input_ids": s.input_ids, "loss_mask": s.loss_mask} for s in samples]
     first = PackingCollator(pad_multiple=4)(data[:4])
     assert first["input_ids"].shape[0] == 1  # one packed row
-    packed_losses, packed, _ = _run(
-        tmp_path / "a", data, PackingCollator(pad_multiple=4, pad_between_seqs=True)
-    )
+    packed_losses, packed, _ = _run(tmp_path / "a", data, PackingCollator(pad_multiple=4, pad_between_seqs=True))
     padded_losses, padded, _ = _run(tmp_path / "b", data, PaddedCollator())
     assert len(packed_losses) == 4
     dl, dp = max_loss_diff(packed_losses, padded_losses), max_param_diff(packed, padded)
@@ -122,9 +120,7 @@ def test_trainer_on_offline_rows_equals_padded(samples, tmp_path):
     def collate(items):
         return PaddedCollator()([s for group in items for s in group])
 
-    padded_losses, padded, _ = _run(
-        tmp_path / "b", RowConversations(), collate, batch=2, steps=3
-    )
+    padded_losses, padded, _ = _run(tmp_path / "b", RowConversations(), collate, batch=2, steps=3)
     dl, dp = max_loss_diff(packed_losses, padded_losses), max_param_diff(packed, padded)
     print(f"float64: max |dloss| {dl:.2e}, max |dparam| {dp:.2e}")
     assert dl <= TOL and dp <= TOL, (dl, dp)

@@ -22,17 +22,13 @@ def _source(cfg, samples, prepacked):
 def prepacked(samples, tmp_path_factory):
     from sftpack.offline import prepack_samples
 
-    return prepack_samples(
-        samples, tmp_path_factory.mktemp("prepack") / "rows", max_seq_len=128
-    ).path
+    return prepack_samples(samples, tmp_path_factory.mktemp("prepack") / "rows", max_seq_len=128).path
 
 
 @pytest.mark.parametrize("packing", ["trainer", "loader", "offline"])
 def test_resume_continues_the_same_run(samples, prepacked, packing, tmp_path):
     batch = 4 if packing == "trainer" else 2
-    cfg = tiny_config(
-        packing=packing, steps=12, batch_size=batch, checkpoint_every=3, buffer_size=16
-    )
+    cfg = tiny_config(packing=packing, steps=12, batch_size=batch, checkpoint_every=3, buffer_size=16)
     full = train(cfg, source=_source(cfg, samples, prepacked), model=tiny_model())
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "log.jsonl"
@@ -45,9 +41,7 @@ def test_resume_continues_the_same_run(samples, prepacked, packing, tmp_path):
         stop_after=7,
     )  # killed after step 7: the latest checkpoint is step 6
     assert latest_checkpoint(ckpt).name == "step_000006"
-    (
-        ckpt / "step_000009.tmp"
-    ).mkdir()  # a checkpoint that died while being written is ignored
+    (ckpt / "step_000009.tmp").mkdir()  # a checkpoint that died while being written is ignored
     second = train(
         cfg,
         source=_source(cfg, samples, prepacked),
@@ -58,16 +52,12 @@ def test_resume_continues_the_same_run(samples, prepacked, packing, tmp_path):
     )
     assert second.resumed_from == 6
     assert [r.step for r in second.logs] == list(range(7, 13))
-    assert (
-        second.losses == full.losses[6:]
-    )  # bit for bit: same data, same RNG, same arithmetic
+    assert second.losses == full.losses[6:]  # bit for bit: same data, same RNG, same arithmetic
     assert second.conversations == full.conversations[6:]
     assert max_param_diff(second.model, full.model) == 0.0
     assert first.losses == full.losses[:7]
     steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
-    assert steps == list(
-        range(1, 13)
-    )  # the log of the resumed run continues the first one's
+    assert steps == list(range(1, 13))  # the log of the resumed run continues the first one's
 
 
 def test_checkpoint_of_other_data_is_refused(samples, tmp_path):

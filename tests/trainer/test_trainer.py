@@ -144,7 +144,7 @@ def test_left_padded_mask_is_refused():
 def batches(draw):
     B = draw(st.integers(1, 8))
     S = draw(st.integers(1, 24))
-    lens = draw(st.lists(st.integers(0, S), min_size=B, max_size=B).filter(lambda l: max(l) > 0))
+    lens = draw(st.lists(st.integers(0, S), min_size=B, max_size=B).filter(lambda ls: max(ls) > 0))
     m = draw(st.sampled_from([1, 2, 3, 4, 8]))
     width = draw(st.sampled_from(["tight", "multiple", "fixed"]))
     seed = draw(st.integers(0, 2**16))

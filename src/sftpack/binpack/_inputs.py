@@ -60,7 +60,9 @@ def _first_bad(name: str, arr: np.ndarray, source: Any) -> Exception | None:
 
 
 def _beyond_int64(name: str, i: int, v: int) -> ValueError:
-    return ValueError(f"{name}[{i}] = {v} does not fit in int64 (at most {_INT64_MAX}): no row holds it; drop or fix it")
+    return ValueError(
+        f"{name}[{i}] = {v} does not fit in int64 (at most {_INT64_MAX}): no row holds it; drop or fix it"
+    )
 
 
 def _as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:

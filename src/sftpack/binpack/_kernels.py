@@ -348,7 +348,12 @@ def bucket_by_units(lengths: np.ndarray, multiple: int, counts: np.ndarray, out:
 
 @_kernel
 def _radix_pass(
-    key: np.ndarray, index: np.ndarray, key_to: np.ndarray, index_to: np.ndarray, shift: int, count: np.ndarray,
+    key: np.ndarray,
+    index: np.ndarray,
+    key_to: np.ndarray,
+    index_to: np.ndarray,
+    shift: int,
+    count: np.ndarray,
     first: bool,
 ) -> None:
     """One stable counting pass on the 11 bits of ``key`` at ``shift``: ``(key, index)``
@@ -468,8 +473,16 @@ def _max_bins(n_items: int, n_units: int, cap_units: int, max_items: int) -> int
 
 @_kernel
 def _shelve(
-    g: int, room: int, fill: int, smallest: int, max_items: int,
-    head: np.ndarray, nodes: np.ndarray, meta: np.ndarray, seg_next: np.ndarray, free: int,
+    g: int,
+    room: int,
+    fill: int,
+    smallest: int,
+    max_items: int,
+    head: np.ndarray,
+    nodes: np.ndarray,
+    meta: np.ndarray,
+    seg_next: np.ndarray,
+    free: int,
 ) -> int:
     """Put segment ``g`` (room ``room``, ``fill`` items per bin) on its room's stack,
     or on the free list when its bins can take nothing more. Returns the free list."""
@@ -484,8 +497,17 @@ def _shelve(
 
 @_kernel
 def _record(
-    rec_a: np.ndarray, rec_b: np.ndarray, rec_s: np.ndarray, rec_j: np.ndarray, rec_f: np.ndarray,
-    nr: int, a: int, b: int, s: int, j: int, f: int,
+    rec_a: np.ndarray,
+    rec_b: np.ndarray,
+    rec_s: np.ndarray,
+    rec_j: np.ndarray,
+    rec_f: np.ndarray,
+    nr: int,
+    a: int,
+    b: int,
+    s: int,
+    j: int,
+    f: int,
 ) -> int:
     """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size rank ``s`` after ``f``."""
     rec_a[nr] = a
@@ -498,10 +520,29 @@ def _record(
 
 @_kernel
 def _open_segment(
-    a: int, width: int, rank: int, take: int, fill: int, room: int, smallest: int, max_items: int,
-    head: np.ndarray, nodes: np.ndarray, meta: np.ndarray,
-    seg_a: np.ndarray, seg_b: np.ndarray, seg_fill: np.ndarray, seg_next: np.ndarray, n_seg: int, free: int,
-    rec_a: np.ndarray, rec_b: np.ndarray, rec_s: np.ndarray, rec_j: np.ndarray, rec_f: np.ndarray, nr: int,
+    a: int,
+    width: int,
+    rank: int,
+    take: int,
+    fill: int,
+    room: int,
+    smallest: int,
+    max_items: int,
+    head: np.ndarray,
+    nodes: np.ndarray,
+    meta: np.ndarray,
+    seg_a: np.ndarray,
+    seg_b: np.ndarray,
+    seg_fill: np.ndarray,
+    seg_next: np.ndarray,
+    n_seg: int,
+    free: int,
+    rec_a: np.ndarray,
+    rec_b: np.ndarray,
+    rec_s: np.ndarray,
+    rec_j: np.ndarray,
+    rec_f: np.ndarray,
+    nr: int,
 ) -> tuple[int, int, int]:
     """A new segment of bins ``a..a+width-1`` that each held ``fill`` items and take
     ``take`` more of size rank ``rank``: recorded, then shelved at ``room``.
@@ -605,9 +646,29 @@ def bfd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items
                     if width == 0:
                         continue
                     nr, n_seg, free = _open_segment(
-                        a, width, rank, take, f, r - take * s, smallest, max_items,
-                        head, nodes, meta,
-                        seg_a, seg_b, seg_fill, seg_next, n_seg, free, rec_a, rec_b, rec_s, rec_j, rec_f, nr,
+                        a,
+                        width,
+                        rank,
+                        take,
+                        f,
+                        r - take * s,
+                        smallest,
+                        max_items,
+                        head,
+                        nodes,
+                        meta,
+                        seg_a,
+                        seg_b,
+                        seg_fill,
+                        seg_next,
+                        n_seg,
+                        free,
+                        rec_a,
+                        rec_b,
+                        rec_s,
+                        rec_j,
+                        rec_f,
+                        nr,
                     )
                     a += width
                 k = 0
@@ -631,9 +692,29 @@ def bfd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items
                 if width == 0:
                     continue
                 nr, n_seg, free = _open_segment(
-                    n_bins, width, rank, take, np.int64(0), cap_units - take * s, smallest, max_items,
-                    head, nodes, meta,
-                    seg_a, seg_b, seg_fill, seg_next, n_seg, free, rec_a, rec_b, rec_s, rec_j, rec_f, nr,
+                    n_bins,
+                    width,
+                    rank,
+                    take,
+                    np.int64(0),
+                    cap_units - take * s,
+                    smallest,
+                    max_items,
+                    head,
+                    nodes,
+                    meta,
+                    seg_a,
+                    seg_b,
+                    seg_fill,
+                    seg_next,
+                    n_seg,
+                    free,
+                    rec_a,
+                    rec_b,
+                    rec_s,
+                    rec_j,
+                    rec_f,
+                    nr,
                 )
                 n_bins += width
     return rec_a[:nr], rec_b[:nr], rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins

@@ -215,8 +215,6 @@ def _split_rows(offsets: np.ndarray, target: int) -> np.ndarray:
     return np.append(starts, n).astype(np.int64)
 
 
-
-
 def pack_histogram(
     lengths: Any,
     counts: Any,

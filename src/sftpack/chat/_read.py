@@ -513,7 +513,9 @@ class ConversationReader:
                         and (raw.strip() in (b"{", b"[") or ahead[1][:1] in (b" ", b"\t"))
                     ):
                         array = raw.strip()[:1] == b"["
-                        raise _document(src.name, "array" if array else "object spread over several lines", array)
+                        raise _document(
+                            src.name, "array" if array else "object spread over several lines", array
+                        ) from None
                     if ahead is not None:
                         pending.append(ahead)
                 first = False

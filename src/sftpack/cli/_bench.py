@@ -12,7 +12,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "bench",
         help="how much packing saves on your conversations (or the embedded corpus): rows and padding per algorithm",
     )
-    b.add_argument("paths", nargs="*", help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus)")
+    b.add_argument(
+        "paths", nargs="*", help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus)"
+    )
     b.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
     b.add_argument("--pad-multiple", type=positive, default=1, help="pad each sequence to a multiple of this (2*CP)")
     b.add_argument("--overlong", default="split", choices=["truncate", "drop", "split", "error"])

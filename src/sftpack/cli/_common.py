@@ -68,9 +68,7 @@ def render_read_stats(rs: Any, *, max_files: int = 10) -> str:
     skipped = getattr(rs, "files_skipped", {}) or {}
     problems = list(getattr(rs, "file_problems", []) or [])
     if skipped or problems:
-        lines.append(
-            f"  files: {getattr(rs, 'files_read', 0):,} read, not read: {_reasons(skipped)}"
-        )
+        lines.append(f"  files: {getattr(rs, 'files_read', 0):,} read, not read: {_reasons(skipped)}")
         for p in problems[:max_files]:
             lost = f", {p.rows_lost:,} rows lost" if getattr(p, "rows_lost", None) else ""
             lines.append(f"    {p.path}: {p.reason} ({p.detail}{lost})")
@@ -91,8 +89,7 @@ def render_tokenize_stats(st: Any, samples: int, seconds: float) -> str:
     lost = [f"{st.tokens_lost:,} tokens lost"]
     if hasattr(st, "labels_lost"):
         lost.append(
-            f"{st.labels_lost:,} of {st.labels:,} supervised labels lost "
-            f"({st.split_labels_lost:,} at split boundaries)"
+            f"{st.labels_lost:,} of {st.labels:,} supervised labels lost ({st.split_labels_lost:,} at split boundaries)"
         )
     if getattr(st, "special_text", 0):
         lost.append(f"{st.special_text:,} conversations had special-token text in content (kept as text)")

@@ -49,9 +49,7 @@ def run(args: argparse.Namespace) -> int:
         report_dir=args.report,
     ):
         if isinstance(item, Section):
-            print(
-                f"\n== {item.title} " + "=" * max(0, 72 - len(item.title)), flush=True
-            )
+            print(f"\n== {item.title} " + "=" * max(0, 72 - len(item.title)), flush=True)
         elif isinstance(item, DemoDone):
             return 0 if item.ok else 1
         else:

@@ -11,8 +11,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a prepack directory: fingerprint, counts, fill, histograms, a row")
     p.add_argument("directory", metavar="DIR", help="a directory written by sftpack prepack")
     p.add_argument("--row", type=non_negative, metavar="I", help="draw row I (segments, padding, cu_seqlens)")
-    p.add_argument("--verify", action="store_true", help="recompute the SHA-256 of the token and mask data too "
-                   "(the manifest, the sizes, the headers and the index are always checked)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="recompute the SHA-256 of the token and mask data too "
+        "(the manifest, the sizes, the headers and the index are always checked)",
+    )
     p.add_argument("--png", metavar="FILE", help="draw the histograms as a PNG (needs matplotlib)")
     p.set_defaults(func=run)
 
@@ -28,7 +32,9 @@ def describe_lines(ds: object) -> list[str]:
     d = describe(ds)
     m = d.manifest
     c, fp = m["counts"], m["fingerprint"]
-    tok = fp.get("tokenizer") or {}  # the manifest's entries are checked on opening; the fingerprint's details are free-form
+    tok = (
+        fp.get("tokenizer") or {}
+    )  # the manifest's entries are checked on opening; the fingerprint's details are free-form
     out = [
         f"prepack {ds.path}  (format {m['format_version']}, sftpack {m['sftpack_version']}, source: {m['source']})",  # type: ignore[attr-defined]
         (
@@ -46,15 +52,19 @@ def describe_lines(ds: object) -> list[str]:
         size = f"{inp['size']:,} bytes" if isinstance(inp.get("size"), int) else "?"
         out.append(f"  input {inp.get('name', '?')}  {size}  sha256 {str(inp.get('sha256'))[:16]}")
     dropped = ", ".join(f"{k} {v:,}" for k, v in c["dropped"].items()) or "none dropped"
-    out.append(f"  conversations: {c['read']:,} read, {c['kept']:,} kept ({dropped}), "
-               f"{c['packed_conversations']:,} packed")
+    out.append(
+        f"  conversations: {c['read']:,} read, {c['kept']:,} kept ({dropped}), {c['packed_conversations']:,} packed"
+    )
     oc = c.get("overlong")
     if oc:
-        out.append(f"  over-long: {oc['fit']:,} fit, {oc['split']:,} split, {oc['truncated']:,} truncated, "
-                   f"{oc['dropped']:,} dropped; {c['tokens_lost']:,} tokens lost")
+        out.append(
+            f"  over-long: {oc['fit']:,} fit, {oc['split']:,} split, {oc['truncated']:,} truncated, "
+            f"{oc['dropped']:,} dropped; {c['tokens_lost']:,} tokens lost"
+        )
     out.append(f"  {c['sequences']:,} sequences, {c['tokens']:,} tokens, {c['labels']:,} supervised labels")
-    out.append(f"  {c['rows']:,} rows, fill {c['fill']:.3%}, L1 bound {c['l1']:,} (gap {c['gap_l1']:.3%}), "
-               f"L2 {c['l2']:,}")
+    out.append(
+        f"  {c['rows']:,} rows, fill {c['fill']:.3%}, L1 bound {c['l1']:,} (gap {c['gap_l1']:.3%}), L2 {c['l2']:,}"
+    )
     out.append("")
     out.append("row fill:")
     most = max((n for _, _, n in d.fill_histogram), default=0)
@@ -155,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     for line in describe_lines(ds):
         print(line)
     if args.verify:
-        print(f"\nverified: every file matches its SHA-256 ({len(ds.manifest['files'])} files), and the manifest its own")
+        print(
+            f"\nverified: every file matches its SHA-256 ({len(ds.manifest['files'])} files), and the manifest its own"
+        )
     if args.row is not None:
         if args.row >= ds.num_rows:
             from ._common import UsageError

@@ -14,34 +14,64 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Read + tokenize, bin-pack, and write rows of --max-seq-len tokens to --out, with a manifest "
         "(fingerprint, counts, checksums). The directory appears complete or not at all.",
     )
-    p.add_argument("inputs", nargs="*", help="JSONL(.gz) / Parquet files, globs, folders or saved datasets "
-                   "(default: the embedded chitchat corpus)")
-    p.add_argument("--out", required=True, metavar="DIR", help="the directory to write (must not exist, unless "
-                   "--overwrite; never inside an input folder)")
-    p.add_argument("--max-seq-len", type=positive, default=4096,
-                   help="row width in tokens (default 4096, at most 16,777,216)")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        help="JSONL(.gz) / Parquet files, globs, folders or saved datasets (default: the embedded chitchat corpus)",
+    )
+    p.add_argument(
+        "--out",
+        required=True,
+        metavar="DIR",
+        help="the directory to write (must not exist, unless --overwrite; never inside an input folder)",
+    )
+    p.add_argument(
+        "--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096, at most 16,777,216)"
+    )
     p.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
-    p.add_argument("--algorithm", default="bfd", help="bin packer: bfd (default), ffd, first_fit_shuffle, next_fit, "
-                   "greedy_knapsack")
-    p.add_argument("--pad-multiple", type=positive, help="pad each sequence to a multiple of this (default: from --cp/--tp)")
+    p.add_argument(
+        "--algorithm",
+        default="bfd",
+        help="bin packer: bfd (default), ffd, first_fit_shuffle, next_fit, greedy_knapsack",
+    )
+    p.add_argument(
+        "--pad-multiple", type=positive, help="pad each sequence to a multiple of this (default: from --cp/--tp)"
+    )
     p.add_argument("--cp", type=positive, default=1, help="context-parallel size: sequences padded to 2*CP")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel size (matters with --sequence-parallel)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (pad x TP)")
-    p.add_argument("--fp8", choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
-                   help="FP8 recipe: --max-seq-len must then be a multiple of the row multiple it needs")
-    p.add_argument("--overlong", default="split", choices=["truncate", "drop", "split", "error"],
-                   help="a conversation longer than --max-seq-len (default split: nothing lost)")
-    p.add_argument("--on-bad-row", default="skip", choices=["error", "skip"], help="bad input rows (default skip, counted)")
+    p.add_argument(
+        "--fp8",
+        choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
+        help="FP8 recipe: --max-seq-len must then be a multiple of the row multiple it needs",
+    )
+    p.add_argument(
+        "--overlong",
+        default="split",
+        choices=["truncate", "drop", "split", "error"],
+        help="a conversation longer than --max-seq-len (default split: nothing lost)",
+    )
+    p.add_argument(
+        "--on-bad-row", default="skip", choices=["error", "skip"], help="bad input rows (default skip, counted)"
+    )
     p.add_argument("--train-on", default="all_assistant", choices=["all_assistant", "last_assistant", "everything"])
     p.add_argument("--seed", type=non_negative, default=0)
     p.add_argument("--num-proc", type=positive, default=1, help="tokenizer processes (the files do not depend on it)")
-    p.add_argument("--engine", default="local", choices=["local", "ray"],
-                   help="where tokenizing and writing run: local (this machine, --num-proc) or ray (Ray Data "
-                   "actors; the same files byte for byte)")
+    p.add_argument(
+        "--engine",
+        default="local",
+        choices=["local", "ray"],
+        help="where tokenizing and writing run: local (this machine, --num-proc) or ray (Ray Data "
+        "actors; the same files byte for byte)",
+    )
     p.add_argument("--workers", type=positive, help="--engine ray: tokenize actors (default 2)")
-    p.add_argument("--ray-address", metavar="ADDR", help="--engine ray: join this running Ray cluster ('auto', "
-                   "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs and the "
-                   "parent of --out must be at the same paths on every node")
+    p.add_argument(
+        "--ray-address",
+        metavar="ADDR",
+        help="--engine ray: join this running Ray cluster ('auto', "
+        "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs and the "
+        "parent of --out must be at the same paths on every node",
+    )
     p.add_argument("--limit", type=positive, help="first N conversations only")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -90,7 +120,6 @@ def summary_lines(result: object) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     from ..handoff import pad_multiple_for
     from ..offline import prepack
-
     from ..offline._format import check_row_width
 
     try:

@@ -41,9 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="--packing offline: a directory from sftpack prepack (default: prepack the data into a temporary "
         "directory first); its row width, pad multiple and tokenizer come from its manifest",
     )
-    t.add_argument(
-        "--steps", type=positive, default=50, help="optimizer steps (default 50)"
-    )
+    t.add_argument("--steps", type=positive, default=50, help="optimizer steps (default 50)")
     t.add_argument(
         "--batch-size",
         type=positive,
@@ -58,18 +56,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--log", metavar="FILE.jsonl", help="write one JSON object per step")
-    t.add_argument(
-        "--plot", metavar="FILE.png", help="draw the loss and tokens/s curves"
-    )
+    t.add_argument("--plot", metavar="FILE.png", help="draw the loss and tokens/s curves")
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
     g = t.add_argument_group("optimisation")
-    g.add_argument(
-        "--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)"
-    )
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
     g.add_argument("--warmup-steps", type=non_negative, default=0)
-    g.add_argument(
-        "--schedule", choices=["cosine", "linear", "constant"], default="cosine"
-    )
+    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
     g.add_argument(
         "--min-lr-ratio",
         type=float,
@@ -156,9 +148,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="like --resume, but start at step 1 when --checkpoint-dir holds no checkpoint yet "
         "(re-running the same command after a preemption)",
     )
-    t.add_argument(
-        "--num-proc", type=positive, default=1, help="tokenizer worker processes"
-    )
+    t.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes")
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
     t.set_defaults(func=run)
 
@@ -171,7 +161,7 @@ def _layout(args: argparse.Namespace) -> dict | None:
         from ..offline import read_manifest
 
         manifest = read_manifest(Path(args.prepacked))
-        for key, default in (("max_seq_len", 1024), ("pad_multiple", 1)):
+        for key in ("max_seq_len", "pad_multiple"):
             have = manifest.get(key)
             if not isinstance(have, int):
                 raise ValueError(
@@ -319,9 +309,7 @@ def run(args: argparse.Namespace) -> int:
 
             samples, kept_ids = compact_vocabulary(samples)
             vocab_size, pad_id = len(kept_ids), 0
-            say(
-                f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})"
-            )
+            say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})")
     try:
         if prepacked is None and args.packing == "offline":
             from ..offline import prepack_samples
@@ -336,9 +324,7 @@ def run(args: argparse.Namespace) -> int:
                 tokenizer=tok if args.vocab == "tokenizer" else None,
                 seed=cfg.seed,
             ).path
-            say(
-                f"prepacked into {prepacked} (temporary; sftpack prepack writes a lasting one)"
-            )
+            say(f"prepacked into {prepacked} (temporary; sftpack prepack writes a lasting one)")
         source = make_source(
             cfg,
             samples=samples,
@@ -379,8 +365,7 @@ def run(args: argparse.Namespace) -> int:
     logs = result.logs
     if result.resumed_from:
         say(
-            f"resumed from step {result.resumed_from}"
-            + ("" if logs else f": nothing left to do (--steps {cfg.steps})")
+            f"resumed from step {result.resumed_from}" + ("" if logs else f": nothing left to do (--steps {cfg.steps})")
         )
     elif resume == "auto" and args.checkpoint_dir:
         say(f"no checkpoint in {args.checkpoint_dir} yet: started at step 1")

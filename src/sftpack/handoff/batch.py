@@ -194,13 +194,10 @@ class PackedBatch:
             if not isinstance(t, torch.Tensor) or t.dim() != 1:
                 raise PackedBatchError(f"PackedBatch.{name} must be a 1-D tensor (N+1,)")
             if t.dtype != torch.int32:
-                raise PackedBatchError(
-                    f"PackedBatch.{name} must be int32 (what attention kernels take), got {t.dtype}"
-                )
+                raise PackedBatchError(f"PackedBatch.{name} must be int32 (what attention kernels take), got {t.dtype}")
             if t.shape[0] < 2:
                 raise PackedBatchError(
-                    f"PackedBatch.{name} must hold N+1 >= 2 entries (at least one sequence), got "
-                    f"{t.tolist()}"
+                    f"PackedBatch.{name} must hold N+1 >= 2 entries (at least one sequence), got {t.tolist()}"
                 )
         if cu.shape[0] != cup.shape[0]:
             raise PackedBatchError(

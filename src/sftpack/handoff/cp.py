@@ -266,7 +266,7 @@ class CPShard(PackedBatch):
         local_max = int((lay.local_cup[1:] - lay.local_cup[:-1]).max())
         if int(self.max_seqlen) < local_max:
             raise PackedBatchError(f"CPShard.max_seqlen = {self.max_seqlen} < largest local segment {local_max}")
-        must_ignore = (lay.position >= lay.global_real - 1)  # padding and each sequence's last real token
+        must_ignore = lay.position >= lay.global_real - 1  # padding and each sequence's last real token
         wrong = torch.nonzero(must_ignore & (self.labels != IGNORE_INDEX)).reshape(-1)
         if wrong.numel():
             t = int(wrong[0])

@@ -53,9 +53,7 @@ class Sample:
                 f"shape {tuple(self.input_ids.shape)}: give one mask entry per token"
             )
         if self.input_ids.size == 0:
-            raise ValueError(
-                f"Sample {self.conversation_id!r} has no tokens: drop empty conversations before packing"
-            )
+            raise ValueError(f"Sample {self.conversation_id!r} has no tokens: drop empty conversations before packing")
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -14,8 +14,8 @@ import torch
 
 from .batch import PackedBatch, PackedBatchError
 from .cp import CPShard
-from .slots import slot_layout
 from .slots import segment_ids as _segment_ids
+from .slots import slot_layout
 
 __all__ = ["segment_ids", "unpack", "unpack_padded"]
 

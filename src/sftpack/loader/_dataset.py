@@ -357,9 +357,7 @@ class PackingDataset(IterableDataset):
     def _too_few(self, shard: int, shards: int, nw: int, n: int) -> str:
         if n == 0:
             return f"{self._who(shard, shards, nw)}: the source holds no sample: give it at least one"
-        fix = (
-            f"num_workers <= {n // self.world_size}" if n >= self.world_size else f"at most {n} ranks"
-        )
+        fix = f"num_workers <= {n // self.world_size}" if n >= self.world_size else f"at most {n} ranks"
         return (
             f"{self._who(shard, shards, nw)}: the source holds {n} samples but they are dealt to {shards} shares "
             f"(world_size={self.world_size} x {nw} worker(s) per rank), so {shards - n} share(s) get none; "
@@ -433,8 +431,13 @@ class PackingDataset(IterableDataset):
         held = np.zeros(n_rows, dtype=bool)
         if not flush:
             held = hold_back(
-                (order, offsets), costs, ages, max_seq_len=self.max_seq_len, min_fill=self.min_fill,
-                max_wait=self.max_wait, max_items=self.buffer_size // 2,
+                (order, offsets),
+                costs,
+                ages,
+                max_seq_len=self.max_seq_len,
+                min_fill=self.min_fill,
+                max_wait=self.max_wait,
+                max_items=self.buffer_size // 2,
             )
         row_of = np.repeat(np.arange(n_rows), np.diff(offsets))
         waits = held[row_of]
@@ -455,8 +458,13 @@ class PackingDataset(IterableDataset):
         mask = np.concatenate([it.loss_mask for it in row])
         lengths = np.fromiter((it.length for it in row), dtype=np.int64, count=len(row))
         return build_row(
-            ids, mask, lengths, row_width=self.max_seq_len, pad_multiple=self.pad_multiple,
-            pad_id=self.pad_id, sequence_ids=[it.sequence_id for it in row],
+            ids,
+            mask,
+            lengths,
+            row_width=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            pad_id=self.pad_id,
+            sequence_ids=[it.sequence_id for it in row],
         )
 
     def _emit(self, row: list[Item]) -> None:

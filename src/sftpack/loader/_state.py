@@ -43,8 +43,21 @@ __all__ = [
 ]
 
 #: every key of a state (``num_samples`` and ``lengths`` are newer and optional)
-_KEYS = ("config", "rank", "world_size", "num_workers", "shard", "num_shards", "epoch", "end_epoch", "active",
-         "cursor", "buffer", "pending", "stats")
+_KEYS = (
+    "config",
+    "rank",
+    "world_size",
+    "num_workers",
+    "shard",
+    "num_shards",
+    "epoch",
+    "end_epoch",
+    "active",
+    "cursor",
+    "buffer",
+    "pending",
+    "stats",
+)
 
 STATE_VERSION = 1
 
@@ -180,8 +193,7 @@ def check_refs(state: dict[str, Any], order: Any, num_samples: int | None) -> No
         )
     read = {int(i) for i in order[:cursor]} if order is not None else None
     entries = [(f"state['buffer'][{i}]", b) for i, b in enumerate(state["buffer"])]
-    entries += [(f"state['pending'][{r}][{j}]", e) for r, row in enumerate(state["pending"])
-                for j, e in enumerate(row)]
+    entries += [(f"state['pending'][{r}][{j}]", e) for r, row in enumerate(state["pending"]) for j, e in enumerate(row)]
     for where, entry in entries:
         src = entry[0]
         if read is not None:

@@ -199,7 +199,9 @@ class PackingTaskEncoder(TaskEncoder):
     def select_samples_to_pack(self, samples: list[TokenizedSample]) -> list[list[TokenizedSample]]:
         """Every buffered sample in exactly one group: :func:`~sftpack.loader.plan_rows` on the buffer."""
         lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
-        rows = plan_rows(lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, algorithm=self.algorithm)
+        rows = plan_rows(
+            lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, algorithm=self.algorithm
+        )
         return [[samples[i] for i in row.tolist()] for row in rows]
 
     @stateless

@@ -174,11 +174,13 @@ def export_megatron_bridge(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{split}_{pack_size}.idx.parquet"
-    schema = pa.schema([
-        ("input_ids", pa.list_(pa.int64())),
-        ("loss_mask", pa.list_(pa.int8())),
-        ("seq_start_id", pa.list_(pa.int64())),
-    ])
+    schema = pa.schema(
+        [
+            ("input_ids", pa.list_(pa.int64())),
+            ("loss_mask", pa.list_(pa.int8())),
+            ("seq_start_id", pa.list_(pa.int64())),
+        ]
+    )
     with pq.ParquetWriter(path, schema) as writer:
         for a in range(0, ds.num_rows, row_group_size):
             b = min(a + row_group_size, ds.num_rows)
@@ -199,8 +201,11 @@ def export_megatron_bridge(
                 masks.append(rolled)
                 starts.append(begin)
             table = pa.table(
-                [pa.array(ids, pa.list_(pa.int64())), pa.array(masks, pa.list_(pa.int8())),
-                 pa.array(starts, pa.list_(pa.int64()))],
+                [
+                    pa.array(ids, pa.list_(pa.int64())),
+                    pa.array(masks, pa.list_(pa.int8())),
+                    pa.array(starts, pa.list_(pa.int64())),
+                ],
                 schema=schema,
             )
             writer.write_table(table, row_group_size=row_group_size)
@@ -294,4 +299,3 @@ def import_megatron_bridge(
         overwrite=overwrite,
         progress=progress,
     )
-

@@ -188,7 +188,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
             return int(np.flatnonzero(bad)[0])
 
         if n_conv < 0 or int(offs[0]) != 0 or int(offs[-1]) != blob.shape[0]:
-            raise fail("conversation_offsets.npy", f"it must run from 0 to {blob.shape[0]}, the size of conversation_ids.npy")
+            raise fail(
+                "conversation_offsets.npy", f"it must run from 0 to {blob.shape[0]}, the size of conversation_ids.npy"
+            )
         if np.any(np.diff(offs) < 1):
             raise fail("conversation_offsets.npy", f"entry {first(np.diff(offs) < 1) + 1} does not increase")
         r_seq, r_tok = rows["sequence"], rows["token"]
@@ -197,7 +199,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
         if int(r_seq[-1]) != seqs.shape[0] or int(r_tok[-1]) != n_tok:
             raise fail("rows.npy", f"it must end at sequence {seqs.shape[0]}, token {n_tok}")
         if np.any(np.diff(r_seq) < 1):
-            raise fail("rows.npy", f"row {first(np.diff(r_seq) < 1)} holds no sequence (sequence offsets must increase)")
+            raise fail(
+                "rows.npy", f"row {first(np.diff(r_seq) < 1)} holds no sequence (sequence offsets must increase)"
+            )
         length, start = seqs["length"].astype(np.int64), seqs["start"]
         if np.any(length < 1):
             raise fail("sequences.npy", f"sequence {first(length < 1)} has length {int(length[first(length < 1)])}")
@@ -205,10 +209,15 @@ class PrepackedDataset(torch.utils.data.Dataset):
         tiled = start != ends - length
         if np.any(tiled) or int(ends[-1]) != n_tok:
             k = first(tiled) if np.any(tiled) else seqs.shape[0] - 1
-            raise fail("sequences.npy", f"sequence {k} does not start where the one before it ends (the sequences "
-                       f"must tile the {n_tok} tokens)")
+            raise fail(
+                "sequences.npy",
+                f"sequence {k} does not start where the one before it ends (the sequences "
+                f"must tile the {n_tok} tokens)",
+            )
         if np.any(r_tok[:-1] != start[r_seq[:-1]]):
-            raise fail("rows.npy", f"row {first(r_tok[:-1] != start[r_seq[:-1]])} does not start at its first sequence's token")
+            raise fail(
+                "rows.npy", f"row {first(r_tok[:-1] != start[r_seq[:-1]])} does not start at its first sequence's token"
+            )
         conv = seqs["conversation"]
         if np.any((conv < 0) | (conv >= n_conv)):
             k = first((conv < 0) | (conv >= n_conv))
@@ -218,15 +227,23 @@ class PrepackedDataset(torch.utils.data.Dataset):
         loads = np.add.reduceat(padded_lengths(length, self.pad_multiple), r_seq[:-1])
         if int(loads.max()) > self.max_seq_len:
             r = int(np.argmax(loads))
-            raise fail("sequences.npy", f"row {r} needs {int(loads[r])} slots with each sequence padded to a multiple "
-                       f"of {self.pad_multiple}, more than max_seq_len={self.max_seq_len}")
+            raise fail(
+                "sequences.npy",
+                f"row {r} needs {int(loads[r])} slots with each sequence padded to a multiple "
+                f"of {self.pad_multiple}, more than max_seq_len={self.max_seq_len}",
+            )
         c = self.manifest["counts"]
         if n_conv != c["packed_conversations"]:
-            raise fail("conversation_offsets.npy", f"it holds {n_conv} conversations, the manifest counts "
-                       f"{c['packed_conversations']}")
+            raise fail(
+                "conversation_offsets.npy",
+                f"it holds {n_conv} conversations, the manifest counts {c['packed_conversations']}",
+            )
         if int(np.diff(r_seq).max()) != c["max_sequences_per_row"]:
-            raise fail("rows.npy", f"its longest row holds {int(np.diff(r_seq).max())} sequences, the manifest "
-                       f"counts {c['max_sequences_per_row']}")
+            raise fail(
+                "rows.npy",
+                f"its longest row holds {int(np.diff(r_seq).max())} sequences, the manifest "
+                f"counts {c['max_sequences_per_row']}",
+            )
 
     def _check_expect(self, expect: Mapping[str, Any]) -> None:
         unknown = sorted(set(expect) - set(_EXPECT_KEYS))
@@ -271,8 +288,14 @@ class PrepackedDataset(torch.utils.data.Dataset):
     def _epoch_order(self) -> np.ndarray:
         if self.world_size == 1 and not self.shuffle:
             return np.arange(self.num_rows, dtype=np.int64)
-        return epoch_rows(self.row_costs(), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
-                          rank=self.rank, world_size=self.world_size)
+        return epoch_rows(
+            self.row_costs(),
+            epoch=self.epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Reorder (with ``shuffle``) and re-deal the rows for ``epoch``; every rank must call it alike."""
@@ -304,7 +327,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
         offs, blob = self._arrays["conversation_offsets"], self._arrays["conversation_ids"]
         raw = blob[int(offs[c]) : int(offs[c + 1])].tobytes()
         try:
-            if raw[:1] == b'"' and raw[-1:] == b'"' and b"\\" not in raw:  # a plain string: skip the JSON parser (5x faster)
+            if (
+                raw[:1] == b'"' and raw[-1:] == b'"' and b"\\" not in raw
+            ):  # a plain string: skip the JSON parser (5x faster)
                 return raw[1:-1].decode("utf-8")
             return json.loads(raw)
         except ValueError as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -346,7 +371,10 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 pad_id=self.pad_id,
                 sequence_ids=[self.conversation_id(int(c)) for c in seqs["conversation"]],
             )
-        except (PackedBatchError, IndexError) as e:  # only a damaged index gets here (opening with verify=None skips its checks)
+        except (
+            PackedBatchError,
+            IndexError,
+        ) as e:  # only a damaged index gets here (opening with verify=None skips its checks)
             raise PrepackError(
                 f"{self.path}: row {r} cannot be read ({e}): the index is damaged; open it with verify='size' to "
                 "find the file, and write the prepack again"
@@ -369,8 +397,11 @@ class PrepackedDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ pickling (DataLoader workers)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items()
-                 if k not in ("_arrays", "_maps", "tokens", "loss_mask", "sequences", "rows")}
+        state = {
+            k: v
+            for k, v in self.__dict__.items()
+            if k not in ("_arrays", "_maps", "tokens", "loss_mask", "sequences", "rows")
+        }
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

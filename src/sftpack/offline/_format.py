@@ -74,9 +74,7 @@ MANIFEST = "manifest.json"
 MAX_ROW_WIDTH = 1 << 24
 
 #: One record per sequence, in row order.
-SEQUENCE_DTYPE = np.dtype(
-    [("start", "<i8"), ("length", "<i4"), ("conversation", "<i8"), ("piece", "<i4")]
-)
+SEQUENCE_DTYPE = np.dtype([("start", "<i8"), ("length", "<i4"), ("conversation", "<i8"), ("piece", "<i4")])
 #: ``rows + 1`` records: the first sequence and the first token of each row (the last is the end).
 ROW_DTYPE = np.dtype([("sequence", "<i8"), ("token", "<i8")])
 
@@ -168,7 +166,9 @@ def open_npy(
         except (ValueError, OSError) as e:
             raise PrepackError(f"{damaged} ({e}); write the prepack again") from None
         if (major, minor) != (1, 0):
-            raise PrepackError(f"{path}: .npy version {major}.{minor}, expected 1.0: {damaged}; write the prepack again")
+            raise PrepackError(
+                f"{path}: .npy version {major}.{minor}, expected 1.0: {damaged}; write the prepack again"
+            )
         try:
             shape, fortran, found = np.lib.format.read_array_header_1_0(f)
         except Exception as e:  # noqa: BLE001 - numpy's header parser raises SyntaxError, tokenize.TokenError, ...
@@ -242,7 +242,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             )
     if not directory.is_dir():
         raise PrepackError(
-            f"{directory}: no such directory" if not directory.exists() else f"{directory} is a file, not a prepack directory"
+            f"{directory}: no such directory"
+            if not directory.exists()
+            else f"{directory} is a file, not a prepack directory"
         )
     if ".sftpack-partial-" in directory.name:
         raise PrepackError(
@@ -291,9 +293,24 @@ def read_manifest(directory: Path) -> dict[str, Any]:
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _TOKEN_DTYPES = ("uint8", "uint16", "uint32")
 _COUNT_INTS = (
-    "read", "kept", "packed_conversations", "sequences", "tokens", "trainable_tokens", "labels",
-    "first_token_trainable", "rows", "max_seq_len", "slots", "padding", "l1", "l2", "max_sequences_per_row",
-    "tokens_lost", "trainable_tokens_lost", "tokens_rendered",
+    "read",
+    "kept",
+    "packed_conversations",
+    "sequences",
+    "tokens",
+    "trainable_tokens",
+    "labels",
+    "first_token_trainable",
+    "rows",
+    "max_seq_len",
+    "slots",
+    "padding",
+    "l1",
+    "l2",
+    "max_sequences_per_row",
+    "tokens_lost",
+    "trainable_tokens_lost",
+    "tokens_rendered",
 )
 
 
@@ -325,10 +342,20 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
     is_dict = lambda v: isinstance(v, dict)  # noqa: E731
     for key in ("sftpack_version", "source", "token_dtype"):
         get(m, key, key, lambda v: isinstance(v, str), "a string")
-    width = get(m, "max_seq_len", "max_seq_len", lambda v: _int(v) and 1 <= v <= MAX_ROW_WIDTH,
-                f"an integer from 1 to {MAX_ROW_WIDTH:,}")
-    mult = get(m, "pad_multiple", "pad_multiple", lambda v: _int(v) and 1 <= v <= width and width % v == 0,
-               f"a positive divisor of max_seq_len={width}")
+    width = get(
+        m,
+        "max_seq_len",
+        "max_seq_len",
+        lambda v: _int(v) and 1 <= v <= MAX_ROW_WIDTH,
+        f"an integer from 1 to {MAX_ROW_WIDTH:,}",
+    )
+    mult = get(
+        m,
+        "pad_multiple",
+        "pad_multiple",
+        lambda v: _int(v) and 1 <= v <= width and width % v == 0,
+        f"a positive divisor of max_seq_len={width}",
+    )
     if m["token_dtype"] not in _TOKEN_DTYPES:
         raise bad("token_dtype", m["token_dtype"], " or ".join(_TOKEN_DTYPES))
     top = int(np.iinfo(np.dtype(m["token_dtype"])).max)
@@ -339,26 +366,47 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
     for name in FILES:
         entry = get(files, name, f"files.{name}", is_dict, "an object")
         get(entry, "bytes", f"files.{name}.bytes", lambda v: _int(v) and v >= 0, "a byte count")
-        get(entry, "sha256", f"files.{name}.sha256", lambda v: isinstance(v, str) and _HEX64.fullmatch(v),
-            "64 hex digits")
+        get(
+            entry,
+            "sha256",
+            f"files.{name}.sha256",
+            lambda v: isinstance(v, str) and _HEX64.fullmatch(v),
+            "64 hex digits",
+        )
     counts = get(m, "counts", "counts", is_dict, "an object")
     for key in _COUNT_INTS:
         get(counts, key, f"counts.{key}", lambda v: _int(v) and v >= 0, "a count (an integer >= 0)")
     for key in ("fill", "gap_l1"):
         get(counts, key, f"counts.{key}", _number, "a number")
-    get(counts, "dropped", "counts.dropped",
-        lambda v: is_dict(v) and all(_int(n) and n >= 0 for n in v.values()), "an object of counts")
+    get(
+        counts,
+        "dropped",
+        "counts.dropped",
+        lambda v: is_dict(v) and all(_int(n) and n >= 0 for n in v.values()),
+        "an object of counts",
+    )
     if "overlong" in counts:
-        get(counts, "overlong", "counts.overlong",
-            lambda v: is_dict(v) and all(_int(v.get(k)) and v[k] >= 0 for k in ("fit", "split", "truncated", "dropped")),
-            "an object with the counts fit, split, truncated, dropped")
+        get(
+            counts,
+            "overlong",
+            "counts.overlong",
+            lambda v: (
+                is_dict(v) and all(_int(v.get(k)) and v[k] >= 0 for k in ("fit", "split", "truncated", "dropped"))
+            ),
+            "an object with the counts fit, split, truncated, dropped",
+        )
     fp = get(m, "fingerprint", "fingerprint", is_dict, "an object")
     get(fp, "sha256", "fingerprint.sha256", lambda v: isinstance(v, str) and _HEX64.fullmatch(v), "64 hex digits")
     if "tokenizer" in fp:
         get(fp, "tokenizer", "fingerprint.tokenizer", lambda v: v is None or is_dict(v), "an object")
     if "inputs" in fp:
-        get(fp, "inputs", "fingerprint.inputs", lambda v: isinstance(v, list) and all(is_dict(i) for i in v),
-            "a list of objects")
+        get(
+            fp,
+            "inputs",
+            "fingerprint.inputs",
+            lambda v: isinstance(v, list) and all(is_dict(i) for i in v),
+            "a list of objects",
+        )
     if digest({k: v for k, v in fp.items() if k != "sha256"}) != fp["sha256"]:
         raise PrepackError(
             f"{path}: the fingerprint does not match its own digest (fingerprint.sha256): the manifest was edited "

@@ -103,7 +103,7 @@ def import_packed_jsonl(
                 except ValueError as e:
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({e}); each line is one packed row") from None
                 if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
-                    raise ValueError(f"{path}:{lineno}: expected {{\"messages\": [...]}} with at least one message")
+                    raise ValueError(f'{path}:{lineno}: expected {{"messages": [...]}} with at least one message')
                 convs = split_packed_messages(row["messages"])
                 for k, conv in enumerate(convs):
                     cid = f"{path.name}:{lineno}#{k}"
@@ -149,14 +149,17 @@ def _source_conversations(ds: Any) -> Iterable[Any]:
     return read_conversations([i["name"] for i in inputs], on_bad_row="skip")
 
 
-def _chat_lengths(convs: list[tuple[Any, list[dict[str, Any]]]], tokenizer: Any, chat_template: str | None) -> np.ndarray:
+def _chat_lengths(
+    convs: list[tuple[Any, list[dict[str, Any]]]], tokenizer: Any, chat_template: str | None
+) -> np.ndarray:
     """Token count of every (id, messages) as the upstream loader renders it: the whole
     conversation through ``apply_chat_template`` (no generation prompt), special tokens as
     control tokens."""
 
     def render(batch: list[list[dict[str, Any]]]) -> list[int]:
-        out = tokenizer.apply_chat_template(batch, tokenize=True, add_generation_prompt=False,
-                                            chat_template=chat_template)
+        out = tokenizer.apply_chat_template(
+            batch, tokenize=True, add_generation_prompt=False, chat_template=chat_template
+        )
         ids = out["input_ids"] if hasattr(out, "keys") else out  # a BatchEncoding in transformers 5
         return [len(x) for x in ids]
 
@@ -233,10 +236,13 @@ def export_packed_jsonl(
     width = ds.max_seq_len
     m = ds.pad_multiple if pad_multiple is None else positive_int("pad_multiple", pad_multiple)
     if width % m:
-        raise ValueError(f"pad_multiple={m} does not divide the row width {width}: the upstream loader needs "
-                         "max_seq_length to be a multiple of 2 * context_parallel_size")
-    tokenizer = _prepack_tokenizer(ds, tokenizer, "counting the rows as the upstream loader tokenizes them",
-                                   check=False)
+        raise ValueError(
+            f"pad_multiple={m} does not divide the row width {width}: the upstream loader needs "
+            "max_seq_length to be a multiple of 2 * context_parallel_size"
+        )
+    tokenizer = _prepack_tokenizer(
+        ds, tokenizer, "counting the rows as the upstream loader tokenizes them", check=False
+    )
     order = [int(c) for c in np.unique(ds.sequences["conversation"])]  # input order
     wanted = {ds.conversation_id(c): c for c in order}
     source = conversations if conversations is not None else _source_conversations(ds)
@@ -247,7 +253,9 @@ def export_packed_jsonl(
             messages[cid] = list(item.messages if not isinstance(item, dict) else item["messages"])
     missing = set(wanted) - set(messages)
     if missing:
-        raise PrepackError(f"{len(missing)} conversations of the prepack are not in the source, e.g. {sorted(map(str, missing))[:3]}")
+        raise PrepackError(
+            f"{len(missing)} conversations of the prepack are not in the source, e.g. {sorted(map(str, missing))[:3]}"
+        )
     written: list[tuple[Any, list[dict[str, Any]]]] = []
     edits = np.zeros((len(wanted), 2), np.int64)  # per conversation: system prompt added, trailing turns left out
     for k, cid in enumerate(wanted):
@@ -277,12 +285,19 @@ def export_packed_jsonl(
         written = [w for w, k in zip(written, keep) if k]
         lengths, edits = lengths[keep], edits[keep]
         if not written:
-            raise ValueError(f"every conversation of {ds.path} is longer than the row width {width} as written to "
-                             "packed JSONL: nothing to write; prepack wider rows")
+            raise ValueError(
+                f"every conversation of {ds.path} is longer than the row width {width} as written to "
+                "packed JSONL: nothing to write; prepack wider rows"
+            )
     fp = ds.manifest["fingerprint"]
     algorithm = fp.get("algorithm") if fp.get("algorithm") in {a.value for a in Algorithm} else "bfd"
-    plan = plan_rows(np.minimum(lengths, width), max_seq_len=width, pad_multiple=m, algorithm=algorithm,
-                     seed=int(fp.get("seed") or 0))
+    plan = plan_rows(
+        np.minimum(lengths, width),
+        max_seq_len=width,
+        pad_multiple=m,
+        algorithm=algorithm,
+        seed=int(fp.get("seed") or 0),
+    )
     with open(path, "w", encoding="utf-8") as f:
         for r in range(plan.num_rows):
             row: list[dict[str, Any]] = []
@@ -290,8 +305,13 @@ def export_packed_jsonl(
                 row.extend(written[int(i)][1])
             f.write(json.dumps({"messages": row}, ensure_ascii=False) + "\n")
     oc = ds.manifest["counts"].get("overlong") or {}
-    return {"rows": plan.num_rows, "conversations": len(written), "system_prompts_added": int(edits[:, 0].sum()),
-            "trailing_turns_dropped": int(edits[:, 1].sum()), "truncated_written_whole": int(oc.get("truncated", 0)),
-            "over_length_dropped": int(over.shape[0]) if policy == "drop" else 0,
-            "over_length_written_whole": int(over.shape[0]) if policy == "truncate" else 0,
-            "tokens": int(lengths.sum())}
+    return {
+        "rows": plan.num_rows,
+        "conversations": len(written),
+        "system_prompts_added": int(edits[:, 0].sum()),
+        "trailing_turns_dropped": int(edits[:, 1].sum()),
+        "truncated_written_whole": int(oc.get("truncated", 0)),
+        "over_length_dropped": int(over.shape[0]) if policy == "drop" else 0,
+        "over_length_written_whole": int(over.shape[0]) if policy == "truncate" else 0,
+        "tokens": int(lengths.sum()),
+    }

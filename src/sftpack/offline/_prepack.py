@@ -137,13 +137,29 @@ def _check_identity(counts: dict[str, Any]) -> None:
     checks = [
         ("read == kept + sum(dropped)", c["read"], c["kept"] + sum(c["dropped"].values())),
         ("tokens_rendered == tokens + tokens_lost", c["tokens_rendered"], c["tokens"] + c["tokens_lost"]),
-        ("labels == trainable_tokens - first_token_trainable", c["labels"], c["trainable_tokens"] - c["first_token_trainable"]),
+        (
+            "labels == trainable_tokens - first_token_trainable",
+            c["labels"],
+            c["trainable_tokens"] - c["first_token_trainable"],
+        ),
         ("slots == rows * max_seq_len", c["slots"], c["rows"] * c["max_seq_len"]),
     ]
     oc = c.get("overlong")
     if oc:
-        checks.append(("tokenized == fit + truncated + split + dropped", oc["tokenized"], oc["fit"] + oc["truncated"] + oc["split"] + oc["dropped"]))
-        checks.append(("packed_conversations == fit + truncated + split", c["packed_conversations"], oc["fit"] + oc["truncated"] + oc["split"]))
+        checks.append(
+            (
+                "tokenized == fit + truncated + split + dropped",
+                oc["tokenized"],
+                oc["fit"] + oc["truncated"] + oc["split"] + oc["dropped"],
+            )
+        )
+        checks.append(
+            (
+                "packed_conversations == fit + truncated + split",
+                c["packed_conversations"],
+                oc["fit"] + oc["truncated"] + oc["split"],
+            )
+        )
     for name, a, b in checks:
         if a != b:
             raise RuntimeError(f"prepack accounting broke: {name} ({a} != {b}); please report this bug")
@@ -228,24 +244,31 @@ def build_manifest(
     counts = _counts(staged, plan, extra)
     _check_identity(counts)
     # the layout the rows were built with, as the reader checks it against the manifest's own entries
-    fingerprint = dict(fingerprint, sftpack_version=__version__, max_seq_len=plan.row_width,
-                       pad_multiple=plan.pad_multiple, pad_id=int(pad_id))
+    fingerprint = dict(
+        fingerprint,
+        sftpack_version=__version__,
+        max_seq_len=plan.row_width,
+        pad_multiple=plan.pad_multiple,
+        pad_id=int(pad_id),
+    )
     fingerprint["sha256"] = digest({k: v for k, v in fingerprint.items() if k != "sha256"})
-    return seal_manifest({
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "sftpack_version": __version__,
-        "source": source,
-        "max_seq_len": plan.row_width,
-        "pad_multiple": plan.pad_multiple,
-        "pad_id": int(pad_id),
-        "pad_between_seqs": True,
-        "token_dtype": dtype.name,
-        "vocab_size": int(vocab),
-        "fingerprint": fingerprint,
-        "counts": counts,
-        "files": files,
-    })
+    return seal_manifest(
+        {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "sftpack_version": __version__,
+            "source": source,
+            "max_seq_len": plan.row_width,
+            "pad_multiple": plan.pad_multiple,
+            "pad_id": int(pad_id),
+            "pad_between_seqs": True,
+            "token_dtype": dtype.name,
+            "vocab_size": int(vocab),
+            "fingerprint": fingerprint,
+            "counts": counts,
+            "files": files,
+        }
+    )
 
 
 def _finish(
@@ -292,8 +315,15 @@ def _finish(
             stage = "writing the manifest"
             shutil.rmtree(tmp / "_staging")
             manifest = build_manifest(
-                staged, plan, extra, fingerprint,
-                source=source_kind, pad_id=pad_id, dtype=dtype, vocab=vocab, files=files,
+                staged,
+                plan,
+                extra,
+                fingerprint,
+                source=source_kind,
+                pad_id=pad_id,
+                dtype=dtype,
+                vocab=vocab,
+                files=files,
             )
             write_json(tmp / MANIFEST, manifest)
             stage = "publishing the prepack"
@@ -364,9 +394,21 @@ def prepack(
         from ._ray import prepack_ray  # imports ray only when called
 
         return prepack_ray(
-            inputs, out, tokenizer=tokenizer, max_seq_len=max_seq_len, pad_multiple=pad_multiple,
-            algorithm=algorithm, seed=seed, overlong=overlong, train_on=train_on, on_bad_row=on_bad_row,
-            workers=workers, ray_address=ray_address, limit=limit, overwrite=overwrite, progress=progress,
+            inputs,
+            out,
+            tokenizer=tokenizer,
+            max_seq_len=max_seq_len,
+            pad_multiple=pad_multiple,
+            algorithm=algorithm,
+            seed=seed,
+            overlong=overlong,
+            train_on=train_on,
+            on_bad_row=on_bad_row,
+            workers=workers,
+            ray_address=ray_address,
+            limit=limit,
+            overwrite=overwrite,
+            progress=progress,
         )
     choose(Algorithm, algorithm, "algorithm")
     width = check_row_width(positive_int("max_seq_len", max_seq_len))
@@ -432,8 +474,13 @@ def prepack(
             fingerprint["inputs"] = [{"name": "<iterable>", "size": hashing.count, "sha256": hashing.h.hexdigest()}]
         return {
             **read,
-            "overlong": {"tokenized": st.conversations, "fit": st.fit, "truncated": st.truncated,
-                         "split": st.split, "dropped": st.dropped},
+            "overlong": {
+                "tokenized": st.conversations,
+                "fit": st.fit,
+                "truncated": st.truncated,
+                "split": st.split,
+                "dropped": st.dropped,
+            },
             "tokens_lost": st.tokens_lost,
             "trainable_tokens_lost": st.trainable_tokens_lost,
             "tokens_rendered": st.tokens + st.tokens_lost,

@@ -248,8 +248,13 @@ class _TokenizeActor:
                 tok = _load_tokenizer(self.spec)
                 fp = tokenizer_fingerprint(tok)
             except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
-                where = "the embedded default" if self.spec is None else repr(os.fspath(self.spec)) if isinstance(
-                    self.spec, (str, os.PathLike)) else type(self.spec).__name__
+                where = (
+                    "the embedded default"
+                    if self.spec is None
+                    else repr(os.fspath(self.spec))
+                    if isinstance(self.spec, (str, os.PathLike))
+                    else type(self.spec).__name__
+                )
                 raise RuntimeError(
                     f"a Ray worker (node {_node()}, host {socket.gethostname()}, pid {os.getpid()}) cannot load the "
                     f"tokenizer {where}: {' '.join(str(e).split())[:300]}. The tokenizer folder must exist at the "
@@ -452,8 +457,14 @@ def _units(
         if limit is not None:  # the first `limit` conversations: only a single reader knows where they end
             return lists(islice(reader, limit)), reader, None, fp
         units = [
-            _Unit(k, str(staging / f"u{k:06d}"), source=src, on_bad_row=reader.on_bad_row.value,
-                  role_map=reader.role_map, batch_size=reader.batch_size)
+            _Unit(
+                k,
+                str(staging / f"u{k:06d}"),
+                source=src,
+                on_bad_row=reader.on_bad_row.value,
+                role_map=reader.role_map,
+                batch_size=reader.batch_size,
+            )
             for k, src in enumerate(reader.sources)
         ]
         return units, reader, None, fp
@@ -521,8 +532,13 @@ def _counts_extra(read: dict[str, Any] | None, st: dict[str, Any]) -> dict[str, 
         head = {"read": st["conversations"], "kept": st["conversations"], "dropped": {}}
     return {
         **head,
-        "overlong": {"tokenized": st["conversations"], "fit": st["fit"], "truncated": st["truncated"],
-                     "split": st["split"], "dropped": st["dropped"]},
+        "overlong": {
+            "tokenized": st["conversations"],
+            "fit": st["fit"],
+            "truncated": st["truncated"],
+            "split": st["split"],
+            "dropped": st["dropped"],
+        },
         "tokens_lost": st["tokens_lost"],
         "trainable_tokens_lost": st["trainable_tokens_lost"],
         "tokens_rendered": st["tokens"] + st["tokens_lost"],
@@ -533,8 +549,18 @@ def _counts_extra(read: dict[str, Any] | None, st: dict[str, Any]) -> dict[str, 
 def _actor_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
     per: dict[tuple[str, int], dict[str, Any]] = {}
     for r in results:
-        a = per.setdefault((r["node"], r["pid"]), {"node": r["node"], "pid": r["pid"], "units": 0, "conversations": 0,
-                                                  "tokens": 0, "seconds": 0.0, "load_seconds": 0.0})
+        a = per.setdefault(
+            (r["node"], r["pid"]),
+            {
+                "node": r["node"],
+                "pid": r["pid"],
+                "units": 0,
+                "conversations": 0,
+                "tokens": 0,
+                "seconds": 0.0,
+                "load_seconds": 0.0,
+            },
+        )
         a["units"] += 1
         a["conversations"] += r["tokenize"]["conversations"]
         a["tokens"] += r["tokens"]
@@ -548,8 +574,9 @@ def _actor_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _tokenize_stage(
     units: list[_Unit], *, tokenizer: Any, options: dict[str, Any], workers: int, actor_cpus: float, progress: bool
 ) -> list[dict[str, Any]]:
-    import ray
     import ray.data
+
+    import ray
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
@@ -567,7 +594,10 @@ def _tokenize_stage(
     if len(units) < workers:
         logger.warning(
             "only %d unit(s) of work (one per input file) for %d workers: %d worker(s) stay idle; split the input "
-            "into more files to use them", len(units), workers, workers - len(units),
+            "into more files to use them",
+            len(units),
+            workers,
+            workers - len(units),
         )
     results: dict[int, dict[str, Any]] = {}
     # our own bar replaces Ray Data's; keep its INFO lines and its "progress bars disabled" note quiet
@@ -583,8 +613,7 @@ def _tokenize_stage(
                 bar.update(1)
     except ray.exceptions.RayError as e:
         raise RuntimeError(
-            f"the Ray tokenize stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); "
-            "nothing was written"
+            f"the Ray tokenize stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); nothing was written"
         ) from e
     finally:
         for name, level in saved.items():
@@ -602,7 +631,9 @@ def _write_stage(
 
     plan_ref, source_ref = ray.put(plan), ray.put(source)
     ranges = split_rows(plan, len(writers))
-    pending = [writers[i].write.remote(str(tmp), plan_ref, source_ref, dtype.str, rows) for i, rows in enumerate(ranges)]
+    pending = [
+        writers[i].write.remote(str(tmp), plan_ref, source_ref, dtype.str, rows) for i, rows in enumerate(ranges)
+    ]
     done: list[dict[str, Any]] = []
     try:
         with _bar(progress, total=len(pending), desc="write (ray)", unit="part") as bar:
@@ -612,8 +643,7 @@ def _write_stage(
                 bar.update(1)
     except ray.exceptions.RayError as e:
         raise RuntimeError(
-            f"the Ray write stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); "
-            "nothing was published"
+            f"the Ray write stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); nothing was published"
         ) from e
     return sorted(done, key=lambda d: d["rows"])
 
@@ -710,10 +740,23 @@ def prepack_ray(
         try:
             with writing(out, overwrite) as output:
                 result = _run(
-                    inputs, output, tokenizer=tokenizer, options=options, fingerprint=fingerprint,
-                    width=width, m=m, algorithm=algorithm, seed=seed, on_bad_row=str(on_bad_row),
-                    limit=limit, unit_size=unit_size, workers=workers, parts=parts, actor_cpus=float(actor_cpus),
-                    progress=progress, seconds=seconds,
+                    inputs,
+                    output,
+                    tokenizer=tokenizer,
+                    options=options,
+                    fingerprint=fingerprint,
+                    width=width,
+                    m=m,
+                    algorithm=algorithm,
+                    seed=seed,
+                    on_bad_row=str(on_bad_row),
+                    limit=limit,
+                    unit_size=unit_size,
+                    workers=workers,
+                    parts=parts,
+                    actor_cpus=float(actor_cpus),
+                    progress=progress,
+                    seconds=seconds,
                 )
         except OSError as e:
             if isinstance(e, PrepackError) or e.errno is None:
@@ -754,9 +797,25 @@ def _run(
     units, reader, hashing, fp_inputs = _units(inputs, staging, on_bad_row=on_bad_row, limit=limit, unit_size=unit_size)
     with contextlib.ExitStack() as stack:  # closes the writer pool, however _stages ends
         return _stages(
-            output, units, reader, hashing, fp_inputs, stack=stack, parts=parts, tokenizer=tokenizer,
-            options=options, fingerprint=fingerprint, width=width, m=m, algorithm=algorithm, seed=seed,
-            workers=workers, actor_cpus=actor_cpus, progress=progress, seconds=seconds, t0=t0,
+            output,
+            units,
+            reader,
+            hashing,
+            fp_inputs,
+            stack=stack,
+            parts=parts,
+            tokenizer=tokenizer,
+            options=options,
+            fingerprint=fingerprint,
+            width=width,
+            m=m,
+            algorithm=algorithm,
+            seed=seed,
+            workers=workers,
+            actor_cpus=actor_cpus,
+            progress=progress,
+            seconds=seconds,
+            t0=t0,
         )
 
 
@@ -785,9 +844,13 @@ def _stages(
 
     out, tmp = output.out, output.tmp
     staging = tmp / "_staging"
-    results = _tokenize_stage(
-        units, tokenizer=tokenizer, options=options, workers=workers, actor_cpus=actor_cpus, progress=progress
-    ) if units else []
+    results = (
+        _tokenize_stage(
+            units, tokenizer=tokenizer, options=options, workers=workers, actor_cpus=actor_cpus, progress=progress
+        )
+        if units
+        else []
+    )
     _raise_first_error(results)
     # start the writers now: their imports overlap merging and packing. One range of rows is
     # written by the driver itself: a writer actor would only add its start (4-8 s) to it.
@@ -796,8 +859,17 @@ def _stages(
     writers = stack.enter_context(_writer_pool(n_writers)) if n_writers > 1 or parts else []
     staged, unit_samples = _merge(results, staging)
     st = _sum_stats([r["tokenize"] for r in results])
-    for k in ("conversations", "fit", "truncated", "split", "dropped", "tokens", "tokens_lost",
-              "trainable_tokens_lost", "no_trainable"):
+    for k in (
+        "conversations",
+        "fit",
+        "truncated",
+        "split",
+        "dropped",
+        "tokens",
+        "tokens_lost",
+        "trainable_tokens_lost",
+        "no_trainable",
+    ):
         st.setdefault(k, 0)
     if reader is not None and units and units[0].source is not None:
         read: dict[str, Any] | None = _sum_stats([r["read"] for r in results])
@@ -867,8 +939,15 @@ def _stages(
     t0 = time.perf_counter()
     shutil.rmtree(staging)
     manifest = build_manifest(
-        staged, plan, extra, fingerprint,
-        source="conversations", pad_id=pad_id, dtype=dtype, vocab=vocab, files=files,
+        staged,
+        plan,
+        extra,
+        fingerprint,
+        source="conversations",
+        pad_id=pad_id,
+        dtype=dtype,
+        vocab=vocab,
+        files=files,
     )
     write_json(tmp / MANIFEST, manifest)
     output.publish()

@@ -217,7 +217,10 @@ class StagingSource:
         mask = np.empty(total, np.uint8)
         if total == 0:
             return ids, mask
-        with open(self.directory / _TOKENS, "rb", buffering=0) as ft, open(self.directory / _MASK, "rb", buffering=0) as fm:
+        with (
+            open(self.directory / _TOKENS, "rb", buffering=0) as ft,
+            open(self.directory / _MASK, "rb", buffering=0) as fm,
+        ):
             # one positioned read per sample straight into the output: no mapping (the kernel's
             # fault-around would map 64 KB around every small sample and count it in RSS) and no
             # index array as large as the chunk

@@ -64,7 +64,9 @@ def allocate(directory: Path, plan: RowPlan, dtype: np.dtype) -> None:
     _create(directory / "loss_mask.npy", npy_header(np.bool_, n), n)
 
 
-def row_chunks(plan: RowPlan, rows: tuple[int, int] | None = None, chunk_tokens: int = CHUNK_TOKENS) -> list[tuple[int, int]]:
+def row_chunks(
+    plan: RowPlan, rows: tuple[int, int] | None = None, chunk_tokens: int = CHUNK_TOKENS
+) -> list[tuple[int, int]]:
     """Split rows ``[a, b)`` into consecutive ranges of about ``chunk_tokens`` tokens each."""
     a, b = rows if rows is not None else (0, plan.num_rows)
     if a >= b:
@@ -126,7 +128,11 @@ def write_rows(
                     f"the token source returned {ids.shape[0]} tokens for rows {a}..{b - 1}, the plan expects "
                     f"{expected}: the source does not match the lengths the plan was made from"
                 )
-            _pwrite_all(fd_t, np.ascontiguousarray(ids, dtype=dtype).view(np.uint8), tok_header + int(tok_off[a]) * dtype.itemsize)
+            _pwrite_all(
+                fd_t,
+                np.ascontiguousarray(ids, dtype=dtype).view(np.uint8),
+                tok_header + int(tok_off[a]) * dtype.itemsize,
+            )
             _pwrite_all(fd_m, np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8), mask_header + int(tok_off[a]))
             if on_chunk is not None:
                 on_chunk(b - a)
@@ -185,4 +191,3 @@ def write_index(
     if os.path.getsize(directory / "conversation_ids.npy") != len(npy_header(np.uint8, blob_len)) + blob_len:
         raise RuntimeError("conversation ids: the staged id file does not match its offsets")
     _write_npy(directory / "conversation_offsets.npy", offsets)
-

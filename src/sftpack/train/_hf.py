@@ -57,9 +57,7 @@ from ..handoff import IGNORE_INDEX, PackedBatch, Sample, as_sample
 __all__ = ["PackingCollator", "PaddedCollator", "RowsCollator", "hf_row_kwargs"]
 
 
-def hf_row_kwargs(
-    packed: PackedBatch, *, pad_between_seqs: bool = False
-) -> dict[str, Any]:
+def hf_row_kwargs(packed: PackedBatch, *, pad_between_seqs: bool = False) -> dict[str, Any]:
     """``packed.to_hf_kwargs()`` plus ``shift_labels`` ``(1, T)`` (and the real
     boundaries for :data:`~sftpack.train.TRAIN_ATTENTION` when ``pad_between_seqs``)."""
     kw = packed.to_hf_kwargs()
@@ -87,14 +85,10 @@ def _sample(feature: Any, i: int) -> Any:
     if isinstance(feature, Mapping):
         keys = sorted(str(k) for k in feature)
         if "input_ids" not in feature:
-            raise KeyError(
-                f"feature {i} has no 'input_ids' (keys: {', '.join(keys) or 'none'}); {_FIX_KEYS}"
-            )
+            raise KeyError(f"feature {i} has no 'input_ids' (keys: {', '.join(keys) or 'none'}); {_FIX_KEYS}")
         ids = np.asarray(feature["input_ids"], dtype=np.int64)
         if ids.ndim != 1:
-            raise ValueError(
-                f"feature {i}: input_ids has shape {ids.shape}, expected one sequence of ids (1-D)"
-            )
+            raise ValueError(f"feature {i}: input_ids has shape {ids.shape}, expected one sequence of ids (1-D)")
         if "loss_mask" in feature:
             mask = np.asarray(feature["loss_mask"]).astype(bool)
         elif "labels" in feature:
@@ -117,15 +111,11 @@ def _sample(feature: Any, i: int) -> Any:
                 f"which tokens to train on; {_FIX_KEYS}"
             )
         if mask.shape != ids.shape:
-            raise ValueError(
-                f"feature {i}: loss_mask has shape {mask.shape}, input_ids {ids.shape}: they must match"
-            )
+            raise ValueError(f"feature {i}: loss_mask has shape {mask.shape}, input_ids {ids.shape}: they must match")
         if "attention_mask" in feature:
             att = np.asarray(feature["attention_mask"])
             if att.shape != ids.shape or not np.isin(att, (0, 1)).all():
-                raise ValueError(
-                    f"feature {i}: attention_mask must be 0/1 of the shape of input_ids {ids.shape}"
-                )
+                raise ValueError(f"feature {i}: attention_mask must be 0/1 of the shape of input_ids {ids.shape}")
             real = int(att.sum())
             if not att[:real].all():
                 first = int(np.flatnonzero(att == 0)[0])
@@ -159,9 +149,7 @@ class PackingCollator:
     (torch.Size([1, 20]), [0, 8, 20], [1001, 1002, 1003, 1004, -100, -100])
     """
 
-    def __init__(
-        self, *, pad_multiple: int = 1, pad_id: int = 0, pad_between_seqs: bool = False
-    ) -> None:
+    def __init__(self, *, pad_multiple: int = 1, pad_id: int = 0, pad_between_seqs: bool = False) -> None:
         self.pad_multiple, self.pad_id, self.pad_between_seqs = (
             pad_multiple,
             pad_id,
@@ -173,9 +161,7 @@ class PackingCollator:
 
         samples = [_sample(f, i) for i, f in enumerate(features)]
         ids, lengths, mask = padded_batch(samples, pad_id=self.pad_id)
-        packed = pack_step(
-            ids, lengths, mask, pad_multiple=self.pad_multiple, pad_id=self.pad_id
-        )
+        packed = pack_step(ids, lengths, mask, pad_multiple=self.pad_multiple, pad_id=self.pad_id)
         return hf_row_kwargs(packed, pad_between_seqs=self.pad_between_seqs)
 
 
@@ -187,9 +173,7 @@ class RowsCollator:
         self.pad_between_seqs = pad_between_seqs
 
     def __call__(self, rows: Sequence[PackedBatch]) -> dict[str, Any]:
-        return hf_row_kwargs(
-            PackedBatch.concat(list(rows)), pad_between_seqs=self.pad_between_seqs
-        )
+        return hf_row_kwargs(PackedBatch.concat(list(rows)), pad_between_seqs=self.pad_between_seqs)
 
 
 class PaddedCollator:

@@ -156,25 +156,17 @@ def resolve_device(name: str | None) -> torch.device:
     try:
         dev = torch.device(name)
     except (RuntimeError, ValueError, TypeError):
-        raise ValueError(
-            f"device {name!r} is not a torch device name: use cpu, cuda or cuda:N"
-        ) from None
+        raise ValueError(f"device {name!r} is not a torch device name: use cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            why = (
-                "this torch is built without CUDA"
-                if torch.version.cuda is None
-                else "no CUDA device is visible"
-            )
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
             raise ValueError(
                 f"device {name!r}: CUDA is not available here ({why}); use --device cpu, or leave --device "
                 "out to use CUDA only when present"
             )
         count = torch.cuda.device_count()
         if dev.index is not None and dev.index >= count:
-            raise ValueError(
-                f"device {name!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-            )
+            raise ValueError(f"device {name!r}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}")
     elif dev.type != "cpu":
         try:
             torch.empty(0, device=dev)
@@ -234,8 +226,7 @@ def _check_finite_params(model: Any, step: int) -> None:
     for name, p in model.named_parameters():
         if not bool(torch.isfinite(p).all()):
             raise NonFiniteError(
-                f"step {step}: parameter {name} holds NaN or infinite values; no checkpoint was written "
-                "(lower --lr)"
+                f"step {step}: parameter {name} holds NaN or infinite values; no checkpoint was written (lower --lr)"
             )
 
 
@@ -282,9 +273,7 @@ def train(
     rank, world = dist_info()
     device = resolve_device(config.device)
     model.to(device)
-    loss_module = LossModule(
-        model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world
-    )
+    loss_module = LossModule(model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world)
     runner: torch.nn.Module = loss_module
     if world > 1:
         runner = torch.nn.parallel.DistributedDataParallel(loss_module)
@@ -313,9 +302,7 @@ def train(
                 "1 when there is none"
             )
         if path is not None:
-            shared, mine = load_checkpoint(
-                path, rank=rank, world=world, fingerprint=fingerprint
-            )
+            shared, mine = load_checkpoint(path, rank=rank, world=world, fingerprint=fingerprint)
             _check_resume_options(path, shared.get("config") or {}, config.as_dict())
             try:
                 model.load_state_dict(shared["model"])
@@ -333,12 +320,8 @@ def train(
     writer = None
     if log is not None and rank == 0:
         kept = []
-        if (
-            start and Path(log).is_file()
-        ):  # keep the lines of the steps up to the checkpoint
-            kept = [
-                ln for ln in Path(log).read_text().splitlines() if _step_of(ln) <= start
-            ]
+        if start and Path(log).is_file():  # keep the lines of the steps up to the checkpoint
+            kept = [ln for ln in Path(log).read_text().splitlines() if _step_of(ln) <= start]
         Path(log).parent.mkdir(parents=True, exist_ok=True)
         writer = open(log, "w")  # noqa: SIM115 - closed in finally
         writer.writelines(ln + "\n" for ln in kept)
@@ -387,9 +370,7 @@ def train(
                 if config.clip_norm is not None:
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
                 else:
-                    grad_norm = torch.nn.utils.get_total_norm(
-                        [p.grad for p in params if p.grad is not None]
-                    )
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
             lr = opt.param_groups[0]["lr"]
             counts = torch.tensor(
                 [
@@ -442,9 +423,7 @@ def train(
                 writer.write(json.dumps(rec.as_dict()) + "\n")
                 writer.flush()
             if bar is not None:
-                bar.set_postfix(
-                    loss=f"{rec.loss:.4f}", tok_s=f"{rec.tokens_per_s:,.0f}"
-                )
+                bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{rec.tokens_per_s:,.0f}")
                 bar.update(1)
             if on_step is not None:
                 on_step(rec)

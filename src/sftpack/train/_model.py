@@ -56,9 +56,7 @@ _CHUNK_LOGITS = 1 << 27
 class _Bounds:
     """The boundary fields :func:`sftpack.attention.varlen_attention` reads (Megatron's names)."""
 
-    def __init__(
-        self, real: torch.Tensor, padded: torch.Tensor, max_len: int | None
-    ) -> None:
+    def __init__(self, real: torch.Tensor, padded: torch.Tensor, max_len: int | None) -> None:
         self.cu_seqlens_q = real
         self.cu_seqlens_q_padded = padded
         self.max_seqlen_q = max_len
@@ -88,11 +86,7 @@ def _segments_attention(
         ks, vs = k[:, :, s : s + n], v[:, :, s : s + n]
         if rep > 1:
             ks, vs = ks.repeat_interleave(rep, dim=1), vs.repeat_interleave(rep, dim=1)
-        pieces.append(
-            F.scaled_dot_product_attention(
-                q[:, :, s : s + n], ks, vs, is_causal=True, scale=scale
-            )
-        )
+        pieces.append(F.scaled_dot_product_attention(q[:, :, s : s + n], ks, vs, is_causal=True, scale=scale))
         pos = s + n
     if pos < T:
         pieces.append(q.new_zeros(1, q.shape[1], T - pos, v.shape[3]))
@@ -120,25 +114,15 @@ def _train_attention(
     real = kwargs.pop("sftpack_cu_seqlens_real", None)
     padded = kwargs.get("cu_seq_lens_q")
     if padded is None:
-        return hf_attention_forward(
-            module, query, key, value, attention_mask, scaling, dropout, **kwargs
-        )
+        return hf_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     if dropout:
-        raise ValueError(
-            "sftpack's reference attention has no dropout; set attention_dropout=0"
-        )
+        raise ValueError("sftpack's reference attention has no dropout; set attention_dropout=0")
     if query.shape[0] != 1:
-        raise ValueError(
-            f"packed rows have batch size 1, got query of shape {tuple(query.shape)}"
-        )
+        raise ValueError(f"packed rows have batch size 1, got query of shape {tuple(query.shape)}")
     if query.is_cuda:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-        bounds = _Bounds(
-            padded if real is None else real, padded, kwargs.get("max_length_q")
-        )
-        out = varlen_attention(
-            q, k, v, bounds, pad_between_seqs=real is not None, softmax_scale=scaling
-        )
+        bounds = _Bounds(padded if real is None else real, padded, kwargs.get("max_length_q"))
+        out = varlen_attention(q, k, v, bounds, pad_between_seqs=real is not None, softmax_scale=scaling)
         return out.unsqueeze(0), None
     starts = padded[:-1].tolist()
     lens = (padded[1:] - padded[:-1] if real is None else real[1:] - real[:-1]).tolist()
@@ -167,11 +151,7 @@ def _flash_available(device: torch.device) -> bool:
 
 def default_attention(device: torch.device | str) -> str:
     """``flash_attention_2`` on CUDA with flash-attn installed, else the reference."""
-    return (
-        "flash_attention_2"
-        if _flash_available(torch.device(device))
-        else register_train_attention()
-    )
+    return "flash_attention_2" if _flash_available(torch.device(device)) else register_train_attention()
 
 
 def build_model(
@@ -249,9 +229,7 @@ def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
     head = model.get_output_embeddings()
     body = model.base_model
     if head is None or body is model:
-        raise ValueError(
-            f"{type(model).__name__} has no separate base model and output head: not a causal LM"
-        )
+        raise ValueError(f"{type(model).__name__} has no separate base model and output head: not a causal LM")
     return body, head
 
 
@@ -273,9 +251,7 @@ class LossModule(nn.Module):
     float64 for a float64 model).
     """
 
-    def __init__(
-        self, model: Any, *, pad_between_seqs: bool, average_over_ranks: int = 1
-    ) -> None:
+    def __init__(self, model: Any, *, pad_between_seqs: bool, average_over_ranks: int = 1) -> None:
         super().__init__()
         self.model = model
         self.pad_between_seqs = pad_between_seqs
@@ -286,20 +262,12 @@ class LossModule(nn.Module):
         if hasattr(mb, "cu_seqlens_padded"):  # a packed run
             kw = mb.to_hf_kwargs()
             kw.pop("labels")
-            if (
-                self.pad_between_seqs
-                and getattr(self.model.config, "_attn_implementation", None)
-                == TRAIN_ATTENTION
-            ):
-                kw["sftpack_cu_seqlens_real"] = (
-                    mb.cu_seqlens
-                )  # other kernels read the padded boundaries only
+            if self.pad_between_seqs and getattr(self.model.config, "_attn_implementation", None) == TRAIN_ATTENTION:
+                kw["sftpack_cu_seqlens_real"] = mb.cu_seqlens  # other kernels read the padded boundaries only
             hidden = body(**kw).last_hidden_state[0]
             labels = mb.labels
         else:  # right-padded rows: causal attention never looks right, so no mask is needed
-            hidden = body(
-                input_ids=mb.input_ids, use_cache=False
-            ).last_hidden_state.flatten(0, 1)
+            hidden = body(input_ids=mb.input_ids, use_cache=False).last_hidden_state.flatten(0, 1)
             labels = mb.labels.reshape(-1)
         # The head only where there is a target: the same loss, without the logits of
         # prompt and padding slots (with a 151,646-id vocabulary they cost more than the body).

@@ -16,9 +16,7 @@ class Packing(StrEnum):
 
     OFFLINE = "offline"  #: rows written once by ``sftpack prepack`` and re-read (``sftpack.offline``)
     LOADER = "loader"  #: rows packed while streaming, from a bounded buffer (``sftpack.loader``)
-    TRAINER = (
-        "trainer"  #: a padded ``[B, S]`` batch packed at the step (``sftpack.trainer``)
-    )
+    TRAINER = "trainer"  #: a padded ``[B, S]`` batch packed at the step (``sftpack.trainer``)
     NONE = "none"  #: right-padded ``[B, S]`` batches: the unpacked baseline
 
 
@@ -129,47 +127,31 @@ class TrainConfig:
             "pad_multiple",
             "buffer_size",
         ):
-            setattr(
-                self, name, positive_int(name, getattr(self, name), who="TrainConfig")
-            )
+            setattr(self, name, positive_int(name, getattr(self, name), who="TrainConfig"))
         if self.micro_batch_tokens is not None:
-            self.micro_batch_tokens = positive_int(
-                "micro_batch_tokens", self.micro_batch_tokens, who="TrainConfig"
-            )
+            self.micro_batch_tokens = positive_int("micro_batch_tokens", self.micro_batch_tokens, who="TrainConfig")
             if self.micro_batch_tokens < self.max_seq_len:
                 raise ValueError(
                     f"TrainConfig: micro_batch_tokens={self.micro_batch_tokens} is below max_seq_len="
                     f"{self.max_seq_len}: a conversation of max_seq_len tokens must fit one micro-batch"
                 )
         for name in ("dim", "layers", "heads", "kv_heads"):
-            setattr(
-                self, name, positive_int(name, getattr(self, name), who="TrainConfig")
-            )
+            setattr(self, name, positive_int(name, getattr(self, name), who="TrainConfig"))
         if self.max_seq_len % self.pad_multiple:
             raise ValueError(
                 f"TrainConfig: max_seq_len={self.max_seq_len} is not a multiple of pad_multiple={self.pad_multiple}; "
                 f"use max_seq_len={self.max_seq_len // self.pad_multiple * self.pad_multiple}"
             )
         if self.warmup_steps < 0 or not isinstance(self.warmup_steps, int):
-            raise ValueError(
-                f"TrainConfig: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}"
-            )
+            raise ValueError(f"TrainConfig: warmup_steps must be an integer >= 0, got {self.warmup_steps!r}")
         if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(
-                f"TrainConfig: lr must be a positive number, got {self.lr!r}"
-            )
+            raise ValueError(f"TrainConfig: lr must be a positive number, got {self.lr!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(
-                f"TrainConfig: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}"
-            )
+            raise ValueError(f"TrainConfig: min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
         if self.clip_norm is not None and not self.clip_norm > 0:
-            raise ValueError(
-                f"TrainConfig: clip_norm must be > 0 or None, got {self.clip_norm!r}"
-            )
+            raise ValueError(f"TrainConfig: clip_norm must be > 0 or None, got {self.clip_norm!r}")
         if self.checkpoint_every is not None and self.checkpoint_every < 0:
-            raise ValueError(
-                f"TrainConfig: checkpoint_every must be >= 0, got {self.checkpoint_every!r}"
-            )
+            raise ValueError(f"TrainConfig: checkpoint_every must be >= 0, got {self.checkpoint_every!r}")
         if self.dim % self.heads or self.heads % self.kv_heads:
             raise ValueError(
                 f"TrainConfig: dim={self.dim} must be a multiple of heads={self.heads}, and heads a multiple of "

@@ -34,9 +34,7 @@ def plot_training(
     for name, recs in runs.items():
         steps = [r["step"] for r in recs]
         ax_loss.plot(steps, [r["loss"] for r in recs], label=name, linewidth=1.5)
-        ax_speed.plot(
-            steps, [r["tokens_per_s"] for r in recs], label=name, linewidth=1.5
-        )
+        ax_speed.plot(steps, [r["tokens_per_s"] for r in recs], label=name, linewidth=1.5)
     ax_loss.set(xlabel="step", ylabel="token-mean loss", title="loss")
     ax_speed.set(xlabel="step", ylabel="real tokens / s", title="throughput")
     for ax in (ax_loss, ax_speed):

@@ -103,9 +103,7 @@ def tokenized_samples(
     )
     samples = out.to_list()
     if not samples:
-        raise ValueError(
-            "no conversation left to train on after tokenizing (all dropped?)"
-        )
+        raise ValueError("no conversation left to train on after tokenizing (all dropped?)")
     return samples, out.stats
 
 
@@ -138,9 +136,7 @@ def make_source(
     p = config.packing
     if p is Packing.OFFLINE:
         if prepacked is None:
-            raise ValueError(
-                "--packing offline needs a prepacked directory (sftpack prepack ... --out DIR)"
-            )
+            raise ValueError("--packing offline needs a prepacked directory (sftpack prepack ... --out DIR)")
         if isinstance(prepacked, (str, os.PathLike)):
             from ..offline import PrepackedDataset
 
@@ -168,9 +164,7 @@ def make_source(
                 int(ds.sequences["length"].max()) if len(getattr(ds, "sequences", ())) else 0,
                 config.max_seq_len,
             )
-        return OfflineSource(
-            ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum
-        )
+        return OfflineSource(ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum)
     if samples is None:
         raise ValueError(f"--packing {p} needs tokenized samples")
     long = [i for i, s in enumerate(samples) if len(s) > config.max_seq_len]

@@ -265,5 +265,3 @@ def pack_step(
         source_rows=source_rows,
         source_batch_size=B,
     )
-
-
