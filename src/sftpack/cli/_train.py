@@ -184,7 +184,7 @@ def _layout(args: argparse.Namespace) -> dict | None:
 
 
 def _config(args: argparse.Namespace):
-    from ..train import TrainConfig
+    from ..loop import TrainConfig
 
     try:
         return TrainConfig(
@@ -216,7 +216,7 @@ def _config(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..train import (
+    from ..loop import (
         build_model,
         check_targets,
         init_distributed,
@@ -305,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
         )
         check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
         if args.vocab == "data":
-            from ..train import compact_vocabulary
+            from ..loop import compact_vocabulary
 
             samples, kept_ids = compact_vocabulary(samples)
             vocab_size, pad_id = len(kept_ids), 0
@@ -390,7 +390,7 @@ def run(args: argparse.Namespace) -> int:
         if args.log:
             say(f"wrote {args.log}")
         if args.plot:
-            from ..train import read_log
+            from ..loop import read_log
 
             records = read_log(args.log) if args.log else [r.as_dict() for r in logs]
             say(f"wrote {plot_training({str(cfg.packing): records}, args.plot)}")

@@ -22,7 +22,7 @@
 Nothing is downloaded. ``quick`` uses the first 400 conversations and shorter
 training runs (under a minute on 2 cores); the full demo takes under 3 minutes.
 The training runs use a model whose vocabulary is the ids that occur in the data
-(:func:`sftpack.train.compact_vocabulary`): with all 151,646 Qwen ids the output
+(:func:`sftpack.loop.compact_vocabulary`): with all 151,646 Qwen ids the output
 head of a 64-wide model dwarfs everything packing changes.
 """
 
@@ -116,8 +116,8 @@ def run_demo(
     from ..exactness import TinyCausalLM, check_plain_model, exactness_table
     from ..handoff import PackedBatch
     from ..loader import PackingDataset
+    from ..loop import compact_vocabulary
     from ..offline import PrepackedDataset, prepack_samples
-    from ..train import compact_vocabulary
     from ..trainer import pack_step, padded_batch
     from .layout import render_map
     from .savings import format_table
@@ -343,8 +343,7 @@ def _training(
     """Yields progress lines; returns ``(ok, closing lines)`` (a generator's return value)."""
     import torch
 
-    from ..offline import prepack_samples
-    from ..train import (
+    from ..loop import (
         ReplaySource,
         TrainConfig,
         build_model,
@@ -352,6 +351,7 @@ def _training(
         make_source,
         train,
     )
+    from ..offline import prepack_samples
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # small matmuls: one thread is steadier on a shared 2-core machine

@@ -6,8 +6,11 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from ..handoff import Sample
-from ._data import (
+from ._options import Packing, TrainConfig
+from ._sources import (
     LoaderSource,
     OfflineSource,
     PaddedSource,
@@ -15,10 +18,10 @@ from ._data import (
     TrainerSource,
     samples_fingerprint,
 )
-from ._options import Packing, TrainConfig
 
 __all__ = [
     "check_targets",
+    "compact_vocabulary",
     "make_source",
     "model_vocab_size",
     "supervised_targets",
@@ -214,3 +217,32 @@ def make_source(
         world=world,
         grad_accum=config.grad_accum,
     )
+
+
+def compact_vocabulary(samples: Sequence[Sample]) -> tuple[list[Sample], np.ndarray]:
+    """Renumber the token ids that occur in ``samples`` as ``0..U-1`` (in id order).
+
+    A model over the ``U`` ids of the data has a ``U``-row embedding and head instead
+    of the tokenizer's (the embedded corpus uses 34,460 of the Qwen BPE's 151,646 ids),
+    which makes a tiny CPU model's head 4.4x cheaper. It is a different model (the
+    softmax runs over ``U`` classes), so use it to measure and demonstrate, not to
+    ship. Returns the renumbered samples and the ``(U,)`` int64 original id of each new id.
+
+    >>> from sftpack.testing import samples_from_lengths
+    >>> new, ids = compact_vocabulary(samples_from_lengths([2, 1]))
+    >>> [s.input_ids.tolist() for s in new], ids.tolist()
+    ([[0, 1], [2]], [1000, 1001, 2000])
+    """
+    if not samples:
+        raise ValueError("compact_vocabulary needs at least one sample")
+    ids = np.unique(np.concatenate([s.input_ids for s in samples]))
+    out = [
+        Sample(
+            np.searchsorted(ids, s.input_ids),
+            s.loss_mask,
+            s.conversation_id,
+            dict(s.meta),
+        )
+        for s in samples
+    ]
+    return out, ids

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from sftpack.train import PackingCollator, PaddedCollator
+from sftpack.loop import PackingCollator, PaddedCollator
 
 from ._tiny import tiny_model
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sftpack.cli import main
-from sftpack.train import (
+from sftpack.loop import (
     CheckpointError,
     latest_checkpoint,
     make_source,

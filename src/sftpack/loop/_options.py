@@ -38,7 +38,7 @@ class Schedule(StrEnum):
 class NonFinite(StrEnum):
     """What a step whose loss or gradient norm is NaN or infinite does."""
 
-    ERROR = "error"  #: stop with :class:`~sftpack.train.NonFiniteError` naming the step (nothing applied or saved)
+    ERROR = "error"  #: stop with :class:`~sftpack.loop.NonFiniteError` naming the step (nothing applied or saved)
     SKIP = "skip"  #: skip the optimizer step (parameters and optimizer state untouched), counted in the log
 
 

@@ -9,7 +9,7 @@ loss or gradient is not finite stops the run (or is skipped and counted), data
 with no supervised target is refused, and a step with none is skipped and counted.
 
 - ``_options``: :class:`TrainConfig`, :class:`Packing`, :class:`Boundaries`, :class:`Schedule`.
-- ``_data``: per-path sources of micro-batches with resumable positions
+- ``_sources``: per-path sources of micro-batches with resumable positions
   (:class:`TrainerSource`, :class:`PaddedSource`, :class:`OfflineSource`,
   :class:`LoaderSource`, :class:`ReplaySource`).
 - ``_model``: :func:`build_model` (a small Llama, nothing downloaded),
@@ -24,7 +24,7 @@ with no supervised target is refused, and a step with none is skipped and counte
 Why the loss is the same whatever the packing: each step's loss is the sum of
 token losses over the step's supervised targets divided by their *global* count
 (all micro-batches, all ranks), so grouping conversations into rows changes
-nothing but the floating-point summation order. Measured (tests/train, 20 AdamW
+nothing but the floating-point summation order. Measured (tests/loop, 20 AdamW
 steps, a tiny Llama, fp32): per-step losses within 2.6e-6 and final parameters
 within 3.5e-5 of the unpacked run on the same conversations, for the three paths
 and both boundary modes; the noise floor (two unpacked runs that only regroup the
@@ -44,19 +44,6 @@ A training step in five lines:
 from __future__ import annotations
 
 from ._checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
-from ._data import (
-    LoaderSource,
-    OfflineSource,
-    PaddedMicroBatch,
-    PaddedSource,
-    ReplaySource,
-    SampleOrder,
-    Source,
-    TrainerSource,
-    compact_vocabulary,
-    padded_micro_batch,
-    samples_fingerprint,
-)
 from ._hf import PackingCollator, PaddedCollator, RowsCollator, hf_row_kwargs
 from ._loop import (
     NonFiniteError,
@@ -79,10 +66,23 @@ from ._options import Boundaries, NonFinite, Packing, Schedule, TrainConfig
 from ._plot import plot_training, read_log
 from ._setup import (
     check_targets,
+    compact_vocabulary,
     make_source,
     model_vocab_size,
     supervised_targets,
     tokenized_samples,
+)
+from ._sources import (
+    LoaderSource,
+    OfflineSource,
+    PaddedMicroBatch,
+    PaddedSource,
+    ReplaySource,
+    SampleOrder,
+    Source,
+    TrainerSource,
+    padded_micro_batch,
+    samples_fingerprint,
 )
 
 __all__ = [

@@ -5,7 +5,7 @@ dataset), gradient accumulation 2, loss normalised by Trainer's
 path (a collator) and for offline rows (the PrepackedDataset as the train dataset).
 
 In float64 per-step losses and final parameters agree to a fixed 1e-10 (the
-derivation is tests/train/test_equality.py's; 4 steps instead of 20). Hugging
+derivation is tests/loop/test_equality.py's; 4 steps instead of 20). Hugging
 Face's own causal-LM loss upcasts the logits to float32, so the float64 runs hand
 Trainer the same loss (the same label shift, the same sum over
 ``num_items_in_batch``) computed in float64 through ``compute_loss_func``. The
@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftpack.train import PackingCollator, PaddedCollator, RowsCollator
+from sftpack.loop import PackingCollator, PaddedCollator, RowsCollator
 
 from ._tiny import max_loss_diff, max_param_diff, tiny_model
 
-TOL = 1e-10  # float64; see tests/train/test_equality.py
-LOSS_TOL_32 = 2e-4  # float32 first step; see tests/train/test_equality.py
+TOL = 1e-10  # float64; see tests/loop/test_equality.py
+LOSS_TOL_32 = 2e-4  # float32 first step; see tests/loop/test_equality.py
 GRAD_NORM_RTOL_32 = 1.5e-4
 
 

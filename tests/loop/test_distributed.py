@@ -3,7 +3,7 @@ train on the trainer path's own sharding of each global batch (token-budget
 micro-batches dealt evenly to the ranks); after 8 steps their losses and
 parameters equal those of one process training on the same global batches.
 
-In float64, to a fixed 1e-10 (the derivation is tests/train/test_equality.py's:
+In float64, to a fixed 1e-10 (the derivation is tests/loop/test_equality.py's:
 the same function in another summation order, here also DDP's gradient
 all-reduce and division by the world size, which are exact or one rounding
 each; 8 steps instead of 20 only shrink the bound). A negative control: a
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sftpack.train import make_source, train
+from sftpack.loop import make_source, train
 
 from ._tiny import tiny_config, tiny_model, tiny_samples
 

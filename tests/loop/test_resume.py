@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from sftpack.train import CheckpointError, latest_checkpoint, make_source, train
+from sftpack.loop import CheckpointError, latest_checkpoint, make_source, train
 
 from ._tiny import max_param_diff, tiny_config, tiny_model, tiny_samples
 

@@ -86,7 +86,7 @@ def test_trainer_and_none_see_the_same_conversations(chat, tmp_path, capsys):
     # (Higham & Mary 2019, exceeded with probability <= 4e-22; u = 6.0e-8): 1.9e-5 relative a
     # run, 3.8e-5 for two, on a loss <= log(284) = 5.7: 2.2e-4 -> 3e-4. Later steps are not
     # compared in float32 (AdamW's 1/(sqrt(v) + eps) amplifies rounding in gradients near zero);
-    # tests/train/test_equality.py proves 20 steps equal in float64.
+    # tests/loop/test_equality.py proves 20 steps equal in float64.
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 3e-4, (a[0]["loss"], b[0]["loss"])
     assert all(x["slots"] < y["slots"] for x, y in zip(a, b))
 

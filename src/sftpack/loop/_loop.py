@@ -12,7 +12,7 @@ One optimizer step, on every rank::
 The loss of a step is the token mean over the whole global batch, however the
 conversations were grouped into rows, micro-batches and ranks, so the packed
 paths and the padded baseline train the same model from the same conversations
-(tests/train: per-step losses and final parameters agree within fp32 noise).
+(tests/loop: per-step losses and final parameters agree within fp32 noise).
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from ._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from ._data import Source
 from ._model import LossModule
 from ._options import NonFinite, TrainConfig
+from ._sources import Source
 
 __all__ = [
     "NonFiniteError",
@@ -246,7 +246,7 @@ def train(
 
     Args:
         config: :class:`TrainConfig`.
-        source: this rank's micro-batches per step (:mod:`sftpack.train` ``make_source``).
+        source: this rank's micro-batches per step (:mod:`sftpack.loop` ``make_source``).
         model: a Hugging Face causal LM (``build_model`` / ``load_model``), trained in place.
         log: JSONL file, one :class:`StepLog` per line (rank 0 writes it).
         checkpoint_dir: where ``config.checkpoint_every`` saves (and ``resume`` reads).

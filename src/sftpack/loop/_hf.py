@@ -20,12 +20,12 @@ and passes that ``num_items_in_batch`` to the model, whose causal-LM loss then
 divides its summed token loss by it. ``shift_labels`` makes the count and the
 loss use exactly the targets of :class:`~sftpack.PackedBatch` (none crosses a
 boundary). So a packed ``Trainer`` run and an unpacked one over the same
-conversations take the same steps (tests/train/test_hf_trainer.py).
+conversations take the same steps (tests/loop/test_hf_trainer.py).
 
 Recipe::
 
     from transformers import Trainer, TrainingArguments
-    from sftpack.train import PackingCollator, build_model
+    from sftpack.loop import PackingCollator, build_model
 
     model = build_model(len(tok))              # or AutoModelForCausalLM(..., attn_implementation=...)
     args = TrainingArguments(out, per_device_train_batch_size=8, remove_unused_columns=False, ...)
@@ -40,8 +40,8 @@ default ``remove_unused_columns=True`` drops the ``loss_mask`` column: pass
 left padding or holes are refused, as packing would make those pads context.
 
 The model's attention must read the boundaries: ``flash_attention_2`` on GPU, or
-on CPU :data:`~sftpack.train.TRAIN_ATTENTION` (``build_model``'s default; register
-it with :func:`~sftpack.train.register_train_attention`).
+on CPU :data:`~sftpack.loop.TRAIN_ATTENTION` (``build_model``'s default; register
+it with :func:`~sftpack.loop.register_train_attention`).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ __all__ = ["PackingCollator", "PaddedCollator", "RowsCollator", "hf_row_kwargs"]
 
 def hf_row_kwargs(packed: PackedBatch, *, pad_between_seqs: bool = False) -> dict[str, Any]:
     """``packed.to_hf_kwargs()`` plus ``shift_labels`` ``(1, T)`` (and the real
-    boundaries for :data:`~sftpack.train.TRAIN_ATTENTION` when ``pad_between_seqs``)."""
+    boundaries for :data:`~sftpack.loop.TRAIN_ATTENTION` when ``pad_between_seqs``)."""
     kw = packed.to_hf_kwargs()
     kw["shift_labels"] = packed.labels.unsqueeze(0)
     if pad_between_seqs:

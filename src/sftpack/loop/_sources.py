@@ -44,7 +44,6 @@ __all__ = [
     "SampleOrder",
     "Source",
     "TrainerSource",
-    "compact_vocabulary",
     "padded_micro_batch",
     "samples_fingerprint",
 ]
@@ -461,32 +460,3 @@ class LoaderSource(Source):
     def fingerprint(self) -> str:
         cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
         return _hash({"loader": self._fp, "config": cfg, "batch_size": self.batch_size})
-
-
-def compact_vocabulary(samples: Sequence[Sample]) -> tuple[list[Sample], np.ndarray]:
-    """Renumber the token ids that occur in ``samples`` as ``0..U-1`` (in id order).
-
-    A model over the ``U`` ids of the data has a ``U``-row embedding and head instead
-    of the tokenizer's (the embedded corpus uses 34,460 of the Qwen BPE's 151,646 ids),
-    which makes a tiny CPU model's head 4.4x cheaper. It is a different model (the
-    softmax runs over ``U`` classes), so use it to measure and demonstrate, not to
-    ship. Returns the renumbered samples and the ``(U,)`` int64 original id of each new id.
-
-    >>> from sftpack.testing import samples_from_lengths
-    >>> new, ids = compact_vocabulary(samples_from_lengths([2, 1]))
-    >>> [s.input_ids.tolist() for s in new], ids.tolist()
-    ([[0, 1], [2]], [1000, 1001, 2000])
-    """
-    if not samples:
-        raise ValueError("compact_vocabulary needs at least one sample")
-    ids = np.unique(np.concatenate([s.input_ids for s in samples]))
-    out = [
-        Sample(
-            np.searchsorted(ids, s.input_ids),
-            s.loss_mask,
-            s.conversation_id,
-            dict(s.meta),
-        )
-        for s in samples
-    ]
-    return out, ids

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from sftpack.handoff import Sample
-from sftpack.train import TrainConfig, build_model
+from sftpack.loop import TrainConfig, build_model
 
 VOCAB = 97
 MODEL = {"dim": 16, "layers": 2, "heads": 2, "kv_heads": 1}

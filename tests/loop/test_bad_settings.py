@@ -13,7 +13,7 @@ import torch
 
 from sftpack.cli import main
 from sftpack.handoff import Sample
-from sftpack.train import (
+from sftpack.loop import (
     CheckpointError,
     NonFiniteError,
     build_model,
