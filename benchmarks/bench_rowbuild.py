@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 from _machine import cpu_model, load_average
+from _results import add_flag, markdown_table, write_section
 from sftpack.handoff import PackedBatch, Sample, build_row
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -45,6 +46,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--pad-multiple", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    add_flag(ap)
     args = ap.parse_args()
     torch.set_num_threads(1)
     rng = np.random.default_rng(args.seed)
@@ -96,14 +98,16 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
 
-    print(
-        f"machine: {cpu_model()}, {os.cpu_count()} logical cores, 1 torch thread, numpy {np.__version__}, "
+    machine = (
+        f"{cpu_model()}, {os.cpu_count()} logical cores, 1 torch thread, numpy {np.__version__}, "
         f"Python {platform.python_version()}; 1-min load average {load_average():.2f}"
     )
-    print(
+    setting = (
         f"one row of width {args.width}: {len(lengths)} sequences {lengths.tolist()} ({n_tok} real tokens), "
-        f"pad multiple {m}, {args.rounds} interleaved rounds, medians\n"
+        f"pad multiple {m}, {args.rounds} interleaved rounds, medians"
     )
+    print(f"machine: {machine}")
+    print(setting + "\n")
     base = float(np.median(times["PackedBatch.from_samples"]))
     rows = []
     print(f"| {'builder':28} | {'median µs':>9} | {'p90 µs':>7} | {'vs from_samples':>15} |")
@@ -117,6 +121,9 @@ def main() -> None:
         w = csv.writer(f)
         w.writerow(["builder", "median_us", "p90_us", "ratio_vs_from_samples"])
         w.writerows(rows)
+    if not args.no_results:
+        table = markdown_table(rows, headers=["builder", "median µs", "p90 µs", "vs from_samples"])
+        write_section(__file__, table, machine, title=f"`build_row` against `PackedBatch.from_samples`: {setting}.")
 
 
 if __name__ == "__main__":
