@@ -79,3 +79,22 @@ def test_importing_the_package_or_binpack_loads_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("module", ["sftpack.chat", "sftpack.sample", "sftpack.data", "sftpack.testing"])
+def test_tokenizing_loads_no_torch(module):
+    """The tokenizer side (and every Ray tokenize actor) builds samples without torch (~3 s, ~300 MB)."""
+    code = f"import sys, {module}; assert 'torch' not in sys.modules, 'torch was loaded'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_torch_free_sample_is_the_public_one():
+    code = (
+        "import sys, sftpack, sftpack.sample; "
+        "assert sftpack.Sample is sftpack.sample.Sample and 'torch' not in sys.modules; "
+        "import sftpack.handoff; "
+        "assert sftpack.handoff.Sample is sftpack.Sample and sftpack.PackedBatch is sftpack.handoff.PackedBatch"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]

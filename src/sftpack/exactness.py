@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .attention import varlen_attention
-from .handoff import IGNORE_INDEX, PackedBatch, Sample
+from .handoff import PackedBatch
 from .loss import loss_dtype
+from .sample import IGNORE_INDEX, Sample
 
 __all__ = [
     "ExactnessReport",

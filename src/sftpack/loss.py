@@ -40,7 +40,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .handoff import IGNORE_INDEX, PackedBatch, segment_ids
+from .handoff import PackedBatch, segment_ids
+from .sample import IGNORE_INDEX
 
 __all__ = [
     "count_label_tokens",

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .data import CHATML_TEMPLATE
-from .handoff import Sample
+from .sample import Sample
 
 __all__ = ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"]
 

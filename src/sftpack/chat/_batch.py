@@ -33,7 +33,7 @@ from itertools import islice
 from typing import Any
 
 from .._base import positive_int
-from ..handoff.sample import Sample
+from ..sample import Sample
 from ._options import OnBadRow, Outcome, Overlong, SpecialTokensInContent, TrainOn
 from ._render import renderer_for
 from ._tokenize import (

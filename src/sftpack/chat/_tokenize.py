@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from .._base import positive_int
-from ..handoff.sample import Sample
+from ..sample import Sample
 from ._options import (
     BadRowReason,
     OnBadRow,

@@ -17,11 +17,11 @@ this package, never from each other.
 
 from __future__ import annotations
 
+from ..sample import IGNORE_INDEX, Sample, as_sample
 from .align import Alignment, AlignmentError, FP8Recipe, pad_multiple_for
 from .batch import PackedBatch, PackedBatchError
 from .build import build_row, padded_lengths
 from .cp import CPShard, cp_slot_indices, shard_for_cp, unshard_cp
-from .sample import IGNORE_INDEX, Sample, as_sample
 from .slots import real_token_mask, slot_layout
 from .unpack import segment_ids, unpack, unpack_padded
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .sample import IGNORE_INDEX, Sample, as_sample
+from ..sample import IGNORE_INDEX, Sample, as_sample
 from .slots import real_token_mask
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported lazily

@@ -28,8 +28,8 @@ import numpy as np
 import torch
 
 from .._base import positive_int, round_up
+from ..sample import IGNORE_INDEX
 from .batch import PackedBatch, PackedBatchError
-from .sample import IGNORE_INDEX
 
 __all__ = ["build_row", "check_pad_id", "padded_lengths"]
 

@@ -67,8 +67,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._base import positive_int
+from ..sample import IGNORE_INDEX
 from .batch import PackedBatch, PackedBatchError, packed_seq_params
-from .sample import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.packed_seq_params import PackedSeqParams

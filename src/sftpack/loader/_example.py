@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..handoff import PackedBatch, Sample
+from ..handoff import PackedBatch
+from ..sample import Sample
 from ._dataset import PackingDataset
 
 __all__ = ["worked_example_row"]

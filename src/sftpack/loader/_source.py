@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from .._base import StrEnum
-from ..handoff import Sample, as_sample
+from ..sample import Sample, as_sample
 from ._state import StateError
 
 __all__ = ["Item", "Lookahead", "Overlong", "Source", "cut_overlong"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from ..handoff import Sample
+from ..sample import Sample
 
 __all__ = ["padded_batch"]
 

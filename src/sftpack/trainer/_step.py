@@ -13,8 +13,9 @@ import numpy as np
 import torch
 
 from .._base import positive_int, round_up
-from ..handoff import IGNORE_INDEX, PackedBatch, PackedBatchError
+from ..handoff import PackedBatch, PackedBatchError
 from ..handoff.build import check_pad_id
+from ..sample import IGNORE_INDEX
 
 __all__ = ["pack_step"]
 

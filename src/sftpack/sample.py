@@ -9,6 +9,11 @@ A sample is one conversation rendered to tokens::
 ``loss_mask[t]`` refers to the token ``input_ids[t]`` itself: the row builder
 turns it into shifted labels (the target of slot ``t`` is ``input_ids[t+1]``,
 trainable only if ``loss_mask[t+1]``).
+
+This module needs numpy only, never torch: the tokenizer (:mod:`sftpack.chat`,
+and every Ray tokenize actor) builds samples without loading torch. It is the
+home of :class:`Sample`; ``sftpack.Sample`` and ``sftpack.handoff.Sample`` are the
+same object.
 """
 
 from __future__ import annotations
