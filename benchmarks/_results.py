@@ -90,6 +90,27 @@ def markdown_table(
     return "\n".join(lines)
 
 
+def formatted_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[tuple[str, str, str]]) -> str:
+    """A Markdown table of dicts through ``(key, title, format)`` columns, as a script prints them;
+    a missing or NaN value is an empty cell.
+
+    >>> print(formatted_table([{"t": 0.12345, "n": 3}, {"n": 4}], [("n", "rows", "{:,}"), ("t", "time s", "{:.3f}")]))
+    | rows | time s |
+    |---|---|
+    | 3 | 0.123 |
+    | 4 |  |
+    """
+    body = []
+    for row in rows:
+        line = []
+        for key, _, fmt in columns:
+            v = row.get(key)
+            empty = v is None or (isinstance(v, float) and v != v) or v == ""
+            line.append("" if empty else fmt.format(v))
+        body.append(line)
+    return markdown_table(body, headers=[title for _, title, _ in columns])
+
+
 def section(script: str, body: str, machine: str, *, title: str = "", when: datetime.date | None = None) -> str:
     """The text of one script's section, markers included."""
     name = Path(script).name

@@ -57,6 +57,7 @@ from typing import Any
 import numpy as np
 
 from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
 from sftpack import binpack
 from sftpack.binpack import lower_bounds, pack, pack_histogram
 
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--repeats", type=int, default=None, help="best of this many runs (default 3, 1 with --quick)")
     parser.add_argument("--csv", type=Path, default=OUT / "bench_binpack.csv")
+    add_flag(parser)
     args = parser.parse_args(argv)
     args.items = args.items or (1_000_000 if args.quick else 10_000_000)
     args.trl_items = args.trl_items if args.trl_items is not None else (100_000 if args.quick else 1_000_000)
@@ -432,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
 
-    print(f"machine: {machine()}")
+    where = machine()
+    print(f"machine: {where}")
     t0 = time.perf_counter()
     for algo in binpack.Algorithm:  # compile (or load the cache) before timing
         pack(np.array([3, 5, 1, 3]), 8, algo)
@@ -468,6 +471,12 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(results)
     print(f"\nwritten: {args.csv}")
+    if not args.no_results:
+        title = (
+            f"Bin packing against `np.sort` and TRL's BFD on the same lengths (cases: {', '.join(args.cases)}; "
+            f"{args.items:,} lognormal lengths, TRL on {args.trl_items or 'all'} per case, best of {args.repeats})."
+        )
+        write_section(__file__, formatted_table(results, COLUMNS), where, title=title)
     return 0
 
 

@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "out"
@@ -192,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="import runs per module (default 5)")
     parser.add_argument("--compile-repeats", type=int, default=None, help="cold/warm runs per call (default 3)")
     parser.add_argument("--csv", type=Path, default=OUT / "bench_import.csv")
+    add_flag(parser)
     args = parser.parse_args(argv)
     repeats = args.repeats or (3 if args.quick else 5)
     compile_repeats = args.compile_repeats or (1 if args.quick else 3)
 
-    print(f"machine: {machine()}")
+    where = machine()
+    print(f"machine: {where}")
     rows = bench_imports(repeats) + bench_first_calls(compile_repeats)
     print()
     print(render(rows))
@@ -206,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         writer.writeheader()
         writer.writerows(rows)
     print(f"\nwritten: {args.csv}")
+    if not args.no_results:
+        title = (
+            f"Imports ({repeats} fresh processes each) and the first `pack` call per algorithm, with an empty "
+            f"numba cache (cold: compiles) and a warm one (loads), {compile_repeats} runs each."
+        )
+        write_section(__file__, formatted_table(rows, COLUMNS), where, title=title)
     failed = [r for r in rows if not r.get("runs")]
     return 1 if failed else 0
 

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, markdown_table, write_section
 from sftpack.binpack import pack
 from sftpack.handoff import Sample, build_row, padded_lengths
 from sftpack.loader import PackingDataset
@@ -236,11 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wiki-samples", type=int, default=100_000)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--png", default=str(HERE.parent / "docs" / "loader_fill.png"))
+    add_flag(ap)
     args = ap.parse_args(argv)
-    print(
-        f"machine: {cpu_model()}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
+    machine = (
+        f"{cpu_model()}, {os.cpu_count()} logical cores, torch {torch.__version__}, "
         f"Python {platform.python_version()}; 1-min load average at start {load_average():.2f}"
     )
+    print(f"machine: {machine}")
     corpus = corpus_lengths()
     wiki = wikipedia_lengths(args.wiki_samples)
     print(
@@ -281,6 +284,28 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in (ov | rc).items():
             w.writerow({"section": k, "value": v})
     print(f"wrote {OUT / 'bench_loader.csv'}")
+    if not args.no_results:
+        fill = formatted_table(
+            [{**r, **{k: 100 * r[k] for k in ("offline_bfd_fill", "fill_wait0", "fill_wait2")}} for r in rows],
+            [
+                ("dataset", "dataset", "{}"),
+                ("max_seq_len", "width", "{:,}"),
+                ("buffer_size", "buffer", "{:,}"),
+                ("offline_bfd_fill", "offline BFD fill %", "{:.2f}"),
+                ("fill_wait0", "fill %, `max_wait=0`", "{:.2f}"),
+                ("fill_wait2", "fill %, `max_wait=2` (default)", "{:.2f}"),
+                ("gap_wait2_pct", "gap to offline %, `max_wait=2`", "{:.3f}"),
+                ("us_per_row_wait2", "µs per row, `max_wait=2`", "{:.1f}"),
+            ],
+        )
+        costs = markdown_table([{"measure": k, "value": v} for k, v in (ov | rc).items()])
+        title = (
+            f"Fill (real tokens / slots) against buffer size, against offline BFD on the whole set: the embedded "
+            f"corpus at 4,096 and {args.wiki_samples:,} Wikipedia lengths at 512 (curve: "
+            f"[docs/loader_fill.png](../docs/loader_fill.png)). Then the overhead per row through a `DataLoader` "
+            f"against an unpacked loader of the same samples (medians of {args.rounds}), and the resume cost."
+        )
+        write_section(__file__, fill + "\n\nOverhead and resume (corpus at 4,096):\n\n" + costs, machine, title=title)
     return 0
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from _machine import cpu_model, load_average
+from _results import add_flag, markdown_table, write_section
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "out"
@@ -206,6 +207,7 @@ def main() -> None:
     ap.add_argument("--_engine", help=argparse.SUPPRESS)
     ap.add_argument("--_inputs", help=argparse.SUPPRESS)
     ap.add_argument("--_out", help=argparse.SUPPRESS)
+    add_flag(ap)
     a = ap.parse_args()
     if a._driver:
         print(json.dumps(_driver_one(a._driver)))
@@ -217,10 +219,11 @@ def main() -> None:
     import psutil
 
     total_ram = psutil.virtual_memory().total
-    print(
-        f"machine: {cpu_model()}, {os.cpu_count()} cores, {total_ram / 2**30:.0f} GiB RAM, "
+    machine = (
+        f"{cpu_model()}, {os.cpu_count()} cores, {total_ram / 2**30:.0f} GiB RAM, "
         f"Python {platform.python_version()}, load {load_average():.1f} at start"
     )
+    print(f"machine: {machine}")
     csv_rows: list[dict[str, Any]] = []
 
     if not a.skip_driver:
@@ -320,6 +323,32 @@ def main() -> None:
         w.writeheader()
         w.writerows(csv_rows)
     print(f"wrote {OUT / 'bench_ray.csv'}")
+    if not a.no_results:
+        parts = []
+        for section, title in (
+            ("driver", "Driver: pack and assign (BFD, max_seq_len 4096), a fresh process per size"),
+            (
+                "engine",
+                f"Engines on the embedded corpus x{a.copies} (JSONL files), max_seq_len 4096, "
+                "over-long split, each run a fresh process",
+            ),
+        ):
+            rows = [
+                {k: v for k, v in row.items() if k != "section" and v not in (None, "")}
+                for row in csv_rows
+                if row["section"] == section
+            ]
+            if rows:
+                cols = [k for k in rows[0]] + [k for r in rows for k in r if k not in rows[0]]
+                parts.append(f"{title}:\n\n" + markdown_table(rows, columns=list(dict.fromkeys(cols))))
+        skipped = (
+            " (a section skipped in this run keeps the rows of the CSV's last run)"
+            if a.skip_driver or a.skip_engines
+            else ""
+        )
+        write_section(
+            __file__, "\n\n".join(parts), machine, title="Local against Ray engine, and the driver's packing." + skipped
+        )
 
 
 if __name__ == "__main__":

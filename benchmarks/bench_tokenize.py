@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
 from sftpack.chat import renderer_for, tokenize_conversations
 from sftpack.data import default_corpus, default_tokenizer
 
@@ -117,9 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--limit", type=int, default=None, help="first N conversations only")
     ap.add_argument("--procs", default="1,2", help="process counts, comma-separated")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "bench_tokenize.csv")
+    add_flag(ap)
     args = ap.parse_args(argv)
 
-    print(f"machine: {machine()}")
+    where = machine()
+    print(f"machine: {where}")
     tok = default_tokenizer()
     convs = list(default_corpus(limit=args.limit))
     renderer = renderer_for(tok)
@@ -191,6 +194,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.out}")
     met = all(r["ratio"] >= 0.7 for r in rows)
     print("goal met" if met else "goal MISSED (a busy machine also slows one side more than the other: rerun)")
+    if not args.no_results:
+        table = formatted_table(
+            rows,
+            [
+                ("procs", "processes", "{}"),
+                ("tokens", "tokens", "{:,}"),
+                ("plain_tok_per_s", "plain `tokenizer(texts)` tokens/s", "{:,.0f}"),
+                ("ours_tok_per_s", "render + tokenize + mask tokens/s", "{:,.0f}"),
+                ("ratio", "ratio", "{:.2f}x"),
+                ("cpu_ratio", "CPU ratio", "{:.2f}x"),
+                ("backend_tok_per_s", "backend `encode_batch` tokens/s", "{:,.0f}"),
+                ("ratio_vs_backend", "ratio to backend", "{:.2f}x"),
+            ],
+        )
+        title = (
+            f"Rendering, tokenizing and masking the embedded corpus ({len(convs):,} conversations, batch size "
+            f"{args.batch_size}) against a plain batched `tokenizer(texts)` on the already-rendered texts; best of "
+            f"{args.repeats} interleaved runs; goal: ratio >= 0.70 ({'met' if met else 'missed'})."
+        )
+        write_section(__file__, table, where, title=title)
     return 0  # a measurement, not a test
 
 

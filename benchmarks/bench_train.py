@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
 
 OUT = Path(__file__).resolve().parent / "out"
 PATHS = ("none", "trainer", "loader", "offline")
@@ -228,6 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         help="trainer path: token budget of one packed micro-batch (default: rows x max-seq-len)",
     )
     p.add_argument("--csv", default=str(OUT / "bench_train.csv"))
+    add_flag(p)
     args = p.parse_args(argv)
     args.paths = [x for x in args.paths.split(",") if x]
     bad = sorted(set(args.paths) - set(PATHS))
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown paths {bad}: choose from {', '.join(PATHS)}")
     torch.set_num_threads(args.threads)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    print(f"machine: {machine(device)}")
+    where = machine(device)
+    print(f"machine: {where}")
     if load_average() > (os.cpu_count() or 1):
         print("note: the machine is busy (load average above the core count); timings are noisy")
     print(
@@ -271,6 +274,33 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {out}")
+    if not args.no_results:
+        table = formatted_table(
+            [{**r, "slots_per_step": r["slots"] / r["steps"]} for r in rows],
+            [
+                ("path", "path", "{}"),
+                ("fill", "fill", "{:.1%}"),
+                ("slots_per_step", "slots / step", "{:,.0f}"),
+                ("real_tokens_per_s", "real tokens/s (median of rounds)", "{:,.0f}"),
+                ("min_tokens_per_s", "min", "{:,.0f}"),
+                ("max_tokens_per_s", "max", "{:,.0f}"),
+                ("speedup", "vs padded", "{:.2f}x"),
+                ("bound", "bound (slots saved)", "{:.2f}x"),
+                ("of_bound", "of bound", "{:.0%}"),
+                ("sequences_per_step", "conversations / step", "{:.1f}"),
+                ("first_loss", "first loss", "{:.3f}"),
+                ("last_loss", "last loss", "{:.3f}"),
+            ],
+        )
+        title = (
+            f"Real tokens/s of each path against padded batches on the same seeded Llama (dim {args.dim}, "
+            f"{args.layers} layers, {args.heads} heads / {args.kv_heads} kv, vocabulary: {args.vocab}, "
+            f"{args.dtype} on {device}, {args.threads} torch thread(s)), the first {args.limit} conversations of "
+            f"the embedded corpus at {args.max_seq_len}; {args.conversations} conversations or {args.rows} rows per "
+            f"step; {args.rounds} rounds of {args.steps} timed steps per path. The bound is the padded batches' fill "
+            "against the packed rows': the slots packing saves."
+        )
+        write_section(__file__, table, where, title=title)
     return 0
 
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from _machine import cpu_model, load_average
+from _results import add_flag, markdown_table, write_section
 from sftpack.trainer import pack_step
 
 OUT = Path(__file__).resolve().parent / "out"
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=200)
     ap.add_argument("--batches", type=int, default=8, help="distinct batches cycled through")
     ap.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    add_flag(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -138,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     nthreads = torch.get_num_threads()
     configs = [("cpu", 1)] + ([("cpu", nthreads)] if nthreads > 1 else [])
     configs += [("cuda", nthreads)] if torch.cuda.is_available() else []
-    print(f"machine: {machine()}")
+    where = machine()
+    print(f"machine: {where}")
     if hasattr(os, "getloadavg") and os.getloadavg()[0] > (os.cpu_count() or 1):
         print("note: the machine is busy (load average above the core count); timings are noisy")
     print(
@@ -193,6 +196,17 @@ def main(argv: list[str] | None = None) -> int:
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {OUT / 'bench_trainer.csv'}")
+    if not args.no_results:
+        columns = ["variant"] + [
+            f"{d.replace(' ', '_')}_{k}" for d in devices for k in ("ms_median", "ratio_to_minimal", "mtok_per_s")
+        ]
+        headers = ["variant"] + [f"{d} {k}" for d in devices for k in ("ms (median)", "x minimal gather", "M tokens/s")]
+        title = (
+            f"`pack_step` on right-padded `[{B}, {S}]` batches of the embedded corpus's lengths ({real:,.0f} real "
+            f"tokens on average), against a bare `input_ids[attention_mask]` gather (goal <= 3x on CPU); medians "
+            f"of {args.rounds} interleaved rounds over {args.batches} batches."
+        )
+        write_section(__file__, markdown_table(rows, columns=columns, headers=headers), where, title=title)
     return 0
 
 
