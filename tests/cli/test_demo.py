@@ -1,34 +1,53 @@
-"""``sftpack demo --quick`` as a console script: the whole story runs, every check
-passes, and ``--report`` writes the PNG report."""
+"""``sftpack demo --quick --report DIR`` as a console script: it exits 0, and the
+results it writes beside the PNG (``sftpack_demo.json``, the :class:`DemoDone` of
+:func:`sftpack.report.demo.run_demo`) hold every check, passed, and each path's numbers."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+from sftpack.report.demo import EAGER_64, EXACT_64, TRAIN_64
 
-def test_demo_quick_runs_as_a_console_script(tmp_path):
+PACKED = ("offline", "loader", "trainer")
+CHECKS = {
+    *(f"{p}: accounted" for p in PACKED),
+    "exact: real+padded",
+    "exact: padded-for-both",
+    "exact: consumers",
+    "trainer: same conversations as padded",
+    *(f"{p}: losses equal" for p in PACKED),
+}
+
+
+def test_demo_quick_runs_as_a_console_script_and_writes_its_results(tmp_path):
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sftpack.cli",
-            "demo",
-            "--quick",
-            "--report",
-            str(tmp_path),
-        ],
+        [sys.executable, "-m", "sftpack.cli", "demo", "--quick", "--report", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
-    out = proc.stdout
-    assert "exact (<= 1e-10; eager <= 2e-05)" in out
-    assert "every token and label accounted for: True" in out
-    assert "same conversations as padded: True" in out
-    assert "losses equal to unpacked (float64, <= 1e-09): True" in out
-    for path in ("offline", "loader", "trainer", "none"):
-        assert f"\n  {path} " in out  # a line of the summary table
     assert (tmp_path / "sftpack_demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results = json.loads((tmp_path / "sftpack_demo.json").read_text())
+
+    assert set(results["checks"]) == CHECKS  # every check ran (none renamed or dropped) ...
+    assert [name for name, passed in results["checks"].items() if not passed] == []  # ... and passed
+    assert results["ok"] is True
+    assert results["tolerances"] == {"exact_64": EXACT_64, "eager_64": EAGER_64, "train_64": TRAIN_64}
+
+    paths = results["paths"]
+    assert set(paths) == {*PACKED, "none"}
+    steps = len(paths["none"]["losses"])  # the same number of steps for every path
+    assert steps > 0
+    for name, p in paths.items():
+        assert p["rows"] > 0 and 0 < p["fill"] <= 1, name
+        assert len(p["losses"]) == steps and p["tokens_per_s"] > 0, name
+    for name in PACKED:
+        assert paths[name]["loss_diff"] <= TRAIN_64, name
+        assert paths[name]["fill"] > paths["none"]["fill"], name  # packing fills more slots than padding
+    assert paths["none"]["loss_diff"] is None  # the baseline is the reference, not compared
+    # the trainer path and the padded baseline train on the same conversations: the same first loss
+    assert abs(paths["trainer"]["losses"][0] - paths["none"]["losses"][0]) <= TRAIN_64

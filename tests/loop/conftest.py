@@ -5,6 +5,8 @@ import json
 import pytest
 import torch
 
+from sftpack.testing import tiny_chat_tokenizer
+
 from ._tiny import tiny_samples
 
 
@@ -26,8 +28,6 @@ def one_thread():
 @pytest.fixture(scope="session")
 def chat(tmp_path_factory):
     """40 short chats in a JSONL file and a local ChatML tokenizer (``root/tok``)."""
-    from sftpack.testing import tiny_chat_tokenizer
-
     root = tmp_path_factory.mktemp("chat")
     tiny_chat_tokenizer("chatml").save_pretrained(root / "tok")
     with (root / "chat.jsonl").open("w") as f:

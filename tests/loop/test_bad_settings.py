@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from sftpack.cli import main
 from sftpack.handoff import Sample
@@ -17,10 +18,12 @@ from sftpack.loop import (
     CheckpointError,
     NonFiniteError,
     build_model,
-    latest_checkpoint,
     make_source,
     train,
 )
+from sftpack.loop._checkpoint import latest_checkpoint
+from sftpack.offline import prepack_samples
+from sftpack.testing import tiny_chat_tokenizer
 
 from ._tiny import MODEL, VOCAB, tiny_config, tiny_model, tiny_samples
 from .test_cli_train import _args
@@ -129,8 +132,6 @@ def test_max_seq_len_1_is_refused_before_training(chat, tmp_path, capsys):
 
 
 def test_prepack_without_targets_is_refused(tmp_path):
-    from sftpack.offline import prepack_samples
-
     flat = [
         Sample(s.input_ids, torch.zeros(len(s), dtype=torch.bool).numpy(), s.conversation_id) for s in tiny_samples(8)
     ]
@@ -172,8 +173,6 @@ def test_unavailable_device_is_refused_first(chat, tmp_path, capsys):
 def test_model_with_a_smaller_vocabulary_is_refused_before_tokenizing(chat, tmp_path, capsys):
     model_dir = tmp_path / "model"
     build_model(100, dim=16, layers=1, heads=2, kv_heads=1).save_pretrained(model_dir)
-    from transformers import AutoTokenizer
-
     n_tok = len(AutoTokenizer.from_pretrained(chat / "tok", local_files_only=True))
     assert n_tok > 100
     capsys.readouterr()  # save_pretrained's progress bar
@@ -237,8 +236,6 @@ def test_prepacked_takes_its_layout_from_the_manifest(chat, tmp_path, prepacked,
 
 
 def test_prepacked_with_another_tokenizer_is_refused(chat, tmp_path, prepacked, capsys):
-    from sftpack.testing import tiny_chat_tokenizer
-
     tiny_chat_tokenizer("llama3").save_pretrained(tmp_path / "tok2")
     args = _offline(chat, tmp_path, prepacked)
     _set(args, "--tokenizer", str(tmp_path / "tok2"))

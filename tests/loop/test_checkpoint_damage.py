@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import zipfile
 
 import pytest
 import torch
 
 from sftpack.cli import main
-from sftpack.loop import (
-    CheckpointError,
-    latest_checkpoint,
-    make_source,
-    train,
-    verify_checkpoint,
-)
+from sftpack.loop import CheckpointError, make_source, train
+from sftpack.loop._checkpoint import latest_checkpoint, verify_checkpoint
+from sftpack.testing import tiny_chat_tokenizer
 
 from ._tiny import max_param_diff, tiny_config, tiny_model
 
@@ -45,8 +43,6 @@ def pristine(samples, tmp_path_factory):
 
 @pytest.fixture
 def ckpt(pristine, tmp_path):
-    import shutil
-
     shutil.copytree(pristine, tmp_path / "run")
     return tmp_path / "run"
 
@@ -93,8 +89,6 @@ def _cut(p):
 def _flip_weight_bit(p):
     """One bit in the largest tensor's bytes (a weight or its AdamW moment): still a
     loadable file, so without the checksum the damage would be trained on silently."""
-    import zipfile
-
     with zipfile.ZipFile(p) as z:
         info = max((i for i in z.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
     data = bytearray(p.read_bytes())
@@ -155,8 +149,6 @@ def test_a_damaged_latest_pointer_is_refused(samples, ckpt):
 def test_cli_prints_one_line_naming_the_file(samples, tmp_path, capsys):
     """The same through ``sftpack train --resume``: exit 1, one line, the file named."""
     chat = tmp_path / "chat.jsonl"
-    from sftpack.testing import tiny_chat_tokenizer
-
     tiny_chat_tokenizer("chatml").save_pretrained(tmp_path / "tok")
     with chat.open("w") as f:
         for i in range(8):

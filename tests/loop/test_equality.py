@@ -61,6 +61,9 @@ import torch
 
 from sftpack import IGNORE_INDEX
 from sftpack.loop import ReplaySource, make_source, train
+from sftpack.loop._model import LossModule
+from sftpack.loss import token_losses
+from sftpack.offline import prepack_samples
 
 from ._tiny import max_loss_diff, max_param_diff, tiny_config, tiny_model
 
@@ -73,8 +76,6 @@ BUG = 1e-3  # what every negative control below must move the loss by, at least
 
 
 def _prepack(samples, tmp_path_factory):
-    from sftpack.offline import prepack_samples
-
     return prepack_samples(samples, tmp_path_factory.mktemp("prepack") / "rows", max_seq_len=128).path
 
 
@@ -230,9 +231,6 @@ def test_negative_controls_fail_by_orders_of_magnitude(samples, baseline, bug):
 def test_negative_control_per_row_mean(samples):
     """Averaging each row's own token mean (the bug seen in the wild) instead of the
     global token mean: on the same rows, same float64 model, the loss moves > 1e-3."""
-    from sftpack.loop import LossModule
-    from sftpack.loss import token_losses
-
     cfg = tiny_config(packing="trainer", pad_multiple=4, max_seq_len=64, grad_accum=2)
     src = make_source(cfg, samples=samples)
     model = tiny_model(dtype=F64)

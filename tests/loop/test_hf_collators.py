@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from transformers import Trainer, TrainingArguments
 
 from sftpack.loop import PackingCollator, PaddedCollator
 
@@ -48,8 +49,6 @@ def test_a_feature_without_loss_mask_or_labels_is_refused(samples, collate):
 def test_trainer_default_remove_unused_columns_is_refused(samples, tmp_path):
     """A real Trainer with its default ``remove_unused_columns=True`` drops the
     ``loss_mask`` column before the collator: refused, naming the fix."""
-    from transformers import Trainer, TrainingArguments
-
     args = TrainingArguments(
         str(tmp_path),
         per_device_train_batch_size=2,

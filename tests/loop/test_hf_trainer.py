@@ -18,8 +18,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
 
 from sftpack.loop import PackingCollator, PaddedCollator, RowsCollator
+from sftpack.offline import PrepackedDataset, prepack_samples
 
 from ._tiny import max_loss_diff, max_param_diff, tiny_model
 
@@ -40,8 +42,6 @@ def _causal_lm_loss(outputs, labels, num_items_in_batch=None):
 
 
 def _run(tmp_path, dataset, collator, *, batch=4, steps=4, seed=0, dtype=torch.float64):
-    from transformers import Trainer, TrainingArguments
-
     model = tiny_model(dtype=dtype)
     args = TrainingArguments(
         str(tmp_path),
@@ -100,8 +100,6 @@ def test_trainer_with_packing_collator_equals_padded(samples, tmp_path):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_trainer_on_offline_rows_equals_padded(samples, tmp_path):
-    from sftpack.offline import PrepackedDataset, prepack_samples
-
     out = prepack_samples(samples, tmp_path / "rows", max_seq_len=128).path
     rows = PrepackedDataset(out)
     packed_losses, packed, _ = _run(tmp_path / "a", rows, RowsCollator(), batch=2, steps=3)

@@ -9,6 +9,26 @@ import sys
 import pytest
 
 import sftpack.loop
+from sftpack.loop._optional import MissingDependency, _need
+
+#: the loop's public names: what a user imports (the rest lives in its private modules)
+PUBLIC = [
+    "CheckpointError",
+    "NonFiniteError",
+    "PackingCollator",
+    "PaddedCollator",
+    "ReplaySource",
+    "RowsCollator",
+    "TrainConfig",
+    "build_model",
+    "compact_vocabulary",
+    "default_attention",
+    "load_model",
+    "make_source",
+    "plot_training",
+    "tokenized_samples",
+    "train",
+]
 
 #: every name ``sftpack.train`` exported before it became an alias of ``sftpack.loop``
 OLD_TRAIN_NAMES = {
@@ -21,6 +41,18 @@ OLD_TRAIN_NAMES = {
     "register_train_attention", "resolve_device", "samples_fingerprint", "supervised_targets",
     "tokenized_samples", "train", "verify_checkpoint",
 }  # fmt: skip
+
+
+def test_the_public_names_are_pinned_and_the_namespace_holds_no_others():
+    assert sftpack.loop.__all__ == PUBLIC
+    objects = {k for k, v in vars(sftpack.loop).items() if not k.startswith("_") and not isinstance(v, type(sftpack))}
+    assert objects - {"annotations"} == set(PUBLIC)  # no second path to an internal part
+
+
+def test_a_missing_optional_dependency_names_its_extra():
+    with pytest.raises(MissingDependency, match=r"drawing needs no_such_module_x: pip install 'sftpack\[plot\]'") as e:
+        _need("no_such_module_x", "plot", "drawing")
+    assert isinstance(e.value, ImportError) and isinstance(e.value, RuntimeError)  # the CLI prints it as one line
 
 
 def _import_alias():

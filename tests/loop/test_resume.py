@@ -9,7 +9,9 @@ import json
 
 import pytest
 
-from sftpack.loop import CheckpointError, latest_checkpoint, make_source, train
+from sftpack.loop import CheckpointError, make_source, train
+from sftpack.loop._checkpoint import latest_checkpoint
+from sftpack.offline import prepack_samples
 
 from ._tiny import max_param_diff, tiny_config, tiny_model, tiny_samples
 
@@ -20,8 +22,6 @@ def _source(cfg, samples, prepacked):
 
 @pytest.fixture(scope="module")
 def prepacked(samples, tmp_path_factory):
-    from sftpack.offline import prepack_samples
-
     return prepack_samples(samples, tmp_path_factory.mktemp("prepack") / "rows", max_seq_len=128).path
 
 

@@ -2,6 +2,11 @@
 
 sftpack train --packing trainer --steps 50 --batch-size 8 --max-seq-len 1024 --log run.jsonl --plot run.png
 torchrun --nproc-per-node 2 -m sftpack.cli train --packing loader ...      # data parallel (gloo on CPU)
+
+The command runs :mod:`sftpack.loop` (the training loop). The loop, the chat
+and the offline path load torch, so they are imported in one place,
+:func:`run`, when the command runs: ``sftpack --help`` and the other commands
+build this parser without paying for them.
 """
 
 from __future__ import annotations
@@ -153,14 +158,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run)
 
 
-def _layout(args: argparse.Namespace) -> dict | None:
-    """With ``--prepacked``: its manifest, and ``--max-seq-len`` / ``--pad-multiple``
+def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
+    """With ``--prepacked`` (its ``manifest``): ``--max-seq-len`` / ``--pad-multiple``
     taken from it (an explicit different value is refused, naming both); else the defaults."""
-    manifest = None
-    if args.prepacked:
-        from ..offline import read_manifest
-
-        manifest = read_manifest(Path(args.prepacked))
+    if manifest is not None:
         for key in ("max_seq_len", "pad_multiple"):
             have = manifest.get(key)
             if not isinstance(have, int):
@@ -180,55 +181,52 @@ def _layout(args: argparse.Namespace) -> dict | None:
             args.max_seq_len = 1024
         if args.pad_multiple is None:
             args.pad_multiple = 1
-    return manifest
 
 
-def _config(args: argparse.Namespace):
-    from ..loop import TrainConfig
-
-    try:
-        return TrainConfig(
-            packing=args.packing,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            max_seq_len=args.max_seq_len,
-            grad_accum=args.grad_accum,
-            lr=args.lr,
-            weight_decay=args.weight_decay,
-            warmup_steps=args.warmup_steps,
-            schedule=args.schedule,
-            min_lr_ratio=args.min_lr_ratio,
-            clip_norm=args.clip_norm or None,
-            pad_multiple=args.pad_multiple,
-            boundaries=args.boundaries,
-            buffer_size=args.buffer_size,
-            seed=args.seed,
-            dim=args.dim,
-            layers=args.layers,
-            heads=args.heads,
-            kv_heads=args.kv_heads,
-            checkpoint_every=args.checkpoint_every,
-            device=args.device,
-            on_nonfinite=args.on_nonfinite,
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+def _config(args: argparse.Namespace) -> dict:
+    """The :class:`~sftpack.loop.TrainConfig` keywords the flags give."""
+    return dict(
+        packing=args.packing,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_seq_len=args.max_seq_len,
+        grad_accum=args.grad_accum,
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        schedule=args.schedule,
+        min_lr_ratio=args.min_lr_ratio,
+        clip_norm=args.clip_norm or None,
+        pad_multiple=args.pad_multiple,
+        boundaries=args.boundaries,
+        buffer_size=args.buffer_size,
+        seed=args.seed,
+        dim=args.dim,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        checkpoint_every=args.checkpoint_every,
+        device=args.device,
+        on_nonfinite=args.on_nonfinite,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..chat import read_conversations
     from ..loop import (
+        TrainConfig,
         build_model,
-        check_targets,
-        init_distributed,
+        compact_vocabulary,
         load_model,
         make_source,
-        model_vocab_size,
         plot_training,
-        resolve_device,
-        supervised_targets,
         tokenized_samples,
         train,
     )
+    from ..loop._loop import init_distributed, resolve_device
+    from ..loop._plot import read_log
+    from ..loop._setup import check_targets, model_vocab_size, supervised_targets
+    from ..offline import prepack_samples, read_manifest
 
     if args.resume and args.resume_if_any:
         raise UsageError("give --resume or --resume-if-any, not both")
@@ -246,8 +244,12 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.prepacked and args.inputs:
         raise UsageError("give either INPUT files or --prepacked, not both")
-    manifest = _layout(args)
-    cfg = _config(args)
+    manifest = read_manifest(Path(args.prepacked)) if args.prepacked else None
+    _layout(args, manifest)
+    try:
+        cfg = TrainConfig(**_config(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:  # before anything slow: a device this machine does not have is a usage error
         resolve_device(cfg.device)
     except ValueError as e:
@@ -282,8 +284,6 @@ def run(args: argparse.Namespace) -> int:
     prepacked = args.prepacked
     if prepacked is None:
         if args.inputs:
-            from ..chat import read_conversations
-
             conversations = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
             if args.limit:
                 conversations = itertools.islice(conversations, args.limit)
@@ -305,15 +305,11 @@ def run(args: argparse.Namespace) -> int:
         )
         check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
         if args.vocab == "data":
-            from ..loop import compact_vocabulary
-
             samples, kept_ids = compact_vocabulary(samples)
             vocab_size, pad_id = len(kept_ids), 0
             say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})")
     try:
         if prepacked is None and args.packing == "offline":
-            from ..offline import prepack_samples
-
             workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
             prepacked = prepack_samples(
                 samples,
@@ -390,8 +386,6 @@ def run(args: argparse.Namespace) -> int:
         if args.log:
             say(f"wrote {args.log}")
         if args.plot:
-            from ..loop import read_log
-
             records = read_log(args.log) if args.log else [r.as_dict() for r in logs]
             say(f"wrote {plot_training({str(cfg.packing): records}, args.plot)}")
     if logs and not applied:

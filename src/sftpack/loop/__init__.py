@@ -1,34 +1,54 @@
-"""Training end to end on rows from any path, and the same training as unpacked.
+"""The training loop: train a causal LM on rows from any packing path, or on padded batches.
 
-A small, readable loop for a Hugging Face causal LM (``sftpack train`` wraps it):
-AdamW, warm-up + cosine/linear decay, gradient accumulation, clipping, the global
-token-mean loss of :mod:`sftpack.loss`, seeded everything, DDP over
-``torch.distributed`` (``torchrun``; gloo on CPU, NCCL on GPU), atomic
-checksummed checkpoints with exact resume, and a JSONL log per step. A step whose
-loss or gradient is not finite stops the run (or is skipped and counted), data
-with no supervised target is refused, and a step with none is skipped and counted.
+Not to be confused with :mod:`sftpack.trainer`, the path that packs a padded
+batch at the step: this package *uses* the three paths (``offline``, ``loader``,
+``trainer``) and the unpacked baseline (``none``) to train. ``sftpack train``
+wraps it.
 
-- ``_options``: :class:`TrainConfig`, :class:`Packing`, :class:`Boundaries`, :class:`Schedule`.
-- ``_sources``: per-path sources of micro-batches with resumable positions
-  (:class:`TrainerSource`, :class:`PaddedSource`, :class:`OfflineSource`,
-  :class:`LoaderSource`, :class:`ReplaySource`).
-- ``_model``: :func:`build_model` (a small Llama, nothing downloaded),
-  :func:`load_model`, :class:`LossModule` (model + loss, one module for DDP).
-- ``_setup``: :func:`make_source` (the chosen path's source), :func:`tokenized_samples`.
-- ``_loop``: :func:`train`.
-- ``_checkpoint``: atomic save, fingerprint-checked load.
-- ``_hf``: Hugging Face ``Trainer`` integration (a packing collator, row wrappers,
-  ``num_items_in_batch`` normalisation).
-- ``_plot``: loss and tokens/s curves from the JSONL log.
+A small, readable loop for a Hugging Face causal LM: AdamW, warm-up +
+cosine/linear decay, gradient accumulation, clipping, the global token-mean loss
+of :mod:`sftpack.loss`, seeded everything, DDP over ``torch.distributed``
+(``torchrun``; gloo on CPU, NCCL on GPU), atomic checksummed checkpoints with
+exact resume, and a JSONL log per step. A step whose loss or gradient is not
+finite stops the run (or is skipped and counted), data with no supervised target
+is refused, and a step with none is skipped and counted.
+
+The public names (``__all__``):
+
+- run: :class:`TrainConfig` (every option, validated), :func:`train`;
+- data: :func:`tokenized_samples` (the embedded corpus or your conversations),
+  :func:`make_source` (the chosen path's micro-batches for this rank),
+  :class:`ReplaySource` (given conversations per step: the unpacked reference of
+  a packed run), :func:`compact_vocabulary`;
+- model: :func:`build_model` (a small Llama, nothing downloaded),
+  :func:`load_model` (a local folder), :func:`default_attention`;
+- Hugging Face ``Trainer``: :class:`PackingCollator`, :class:`RowsCollator`,
+  :class:`PaddedCollator`;
+- errors to catch: :class:`CheckpointError`, :class:`NonFiniteError`;
+- :func:`plot_training` (loss and tokens/s curves).
+
+The parts behind them, importable from their modules (no second public path):
+
+- ``_options``: the enums of :class:`TrainConfig`'s choices (``Packing``,
+  ``Boundaries``, ``Schedule``, ``NonFinite``);
+- ``_sources``: the per-path sources of micro-batches with resumable positions
+  (``Source`` and one class per path), ``PaddedMicroBatch``;
+- ``_setup``: from options and data to a source; the supervised-target checks;
+- ``_model``: the attention registered with transformers, ``LossModule`` (model +
+  loss, one module for DDP);
+- ``_loop``: :func:`train`, its log record ``StepLog`` and result ``TrainResult``,
+  the device and ``torch.distributed`` helpers;
+- ``_checkpoint``: atomic save, checksum- and fingerprint-checked load;
+- ``_hf``: the collators; ``_plot``: the curves; ``_optional``: the optional
+  dependencies (transformers, matplotlib, flash-attn), each imported in one place.
 
 Why the loss is the same whatever the packing: each step's loss is the sum of
 token losses over the step's supervised targets divided by their *global* count
 (all micro-batches, all ranks), so grouping conversations into rows changes
-nothing but the floating-point summation order. Measured (tests/loop, 20 AdamW
-steps, a tiny Llama, fp32): per-step losses within 2.6e-6 and final parameters
-within 3.5e-5 of the unpacked run on the same conversations, for the three paths
-and both boundary modes; the noise floor (two unpacked runs that only regroup the
-micro-batches) is 9.5e-7 and 6.4e-6.
+nothing but the floating-point summation order. ``tests/loop/test_equality.py``
+pins it: 20 AdamW steps in float64 agree with the unpacked run on the same
+conversations to a fixed tolerance derived there, for the three paths and both
+boundary modes.
 
 A training step in five lines:
 
@@ -43,90 +63,29 @@ A training step in five lines:
 
 from __future__ import annotations
 
-from ._checkpoint import CheckpointError, latest_checkpoint, verify_checkpoint
-from ._hf import PackingCollator, PaddedCollator, RowsCollator, hf_row_kwargs
-from ._loop import (
-    NonFiniteError,
-    StepLog,
-    TrainResult,
-    dist_info,
-    init_distributed,
-    resolve_device,
-    train,
-)
-from ._model import (
-    TRAIN_ATTENTION,
-    LossModule,
-    build_model,
-    default_attention,
-    load_model,
-    register_train_attention,
-)
-from ._options import Boundaries, NonFinite, Packing, Schedule, TrainConfig
-from ._plot import plot_training, read_log
-from ._setup import (
-    check_targets,
-    compact_vocabulary,
-    make_source,
-    model_vocab_size,
-    supervised_targets,
-    tokenized_samples,
-)
-from ._sources import (
-    LoaderSource,
-    OfflineSource,
-    PaddedMicroBatch,
-    PaddedSource,
-    ReplaySource,
-    SampleOrder,
-    Source,
-    TrainerSource,
-    padded_micro_batch,
-    samples_fingerprint,
-)
+from ._checkpoint import CheckpointError
+from ._hf import PackingCollator, PaddedCollator, RowsCollator
+from ._loop import NonFiniteError, train
+from ._model import build_model, default_attention, load_model
+from ._options import TrainConfig
+from ._plot import plot_training
+from ._setup import compact_vocabulary, make_source, tokenized_samples
+from ._sources import ReplaySource
 
 __all__ = [
-    "TRAIN_ATTENTION",
-    "Boundaries",
     "CheckpointError",
-    "LoaderSource",
-    "LossModule",
-    "NonFinite",
     "NonFiniteError",
-    "OfflineSource",
-    "Packing",
     "PackingCollator",
     "PaddedCollator",
-    "PaddedMicroBatch",
-    "PaddedSource",
     "ReplaySource",
     "RowsCollator",
-    "SampleOrder",
-    "Schedule",
-    "Source",
-    "StepLog",
     "TrainConfig",
-    "TrainResult",
-    "TrainerSource",
     "build_model",
-    "check_targets",
     "compact_vocabulary",
     "default_attention",
-    "dist_info",
-    "hf_row_kwargs",
-    "init_distributed",
-    "latest_checkpoint",
     "load_model",
     "make_source",
-    "model_vocab_size",
-    "padded_micro_batch",
     "plot_training",
-    "read_log",
-    "register_train_attention",
-    "resolve_device",
-    "samples_fingerprint",
-    "supervised_targets",
     "tokenized_samples",
     "train",
-    "verify_checkpoint",
 ]

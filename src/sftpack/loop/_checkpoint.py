@@ -16,8 +16,7 @@ folders are ignored and overwritten.
 
 Integrity: before anything is unpickled, :func:`load_checkpoint` checks the size
 and SHA-256 of ``state.pt`` and of this rank's file against ``checkpoint.json``
-(about 1.1 GB/s measured on the 2-core development machine; once per
-save and once per resume), so a truncated, emptied or bit-flipped file is
+(once per save and once per resume), so a truncated, emptied or bit-flipped file is
 refused with its name instead of failing inside ``torch.load`` or, worse, loading.
 """
 

@@ -40,8 +40,8 @@ default ``remove_unused_columns=True`` drops the ``loss_mask`` column: pass
 left padding or holes are refused, as packing would make those pads context.
 
 The model's attention must read the boundaries: ``flash_attention_2`` on GPU, or
-on CPU :data:`~sftpack.loop.TRAIN_ATTENTION` (``build_model``'s default; register
-it with :func:`~sftpack.loop.register_train_attention`).
+on CPU :data:`~sftpack.loop._model.TRAIN_ATTENTION` (``build_model``'s default; register
+it with :func:`~sftpack.loop._model.register_train_attention`).
 """
 
 from __future__ import annotations
@@ -53,13 +53,14 @@ import numpy as np
 import torch
 
 from ..handoff import IGNORE_INDEX, PackedBatch, Sample, as_sample
+from ..trainer import pack_step, padded_batch
 
 __all__ = ["PackingCollator", "PaddedCollator", "RowsCollator", "hf_row_kwargs"]
 
 
 def hf_row_kwargs(packed: PackedBatch, *, pad_between_seqs: bool = False) -> dict[str, Any]:
     """``packed.to_hf_kwargs()`` plus ``shift_labels`` ``(1, T)`` (and the real
-    boundaries for :data:`~sftpack.loop.TRAIN_ATTENTION` when ``pad_between_seqs``)."""
+    boundaries for :data:`~sftpack.loop._model.TRAIN_ATTENTION` when ``pad_between_seqs``)."""
     kw = packed.to_hf_kwargs()
     kw["shift_labels"] = packed.labels.unsqueeze(0)
     if pad_between_seqs:
@@ -157,8 +158,6 @@ class PackingCollator:
         )
 
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
-        from ..trainer import pack_step, padded_batch
-
         samples = [_sample(f, i) for i, f in enumerate(features)]
         ids, lengths, mask = padded_batch(samples, pad_id=self.pad_id)
         packed = pack_step(ids, lengths, mask, pad_multiple=self.pad_multiple, pad_id=self.pad_id)
@@ -184,8 +183,6 @@ class PaddedCollator:
         self.pad_id = pad_id
 
     def __call__(self, features: Sequence[Any]) -> dict[str, torch.Tensor]:
-        from ..trainer import padded_batch
-
         samples = [_sample(f, i) for i, f in enumerate(features)]
         ids, lengths, mask = padded_batch(samples, pad_id=self.pad_id)
         real = torch.arange(ids.shape[1])[None, :] < lengths[:, None]

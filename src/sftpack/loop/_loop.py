@@ -12,7 +12,8 @@ One optimizer step, on every rank::
 The loss of a step is the token mean over the whole global batch, however the
 conversations were grouped into rows, micro-batches and ranks, so the packed
 paths and the padded baseline train the same model from the same conversations
-(tests/loop: per-step losses and final parameters agree within fp32 noise).
+(``tests/loop/test_equality.py``: per-step losses and final parameters agree to a
+fixed float64 tolerance derived there).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from ._checkpoint import (
     CheckpointError,
@@ -246,7 +248,7 @@ def train(
 
     Args:
         config: :class:`TrainConfig`.
-        source: this rank's micro-batches per step (:mod:`sftpack.loop` ``make_source``).
+        source: this rank's micro-batches per step (:func:`~sftpack.loop.make_source`).
         model: a Hugging Face causal LM (``build_model`` / ``load_model``), trained in place.
         log: JSONL file, one :class:`StepLog` per line (rank 0 writes it).
         checkpoint_dir: where ``config.checkpoint_every`` saves (and ``resume`` reads).
@@ -327,8 +329,6 @@ def train(
         writer.writelines(ln + "\n" for ln in kept)
     bar = None
     if progress and rank == 0:
-        from tqdm.auto import tqdm
-
         bar = tqdm(
             total=config.steps,
             initial=start,

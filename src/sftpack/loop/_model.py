@@ -5,8 +5,8 @@ The default model is a small Llama built from a config (nothing downloaded) with
 the tokenizer's vocabulary; ``load_model(DIR)`` opens a local folder instead.
 Packed rows run through variable-length attention, registered with transformers
 as :data:`TRAIN_ATTENTION`: on CPU one causal 4-D SDPA call per segment (the fused
-flash kernel: exact, differentiable; a 3,000-token segment takes 0.06 s forward
-where the 3-D call of :func:`sftpack.attention.varlen_attention` takes 0.9 s),
+flash kernel: exact, differentiable, and much faster on long segments than the 3-D
+call of :func:`sftpack.attention.varlen_attention`, which materialises the scores),
 on CUDA :func:`sftpack.attention.varlen_attention` (flash-attn when installed);
 ``flash_attention_2`` works too where flash-attn is present. Both boundary modes
 are honoured: ``padded`` hands the kernel ``cu_seqlens_padded`` for both sides,
@@ -39,6 +39,7 @@ from ..attention import hf_attention_forward, varlen_attention
 from ..exactness import norms_in_model_dtype
 from ..handoff import IGNORE_INDEX
 from ..loss import loss_dtype, token_mean_loss
+from ._optional import flash_attn_installed, transformers
 
 __all__ = [
     "TRAIN_ATTENTION",
@@ -74,8 +75,8 @@ def _segments_attention(
 
     ``q`` ``(1, Hq, T, D)``, ``k``/``v`` ``(1, Hkv, T, D)`` as Hugging Face hands them;
     returns ``(1, T, Hq, D)``. Each call is a 4-D ``scaled_dot_product_attention``:
-    on CPU that is the fused flash kernel (about 10x faster than the 3-D call, which
-    falls back to the math kernel and materialises the ``n x n`` scores).
+    on CPU that is the fused flash kernel (the 3-D call falls back to the math kernel
+    and materialises the ``n x n`` scores).
     """
     rep = q.shape[1] // k.shape[1]
     T = q.shape[2]
@@ -131,27 +132,17 @@ def _train_attention(
 
 def register_train_attention() -> str:
     """Register the training attention with transformers; returns its name."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(TRAIN_ATTENTION, _train_attention)
-    AttentionMaskInterface.register(TRAIN_ATTENTION, lambda *args, **kwargs: None)
+    hf = transformers()
+    hf.AttentionInterface.register(TRAIN_ATTENTION, _train_attention)
+    hf.masking_utils.AttentionMaskInterface.register(TRAIN_ATTENTION, lambda *args, **kwargs: None)
     return TRAIN_ATTENTION
-
-
-def _flash_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def default_attention(device: torch.device | str) -> str:
     """``flash_attention_2`` on CUDA with flash-attn installed, else the reference."""
-    return "flash_attention_2" if _flash_available(torch.device(device)) else register_train_attention()
+    if torch.device(device).type == "cuda" and flash_attn_installed():
+        return "flash_attention_2"
+    return register_train_attention()
 
 
 def build_model(
@@ -176,9 +167,8 @@ def build_model(
     >>> m.config.vocab_size, sum(p.numel() for p in m.parameters())
     (1000, 79456)
     """
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    hf = transformers()
+    cfg = hf.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=dim,
         intermediate_size=4 * dim,
@@ -195,7 +185,7 @@ def build_model(
     cfg._attn_implementation = attn_implementation or register_train_attention()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(cfg)
+        model = hf.LlamaForCausalLM(cfg)
     model = model.to(dtype).train()
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
@@ -207,10 +197,8 @@ def load_model(
     dtype: torch.dtype = torch.float32,
 ) -> Any:
     """A causal LM from a local folder (``save_pretrained``); never downloads."""
-    from transformers import AutoModelForCausalLM
-
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = transformers().AutoModelForCausalLM.from_pretrained(
             path,
             local_files_only=True,
             attn_implementation=attn_implementation or register_train_attention(),

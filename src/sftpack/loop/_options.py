@@ -42,7 +42,7 @@ class NonFinite(StrEnum):
     SKIP = "skip"  #: skip the optimizer step (parameters and optimizer state untouched), counted in the log
 
 
-#: Each path's own boundary mode (CONTRACT section 1): offline and trainer hand the
+#: Each path's own boundary mode (``docs/contract.md``, section 1): offline and trainer hand the
 #: kernel real + padded boundaries, the loader the padded array for both.
 PATH_BOUNDARIES = {
     Packing.OFFLINE: Boundaries.REAL,

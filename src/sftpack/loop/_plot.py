@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from ._optional import pyplot
+
 __all__ = ["plot_training", "read_log"]
 
 
@@ -25,11 +27,7 @@ def plot_training(
 ) -> Path:
     """Draw ``runs`` (name -> per-step records with ``step``, ``loss``, ``tokens_per_s``)
     side by side: loss per step (left), real tokens/s per step (right). Returns ``out``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot("the training curves (--plot)")
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     for name, recs in runs.items():
         steps = [r["step"] for r in recs]

@@ -1,4 +1,4 @@
-"""From options to a run: the samples, the data source of the chosen path, the model."""
+"""From options and data to a run: the samples, their supervised targets, the chosen path's source."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from ..chat import tokenize_conversations
+from ..data import default_corpus
 from ..handoff import Sample
+from ..loader import PackingDataset
+from ..offline import PrepackedDataset
+from ._optional import transformers
 from ._options import Packing, TrainConfig
 from ._sources import (
     LoaderSource,
@@ -61,10 +66,8 @@ def _no_targets(what: str, longest: int, max_seq_len: int) -> ValueError:
 
 def model_vocab_size(path: str | os.PathLike[str]) -> int:
     """The vocabulary size in the config of the local model folder ``path`` (no weights read)."""
-    from transformers import AutoConfig
-
     try:
-        cfg = AutoConfig.from_pretrained(str(path), local_files_only=True)
+        cfg = transformers().AutoConfig.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError) as e:
         raise ValueError(
             f"cannot read a model config from {str(path)!r} ({' '.join(str(e).split())[:200]}); give a local "
@@ -92,9 +95,6 @@ def tokenized_samples(
     Returns:
         ``(samples, stats)``: the samples in corpus order and the tokenizer's counts.
     """
-    from ..chat import tokenize_conversations
-    from ..data import default_corpus
-
     convs = default_corpus(limit=limit) if conversations is None else conversations
     out = tokenize_conversations(
         convs,
@@ -141,8 +141,6 @@ def make_source(
         if prepacked is None:
             raise ValueError("--packing offline needs a prepacked directory (sftpack prepack ... --out DIR)")
         if isinstance(prepacked, (str, os.PathLike)):
-            from ..offline import PrepackedDataset
-
             expect: dict[str, Any] = {
                 "max_seq_len": config.max_seq_len,
                 "pad_multiple": config.pad_multiple,
@@ -194,8 +192,6 @@ def make_source(
             pad_multiple=config.pad_multiple,
             **common,
         )
-    from ..loader import PackingDataset
-
     ds = PackingDataset(
         samples,
         max_seq_len=config.max_seq_len,

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,11 @@ import numpy as np
 import torch
 
 from ..handoff import IGNORE_INDEX, PackedBatch, Sample
+from ..trainer import pack_step, padded_batch, plan_microbatches
 
 __all__ = [
     "LoaderSource",
+    "MicroBatch",
     "OfflineSource",
     "PaddedMicroBatch",
     "PaddedSource",
@@ -47,8 +50,6 @@ __all__ = [
     "padded_micro_batch",
     "samples_fingerprint",
 ]
-
-MicroBatch = Any  # PackedBatch | PaddedMicroBatch
 
 
 @dataclass
@@ -90,6 +91,10 @@ class PaddedMicroBatch:
         )
 
 
+#: what a source hands the loop: a packed row (the three paths) or a padded batch (the baseline)
+MicroBatch = PackedBatch | PaddedMicroBatch
+
+
 def padded_micro_batch(samples: Sequence[Sample], *, pad_id: int = 0) -> PaddedMicroBatch:
     """Right-pad ``samples`` to their longest and shift the labels within each row.
 
@@ -98,8 +103,6 @@ def padded_micro_batch(samples: Sequence[Sample], *, pad_id: int = 0) -> PaddedM
     >>> mb.labels.tolist()
     [[1001, -100, -100], [2001, 2002, -100]]
     """
-    from ..trainer import padded_batch
-
     ids, lengths, mask = padded_batch(samples, pad_id=pad_id)
     S = ids.shape[1]
     nxt_real = torch.arange(1, S + 1)[None, :] < lengths[:, None]  # token t+1 exists
@@ -112,7 +115,7 @@ def padded_micro_batch(samples: Sequence[Sample], *, pad_id: int = 0) -> PaddedM
 
 
 def samples_fingerprint(samples: Sequence[Sample]) -> str:
-    """sha256 over every sample's ids and loss mask, in order (about 30 ms per million tokens)."""
+    """sha256 over every sample's ids and loss mask, in order."""
     h = hashlib.sha256()
     for s in samples:
         h.update(np.int64(len(s)).tobytes())
@@ -125,20 +128,24 @@ def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 
-class Source:
-    """Base: ``next_step()`` -> this rank's micro-batches of the next optimizer step."""
+class Source(ABC):
+    """What :func:`~sftpack.loop.train` reads: this rank's micro-batches, step after step."""
 
-    def next_step(self) -> list[MicroBatch]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def next_step(self) -> list[MicroBatch]:
+        """This rank's micro-batches of the next optimizer step."""
 
-    def state_dict(self) -> dict[str, Any]:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]:
+        """Where the source is (saved in each rank's checkpoint file)."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Go back to a position :meth:`state_dict` returned."""
 
-    def fingerprint(self) -> str:  # pragma: no cover - interface
-        raise NotImplementedError
+    @abstractmethod
+    def fingerprint(self) -> str:
+        """A hash of the data and the batching: a checkpoint of another fingerprint is refused."""
 
 
 class SampleOrder:
@@ -277,8 +284,6 @@ class TrainerSource(_SampleSource):
         )
 
     def next_step(self) -> list[MicroBatch]:
-        from ..trainer import pack_step, padded_batch, plan_microbatches
-
         chosen = self.order.take()
         lengths = np.fromiter((len(self.samples[i]) for i in chosen), dtype=np.int64, count=len(chosen))
         plan = plan_microbatches(

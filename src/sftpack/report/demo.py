@@ -1,6 +1,6 @@
 """``sftpack demo``: the whole story on the embedded default, end to end.
 
-1. the map: two conversations at the three packing moments (CONTRACT section 2);
+1. the map: two conversations at the three packing moments (``docs/contract.md``, section 2);
 2. the embedded default: the Qwen BPE vocabulary as a Hugging Face fast
    tokenizer with a ChatML template, the real conversations of
    ``chitchat-dataset``, rendered, tokenized and masked (assistant turns
@@ -17,10 +17,11 @@
    offline and loader runs are replayed unpacked; the losses agree within a
    fixed tolerance (derived below), tokens/s compared;
 6. a summary table and, with ``report_dir``, a PNG report (rows to scale,
-   fill per path, loss curves, tokens/s bars).
+   fill per path, loss curves, tokens/s bars) and the results as JSON
+   (``sftpack_demo.json``: every check by name, each path's numbers).
 
-Nothing is downloaded. ``quick`` uses the first 400 conversations and shorter
-training runs (under a minute on 2 cores); the full demo takes under 3 minutes.
+The stream ends with a :class:`DemoDone` that holds the same results. Nothing is
+downloaded. ``quick`` uses the first 400 conversations and shorter training runs.
 The training runs use a model whose vocabulary is the ids that occur in the data
 (:func:`sftpack.loop.compact_vocabulary`): with all 151,646 Qwen ids the output
 head of a 64-wide model dwarfs everything packing changes.
@@ -28,6 +29,8 @@ head of a 64-wide model dwarfs everything packing changes.
 
 from __future__ import annotations
 
+import json
+import math
 import tempfile
 import time
 from collections.abc import Iterator
@@ -36,6 +39,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+
+from ..chat import tokenize_conversations
+from ..data import default_corpus, default_tokenizer
+from ..exactness import TinyCausalLM, check_plain_model, exactness_table
+from ..handoff import PackedBatch
+from ..loader import PackingDataset
+from ..loop import ReplaySource, TrainConfig, build_model, compact_vocabulary, make_source, train
+from ..offline import PrepackedDataset, prepack_samples
+from ..trainer import pack_step, padded_batch
+from .layout import render_map, save_demo_png
+from .savings import format_table
 
 __all__ = ["DemoDone", "PathSummary", "Section", "run_demo"]
 
@@ -67,11 +82,35 @@ class Section:
 
 @dataclass
 class DemoDone:
-    """The demo's verdict: every check passed, and how long it took."""
+    """The demo's results: each check by name, each path's numbers, and the verdict."""
 
-    ok: bool
+    ok: bool  #: every check passed
     seconds: float
-    report: str | None = None
+    report: str | None = None  #: the PNG written (``report_dir``), else None
+    #: each check (``"offline: accounted"``, ``"exact: consumers"``, ``"trainer: losses equal"``, ...) -> passed
+    checks: dict[str, bool] = field(default_factory=dict)
+    #: ``"offline"``, ``"loader"``, ``"trainer"``, ``"none"`` -> that path's line of the summary table
+    paths: dict[str, PathSummary] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The results as JSON-ready data (``report_dir/sftpack_demo.json``); rows are left out."""
+        return {
+            "ok": self.ok,
+            "seconds": self.seconds,
+            "checks": dict(self.checks),
+            "tolerances": {"exact_64": EXACT_64, "eager_64": EAGER_64, "train_64": TRAIN_64},
+            "paths": {
+                name: {
+                    "rows": p.rows,
+                    "fill": p.fill,
+                    "pack_seconds": p.pack_seconds,
+                    "tokens_per_s": p.tokens_per_s,
+                    "loss_diff": None if math.isnan(p.loss_diff) else p.loss_diff,
+                    "losses": list(p.losses),
+                }
+                for name, p in self.paths.items()
+            },
+        }
 
 
 @dataclass
@@ -109,21 +148,8 @@ def run_demo(
     a :class:`DemoDone`. Nothing is printed here: ``sftpack demo`` renders the stream
     as it comes (a long step shows its header before it starts)."""
 
-    import torch
-
-    from ..chat import tokenize_conversations
-    from ..data import default_corpus, default_tokenizer
-    from ..exactness import TinyCausalLM, check_plain_model, exactness_table
-    from ..handoff import PackedBatch
-    from ..loader import PackingDataset
-    from ..loop import compact_vocabulary
-    from ..offline import PrepackedDataset, prepack_samples
-    from ..trainer import pack_step, padded_batch
-    from .layout import render_map
-    from .savings import format_table
-
     t_start = time.perf_counter()
-    ok = True
+    checks: dict[str, bool] = {}
     summary = {p: PathSummary(p) for p in ("offline", "loader", "trainer", "none")}
 
     yield Section("The handoff: two conversations at three packing moments")
@@ -163,8 +189,7 @@ def run_demo(
         ds = PrepackedDataset(path, verify="full")
         rows = [ds[i].validate() for i in range(len(ds))]
         s = summary["offline"]
-        good = _record(s, rows, _middle(rows), t0, len(samples), real, expect_labels)
-        ok &= good
+        good = checks["offline: accounted"] = _record(s, rows, _middle(rows), t0, len(samples), real, expect_labels)
         yield (
             f"  offline  prepack + read back {s.rows:,} rows in {s.pack_seconds:.1f} s: fill {s.fill:.2%}, "
             f"every token and label accounted for: {good}"
@@ -183,8 +208,7 @@ def run_demo(
             )
         ]
         s = summary["loader"]
-        good = _record(s, rows, _middle(rows), t0, len(samples), real, expect_labels)
-        ok &= good
+        good = checks["loader: accounted"] = _record(s, rows, _middle(rows), t0, len(samples), real, expect_labels)
         yield (
             f"  loader   one epoch streamed (buffer 256) into {s.rows:,} rows in {s.pack_seconds:.1f} s: fill "
             f"{s.fill:.2%}, every token and label accounted for: {good}"
@@ -202,7 +226,7 @@ def run_demo(
     s = summary["trainer"]
     s.pack_seconds = time.perf_counter() - t0  # packing only, before validation
     rows = [r.validate() for r in rows]
-    ok &= _record(s, rows, rows[:3], None, len(samples), real, expect_labels)
+    checks["trainer: accounted"] = _record(s, rows, rows[:3], None, len(samples), real, expect_labels)
     n = summary["none"]
     n.rows, n.fill = len(batches), real / padded_slots
     widest = int(lengths[batches[0]].max())
@@ -221,8 +245,7 @@ def run_demo(
     yield f"  float64, fixed tolerance {EXACT_64:.0e} (the same on any CPU; derived in sftpack.report.demo)"
     for mode in (True, False):
         r = check_plain_model(model, short, row, pad_between_seqs=mode)
-        good = r.within(EXACT_64, EXACT_64, EXACT_64)
-        ok &= good
+        good = checks[f"exact: {'real+padded' if mode else 'padded-for-both'}"] = r.within(EXACT_64, EXACT_64, EXACT_64)
         yield (
             f"  {len(short)} real conversations ({row.num_real_tokens} tokens, {row.num_label_tokens} supervised), "
             f"{'real+padded' if mode else 'padded-for-both'}: max|dlogit| {r.max_logit_diff:.1e}, "
@@ -248,8 +271,7 @@ def run_demo(
             for x in table
         ],
     )
-    good = worst <= EXACT_64 and eager <= EAGER_64
-    ok &= good
+    good = checks["exact: consumers"] = bool(worst <= EXACT_64 and eager <= EAGER_64)
     yield (
         f"  worst difference {worst:.1e} (HF eager, whose softmax is float32: {eager:.1e}): "
         + (f"exact (<= {EXACT_64:.0e}; eager <= {EAGER_64:.0e})" if good else "NOT EXACT")
@@ -259,9 +281,7 @@ def run_demo(
     yield Section(
         f"4. Training: each path and the padded baseline ({cfg['steps']} steps, rows of {cfg['max_seq_len']})"
     )
-    train_ok, lines = yield from _training(samples, summary, seed=seed, **cfg)
-    ok &= train_ok
-    yield from lines
+    yield from _training(samples, summary, checks, seed=seed, **cfg)
 
     yield Section("5. Summary")
     base = summary["none"]
@@ -295,14 +315,21 @@ def run_demo(
         "the output head (supervised tokens only) and the optimizer step cost the same on every path, so a tiny "
         "CPU model stays under the bound (benchmarks/bench_train.py measures it at 4,096)."
     )
-    report = None
+    ok = all(checks.values())
+    done = DemoDone(ok, 0.0, None, checks, summary)
     if report_dir is not None:
-        report = str(save_report(report_dir, summary))
-        yield f"  wrote {report}"
+        done.report = str(save_demo_png(report_dir, summary))
+        yield f"  wrote {done.report}"
 
     yield Section("Done")
-    yield f"  {'all checks passed' if ok else 'SOME CHECKS FAILED'} in {time.perf_counter() - t_start:.1f} s"
-    yield DemoDone(bool(ok), time.perf_counter() - t_start, report)
+    failed = [name for name, passed in checks.items() if not passed]
+    done.seconds = time.perf_counter() - t_start
+    yield f"  {'all checks passed' if ok else 'FAILED: ' + ', '.join(failed)} in {done.seconds:.1f} s"
+    if report_dir is not None:
+        results = Path(report_dir) / "sftpack_demo.json"
+        results.write_text(json.dumps(done.as_dict(), indent=1) + "\n")
+        yield f"  wrote {results}"
+    yield done
 
 
 def _middle(rows: list[Any], k: int = 3) -> list[Any]:
@@ -333,6 +360,7 @@ def _accounted(rows: list[Any], n_samples: int, real: int, labels: int) -> bool:
 def _training(
     samples: list[Any],
     summary: dict[str, PathSummary],
+    checks: dict[str, bool],
     *,
     seed: int,
     max_seq_len: int,
@@ -340,21 +368,9 @@ def _training(
     conversations: int,
     rows: int,
 ) -> Iterator[Any]:
-    """Yields progress lines; returns ``(ok, closing lines)`` (a generator's return value)."""
-    import torch
-
-    from ..loop import (
-        ReplaySource,
-        TrainConfig,
-        build_model,
-        compact_vocabulary,
-        make_source,
-        train,
-    )
-    from ..offline import prepack_samples
-
+    """Yields progress lines; records its checks in ``checks``."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # small matmuls: one thread is steadier on a shared 2-core machine
+    torch.set_num_threads(1)  # small matmuls: one thread is steadier beside other processes
     try:
         # Whole conversations only (no pieces of split ones): each id then names one sample.
         short = [s for s in samples if len(s) <= max_seq_len and "piece" not in s.meta]
@@ -365,7 +381,6 @@ def _training(
             f"of <= {max_seq_len} tokens; {conversations} conversations (trainer, none) or {rows} rows (offline, loader) per step"
         )
         results: dict[str, Any] = {}
-        ok = True
         with tempfile.TemporaryDirectory(prefix="sftpack-demo-train-") as tmp:
             prepacked = prepack_samples(short, Path(tmp) / "rows", max_seq_len=max_seq_len, seed=seed).path
             for path in ("none", "trainer", "loader", "offline"):
@@ -397,7 +412,7 @@ def _training(
                 if path == "trainer":
                     s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, results["none"].losses))
                     same = [sorted(a) for a in res.conversations] == [sorted(b) for b in results["none"].conversations]
-                    ok &= same
+                    checks["trainer: same conversations as padded"] = same
                     ref_diff = f"; same conversations as padded: {same}, max|dloss| {s.loss_diff:.1e}"
                 elif per_rows:
                     ref_cfg = TrainConfig(
@@ -423,87 +438,16 @@ def _training(
                     s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
                     ref_diff = f"; unpacked replay of the same conversations: max|dloss| {s.loss_diff:.1e}"
                 if path != "none":
-                    ok &= s.loss_diff <= TRAIN_64
+                    checks[f"{path}: losses equal"] = bool(s.loss_diff <= TRAIN_64)
                 yield (
                     f"  {path:8s} loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, "
                     f"{s.tokens_per_s:,.0f} real tokens/s{ref_diff}"
                 )
         base = summary["none"].tokens_per_s
-        lines = [
-            "  tokens/s vs padded: "
-            + ", ".join(f"{p} {summary[p].tokens_per_s / base:.2f}x" for p in ("trainer", "loader", "offline")),
-            f"  losses equal to unpacked (float64, <= {TRAIN_64:.0e}): {ok}",
-        ]
-        return ok, lines
+        equal = all(checks[f"{p}: losses equal"] for p in ("trainer", "loader", "offline"))
+        yield "  tokens/s vs padded: " + ", ".join(
+            f"{p} {summary[p].tokens_per_s / base:.2f}x" for p in ("trainer", "loader", "offline")
+        )
+        yield f"  losses equal to unpacked (float64, <= {TRAIN_64:.0e}): {equal}"
     finally:
         torch.set_num_threads(threads)
-
-
-def save_report(directory: str, summary: dict[str, PathSummary]) -> Path:
-    """The PNG report: rows to scale, fill per path, loss curves, tokens/s bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Rectangle
-
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    fig = plt.figure(figsize=(13, 8))
-    grid = fig.add_gridspec(2, 3)
-    ax_rows = fig.add_subplot(grid[0, :])
-    colours = plt.get_cmap("tab10").colors
-    y = 0.0
-    width = max((r.num_tokens for p in summary.values() for r in p.first_rows), default=1)
-    labels = []
-    for p in summary.values():
-        for r in p.first_rows:
-            starts = r.cu_seqlens_padded.tolist()
-            real = r.seqlens.tolist()
-            for i, (s, n) in enumerate(zip(starts[:-1], real)):
-                ax_rows.add_patch(
-                    Rectangle(
-                        (s, y),
-                        n,
-                        0.8,
-                        facecolor=colours[i % len(colours)],
-                        edgecolor="white",
-                    )
-                )
-                ax_rows.add_patch(Rectangle((s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"))
-            labels.append((y + 0.4, p.path))
-            y += 1
-        y += 0.5
-    ax_rows.set_xlim(0, width)
-    ax_rows.set_ylim(y, -0.2)
-    ax_rows.set_yticks([a for a, _ in labels], [b for _, b in labels])
-    ax_rows.set_xlabel("token slots (colour: a conversation; grey: padding)")
-    ax_rows.set_title("first rows of each path, to scale")
-    names = list(summary)
-    ax_fill = fig.add_subplot(grid[1, 0])
-    ax_fill.bar(names, [summary[n].fill * 100 for n in names], color="#4C72B0")
-    ax_fill.set(ylabel="real tokens / slots (%)", title="fill", ylim=(0, 105))
-    ax_loss = fig.add_subplot(grid[1, 1])
-    for n in names:
-        if summary[n].losses:
-            ax_loss.plot(
-                range(1, len(summary[n].losses) + 1),
-                summary[n].losses,
-                marker="o",
-                label=n,
-            )
-    ax_loss.set(
-        xlabel="step",
-        ylabel="loss",
-        title="training loss (trainer = none: same conversations)",
-    )
-    ax_loss.legend()
-    ax_speed = fig.add_subplot(grid[1, 2])
-    ax_speed.bar(names, [summary[n].tokens_per_s for n in names], color="#DD8452")
-    ax_speed.set(ylabel="real tokens / s", title="training throughput")
-    fig.suptitle("sftpack demo: the three packing paths and padded batches on the embedded corpus")
-    fig.tight_layout()
-    path = out / "sftpack_demo.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path

@@ -11,13 +11,20 @@ tokens) and B (10 tokens) lie in the row and which boundaries the kernel gets::
 from __future__ import annotations
 
 import string
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from ..handoff import PackedBatch, Sample
+from ..loader import worked_example_row
+from ..loop._optional import pyplot
+from ..trainer import pack_step
 
-__all__ = ["MapRow", "draw_row", "worked_example", "render_map", "save_map_png"]
+__all__ = ["MapRow", "draw_row", "render_map", "save_demo_png", "save_map_png", "worked_example"]
 
 
 @dataclass
@@ -35,23 +42,14 @@ def _worked_samples() -> list[Sample]:
 
 
 def worked_example() -> list[MapRow]:
-    """The three rows of CONTRACT section 2, each built by the library."""
+    """The three rows of ``docs/contract.md`` section 2 (the worked example), each built by the library."""
     a, b = _worked_samples()
     offline = PackedBatch.from_samples([a, b], row_width=16)
-    from ..loader import worked_example_row
-
     loader = worked_example_row()
-    try:
-        from ..trainer import pack_step
-    except ImportError:  # pragma: no cover - trainer path not installed
-        trainer = PackedBatch.from_samples([a, b], pad_multiple=4)
-    else:
-        import torch
-
-        ids = torch.zeros(2, 10, dtype=torch.long)
-        ids[0, :5] = torch.from_numpy(a.input_ids)
-        ids[1, :10] = torch.from_numpy(b.input_ids)
-        trainer = pack_step(ids, torch.tensor([5, 10]), pad_multiple=4)
+    ids = torch.zeros(2, 10, dtype=torch.long)
+    ids[0, :5] = torch.from_numpy(a.input_ids)
+    ids[1, :10] = torch.from_numpy(b.input_ids)
+    trainer = pack_step(ids, torch.tensor([5, 10]), pad_multiple=4)
     return [
         MapRow("offline", "max_seq_len=16, no per-sequence pad", offline, "real + padded"),
         MapRow("loader", "max_seq_len=36, pad each sequence to a multiple of 4", loader, "padded for both"),
@@ -100,14 +98,8 @@ def render_map(rows: list[MapRow] | None = None) -> str:
 
 def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
     """Draw the map as a PNG (needs matplotlib: ``pip install 'sftpack[plot]'``)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Rectangle
-    except ImportError as e:  # pragma: no cover - optional dependency
-        raise RuntimeError("sftpack map --png needs matplotlib: pip install 'sftpack[plot]'") from e
+    plt = pyplot("sftpack map --png")
+    Rectangle = plt.Rectangle
     rows = rows if rows is not None else worked_example()
     width = max(r.batch.num_tokens for r in rows)
     fig, ax = plt.subplots(figsize=(max(8, width * 0.32), 1.3 * len(rows) + 0.8))
@@ -134,5 +126,73 @@ def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
     ax.set_title("sftpack: A (5 tokens) and B (10 tokens) at three packing moments", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return path
+
+
+def save_demo_png(directory: str | Path, summary: Mapping[str, Any]) -> Path:
+    """The demo's PNG report, ``directory/sftpack_demo.png``: rows to scale, fill per
+    path, loss curves, tokens/s bars (``summary``: path name -> the demo's ``PathSummary``)."""
+    plt = pyplot("sftpack demo --report")
+    Rectangle = plt.Rectangle
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    fig = plt.figure(figsize=(13, 8))
+    grid = fig.add_gridspec(2, 3)
+    ax_rows = fig.add_subplot(grid[0, :])
+    colours = plt.get_cmap("tab10").colors
+    y = 0.0
+    width = max((r.num_tokens for p in summary.values() for r in p.first_rows), default=1)
+    labels = []
+    for p in summary.values():
+        for r in p.first_rows:
+            starts = r.cu_seqlens_padded.tolist()
+            real = r.seqlens.tolist()
+            for i, (s, n) in enumerate(zip(starts[:-1], real)):
+                ax_rows.add_patch(
+                    Rectangle(
+                        (s, y),
+                        n,
+                        0.8,
+                        facecolor=colours[i % len(colours)],
+                        edgecolor="white",
+                    )
+                )
+                ax_rows.add_patch(Rectangle((s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"))
+            labels.append((y + 0.4, p.path))
+            y += 1
+        y += 0.5
+    ax_rows.set_xlim(0, width)
+    ax_rows.set_ylim(y, -0.2)
+    ax_rows.set_yticks([a for a, _ in labels], [b for _, b in labels])
+    ax_rows.set_xlabel("token slots (colour: a conversation; grey: padding)")
+    ax_rows.set_title("first rows of each path, to scale")
+    names = list(summary)
+    ax_fill = fig.add_subplot(grid[1, 0])
+    ax_fill.bar(names, [summary[n].fill * 100 for n in names], color="#4C72B0")
+    ax_fill.set(ylabel="real tokens / slots (%)", title="fill", ylim=(0, 105))
+    ax_loss = fig.add_subplot(grid[1, 1])
+    for n in names:
+        if summary[n].losses:
+            ax_loss.plot(
+                range(1, len(summary[n].losses) + 1),
+                summary[n].losses,
+                marker="o",
+                label=n,
+            )
+    ax_loss.set(
+        xlabel="step",
+        ylabel="loss",
+        title="training loss (trainer = none: same conversations)",
+    )
+    ax_loss.legend()
+    ax_speed = fig.add_subplot(grid[1, 2])
+    ax_speed.bar(names, [summary[n].tokens_per_s for n in names], color="#DD8452")
+    ax_speed.set(ylabel="real tokens / s", title="training throughput")
+    fig.suptitle("sftpack demo: the three packing paths and padded batches on the embedded corpus")
+    fig.tight_layout()
+    path = out / "sftpack_demo.png"
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..binpack import Algorithm, lower_bounds, pack, packing_stats
+from ..chat import tokenize_conversations
 
 __all__ = ["BenchReport", "LayoutRow", "bench_lengths", "compare_layouts", "format_layouts", "format_table"]
 
@@ -131,8 +132,6 @@ def bench_lengths(
     progress: bool = False,
 ) -> BenchReport:
     """Tokenize ``conversations`` and compare the packing layouts of their lengths."""
-    from ..chat import tokenize_conversations
-
     t0 = time.perf_counter()
     tokenized = tokenize_conversations(
         conversations,
