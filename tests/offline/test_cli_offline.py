@@ -54,7 +54,7 @@ def test_prepack_writes_a_directory_and_prints_the_summary(chat_file, tok_dir, t
 def test_prepack_usage_errors(chat_file, tok_dir, tmp_path, capsys):
     base = ["prepack", str(chat_file), "--out", str(tmp_path / "x"), "--tokenizer", str(tok_dir)]
     assert main(base + ["--max-seq-len", "1000", "--pad-multiple", "16"]) == 2
-    assert "not a multiple of the pad multiple 16 (use 992)" in capsys.readouterr().err
+    assert "max_seq_len=1000 is not a multiple of pad_multiple=16" in capsys.readouterr().err
     assert main(base + ["--max-seq-len", "1000", "--cp", "2", "--fp8", "mxfp8"]) == 2
     assert (
         "not a multiple of 64, which every row needs with --cp 2 --tp 1 --fp8 mxfp8 (use 960)"

@@ -20,32 +20,32 @@ from sftpack.offline._publish import recover
 
 from .conftest import MAX_SEQ_LEN
 
-# The child runs a real prepack; a hook the test passes in (a patched function in the child
-# only) blocks it at a chosen moment (after the first chunk of rows is written; with every
-# file and the manifest written, just before the publish; just before or just after the
+# The child runs a real prepack and is blocked at a chosen moment by what the test passes in:
+# after the first chunk of rows is written, by an engine whose write stage blocks there; with
+# every file and the manifest written, just before the publish; just before or just after the
 # atomic exchange of --overwrite; between the two renames of the fallback for systems without
-# renameat2) and signals readiness, so the kill lands exactly there.
+# renameat2 (these by a patched function of the publish step, in the child only). It then
+# signals readiness, so the kill lands exactly there.
 CHILD = r"""
 import os, sys, time
 from pathlib import Path
 mode, inp, out, ready, width, overwrite = sys.argv[1:7]
-import sftpack.offline._prepack as pp
 import sftpack.offline._publish as pub
-import sftpack.offline._write as w
+from sftpack.offline import prepack
+from sftpack.offline._local import LocalEngine
+from sftpack.offline.engine import write_rows
 from sftpack.testing import tiny_chat_tokenizer
 
 def block(*args, **kwargs):
     Path(ready).write_text(mode)
     time.sleep(120)
 
-if mode == "write":
-    original = w._pwrite_all
-    def first_then_block(*args, **kwargs):
-        original(*args, **kwargs)
-        block()
-    w._pwrite_all = first_then_block
-    w.CHUNK_TOKENS = 2048
-elif mode == "publish":
+class BlockAfterFirstChunk(LocalEngine):
+    def write(self, directory, plan, staged, dtype):
+        write_rows(directory, plan, staged.source, dtype, chunk_tokens=2048, on_chunk=block)
+
+engine = BlockAfterFirstChunk() if mode == "write" else "local"
+if mode == "publish":
     pub.Output.publish = block
 elif mode in ("before-exchange", "exchanged"):
     rename2 = pub._renameat2
@@ -66,8 +66,8 @@ elif mode == "between-renames":
         if ".sftpack-old-" in str(dst):
             block()
     os.rename = parked_then_block
-pp.prepack(inp, out, tokenizer=tiny_chat_tokenizer("chatml"), max_seq_len=int(width), pad_multiple=4,
-           overlong="split", overwrite=overwrite == "1")
+prepack(inp, out, tokenizer=tiny_chat_tokenizer("chatml"), max_seq_len=int(width), pad_multiple=4,
+        overlong="split", overwrite=overwrite == "1", engine=engine)
 """
 
 FSIZE_CHILD = r"""

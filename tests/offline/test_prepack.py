@@ -10,8 +10,9 @@ import pytest
 
 from sftpack.chat import read_conversations, tokenize_conversations
 from sftpack.handoff import padded_lengths
-from sftpack.offline import PrepackedDataset, plan_rows, prepack, prepack_samples
+from sftpack.offline import PrepackedDataset, prepack, prepack_samples
 from sftpack.offline._format import FILES
+from sftpack.offline.engine import plan_rows
 from sftpack.testing import samples_from_lengths
 
 from .conftest import BAD_ROWS, MAX_SEQ_LEN, N_GOOD

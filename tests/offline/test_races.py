@@ -211,7 +211,7 @@ def test_a_row_wider_than_the_limit_is_refused_up_front(chat_file, tok, tmp_path
     assert len(err) == 1 and err[0].startswith("sftpack prepack: --max-seq-len=2,000,000,000 is wider than")
     assert not (tmp_path / "w").exists()
     # the limit itself is accepted (the plan is checked, not built here)
-    from sftpack.offline import plan_rows
+    from sftpack.offline.engine import plan_rows
 
     assert plan_rows([5, 10], max_seq_len=MAX_ROW_WIDTH).row_width == MAX_ROW_WIDTH
     with pytest.raises(ValueError, match="wider than sftpack's limit"):

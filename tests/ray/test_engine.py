@@ -8,13 +8,16 @@ tasks), so these are few and share one Ray (``ray_cluster``)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from sftpack.offline import PrepackedDataset, PrepackError, _ray, prepack
+from sftpack.offline import PrepackedDataset, PrepackError, prepack, prepack_ray
 from sftpack.offline._format import FILES, MANIFEST
-from sftpack.offline._ray import prepack_ray
+from sftpack.offline._ray import RayEngine
 
 from .conftest import BAD_ROWS, PER_FILE
 from .conftest import FILES as N_FILES
@@ -26,16 +29,22 @@ def _files(path):
     return {name: (path / name).read_bytes() for name in FILES}
 
 
-def test_local_and_ray_1_and_2_workers_write_the_same_bytes(ray_cluster, chat_dir, tok_dir, tmp_path, monkeypatch):
+def test_local_and_ray_1_and_2_workers_write_the_same_bytes(ray_cluster, chat_dir, tok_dir, tmp_path):
     tok = AutoTokenizer.from_pretrained(str(tok_dir), local_files_only=True)
     local = prepack(chat_dir, tmp_path / "local", tokenizer=tok, **OPTIONS)
     one = prepack_ray(chat_dir, tmp_path / "ray1", tokenizer=str(tok_dir), workers=1, **OPTIONS)
     # with 2 workers, the actor that stages unit 1 is killed (SIGKILL) right after: Ray Data
     # restarts it and reruns the unit, which rewrites the same staging files
-    killed = tmp_path / "killed-once"
-    monkeypatch.setitem(_ray._FAULTS, "kill_once", (1, str(killed)))
-    two = prepack_ray(chat_dir, tmp_path / "ray2", tokenizer=str(tok_dir), workers=2, write_tasks=3, **OPTIONS)
-    assert killed.exists()
+    killed = str(tmp_path / "killed-once")
+
+    def kill_once(key):  # runs in the actor, pickled by value (a local function)
+        if key == 1 and not os.path.exists(killed):
+            Path(killed).touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    engine = RayEngine(workers=2, write_tasks=3, after_unit=kill_once)
+    two = prepack(chat_dir, tmp_path / "ray2", tokenizer=str(tok_dir), engine=engine, **OPTIONS)
+    assert os.path.exists(killed)
 
     expected = _files(local.path)
     for result in (one, two):

@@ -15,14 +15,9 @@ import pytest
 
 from sftpack.chat import BadRowError, tokenize_conversations
 from sftpack.data import default_corpus
-from sftpack.offline import plan_rows, stage_samples
-from sftpack.offline._ray import (
-    _merge,
-    _TokenizeActor,
-    _units,
-    _UnitsSource,
-    split_rows,
-)
+from sftpack.offline._inputs import open_inputs
+from sftpack.offline._ray_units import TokenizeActor, UnitsSource, make_units, merge, split_rows
+from sftpack.offline.engine import plan_rows, stage_samples
 from sftpack.testing import samples_from_lengths, tiny_chat_tokenizer
 
 OPTIONS = {"max_seq_len": 256, "overlong": "split", "train_on": "all_assistant"}
@@ -30,7 +25,7 @@ OPTIONS = {"max_seq_len": 256, "overlong": "split", "train_on": "all_assistant"}
 
 def _run_units(units, tok):
     """The actor's work, in this process, one unit per call as Ray Data hands them over."""
-    actor = _TokenizeActor(tok, OPTIONS)
+    actor = TokenizeActor(tok, OPTIONS)
     out = []
     for u in units:
         batch = actor({"key": np.array([u.key]), "unit": np.array([pickle.dumps(u)], dtype=object)})
@@ -51,11 +46,13 @@ def _iterable():
 def test_units_of_an_iterable_merge_into_the_local_staging(tmp_path):
     tok = tiny_chat_tokenizer("chatml")
     items = _iterable()
-    units, reader, hashing, _ = _units(items, tmp_path / "ray", on_bad_row="skip", limit=17, unit_size=5)
-    assert reader is None and [len(u.conversations) for u in units] == [5, 5, 5, 2] and hashing.count == 17
+    inputs = open_inputs(items, on_bad_row="skip", limit=17)
+    units, workers_read = make_units(inputs, tmp_path / "ray", unit_size=5)
+    assert inputs.reader is None and not workers_read
+    assert [len(u.conversations) for u in units] == [5, 5, 5, 2] and inputs.hashing.count == 17
     results = _run_units(units, tok)
     assert all(r["ok"] for r in results)
-    staged, unit_samples = _merge(results, tmp_path / "ray")
+    staged, unit_samples = merge(results, tmp_path / "ray")
 
     local_tok = tokenize_conversations(items[:17], tok, **OPTIONS)
     local = stage_samples(local_tok, tmp_path / "local")
@@ -79,8 +76,11 @@ def test_a_bad_row_in_error_mode_comes_back_as_the_local_error(tmp_path):
     path = tmp_path / "chat.jsonl"
     good = '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}'
     path.write_text(f'{good}\n{good}\n{{"messages": []}}\n{good}\n')
-    units, reader, _, fp = _units([path], tmp_path / "ray", on_bad_row="error", limit=None, unit_size=5)
-    assert len(units) == 1 and units[0].source is not None and fp[0]["size"] == path.stat().st_size
+    inputs = open_inputs([path], on_bad_row="error", limit=None)
+    units, workers_read = make_units(inputs, tmp_path / "ray", unit_size=5)
+    assert workers_read and len(units) == 1 and units[0].source is not None
+    assert inputs.fingerprint()[0]["size"] == path.stat().st_size
+    reader = inputs.reader
     (result,) = _run_units(units, tok)
     assert not result["ok"] and isinstance(result["error"], BadRowError)
     with pytest.raises(BadRowError) as local:
@@ -97,7 +97,7 @@ def test_the_multi_unit_source_gathers_what_one_staging_folder_does(tmp_path):
     cuts = [0, 3, 4, 9, 12]  # four units, one of a single sample
     for k, (a, b) in enumerate(pairwise(cuts)):
         stage_samples(samples[a:b], tmp_path / f"u{k}")
-    multi = _UnitsSource([str(tmp_path / f"u{k}") for k in range(4)], whole.lengths, np.array(cuts))
+    multi = UnitsSource([str(tmp_path / f"u{k}") for k in range(4)], whole.lengths, np.array(cuts))
     rng = np.random.default_rng(0)
     for request in (np.arange(12), rng.permutation(12), np.array([11, 0, 3, 3, 8]), np.array([6])):
         got, want = multi.gather(request), whole.source().gather(request)
@@ -120,7 +120,7 @@ def test_write_ranges_cover_every_row_once_balanced_by_tokens(parts):
 
 def test_importing_the_engine_loads_no_ray_and_no_transformers():
     code = (
-        "import sys, sftpack.offline, sftpack.offline._ray; "
+        "import sys, sftpack.offline, sftpack.offline._ray, sftpack.offline.engine; "
         "print(','.join(m for m in ('ray', 'transformers') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

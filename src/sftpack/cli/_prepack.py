@@ -118,8 +118,9 @@ def summary_lines(result: object) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs: the offline path loads torch, and `sftpack --help` should not
     from ..handoff import pad_multiple_for
-    from ..offline import prepack
+    from ..offline import PrepackOptions, prepack
     from ..offline._format import check_row_width
 
     try:
@@ -139,38 +140,33 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--pad-multiple {args.pad_multiple} is not a multiple of {align.seq_multiple}, which --cp/--tp need"
         )
-    if args.max_seq_len % pad_multiple:
-        raise UsageError(
-            f"--max-seq-len {args.max_seq_len} is not a multiple of the pad multiple {pad_multiple} "
-            f"(use {args.max_seq_len // pad_multiple * pad_multiple or pad_multiple})"
-        )
     if args.engine == "ray":
         if args.num_proc != 1:
             raise UsageError("--num-proc is the local engine's; with --engine ray use --workers")
-        tok = args.tokenizer  # a path (or None: the embedded one): each Ray actor loads it, the driver never does
-    else:
-        if args.workers is not None or args.ray_address is not None:
-            raise UsageError("--workers and --ray-address need --engine ray (the local engine uses --num-proc)")
-        tok = load_tokenizer(args.tokenizer)
-    result = prepack(
-        args.inputs or None,
-        args.out,
-        tokenizer=tok,
-        max_seq_len=args.max_seq_len,
-        pad_multiple=pad_multiple,
-        algorithm=args.algorithm,
-        seed=args.seed,
-        overlong=args.overlong,
-        train_on=args.train_on,
-        on_bad_row=args.on_bad_row,
-        num_proc=args.num_proc,
-        engine=args.engine,
-        workers=args.workers or 2,
-        ray_address=args.ray_address,
-        limit=args.limit,
-        overwrite=args.overwrite,
-        progress=not args.no_progress,
-    )
+    elif args.workers is not None or args.ray_address is not None:
+        raise UsageError("--workers and --ray-address need --engine ray (the local engine uses --num-proc)")
+    try:  # every option checked once, before the tokenizer loads or an input is read
+        options = PrepackOptions(
+            max_seq_len=args.max_seq_len,
+            pad_multiple=pad_multiple,
+            algorithm=args.algorithm,
+            seed=args.seed,
+            overlong=args.overlong,
+            train_on=args.train_on,
+            on_bad_row=args.on_bad_row,
+            num_proc=args.num_proc,
+            engine=args.engine,
+            workers=args.workers or 2,
+            ray_address=args.ray_address,
+            limit=args.limit,
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    # Ray: a path (or None: the embedded one) that each actor loads; the driver never does
+    tok = args.tokenizer if args.engine == "ray" else load_tokenizer(args.tokenizer)
+    result = prepack(args.inputs or None, args.out, tokenizer=tok, options=options)
     print(f"wrote {result.path}")
     for line in summary_lines(result):
         print("  " + line)

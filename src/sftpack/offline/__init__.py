@@ -3,7 +3,7 @@
 ``sftpack prepack`` (:func:`prepack`) turns conversations into a prepack
 directory in three separable stages, then publishes it atomically:
 
-1. read + tokenize (``_stage``): samples stream into flat staging files; only
+1. read + tokenize (``_inputs``, ``_stage``): samples stream into flat staging files; only
    the lengths (and conversation numbers) stay in memory;
 2. pack (``_plan``): :func:`sftpack.binpack.pack` on the padded lengths
    (:func:`sftpack.handoff.padded_lengths`, the row builder's own cost) gives
@@ -18,6 +18,12 @@ segment, real and padded boundaries both kept), with epoch-seeded order and
 data-parallel shards balanced by tokens (``_shard``). ``_describe`` summarises a
 prepack for ``sftpack inspect``; ``_bridge`` and ``_packed_jsonl`` convert to
 and from Megatron-Bridge's packed Parquet and the upstream packed JSONL.
+
+One driver (``_driver``) runs every prepack over an engine that runs stages 1
+and 3: the local one (``_local``) or Ray's (``_ray``), the same bytes either
+way; the options are one validated :class:`PrepackOptions` (``_options``). The
+engine interface and the stage parts, for writing another engine, are the
+extension module :mod:`sftpack.offline.engine`.
 
 The format (one row of two conversations, ``max_seq_len=16``)::
 
@@ -40,48 +46,28 @@ The format (one row of two conversations, ``max_seq_len=16``)::
 from __future__ import annotations
 
 from ._bridge import export_megatron_bridge, import_megatron_bridge
-from ._dataset import PrepackedDataset, Verify
-from ._describe import Description, describe
-from ._fingerprint import tokenizer_fingerprint
-from ._format import FORMAT_VERSION, PrepackError, read_manifest
-from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl, split_packed_messages
-from ._plan import RowPlan, plan_from_membership, plan_rows
-from ._prepack import Engine, PrepackResult, prepack, prepack_samples
-from ._ray import RayPrepackResult, prepack_ray, ray_session
-from ._shard import Balance, epoch_rows
-from ._stage import StagedSamples, StagingSource, stage_samples
-from ._write import allocate, write_index, write_rows
+from ._dataset import PrepackedDataset
+from ._describe import describe
+from ._format import PrepackError, read_manifest
+from ._options import PrepackOptions
+from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl
+from ._plan import plan_rows as plan_rows  # not in __all__: benchmarks/bench_ray.py imports it here
+from ._prepack import prepack, prepack_samples
+from ._ray import prepack_ray
+from ._result import PrepackResult
 
 __all__ = [
-    "FORMAT_VERSION",
-    "Balance",
-    "Description",
-    "Engine",
     "PrepackError",
+    "PrepackOptions",
     "PrepackResult",
     "PrepackedDataset",
-    "RayPrepackResult",
-    "RowPlan",
-    "StagedSamples",
-    "StagingSource",
-    "Verify",
-    "allocate",
     "describe",
-    "epoch_rows",
     "export_megatron_bridge",
     "export_packed_jsonl",
     "import_megatron_bridge",
     "import_packed_jsonl",
-    "plan_from_membership",
-    "plan_rows",
     "prepack",
     "prepack_ray",
     "prepack_samples",
-    "ray_session",
     "read_manifest",
-    "split_packed_messages",
-    "stage_samples",
-    "tokenizer_fingerprint",
-    "write_index",
-    "write_rows",
 ]

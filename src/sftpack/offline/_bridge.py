@@ -56,8 +56,12 @@ from typing import Any
 import numpy as np
 
 from .._base import positive_int
+from ..data import default_tokenizer
 from ..handoff import Sample
-from ._prepack import PrepackResult, prepack_samples
+from ._dataset import PrepackedDataset
+from ._fingerprint import input_fingerprints, tokenizer_fingerprint
+from ._prepack import prepack_samples
+from ._result import PrepackResult
 
 __all__ = ["export_megatron_bridge", "import_megatron_bridge"]
 
@@ -87,15 +91,21 @@ def _layout(lens: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarra
     return begin, np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(begin - first, lens)
 
 
+def _pyarrow() -> tuple[Any, Any]:
+    """``pyarrow`` and ``pyarrow.parquet`` (the ``chat`` extra's), imported here only."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError as e:  # pragma: no cover - installed with the chat extra
+        raise ImportError(f"Megatron-Bridge Parquet needs pyarrow ({e}): pip install 'sftpack[chat]'") from e
+    return pa, pq
+
+
 def _prepack_tokenizer(ds: Any, tokenizer: Any, need: str, *, check: bool) -> Any:
     """``tokenizer``, or the prepack's own when it is sftpack's default tokenizer; ``check``:
     refuse a tokenizer other than the prepack's (its ids must mean what the prepack's mean)."""
-    from ._fingerprint import tokenizer_fingerprint
-
     have = (ds.manifest["fingerprint"].get("tokenizer") or {}).get("sha256")
     if tokenizer is None:
-        from ..data import default_tokenizer
-
         default = default_tokenizer()
         if have is None or tokenizer_fingerprint(default)["sha256"] != have:
             raise ValueError(
@@ -147,11 +157,7 @@ def export_megatron_bridge(
         ValueError: a row that does not fit ``pack_size`` once padded to ``pad_multiple``
             (only for a multiple other than the prepack's), or no EOS id to pad with.
     """
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from ._dataset import PrepackedDataset
-
+    pa, pq = _pyarrow()
     ds = dataset if isinstance(dataset, PrepackedDataset) else PrepackedDataset(dataset)
     m = ds.pad_multiple if pad_multiple is None else positive_int("pad_multiple", pad_multiple)
     pack_size = ds.max_seq_len
@@ -226,8 +232,7 @@ def export_megatron_bridge(
 
 
 def _bridge_rows(path: Path) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    import pyarrow.parquet as pq
-
+    _, pq = _pyarrow()
     pf = pq.ParquetFile(path)
     names = set(pf.schema_arrow.names)
     missing = {"input_ids", "loss_mask", "seq_start_id"} - names
@@ -283,8 +288,6 @@ def import_megatron_bridge(
             row = _row_samples(path, r, ids, lm, st)
             sizes.append(len(row))
             yield from row
-
-    from ._fingerprint import input_fingerprints
 
     # the samples stream first, then the plan reads the row sizes they recorded
     return prepack_samples(

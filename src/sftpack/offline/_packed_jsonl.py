@@ -41,10 +41,15 @@ import numpy as np
 from .._base import positive_int
 from ..binpack import Algorithm
 from ..chat import read_conversations, tokenize_conversation
+from ..data import default_corpus, default_tokenizer
 from ..handoff import Sample
+from ._bridge import _prepack_tokenizer
+from ._dataset import PrepackedDataset
 from ._fingerprint import input_fingerprints
 from ._format import PrepackError
-from ._prepack import PrepackResult, prepack_samples
+from ._plan import plan_rows
+from ._prepack import prepack_samples
+from ._result import PrepackResult
 
 __all__ = ["export_packed_jsonl", "import_packed_jsonl", "split_packed_messages"]
 
@@ -87,8 +92,6 @@ def import_packed_jsonl(
             conversation the tokenizer refuses (naming file, line and conversation).
     """
     if tokenizer is None:
-        from ..data import default_tokenizer
-
         tokenizer = default_tokenizer()
     path = Path(path)
     sizes: list[int] = []
@@ -131,8 +134,6 @@ def _source_conversations(ds: Any) -> Iterable[Any]:
     fp = ds.manifest["fingerprint"]
     inputs = fp.get("inputs") or []
     if len(inputs) == 1 and str(inputs[0]["name"]).startswith("sftpack.data.default_corpus"):
-        from ..data import default_corpus
-
         return default_corpus(inputs[0].get("limit"))
     if not inputs or any(i.get("size") is None or not Path(str(i["name"])).exists() for i in inputs):
         raise PrepackError(
@@ -222,10 +223,6 @@ def export_packed_jsonl(
             in ``over_length_written_whole``; the upstream loader cuts it there), ``"error"``
             raises naming it. Default: the prepack's ``overlong``.
     """
-    from ._bridge import _prepack_tokenizer
-    from ._dataset import PrepackedDataset
-    from ._plan import plan_rows
-
     ds = dataset if isinstance(dataset, PrepackedDataset) else PrepackedDataset(dataset)
     pieces = ds.sequences["piece"]
     if pieces.shape[0] and int(pieces.max()) > 0:

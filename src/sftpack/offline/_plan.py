@@ -23,17 +23,18 @@ Memory: about 24 bytes per sample (the order, the output lengths and starts).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .._base import positive_int
+from .._base import choose, positive_int, round_up
 from ..binpack import Algorithm, lower_bounds, pack
 from ..handoff import padded_lengths
-from ._format import check_row_width
+from ._format import PrepackError, check_row_width
 
-__all__ = ["RowPlan", "plan_from_membership", "plan_rows"]
+__all__ = ["BinPack", "KeepRows", "RowPlan", "check_width", "plan_from_membership", "plan_rows"]
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ def _finish(lengths_in: np.ndarray, order: np.ndarray, row_offsets: np.ndarray, 
     return RowPlan(order, row_offsets, lengths, starts, width, m, bounds.l1, bounds.l2)
 
 
-def _check_width(max_seq_len: Any, pad_multiple: Any) -> tuple[int, int]:
+def check_width(max_seq_len: Any, pad_multiple: Any) -> tuple[int, int]:
+    """``(max_seq_len, pad_multiple)`` as ints, or the one ``ValueError`` for each problem
+    (not positive, wider than the format allows, not a multiple of the pad multiple)."""
     width = check_row_width(positive_int("max_seq_len", max_seq_len))
     m = positive_int("pad_multiple", pad_multiple)
     if width % m:
@@ -125,7 +128,7 @@ def plan_rows(
     >>> p.order.tolist(), p.row_offsets.tolist(), p.starts.tolist()
     ([1, 4, 0, 2, 3], [0, 2, 5], [0, 10, 16, 21, 24])
     """
-    width, m = _check_width(max_seq_len, pad_multiple)
+    width, m = check_width(max_seq_len, pad_multiple)
     lengths_in = np.asarray(lengths, dtype=np.int64)
     bins = pack(padded_lengths(lengths_in, m), width, algorithm, seed=seed)
     order = bins.order.copy()
@@ -140,9 +143,72 @@ def plan_rows(
 def plan_from_membership(lengths: Any, row_offsets: Any, *, max_seq_len: int, pad_multiple: int = 1) -> RowPlan:
     """A plan that keeps a given packing: samples in input order, row ``r`` holding
     samples ``row_offsets[r]:row_offsets[r+1]`` (what an importer read)."""
-    width, m = _check_width(max_seq_len, pad_multiple)
+    width, m = check_width(max_seq_len, pad_multiple)
     lengths_in = np.asarray(lengths, dtype=np.int64)
     offsets = np.asarray(row_offsets, dtype=np.int64)
     if offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != lengths_in.shape[0] or np.any(np.diff(offsets) < 1):
         raise ValueError("row_offsets must run from 0 to the number of samples, strictly increasing")
     return _finish(lengths_in, np.arange(lengths_in.shape[0], dtype=np.int64), offsets, width, m)
+
+
+@dataclass(frozen=True)
+class BinPack:
+    """Stage 2 by bin packing: :func:`plan_rows` with these settings (validated here, once)."""
+
+    max_seq_len: int
+    pad_multiple: int = 1
+    algorithm: Algorithm = Algorithm.BFD
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        width, m = check_width(self.max_seq_len, self.pad_multiple)
+        object.__setattr__(self, "max_seq_len", width)
+        object.__setattr__(self, "pad_multiple", m)
+        object.__setattr__(self, "algorithm", choose(Algorithm, self.algorithm, "algorithm"))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
+
+    def plan(self, lengths: Any) -> RowPlan:
+        return plan_rows(
+            lengths,
+            max_seq_len=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            algorithm=self.algorithm,
+            seed=self.seed,
+        )
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The manifest fingerprint's entries for the packing."""
+        return {"algorithm": str(self.algorithm), "seed": self.seed}
+
+
+@dataclass(frozen=True)
+class KeepRows:
+    """Stage 2 that keeps a given packing (importers): row ``r`` holds the next
+    ``row_sizes[r]`` samples. ``row_sizes`` is read when planning, after every sample
+    came in (an importer fills it while its samples stream). ``max_seq_len=None``:
+    as wide as the widest row needs, rounded up to ``pad_multiple``."""
+
+    row_sizes: Iterable[int]
+    max_seq_len: int | None
+    pad_multiple: int = 1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pad_multiple", positive_int("pad_multiple", self.pad_multiple))
+        if self.max_seq_len is not None:
+            object.__setattr__(self, "max_seq_len", check_width(self.max_seq_len, self.pad_multiple)[0])
+
+    def plan(self, lengths: Any) -> RowPlan:
+        lengths = np.asarray(lengths, np.int64)
+        offsets = np.concatenate([[0], np.cumsum(np.fromiter(self.row_sizes, np.int64))]).astype(np.int64)
+        if offsets[-1] != lengths.shape[0]:
+            raise PrepackError(f"row_sizes add up to {int(offsets[-1])} samples but {lengths.shape[0]} came in")
+        width = self.max_seq_len
+        if width is None:  # as wide as the widest row needs
+            loads = np.add.reduceat(padded_lengths(lengths, self.pad_multiple), offsets[:-1])
+            width = round_up(int(loads.max()), self.pad_multiple)
+        return plan_from_membership(lengths, offsets, max_seq_len=width, pad_multiple=self.pad_multiple)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"algorithm": "kept from the source", "seed": None}

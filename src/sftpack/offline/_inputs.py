@@ -1,0 +1,176 @@
+"""The inputs of a prepack, the same for every engine: what they are, what they hash to,
+and what reading them counted.
+
+:func:`open_inputs` sorts what the caller passed into one of three kinds and
+gives the conversations to tokenize (``limit`` applied) with the input part of
+the fingerprint:
+
+- ``None``: the embedded corpus (:func:`sftpack.data.default_corpus`), fingerprinted
+  by its package file and the ``limit``;
+- paths (files, folders, globs, saved datasets) or a
+  :class:`~sftpack.chat.ConversationReader`: read by a reader, each file
+  fingerprinted by name, size and SHA-256 before it is read;
+- any other iterable of conversations: hashed as it streams (ids and messages),
+  so its fingerprint is known once it has been read.
+
+:func:`reading_counts` turns the reader's and the tokenizer's statistics into the
+manifest's ``read`` / ``kept`` / ``dropped`` / ``overlong`` counts, and
+:func:`check_out_outside_inputs` refuses an output folder that the next run
+would read as input.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+from ..chat import ConversationReader, OnBadRow, read_conversations
+from ..data import default_corpus
+from ._fingerprint import input_fingerprints
+from ._format import PrepackError
+
+__all__ = ["Inputs", "check_out_outside_inputs", "is_paths", "open_inputs", "reading_counts"]
+
+#: The tokenizer statistics the counts read (missing ones count 0: an engine that read nothing).
+_TOKENIZE_KEYS = (
+    "conversations",
+    "fit",
+    "truncated",
+    "split",
+    "dropped",
+    "tokens",
+    "tokens_lost",
+    "trainable_tokens_lost",
+    "no_trainable",
+)
+
+
+def is_paths(inputs: Any) -> bool:
+    """Whether ``inputs`` is read by a :class:`~sftpack.chat.ConversationReader` (paths or a ``datasets`` object)."""
+    if isinstance(inputs, (str, os.PathLike)):
+        return True
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(p, (str, os.PathLike)) for p in inputs):
+        return True
+    return type(inputs).__module__.startswith("datasets.")
+
+
+class Hashing:
+    """Passes conversations through, hashing their ids and messages (for iterable inputs)."""
+
+    def __init__(self, items: Iterable[Any]):
+        self.items = items
+        self.h = hashlib.sha256()
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            cid = getattr(item, "id", None)
+            msgs = getattr(item, "messages", item.get("messages") if isinstance(item, dict) else item)
+            self.h.update(json.dumps([cid, msgs], sort_keys=True, default=str).encode())
+            self.count += 1
+            yield item
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"name": "<iterable>", "size": self.count, "sha256": self.h.hexdigest()}
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The inputs sorted out (see the module docstring).
+
+    Attributes:
+        conversations: what to tokenize, ``limit`` applied (read once).
+        reader: the reader of path inputs (its stats count what was read), else ``None``.
+        limit: the ``limit`` asked for.
+        files: the input fingerprint known before reading (``[]`` for an iterable).
+        hashing: the hashing pass-through of an iterable, else ``None``.
+    """
+
+    conversations: Iterable[Any]
+    reader: ConversationReader | None
+    limit: int | None
+    files: list[dict[str, Any]]
+    hashing: Hashing | None = None
+
+    def fingerprint(self) -> list[dict[str, Any]]:
+        """The manifest's ``fingerprint["inputs"]`` (for an iterable: once it has been read)."""
+        return [self.hashing.fingerprint()] if self.hashing is not None else self.files
+
+
+def open_inputs(inputs: Any, *, on_bad_row: OnBadRow | str, limit: int | None) -> Inputs:
+    """Sort ``inputs`` into one of the three kinds (see the module docstring)."""
+    if inputs is None:
+        files = input_fingerprints(None)
+        files[0]["limit"] = limit
+        return Inputs(default_corpus(limit), None, limit, files)
+    if isinstance(inputs, ConversationReader) or is_paths(inputs):
+        reader = inputs if isinstance(inputs, ConversationReader) else read_conversations(inputs, on_bad_row=on_bad_row)
+        conversations: Iterable[Any] = reader if limit is None else islice(reader, limit)
+        return Inputs(conversations, reader, limit, input_fingerprints(reader))
+    hashing = Hashing(inputs if limit is None else islice(inputs, limit))
+    return Inputs(hashing, None, limit, [], hashing)
+
+
+def reading_counts(read: dict[str, Any] | None, tokenize: dict[str, Any]) -> dict[str, Any]:
+    """The manifest counts that reading and tokenizing give.
+
+    Args:
+        read: the reader's ``read`` / ``kept`` / ``dropped`` (``None`` when no reader
+            read: every conversation tokenized was read and kept).
+        tokenize: the tokenizer's statistics (:class:`~sftpack.chat.TokenizeStats` as a dict).
+    """
+    st = {k: int(tokenize.get(k, 0)) for k in _TOKENIZE_KEYS}
+    if read is not None:
+        head = {
+            "read": int(read.get("read", 0)),
+            "kept": int(read.get("kept", 0)),
+            "dropped": dict(sorted(read.get("dropped", {}).items())),
+        }
+    else:
+        head = {"read": st["conversations"], "kept": st["conversations"], "dropped": {}}
+    return {
+        **head,
+        "overlong": {
+            "tokenized": st["conversations"],
+            "fit": st["fit"],
+            "truncated": st["truncated"],
+            "split": st["split"],
+            "dropped": st["dropped"],
+        },
+        "tokens_lost": st["tokens_lost"],
+        "trainable_tokens_lost": st["trainable_tokens_lost"],
+        "tokens_rendered": st["tokens"] + st["tokens_lost"],
+        "no_trainable": st["no_trainable"],
+    }
+
+
+def check_out_outside_inputs(inputs: Any, out: str | os.PathLike[str]) -> None:
+    """Refuse an output folder inside an input folder (a folder is read recursively, so the
+    next run would read the prepack's own files as conversations), an input inside the output,
+    or the output given as an input."""
+    if inputs is None or not is_paths(inputs) or type(inputs).__module__.startswith("datasets."):
+        return
+    given = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    target = Path(out).resolve()
+    for p in given:
+        text = os.fspath(p)
+        found = sorted(glob.glob(text, recursive=True)) if not os.path.exists(text) and glob.has_magic(text) else [text]
+        for f in found:
+            src = Path(f).resolve()
+            if src == target or src.is_relative_to(target):
+                raise PrepackError(
+                    f"the input {f} is inside --out {out}: a prepack's own files are not conversations; "
+                    "name the inputs without the output folder, or choose an --out outside them"
+                )
+            if Path(f).is_dir() and target.is_relative_to(src):
+                raise PrepackError(
+                    f"--out {out} is inside the input folder {f}, which is read recursively: the next run would "
+                    "read the prepack's own files as input; choose an --out outside it"
+                )

@@ -1,0 +1,91 @@
+"""The local engine: stages 1 and 3 in this process (and ``num_proc`` tokenizer workers).
+
+Stage 1 streams the tokenizer's samples (:func:`sftpack.chat.tokenize_conversations`,
+whose output order does not depend on ``num_proc``) into one staging folder
+(:func:`~sftpack.offline.engine.stage_samples`); stage 3 gathers every row's
+sequences back from it and writes them at the plan's offsets
+(:func:`~sftpack.offline.engine.write_rows`). Memory: the per-sample index (20
+bytes a sample) and one chunk of rows, whatever the number of tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+from .. import Sample
+from .._base import positive_int
+from ..chat import tokenize_conversations
+from ..data import default_tokenizer
+from ._fingerprint import tokenizer_fingerprint
+from ._inputs import open_inputs, reading_counts
+from ._plan import RowPlan
+from ._stage import stage_samples
+from ._write import CHUNK_TOKENS, write_rows
+from .engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
+
+__all__ = ["LocalEngine"]
+
+
+class _Counted:
+    """Passes samples through, counting them (the ``read`` count of a samples input)."""
+
+    def __init__(self, samples: Iterable[Sample]):
+        self.samples = samples
+        self.count = 0
+
+    def __iter__(self) -> Iterator[Sample]:
+        for s in self.samples:
+            self.count += 1
+            yield s
+
+
+class LocalEngine(PrepackEngine):
+    """Stages 1 and 3 here.
+
+    Args:
+        num_proc: tokenizer processes (the files do not depend on it).
+        progress: tqdm bars for tokenizing and writing.
+        chunk_tokens: tokens gathered and written per step of stage 3.
+    """
+
+    def __init__(self, *, num_proc: int = 1, progress: bool = False, chunk_tokens: int = CHUNK_TOKENS):
+        self.num_proc = positive_int("num_proc", num_proc)
+        self.progress = bool(progress)
+        self.chunk_tokens = positive_int("chunk_tokens", chunk_tokens)
+
+    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
+        if isinstance(work, Samples):
+            counted = _Counted(work.samples)
+            staged = stage_samples(counted, staging)
+            counts = {"read": counted.count, "kept": counted.count, "dropped": {}}
+            return Staged(staged, staged.source(), staged.source().conversation_ids_path(), counts)
+        o = work.options
+        tokenizer = default_tokenizer() if work.tokenizer is None else work.tokenizer
+        inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
+        tok_fp = tokenizer_fingerprint(tokenizer)
+        tokenized = tokenize_conversations(
+            inputs.conversations,
+            tokenizer,
+            max_seq_len=o.max_seq_len,
+            overlong=o.overlong,
+            train_on=o.train_on,
+            num_proc=self.num_proc,
+            progress=self.progress,
+        )
+        staged = stage_samples(tokenized, staging)
+        read = inputs.reader.stats.as_dict() if inputs.reader is not None else None
+        return Staged(
+            staged,
+            staged.source(),
+            staged.source().conversation_ids_path(),
+            reading_counts(read, tokenized.stats.as_dict()),
+            inputs=inputs.fingerprint(),
+            tokenizer=tok_fp,
+        )
+
+    def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
+        with progress_bar(self.progress, total=plan.num_rows, desc="write", unit="row") as bar:
+            write_rows(directory, plan, staged.source, dtype, chunk_tokens=self.chunk_tokens, on_chunk=bar.update)

@@ -1,0 +1,110 @@
+"""What a prepack is asked to do, checked once: :class:`PrepackOptions`.
+
+Every option of :func:`~sftpack.offline.prepack` (and of the CLI, which builds
+the same object) is validated in ``__post_init__``, one message per problem,
+before any input is read. The object is frozen, so the engine and the driver
+see the same values the check saw; it produces its own part of the manifest's
+fingerprint (:meth:`PrepackOptions.fingerprint`) and its own planner
+(:meth:`PrepackOptions.packing`).
+
+>>> o = PrepackOptions(max_seq_len=1024, pad_multiple=4, overlong="truncate")
+>>> o.fingerprint()["overlong"], o.packing().max_seq_len
+('truncate', 1024)
+>>> PrepackOptions(max_seq_len=1000, pad_multiple=16)
+Traceback (most recent call last):
+...
+ValueError: max_seq_len=1000 is not a multiple of pad_multiple=16: the last sequence of a row absorbs its tail and would lose its alignment; use max_seq_len=992
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any
+
+from .._base import StrEnum, choose, positive_int
+from ..binpack import Algorithm
+from ..chat import OnBadRow, Overlong, TrainOn
+from ._plan import BinPack
+
+__all__ = ["Engine", "PrepackOptions"]
+
+#: Conversations per Ray unit when the input is not files (the embedded corpus, an iterable, ``limit``).
+UNIT_CONVERSATIONS = 1024
+
+
+class Engine(StrEnum):
+    """Where stages 1 and 3 run (the files are the same either way)."""
+
+    LOCAL = "local"  #: this process (and ``num_proc`` tokenizer workers)
+    RAY = "ray"  #: Ray Data actors tokenize, Ray actors write (:func:`~sftpack.offline.prepack_ray`)
+
+
+@dataclass(frozen=True)
+class PrepackOptions:
+    """The options of one prepack, validated once (see :func:`~sftpack.offline.prepack`
+    for what each means). Strings are turned into their enums; a bad value is a
+    ``ValueError`` naming the option and the fix.
+
+    The Ray engine's settings (``workers``, ``ray_address``, ``unit_size``,
+    ``write_tasks``, ``actor_cpus``) and the local one's (``num_proc``) are
+    checked whatever the engine; only the chosen engine reads its own.
+    """
+
+    max_seq_len: int = 4096
+    pad_multiple: int = 1
+    algorithm: Algorithm = Algorithm.BFD
+    seed: int = 0
+    overlong: Overlong = Overlong.SPLIT
+    train_on: TrainOn = TrainOn.ALL_ASSISTANT
+    on_bad_row: OnBadRow = OnBadRow.SKIP
+    limit: int | None = None
+    engine: Engine = Engine.LOCAL
+    num_proc: int = 1
+    workers: int = 2
+    ray_address: str | None = None
+    unit_size: int = UNIT_CONVERSATIONS
+    write_tasks: int | None = None
+    actor_cpus: float = 1.0
+    overwrite: bool = False
+    progress: bool = False
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        put("engine", choose(Engine, self.engine, "engine"))
+        packing = BinPack(self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)  # the packing's checks
+        for name in ("max_seq_len", "pad_multiple", "algorithm", "seed"):
+            put(name, getattr(packing, name))
+        put("overlong", choose(Overlong, self.overlong, "overlong"))
+        put("train_on", choose(TrainOn, self.train_on, "train_on"))
+        put("on_bad_row", choose(OnBadRow, self.on_bad_row, "on_bad_row"))
+        put("limit", positive_int("limit", self.limit, allow_none=True))
+        put("num_proc", positive_int("num_proc", self.num_proc))
+        put("workers", positive_int("workers", self.workers))
+        put("unit_size", positive_int("unit_size", self.unit_size))
+        put("write_tasks", positive_int("write_tasks", self.write_tasks, allow_none=True))
+        cpus = self.actor_cpus
+        if isinstance(cpus, bool) or not isinstance(cpus, numbers.Real) or not cpus > 0:
+            raise ValueError(f"actor_cpus must be a positive number of CPUs, got {cpus!r}")
+        put("actor_cpus", float(cpus))
+        if self.ray_address is not None and not isinstance(self.ray_address, str):
+            raise ValueError(f"ray_address must be a string such as 'auto' or 'host:6379', got {self.ray_address!r}")
+        put("overwrite", bool(self.overwrite))
+        put("progress", bool(self.progress))
+
+    def packing(self) -> BinPack:
+        """Stage 2 for these options."""
+        return BinPack(self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """The manifest fingerprint's entries for these options (the rows depend on each)."""
+        return {
+            "max_seq_len": self.max_seq_len,
+            "pad_multiple": self.pad_multiple,
+            **self.packing().fingerprint(),
+            "overlong": str(self.overlong),
+            "train_on": str(self.train_on),
+            "on_bad_row": str(self.on_bad_row),
+        }

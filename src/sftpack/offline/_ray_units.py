@@ -1,0 +1,388 @@
+"""The Ray engine's units of work and the code that runs on the workers.
+
+The driver cuts the input into numbered units (one per file, or ``unit_size``
+conversations read on the driver); a Ray Data actor (:class:`TokenizeActor`)
+reads, tokenizes and stages one unit per call into its own staging folder with
+the local :func:`~sftpack.offline.engine.stage_samples` (so the same bytes), and
+sends back only the lengths, conversation numbers, pieces, id offsets and
+statistics. :func:`merge` lays the units' results end to end in unit order, as
+the local engine stages them; :class:`UnitsSource` gathers any samples back
+from the units' staging folders for stage 3, which :class:`Writer` actors (or
+the driver, :func:`write_part`) run on ranges of rows (:func:`split_rows`).
+
+Every outcome of a unit, an error included, comes back as a result row: a raised
+exception would make Ray Data retry or fail the whole dataset with a traceback,
+and the driver could not tell which unit failed first (:func:`raise_first_error`
+raises the error of the lowest unit, the one the local engine raises first).
+
+>>> from sftpack.offline.engine import plan_rows
+>>> split_rows(plan_rows([5, 10, 3, 8, 6, 9, 16, 2], max_seq_len=16), 2)
+[(0, 2), (2, 4)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from itertools import islice, pairwise
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .._base import positive_int
+from ..chat import Conversation, ConversationReader, OnBadRow, tokenize_conversations
+from ..chat._tokenize import _as_item
+from ..data import default_tokenizer
+from ._fingerprint import tokenizer_fingerprint
+from ._inputs import Inputs
+from ._plan import RowPlan
+from ._ray_session import import_ray, node_label
+from ._stage import StagedSamples, StagingSource, stage_samples
+from ._write import write_rows
+
+__all__ = [
+    "TokenizeActor",
+    "Unit",
+    "UnitsSource",
+    "Writer",
+    "actor_table",
+    "make_units",
+    "merge",
+    "raise_first_error",
+    "split_rows",
+    "sum_stats",
+    "write_part",
+    "writer_pool",
+]
+
+
+@dataclass
+class Unit:
+    """One call of the tokenize stage: a source file, or a list of conversations."""
+
+    key: int
+    staging: str
+    source: Any = None  # a reader source (one file or saved dataset)
+    conversations: list[Any] | None = None
+    on_bad_row: str = "skip"
+    role_map: dict[str, str] | None = None
+    batch_size: int = 1024
+
+
+def _as_conversations(items: Iterable[Any], start: int) -> list[Conversation]:
+    """Items as :class:`Conversation` with the id the tokenizer would give at their global position."""
+    return [Conversation(*_as_item(obj, start + i)) for i, obj in enumerate(items)]
+
+
+def _chunks(conversations: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    it = iter(conversations)
+    while chunk := list(islice(it, size)):
+        yield chunk
+
+
+def make_units(inputs: Inputs, staging: Path, *, unit_size: int) -> tuple[list[Unit], bool]:
+    """The units of ``inputs``, and whether the workers read the files (then the reading
+    counts come from the units; else the driver read and its reader counted).
+
+    Files are read on the workers, one unit per file (and per saved dataset); the
+    embedded corpus, an iterable, or any input with ``limit`` (only a single reader
+    knows where the first ``limit`` conversations end) is read here and shipped in
+    units of ``unit_size`` conversations."""
+    reader = inputs.reader
+    if reader is not None and inputs.limit is None:
+        units = [
+            Unit(
+                k,
+                str(staging / f"u{k:06d}"),
+                source=src,
+                on_bad_row=reader.on_bad_row.value,
+                role_map=reader.role_map,
+                batch_size=reader.batch_size,
+            )
+            for k, src in enumerate(reader.sources)
+        ]
+        return units, True
+    out, start = [], 0
+    for k, chunk in enumerate(_chunks(inputs.conversations, unit_size)):
+        out.append(Unit(k, str(staging / f"u{k:06d}"), conversations=_as_conversations(chunk, start)))
+        start += len(chunk)
+    return out, False
+
+
+# ---------------------------------------------------------------------------- the tokenize actor
+
+
+def _load_tokenizer(spec: Any) -> Any:
+    if spec is None:
+        return default_tokenizer()
+    if isinstance(spec, (str, os.PathLike)):
+        from transformers import AutoTokenizer  # the chat extra's; loaded on the worker only
+
+        return AutoTokenizer.from_pretrained(os.fspath(spec), local_files_only=True)
+    return spec
+
+
+class TokenizeActor:
+    """A Ray Data actor: loads the tokenizer once, then read + tokenize + stage per unit.
+
+    Args:
+        tokenizer: ``None`` (the embedded default), a tokenizer folder, or a tokenizer object.
+        options: ``max_seq_len``, ``overlong`` and ``train_on``.
+        after_unit: called with a unit's key once it is staged, before its result is
+            sent (tests pass one that kills the actor there, as ``kill -9`` would).
+    """
+
+    def __init__(self, tokenizer: Any, options: dict[str, Any], after_unit: Callable[[int], None] | None = None):
+        os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per actor: the actors fill the cores
+        self.spec = tokenizer
+        self.options = options
+        self.after_unit = after_unit
+        self.tokenizer: Any = None
+        self.fingerprint: dict[str, Any] | None = None
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            try:
+                tok = _load_tokenizer(self.spec)
+                fp = tokenizer_fingerprint(tok)
+            except Exception as e:  # noqa: BLE001 - any failure to load is reported the same way
+                where = (
+                    "the embedded default"
+                    if self.spec is None
+                    else repr(os.fspath(self.spec))
+                    if isinstance(self.spec, (str, os.PathLike))
+                    else type(self.spec).__name__
+                )
+                raise RuntimeError(
+                    f"a Ray worker (node {node_label()}, host {socket.gethostname()}, pid {os.getpid()}) cannot load "
+                    f"the tokenizer {where}: {' '.join(str(e).split())[:300]}. The tokenizer folder must exist at the "
+                    "same path on every node (a shared filesystem, or the same copy on each node)"
+                ) from None
+            self.tokenizer, self.fingerprint = tok, fp
+        return self.tokenizer
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = [pickle.dumps(self._run(pickle.loads(blob)), protocol=5) for blob in batch["unit"]]
+        return {"key": np.asarray(batch["key"]), "result": np.array(results, dtype=object)}
+
+    def _run(self, unit: Unit) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        base = {"key": unit.key, "pid": os.getpid(), "node": node_label()}
+        try:
+            tok = self._tokenizer()
+            t_load = time.perf_counter() - t0  # the actor's first unit loads its tokenizer
+            t0 = time.perf_counter()
+            reader = None
+            if unit.source is not None:
+                reader = ConversationReader([unit.source], OnBadRow(unit.on_bad_row), unit.role_map, unit.batch_size)
+                convs: Iterable[Any] = reader
+            else:
+                convs = unit.conversations or []
+            o = self.options
+            tokenized = tokenize_conversations(
+                convs, tok, max_seq_len=o["max_seq_len"], overlong=o["overlong"], train_on=o["train_on"]
+            )
+            staged = stage_samples(tokenized, Path(unit.staging))
+            if self.after_unit is not None:
+                self.after_unit(unit.key)
+        except Exception as e:  # noqa: BLE001 - sent back whole, raised by the driver in unit order
+            try:
+                portable: BaseException | None = pickle.loads(pickle.dumps(e))
+            except Exception:  # noqa: BLE001 - an exception that does not pickle travels as text
+                portable = None
+            return {**base, "ok": False, "error": portable, "message": f"{type(e).__name__}: {e}"}
+        return {
+            **base,
+            "ok": True,
+            "fingerprint": self.fingerprint,
+            "lengths": staged.lengths,
+            "conversation": staged.conversation,
+            "piece": staged.piece,
+            "id_offsets": staged.conversation_offsets,
+            "max_id": staged.max_id,
+            "tokens": staged.tokens,
+            "trainable": staged.trainable,
+            "labels": staged.labels,
+            "first_trainable": staged.first_trainable,
+            "read": None if reader is None else reader.stats.as_dict(),
+            "tokenize": tokenized.stats.as_dict(),
+            "seconds": time.perf_counter() - t0,
+            "load_seconds": t_load,
+        }
+
+
+def raise_first_error(results: list[dict[str, Any]]) -> None:
+    """Raise the error of the lowest failing unit (the local engine's first), if any failed."""
+    bad = [r for r in results if not r["ok"]]
+    if not bad:
+        return
+    first = bad[0]
+    if isinstance(first["error"], BaseException):
+        raise first["error"]
+    raise RuntimeError(f"the Ray tokenize stage failed in unit {first['key']}: {first['message']}")
+
+
+def merge(results: list[dict[str, Any]], staging: Path) -> tuple[StagedSamples, np.ndarray]:
+    """The units' stage-1 results laid end to end in unit order, as the local engine stages
+    them, and the first global sample of each unit (``(units+1,)``)."""
+    lengths = [r["lengths"] for r in results]
+    conv, offsets = [], [np.zeros(1, np.int64)]
+    n_conv = n_bytes = 0
+    for r in results:
+        conv.append(np.asarray(r["conversation"], np.int64) + n_conv)
+        offsets.append(np.asarray(r["id_offsets"][1:], np.int64) + n_bytes)
+        n_conv += len(r["id_offsets"]) - 1
+        n_bytes += int(r["id_offsets"][-1])
+    unit_samples = np.zeros(len(results) + 1, np.int64)
+    np.cumsum([x.shape[0] for x in lengths], out=unit_samples[1:])
+    empty64 = np.zeros(0, np.int64)
+    staged = StagedSamples(
+        directory=staging,
+        lengths=np.concatenate(lengths) if lengths else empty64,
+        conversation=np.concatenate(conv) if conv else empty64,
+        piece=np.concatenate([r["piece"] for r in results]).astype(np.int32) if results else np.zeros(0, np.int32),
+        conversation_offsets=np.concatenate(offsets),
+        max_id=max((r["max_id"] for r in results), default=-1),
+        tokens=sum(r["tokens"] for r in results),
+        trainable=sum(r["trainable"] for r in results),
+        labels=sum(r["labels"] for r in results),
+        first_trainable=sum(r["first_trainable"] for r in results),
+    )
+    return staged, unit_samples
+
+
+def sum_stats(dicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Field-wise sum of stats dicts (ints add, ``{reason: count}`` dicts merge)."""
+    out: dict[str, Any] = {}
+    for d in dicts:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                into = out.setdefault(k, {})
+                for kk, vv in v.items():
+                    into[kk] = into.get(kk, 0) + vv
+            elif isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + int(v)
+    return out
+
+
+def actor_table(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per tokenize actor: its units, conversations, tokens, seconds and tokens per second."""
+    per: dict[tuple[str, int], dict[str, Any]] = {}
+    for r in results:
+        a = per.setdefault(
+            (r["node"], r["pid"]),
+            {
+                "node": r["node"],
+                "pid": r["pid"],
+                "units": 0,
+                "conversations": 0,
+                "tokens": 0,
+                "seconds": 0.0,
+                "load_seconds": 0.0,
+            },
+        )
+        a["units"] += 1
+        a["conversations"] += r["tokenize"]["conversations"]
+        a["tokens"] += r["tokens"]
+        a["seconds"] += r["seconds"]
+        a["load_seconds"] += r["load_seconds"]
+    for a in per.values():
+        a["tokens_per_s"] = a["tokens"] / a["seconds"] if a["seconds"] else 0.0
+    return sorted(per.values(), key=lambda a: (a["node"], a["pid"]))
+
+
+# ---------------------------------------------------------------------------- stage 3: token source + writers
+
+
+class UnitsSource:
+    """The token source of the write stage: samples gathered from their units' staging files.
+
+    Global sample ``i`` lives in unit ``u`` with ``unit_samples[u] <= i < unit_samples[u+1]``.
+    One :meth:`gather` sorts the requested samples by unit (one stable argsort),
+    gathers each unit's share with the local :class:`StagingSource`, and scatters
+    it back into request order.
+    """
+
+    def __init__(self, directories: list[str], lengths: np.ndarray, unit_samples: np.ndarray):
+        self.lengths = np.asarray(lengths, np.int64)
+        self.unit_samples = np.asarray(unit_samples, np.int64)
+        self.directories = directories
+        self._sources: dict[int, StagingSource] = {}
+
+    def _source(self, u: int) -> StagingSource:
+        if u not in self._sources:
+            a, b = self.unit_samples[u], self.unit_samples[u + 1]
+            self._sources[u] = StagingSource(Path(self.directories[u]), self.lengths[a:b])
+        return self._sources[u]
+
+    def gather(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        samples = np.asarray(samples, np.int64)
+        lens = self.lengths[samples]
+        total = int(lens.sum())
+        ids = np.empty(total, np.uint32)
+        mask = np.empty(total, np.uint8)
+        out_starts = np.zeros(samples.shape[0], np.int64)
+        np.cumsum(lens[:-1], out=out_starts[1:])
+        unit = np.searchsorted(self.unit_samples, samples, side="right") - 1
+        by_unit = np.argsort(unit, kind="stable")
+        cuts = np.flatnonzero(np.diff(unit[by_unit])) + 1
+        for group in np.split(by_unit, cuts):
+            if group.shape[0] == 0:
+                continue
+            u = int(unit[group[0]])
+            got_ids, got_mask = self._source(u).gather(samples[group] - self.unit_samples[u])
+            glens = lens[group]
+            inner = np.zeros(group.shape[0], np.int64)
+            np.cumsum(glens[:-1], out=inner[1:])
+            pos = np.arange(got_ids.shape[0], dtype=np.int64) + np.repeat(out_starts[group] - inner, glens)
+            ids[pos] = got_ids
+            mask[pos] = got_mask
+        return ids, mask
+
+
+def write_part(directory: str, plan: RowPlan, source: UnitsSource, dtype: str, rows: tuple[int, int]) -> dict[str, Any]:
+    """Write rows ``[a, b)``: in a writer actor on any node that sees ``directory``, or in the driver."""
+    t0 = time.perf_counter()
+    write_rows(Path(directory), plan, source, np.dtype(dtype), rows=rows)
+    return {"rows": rows, "seconds": time.perf_counter() - t0, "pid": os.getpid(), "node": node_label()}
+
+
+class Writer:
+    """A Ray actor that writes row ranges. The pool starts as soon as the lengths are in, so
+    its imports (torch included) overlap merging and packing; ``num_cpus=0``: writing is
+    pwrite-bound, and no tokenize actor waits for it."""
+
+    def write(
+        self, directory: str, plan: RowPlan, source: UnitsSource, dtype: str, rows: tuple[int, int]
+    ) -> dict[str, Any]:
+        return write_part(directory, plan, source, dtype, rows)
+
+
+@contextlib.contextmanager
+def writer_pool(size: int) -> Iterator[list[Any]]:
+    """``size`` writer actors spread over the nodes, killed on leaving (also on an error)."""
+    ray = import_ray()
+    cls = ray.remote(num_cpus=0, max_restarts=1, max_task_retries=1)(Writer)  # a killed writer reruns its range
+    pool = [cls.options(scheduling_strategy="SPREAD").remote() for _ in range(size)]
+    try:
+        yield pool
+    finally:
+        for actor in pool:
+            ray.kill(actor)
+
+
+def split_rows(plan: RowPlan, parts: int) -> list[tuple[int, int]]:
+    """Cut the rows into at most ``parts`` consecutive ranges of about equal tokens
+    (the write stage's tasks); empty ranges are left out."""
+    parts = positive_int("parts", parts)
+    tok = plan.row_token_offsets()
+    targets = np.linspace(0, tok[-1], parts + 1)[1:-1]
+    cuts = np.searchsorted(tok, targets, side="left")
+    edges = np.unique(np.concatenate([[0], cuts, [plan.num_rows]]))
+    return [(int(a), int(b)) for a, b in pairwise(edges) if b > a]
