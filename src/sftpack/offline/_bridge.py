@@ -41,8 +41,8 @@ What differs from a prepack, and what the conversion keeps:
   it needs the EOS id, from ``tokenizer=``. The import takes ``seq_start_id`` as
   the truth (a padded file's EOS pads become untrained tokens of their
   sequence).
-- Random access: Parquet decodes a whole row group per row (about 40 ms per
-  row at 500 rows a group), the prepack reads a row in microseconds.
+- Random access: Parquet decodes a whole row group (500 rows as Bridge writes
+  it) to read one row; the prepack reads a row as two slices of a memory map.
 """
 
 from __future__ import annotations

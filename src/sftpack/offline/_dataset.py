@@ -10,14 +10,12 @@ pad id of the manifest::
     cu_seqlens [0, 5, 15]   cu_seqlens_padded [0, 5, 16]   sequence_ids ("A", "B")
 
 Reading the stored slices (:meth:`~PrepackedDataset.row_arrays`) costs what
-copying the same bytes out of a raw ``np.memmap`` costs (about 20 µs for a
-4,096-token row on the busy 2-core development machine); building the
-``PackedBatch`` (five ``(4096,)`` tensors, 160 KB) adds the row builder's
-100-200 µs there (``benchmarks/bench_offline.py``). Resident pages of a file
+copying the same bytes out of a raw ``np.memmap`` costs; building the
+``PackedBatch`` (five ``(max_seq_len,)`` tensors) adds the row builder's cost
+(``benchmarks/bench_offline.py`` measures both). Resident pages of a file
 mapping count in a process's RSS, so the reader hands them back to the page
-cache (``madvise(MADV_DONTNEED)``) after every 16 MB read: an epoch over a
-1.8 GB prepack peaked 42 MB above the process's starting RSS, over an 18 MB
-one 19 MB.
+cache (``madvise(MADV_DONTNEED)``) after every 16 MB read: an epoch's peak RSS
+stays about flat whatever the prepack's size (measured by the same benchmark).
 
 Opening always checks the manifest (its own checksum, every entry's type,
 the layout against the fingerprint), every file's size and every ``.npy``
@@ -25,9 +23,9 @@ header (dtype and length against the manifest). ``verify="size"`` (the
 default) also checks the small index files: their SHA-256 and their structure
 (offsets that increase, sequences that tile the tokens, conversation numbers in
 range, every row fitting ``max_seq_len`` with its sequences padded to the pad
-multiple), O(rows + sequences) and about 0.5 ms for the embedded corpus's
-prepack; ``verify="full"`` adds the SHA-256 of the bulk token and mask data
-(about 1.5 GB/s). ``verify=None`` skips the index checks (a DataLoader worker
+multiple), O(rows + sequences); ``verify="full"`` adds the SHA-256 of the bulk
+token and mask data, O(tokens) (``benchmarks/bench_offline.py --verify-only``
+measures each mode). ``verify=None`` skips the index checks (a DataLoader worker
 re-opening what its parent checked). Any damage is a :class:`PrepackError`
 naming the file. ``expect=`` compares the trainer's settings with the
 fingerprint.

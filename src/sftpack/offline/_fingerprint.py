@@ -7,7 +7,7 @@ the files:
 
 - the tokenizer: the fast tokenizer's full serialisation (vocabulary, merges,
   normaliser, added tokens), its chat template and its special tokens
-  (about 0.2 s for the 151k-id Qwen vocabulary: a 6.9 MB JSON string);
+  (hashing the serialisation costs in proportion to the vocabulary);
 - the inputs: each file's name, size and SHA-256 (a saved dataset folder: every
   file in it, in sorted order); the embedded corpus by its package file;
 - the options: ``max_seq_len``, pad multiple, algorithm, seed, over-long and

@@ -198,8 +198,8 @@ class StagingSource:
     """Reads samples back from the staging files (stage 3's local token source).
 
     :meth:`gather` returns the tokens and masks of the given samples laid end to
-    end, in the given order, with one positioned read per sample (``os.preadv``,
-    a few µs each) into the output arrays: nothing is mapped, so nothing piles up in RSS.
+    end, in the given order, with one positioned read per sample (``os.preadv``)
+    into the output arrays: nothing is mapped, so nothing piles up in RSS.
     """
 
     def __init__(self, directory: Path, lengths: np.ndarray):
