@@ -1,6 +1,6 @@
 """The tiny setup shared by the training tests: random conversations over a 97-id
-vocabulary and a two-block Llama of width 16, small enough for 20-step runs in
-about a second on 2 cores."""
+vocabulary and a two-block Llama of width 16, small enough for many 20-step runs
+per test file."""
 
 from __future__ import annotations
 

@@ -17,8 +17,8 @@ def samples():
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny matmuls on a shared 2-core machine: one thread is about 10x faster than
-    two threads contending with other processes."""
+    """Tiny matmuls: one thread is faster and steadier than several threads
+    contending with other processes."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -27,7 +27,7 @@ lr * g / (|g| + eps), so a rounding error d in a gradient g near zero moves the
 update by up to lr * d / eps (lr / eps = 1e6 here; the smallest non-zero |g| in
 these runs is about 9e-10, fixed by the seeded data and initialisation, the
 same on any CPU). This amplification is what failed in float32 (below): 2.4e-5
-after 20 steps on an AMD EPYC. Float64 rounds 2**29 = 5.4e8 times finer than
+after 20 steps on one CPU. Float64 rounds 2**29 = 5.4e8 times finer than
 float32, so the same mechanism, however unlucky the CPU's summation order,
 gives 2.4e-5 / 5.4e8 = 4.5e-14, and 1e-10 leaves a factor 2,000 above it
 (observed here: about 1e-15 for the losses and 1e-14 for the parameters). A
@@ -45,11 +45,12 @@ exceeds lambda*sqrt(n)*u of its magnitude sum with probability at most
 is a forward pass only, n <= 1,000: 10 * sqrt(1000) * 6e-8 = 1.9e-5 relative per
 run, 3.8e-5 for two, 1.75e-4 on a loss of 4.6 -> tolerance 2e-4 absolute. The
 gradient norm adds the backward pass and the sum over the parameters, n <= 1.5e4:
-2 * 10 * sqrt(1.5e4) * 6e-8 = 1.5e-4 relative (observed: below 1e-6 for both). Whole 20-step float32 runs are not compared parameter by parameter: AdamW
-divides by sqrt(v) + 1e-8, so a coordinate whose gradient is within float32
-rounding of zero can flip its first update (+-lr): a float32 difference there is
-rounding amplified by lr/eps, not a packing error (this is what failed on an AMD
-EPYC: 2.4e-5 against a tolerance measured as 1.6e-7 in the same run).
+2 * 10 * sqrt(1.5e4) * 6e-8 = 1.5e-4 relative. Whole 20-step float32 runs are
+not compared parameter by parameter: AdamW divides by sqrt(v) + 1e-8, so a
+coordinate whose gradient is within float32 rounding of zero can flip its first
+update (+-lr): a float32 difference there is rounding amplified by lr/eps, not a
+packing error (this is what failed once: 2.4e-5 against a tolerance that had been
+measured, 1.6e-7, on another CPU).
 """
 
 from __future__ import annotations
