@@ -4,8 +4,11 @@
   user's string into a member or raises an error that names the option and
   lists the valid values.
 - :func:`round_up`: the padded length of a sequence (or an array of them).
-- :func:`positive_int`: the one check for sizes and multiples (Python and numpy
-  integers accepted; bools, floats and strings refused).
+- :func:`positive_int` / :func:`non_negative_int`: the one check for sizes,
+  multiples, seeds and counts (Python and numpy integers accepted; bools, floats
+  and strings refused).
+- :func:`check_width`: the one check that a row width is a multiple of the
+  per-sequence pad multiple (the last sequence absorbs a row's tail).
 
 No torch here: :mod:`sftpack.binpack` imports this module.
 """
@@ -17,7 +20,7 @@ import numbers
 import sys
 from typing import Any, TypeVar
 
-__all__ = ["StrEnum", "choose", "positive_int", "round_up"]
+__all__ = ["StrEnum", "check_width", "choose", "non_negative_int", "positive_int", "round_up"]
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -60,6 +63,18 @@ def round_up(n: Any, multiple: int) -> Any:
     return -(-n // multiple) * multiple
 
 
+def _int_at_least(
+    lo: int, kind: str, name: str, value: object, error: type[ValueError], allow_none: bool, who: str, why: str
+) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < lo:
+        prefix = f"{who}: " if who else ""
+        suffix = f"; {why}" if why else ""
+        raise error(f"{prefix}{name} must be a {kind} integer, got {value!r}{suffix}")
+    return int(value)
+
+
 def positive_int(
     name: str,
     value: object,
@@ -80,9 +95,56 @@ def positive_int(
     ...
     ValueError: pack_step: pad_multiple must be a positive integer, got 0
     """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 1:
+    return _int_at_least(1, "positive", name, value, error, allow_none, who, "")
+
+
+def non_negative_int(
+    name: str,
+    value: object,
+    *,
+    error: type[ValueError] = ValueError,
+    allow_none: bool = False,
+    who: str = "",
+    why: str = "",
+) -> Any:
+    """``value`` as a Python ``int >= 0``, or ``error`` naming the option (and ``why``, when given).
+
+    >>> non_negative_int("seed", 0)
+    0
+    >>> non_negative_int("max_wait", -1, who="PackingDataset")
+    Traceback (most recent call last):
+    ...
+    ValueError: PackingDataset: max_wait must be a non-negative integer, got -1
+    """
+    return _int_at_least(0, "non-negative", name, value, error, allow_none, who, why)
+
+
+def check_width(
+    width: int,
+    multiple: int,
+    *,
+    name: str = "max_seq_len",
+    multiple_name: str = "pad_multiple",
+    who: str = "",
+    error: type[ValueError] = ValueError,
+) -> int:
+    """``width`` (already a positive int) if it is a multiple of ``multiple``, else ``error``
+    naming both and the nearest valid widths: a row's tail padding is folded into its last
+    sequence, which would lose its alignment otherwise.
+
+    >>> check_width(36, 4)
+    36
+    >>> check_width(30, 4, who="PackingDataset")
+    Traceback (most recent call last):
+    ...
+    ValueError: PackingDataset: max_seq_len=30 is not a multiple of pad_multiple=4: the last sequence of a row absorbs the row's tail and would lose its alignment; use max_seq_len=32 or 28
+    """
+    if width % multiple:
         prefix = f"{who}: " if who else ""
-        raise error(f"{prefix}{name} must be a positive integer, got {value!r}")
-    return int(value)
+        up, down = round_up(width, multiple), width // multiple * multiple
+        use = f"{name}={up}" + (f" or {down}" if down else "")
+        raise error(
+            f"{prefix}{name}={width} is not a multiple of {multiple_name}={multiple}: the last sequence of a row "
+            f"absorbs the row's tail and would lose its alignment; use {use}"
+        )
+    return width

@@ -10,10 +10,20 @@ A sample is one conversation rendered to tokens::
 turns it into shifted labels (the target of slot ``t`` is ``input_ids[t+1]``,
 trainable only if ``loss_mask[t+1]``).
 
+A sample longer than a row meets the one over-long policy, :class:`Overlong`,
+whichever layer applies it (tokenizing, the offline path, the loader, Energon);
+:func:`overlong_spans` is where it cuts. The default everywhere is
+``Overlong.SPLIT`` (:data:`DEFAULT_OVERLONG`): nothing is lost unless the user
+asks for it. A layer that turns one conversation into exactly one sample
+(:func:`sftpack.chat.tokenize_conversation`, Energon's ``encode_sample``) cannot
+split: under the default, a conversation that needs two pieces raises
+:class:`OverlongError` there rather than being cut short silently.
+
 This module needs numpy only, never torch: the tokenizer (:mod:`sftpack.chat`,
 and every Ray tokenize actor) builds samples without loading torch. It is the
-home of :class:`Sample`; ``sftpack.Sample`` and ``sftpack.handoff.Sample`` are the
-same object.
+home of :class:`Sample` and :class:`Overlong`; ``sftpack.Sample`` and
+``sftpack.handoff.Sample``, ``sftpack.chat.Overlong`` and ``sftpack.loader.Overlong``
+are the same objects.
 """
 
 from __future__ import annotations
@@ -23,7 +33,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["IGNORE_INDEX", "Sample", "as_sample"]
+from ._base import StrEnum
+
+__all__ = [
+    "DEFAULT_OVERLONG",
+    "IGNORE_INDEX",
+    "Overlong",
+    "OverlongError",
+    "Sample",
+    "as_sample",
+    "overlong_spans",
+]
 
 #: Label value that every consumer (PyTorch cross-entropy, Megatron, Hugging Face) skips.
 IGNORE_INDEX = -100
@@ -132,3 +152,59 @@ def as_sample(obj: Any, index: int | None = None) -> Sample:
         return Sample(ids, mask, cid)
     ids = _token_ids(obj, index)
     return Sample(ids, np.ones(ids.shape, dtype=bool), index)
+
+
+class Overlong(StrEnum):
+    """What happens to a sample longer than ``max_seq_len`` tokens (every layer: default ``split``)."""
+
+    SPLIT = "split"  #: cut into pieces of at most ``max_seq_len`` tokens, each its own sequence (nothing lost)
+    TRUNCATE = "truncate"  #: keep the first ``max_seq_len`` tokens; the tail is lost (counted)
+    DROP = "drop"  #: leave the sample out (counted, with its tokens)
+    ERROR = "error"  #: raise :class:`OverlongError` naming the sample, its length and the fixes
+
+
+#: The one default of every layer's ``overlong`` option: split, so no token is lost unasked.
+DEFAULT_OVERLONG = Overlong.SPLIT
+
+
+class OverlongError(ValueError):
+    """A sample longer than ``max_seq_len`` that the policy (or the layer) will not cut."""
+
+    def __init__(self, message: str, conversation_id: Any = None, length: int = 0, max_seq_len: int = 0):
+        super().__init__(message)
+        self.conversation_id, self.length, self.max_seq_len = conversation_id, length, max_seq_len
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps the fields across worker processes
+        return (type(self), (str(self), self.conversation_id, self.length, self.max_seq_len))
+
+
+def overlong_spans(
+    length: int, max_seq_len: int | None, overlong: Overlong, who: str, conversation_id: Any = None
+) -> list[tuple[int, int]]:
+    """The ``(start, stop)`` token spans a sample of ``length`` tokens keeps under ``overlong``.
+
+    One span ``(0, length)`` when it fits (or ``max_seq_len`` is ``None``); else
+    ``split``: consecutive pieces of ``max_seq_len`` (the last shorter),
+    ``truncate``: the head, ``drop``: none, ``error``: :class:`OverlongError`
+    naming ``who`` (e.g. ``"conversation 'c7'"``).
+
+    >>> overlong_spans(10, 4, Overlong.SPLIT, "sample 0")
+    [(0, 4), (4, 8), (8, 10)]
+    >>> overlong_spans(10, 4, Overlong.TRUNCATE, "sample 0"), overlong_spans(10, 4, Overlong.DROP, "sample 0")
+    ([(0, 4)], [])
+    """
+    if max_seq_len is None or length <= max_seq_len:
+        return [(0, length)]
+    if overlong is Overlong.SPLIT:
+        return [(a, min(a + max_seq_len, length)) for a in range(0, length, max_seq_len)]
+    if overlong is Overlong.TRUNCATE:
+        return [(0, max_seq_len)]
+    if overlong is Overlong.DROP:
+        return []
+    raise OverlongError(
+        f"{who} has {length} tokens, more than max_seq_len={max_seq_len}: raise max_seq_len, or pass "
+        "overlong='split' (pieces of at most max_seq_len), 'truncate' (keep the head) or 'drop'",
+        conversation_id,
+        length,
+        max_seq_len,
+    )

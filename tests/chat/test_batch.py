@@ -100,7 +100,7 @@ def test_worker_errors_reach_the_caller() -> None:
 
 
 def test_batch_options_validated_up_front() -> None:
-    with pytest.raises(ValueError, match="'truncate', 'drop', 'split', 'error'"):
+    with pytest.raises(ValueError, match="'split', 'truncate', 'drop', 'error'"):
         tokenize_conversations([], tok_of("chatml"), overlong="cut")
     with pytest.raises(ValueError, match="num_proc"):
         tokenize_conversations([], tok_of("chatml"), num_proc=0)

@@ -43,8 +43,8 @@ def test_tokenizer_errors_are_clear() -> None:
         tokenize_conversation([U("a"), A("b")], tok)
     with pytest.raises(ValueError, match="'all_assistant', 'last_assistant', 'everything'"):
         tokenize_conversation([U("a"), A("b")], tok_of("chatml"), train_on="assistant")
-    with pytest.raises(ValueError, match="encode_conversation"):
-        tokenize_conversation([U("a"), A("b")], tok_of("chatml"), overlong="split")
+    with pytest.raises(ValueError, match="overlong='drop' is not valid here.*encode_conversation"):
+        tokenize_conversation([U("a"), A("b")], tok_of("chatml"), overlong="drop")
     with pytest.raises(ValueError, match="max_seq_len"):
         tokenize_conversation([U("a"), A("b")], tok_of("chatml"), max_seq_len=0)
 
@@ -72,7 +72,14 @@ def test_overlong_one_below(full: Sample) -> None:
     assert np.array_equal(t.samples[0].input_ids, full.input_ids[:-1])
     assert np.array_equal(t.samples[0].loss_mask, full.loss_mask[:-1])
     assert t.samples[0].meta == {"truncated_from": n}
-    assert tokenize_conversation(CONVO, tok, max_seq_len=n - 1).input_ids.tolist() == full.input_ids[:-1].tolist()
+    assert tokenize_conversation(CONVO, tok, max_seq_len=n - 1, overlong="truncate").input_ids.tolist() == (
+        full.input_ids[:-1].tolist()
+    )
+    # The default (split, as in every layer) loses nothing: one sample cannot hold two pieces, so it refuses.
+    with pytest.raises(OverlongError, match=rf"has {n} tokens, more than max_seq_len={n - 1}.*cannot split") as e:
+        tokenize_conversation(CONVO, tok, max_seq_len=n - 1, conversation_id="c7")
+    assert (e.value.conversation_id, e.value.length, e.value.max_seq_len) == ("c7", n, n - 1)
+    assert tokenize_conversation(CONVO, tok, max_seq_len=n).input_ids.tolist() == full.input_ids.tolist()
 
     d = encode_conversation(CONVO, tok, max_seq_len=n - 1, overlong="drop")
     assert d.outcome == "dropped" and d.samples == [] and d.tokens_lost == n
@@ -88,7 +95,9 @@ def test_overlong_one_below(full: Sample) -> None:
     assert np.concatenate([p.input_ids for p in sp.samples]).tolist() == full.input_ids.tolist()
     assert np.concatenate([p.loss_mask for p in sp.samples]).tolist() == full.loss_mask.tolist()
 
-    with pytest.raises(OverlongError, match=rf"{n} tokens > max_seq_len={n - 1}.*'truncate'.*'split'"):
+    with pytest.raises(
+        OverlongError, match=rf"conversation 'c7' has {n} tokens, more than max_seq_len={n - 1}.*'split'.*'truncate'"
+    ):
         tokenize_conversation(CONVO, tok, max_seq_len=n - 1, overlong="error", conversation_id="c7")
 
 

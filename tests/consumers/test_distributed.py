@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from sftpack import IGNORE_INDEX, Sample
 from sftpack.attention import varlen_attention
 from sftpack.exactness import TinyCausalLM, random_samples, reference_labels
+from sftpack.handoff import pad_multiple_for, segment_ids, shard_for_cp, unshard_cp
 from sftpack.loss import count_label_tokens, token_losses, token_mean_loss
-from sftpack.trainer import pack_step, pad_multiple_for, plan_microbatches, segment_ids, shard_for_cp, unshard_cp
+from sftpack.trainer import pack_step, plan_microbatches
 
 VOCAB = 97
 WORLD = 2

@@ -38,9 +38,9 @@ def test_uint64_ids_that_fit_are_kept_exactly():
 
 @pytest.mark.parametrize("pad_id", [0.5, None, "0", True])
 def test_pad_id_must_be_an_integer(pad_id):
-    with pytest.raises(PackedBatchError, match="pad_id must be an integer token id"):
+    with pytest.raises(PackedBatchError, match="pad_id must be a non-negative integer, got"):
         PackedBatch.from_samples(samples_from_lengths([3]), pad_id=pad_id)
-    with pytest.raises(PackedBatchError, match="pad_id must be an integer token id"):
+    with pytest.raises(PackedBatchError, match="pad_id must be a non-negative integer, got"):
         pack_step(torch.ones(1, 4, dtype=torch.long), [3], pad_id=pad_id)
 
 
@@ -137,7 +137,9 @@ def test_build_row_refuses_a_negative_token_id_naming_the_sequence():
 
 @pytest.mark.parametrize("pad_id", [-1, -100, np.int64(-7)])
 def test_a_negative_pad_id_is_refused_by_every_row_builder(pad_id):
-    msg = rf"pad_id={int(pad_id)} is negative: padding slots are fed to the embedding.*token id >= 0"
+    msg = (
+        rf"pad_id must be a non-negative integer, got \S*{int(pad_id)}\S*; padding slots are fed to the embedding.*>= 0"
+    )
     with pytest.raises(PackedBatchError, match="build_row: " + msg):
         build_row(np.arange(1, 4), np.ones(3, bool), [3], row_width=4, pad_id=pad_id)
     with pytest.raises(PackedBatchError, match="build_row: " + msg):

@@ -13,15 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sftpack import Sample
-from sftpack.handoff import padded_lengths
+from sftpack.binpack import Bins
+from sftpack.handoff import pack_rows, padded_lengths
 from sftpack.loader import (
     PAD_BETWEEN_SEQS,
     LoaderStats,
     PackingDataset,
-    hold_back,
-    plan_rows,
     worked_example_row,
 )
+from sftpack.loader._hold import hold_back
 from sftpack.testing import samples_from_lengths
 
 PAD = 999  # a pad id no sample uses (samples_from_lengths ids are >= 1000; pad ids must be >= 0)
@@ -111,15 +111,15 @@ def test_rows_never_overflow_and_hold_every_sample_once(lengths, pad_multiple, b
         assert r.num_tokens == 64
 
 
-def test_plan_rows_costs_with_the_row_builders_padding():
-    rows = plan_rows([5, 10, 30, 20], max_seq_len=36, pad_multiple=4)
+def test_the_row_planner_costs_with_the_row_builders_padding():
+    rows = pack_rows([5, 10, 30, 20], max_seq_len=36, pad_multiple=4)
     assert [r.tolist() for r in rows] == [[2], [1, 3], [0]]  # costs 8, 12, 32, 20: 12 + 20 = 32 fits, 8 does not
     # Unpadded, 5 + 30 = 35 would fit one row; padded it costs 8 + 32 = 40 > 36.
     assert all(int(padded_lengths(np.array([5, 10, 30, 20])[r], 4).sum()) <= 36 for r in rows)
 
 
 def test_hold_back_waits_only_under_filled_rows_within_budget_and_age():
-    rows = [np.array([0]), np.array([1, 2]), np.array([3]), np.array([4])]
+    rows = Bins(np.arange(5), np.array([0, 1, 3, 4, 5]))  # rows [0], [1, 2], [3], [4]
     costs = np.array([36, 20, 12, 8, 4])
     young = np.zeros(5, int)
     kw = {"max_seq_len": 36, "min_fill": 0.99, "max_items": 3}
@@ -323,7 +323,7 @@ def test_negative_token_ids_and_pad_ids_are_refused_on_intake():
         list(PackingDataset([[3, 4], [-1, 2]], max_seq_len=8, buffer_size=2))  # bare id lists: index as id
     with pytest.raises(
         ValueError,
-        match=r"PackingDataset: pad_id=-1 is negative: padding slots are fed to the "
+        match=r"PackingDataset: pad_id must be a non-negative integer, got -1; padding slots are fed to the "
         r"embedding.*token id >= 0",
     ):
         PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=-1)

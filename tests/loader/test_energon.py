@@ -19,6 +19,7 @@ from megatron.energon.flavors.jsonl.crude_jsonl_dataset import CrudeJsonlDataset
 from sftpack.chat import tokenize_conversation
 from sftpack.data import default_corpus, default_tokenizer
 from sftpack.loader import PackingDataset, PackingTaskEncoder
+from sftpack.sample import Overlong, OverlongError
 
 N, BUFFER, WIDTH, MULT = 60, 16, 2048, 4
 
@@ -35,9 +36,9 @@ def prepared(tmp_path_factory):
     return str(path), convs, default_tokenizer()
 
 
-def _loader(path, tok, num_workers):
+def _loader(path, tok, num_workers, overlong="truncate"):
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, global_error_handler=reraise_exception)
-    encoder = PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT)
+    encoder = PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT, overlong=overlong)
     ds = get_train_dataset(
         path,
         worker_config=wc,
@@ -100,12 +101,27 @@ def test_energon_two_workers_resume_exactly(prepared):
 
 
 def test_energon_encoder_refuses_what_it_cannot_do():
-    with pytest.raises(ValueError, match="overlong='split' is not valid: choose one of 'truncate', 'drop', 'error'"):
-        PackingTaskEncoder(None, max_seq_len=64, overlong="split")
+    with pytest.raises(ValueError, match="overlong='cut' is not valid: choose one of 'split', 'truncate', 'drop'"):
+        PackingTaskEncoder(None, max_seq_len=64, overlong="cut")
     with pytest.raises(ValueError, match="max_seq_len=30 is not a multiple of pad_multiple=4"):
         PackingTaskEncoder(None, max_seq_len=30, pad_multiple=4)
-    with pytest.raises(ValueError, match="PackingTaskEncoder: pad_id=-1 is negative"):
+    with pytest.raises(ValueError, match="PackingTaskEncoder: pad_id must be a non-negative integer, got -1"):
         PackingTaskEncoder(None, max_seq_len=64, pad_id=-1)
+
+
+def test_energon_default_overlong_loses_nothing_unasked(prepared):
+    """Every layer defaults to overlong='split'; Energon encodes one sample into one, so a conversation
+    longer than a row is refused by name (conversation 11 of the corpus has 4,371 tokens) instead of being
+    cut short silently; overlong='drop' leaves it out, and every other conversation is packed."""
+    path, convs, tok = prepared
+    with pytest.raises(
+        OverlongError, match=r"conversation 11 has \d+ tokens, more than max_seq_len=2048.*cannot split"
+    ):
+        list(_loader(path, tok, 0, overlong=Overlong.SPLIT))
+    long = {i for i, c in enumerate(convs) if len(tokenize_conversation(c.messages, tok)) > WIDTH}
+    assert 11 in long
+    kept = sorted(i for b in _loader(path, tok, 0, overlong="drop") for i in b.sequence_ids)
+    assert kept == sorted(set(range(N)) - long)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -125,7 +141,7 @@ def test_energon_restore_sample_rebuilds_each_batch_exactly(prepared, num_worker
         packing_buffer_size=BUFFER,
         shuffle_buffer_size=None,
         max_samples_per_sequence=None,
-        task_encoder=PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT),
+        task_encoder=PackingTaskEncoder(tok, max_seq_len=WIDTH, pad_multiple=MULT, overlong="truncate"),
         repeat=False,
     )
     loader = get_savable_loader(ds)

@@ -39,13 +39,13 @@ system and user turns, not the newline between turns.
 
 from __future__ import annotations
 
+from ..sample import Overlong, OverlongError
 from ._batch import TokenizedConversations, TokenizeStats, tokenize_conversations
 from ._options import (
     BadRowReason,
     FileSkipReason,
     OnBadRow,
     Outcome,
-    Overlong,
     SpecialTokensInContent,
     TrainOn,
 )
@@ -61,7 +61,6 @@ from ._rows import ROLES, SHAREGPT_ROLES, BadRowError, Conversation, validate_me
 from ._tokenize import (
     ConversationTemplateError,
     Encoded,
-    OverlongError,
     encode_conversation,
     mask_from_offsets,
     tokenize_conversation,

@@ -32,9 +32,11 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from .._base import positive_int
-from ..sample import Sample
-from ._options import OnBadRow, Outcome, Overlong, SpecialTokensInContent, TrainOn
+from ..sample import DEFAULT_OVERLONG, Overlong, Sample
+from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
 from ._render import renderer_for
 from ._tokenize import (
     Encoded,
@@ -198,8 +200,6 @@ class TokenizedConversations:
 
     def __iter__(self) -> Iterator[Sample]:
         self.stats._reset()
-        from tqdm.auto import tqdm
-
         show = sys.stderr.isatty() if self.progress is None else bool(self.progress)
         error_mode = self.opts.on_bad_row is OnBadRow.ERROR
         total = len(self.conversations) if hasattr(self.conversations, "__len__") else None  # type: ignore[arg-type]
@@ -269,7 +269,7 @@ def tokenize_conversations(
     *,
     train_on: str | TrainOn = "all_assistant",
     max_seq_len: int | None = None,
-    overlong: str | Overlong = "truncate",
+    overlong: str | Overlong = DEFAULT_OVERLONG,
     batch_size: int = 256,
     num_proc: int = 1,
     progress: bool | None = False,
@@ -283,7 +283,8 @@ def tokenize_conversations(
             (and optionally ``id``), or :class:`Conversation` (e.g. a
             :func:`read_conversations` reader). Ids default to the position.
         tokenizer, train_on, max_seq_len: as :func:`tokenize_conversation`.
-        overlong: ``"truncate"``, ``"drop"``, ``"split"`` or ``"error"``.
+        overlong: ``"split"`` (the default: pieces of at most ``max_seq_len``, nothing
+            lost), ``"truncate"``, ``"drop"`` or ``"error"`` (:class:`~sftpack.sample.Overlong`).
         batch_size: conversations rendered and encoded per call.
         num_proc: worker processes; the output order and content do not depend on it.
         progress: show a tqdm bar (off by default; the CLI turns it on; ``None``:

@@ -4,7 +4,8 @@ Every option that takes one of a few values is a ``StrEnum`` here, one line per
 member, so a wrong value fails before any file is opened with a message that
 lists the valid values (``train_on='assistant'`` is not valid: choose one of
 'all_assistant', 'last_assistant', 'everything'). Plain strings and enum members
-are both accepted.
+are both accepted. The over-long policy, :class:`~sftpack.sample.Overlong`, is
+shared by every layer and lives in :mod:`sftpack.sample`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ __all__ = [
     "FileSkipReason",
     "OnBadRow",
     "Outcome",
-    "Overlong",
     "SpecialTokensInContent",
     "TrainOn",
     "choose",
@@ -76,15 +76,6 @@ class TrainOn(_StrEnum):
     ALL_ASSISTANT = "all_assistant"  #: every assistant turn: its content and its end-of-turn token
     LAST_ASSISTANT = "last_assistant"  #: only the final assistant turn
     EVERYTHING = "everything"  #: every token, template and prompts included (continued pre-training)
-
-
-class Overlong(_StrEnum):
-    """What happens to a conversation longer than ``max_seq_len`` tokens."""
-
-    TRUNCATE = "truncate"  #: keep the first ``max_seq_len`` tokens; the tail is lost (counted)
-    DROP = "drop"  #: leave the conversation out (counted, with its tokens)
-    SPLIT = "split"  #: cut into pieces of at most ``max_seq_len`` tokens, each its own sample
-    ERROR = "error"  #: raise :class:`~sftpack.chat.OverlongError` naming the conversation
 
 
 class Outcome(_StrEnum):

@@ -52,12 +52,11 @@ from typing import Any
 import numpy as np
 
 from .._base import positive_int
-from ..sample import Sample
+from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample, overlong_spans
 from ._options import (
     BadRowReason,
     OnBadRow,
     Outcome,
-    Overlong,
     SpecialTokensInContent,
     TrainOn,
     choose,
@@ -68,22 +67,10 @@ from ._rows import BadRowError, Conversation, _Bad, _messages
 __all__ = [
     "ConversationTemplateError",
     "Encoded",
-    "OverlongError",
     "encode_conversation",
     "mask_from_offsets",
     "tokenize_conversation",
 ]
-
-
-class OverlongError(ValueError):
-    """A conversation longer than ``max_seq_len`` under ``overlong='error'``."""
-
-    def __init__(self, message: str, conversation_id: Any = None, length: int = 0, max_seq_len: int = 0):
-        super().__init__(message)
-        self.conversation_id, self.length, self.max_seq_len = conversation_id, length, max_seq_len
-
-    def __reduce__(self) -> Any:  # picklable across worker processes
-        return (type(self), (str(self), self.conversation_id, self.length, self.max_seq_len))
 
 
 class ConversationTemplateError(BadRowError, TemplateError):
@@ -131,7 +118,7 @@ class Encoded:
 class _Options:
     train_on: TrainOn = TrainOn.ALL_ASSISTANT
     max_seq_len: int | None = None
-    overlong: Overlong = Overlong.TRUNCATE
+    overlong: Overlong = DEFAULT_OVERLONG
     on_bad_row: OnBadRow = OnBadRow.ERROR
     special_tokens: SpecialTokensInContent = SpecialTokensInContent.TEXT
 
@@ -269,27 +256,16 @@ def _apply_policy(ids: np.ndarray, mask: np.ndarray, cid: Any, opts: _Options, s
     n = int(ids.shape[0])
     labels = int(mask[1:].sum())
     limit = opts.max_seq_len
+    spans = overlong_spans(n, limit, opts.overlong, f"conversation {cid!r}", cid)
     if limit is None or n <= limit:
         return Encoded([Sample(ids, mask, cid)], Outcome.FIT, n, labels=labels, special_text=special_text)
-    if opts.overlong is Overlong.ERROR:
-        raise OverlongError(
-            f"conversation {cid!r} has {n} tokens > max_seq_len={limit}: raise max_seq_len, or choose "
-            "overlong='truncate' (keep the head), 'drop' or 'split' (pieces of at most max_seq_len)",
-            cid,
-            n,
-            limit,
-        )
     if opts.overlong is Overlong.DROP:
         return Encoded([], Outcome.DROPPED, n, n, int(mask.sum()), labels, labels, special_text)
     if opts.overlong is Overlong.TRUNCATE:
         sample = Sample(ids[:limit], mask[:limit], cid, {"truncated_from": n})
         lost = int(mask[limit:].sum())  # the targets at limit..n-1 (mask[limit] was the last kept token's)
         return Encoded([sample], Outcome.TRUNCATED, n, n - limit, lost, labels, lost, special_text)
-    pieces = -(-n // limit)
-    samples = [
-        Sample(ids[k * limit : (k + 1) * limit], mask[k * limit : (k + 1) * limit], cid, {"piece": k, "pieces": pieces})
-        for k in range(pieces)
-    ]
+    samples = [Sample(ids[a:b], mask[a:b], cid, {"piece": k, "pieces": len(spans)}) for k, (a, b) in enumerate(spans)]
     # The first token of each later piece was the target of the token before it, now in another row.
     boundary = int(mask[limit::limit].sum())
     return Encoded(samples, Outcome.SPLIT, n, labels=labels, labels_lost=boundary, special_text=special_text)
@@ -491,7 +467,7 @@ def encode_conversation(
     *,
     train_on: str | TrainOn = "all_assistant",
     max_seq_len: int | None = None,
-    overlong: str | Overlong = "truncate",
+    overlong: str | Overlong = DEFAULT_OVERLONG,
     conversation_id: Any = None,
     on_bad_row: str | OnBadRow = "error",
     special_tokens_in_content: str | SpecialTokensInContent = "text",
@@ -521,7 +497,7 @@ def tokenize_conversation(
     *,
     train_on: str | TrainOn = "all_assistant",
     max_seq_len: int | None = None,
-    overlong: str | Overlong = "truncate",
+    overlong: str | Overlong = DEFAULT_OVERLONG,
     conversation_id: Any = None,
     special_tokens_in_content: str | SpecialTokensInContent = "text",
 ) -> Sample:
@@ -534,9 +510,13 @@ def tokenize_conversation(
         train_on: ``"all_assistant"`` (each assistant content and its end-of-turn
             token), ``"last_assistant"`` or ``"everything"``.
         max_seq_len: the longest sample allowed (``None``: no limit).
-        overlong: ``"truncate"`` (keep the first ``max_seq_len`` tokens) or
-            ``"error"`` (:class:`OverlongError`). ``"drop"`` and ``"split"`` give
-            zero or several samples: use :func:`encode_conversation`.
+        overlong: what an over-long conversation becomes (:class:`~sftpack.sample.Overlong`).
+            One sample comes back, so ``"split"`` (the default of every layer) works
+            only while one piece suffices: a conversation over ``max_seq_len`` raises
+            :class:`OverlongError` rather than losing its tail unasked. ``"truncate"``
+            keeps the first ``max_seq_len`` tokens; ``"error"`` always raises. For
+            ``"drop"`` and real splits (zero or several samples) use
+            :func:`encode_conversation` or :func:`tokenize_conversations`.
         conversation_id: stored in the sample (default: the ``Conversation``'s id).
         special_tokens_in_content: ``"text"`` (special-token strings inside a
             content are tokenized as plain text) or ``"control"`` (they become the
@@ -551,7 +531,7 @@ def tokenize_conversation(
             no assistant turn...), or the rendering holds no trainable token; the
             message names the conversation and the fix.
         ConversationTemplateError: the chat template refuses or fails to render it.
-        OverlongError: over ``max_seq_len`` with ``overlong="error"``.
+        OverlongError: over ``max_seq_len`` with ``overlong="error"`` or ``"split"``.
 
     >>> from sftpack.testing import tiny_chat_tokenizer
     >>> tok = tiny_chat_tokenizer("chatml")
@@ -561,13 +541,13 @@ def tokenize_conversation(
     'yo<|im_end|>'
     """
     opts = _options(train_on, max_seq_len, overlong, "error", special_tokens_in_content)
-    if opts.overlong in (Overlong.DROP, Overlong.SPLIT):
+    if opts.overlong is Overlong.DROP:
         raise ValueError(
-            f"tokenize_conversation returns one sample, so overlong={opts.overlong.value!r} is not valid here: "
-            "choose 'truncate' or 'error', or call encode_conversation (zero or several samples) "
-            "or tokenize_conversations"
+            "tokenize_conversation returns one sample, so overlong='drop' is not valid here: choose 'split' "
+            "(the default: one piece, or an error), 'truncate' or 'error', or call encode_conversation "
+            "(zero or several samples) or tokenize_conversations"
         )
-    return encode_conversation(
+    enc = encode_conversation(
         messages,
         tokenizer,
         train_on=opts.train_on,
@@ -575,4 +555,16 @@ def tokenize_conversation(
         overlong=opts.overlong,
         conversation_id=conversation_id,
         special_tokens_in_content=opts.special_tokens,
-    ).samples[0]
+    )
+    if len(enc.samples) > 1:
+        cid = enc.samples[0].conversation_id
+        raise OverlongError(
+            f"conversation {cid!r} has {enc.num_tokens} tokens, more than max_seq_len="
+            f"{opts.max_seq_len}, and tokenize_conversation returns one sample, so it cannot split it: call "
+            "encode_conversation or tokenize_conversations (which split), pass overlong='truncate' (keep the "
+            "head) or raise max_seq_len",
+            cid,
+            enc.num_tokens,
+            opts.max_seq_len or 0,
+        )
+    return enc.samples[0]

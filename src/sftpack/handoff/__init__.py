@@ -20,10 +20,10 @@ from __future__ import annotations
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from .align import Alignment, AlignmentError, FP8Recipe, pad_multiple_for
 from .batch import PackedBatch, PackedBatchError
-from .build import build_row, padded_lengths
+from .build import build_row, pack_rows, padded_lengths
 from .cp import CPShard, cp_slot_indices, shard_for_cp, unshard_cp
-from .slots import real_token_mask, slot_layout
-from .unpack import segment_ids, unpack, unpack_padded
+from .slots import real_token_mask, segment_ids, slot_layout
+from .unpack import unpack, unpack_padded
 
 __all__ = [
     "IGNORE_INDEX",
@@ -36,6 +36,7 @@ __all__ = [
     "Sample",
     "as_sample",
     "build_row",
+    "pack_rows",
     "cp_slot_indices",
     "pad_multiple_for",
     "padded_lengths",

@@ -16,20 +16,29 @@ user's own positions may differ from the offsets.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 __all__ = ["real_token_mask", "segment_ids", "slot_layout"]
 
 
-def segment_ids(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """``(T,)`` int64: the segment (sequence) index of every slot, padding included.
-
-    >>> segment_ids(torch.tensor([0, 2, 5], dtype=torch.int32), 5).tolist()
-    [0, 0, 1, 1, 1]
-    """
+def _segment_of(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
     padded = (cu_seqlens_padded[1:] - cu_seqlens_padded[:-1]).long()
     n = padded.shape[0]
     return torch.repeat_interleave(torch.arange(n, device=padded.device), padded, output_size=num_tokens)
+
+
+def segment_ids(packed: Any) -> torch.Tensor:
+    """``(T,)`` int64: the segment (sequence) index of every slot of ``packed`` (a
+    :class:`~sftpack.PackedBatch`), padding included; no host sync (``T`` is known
+    from the tensor shapes).
+
+    >>> from sftpack import PackedBatch
+    >>> segment_ids(PackedBatch.from_samples([[7, 8], [9, 9, 9]])).tolist()
+    [0, 0, 1, 1, 1]
+    """
+    return _segment_of(packed.cu_seqlens_padded, packed.num_tokens)
 
 
 def slot_layout(
@@ -37,7 +46,7 @@ def slot_layout(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(segment, offset, real)`` per slot, each ``(T,)``: segment index (int64),
     offset of the slot in its segment (int64), and whether it is a real token (bool)."""
-    seg = segment_ids(cu_seqlens_padded, num_tokens)
+    seg = _segment_of(cu_seqlens_padded, num_tokens)
     offset = torch.arange(num_tokens, device=seg.device) - cu_seqlens_padded.long().index_select(0, seg)
     real = offset < (cu_seqlens[1:] - cu_seqlens[:-1]).long().index_select(0, seg)
     return seg, offset, real

@@ -14,16 +14,9 @@ import torch
 
 from .batch import PackedBatch, PackedBatchError
 from .cp import CPShard
-from .slots import segment_ids as _segment_ids
 from .slots import slot_layout
 
-__all__ = ["segment_ids", "unpack", "unpack_padded"]
-
-
-def segment_ids(packed: PackedBatch) -> torch.Tensor:
-    """``(T,)`` int64: the segment (sequence) index of every slot of ``packed``,
-    padding included (no host sync: ``T`` is known from the tensor shapes)."""
-    return _segment_ids(packed.cu_seqlens_padded, packed.num_tokens)
+__all__ = ["unpack", "unpack_padded"]
 
 
 def _real_slots(packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

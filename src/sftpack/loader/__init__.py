@@ -7,15 +7,17 @@ array for both ``cu_seqlens`` and ``cu_seqlens_padded`` (``pad_between_seqs=Fals
 :meth:`PackingDataset.packed_seq_params`), which keeps Transformer Engine's
 FlashAttention-2 usable. Streaming::
 
-    samples ──▶ share of (rank, worker) ──▶ buffer (buffer_size) ──plan_rows──▶ rows ──build_row──▶ PackedBatch
+    samples ──▶ share of (rank, worker) ──▶ buffer (buffer_size) ──pack_rows──▶ rows ──build_row──▶ PackedBatch
                                                  ▲                    │
                                                  └── under-filled rows wait (≤ max_wait rounds)
 
 One concept per module:
 
-- ``_source``: a worker's share of an epoch, by source index; :class:`Overlong`.
-- ``_plan``: :func:`plan_rows` (BFD on ``padded_lengths``, the cost the builder
-  lays) and :func:`hold_back` (which under-filled rows wait).
+- ``_source``: a worker's share of an epoch, by source index; the over-long
+  policy (:class:`sftpack.sample.Overlong`) applied before costing.
+- ``_hold``: ``hold_back``, which under-filled rows wait; the rows themselves
+  come from the one row planner, :func:`sftpack.handoff.pack_rows` (BFD on
+  ``padded_lengths``, the cost the builder lays).
 - ``_dataset``: :class:`PackingDataset`: shares, buffer rounds, rows, exact resume.
 - ``_state``: the index-only state and its checks (:class:`StateError`).
 - ``_stats``: :class:`LoaderStats` (samples in, rows out, fill, split / truncated / dropped).
@@ -33,12 +35,12 @@ One concept per module:
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
+from ..sample import Overlong as Overlong  # an alias of sftpack.sample.Overlong, listed in sftpack._ALIASES
 from ._dataset import PAD_BETWEEN_SEQS, PackingDataset
 from ._example import worked_example_row
-from ._plan import hold_back, plan_rows
-from ._source import Overlong
 from ._state import StateError
 from ._stats import LoaderStats
 
@@ -53,13 +55,10 @@ __all__ = [
     "PAD_BETWEEN_SEQS",
     "EnergonPackedBatch",
     "LoaderStats",
-    "Overlong",
     "PackingDataset",
     "PackingTaskEncoder",
     "StateError",
     "StatefulLoader",
-    "hold_back",
-    "plan_rows",
     "saved_num_workers",
     "worked_example_row",
 ]
@@ -68,8 +67,6 @@ __all__ = [
 def __getattr__(name: str) -> Any:
     """Optional parts (torchdata, megatron-energon) load on first use."""
     if name in _LAZY:
-        import importlib
-
         module = importlib.import_module(f".{_LAZY[name]}", __name__)
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

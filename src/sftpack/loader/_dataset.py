@@ -2,9 +2,9 @@
 
 Each (rank, worker) reads its share of the samples (see ``_source``) into a
 buffer of ``buffer_size`` sequences. When the buffer is full it is packed
-(:func:`~sftpack.loader.plan_rows`: best-fit decreasing on the padded costs the
+(:func:`~sftpack.handoff.pack_rows`: best-fit decreasing on the padded costs the
 row builder lays), the rows are emitted one by one, and the few under-filled
-rows may wait a round for fresh samples to fill them (:func:`~sftpack.loader.hold_back`)::
+rows may wait a round for fresh samples to fill them (``_hold.hold_back``)::
 
     read   s0 s1 ... s255            buffer full (buffer_size=256)
     pack   rows r0..r52 (>= min_fill) emitted,  r53 (71% full) held: its 3 samples wait
@@ -50,12 +50,13 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from .._base import choose, positive_int
+from .._base import check_width, choose, non_negative_int, positive_int
 from ..binpack import Algorithm
-from ..handoff import PackedBatch, build_row, padded_lengths
+from ..handoff import PackedBatch, build_row, pack_rows, padded_lengths
 from ..handoff.build import check_pad_id
-from ._plan import hold_back, plan_flat
-from ._source import Item, Lookahead, Overlong, Source, cut_overlong
+from ..sample import DEFAULT_OVERLONG, Overlong
+from ._hold import hold_back
+from ._source import Item, Lookahead, Source, cut_overlong
 from ._state import (
     STATE_VERSION,
     StateError,
@@ -142,7 +143,7 @@ class PackingDataset(IterableDataset):
         pad_multiple: int = 1,
         algorithm: str | Algorithm = "bfd",
         pad_between_seqs: bool = PAD_BETWEEN_SEQS,
-        overlong: str | Overlong = "split",
+        overlong: str | Overlong = DEFAULT_OVERLONG,
         seed: int = 0,
         shuffle: bool = False,
         max_wait: int = 2,
@@ -157,18 +158,12 @@ class PackingDataset(IterableDataset):
         self.max_seq_len = positive_int("max_seq_len", max_seq_len, who=who)
         self.buffer_size = positive_int("buffer_size", buffer_size, who=who)
         self.pad_multiple = positive_int("pad_multiple", pad_multiple, who=who)
-        if self.max_seq_len % self.pad_multiple:
-            m = self.pad_multiple
-            raise ValueError(
-                f"{who}: max_seq_len={max_seq_len} is not a multiple of pad_multiple={m}: the last sequence "
-                f"absorbs the row's tail and would lose its alignment; use max_seq_len="
-                f"{-(-max_seq_len // m) * m} or {max_seq_len // m * m}"
-            )
+        check_width(self.max_seq_len, self.pad_multiple, who=who)
         self.algorithm = choose(Algorithm, algorithm, "algorithm")
         self.overlong = choose(Overlong, overlong, "overlong")
         self.pad_between_seqs = bool(pad_between_seqs)
-        self.seed = _non_negative("seed", seed)
-        self.max_wait = _non_negative("max_wait", max_wait)
+        self.seed = non_negative_int("seed", seed, who="PackingDataset")
+        self.max_wait = non_negative_int("max_wait", max_wait, who="PackingDataset")
         if not isinstance(min_fill, numbers.Real) or not 0.0 <= float(min_fill) <= 1.0:
             raise ValueError(f"{who}: min_fill must be a fraction in [0, 1], got {min_fill!r}")
         self.min_fill = float(min_fill)
@@ -178,7 +173,7 @@ class PackingDataset(IterableDataset):
         self.pad_id = check_pad_id(pad_id, who, ValueError)
         dist_rank, dist_world = _dist_rank_world()
         self.world_size = positive_int("world_size", world_size if world_size is not None else dist_world, who=who)
-        self.rank = _non_negative("rank", rank if rank is not None else dist_rank)
+        self.rank = non_negative_int("rank", rank if rank is not None else dist_rank, who="PackingDataset")
         if self.rank >= self.world_size:
             raise ValueError(f"{who}: rank={self.rank} must be below world_size={self.world_size}")
         self.source = Source(samples, shuffle=bool(shuffle), seed=self.seed)
@@ -210,7 +205,7 @@ class PackingDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at the beginning of ``epoch`` (drops any partial state)."""
         stats = self._stats
-        self._reset(epoch=_non_negative("epoch", epoch))
+        self._reset(epoch=non_negative_int("epoch", epoch, who="PackingDataset"))
         self._stats = stats
 
     def packed_seq_params(self, row: PackedBatch) -> Any:
@@ -425,13 +420,20 @@ class PackingDataset(IterableDataset):
         buf = self._buffer
         lengths = np.fromiter((it.length for it in buf), dtype=np.int64, count=len(buf))
         costs = padded_lengths(lengths, self.pad_multiple)
-        order, offsets = plan_flat(costs, self.max_seq_len, self.algorithm, self.seed)
+        bins = pack_rows(
+            lengths,
+            max_seq_len=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            algorithm=self.algorithm,
+            seed=self.seed,
+        )
+        order, offsets = bins.order, bins.offsets
         ages = np.asarray(self._ages, dtype=np.int64)
         n_rows = offsets.shape[0] - 1
         held = np.zeros(n_rows, dtype=bool)
         if not flush:
             held = hold_back(
-                (order, offsets),
+                bins,
                 costs,
                 ages,
                 max_seq_len=self.max_seq_len,
@@ -473,9 +475,3 @@ class PackingDataset(IterableDataset):
         s.sequences_out += len(row)
         s.real_tokens += sum(it.length for it in row)
         s.slots += self.max_seq_len
-
-
-def _non_negative(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
-        raise ValueError(f"PackingDataset: {name} must be a non-negative integer, got {value!r}")
-    return int(value)

@@ -14,8 +14,9 @@ order and dealt the same way; resuming it re-reads the stream up to the saved
 cursor (O(cursor) reads, no packing), so prefer a map-style source for long
 epochs.
 
-:class:`Overlong` is what happens to a sample longer than a row, applied
-*before* it is costed (costing before truncation crashed jobs upstream).
+:func:`cut_overlong` applies the over-long policy (:class:`sftpack.sample.Overlong`,
+shared by every layer) to a sample *before* it is costed (costing before
+truncation crashed jobs upstream).
 """
 
 from __future__ import annotations
@@ -25,20 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from .._base import StrEnum
-from ..sample import Sample, as_sample
+from ..sample import Overlong, Sample, as_sample, overlong_spans
 from ._state import StateError
 
-__all__ = ["Item", "Lookahead", "Overlong", "Source", "cut_overlong"]
-
-
-class Overlong(StrEnum):
-    """What the loader does with a sample longer than ``max_seq_len``."""
-
-    SPLIT = "split"  #: cut into pieces of ``max_seq_len`` (the last shorter), each packed as a sequence
-    TRUNCATE = "truncate"  #: keep the first ``max_seq_len`` tokens; the rest is counted as lost
-    DROP = "drop"  #: leave the sample out, counted
-    ERROR = "error"  #: raise, naming the sample, its length and the fixes
+__all__ = ["Item", "Lookahead", "Source", "cut_overlong"]
 
 
 class Item:
@@ -75,22 +66,9 @@ def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> 
             f"{int(np.argmin(s.input_ids))}: token ids must be non-negative (an embedding has no row for a "
             "negative id); tokenize it again with the model's tokenizer, or leave it out"
         )
-    if n <= max_seq_len:
-        return [Item((index, 0), s.input_ids, s.loss_mask, sid)], 0
-    if overlong is Overlong.SPLIT:
-        cuts = range(0, n, max_seq_len)
-        return [
-            Item((index, k), s.input_ids[a : a + max_seq_len], s.loss_mask[a : a + max_seq_len], sid)
-            for k, a in enumerate(cuts)
-        ], 0
-    if overlong is Overlong.TRUNCATE:
-        return [Item((index, 0), s.input_ids[:max_seq_len], s.loss_mask[:max_seq_len], sid)], n - max_seq_len
-    if overlong is Overlong.DROP:
-        return [], n
-    raise ValueError(
-        f"sample {index} (conversation {sid!r}) has {n} tokens, more than max_seq_len={max_seq_len}: "
-        "raise max_seq_len, or pass overlong='split', 'truncate' or 'drop'"
-    )
+    spans = overlong_spans(n, max_seq_len, overlong, f"sample {index} (conversation {sid!r})", sid)
+    items = [Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid) for k, (a, b) in enumerate(spans)]
+    return items, n - sum(b - a for a, b in spans)
 
 
 class Source:

@@ -5,10 +5,16 @@ Energon's packing hooks, per worker: it fills a buffer of
 once, then ``pack_selected_samples(group)`` for each group it got back, and
 refills while it emits. :class:`PackingTaskEncoder` plugs in the same rule as
 :class:`~sftpack.loader.PackingDataset` with ``max_wait=0``
-(:func:`~sftpack.loader.plan_rows`: BFD on ``padded_lengths``, buffer order kept
+(:func:`~sftpack.handoff.pack_rows`: BFD on ``padded_lengths``, buffer order kept
 in a row) and the same row builder, so for the same buffer both lay the same
 rows. Energon silently drops any buffered sample the selector leaves out:
-``plan_rows`` places every one of them, always.
+``pack_rows`` places every one of them, always.
+
+Energon encodes one sample into one sample, so the encoder cannot split a
+conversation longer than a row. Under the default over-long policy
+(``overlong="split"``, every layer's default: nothing lost unasked) such a
+conversation raises :class:`~sftpack.sample.OverlongError` naming it and the
+fixes; pass ``overlong="truncate"`` or ``"drop"`` to cut or skip it instead.
 
 Recipe (``pip install 'sftpack[loader]'``)::
 
@@ -42,6 +48,7 @@ This module imports ``megatron.energon``; ``import sftpack.loader`` does not
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -56,10 +63,11 @@ from megatron.energon import (
     stateless,
 )
 
+from .._base import check_width, choose, positive_int
 from ..chat import tokenize_conversation
-from ..handoff import PackedBatch, build_row
+from ..handoff import PackedBatch, build_row, pack_rows
 from ..handoff.build import check_pad_id
-from ._plan import plan_rows
+from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
 
 __all__ = [
     "ConversationSample",
@@ -117,8 +125,6 @@ def cook_conversation(sample: dict) -> ConversationSample:
     :class:`ConversationSample`; the id defaults to the sample's ``__key__``."""
     data = sample["json"]
     if isinstance(data, (bytes, str)):
-        import json
-
         data = json.loads(data)
     if not isinstance(data, dict) or "messages" not in data:
         raise ValueError(f"Energon sample {sample.get('__key__')!r} has no 'messages' field: {str(data)[:80]}")
@@ -134,8 +140,10 @@ class PackingTaskEncoder(TaskEncoder):
         max_seq_len: row width, a multiple of ``pad_multiple``.
         pad_multiple: per-sequence pad multiple (``2 * CP``).
         algorithm: a :func:`sftpack.binpack.pack` algorithm.
-        overlong: ``"truncate"`` (default), ``"drop"`` (Energon skips the sample)
-            or ``"error"`` for conversations longer than a row.
+        overlong: conversations longer than a row: ``"split"`` (the default of every
+            layer; Energon cannot split, so such a conversation raises
+            :class:`~sftpack.sample.OverlongError`), ``"truncate"``, ``"drop"``
+            (Energon skips the sample) or ``"error"``.
         train_on: as :func:`sftpack.chat.tokenize_conversation`.
         pad_id: token id of padding slots.
 
@@ -152,25 +160,17 @@ class PackingTaskEncoder(TaskEncoder):
         max_seq_len: int,
         pad_multiple: int = 1,
         algorithm: str = "bfd",
-        overlong: str = "truncate",
+        overlong: str | Overlong = DEFAULT_OVERLONG,
         train_on: str = "all_assistant",
         pad_id: int = 0,
     ) -> None:
         super().__init__()
-        if overlong not in ("truncate", "drop", "error"):
-            raise ValueError(
-                f"PackingTaskEncoder: overlong={overlong!r} is not valid: choose one of 'truncate', 'drop', "
-                "'error' (Energon encodes one sample into one sample, so 'split' is PackingDataset's alone)"
-            )
-        if max_seq_len % pad_multiple:
-            raise ValueError(
-                f"PackingTaskEncoder: max_seq_len={max_seq_len} is not a multiple of pad_multiple={pad_multiple}"
-            )
+        who = "PackingTaskEncoder"
+        self.overlong = choose(Overlong, overlong, "overlong")
+        self.pad_multiple = positive_int("pad_multiple", pad_multiple, who=who)
+        self.max_seq_len = check_width(positive_int("max_seq_len", max_seq_len, who=who), self.pad_multiple, who=who)
         self.tokenizer = tokenizer
-        self.max_seq_len = max_seq_len
-        self.pad_multiple = pad_multiple
         self.algorithm = algorithm
-        self.overlong = overlong
         self.train_on = train_on
         self.pad_id = check_pad_id(pad_id, "PackingTaskEncoder", ValueError)
 
@@ -185,21 +185,28 @@ class PackingTaskEncoder(TaskEncoder):
                 sample.messages, self.tokenizer, train_on=self.train_on, conversation_id=sample.conversation_id
             )
             ids, mask, cid = s.input_ids, s.loss_mask, s.conversation_id
-        if ids.shape[0] > self.max_seq_len:
-            if self.overlong == "drop":
-                raise SkipSample()
-            if self.overlong == "error":
-                raise ValueError(
-                    f"conversation {cid!r} has {ids.shape[0]} tokens, more than max_seq_len={self.max_seq_len}: "
-                    "raise max_seq_len or use overlong='truncate' or 'drop'"
-                )
-            ids, mask = ids[: self.max_seq_len], mask[: self.max_seq_len]
+        n = int(ids.shape[0])
+        spans = overlong_spans(n, self.max_seq_len, self.overlong, f"conversation {cid!r}", cid)
+        if not spans:
+            raise SkipSample()
+        if len(spans) > 1:
+            raise OverlongError(
+                f"conversation {cid!r} has {n} tokens, more than max_seq_len={self.max_seq_len}, and Energon "
+                "encodes one sample into one sample, so PackingTaskEncoder cannot split it: pass "
+                "overlong='truncate' (keep the head) or 'drop', raise max_seq_len, or pack with "
+                "sftpack.loader.PackingDataset (which splits)",
+                cid,
+                n,
+                self.max_seq_len,
+            )
+        (a, b) = spans[0]
+        ids, mask = ids[a:b], mask[a:b]
         return TokenizedSample.derive_from(sample, input_ids=ids, loss_mask=mask, conversation_id=cid)
 
     def select_samples_to_pack(self, samples: list[TokenizedSample]) -> list[list[TokenizedSample]]:
-        """Every buffered sample in exactly one group: :func:`~sftpack.loader.plan_rows` on the buffer."""
+        """Every buffered sample in exactly one group: :func:`~sftpack.handoff.pack_rows` on the buffer."""
         lengths = np.fromiter((s.input_ids.shape[0] for s in samples), dtype=np.int64, count=len(samples))
-        rows = plan_rows(
+        rows = pack_rows(
             lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, algorithm=self.algorithm
         )
         return [[samples[i] for i in row.tolist()] for row in rows]

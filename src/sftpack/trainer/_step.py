@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._base import positive_int, round_up
+from .._base import check_width, positive_int, round_up
 from ..handoff import PackedBatch, PackedBatchError
 from ..handoff.build import check_pad_id
 from ..sample import IGNORE_INDEX
@@ -132,11 +132,10 @@ def pack_step(
             f"pack_step: pad_to_multiple_of={row_mult} is not a multiple of pad_multiple={m}; the last sequence "
             f"absorbs the row's tail and would lose its alignment: use pad_to_multiple_of={np.lcm(row_mult, m)}"
         )
-    if width is not None and width % (row_mult or m):
-        name, mult = ("pad_to_multiple_of", row_mult) if row_mult else ("pad_multiple", m)
-        raise PackedBatchError(
-            f"pack_step: pad_to={width} is not a multiple of {name}={mult}; the last sequence absorbs the row's "
-            f"tail and would lose its alignment: use pad_to={round_up(width, mult)}"
+    if width is not None:
+        multiple_name = "pad_to_multiple_of" if row_mult else "pad_multiple"
+        check_width(
+            width, row_mult or m, name="pad_to", multiple_name=multiple_name, who="pack_step", error=PackedBatchError
         )
     if lengths is not None and attention_mask is not None:
         raise PackedBatchError("pack_step: give lengths or attention_mask, not both")
