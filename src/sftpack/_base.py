@@ -82,11 +82,13 @@ def positive_int(
     error: type[ValueError] = ValueError,
     allow_none: bool = False,
     who: str = "",
+    why: str = "",
 ) -> Any:
     """``value`` as a Python ``int >= 1``, or ``error`` naming the option.
 
     Python and numpy integers are accepted; ``bool``, floats (even ``4.0``) and
-    strings are refused. ``allow_none=True`` passes ``None`` through.
+    strings are refused. ``allow_none=True`` passes ``None`` through; ``why`` is appended
+    to the message.
 
     >>> positive_int("pad_multiple", 4)
     4
@@ -95,7 +97,7 @@ def positive_int(
     ...
     ValueError: pack_step: pad_multiple must be a positive integer, got 0
     """
-    return _int_at_least(1, "positive", name, value, error, allow_none, who, "")
+    return _int_at_least(1, "positive", name, value, error, allow_none, who, why)
 
 
 def non_negative_int(

@@ -56,10 +56,19 @@ def test_the_unedited_state_still_resumes_exactly():
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
-        (lambda s: s.update(cursor=-5), r"state\['cursor'\] = -5: it must be an integer >= 0"),
+        (
+            lambda s: s.update(cursor=-5),
+            r"state\['cursor'\] must be a non-negative integer, got -5; the state is damaged",
+        ),
         (lambda s: s.update(cursor=10_000), r"state\['cursor'\] = 10000 but share 0 of 1 holds 120 samples in epoch 0"),
-        (lambda s: s.update(epoch=-1), r"state\['epoch'\] = -1: it must be an integer >= 0"),
-        (lambda s: s.update(cursor="3"), r"state\['cursor'\] = '3': it must be an integer >= 0"),
+        (
+            lambda s: s.update(epoch=-1),
+            r"state\['epoch'\] must be a non-negative integer, got -1; the state is damaged",
+        ),
+        (
+            lambda s: s.update(cursor="3"),
+            r"state\['cursor'\] must be a non-negative integer, got '3'; the state is damaged",
+        ),
         (
             lambda s: s["buffer"].append(list(s["buffer"][0])),
             r"state\['buffer'\]\[\d+\] names sample \d+ piece 0, already named by state\['buffer'\]\[0\].*emitted twice",

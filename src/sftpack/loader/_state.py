@@ -31,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .._base import non_negative_int, positive_int
+
 __all__ = [
     "STATE_VERSION",
     "StateError",
@@ -95,10 +97,8 @@ def check_loadable(state: Any, config: dict[str, Any], rank: int, world_size: in
 
 
 def _int(state: dict[str, Any], key: str, lo: int = 0) -> int:
-    v = state[key]
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise StateError(f"state[{key!r}] = {v!r}: it must be an integer >= {lo}; the state is damaged or edited")
-    return v
+    check = positive_int if lo else non_negative_int
+    return check(f"state[{key!r}]", state[key], error=StateError, why="the state is damaged or edited")  # type: ignore[no-any-return]
 
 
 def _ref(where: str, entry: Any, size: int) -> tuple[int, ...]:
