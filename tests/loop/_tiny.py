@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from sftpack.handoff import Sample
+from sftpack import Sample
 from sftpack.loop import TrainConfig, build_model
 
 VOCAB = 97

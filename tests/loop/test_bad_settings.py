@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from sftpack import Sample
 from sftpack.cli import main
-from sftpack.handoff import Sample
 from sftpack.loop import (
     CheckpointError,
     NonFiniteError,

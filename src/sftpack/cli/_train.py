@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any, Literal
 
 from ._common import UsageError, load_tokenizer, non_negative, positive
 
@@ -230,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.resume and args.resume_if_any:
         raise UsageError("give --resume or --resume-if-any, not both")
-    resume = True if args.resume else ("auto" if args.resume_if_any else False)
+    resume: bool | Literal["auto"] = True if args.resume else ("auto" if args.resume_if_any else False)
     if resume and not args.checkpoint_dir:
         raise UsageError(f"--resume{'-if-any' if args.resume_if_any else ''} needs --checkpoint-dir")
     if args.checkpoint_every and not args.checkpoint_dir:
@@ -279,16 +281,14 @@ def run(args: argparse.Namespace) -> int:
             check_tokenizer = tok  # PrepackedDataset(expect={"tokenizer": ...}) refuses another one
         else:
             say(f"note: {args.prepacked} records no tokenizer: its ids are taken to be this tokenizer's")
-    samples = None
+    samples: list[Any] | None = None
     workdir = None
     prepacked = args.prepacked
     if prepacked is None:
+        conversations: Iterable[Any] | None = None  # None: the embedded corpus
         if args.inputs:
-            conversations = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
-            if args.limit:
-                conversations = itertools.islice(conversations, args.limit)
-        else:
-            conversations = None
+            read = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+            conversations = itertools.islice(read, args.limit) if args.limit else read
         samples, stats = tokenized_samples(
             tok,
             conversations,
@@ -310,6 +310,7 @@ def run(args: argparse.Namespace) -> int:
             say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})")
     try:
         if prepacked is None and args.packing == "offline":
+            assert samples is not None  # tokenized above: no --prepacked
             workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
             prepacked = prepack_samples(
                 samples,

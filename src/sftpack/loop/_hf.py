@@ -52,7 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..handoff import IGNORE_INDEX, PackedBatch, Sample, as_sample
+from ..handoff import PackedBatch
+from ..sample import IGNORE_INDEX, Sample, as_sample
 from ..trainer import pack_step, padded_batch
 
 __all__ = ["PackingCollator", "PaddedCollator", "RowsCollator", "hf_row_kwargs"]

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from tqdm.auto import tqdm
@@ -239,7 +239,7 @@ def train(
     model: Any,
     log: str | os.PathLike[str] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
-    resume: bool = False,
+    resume: bool | Literal["auto"] = False,
     stop_after: int | None = None,
     progress: bool = False,
     on_step: Callable[[StepLog], None] | None = None,
@@ -283,7 +283,7 @@ def train(
     opt = torch.optim.AdamW(
         params,
         lr=config.lr,
-        betas=tuple(config.betas),
+        betas=(config.betas[0], config.betas[1]),
         eps=config.eps,
         weight_decay=config.weight_decay,
     )
@@ -430,9 +430,9 @@ def train(
             every = config.checkpoint_every
             if checkpoint_dir is not None and every and (step + 1) % every == 0:
                 _check_finite_params(model, step + 1)  # never a checkpoint that cannot train on
-                shared = None
+                to_save: dict[str, Any] | None = None  # rank 0 writes the shared state
                 if rank == 0:
-                    shared = {
+                    to_save = {
                         "step": step + 1,
                         "model": model.state_dict(),
                         "optimizer": opt.state_dict(),
@@ -444,7 +444,7 @@ def train(
                 save_checkpoint(
                     checkpoint_dir,
                     step + 1,
-                    shared=shared,
+                    shared=to_save,
                     rank=rank,
                     per_rank={"data": source.state_dict(), "rng": rng_state()},
                 )

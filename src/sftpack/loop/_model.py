@@ -37,8 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..attention import hf_attention_forward, varlen_attention
 from ..exactness import norms_in_model_dtype
-from ..handoff import IGNORE_INDEX
 from ..loss import loss_dtype, token_mean_loss
+from ..sample import IGNORE_INDEX
 from ._optional import flash_attn_installed, transformers
 
 __all__ = [
@@ -213,7 +213,7 @@ def load_model(
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
-def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
+def _body_and_head(model: Any) -> tuple[nn.Module, nn.Linear]:
     head = model.get_output_embeddings()
     body = model.base_model
     if head is None or body is model:
@@ -222,7 +222,7 @@ def _body_and_head(model: Any) -> tuple[nn.Module, nn.Module]:
 
 
 def _head_piece(
-    head: nn.Module,
+    head: nn.Linear,
     hidden: torch.Tensor,
     labels: torch.Tensor,
     n: torch.Tensor,
@@ -261,7 +261,7 @@ class LossModule(nn.Module):
         # prompt and padding slots (with a 151,646-id vocabulary they cost more than the body).
         keep = labels != IGNORE_INDEX
         hidden, labels = hidden[keep], labels[keep]
-        chunk = max(1, _CHUNK_LOGITS // head.weight.shape[0])
+        chunk = max(1, _CHUNK_LOGITS // int(head.weight.shape[0]))
         avg = self.average_over_ranks
         if hidden.shape[0] <= chunk:
             return _head_piece(head, hidden, labels, num_label_tokens, avg)

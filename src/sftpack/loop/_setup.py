@@ -10,9 +10,9 @@ import numpy as np
 
 from ..chat import tokenize_conversations
 from ..data import default_corpus
-from ..handoff import Sample
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
+from ..sample import Sample
 from ._optional import transformers
 from ._options import Packing, TrainConfig
 from ._sources import (
@@ -192,7 +192,7 @@ def make_source(
             pad_multiple=config.pad_multiple,
             **common,
         )
-    ds = PackingDataset(
+    loader = PackingDataset(
         samples,
         max_seq_len=config.max_seq_len,
         buffer_size=config.buffer_size,
@@ -206,7 +206,7 @@ def make_source(
         pad_between_seqs=config.pad_between_seqs,
     )
     return LoaderSource(
-        ds,
+        loader,
         batch_size=config.batch_size,
         samples_fp=samples_fingerprint(samples),
         rank=rank,

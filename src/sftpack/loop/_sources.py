@@ -34,7 +34,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..handoff import IGNORE_INDEX, PackedBatch, Sample
+from ..handoff import PackedBatch
+from ..sample import IGNORE_INDEX, Sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
 
 __all__ = [
@@ -293,7 +294,7 @@ class TrainerSource(_SampleSource):
             pad_multiple=self.pad_multiple,
             min_microbatches=self.grad_accum,
         )
-        out = []
+        out: list[MicroBatch] = []
         for mb in plan[self.rank]:
             picked = [self.samples[int(chosen[i])] for i in sorted(mb.tolist())]
             ids, lens, mask = padded_batch(picked, pad_id=self.pad_id)

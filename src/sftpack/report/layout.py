@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..handoff import PackedBatch, Sample
+from ..handoff import PackedBatch
 from ..loader import worked_example_row
 from ..loop._optional import pyplot
+from ..sample import Sample
 from ..trainer import pack_step
 
 __all__ = ["MapRow", "draw_row", "render_map", "save_demo_png", "save_map_png", "worked_example"]
