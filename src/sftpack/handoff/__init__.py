@@ -6,9 +6,12 @@ Megatron, Hugging Face, flash-attn) starts here. The paths take these names from
 this package, never from each other.
 
 - ``sample``: :class:`Sample`, one tokenized conversation; ``IGNORE_INDEX``.
-- ``batch``: :class:`PackedBatch`, its validation and kernel adapters.
-- ``build``: :func:`build_row` (a row from flat arrays) and :func:`padded_lengths`
-  (the bin cost that equals what the builder lays).
+- ``errors``: :class:`PackedBatchError`.
+- ``build``: the row layout in numpy (``lay_row``), :func:`padded_lengths` (the
+  bin cost that equals what it lays) and :func:`pack_rows` (the one row planner
+  on that cost). Below ``batch``: it never imports it.
+- ``batch``: :class:`PackedBatch`, its validation and kernel adapters, and
+  :func:`build_row` (a row from flat arrays, as tensors).
 - ``align``: :func:`pad_multiple_for`, the multiples CP / TP / FP8 need.
 - ``cp``: :func:`shard_for_cp`, :func:`unshard_cp`, :class:`CPShard`.
 - ``slots``: :func:`segment_ids`, :func:`real_token_mask` from the boundaries.
@@ -19,9 +22,10 @@ from __future__ import annotations
 
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from .align import Alignment, AlignmentError, FP8Recipe, pad_multiple_for
-from .batch import PackedBatch, PackedBatchError
-from .build import build_row, pack_rows, padded_lengths
+from .batch import PackedBatch, build_row
+from .build import pack_rows, padded_lengths
 from .cp import CPShard, cp_slot_indices, shard_for_cp, unshard_cp
+from .errors import PackedBatchError
 from .slots import real_token_mask, segment_ids, slot_layout
 from .unpack import unpack, unpack_padded
 

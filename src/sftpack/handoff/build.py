@@ -1,8 +1,8 @@
-"""Rows from flat arrays: the one row builder every path uses.
+"""Rows from flat arrays: the one row layout every path uses (numpy, no torch).
 
 The offline path reads a row's sequences from memory-mapped arrays, the loader
 from its buffer; neither materialises :class:`~sftpack.Sample` objects. Both
-hand :func:`build_row` three flat arrays::
+hand :func:`sftpack.handoff.build_row` three flat arrays::
 
     input_ids  A0 A1 A2 A3 A4 B0 B1 ... B9      (concatenated token ids, any integer dtype)
     loss_mask  F  F  T  T  T  F  T  ... T       (concatenated, bool or 0/1)
@@ -10,8 +10,11 @@ hand :func:`build_row` three flat arrays::
 
 and get the contract's row: each sequence padded to ``pad_multiple``, the
 row's tail folded into the last segment, labels shifted within each sequence.
+:func:`lay_row` computes that row as numpy arrays (:class:`RowArrays`);
+``build_row`` (in :mod:`.batch`, beside :class:`~sftpack.PackedBatch`) wraps
+them as tensors. This module sits below the batch module and never imports it.
 :func:`padded_lengths` is the cost a bin packer must charge for a sequence and
-the width :func:`build_row` lays for it: one function for both, so a planned
+the width :func:`lay_row` lays for it: one function for both, so a planned
 row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
 :func:`pack_rows` is the one row planner on that cost (bins from
 :mod:`sftpack.binpack`, input order kept within a row).
@@ -24,17 +27,16 @@ development machine (``benchmarks/bench_rowbuild.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
-import torch
 
 from .._base import check_width, non_negative_int, positive_int, round_up
 from ..binpack import Bins, pack
 from ..sample import IGNORE_INDEX
-from .batch import PackedBatch, PackedBatchError
+from .errors import PackedBatchError
 
-__all__ = ["build_row", "check_pad_id", "pack_rows", "padded_lengths"]
+__all__ = ["RowArrays", "check_pad_id", "lay_row", "pack_rows", "padded_lengths"]
 
 #: up to this many sequences a row is laid by slice copies (a Python loop over
 #: sequences, never over tokens); above it by one vectorised scatter
@@ -43,7 +45,7 @@ _SLICE_COPY_MAX = 32
 
 def padded_lengths(lengths: Any, pad_multiple: int) -> np.ndarray:
     """``(N,)`` int64: the slots each sequence takes in a row, its length rounded up
-    to ``pad_multiple`` (the bin cost, and the width :func:`build_row` lays).
+    to ``pad_multiple`` (the bin cost, and the width :func:`lay_row` lays).
 
     >>> padded_lengths([5, 10, 8], 4).tolist()
     [8, 12, 8]
@@ -74,7 +76,7 @@ def pack_rows(
     seed: int = 0,
 ) -> Bins:
     """The one row planner: bin-pack sequences into rows of ``max_seq_len`` slots, each
-    costed at :func:`padded_lengths` (what :func:`build_row` lays, so a planned row
+    costed at :func:`padded_lengths` (what :func:`lay_row` lays, so a planned row
     never overflows), each row listing its sequences in input order, rows in the
     packer's order.
 
@@ -101,6 +103,18 @@ def pack_rows(
     return Bins(order, bins.offsets)
 
 
+class RowArrays(NamedTuple):
+    """One row as numpy arrays: the fields of a :class:`~sftpack.PackedBatch` (``int64``
+    per-slot arrays, ``int64`` boundaries; the batch stores them as ``int32``)."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray
+    position_ids: np.ndarray
+    cu_seqlens: np.ndarray
+    cu_seqlens_padded: np.ndarray
+    max_seqlen: int
+
+
 def _int_ids(name: str, arr: Any) -> np.ndarray:
     a = np.asarray(arr)
     if a.ndim != 1:
@@ -113,7 +127,7 @@ def _int_ids(name: str, arr: Any) -> np.ndarray:
     return a
 
 
-def build_row(
+def lay_row(
     input_ids: Any,
     loss_mask: Any,
     lengths: Any,
@@ -122,9 +136,8 @@ def build_row(
     pad_multiple: int = 1,
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
-    device: torch.device | str | None = None,
-) -> PackedBatch:
-    """One contract row from flat arrays.
+) -> RowArrays:
+    """One contract row from flat arrays, as numpy arrays (see :func:`sftpack.handoff.build_row`).
 
     Args:
         input_ids: ``(L,)`` the sequences' token ids laid end to end (numpy array or
@@ -139,11 +152,9 @@ def build_row(
         pad_multiple: pad each sequence to a multiple of this (``2*CP``).
         pad_id: integer id written into padding slots.
         sequence_ids: ``N`` ids, one per sequence (the conversation each holds).
-        device: where to put the tensors (default: CPU).
 
     Returns:
-        A :class:`~sftpack.PackedBatch` (``int64`` per-slot fields, ``int32``
-        boundaries).
+        :class:`RowArrays`.
 
     Raises:
         PackedBatchError: mismatched sizes, a non-integer dtype, a negative token id or
@@ -151,8 +162,8 @@ def build_row(
             a ``row_width`` that is not a multiple of ``pad_multiple``, or padded
             sequences that do not fit ``row_width`` (the message gives the numbers).
 
-    >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
-    >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
+    >>> r = lay_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
+    >>> r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
     m = positive_int("pad_multiple", pad_multiple, error=PackedBatchError)
@@ -228,13 +239,4 @@ def build_row(
     labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
     labels[:-1] = np.where(ok[:-1], out_ids[1:], IGNORE_INDEX)
     position_ids = np.arange(total, dtype=np.int64) - np.repeat(cup[:-1], padded)
-    batch = PackedBatch(
-        input_ids=torch.from_numpy(out_ids),
-        labels=torch.from_numpy(labels),
-        position_ids=torch.from_numpy(position_ids),
-        cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        cu_seqlens_padded=torch.from_numpy(cup.astype(np.int32)),
-        max_seqlen=int(padded.max()),
-        sequence_ids=tuple(sequence_ids) if sequence_ids is not None else None,
-    )
-    return batch.to(device) if device is not None else batch
+    return RowArrays(out_ids, labels, position_ids, cu, cup, int(padded.max()))

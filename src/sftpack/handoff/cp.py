@@ -68,7 +68,8 @@ import torch
 
 from .._base import positive_int
 from ..sample import IGNORE_INDEX
-from .batch import PackedBatch, PackedBatchError, packed_seq_params
+from .batch import PackedBatch, packed_seq_params
+from .errors import PackedBatchError
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.packed_seq_params import PackedSeqParams

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import PackedBatch, PackedBatchError
+from .batch import PackedBatch
 from .cp import CPShard
+from .errors import PackedBatchError
 from .slots import slot_layout
 
 __all__ = ["unpack", "unpack_padded"]
