@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import os
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -83,3 +86,27 @@ def test_a_fresh_interpreter_warns_once_at_the_importing_line():
     # stacklevel=2: the warning names the line that imported the alias, not the alias itself
     assert warned[0].startswith("<string>:1: DeprecationWarning: sftpack.train is deprecated"), warned
     assert "import the training loop from sftpack.loop" in warned[0]
+
+
+def test_the_loop_contracts_can_fail(tmp_path):
+    """pyproject.toml's two loop contracts, broken on purpose in a copy of the tree: the
+    loop importing a face, and a module of the package importing the deprecated alias."""
+    root = Path(__file__).resolve().parents[2]
+    lint = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    assert lint is not None, "lint-imports is not installed: install sftpack with the 'test' extra"
+    shutil.copytree(root / "src" / "sftpack", tmp_path / "sftpack", ignore=shutil.ignore_patterns("__pycache__"))
+    for module, line in (("_plot.py", "from .. import train"), ("_options.py", "from ..report import layout")):
+        path = tmp_path / "sftpack" / "loop" / module
+        path.write_text(path.read_text() + f"\n{line}  # a deliberate violation\n")
+    proc = subprocess.run(
+        [lint, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+        timeout=300,
+    )
+    assert proc.returncode != 0
+    assert "The training loop takes the paths and the handoff, never a face BROKEN" in proc.stdout
+    assert "Nothing in the package imports the deprecated sftpack.train alias BROKEN" in proc.stdout
+    assert "sftpack.loop._options -> sftpack.report.layout" in proc.stdout
+    assert "sftpack.loop._plot -> sftpack.train" in proc.stdout
