@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import _optional
 from .handoff import real_token_mask
 
 __all__ = ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"]
@@ -59,11 +60,7 @@ def boundaries_of(packed: Any, pad_between_seqs: bool | None = None) -> tuple[to
 
 
 def _flash_attn_varlen() -> Any:
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:  # pragma: no cover - GPU only
-        return None
-    return flash_attn_varlen_func
+    return _optional.flash_attn_varlen_func()
 
 
 def varlen_attention(
@@ -224,9 +221,6 @@ def register_hf_attention(name: str = HF_ATTENTION_NAME) -> str:
     """Register :func:`hf_attention_forward` with transformers under ``name`` (and a
     mask function that builds no mask: the boundaries come from ``cu_seq_lens``).
     Then ``AutoModelForCausalLM.from_config(cfg, attn_implementation=name)``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
-
-    AttentionInterface.register(name, hf_attention_forward)
-    AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
+    _optional.transformers().AttentionInterface.register(name, hf_attention_forward)
+    _optional.transformers("masking_utils").AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
     return name

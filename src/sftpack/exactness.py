@@ -21,6 +21,7 @@ The reference labels are built here independently of :class:`~sftpack.PackedBatc
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import varlen_attention
+from . import _optional
+from .attention import register_hf_attention, varlen_attention
 from .handoff import PackedBatch
 from .loss import loss_dtype
 from .sample import IGNORE_INDEX, Sample
@@ -174,8 +176,6 @@ def norms_in_model_dtype(model: nn.Module) -> nn.Module:
     computed in the input's dtype, on every ``LlamaRMSNorm`` of ``model`` (parameters and
     state-dict keys unchanged). Only for float64 models; other dtypes are left as they are.
     """
-    import types
-
     for mod in model.modules():
         if type(mod).__name__ == "LlamaRMSNorm":
             mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)  # type: ignore[method-assign]
@@ -190,9 +190,8 @@ def tiny_llama(
     ``dtype=torch.float64`` gives a model that computes in float64 throughout
     (:func:`norms_in_model_dtype`), except the ``eager`` attention's softmax, which
     Hugging Face computes in float32."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
+    transformers = _optional.transformers()
+    cfg = transformers.LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
@@ -204,7 +203,7 @@ def tiny_llama(
         attn_implementation=attn_implementation,
     )
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).to(dtype).train()
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).train()
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
@@ -362,8 +361,6 @@ def exactness_table(
 
     ``dtype=torch.float64`` runs every model in float64 (Hugging Face's ``eager``
     attention still takes its softmax in float32)."""
-    from .attention import register_hf_attention
-
     rng = np.random.default_rng(seed)
     vocab = 97
     plain = TinyCausalLM(vocab_size=vocab, seed=seed, dtype=dtype)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from . import _optional
 from .data import CHATML_TEMPLATE
 from .sample import Sample
 
@@ -147,9 +148,15 @@ def tiny_chat_tokenizer(style: str = "chatml", *, generation: bool = False) -> A
     """
     if style not in CHAT_STYLES:
         raise ValueError(f"style={style!r} is not valid: choose one of {', '.join(map(repr, CHAT_STYLES))}")
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
+    tk = _optional.tokenizers()
+    AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers = (  # noqa: N806 - the library's names
+        tk.AddedToken,
+        tk.Regex,
+        tk.Tokenizer,
+        tk.decoders,
+        tk.models,
+        tk.pre_tokenizers,
+    )
     plain, marked, specials, bos, eos = CHAT_STYLES[style]
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {ch: i for i, ch in enumerate(alphabet)}
@@ -171,6 +178,8 @@ def tiny_chat_tokenizer(style: str = "chatml", *, generation: bool = False) -> A
     )
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=specials[0])
+    tok = _optional.transformers().PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=specials[0]
+    )
     tok.chat_template = marked if generation else plain
     return tok

@@ -61,6 +61,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import _optional
 from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
 from ._rows import ROLES, BadRowError, Conversation, _Bad, _messages
 
@@ -549,8 +550,7 @@ class ConversationReader:
     # -- Parquet
 
     def _read_parquet(self, src: _Source) -> Iterator[Conversation]:
-        import pyarrow.parquet as pq
-
+        pq = _optional.parquet()
         try:
             pf = pq.ParquetFile(src.target)
             names = set(pf.schema_arrow.names)
@@ -591,8 +591,7 @@ class ConversationReader:
     def _read_dataset(self, src: _Source) -> Iterator[Conversation]:
         target = src.target
         if isinstance(target, tuple):
-            import datasets
-
+            datasets = _optional.datasets()
             path, split = target
             try:
                 loaded = datasets.load_from_disk(str(path))

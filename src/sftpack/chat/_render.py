@@ -48,6 +48,7 @@ from datetime import datetime
 from functools import lru_cache
 from typing import Any
 
+from .. import _optional
 from ._options import TrainOn
 
 __all__ = ["ChatRenderer", "TemplateError", "renderer_for"]
@@ -81,12 +82,10 @@ def _compile(template: str) -> Any:
     """Compile like transformers' ``apply_chat_template``: sandboxed, trim_blocks,
     lstrip_blocks, loop controls, ``tojson``, ``raise_exception``, ``strftime_now``,
     plus a ``{% generation %}`` tag that records where its block lands."""
-    import jinja2
-    from jinja2 import nodes
-    from jinja2.ext import Extension, loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    jinja2 = _optional.jinja2()
+    nodes = jinja2.nodes
 
-    class GenerationTag(Extension):
+    class GenerationTag(jinja2.ext.Extension):  # type: ignore[misc]
         tags = {"generation"}
 
         def parse(self, parser: Any) -> Any:
@@ -109,7 +108,9 @@ def _compile(template: str) -> Any:
     ) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, loopcontrols])
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[GenerationTag, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _optional
 from .._base import positive_int
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample, overlong_spans
 from ._options import (
@@ -342,9 +343,7 @@ def _text_backend(tokenizer: Any) -> Any:
         cached = None
     if cached is not None:
         return cached
-    from tokenizers import Tokenizer
-
-    copy = Tokenizer.from_str(_backend(tokenizer).to_str())
+    copy = _optional.tokenizers().Tokenizer.from_str(_backend(tokenizer).to_str())
     copy.encode_special_tokens = True
     try:
         _TEXT_BACKENDS[tokenizer] = copy

@@ -20,12 +20,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._base import StrEnum, choose, positive_int, round_up
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .batch import PackedBatch
+from .batch import PackedBatch
 
 __all__ = ["Alignment", "AlignmentError", "FP8Recipe", "pad_multiple_for"]
 

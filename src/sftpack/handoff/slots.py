@@ -31,8 +31,8 @@ def _segment_of(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tenso
 
 def segment_ids(packed: Any) -> torch.Tensor:
     """``(T,)`` int64: the segment (sequence) index of every slot of ``packed`` (a
-    :class:`~sftpack.PackedBatch`), padding included; no host sync (``T`` is known
-    from the tensor shapes).
+    :class:`~sftpack.PackedBatch`), padding included; no host sync (the tensor
+    shapes give ``T``).
 
     >>> from sftpack import PackedBatch
     >>> segment_ids(PackedBatch.from_samples([[7, 8], [9, 9, 9]])).tolist()

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import binpack
 from .._base import StrEnum, choose, positive_int, round_up
 
 __all__ = ["CostModel", "MicrobatchPlan", "PlanError", "plan_microbatches"]
@@ -128,8 +129,6 @@ def plan_microbatches(
     >>> plan.tokens.tolist()  # padded tokens per micro-batch (each <= 16)
     [[16, 12], [16, 4]]
     """
-    from .. import binpack
-
     cost = choose(CostModel, cost, "cost", PlanError)
     token_budget = positive_int("token_budget", token_budget, error=PlanError)
     dp_size = positive_int("dp_size", dp_size, error=PlanError)
