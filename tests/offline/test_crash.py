@@ -32,8 +32,7 @@ from pathlib import Path
 mode, inp, out, ready, width, overwrite = sys.argv[1:7]
 import sftpack.offline._publish as pub
 from sftpack.offline import prepack
-from sftpack.offline._local import LocalEngine
-from sftpack.offline.engine import write_rows
+from sftpack.offline.engine import LocalEngine, write_rows
 from sftpack.testing import tiny_chat_tokenizer
 
 def block(*args, **kwargs):

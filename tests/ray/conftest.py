@@ -44,7 +44,7 @@ def hard_timeout():
 def ray_cluster():
     """A private Ray: 3 logical CPUs (2 actors + 1 spare), 1 GiB object store, a short
     temp root under /tmp (pytest's tmp_path is too long for Ray's Unix sockets)."""
-    from sftpack.offline._ray_session import ray_session
+    from sftpack.offline.engine import ray_session
 
     def fire(signum, frame):
         raise _Timeout(f"starting Ray took over {TIMEOUT_S} s")

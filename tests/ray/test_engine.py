@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from sftpack.offline import PrepackedDataset, PrepackError, prepack, prepack_ray
 from sftpack.offline._format import FILES, MANIFEST
-from sftpack.offline._ray import RayEngine
+from sftpack.offline.engine import RayEngine
 
 from .conftest import BAD_ROWS, PER_FILE
 from .conftest import FILES as N_FILES

@@ -45,6 +45,7 @@ The format (one row of two conversations, ``max_seq_len=16``)::
 
 from __future__ import annotations
 
+from . import engine as engine  # the extension module, sftpack.offline.engine
 from ._bridge import export_megatron_bridge, import_megatron_bridge
 from ._dataset import PrepackedDataset
 from ._describe import describe

@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import __version__
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import (
     FILES,
     FORMAT,
@@ -52,7 +53,6 @@ from ._publish import writing
 from ._result import PrepackResult
 from ._stage import StagedSamples
 from ._write import allocate, write_index
-from .engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 
 __all__ = ["Job", "Planner", "build_manifest", "run", "run_conversations"]
 

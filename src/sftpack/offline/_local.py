@@ -19,12 +19,12 @@ from .. import Sample
 from .._base import positive_int
 from ..chat import tokenize_conversations
 from ..data import default_tokenizer
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
 from ._inputs import open_inputs, reading_counts
 from ._plan import RowPlan
 from ._stage import stage_samples
 from ._write import CHUNK_TOKENS, write_rows
-from .engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 
 __all__ = ["LocalEngine"]
 

@@ -22,13 +22,13 @@ from .._base import choose
 from ..binpack import Algorithm
 from ..chat import OnBadRow, Overlong, TrainOn
 from ._driver import Job, run, run_conversations
+from ._engine import PrepackEngine, Samples
 from ._fingerprint import tokenizer_fingerprint
 from ._local import LocalEngine
 from ._options import Engine, PrepackOptions
 from ._plan import BinPack, KeepRows
 from ._ray import RayEngine
 from ._result import PrepackResult
-from .engine import PrepackEngine, Samples
 
 __all__ = ["prepack", "prepack_samples"]
 

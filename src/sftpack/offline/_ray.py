@@ -50,6 +50,7 @@ import numpy as np
 from ..binpack import Algorithm
 from ..chat import OnBadRow, Overlong, TrainOn
 from ._driver import run_conversations
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
 from ._inputs import open_inputs, reading_counts
 from ._options import UNIT_CONVERSATIONS, PrepackOptions
@@ -68,7 +69,6 @@ from ._ray_units import (
     writer_pool,
 )
 from ._result import PrepackResult
-from .engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 
 __all__ = ["RayEngine", "RayPrepackResult", "prepack_ray", "ray_session", "split_rows"]
 

@@ -1,4 +1,5 @@
-"""The extension module of the offline path: the engine interface and the stage parts.
+"""The extension module of the offline path: the engine interface, the two engines, and
+the stage parts an engine is built from.
 
 A prepack runs as one driver (:func:`sftpack.offline.prepack`) over an engine. The
 driver owns everything that decides the bytes and the safety of the output:
@@ -17,40 +18,38 @@ owns only where the two heavy stages run:
 
 Given the same samples in the same order, any engine writes the same bytes:
 every byte's position comes from the plan. Two engines ship:
-:class:`~sftpack.offline._local.LocalEngine` (this process, ``num_proc``
-tokenizer workers) and :class:`~sftpack.offline._ray.RayEngine` (Ray Data
-actors tokenize, Ray actors write). A new engine subclasses
-:class:`PrepackEngine` and is passed as ``prepack(..., engine=MyEngine())``.
+:class:`LocalEngine` (this process, ``num_proc`` tokenizer workers) and
+:class:`RayEngine` (Ray Data actors tokenize, Ray actors write; Ray is imported
+only when it runs). ``prepack(engine="local" | "ray")`` builds one from the
+options; an engine object, one of these with settings of its own or a new
+subclass of :class:`PrepackEngine`, is passed as ``prepack(..., engine=...)``.
 
-The stage parts an engine builds on are here too: :func:`stage_samples` /
-:class:`StagedSamples` / :class:`StagingSource` (stage 1's staging files),
-:func:`plan_rows` / :func:`plan_from_membership` / :class:`RowPlan` (stage 2),
-and :func:`allocate` / :func:`write_rows` / :func:`write_index` (stage 3).
+The stage parts: :func:`stage_samples` / :class:`StagedSamples` /
+:class:`StagingSource` (stage 1's staging files), :func:`plan_rows` /
+:func:`plan_from_membership` / :class:`RowPlan` (stage 2), and
+:func:`allocate` / :func:`write_rows` / :func:`write_index` (stage 3).
+
+>>> rows = plan_rows([5, 10, 3, 8, 6], max_seq_len=16)
+>>> rows.num_rows, isinstance(LocalEngine(), PrepackEngine)
+(2, True)
 """
 
 from __future__ import annotations
 
-import contextlib
-import sys
-from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
-
-import numpy as np
-from tqdm.auto import tqdm
-
-from .. import Sample
-from ._options import PrepackOptions
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
+from ._local import LocalEngine
 from ._plan import RowPlan, plan_from_membership, plan_rows
-from ._result import PrepackResult
+from ._ray import RayEngine, RayPrepackResult
+from ._ray_session import ray_session
 from ._stage import StagedSamples, StagingSource, stage_samples
 from ._write import TokenSource, allocate, write_index, write_rows
 
 __all__ = [
     "Conversations",
+    "LocalEngine",
     "PrepackEngine",
+    "RayEngine",
+    "RayPrepackResult",
     "RowPlan",
     "Samples",
     "Staged",
@@ -61,83 +60,8 @@ __all__ = [
     "plan_from_membership",
     "plan_rows",
     "progress_bar",
+    "ray_session",
     "stage_samples",
     "write_index",
     "write_rows",
 ]
-
-
-@dataclass(frozen=True)
-class Conversations:
-    """Stage 1's work for :func:`~sftpack.offline.prepack`: conversations to read and tokenize.
-
-    Attributes:
-        inputs: as :func:`~sftpack.offline.prepack` takes them (paths, a reader, an
-            iterable, or ``None`` for the embedded corpus).
-        tokenizer: a tokenizer object, the path of a tokenizer folder (engines that
-            load it elsewhere), or ``None`` for the embedded default.
-        options: the validated options.
-    """
-
-    inputs: Any
-    tokenizer: Any
-    options: PrepackOptions
-
-
-@dataclass(frozen=True)
-class Samples:
-    """Stage 1's work for :func:`~sftpack.offline.prepack_samples`: already tokenized samples, in order."""
-
-    samples: Iterable[Sample]
-
-
-@dataclass(frozen=True)
-class Staged:
-    """What stage 1 hands the driver.
-
-    Attributes:
-        samples: lengths, conversation numbers, pieces, id offsets and totals
-            (:class:`StagedSamples`), in input order.
-        source: the token source stage 3 gathers the rows' sequences from.
-        conversation_ids: the file of the conversation ids' UTF-8 JSON, end to end.
-        counts: the manifest counts reading gives (``read``, ``kept``,
-            ``dropped``, and for conversations ``overlong`` and the tokens lost).
-        inputs: the manifest's ``fingerprint["inputs"]`` (``None``: not an input of this engine's).
-        tokenizer: the tokenizer's fingerprint (``None``: no tokenizer ran).
-    """
-
-    samples: StagedSamples
-    source: TokenSource
-    conversation_ids: Path
-    counts: dict[str, Any]
-    inputs: list[dict[str, Any]] | None = None
-    tokenizer: dict[str, Any] | None = None
-
-
-def progress_bar(progress: bool, **kw: Any) -> Any:
-    """A tqdm bar on stderr (disabled unless ``progress``): one per stage."""
-    return tqdm(disable=not progress, dynamic_ncols=True, file=sys.stderr, **kw)
-
-
-class PrepackEngine(ABC):
-    """Where stages 1 and 3 of a prepack run (see the module docstring)."""
-
-    #: the ``seconds`` entry :meth:`session` is timed under (``None``: not timed)
-    start_timer: str | None = None
-
-    @contextlib.contextmanager
-    def session(self) -> Iterator[None]:
-        """Whatever the engine needs for one run (a cluster, a worker pool); released on leaving."""
-        yield
-
-    @abstractmethod
-    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
-        """Stage 1: stage the samples of ``work`` under ``staging`` (an empty folder)."""
-
-    @abstractmethod
-    def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
-        """Stage 3: fill every row of ``plan`` into the files :func:`allocate` created in ``directory``."""
-
-    def result(self, path: Path, manifest: dict[str, Any], seconds: dict[str, float]) -> PrepackResult:
-        """The run's result (an engine may add what it measured)."""
-        return PrepackResult(path, manifest, seconds)

@@ -1,0 +1,100 @@
+"""The engine interface (:class:`PrepackEngine`) and the values it passes to the driver;
+documented, with the engines and the stage parts, in :mod:`sftpack.offline.engine`."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .. import Sample
+from ._options import PrepackOptions
+from ._plan import RowPlan
+from ._result import PrepackResult
+from ._stage import StagedSamples
+from ._write import TokenSource
+
+__all__ = ["Conversations", "PrepackEngine", "Samples", "Staged", "progress_bar"]
+
+
+@dataclass(frozen=True)
+class Conversations:
+    """Stage 1's work for :func:`~sftpack.offline.prepack`: conversations to read and tokenize.
+
+    Attributes:
+        inputs: as :func:`~sftpack.offline.prepack` takes them (paths, a reader, an
+            iterable, or ``None`` for the embedded corpus).
+        tokenizer: a tokenizer object, the path of a tokenizer folder (engines that
+            load it elsewhere), or ``None`` for the embedded default.
+        options: the validated options.
+    """
+
+    inputs: Any
+    tokenizer: Any
+    options: PrepackOptions
+
+
+@dataclass(frozen=True)
+class Samples:
+    """Stage 1's work for :func:`~sftpack.offline.prepack_samples`: already tokenized samples, in order."""
+
+    samples: Iterable[Sample]
+
+
+@dataclass(frozen=True)
+class Staged:
+    """What stage 1 hands the driver.
+
+    Attributes:
+        samples: lengths, conversation numbers, pieces, id offsets and totals
+            (:class:`StagedSamples`), in input order.
+        source: the token source stage 3 gathers the rows' sequences from.
+        conversation_ids: the file of the conversation ids' UTF-8 JSON, end to end.
+        counts: the manifest counts reading gives (``read``, ``kept``,
+            ``dropped``, and for conversations ``overlong`` and the tokens lost).
+        inputs: the manifest's ``fingerprint["inputs"]`` (``None``: not an input of this engine's).
+        tokenizer: the tokenizer's fingerprint (``None``: no tokenizer ran).
+    """
+
+    samples: StagedSamples
+    source: TokenSource
+    conversation_ids: Path
+    counts: dict[str, Any]
+    inputs: list[dict[str, Any]] | None = None
+    tokenizer: dict[str, Any] | None = None
+
+
+def progress_bar(progress: bool, **kw: Any) -> Any:
+    """A tqdm bar on stderr (disabled unless ``progress``): one per stage."""
+    return tqdm(disable=not progress, dynamic_ncols=True, file=sys.stderr, **kw)
+
+
+class PrepackEngine(ABC):
+    """Where stages 1 and 3 of a prepack run (see the module docstring)."""
+
+    #: the ``seconds`` entry :meth:`session` is timed under (``None``: not timed)
+    start_timer: str | None = None
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[None]:
+        """Whatever the engine needs for one run (a cluster, a worker pool); released on leaving."""
+        yield
+
+    @abstractmethod
+    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
+        """Stage 1: stage the samples of ``work`` under ``staging`` (an empty folder)."""
+
+    @abstractmethod
+    def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
+        """Stage 3: fill every row of ``plan`` into the files :func:`~sftpack.offline.engine.allocate` created in ``directory``."""
+
+    def result(self, path: Path, manifest: dict[str, Any], seconds: dict[str, float]) -> PrepackResult:
+        """The run's result (an engine may add what it measured)."""
+        return PrepackResult(path, manifest, seconds)
