@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import non_negative
+import numpy as np
+
+from ._common import UsageError, non_negative
+
+# The offline path, the handoff and the drawing load torch: they are imported inside the
+# functions below, when the command runs, so that `sftpack --help` stays fast.
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +32,7 @@ def _bar(n: int, most: int, width: int = 40) -> str:
 
 def describe_lines(ds: object) -> list[str]:
     """The text ``sftpack inspect`` prints (without ``--row``)."""
-    from ..offline._describe import describe
+    from ..offline import describe
 
     d = describe(ds)
     m = d.manifest
@@ -85,8 +90,6 @@ def row_layout(ds: object, i: int) -> dict[str, object]:
     """Row ``i``'s boundaries and counts from the index and its stored tokens only: what
     :meth:`PrepackedDataset.row` would build, without laying ``max_seq_len`` slots (a row
     is five int64 tensors of that width; drawing one must not cost that)."""
-    import numpy as np
-
     from ..handoff import padded_lengths
 
     _, mask, seqs = ds.row_arrays(i)  # type: ignore[attr-defined]
@@ -105,7 +108,6 @@ def row_layout(ds: object, i: int) -> dict[str, object]:
 def _scaled(real: object, padded: object, cells: int) -> tuple[object, int]:
     """A boundary-only ``PackedBatch`` of the row, shrunk to at most ``cells`` cells
     (one cell = ``k`` slots) for drawing, and ``k``."""
-    import numpy as np
     import torch
 
     from ..handoff import PackedBatch
@@ -158,8 +160,8 @@ def row_lines(ds: object, i: int, *, cells: int = 256) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..offline import PrepackedDataset
-    from ..offline._describe import describe, save_histograms_png
+    from ..offline import PrepackedDataset, describe
+    from ..offline._describe import save_histograms_png
 
     ds = PrepackedDataset(args.directory, verify="full" if args.verify else "size")
     for line in describe_lines(ds):
@@ -170,8 +172,6 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.row is not None:
         if args.row >= ds.num_rows:
-            from ._common import UsageError
-
             raise UsageError(f"--row {args.row} is out of range: the prepack has {ds.num_rows} rows")
         print()
         for line in row_lines(ds, args.row):

@@ -47,8 +47,6 @@ from typing import Any
 
 import numpy as np
 
-from ..binpack import Algorithm
-from ..chat import OnBadRow, Overlong, TrainOn
 from ._driver import run_conversations
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
@@ -93,6 +91,13 @@ class RayPrepackResult(PrepackResult):
 
     actors: list[dict[str, Any]] = field(default_factory=list)
     writers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _failed(stage: str, e: BaseException, outcome: str) -> RuntimeError:
+    """A Ray failure of one stage as one line: what failed, and what was left."""
+    return RuntimeError(
+        f"the Ray {stage} stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); {outcome}"
+    )
 
 
 @dataclass
@@ -264,10 +269,7 @@ class RayEngine(PrepackEngine):
                     results[int(r["key"])] = r
                     bar.update(1)
         except ray.exceptions.RayError as e:
-            raise RuntimeError(
-                f"the Ray tokenize stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); nothing "
-                "was written"
-            ) from e
+            raise _failed("tokenize", e, "nothing was written") from e
         finally:
             for name, level in saved.items():
                 logging.getLogger(name).setLevel(level)
@@ -280,7 +282,7 @@ class RayEngine(PrepackEngine):
         state = self._state()
         source = staged.source
         if not state.writers:
-            state.written = [write_part(str(directory), plan, source, dtype.str, (0, plan.num_rows))]  # type: ignore[arg-type]
+            state.written = [write_part(str(directory), plan, source, dtype.str, (0, plan.num_rows))]
             return
         ray = import_ray()
         plan_ref, source_ref = ray.put(plan), ray.put(source)
@@ -297,10 +299,7 @@ class RayEngine(PrepackEngine):
                     done.append(ray.get(ready[0]))
                     bar.update(1)
         except ray.exceptions.RayError as e:
-            raise RuntimeError(
-                f"the Ray write stage failed ({type(e).__name__}: {' '.join(str(e).split())[:500]}); nothing was "
-                "published"
-            ) from e
+            raise _failed("write", e, "nothing was published") from e
         state.written = sorted(done, key=lambda d: d["rows"])
 
     def result(self, path: Path, manifest: dict[str, Any], seconds: dict[str, float]) -> RayPrepackResult:
@@ -313,36 +312,25 @@ def prepack_ray(
     out: str | os.PathLike[str] = "prepack",
     *,
     tokenizer: Any = None,
-    max_seq_len: int = 4096,
-    pad_multiple: int = 1,
-    algorithm: str | Algorithm = "bfd",
-    seed: int = 0,
-    overlong: str | Overlong = "split",
-    train_on: str | TrainOn = "all_assistant",
-    on_bad_row: str | OnBadRow = "skip",
-    workers: int = 2,
-    ray_address: str | None = None,
-    limit: int | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    unit_size: int = UNIT_CONVERSATIONS,
-    write_tasks: int | None = None,
-    actor_cpus: float = 1.0,
+    **options: Any,
 ) -> RayPrepackResult:
     """:func:`sftpack.offline.prepack` on Ray: the same directory, byte for byte.
 
     Args:
-        inputs, out, max_seq_len, pad_multiple, algorithm, seed, overlong, train_on,
-            on_bad_row, limit, overwrite, progress: as :func:`sftpack.offline.prepack`.
-            Files are read on the workers, one unit per file (and per saved
-            dataset); the embedded corpus, an iterable, or any input with
-            ``limit`` is read on the driver and shipped in units of ``unit_size``
-            conversations.
+        inputs, out: as :func:`sftpack.offline.prepack`. Files are read on the workers,
+            one unit per file (and per saved dataset); the embedded corpus, an
+            iterable, or any input with ``limit`` is read on the driver and shipped
+            in units of ``unit_size`` conversations.
         tokenizer: ``None`` (the embedded Qwen tokenizer, on every worker), the path
             of a tokenizer folder that every node sees at that path (each actor
             loads it; the driver never does), or a tokenizer object (pickled to
             the actors; fine on one machine).
-        workers, ray_address, unit_size, write_tasks, actor_cpus: as :class:`RayEngine`.
+        options: any field of :class:`~sftpack.offline.PrepackOptions` by keyword:
+            ``max_seq_len``, ``pad_multiple``, ``algorithm``, ``seed``, ``overlong``,
+            ``train_on``, ``on_bad_row``, ``limit``, ``overwrite``, ``progress`` as
+            :func:`sftpack.offline.prepack`; ``workers`` (default 2), ``ray_address``,
+            ``unit_size`` (1,024), ``write_tasks`` and ``actor_cpus`` (1.0) as
+            :class:`RayEngine`.
 
     Returns:
         :class:`RayPrepackResult`: as :func:`~sftpack.offline.prepack`'s result, with
@@ -354,24 +342,9 @@ def prepack_ray(
         naming file and line in ``on_bad_row="error"`` mode); ``RuntimeError`` when
         a worker cannot load the tokenizer or Ray fails. Nothing is left at ``out``.
     """
-    options = PrepackOptions(
-        max_seq_len=max_seq_len,
-        pad_multiple=pad_multiple,
-        algorithm=algorithm,  # type: ignore[arg-type]
-        seed=seed,
-        overlong=overlong,  # type: ignore[arg-type]
-        train_on=train_on,  # type: ignore[arg-type]
-        on_bad_row=on_bad_row,  # type: ignore[arg-type]
-        limit=limit,
-        engine="ray",  # type: ignore[arg-type]
-        workers=workers,
-        ray_address=ray_address,
-        unit_size=unit_size,
-        write_tasks=write_tasks,
-        actor_cpus=actor_cpus,
-        overwrite=overwrite,
-        progress=progress,
-    )
-    result = run_conversations(inputs, out, tokenizer, options, RayEngine.from_options(options))
+    if options.get("engine", "ray") != "ray":
+        raise ValueError(f"prepack_ray runs the Ray engine, not engine={options['engine']!r}: call prepack")
+    settings = PrepackOptions(**{**options, "engine": "ray"})
+    result = run_conversations(inputs, out, tokenizer, settings, RayEngine.from_options(settings))
     assert isinstance(result, RayPrepackResult)
     return result
