@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _optional
-from .handoff import real_token_mask
+from .handoff.slots import real_token_mask
 
 __all__ = ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"]
 

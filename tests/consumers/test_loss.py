@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
 from sftpack.exactness import TinyCausalLM, random_samples, reference_labels, tiny_llama
+from sftpack.handoff import unpack
 from sftpack.loss import (
     count_label_tokens,
     count_sequences,
@@ -26,7 +27,7 @@ from sftpack.loss import (
     token_losses,
     token_mean_loss,
 )
-from sftpack.trainer import pack_step, unpack
+from sftpack.trainer import pack_step
 from sftpack.trainer import padded_batch as _padded_batch
 
 VOCAB = 97

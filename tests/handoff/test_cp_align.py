@@ -14,12 +14,12 @@ from sftpack.handoff import (
     CPShard,
     FP8Recipe,
     PackedBatchError,
-    cp_slot_indices,
     pad_multiple_for,
     shard_for_cp,
     unpack,
     unshard_cp,
 )
+from sftpack.handoff.cp import cp_slot_indices
 from sftpack.testing import samples_from_lengths
 from sftpack.trainer import pack_step
 from tests.helpers import PAD, assert_same_batch, padded_batch

@@ -9,16 +9,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
-from sftpack.handoff import PackedBatchError
+from sftpack.handoff import PackedBatchError, pad_multiple_for, unpack, unpack_padded
 from sftpack.testing import samples_from_lengths
-from sftpack.trainer import (
-    PlanError,
-    pack_step,
-    pad_multiple_for,
-    plan_microbatches,
-    unpack,
-    unpack_padded,
-)
+from sftpack.trainer import PlanError, pack_step, plan_microbatches
 from tests.helpers import PAD, assert_same_batch, padded_batch
 
 

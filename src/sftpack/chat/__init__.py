@@ -1,6 +1,15 @@
 """Conversations to tokens: read chat files, render them with a chat template, mask the loss.
 
-The public face of private modules, one concept each:
+``__all__`` is the everyday face (reading, tokenizing, their stats, options and
+errors). The building blocks stay importable from here but out of ``__all__``:
+``ConversationReader``, ``TokenizedConversations``, ``Encoded``, ``FileProblem``,
+``ChatRenderer`` / ``renderer_for``, ``mask_from_offsets``, ``validate_messages``,
+``ROLES`` / ``SHAREGPT_ROLES``, ``FileSkipReason``, ``Outcome``,
+``SpecialTokensInContent``. The over-long policy (``Overlong``,
+``OverlongError``) lives in :mod:`sftpack.sample`, shared by every layer, and is
+reachable here too (aliases listed in ``sftpack._ALIASES``).
+
+Private modules, one concept each:
 
 * ``_options``: the choices (``StrEnum``), validated up front.
 * ``_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
@@ -39,61 +48,41 @@ system and user turns, not the newline between turns.
 
 from __future__ import annotations
 
-from ..sample import Overlong, OverlongError
-from ._batch import TokenizedConversations, TokenizeStats, tokenize_conversations
-from ._options import (
-    BadRowReason,
-    FileSkipReason,
-    OnBadRow,
-    Outcome,
-    SpecialTokensInContent,
-    TrainOn,
-)
-from ._read import (
-    BadFileError,
-    ConversationReader,
-    FileProblem,
-    ReadStats,
-    read_conversations,
-)
-from ._render import ChatRenderer, TemplateError, renderer_for
-from ._rows import ROLES, SHAREGPT_ROLES, BadRowError, Conversation, validate_messages
-from ._tokenize import (
-    ConversationTemplateError,
-    Encoded,
-    encode_conversation,
-    mask_from_offsets,
-    tokenize_conversation,
-)
+from ..sample import Overlong as Overlong  # aliases of sftpack.sample's (sftpack._ALIASES)
+from ..sample import OverlongError as OverlongError
+from ._batch import TokenizedConversations as TokenizedConversations
+from ._batch import TokenizeStats, tokenize_conversations
+from ._options import BadRowReason, OnBadRow, TrainOn
+from ._options import FileSkipReason as FileSkipReason
+from ._options import Outcome as Outcome
+from ._options import SpecialTokensInContent as SpecialTokensInContent
+from ._read import BadFileError, ReadStats, read_conversations
+from ._read import ConversationReader as ConversationReader
+from ._read import FileProblem as FileProblem
+from ._render import ChatRenderer as ChatRenderer
+from ._render import TemplateError
+from ._render import renderer_for as renderer_for
+from ._rows import ROLES as ROLES
+from ._rows import SHAREGPT_ROLES as SHAREGPT_ROLES
+from ._rows import BadRowError, Conversation
+from ._rows import validate_messages as validate_messages
+from ._tokenize import ConversationTemplateError, encode_conversation, tokenize_conversation
+from ._tokenize import Encoded as Encoded
+from ._tokenize import mask_from_offsets as mask_from_offsets
 
 __all__ = [
-    "ROLES",
-    "SHAREGPT_ROLES",
     "BadFileError",
     "BadRowError",
     "BadRowReason",
-    "ChatRenderer",
     "Conversation",
-    "ConversationReader",
     "ConversationTemplateError",
-    "Encoded",
-    "FileProblem",
-    "FileSkipReason",
     "OnBadRow",
-    "Outcome",
-    "Overlong",
-    "OverlongError",
     "ReadStats",
-    "SpecialTokensInContent",
     "TemplateError",
     "TokenizeStats",
-    "TokenizedConversations",
     "TrainOn",
     "encode_conversation",
-    "mask_from_offsets",
     "read_conversations",
-    "renderer_for",
     "tokenize_conversation",
     "tokenize_conversations",
-    "validate_messages",
 ]

@@ -312,7 +312,7 @@ class PackedBatch:
             samples: :class:`~sftpack.Sample` objects (or dicts with ``input_ids`` and
                 ``loss_mask``, or bare id sequences, all tokens trainable).
             pad_multiple: pad each sequence to a multiple of this (``2 * CP`` for
-                context parallelism, see :func:`sftpack.trainer.pad_multiple_for`).
+                context parallelism, see :func:`sftpack.handoff.pad_multiple_for`).
             row_width: fixed row width ``T``, a multiple of ``pad_multiple``; the tail
                 padding is folded into the last segment. ``None``: the row is exactly
                 as wide as its padded sequences.

@@ -17,7 +17,7 @@ small transfer. On 2 CPU cores, ``B=64, S=4096`` with real SFT lengths (~55k
 real tokens) packs in about 2 ms, about 2x a bare boolean-mask gather of the real
 tokens, the least any packer must do (``benchmarks/bench_trainer.py``).
 
-The path itself is two modules:
+The path itself is three modules:
 
 - ``_step``: :func:`pack_step`.
 - ``_plan``: :func:`plan_microbatches`, token-budget micro-batches balanced
@@ -25,48 +25,27 @@ The path itself is two modules:
 - ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``
   batch an unpacked loader hands over (the input of :func:`pack_step`).
 
-What every path shares lives in :mod:`sftpack.handoff` and is re-exported here
-for convenience (and for the contract's names): :func:`pad_multiple_for`,
-:func:`shard_for_cp` / :func:`unshard_cp` / :func:`cp_slot_indices`,
-:func:`unpack` / :func:`unpack_padded`, :func:`segment_ids`. The loss
-normalisation lives in :mod:`sftpack.loss`.
+What every path shares lives in :mod:`sftpack.handoff` and is imported from
+there (:func:`~sftpack.handoff.pad_multiple_for`, :func:`~sftpack.handoff.shard_for_cp`,
+:func:`~sftpack.handoff.unpack`, ...). The contract names two of them here,
+``sftpack.trainer.shard_for_cp`` and ``sftpack.trainer.unpack``: they stay
+reachable as aliases (listed in ``sftpack._ALIASES``), not in ``__all__``. The
+loss normalisation lives in :mod:`sftpack.loss`.
 """
 
 from __future__ import annotations
 
-from ..handoff import (
-    Alignment,
-    AlignmentError,
-    CPShard,
-    FP8Recipe,
-    cp_slot_indices,
-    pad_multiple_for,
-    segment_ids,
-    shard_for_cp,
-    unpack,
-    unpack_padded,
-    unshard_cp,
-)
+from ..handoff import shard_for_cp as shard_for_cp  # the contract's names (sftpack._ALIASES)
+from ..handoff import unpack as unpack
 from ._padded import padded_batch
 from ._plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
 from ._step import pack_step
 
 __all__ = [
-    "Alignment",
-    "AlignmentError",
-    "CPShard",
     "CostModel",
-    "FP8Recipe",
     "MicrobatchPlan",
     "PlanError",
-    "cp_slot_indices",
     "pack_step",
-    "pad_multiple_for",
     "padded_batch",
     "plan_microbatches",
-    "segment_ids",
-    "shard_for_cp",
-    "unpack",
-    "unpack_padded",
-    "unshard_cp",
 ]
