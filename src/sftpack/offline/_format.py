@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import DTypeLike
 
 __all__ = [
     "FILES",
@@ -138,7 +139,7 @@ def token_dtype(vocab_size: int) -> np.dtype:
     raise PrepackError(f"vocabulary of {vocab_size} ids does not fit 32 bits; token ids must be below 2**32")
 
 
-def npy_header(dtype: np.dtype, length: int) -> bytes:
+def npy_header(dtype: DTypeLike, length: int) -> bytes:
     """The ``.npy`` (version 1.0) header of a 1-D array of ``length`` items of ``dtype``:
     a file is this header followed by the raw little-endian items."""
     buf = io.BytesIO()

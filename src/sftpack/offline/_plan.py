@@ -128,7 +128,11 @@ def plan_rows(
     >>> p.order.tolist(), p.row_offsets.tolist(), p.starts.tolist()
     ([1, 4, 0, 2, 3], [0, 2, 5], [0, 10, 16, 21, 24])
     """
-    width, m = check_width(max_seq_len, pad_multiple)
+    return BinPack(max_seq_len, pad_multiple, algorithm, seed).plan(lengths)  # type: ignore[arg-type]
+
+
+def _bin_pack(lengths: Any, width: int, m: int, algorithm: Algorithm, seed: int) -> RowPlan:
+    """:func:`plan_rows` on settings already checked."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
     bins = pack(padded_lengths(lengths_in, m), width, algorithm, seed=seed)
     order = bins.order.copy()
@@ -144,6 +148,11 @@ def plan_from_membership(lengths: Any, row_offsets: Any, *, max_seq_len: int, pa
     """A plan that keeps a given packing: samples in input order, row ``r`` holding
     samples ``row_offsets[r]:row_offsets[r+1]`` (what an importer read)."""
     width, m = check_width(max_seq_len, pad_multiple)
+    return _membership(lengths, row_offsets, width, m)
+
+
+def _membership(lengths: Any, row_offsets: Any, width: int, m: int) -> RowPlan:
+    """:func:`plan_from_membership` on a width already checked."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
     offsets = np.asarray(row_offsets, dtype=np.int64)
     if offsets.ndim != 1 or offsets[0] != 0 or offsets[-1] != lengths_in.shape[0] or np.any(np.diff(offsets) < 1):
@@ -170,13 +179,7 @@ class BinPack:
         object.__setattr__(self, "seed", int(self.seed))
 
     def plan(self, lengths: Any) -> RowPlan:
-        return plan_rows(
-            lengths,
-            max_seq_len=self.max_seq_len,
-            pad_multiple=self.pad_multiple,
-            algorithm=self.algorithm,
-            seed=self.seed,
-        )
+        return _bin_pack(lengths, self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)
 
     def fingerprint(self) -> dict[str, Any]:
         """The manifest fingerprint's entries for the packing."""
@@ -205,10 +208,10 @@ class KeepRows:
         if offsets[-1] != lengths.shape[0]:
             raise PrepackError(f"row_sizes add up to {int(offsets[-1])} samples but {lengths.shape[0]} came in")
         width = self.max_seq_len
-        if width is None:  # as wide as the widest row needs
+        if width is None:  # as wide as the widest row needs (checked against the format's limit)
             loads = np.add.reduceat(padded_lengths(lengths, self.pad_multiple), offsets[:-1])
-            width = round_up(int(loads.max()), self.pad_multiple)
-        return plan_from_membership(lengths, offsets, max_seq_len=width, pad_multiple=self.pad_multiple)
+            width = check_width(round_up(int(loads.max()), self.pad_multiple), self.pad_multiple)[0]
+        return _membership(lengths, offsets, width, self.pad_multiple)
 
     def fingerprint(self) -> dict[str, Any]:
         return {"algorithm": "kept from the source", "seed": None}

@@ -44,7 +44,7 @@ from ._inputs import Inputs
 from ._plan import RowPlan
 from ._ray_session import import_ray, node_label
 from ._stage import StagedSamples, StagingSource, stage_samples
-from ._write import write_rows
+from ._write import TokenSource, write_rows
 
 __all__ = [
     "TokenizeActor",
@@ -346,7 +346,7 @@ class UnitsSource:
         return ids, mask
 
 
-def write_part(directory: str, plan: RowPlan, source: UnitsSource, dtype: str, rows: tuple[int, int]) -> dict[str, Any]:
+def write_part(directory: str, plan: RowPlan, source: TokenSource, dtype: str, rows: tuple[int, int]) -> dict[str, Any]:
     """Write rows ``[a, b)``: in a writer actor on any node that sees ``directory``, or in the driver."""
     t0 = time.perf_counter()
     write_rows(Path(directory), plan, source, np.dtype(dtype), rows=rows)
@@ -359,7 +359,7 @@ class Writer:
     pwrite-bound, and no tokenize actor waits for it."""
 
     def write(
-        self, directory: str, plan: RowPlan, source: UnitsSource, dtype: str, rows: tuple[int, int]
+        self, directory: str, plan: RowPlan, source: TokenSource, dtype: str, rows: tuple[int, int]
     ) -> dict[str, Any]:
         return write_part(directory, plan, source, dtype, rows)
 

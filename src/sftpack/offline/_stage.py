@@ -120,8 +120,8 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
             nonlocal buffered
             if ids_buf:
                 # file.write, not ndarray.tofile: tofile loses the errno of a full disk
-                ft.write(memoryview(np.concatenate(ids_buf).astype(np.uint32, copy=False)).cast("B"))
-                fm.write(memoryview(np.concatenate(mask_buf).astype(np.uint8, copy=False)).cast("B"))
+                ft.write(np.concatenate(ids_buf).astype(np.uint32, copy=False).data.cast("B"))
+                fm.write(np.concatenate(mask_buf).astype(np.uint8, copy=False).data.cast("B"))
                 ids_buf.clear()
                 mask_buf.clear()
             buffered = 0
@@ -226,8 +226,8 @@ class StagingSource:
             # index array as large as the chunk
             o = 0
             for a, k in zip(self.starts[samples].tolist(), lens.tolist()):
-                _read_into(ft, memoryview(ids[o : o + k]).cast("B"), 4 * a)
-                _read_into(fm, memoryview(mask[o : o + k]).cast("B"), a)
+                _read_into(ft, ids[o : o + k].data.cast("B"), 4 * a)
+                _read_into(fm, mask[o : o + k].data.cast("B"), a)
                 o += k
         return ids, mask
 

@@ -82,8 +82,8 @@ def row_chunks(
     return out
 
 
-def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
-    view = memoryview(data).cast("B")
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    view = data.data.cast("B")
     while view.nbytes:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
