@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ._common import UsageError, non_negative
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..handoff import PackedBatch
+    from ..offline import PrepackedDataset
 
 # The offline path, the handoff and the drawing load torch: they are imported inside the
 # functions below, when the command runs, so that `sftpack --help` stays fast.
@@ -30,7 +35,7 @@ def _bar(n: int, most: int, width: int = 40) -> str:
     return "#" * max(1 if n else 0, round(width * n / most)) if most else ""
 
 
-def describe_lines(ds: object) -> list[str]:
+def describe_lines(ds: PrepackedDataset) -> list[str]:
     """The text ``sftpack inspect`` prints (without ``--row``)."""
     from ..offline import describe
 
@@ -41,7 +46,7 @@ def describe_lines(ds: object) -> list[str]:
         fp.get("tokenizer") or {}
     )  # the manifest's entries are checked on opening; the fingerprint's details are free-form
     out = [
-        f"prepack {ds.path}  (format {m['format_version']}, sftpack {m['sftpack_version']}, source: {m['source']})",  # type: ignore[attr-defined]
+        f"prepack {ds.path}  (format {m['format_version']}, sftpack {m['sftpack_version']}, source: {m['source']})",
         (
             f"  rows of {m['max_seq_len']:,} slots, each sequence padded to a multiple of {m['pad_multiple']}, "
             f"pad id {m['pad_id']}, tokens stored as {m['token_dtype']}"
@@ -86,16 +91,16 @@ def describe_lines(ds: object) -> list[str]:
     return out
 
 
-def row_layout(ds: object, i: int) -> dict[str, object]:
+def row_layout(ds: PrepackedDataset, i: int) -> dict[str, Any]:
     """Row ``i``'s boundaries and counts from the index and its stored tokens only: what
     :meth:`PrepackedDataset.row` would build, without laying ``max_seq_len`` slots (a row
     is five int64 tensors of that width; drawing one must not cost that)."""
     from ..handoff import padded_lengths
 
-    _, mask, seqs = ds.row_arrays(i)  # type: ignore[attr-defined]
+    _, mask, seqs = ds.row_arrays(i)
     real = seqs["length"].astype(np.int64)
-    padded = padded_lengths(real, ds.pad_multiple)  # type: ignore[attr-defined]
-    padded[-1] += ds.max_seq_len - int(padded.sum())  # type: ignore[attr-defined]  # the tail, folded in
+    padded = padded_lengths(real, ds.pad_multiple)
+    padded[-1] += ds.max_seq_len - int(padded.sum())  # the tail, folded in
     cu = np.concatenate([[0], np.cumsum(real)])
     cup = np.concatenate([[0], np.cumsum(padded)])
     m = np.asarray(mask, dtype=bool)
@@ -105,7 +110,7 @@ def row_layout(ds: object, i: int) -> dict[str, object]:
     return {"real": real, "padded": padded, "cu": cu, "cup": cup, "labels": labels, "sequences": seqs}
 
 
-def _scaled(real: object, padded: object, cells: int) -> tuple[object, int]:
+def _scaled(real: np.ndarray, padded: np.ndarray, cells: int) -> tuple[PackedBatch, int]:
     """A boundary-only ``PackedBatch`` of the row, shrunk to at most ``cells`` cells
     (one cell = ``k`` slots) for drawing, and ``k``."""
     import torch
@@ -132,7 +137,7 @@ def _scaled(real: object, padded: object, cells: int) -> tuple[object, int]:
     return small, k
 
 
-def row_lines(ds: object, i: int, *, cells: int = 256) -> list[str]:
+def row_lines(ds: PrepackedDataset, i: int, *, cells: int = 256) -> list[str]:
     """Row ``i`` drawn as ``sftpack map`` draws rows (one cell per slot, or per ``k`` slots
     for rows wider than ``cells``), with its boundaries and conversations. Memory: the row's
     stored tokens and ``cells`` cells, whatever ``max_seq_len``."""
@@ -145,15 +150,15 @@ def row_lines(ds: object, i: int, *, cells: int = 256) -> list[str]:
     scale = "one cell per slot" if k == 1 else f"one cell per {k} slots"
     out = [
         (
-            f"row {i}: {len(real)} sequences, {int(cu[-1]):,} real tokens in {int(cup[-1]):,} slots, "  # type: ignore[arg-type]
+            f"row {i}: {len(real)} sequences, {int(cu[-1]):,} real tokens in {int(cup[-1]):,} slots, "
             f"{lay['labels']:,} labels  (letters: real tokens, '.': padding, '|': segment start; {scale})"
         )
     ]
     out += ["  " + line for line in draw_row(small, width=64).split("\n")]
-    out.append(f"  cu_seqlens={[int(x) for x in cu]}")  # type: ignore[attr-defined]
-    out.append(f"  cu_seqlens_padded={[int(x) for x in cup]}  max_seqlen={int(padded.max())}")  # type: ignore[attr-defined]
-    for j, rec in enumerate(seqs):  # type: ignore[arg-type]
-        cid = ds.conversation_id(int(rec["conversation"]))  # type: ignore[attr-defined]
+    out.append(f"  cu_seqlens={[int(x) for x in cu]}")
+    out.append(f"  cu_seqlens_padded={[int(x) for x in cup]}  max_seqlen={int(padded.max())}")
+    for j, rec in enumerate(seqs):
+        cid = ds.conversation_id(int(rec["conversation"]))
         piece = f" piece {int(rec['piece'])}" if int(rec["piece"]) else ""
         out.append(f"  {names[j % len(names)]}: {cid}{piece}, {int(rec['length']):,} tokens")
     return out

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from ._common import UsageError, load_tokenizer, non_negative, positive
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..offline import PrepackResult
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -82,11 +86,11 @@ def _fmt(n: float) -> str:
     return f"{n:,}" if isinstance(n, int) else f"{n:,.2f}"
 
 
-def summary_lines(result: object) -> list[str]:
+def summary_lines(result: PrepackResult) -> list[str]:
     """The end-of-run table (also used by the tests)."""
-    m = result.manifest  # type: ignore[attr-defined]
+    m = result.manifest
     c = m["counts"]
-    sec = result.seconds  # type: ignore[attr-defined]
+    sec = result.seconds
     dropped = ", ".join(f"{k} {v:,}" for k, v in c["dropped"].items()) or "none"
     oc = c.get("overlong") or {}
     rows = [

@@ -128,7 +128,7 @@ def plan_rows(
     >>> p.order.tolist(), p.row_offsets.tolist(), p.starts.tolist()
     ([1, 4, 0, 2, 3], [0, 2, 5], [0, 10, 16, 21, 24])
     """
-    return BinPack(max_seq_len, pad_multiple, algorithm, seed).plan(lengths)  # type: ignore[arg-type]
+    return BinPack(max_seq_len, pad_multiple, choose(Algorithm, algorithm, "algorithm"), seed).plan(lengths)
 
 
 def _bin_pack(lengths: Any, width: int, m: int, algorithm: Algorithm, seed: int) -> RowPlan:

@@ -89,7 +89,7 @@ def prepack(
     Returns:
         :class:`PrepackResult` (``.path``, ``.manifest``, ``.counts``, ``.seconds``).
     """
-    given = {
+    given: dict[str, Any] = {
         "max_seq_len": max_seq_len,
         "pad_multiple": pad_multiple,
         "algorithm": algorithm,
@@ -106,8 +106,8 @@ def prepack(
     }
     engine_object = engine if isinstance(engine, PrepackEngine) else None
     if options is None:
-        name = Engine.LOCAL if engine_object is not None else engine
-        options = PrepackOptions(engine=name, **given)  # type: ignore[arg-type]
+        name = Engine.LOCAL if engine_object is not None else choose(Engine, engine, "engine")
+        options = PrepackOptions(engine=name, **given)
     else:
         defaults = {f.name: f.default for f in fields(PrepackOptions)}
         changed = sorted(k for k, v in given.items() if v != defaults[k])
@@ -162,7 +162,7 @@ def prepack_samples(
     if row_sizes is None:
         if max_seq_len is None:
             raise ValueError("max_seq_len must be a positive integer, got None (None is only valid with row_sizes)")
-        planner = BinPack(max_seq_len, pad_multiple, algorithm, seed)  # type: ignore[arg-type]
+        planner = BinPack(max_seq_len, pad_multiple, choose(Algorithm, algorithm, "algorithm"), seed)
     else:  # row_sizes is read only when planning: an importer may fill it while the samples stream
         planner = KeepRows(row_sizes, max_seq_len, pad_multiple)
     fp: dict[str, Any] = {
