@@ -49,12 +49,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from .. import _optional
 from .._base import positive_int
 from ..data import default_tokenizer
 from ..handoff import Sample
@@ -92,13 +94,9 @@ def _layout(lens: np.ndarray, stored: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def _pyarrow() -> tuple[Any, Any]:
-    """``pyarrow`` and ``pyarrow.parquet`` (the ``chat`` extra's), imported here only."""
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:  # pragma: no cover - installed with the chat extra
-        raise ImportError(f"Megatron-Bridge Parquet needs pyarrow ({e}): pip install 'sftpack[chat]'") from e
-    return pa, pq
+    """``pyarrow`` and ``pyarrow.parquet`` (the ``chat`` extra's), through :mod:`sftpack._optional`."""
+    pq = _optional.parquet()
+    return sys.modules["pyarrow"], pq  # importing pyarrow.parquet imported pyarrow
 
 
 def _prepack_tokenizer(ds: Any, tokenizer: Any, need: str, *, check: bool) -> Any:

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .. import _optional
 from ._format import digest, file_sha256
 
 __all__ = ["digest", "input_fingerprints", "pad_id_of", "tokenizer_fingerprint"]
@@ -90,9 +91,7 @@ def input_fingerprints(sources: Any) -> list[dict[str, Any]]:
     the embedded corpus.
     """
     if sources is None:
-        import chitchat_dataset
-
-        path = Path(chitchat_dataset.__file__).parent / "dataset.json"
+        path = Path(str(_optional.chitchat_dataset().__file__)).parent / "dataset.json"
         entry = _hash_path(path)
         entry["name"] = "sftpack.data.default_corpus (chitchat_dataset/dataset.json)"
         return [entry]

@@ -13,7 +13,7 @@ fingerprint (:meth:`PrepackOptions.fingerprint`) and its own planner
 >>> PrepackOptions(max_seq_len=1000, pad_multiple=16)
 Traceback (most recent call last):
 ...
-ValueError: max_seq_len=1000 is not a multiple of pad_multiple=16: the last sequence of a row absorbs its tail and would lose its alignment; use max_seq_len=992
+ValueError: max_seq_len=1000 is not a multiple of pad_multiple=16: the last sequence of a row absorbs the row's tail and would lose its alignment; use max_seq_len=1008 or 992
 """
 
 from __future__ import annotations

@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from .._base import check_width as multiple_of
 from .._base import choose, positive_int, round_up
-from ..binpack import Algorithm, lower_bounds, pack
-from ..handoff import padded_lengths
+from ..binpack import Algorithm, lower_bounds
+from ..handoff import pack_rows, padded_lengths
 from ._format import PrepackError, check_row_width
 
 __all__ = ["BinPack", "KeepRows", "RowPlan", "check_width", "plan_from_membership", "plan_rows"]
@@ -99,12 +100,7 @@ def check_width(max_seq_len: Any, pad_multiple: Any) -> tuple[int, int]:
     (not positive, wider than the format allows, not a multiple of the pad multiple)."""
     width = check_row_width(positive_int("max_seq_len", max_seq_len))
     m = positive_int("pad_multiple", pad_multiple)
-    if width % m:
-        raise ValueError(
-            f"max_seq_len={width} is not a multiple of pad_multiple={m}: the last sequence of a row absorbs "
-            f"its tail and would lose its alignment; use max_seq_len={width // m * m or m}"
-        )
-    return width, m
+    return multiple_of(width, m), m
 
 
 def plan_rows(
@@ -134,13 +130,9 @@ def plan_rows(
 def _bin_pack(lengths: Any, width: int, m: int, algorithm: Algorithm, seed: int) -> RowPlan:
     """:func:`plan_rows` on settings already checked."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
-    bins = pack(padded_lengths(lengths_in, m), width, algorithm, seed=seed)
-    order = bins.order.copy()
+    bins = pack_rows(lengths_in, max_seq_len=width, pad_multiple=m, algorithm=algorithm, seed=seed)  # the one planner
+    order = np.asarray(bins.order, dtype=np.int64).copy()
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
-    # input order within each row: sort by (row, index) in one stable pass
-    if order.shape[0]:
-        row_of = np.repeat(np.arange(len(bins), dtype=np.int64), np.diff(offsets))
-        order = order[np.lexsort((order, row_of))]
     return _finish(lengths_in, order, offsets, width, m)
 
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _optional
 from .._base import positive_int
 from ..chat import Conversation, ConversationReader, OnBadRow, tokenize_conversations
 from ..chat._tokenize import _as_item
@@ -122,9 +123,7 @@ def _load_tokenizer(spec: Any) -> Any:
     if spec is None:
         return default_tokenizer()
     if isinstance(spec, (str, os.PathLike)):
-        from transformers import AutoTokenizer  # the chat extra's; loaded on the worker only
-
-        return AutoTokenizer.from_pretrained(os.fspath(spec), local_files_only=True)
+        return _optional.transformers().AutoTokenizer.from_pretrained(os.fspath(spec), local_files_only=True)
     return spec
 
 
