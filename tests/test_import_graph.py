@@ -31,7 +31,7 @@ PACKAGE = "sftpack"
 #: (remove it from the list in the same change that breaks it). Empty: the last
 #: one, offline ``_prepack`` <-> ``_ray``, went with the driver over two engines
 #: (issue 17, item 1), and ``handoff.batch`` <-> ``handoff.build`` with the numpy
-#: row layout below the batch module.
+#: row layout (``handoff.layout``) below the batch module.
 KNOWN_CYCLES_UNDER_REPAIR: list[frozenset[str]] = []
 
 
@@ -171,7 +171,7 @@ def test_the_graph_is_read_with_function_level_and_relative_imports():
     assert "sftpack.sample" in graph["sftpack.chat._tokenize"]  # from ..sample import ...
     assert (
         "sftpack.handoff" in graph["sftpack.loader._dataset"]
-    )  # from ..handoff.build import ...: runs handoff/__init__
+    )  # from ..handoff.layout import ...: runs handoff/__init__
     assert "sftpack.handoff" not in graph["sftpack.handoff.unpack"]  # its own package: already initialising
     tree = ast.parse("def f():\n    from .x import y\nif TYPE_CHECKING:\n    from .z import w\n")
     got = [_targets("sftpack.a.b", False, n, {"sftpack.a.x", "sftpack.a.z", "sftpack.a"}) for n in _imports(tree)]
@@ -185,14 +185,14 @@ def test_cycles_are_found():
 
 
 def test_a_lazy_import_that_closes_a_cycle_is_caught(tmp_path):
-    """The same tree with one function-level import planted: build.py (below batch.py) importing
-    batch lazily, the cycle this repository once had."""
+    """The same tree with one function-level import planted: layout.py (below batch.py) importing
+    batch lazily, the cycle this repository once had (then between batch.py and build.py)."""
     shutil.copytree(SRC / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
-    build = tmp_path / PACKAGE / "handoff" / "build.py"
-    build.write_text(
-        build.read_text() + "\n\ndef _planted():\n    from .batch import PackedBatch\n\n    return PackedBatch\n"
+    layout = tmp_path / PACKAGE / "handoff" / "layout.py"
+    layout.write_text(
+        layout.read_text() + "\n\ndef _planted():\n    from .batch import PackedBatch\n\n    return PackedBatch\n"
     )
-    assert frozenset({"sftpack.handoff.batch", "sftpack.handoff.build"}) in cycles(import_graph(tmp_path))
+    assert frozenset({"sftpack.handoff.batch", "sftpack.handoff.layout"}) in cycles(import_graph(tmp_path))
 
 
 def test_no_import_cycles_in_src():

@@ -93,7 +93,7 @@ def test_validate_label_must_be_next_token_or_ignore():
 def test_build_row_copy_strategies_agree(monkeypatch, n, pad_multiple):
     """build_row lays rows by one block copy, slice copies or a scatter depending on the
     sequences; every strategy gives the same row, which validates."""
-    import sftpack.handoff.build as build
+    import sftpack.handoff.layout as layout
 
     rng = np.random.default_rng(n * 7 + pad_multiple)
     lengths = rng.integers(1, 30, n)
@@ -102,7 +102,7 @@ def test_build_row_copy_strategies_agree(monkeypatch, n, pad_multiple):
     width = int((-(-lengths // pad_multiple) * pad_multiple).sum()) + 2 * pad_multiple
     rows = []
     for limit in (0, 10_000):
-        monkeypatch.setattr(build, "_SLICE_COPY_MAX", limit)
+        monkeypatch.setattr(layout, "_SLICE_COPY_MAX", limit)
         rows.append(build_row(ids, mask, lengths, row_width=width, pad_multiple=pad_multiple).validate())
     for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
         assert torch.equal(getattr(rows[0], name), getattr(rows[1], name)), name

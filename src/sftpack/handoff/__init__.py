@@ -10,11 +10,11 @@ stay in their modules. :class:`~sftpack.Sample`, ``as_sample`` and
 (aliases listed in ``sftpack._ALIASES``).
 
 - ``errors``: :class:`PackedBatchError`.
-- ``build``: the row layout in numpy (``lay_row``), :func:`padded_lengths` (the
+- ``layout``: the row layout in numpy (``lay_row``), :func:`padded_lengths` (the
   bin cost that equals what it lays) and :func:`pack_rows` (the one row planner
   on that cost). Below ``batch``: it never imports it.
-- ``batch``: :class:`PackedBatch`, its validation and kernel adapters, and
-  :func:`build_row` (a row from flat arrays, as tensors).
+- ``batch``: :class:`PackedBatch`, its validation and kernel adapters.
+- ``build``: :func:`build_row`, a row from flat arrays (``layout`` then ``batch``).
 - ``align``: :func:`pad_multiple_for`, the multiples CP / TP / FP8 need.
 - ``cp``: :func:`shard_for_cp`, :func:`unshard_cp`, :class:`CPShard` (and ``cp_slot_indices``).
 - ``slots``: :func:`segment_ids` (and ``real_token_mask``, ``slot_layout``) from the boundaries.
@@ -27,10 +27,11 @@ from ..sample import IGNORE_INDEX as IGNORE_INDEX  # aliases of sftpack.sample's
 from ..sample import Sample as Sample
 from ..sample import as_sample as as_sample
 from .align import Alignment, AlignmentError, FP8Recipe, pad_multiple_for
-from .batch import PackedBatch, build_row
-from .build import pack_rows, padded_lengths
+from .batch import PackedBatch
+from .build import build_row
 from .cp import CPShard, shard_for_cp, unshard_cp
 from .errors import PackedBatchError
+from .layout import pack_rows, padded_lengths
 from .slots import segment_ids
 from .unpack import unpack, unpack_padded
 

@@ -31,14 +31,14 @@ import numpy as np
 import torch
 
 from ..sample import IGNORE_INDEX, Sample, as_sample
-from .build import lay_row
 from .errors import PackedBatchError
+from .layout import RowArrays, lay_row
 from .slots import real_token_mask
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported lazily
     from megatron.core.packed_seq_params import PackedSeqParams
 
-__all__ = ["PackedBatch", "PackedBatchError", "build_row"]
+__all__ = ["PackedBatch", "PackedBatchError"]
 
 
 def packed_seq_params(
@@ -305,8 +305,8 @@ class PackedBatch:
         pad_id: int = 0,
         device: torch.device | str | None = None,
     ) -> PackedBatch:
-        """Lay tokenized samples end to end in one row (a thin wrapper over
-        :func:`build_row`, which takes flat arrays).
+        """Lay tokenized samples end to end in one row (what
+        :func:`sftpack.handoff.build_row` does from flat arrays).
 
         Args:
             samples: :class:`~sftpack.Sample` objects (or dicts with ``input_ids`` and
@@ -326,16 +326,34 @@ class PackedBatch:
         items = [as_sample(s, i) for i, s in enumerate(samples)]
         if not items:
             raise PackedBatchError("PackedBatch.from_samples needs at least one sample, got none")
-        return build_row(
+        ids = [s.conversation_id for s in items]
+        row = lay_row(
             np.concatenate([s.input_ids for s in items]),
             np.concatenate([s.loss_mask for s in items]),
             np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items)),
             row_width=row_width,
             pad_multiple=pad_multiple,
             pad_id=pad_id,
-            sequence_ids=[s.conversation_id for s in items],
-            device=device,
+            sequence_ids=ids,
         )
+        return cls.from_row(row, sequence_ids=ids, device=device)
+
+    @classmethod
+    def from_row(
+        cls, row: RowArrays, *, sequence_ids: Sequence[Any] | None = None, device: torch.device | str | None = None
+    ) -> PackedBatch:
+        """The batch of one laid-out row (:func:`sftpack.handoff.layout.lay_row`): the arrays as
+        tensors (``int64`` per slot, ``int32`` boundaries), on ``device`` if given."""
+        batch = cls(
+            input_ids=torch.from_numpy(row.input_ids),
+            labels=torch.from_numpy(row.labels),
+            position_ids=torch.from_numpy(row.position_ids),
+            cu_seqlens=torch.from_numpy(row.cu_seqlens.astype(np.int32)),
+            cu_seqlens_padded=torch.from_numpy(row.cu_seqlens_padded.astype(np.int32)),
+            max_seqlen=row.max_seqlen,
+            sequence_ids=tuple(sequence_ids) if sequence_ids is not None else None,
+        )
+        return batch.to(device) if device is not None else batch
 
     @classmethod
     def concat(cls, batches: Sequence[PackedBatch]) -> PackedBatch:
@@ -459,66 +477,3 @@ class PackedBatch:
             "max_seqlen_q": int(self.max_seqlen),
             "max_seqlen_k": int(self.max_seqlen),
         }
-
-
-def build_row(
-    input_ids: Any,
-    loss_mask: Any,
-    lengths: Any,
-    *,
-    row_width: int | None = None,
-    pad_multiple: int = 1,
-    pad_id: int = 0,
-    sequence_ids: Sequence[Any] | None = None,
-    device: torch.device | str | None = None,
-) -> PackedBatch:
-    """One contract row from flat arrays.
-
-    Args:
-        input_ids: ``(L,)`` the sequences' token ids laid end to end (numpy array or
-            memmap slice of any integer dtype), ``L = sum(lengths)``.
-        loss_mask: ``(L,)`` bool (or 0/1): True on tokens the model is trained to
-            produce. The target of token ``j`` is trainable iff token ``j+1`` is and
-            belongs to the same sequence.
-        lengths: ``(N,)`` real length of each sequence, each ``>= 1``.
-        row_width: fixed row width ``T`` (a multiple of ``pad_multiple``); the tail
-            padding is folded into the last segment. ``None``: exactly as wide as
-            the padded sequences.
-        pad_multiple: pad each sequence to a multiple of this (``2*CP``).
-        pad_id: integer id written into padding slots.
-        sequence_ids: ``N`` ids, one per sequence (the conversation each holds).
-        device: where to put the tensors (default: CPU).
-
-    Returns:
-        A :class:`~sftpack.PackedBatch` (``int64`` per-slot fields, ``int32``
-        boundaries).
-
-    Raises:
-        PackedBatchError: mismatched sizes, a non-integer dtype, a negative token id or
-            ``pad_id``, an empty sequence,
-            a ``row_width`` that is not a multiple of ``pad_multiple``, or padded
-            sequences that do not fit ``row_width`` (the message gives the numbers).
-
-    >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
-    >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
-    ([0, 5, 15], [0, 8, 36], 28)
-    """
-    row = lay_row(
-        input_ids,
-        loss_mask,
-        lengths,
-        row_width=row_width,
-        pad_multiple=pad_multiple,
-        pad_id=pad_id,
-        sequence_ids=sequence_ids,
-    )
-    batch = PackedBatch(
-        input_ids=torch.from_numpy(row.input_ids),
-        labels=torch.from_numpy(row.labels),
-        position_ids=torch.from_numpy(row.position_ids),
-        cu_seqlens=torch.from_numpy(row.cu_seqlens.astype(np.int32)),
-        cu_seqlens_padded=torch.from_numpy(row.cu_seqlens_padded.astype(np.int32)),
-        max_seqlen=row.max_seqlen,
-        sequence_ids=tuple(sequence_ids) if sequence_ids is not None else None,
-    )
-    return batch.to(device) if device is not None else batch

@@ -1,133 +1,26 @@
-"""Rows from flat arrays: the one row layout every path uses (numpy, no torch).
+"""``build_row``: one contract row from flat arrays, the one row builder every path uses.
 
 The offline path reads a row's sequences from memory-mapped arrays, the loader
 from its buffer; neither materialises :class:`~sftpack.Sample` objects. Both
-hand :func:`sftpack.handoff.build_row` three flat arrays::
-
-    input_ids  A0 A1 A2 A3 A4 B0 B1 ... B9      (concatenated token ids, any integer dtype)
-    loss_mask  F  F  T  T  T  F  T  ... T       (concatenated, bool or 0/1)
-    lengths    [5, 10]
-
-and get the contract's row: each sequence padded to ``pad_multiple``, the
-row's tail folded into the last segment, labels shifted within each sequence.
-:func:`lay_row` computes that row as numpy arrays (:class:`RowArrays`);
-``build_row`` (in :mod:`.batch`, beside :class:`~sftpack.PackedBatch`) wraps
-them as tensors. This module sits below the batch module and never imports it.
-:func:`padded_lengths` is the cost a bin packer must charge for a sequence and
-the width :func:`lay_row` lays for it: one function for both, so a planned
-row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
-:func:`pack_rows` is the one row planner on that cost (bins from
-:mod:`sftpack.binpack`, input order kept within a row).
-
-Everything is a few vectorised numpy operations (no Python loop over
-sequences or tokens; each sequence is one slice copy): about 60 µs for a 4,096-token row of 5 sequences on the
-development machine (``benchmarks/bench_rowbuild.py``).
+hand :func:`build_row` the sequences' tokens and masks laid end to end and their
+lengths; :func:`~sftpack.handoff.layout.lay_row` computes the row in numpy
+(below the batch module) and :meth:`PackedBatch.from_row` makes it tensors.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-import numpy as np
+import torch
 
-from .._base import check_width, non_negative_int, positive_int, round_up
-from ..binpack import Bins, pack
-from ..sample import IGNORE_INDEX
-from .errors import PackedBatchError
+from .batch import PackedBatch
+from .layout import lay_row
 
-__all__ = ["RowArrays", "check_pad_id", "lay_row", "pack_rows", "padded_lengths"]
-
-#: up to this many sequences a row is laid by slice copies (a Python loop over
-#: sequences, never over tokens); above it by one vectorised scatter
-_SLICE_COPY_MAX = 32
+__all__ = ["build_row"]
 
 
-def padded_lengths(lengths: Any, pad_multiple: int) -> np.ndarray:
-    """``(N,)`` int64: the slots each sequence takes in a row, its length rounded up
-    to ``pad_multiple`` (the bin cost, and the width :func:`lay_row` lays).
-
-    >>> padded_lengths([5, 10, 8], 4).tolist()
-    [8, 12, 8]
-    """
-    m = positive_int("pad_multiple", pad_multiple, error=PackedBatchError)
-    return round_up(np.asarray(lengths, dtype=np.int64), m)
-
-
-def check_pad_id(pad_id: Any, who: str, error: type[ValueError] = PackedBatchError) -> int:
-    """``pad_id`` as an ``int >= 0``, or ``error``: padding slots are fed to the embedding
-    like any token, so a negative id fails there (or wraps to the last rows)."""
-    return non_negative_int(
-        "pad_id",
-        pad_id,
-        error=error,
-        who=who,
-        why="padding slots are fed to the embedding like any token, so it must be a token id >= 0: use the "
-        "tokenizer's pad id (or 0: padding carries label -100 and is never trained on)",
-    )
-
-
-def pack_rows(
-    lengths: Any,
-    *,
-    max_seq_len: int,
-    pad_multiple: int = 1,
-    algorithm: str = "bfd",
-    seed: int = 0,
-) -> Bins:
-    """The one row planner: bin-pack sequences into rows of ``max_seq_len`` slots, each
-    costed at :func:`padded_lengths` (what :func:`lay_row` lays, so a planned row
-    never overflows), each row listing its sequences in input order, rows in the
-    packer's order.
-
-    Args:
-        lengths: ``(n,)`` real lengths, each ``>= 1`` with
-            ``padded_lengths(length, pad_multiple) <= max_seq_len``.
-        max_seq_len: the row width (a multiple of ``pad_multiple``).
-        pad_multiple: per-sequence pad multiple (``2 * CP``).
-        algorithm: a :func:`sftpack.binpack.pack` algorithm.
-        seed: for ``first_fit_shuffle``.
-
-    Returns:
-        :class:`sftpack.binpack.Bins` of indices into ``lengths`` (``.order`` and
-        ``.offsets``), every row ascending.
-
-    >>> [r.tolist() for r in pack_rows([5, 10, 30, 20], max_seq_len=36, pad_multiple=4)]
-    [[2], [1, 3], [0]]
-    """
-    bins = pack(padded_lengths(lengths, pad_multiple), max_seq_len, algorithm, seed=seed)
-    if len(bins) == 0:
-        return bins
-    row_of = np.repeat(np.arange(len(bins), dtype=np.int64), bins.sizes)
-    order = bins.order[np.lexsort((bins.order, row_of))]  # one sort: rows in the packer's order, items ascending
-    return Bins(order, bins.offsets)
-
-
-class RowArrays(NamedTuple):
-    """One row as numpy arrays: the fields of a :class:`~sftpack.PackedBatch` (``int64``
-    per-slot arrays, ``int64`` boundaries; the batch stores them as ``int32``)."""
-
-    input_ids: np.ndarray
-    labels: np.ndarray
-    position_ids: np.ndarray
-    cu_seqlens: np.ndarray
-    cu_seqlens_padded: np.ndarray
-    max_seqlen: int
-
-
-def _int_ids(name: str, arr: Any) -> np.ndarray:
-    a = np.asarray(arr)
-    if a.ndim != 1:
-        raise PackedBatchError(f"build_row: {name} must be 1-D (the sequences concatenated), got shape {a.shape}")
-    if a.dtype.kind not in "iu":
-        raise PackedBatchError(
-            f"build_row: {name} must hold integers, got dtype {a.dtype}; token ids are never fractional "
-            "(convert with np.asarray(ids, dtype=np.int64) if they are whole numbers)"
-        )
-    return a
-
-
-def lay_row(
+def build_row(
     input_ids: Any,
     loss_mask: Any,
     lengths: Any,
@@ -136,8 +29,9 @@ def lay_row(
     pad_multiple: int = 1,
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
-) -> RowArrays:
-    """One contract row from flat arrays, as numpy arrays (see :func:`sftpack.handoff.build_row`).
+    device: torch.device | str | None = None,
+) -> PackedBatch:
+    """One contract row from flat arrays.
 
     Args:
         input_ids: ``(L,)`` the sequences' token ids laid end to end (numpy array or
@@ -152,9 +46,11 @@ def lay_row(
         pad_multiple: pad each sequence to a multiple of this (``2*CP``).
         pad_id: integer id written into padding slots.
         sequence_ids: ``N`` ids, one per sequence (the conversation each holds).
+        device: where to put the tensors (default: CPU).
 
     Returns:
-        :class:`RowArrays`.
+        A :class:`~sftpack.PackedBatch` (``int64`` per-slot fields, ``int32``
+        boundaries).
 
     Raises:
         PackedBatchError: mismatched sizes, a non-integer dtype, a negative token id or
@@ -162,81 +58,18 @@ def lay_row(
             a ``row_width`` that is not a multiple of ``pad_multiple``, or padded
             sequences that do not fit ``row_width`` (the message gives the numbers).
 
-    >>> r = lay_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
-    >>> r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.max_seqlen
+    >>> import numpy as np
+    >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
+    >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
-    m = positive_int("pad_multiple", pad_multiple, error=PackedBatchError)
-    check_pad_id(pad_id, "build_row", PackedBatchError)
-    ids = _int_ids("input_ids", input_ids)
-    real = _int_ids("lengths", lengths).astype(np.int64, copy=False)
-    mask = np.asarray(loss_mask)
-    n = real.shape[0]
-    if n == 0:
-        raise PackedBatchError("build_row needs at least one sequence, got none")
-    if mask.shape != ids.shape:
-        raise PackedBatchError(
-            f"build_row: loss_mask has shape {mask.shape} but input_ids has {ids.shape}; give one entry per token"
-        )
-    if int(real.min()) < 1:
-        i = int(np.flatnonzero(real < 1)[0])
-        raise PackedBatchError(f"build_row: lengths[{i}] = {int(real[i])}; every sequence needs at least one token")
-    n_tok = int(real.sum())
-    if n_tok != ids.shape[0]:
-        raise PackedBatchError(
-            f"build_row: lengths add up to {n_tok} tokens but input_ids holds {ids.shape[0]}; they must match"
-        )
-    if sequence_ids is not None and len(sequence_ids) != n:
-        raise PackedBatchError(f"build_row: sequence_ids has {len(sequence_ids)} entries for {n} sequences")
-    if ids.dtype.kind == "i" and n_tok and int(ids.min()) < 0:  # one pass over the ids (~2 us per 4,096)
-        t = int(np.flatnonzero(ids < 0)[0])
-        i = int(np.searchsorted(np.cumsum(real), t, side="right"))
-        who = f", id {sequence_ids[i]!r}" if sequence_ids is not None else ""
-        raise PackedBatchError(
-            f"build_row: sequence {i}{who} holds token id {int(ids[t])} at input position {t}: token ids must be "
-            "non-negative (an embedding has no row for a negative id); tokenize the conversation again with "
-            "the model's tokenizer"
-        )
-    padded = round_up(real, m)
-    total = int(padded.sum())
-    if row_width is not None:
-        row_width = positive_int("row_width", row_width, error=PackedBatchError)
-        check_width(row_width, m, name="row_width", who="build_row", error=PackedBatchError)
-        if total > row_width:
-            raise PackedBatchError(
-                f"{n} sequences of {n_tok} tokens take {total} slots after padding each to a multiple of {m}, "
-                f"more than row_width={row_width}: pack fewer sequences per row (sftpack.binpack with "
-                "cost_multiple=pad_multiple) or raise row_width"
-            )
-        padded[-1] += row_width - total
-        total = row_width
-    cu = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(real, out=cu[1:])
-    cup = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(padded, out=cup[1:])
-
-    # Real tokens sit contiguously at the start of each segment, so each sequence
-    # is one slice copy. Three ways to do the same copy, by what is cheapest:
-    # no padding between sequences (one block), few sequences (a slice per
-    # sequence), many (one vectorised scatter).
-    out_ids = np.full(total, pad_id, dtype=np.int64)
-    ok = np.zeros(total, dtype=bool)  # slot t has a trainable target (token t+1, same sequence)
-    mask_b = mask.astype(bool, copy=False)
-    if n == 1 or bool((padded[:-1] == real[:-1]).all()):
-        out_ids[:n_tok] = ids
-        ok[: n_tok - 1] = mask_b[1:]
-    elif n <= _SLICE_COPY_MAX:
-        for i in range(n):
-            a, b, p = int(cu[i]), int(cu[i + 1]), int(cup[i])
-            out_ids[p : p + b - a] = ids[a:b]
-            ok[p : p + b - a - 1] = mask_b[a + 1 : b]
-    else:
-        slot = np.arange(n_tok, dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
-        out_ids[slot] = ids
-        ok[slot[:-1]] = mask_b[1:]
-    # The last real token of every sequence has no target.
-    ok[cup[:-1] + real - 1] = False
-    labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
-    labels[:-1] = np.where(ok[:-1], out_ids[1:], IGNORE_INDEX)
-    position_ids = np.arange(total, dtype=np.int64) - np.repeat(cup[:-1], padded)
-    return RowArrays(out_ids, labels, position_ids, cu, cup, int(padded.max()))
+    row = lay_row(
+        input_ids,
+        loss_mask,
+        lengths,
+        row_width=row_width,
+        pad_multiple=pad_multiple,
+        pad_id=pad_id,
+        sequence_ids=sequence_ids,
+    )
+    return PackedBatch.from_row(row, sequence_ids=sequence_ids, device=device)

@@ -53,7 +53,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._base import check_width, choose, non_negative_int, positive_int
 from ..binpack import Algorithm
 from ..handoff import PackedBatch, build_row, pack_rows, padded_lengths
-from ..handoff.build import check_pad_id
+from ..handoff.layout import check_pad_id
 from ..sample import DEFAULT_OVERLONG, Overlong
 from ._hold import hold_back
 from ._source import Item, Lookahead, Source, cut_overlong

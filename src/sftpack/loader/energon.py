@@ -66,7 +66,7 @@ from megatron.energon import (
 from .._base import check_width, choose, positive_int
 from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row, pack_rows
-from ..handoff.build import check_pad_id
+from ..handoff.layout import check_pad_id
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
 
 __all__ = [

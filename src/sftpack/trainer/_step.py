@@ -14,7 +14,7 @@ import torch
 
 from .._base import check_width, positive_int, round_up
 from ..handoff import PackedBatch, PackedBatchError
-from ..handoff.build import check_pad_id
+from ..handoff.layout import check_pad_id
 from ..sample import IGNORE_INDEX
 
 __all__ = ["pack_step"]
