@@ -52,13 +52,13 @@ from ..sample import Overlong as Overlong  # aliases of sftpack.sample's (sftpac
 from ..sample import OverlongError as OverlongError
 from ._batch import TokenizedConversations as TokenizedConversations
 from ._batch import TokenizeStats, tokenize_conversations
+from ._find import FileProblem as FileProblem
 from ._options import BadRowReason, OnBadRow, TrainOn
 from ._options import FileSkipReason as FileSkipReason
 from ._options import Outcome as Outcome
 from ._options import SpecialTokensInContent as SpecialTokensInContent
 from ._read import BadFileError, ReadStats, read_conversations
 from ._read import ConversationReader as ConversationReader
-from ._read import FileProblem as FileProblem
 from ._render import ChatRenderer as ChatRenderer
 from ._render import TemplateError
 from ._render import renderer_for as renderer_for

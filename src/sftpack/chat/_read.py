@@ -1,5 +1,11 @@
 """Reading conversations from files, streaming, with every rejected row and file accounted for.
 
+(About 590 lines, on purpose: one reader whose three formats share one set of
+accounting steps, ``_drop`` / ``_skip_file`` / ``_lose_tail``, which keep
+``read == kept + sum(dropped)`` true at every moment; split per format, each
+piece would need the reader's counters handed around. Finding the files is
+``_find``'s part.)
+
 Formats (chosen by file name):
 
 * ``*.jsonl``, ``*.json``, ``*.ndjson`` (``.gz`` too): one JSON object per line;
@@ -18,8 +24,9 @@ file of another kind is counted in ``stats.files_skipped["unsupported_format"]``
 and a hidden entry (``.git``, ``.DS_Store``) under ``"hidden"``, each listed in
 ``stats.file_problems``. A file named explicitly must be of a known kind.
 
-A row holds either OpenAI-style ``messages`` or ShareGPT ``conversations``; its
-checks live in ``_rows``.
+Which files a path, folder or glob names, and of which kind, is ``_find``'s
+part. A row holds either OpenAI-style ``messages`` or ShareGPT
+``conversations``; its checks live in ``_rows``.
 
 Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
@@ -50,11 +57,9 @@ and the fix instead.
 
 from __future__ import annotations
 
-import glob
 import gzip
 import json
 import logging
-import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -62,15 +67,14 @@ from pathlib import Path
 from typing import Any
 
 from .. import _optional
+from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
 from ._rows import ROLES, BadRowError, Conversation, _Bad, _messages
 
-__all__ = ["BadFileError", "ConversationReader", "FileProblem", "ReadStats", "read_conversations"]
+__all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
 
 logger = logging.getLogger("sftpack.chat")
 
-_JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
-_PARQUET_SUFFIXES = (".parquet", ".pq")
 _SNIFF = 1 << 16  # bytes looked at to tell a JSON Lines file from other text
 #: What a damaged container raises while it is read: gzip EOFError, BadGzipFile (an
 #: OSError), zlib.error; pyarrow ArrowInvalid (a ValueError), OSError.
@@ -94,17 +98,6 @@ class BadFileError(ValueError):
 
     def __reduce__(self) -> Any:
         return (type(self), (self.path, self.reason, self.detail, self.fix))
-
-
-@dataclass(frozen=True)
-class FileProblem:
-    """One file not read, or not read to its end: ``reason`` is a :class:`FileSkipReason`
-    value or ``"unreadable_tail"``; ``rows_lost`` the rows counted for it in ``dropped``."""
-
-    path: str
-    reason: str
-    detail: str
-    rows_lost: int = 0
 
 
 @dataclass(repr=False)
@@ -168,135 +161,6 @@ class ReadStats:
 
 
 # ---------------------------------------------------------------------------- sources
-
-
-@dataclass
-class _Source:
-    kind: str  # "jsonl" | "parquet" | "dataset"
-    name: str
-    target: Any  # a path, or a datasets object
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return (path / "dataset_dict.json").is_file() or (path / "state.json").is_file()
-
-
-def _kind_of(path: Path) -> str | None:
-    name = path.name.lower()
-    if name.endswith(_JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(_PARQUET_SUFFIXES):
-        return "parquet"
-    return None
-
-
-_FORMATS = (
-    f"JSON Lines ({', '.join(_JSONL_SUFFIXES)}), Parquet ({', '.join(_PARQUET_SUFFIXES)}), "
-    "or a Hugging Face dataset directory (save_to_disk)"
-)
-
-
-def _resolve(paths: Any, split: str | None) -> tuple[list[_Source], list[FileProblem]]:
-    """The sources to read, and the files found in folders / globs that will not be."""
-    if _is_datasets_object(paths):
-        return [_Source("dataset", "dataset", _pick_split(paths, split, "dataset"))], []
-    if isinstance(paths, (str, os.PathLike)):
-        paths = [paths]
-    sources: list[_Source] = []
-    skipped: list[FileProblem] = []
-    for p in paths:
-        if _is_datasets_object(p):
-            sources.append(_Source("dataset", f"dataset{len(sources)}", _pick_split(p, split, "dataset")))
-            continue
-        text = os.fspath(p)
-        if not os.path.exists(text) and glob.has_magic(text):
-            matches = sorted(glob.glob(text, recursive=True))
-            if not matches:
-                raise FileNotFoundError(f"no file matches {text!r}")
-            found: list[_Source] = []
-            for m in matches:
-                path = Path(m)
-                if path.is_dir():
-                    found.extend(_walk(path, split, skipped))
-                elif _kind_of(path):
-                    found.append(_Source(_kind_of(path) or "", str(path), path))
-                else:
-                    skipped.append(_unsupported(path))
-            if not found:
-                raise ValueError(
-                    f"{text!r} matches {len(matches)} paths but no file of a known kind; supported: {_FORMATS}"
-                )
-            sources.extend(found)
-            continue
-        path = Path(text)
-        if not path.exists():
-            raise FileNotFoundError(f"{path}: no such file or directory")
-        if path.is_dir():
-            found = _walk(path, split, skipped)
-            if not found:
-                raise ValueError(
-                    f"{path} is a directory with no .jsonl / .json / .parquet file (searched recursively) and is "
-                    "not a dataset saved with datasets' save_to_disk: point at the files or the saved dataset"
-                )
-            sources.extend(found)
-            continue
-        kind = _kind_of(path)
-        if kind is None:
-            raise ValueError(f"{path}: unknown format; supported: {_FORMATS}")
-        sources.append(_Source(kind, str(path), path))
-    return sources, skipped
-
-
-def _unsupported(path: Path) -> FileProblem:
-    return FileProblem(
-        str(path),
-        FileSkipReason.UNSUPPORTED_FORMAT.value,
-        f"not read: its name does not end in {', '.join(_JSONL_SUFFIXES + _PARQUET_SUFFIXES)}",
-    )
-
-
-def _walk(root: Path, split: str | None, skipped: list[FileProblem], seen: set[Path] | None = None) -> list[_Source]:
-    """Sources under ``root``, recursively, in sorted order; the rest goes to ``skipped``.
-    A folder reached twice (a symlink loop) is searched once."""
-    seen = set() if seen is None else seen
-    real = root.resolve()
-    if real in seen:
-        return []
-    seen.add(real)
-    if _is_saved_dataset(root):
-        return [_Source("dataset", str(root), (root, split))]
-    found: list[_Source] = []
-    for entry in sorted(root.iterdir(), key=lambda e: e.name):
-        if entry.name.startswith("."):
-            skipped.append(FileProblem(str(entry), FileSkipReason.HIDDEN.value, "not read: a hidden entry"))
-        elif entry.is_dir():
-            found.extend(_walk(entry, split, skipped, seen))
-        elif not entry.is_file():
-            skipped.append(FileProblem(str(entry), FileSkipReason.UNSUPPORTED_FORMAT.value, "not a regular file"))
-        elif _kind_of(entry):
-            found.append(_Source(_kind_of(entry) or "", str(entry), entry))
-        else:
-            skipped.append(_unsupported(entry))
-    return found
-
-
-def _is_datasets_object(obj: Any) -> bool:
-    mod = type(obj).__module__ or ""
-    return mod.startswith("datasets.") and hasattr(obj, "column_names")
-
-
-def _pick_split(ds: Any, split: str | None, name: str) -> Any:
-    if isinstance(ds.column_names, dict):  # a DatasetDict: one split has to be chosen
-        splits = list(ds.column_names)
-        if split is None and len(splits) == 1:
-            split = splits[0]
-        if split not in splits:
-            raise ValueError(f"{name} has splits {splits}: pass split= one of them")
-        return ds[split]
-    return ds
-
-
-# ---------------------------------------------------------------------------- telling files apart
 
 
 class _NotJsonl(Exception):

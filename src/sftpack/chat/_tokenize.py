@@ -1,5 +1,10 @@
 """One conversation to :class:`~sftpack.Sample`: render, tokenize, loss mask, over-long policy.
 
+(About 570 lines, on purpose: the options, the character-to-token mask, the
+one-conversation path and the batched fast path are one pipeline whose steps
+share the ``_Options`` and ``Encoded`` types; rendering is ``_render``'s part,
+batching over processes ``_batch``'s.)
+
 The pipeline per conversation is *render once, tokenize once*::
 
     text, spans = renderer.spans(messages)            # _render: trainable [start, end) chars
