@@ -67,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import _optional
+from .._base import positive_int
 from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
 from ._rows import ROLES, BadRowError, Conversation, _Bad, _messages
@@ -581,8 +582,7 @@ def read_conversations(
     {'read': 2, 'kept': 1, 'dropped': {'invalid_json': 1}}
     """
     mode = choose(OnBadRow, on_bad_row, "on_bad_row")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    batch_size = positive_int("batch_size", batch_size)
     if role_map is not None:
         bad = {k: v for k, v in role_map.items() if v not in ROLES}
         if bad:

@@ -59,14 +59,13 @@ What differs is exactly two things, both overridden here rather than hidden:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._base import positive_int
+from .._base import non_negative_int, positive_int
 from ..sample import IGNORE_INDEX
 from .batch import PackedBatch, packed_seq_params
 from .errors import PackedBatchError
@@ -79,10 +78,8 @@ __all__ = ["CPShard", "cp_slot_indices", "shard_for_cp", "unshard_cp"]
 
 def _check_cp(cp_size: Any, cp_rank: Any = 0) -> tuple[int, int]:
     cp_size = positive_int("cp_size", cp_size, error=PackedBatchError)
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, numbers.Integral):
-        raise PackedBatchError(f"cp_rank must be an int, got {cp_rank!r}")
-    cp_rank = int(cp_rank)
-    if not 0 <= cp_rank < cp_size:
+    cp_rank = non_negative_int("cp_rank", cp_rank, error=PackedBatchError)
+    if cp_rank >= cp_size:
         raise PackedBatchError(f"cp_rank must be in [0, cp_size={cp_size}), got {cp_rank}")
     return cp_size, cp_rank
 
