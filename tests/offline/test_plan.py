@@ -74,3 +74,12 @@ def test_bin_pack_is_checked_once_and_plans_what_plan_rows_plans():
 def test_the_width_check_gives_one_message_per_problem(width, multiple, message):
     with pytest.raises(ValueError, match=message):
         check_width(width, multiple)
+
+
+def test_rows_recorded_by_stage_1_are_kept_and_bin_packing_refuses_them():
+    plan = KeepRows(None, None, pad_multiple=1).plan([5, 10, 3, 8, 6], np.array([1, 4]))
+    assert plan.row_offsets.tolist() == [0, 1, 5] and plan.row_width == 27
+    with pytest.raises(ValueError, match="KeepRows needs the row sizes"):
+        KeepRows(None, 32).plan([5, 10])
+    with pytest.raises(ValueError, match="bin packing plans its own rows, but the samples came in rows"):
+        BinPack(32).plan([5, 10], np.array([2]))

@@ -61,8 +61,9 @@ from .._base import positive_int
 from ..data import default_tokenizer
 from ..handoff import Sample
 from ._dataset import PrepackedDataset
-from ._fingerprint import input_fingerprints, tokenizer_fingerprint
-from ._prepack import prepack_samples
+from ._fingerprint import tokenizer_fingerprint
+from ._plan import KeepRows
+from ._prepack import prepack_rows
 from ._result import PrepackResult
 
 __all__ = ["export_megatron_bridge", "import_megatron_bridge"]
@@ -279,24 +280,9 @@ def import_megatron_bridge(
     (optional) is recorded in the fingerprint and sets the pad id.
     """
     path = Path(path)
-    sizes: list[int] = []
-
-    def samples() -> Iterator[Sample]:
-        for r, (ids, lm, st) in enumerate(_bridge_rows(path)):
-            row = _row_samples(path, r, ids, lm, st)
-            sizes.append(len(row))
-            yield from row
-
-    # the samples stream first, then the plan reads the row sizes they recorded
-    return prepack_samples(
-        samples(),
-        out,
-        max_seq_len=max_seq_len,
-        pad_multiple=pad_multiple,
-        row_sizes=sizes,
-        tokenizer=tokenizer,
-        fingerprint={"inputs": input_fingerprints([path])},
-        source_kind="megatron_bridge_parquet",
-        overwrite=overwrite,
-        progress=progress,
+    rows = (_row_samples(path, r, ids, lm, st) for r, (ids, lm, st) in enumerate(_bridge_rows(path)))
+    planner = KeepRows(None, max_seq_len, pad_multiple)
+    kind = "megatron_bridge_parquet"
+    return prepack_rows(
+        rows, out, planner, tokenizer=tokenizer, source=path, source_kind=kind, overwrite=overwrite, progress=progress
     )

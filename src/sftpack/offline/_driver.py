@@ -60,7 +60,7 @@ __all__ = ["Job", "Planner", "build_manifest", "run", "run_conversations"]
 class Planner(Protocol):
     """Stage 2: :class:`~sftpack.offline._plan.BinPack` or :class:`~sftpack.offline._plan.KeepRows`."""
 
-    def plan(self, lengths: Any) -> RowPlan: ...
+    def plan(self, lengths: Any, row_sizes: Any = None) -> RowPlan: ...
 
     def fingerprint(self) -> dict[str, Any]: ...
 
@@ -241,7 +241,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     raise PrepackError(f"nothing to pack: no sample came out of the input (counts: {staged.counts})")
                 t0 = time.perf_counter()
                 with progress_bar(job.progress, total=1, desc="pack", unit="step") as bar:
-                    plan = job.planner.plan(s.lengths)
+                    plan = job.planner.plan(s.lengths, staged.row_sizes)
                     bar.update(1)
                 seconds["pack"] = time.perf_counter() - t0
                 tok = staged.tokenizer or {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,9 +43,17 @@ class Conversations:
 
 @dataclass(frozen=True)
 class Samples:
-    """Stage 1's work for :func:`~sftpack.offline.prepack_samples`: already tokenized samples, in order."""
+    """Stage 1's work for :func:`~sftpack.offline.prepack_samples`: already tokenized samples, in order.
 
-    samples: Iterable[Sample]
+    Attributes:
+        samples: the samples; with ``in_rows``, rows of samples (each a sequence),
+            whose sizes stage 1 records in :attr:`Staged.row_sizes` for a planner
+            that keeps them (importers).
+        in_rows: whether ``samples`` holds rows.
+    """
+
+    samples: Iterable[Sample] | Iterable[Sequence[Sample]]
+    in_rows: bool = False
 
 
 @dataclass(frozen=True)
@@ -61,6 +69,7 @@ class Staged:
             ``dropped``, and for conversations ``overlong`` and the tokens lost).
         inputs: the manifest's ``fingerprint["inputs"]`` (``None``: not an input of this engine's).
         tokenizer: the tokenizer's fingerprint (``None``: no tokenizer ran).
+        row_sizes: samples per row of an input given in rows (:class:`Samples` ``in_rows``), else ``None``.
     """
 
     samples: StagedSamples
@@ -69,6 +78,7 @@ class Staged:
     counts: dict[str, Any]
     inputs: list[dict[str, Any]] | None = None
     tokenizer: dict[str, Any] | None = None
+    row_sizes: np.ndarray | None = None
 
 
 def progress_bar(progress: bool, **kw: Any) -> Any:

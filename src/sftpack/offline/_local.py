@@ -10,8 +10,9 @@ bytes a sample) and one chunk of rows, whatever the number of tokens.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -30,16 +31,23 @@ __all__ = ["LocalEngine"]
 
 
 class _Counted:
-    """Passes samples through, counting them (the ``read`` count of a samples input)."""
+    """Passes samples through, counting them (the ``read`` count of a samples input) and,
+    for an input given in rows, the samples of each row."""
 
-    def __init__(self, samples: Iterable[Sample]):
-        self.samples = samples
+    def __init__(self, work: Samples):
+        self.work = work
         self.count = 0
+        self.sizes: list[int] = []
 
     def __iter__(self) -> Iterator[Sample]:
-        for s in self.samples:
-            self.count += 1
-            yield s
+        for item in self.work.samples:
+            if self.work.in_rows:
+                row = list(cast("Sequence[Sample]", item))
+                self.sizes.append(len(row))
+            else:
+                row = [cast(Sample, item)]
+            self.count += len(row)
+            yield from row
 
 
 class LocalEngine(PrepackEngine):
@@ -58,10 +66,11 @@ class LocalEngine(PrepackEngine):
 
     def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
         if isinstance(work, Samples):
-            counted = _Counted(work.samples)
+            counted = _Counted(work)
             staged = stage_samples(counted, staging)
             counts = {"read": counted.count, "kept": counted.count, "dropped": {}}
-            return Staged(staged, staged.source(), staged.source().conversation_ids_path(), counts)
+            sizes = np.asarray(counted.sizes, np.int64) if work.in_rows else None
+            return Staged(staged, staged.source(), staged.source().conversation_ids_path(), counts, row_sizes=sizes)
         o = work.options
         tokenizer = default_tokenizer() if work.tokenizer is None else work.tokenizer
         inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)

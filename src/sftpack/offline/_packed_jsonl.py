@@ -47,8 +47,8 @@ from ._bridge import _prepack_tokenizer
 from ._dataset import PrepackedDataset
 from ._fingerprint import input_fingerprints
 from ._format import PrepackError
-from ._plan import plan_rows
-from ._prepack import prepack_samples
+from ._plan import KeepRows, plan_rows
+from ._prepack import prepack_rows
 from ._result import PrepackResult
 
 __all__ = ["export_packed_jsonl", "import_packed_jsonl", "split_packed_messages"]
@@ -94,9 +94,8 @@ def import_packed_jsonl(
     if tokenizer is None:
         tokenizer = default_tokenizer()
     path = Path(path)
-    sizes: list[int] = []
 
-    def samples() -> Iterator[Sample]:
+    def rows() -> Iterator[list[Sample]]:
         with open(path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
@@ -107,24 +106,24 @@ def import_packed_jsonl(
                     raise ValueError(f"{path}:{lineno}: invalid JSON ({e}); each line is one packed row") from None
                 if not isinstance(row, dict) or not isinstance(row.get("messages"), list) or not row["messages"]:
                     raise ValueError(f'{path}:{lineno}: expected {{"messages": [...]}} with at least one message')
-                convs = split_packed_messages(row["messages"])
-                for k, conv in enumerate(convs):
+                samples = []
+                for k, conv in enumerate(split_packed_messages(row["messages"])):
                     cid = f"{path.name}:{lineno}#{k}"
                     try:
-                        yield tokenize_conversation(conv, tokenizer, train_on=train_on, conversation_id=cid)
+                        samples.append(tokenize_conversation(conv, tokenizer, train_on=train_on, conversation_id=cid))
                     except ValueError as e:
                         raise ValueError(f"{path}:{lineno}, conversation {k}: {e}") from None
-                sizes.append(len(convs))
+                yield samples
 
-    return prepack_samples(
-        samples(),
+    planner = KeepRows(None, max_seq_len, pad_multiple)
+    return prepack_rows(
+        rows(),
         out,
-        max_seq_len=max_seq_len,
-        pad_multiple=pad_multiple,
-        row_sizes=sizes,
+        planner,
         tokenizer=tokenizer,
-        fingerprint={"inputs": input_fingerprints([path]), "train_on": train_on},
+        source=path,
         source_kind="packed_jsonl",
+        fingerprint={"train_on": train_on},
         overwrite=overwrite,
         progress=progress,
     )

@@ -170,7 +170,9 @@ class BinPack:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))
 
-    def plan(self, lengths: Any) -> RowPlan:
+    def plan(self, lengths: Any, row_sizes: Any = None) -> RowPlan:
+        if row_sizes is not None:
+            raise ValueError("bin packing plans its own rows, but the samples came in rows: keep them with KeepRows")
         return _bin_pack(lengths, self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)
 
     def fingerprint(self) -> dict[str, Any]:
@@ -180,12 +182,12 @@ class BinPack:
 
 @dataclass(frozen=True)
 class KeepRows:
-    """Stage 2 that keeps a given packing (importers): row ``r`` holds the next
-    ``row_sizes[r]`` samples. ``row_sizes`` is read when planning, after every sample
-    came in (an importer fills it while its samples stream). ``max_seq_len=None``:
-    as wide as the widest row needs, rounded up to ``pad_multiple``."""
+    """Stage 2 that keeps a given packing: row ``r`` holds the next ``row_sizes[r]``
+    samples. The sizes are the ones stage 1 recorded for samples given in rows (the
+    importers), else ``row_sizes`` (read when planning, after every sample came in).
+    ``max_seq_len=None``: as wide as the widest row needs, rounded up to ``pad_multiple``."""
 
-    row_sizes: Iterable[int]
+    row_sizes: Iterable[int] | None
     max_seq_len: int | None
     pad_multiple: int = 1
 
@@ -194,9 +196,12 @@ class KeepRows:
         if self.max_seq_len is not None:
             object.__setattr__(self, "max_seq_len", check_width(self.max_seq_len, self.pad_multiple)[0])
 
-    def plan(self, lengths: Any) -> RowPlan:
+    def plan(self, lengths: Any, row_sizes: Any = None) -> RowPlan:
+        sizes = row_sizes if row_sizes is not None else self.row_sizes
+        if sizes is None:
+            raise ValueError("KeepRows needs the row sizes: samples given in rows, or row_sizes")
         lengths = np.asarray(lengths, np.int64)
-        offsets = np.concatenate([[0], np.cumsum(np.fromiter(self.row_sizes, np.int64))]).astype(np.int64)
+        offsets = np.concatenate([[0], np.cumsum(np.fromiter(sizes, np.int64))]).astype(np.int64)
         if offsets[-1] != lengths.shape[0]:
             raise PrepackError(f"row_sizes add up to {int(offsets[-1])} samples but {lengths.shape[0]} came in")
         width = self.max_seq_len

@@ -12,7 +12,7 @@ bytes. The time each stage took is in the result's ``seconds``
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -23,14 +23,14 @@ from ..binpack import Algorithm
 from ..chat import OnBadRow, Overlong, TrainOn
 from ._driver import Job, run, run_conversations
 from ._engine import PrepackEngine, Samples
-from ._fingerprint import tokenizer_fingerprint
+from ._fingerprint import input_fingerprints, tokenizer_fingerprint
 from ._local import LocalEngine
 from ._options import Engine, PrepackOptions
 from ._plan import BinPack, KeepRows
 from ._ray import RayEngine
 from ._result import PrepackResult
 
-__all__ = ["prepack", "prepack_samples"]
+__all__ = ["prepack", "prepack_rows", "prepack_samples"]
 
 
 def _engine_for(options: PrepackOptions) -> PrepackEngine:
@@ -163,8 +163,63 @@ def prepack_samples(
         if max_seq_len is None:
             raise ValueError("max_seq_len must be a positive integer, got None (None is only valid with row_sizes)")
         planner = BinPack(max_seq_len, pad_multiple, choose(Algorithm, algorithm, "algorithm"), seed)
-    else:  # row_sizes is read only when planning: an importer may fill it while the samples stream
+    else:  # row_sizes is read only when planning, after the samples
         planner = KeepRows(row_sizes, max_seq_len, pad_multiple)
+    return _write_samples(
+        Samples(samples),
+        out,
+        planner,
+        tokenizer=tokenizer,
+        vocab_size=vocab_size,
+        pad_id=pad_id,
+        fingerprint=fingerprint,
+        source_kind=source_kind,
+        overwrite=overwrite,
+        progress=progress,
+    )
+
+
+def prepack_rows(
+    rows: Iterable[Sequence[Sample]],
+    out: str | os.PathLike[str],
+    planner: KeepRows,
+    *,
+    tokenizer: Any,
+    source: Path,
+    source_kind: str,
+    fingerprint: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> PrepackResult:
+    """Rows of samples (an importer's), each kept as one row of the prepack; the source
+    file is fingerprinted as the input, and ``fingerprint`` adds entries of its own."""
+    return _write_samples(
+        Samples(rows, in_rows=True),
+        out,
+        planner,
+        tokenizer=tokenizer,
+        vocab_size=None,
+        pad_id=None,
+        fingerprint={"inputs": input_fingerprints([source]), **(fingerprint or {})},
+        source_kind=source_kind,
+        overwrite=overwrite,
+        progress=progress,
+    )
+
+
+def _write_samples(
+    work: Samples,
+    out: str | os.PathLike[str],
+    planner: BinPack | KeepRows,
+    *,
+    tokenizer: Any,
+    vocab_size: int | None,
+    pad_id: int | None,
+    fingerprint: dict[str, Any] | None,
+    source_kind: str,
+    overwrite: bool,
+    progress: bool,
+) -> PrepackResult:
     fp: dict[str, Any] = {
         "max_seq_len": planner.max_seq_len,
         "pad_multiple": planner.pad_multiple,
@@ -177,7 +232,7 @@ def prepack_samples(
         pad_id = tok_fp["pad_id"] if pad_id is None else pad_id
     job = Job(
         Path(out),
-        Samples(samples),
+        work,
         planner,
         fp,
         source=source_kind,
