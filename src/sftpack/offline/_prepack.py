@@ -1,6 +1,7 @@
-"""``prepack`` and ``prepack_samples``: the offline path's entry points.
+"""``prepack`` and ``prepack_samples``: the offline path's entry points (and ``prepack_rows``,
+the importers').
 
-Both build a job for the one driver (:mod:`~sftpack.offline._driver`): validated
+Each builds a job for the one driver (:mod:`~sftpack.offline._driver`): validated
 options (:class:`~sftpack.offline.PrepackOptions`), the work of stage 1
 (conversations to tokenize, or samples), the planner of stage 2, and an engine
 (:mod:`sftpack.offline.engine`) that runs stages 1 and 3: the local engine, or
