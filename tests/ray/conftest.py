@@ -12,8 +12,11 @@ import pytest
 from sftpack.data import default_corpus
 from sftpack.testing import tiny_chat_tokenizer
 
-#: seconds any one test (or the Ray start) may take before it fails instead of hanging
-TIMEOUT_S = 150
+#: seconds any one test (or the Ray start) may take before it fails instead of hanging: a hang
+#: guard, not a speed check. The slowest Ray test takes about a minute on an idle 2-core machine
+#: and three times that with both cores busy with other work; 600 s bounds a hang with room for
+#: a heavily loaded machine.
+TIMEOUT_S = 600
 #: bad rows put in the second file, each with the reason the reader counts it under
 BAD_ROWS = [("{not json", "invalid_json"), ('{"messages": []}', "empty_messages")]
 FILES = 3
