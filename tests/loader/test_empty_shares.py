@@ -171,7 +171,7 @@ def test_train_packing_loader_with_more_ranks_than_conversations_stops_on_every_
     """``sftpack train --packing loader`` under torchrun with 3 ranks and 2 conversations: each
     rank's data source (what the trainer builds for it) refuses at its first step, instead of two
     ranks training while the third spins forever (the run used to never end)."""
-    from sftpack.train import TrainConfig, make_source
+    from sftpack.loop import TrainConfig, make_source
 
     cfg = TrainConfig(packing="loader", batch_size=3, max_seq_len=64, buffer_size=4)
     for rank in range(3):
