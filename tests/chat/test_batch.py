@@ -126,10 +126,26 @@ def test_pipelined_batches_and_binary_search_give_the_same_samples(
         assert np.array_equal(s.input_ids, b.input_ids) and np.array_equal(s.loss_mask, b.loss_mask)
 
 
-def test_progress_option_and_stats_reset_per_pass() -> None:
+def test_progress_option_and_stats_reset_per_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sftpack.chat._batch as batch_module
+
+    bars: list[Any] = []
+    asked: list[bool] = []
+    real_tqdm = batch_module.tqdm
+
+    def recording_tqdm(*args: Any, **kwargs: Any) -> Any:  # the real bar, kept for inspection
+        asked.append(not kwargs.get("disable", False))
+        bars.append(real_tqdm(*args, **kwargs))
+        return bars[-1]
+
+    monkeypatch.setattr(batch_module, "tqdm", recording_tqdm)
     tok = tok_of("chatml")
-    out = tokenize_conversations([[U("a"), A("b")]] * 3, tok, progress=True)
-    assert len(out.to_list()) == 3 and len(out.to_list()) == 3 and out.stats.conversations == 3
+    for progress, shown in ((True, True), (False, False)):
+        out = tokenize_conversations([[U("a"), A("b")]] * 3, tok, progress=progress)
+        assert len(out.to_list()) == 3 and out.stats.conversations == 3
+        assert asked[-1] is shown and bars[-1].total == 3 and bars[-1].n == (3 if shown else 0)
+        # a second pass starts its counts anew (3, not 6), with a bar of its own
+        assert len(out.to_list()) == 3 and out.stats.conversations == 3 and len(asked) % 2 == 0
 
 
 def test_progress_is_off_by_default_in_library_calls(capsys: pytest.CaptureFixture[str]) -> None:
