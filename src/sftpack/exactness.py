@@ -20,11 +20,12 @@ The reference labels are built here independently of :class:`~sftpack.PackedBatc
 
 from __future__ import annotations
 
+import functools
 import math
 import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -163,7 +164,9 @@ class TinyCausalLM(nn.Module):
 
 def _rms_norm_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
     x = hidden_states
-    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+    weight = cast(torch.Tensor, self.weight)  # LlamaRMSNorm's parameter and float epsilon
+    eps = cast(float, self.variance_epsilon)
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def norms_in_model_dtype(model: nn.Module) -> nn.Module:
@@ -178,7 +181,7 @@ def norms_in_model_dtype(model: nn.Module) -> nn.Module:
     """
     for mod in model.modules():
         if type(mod).__name__ == "LlamaRMSNorm":
-            mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)  # type: ignore[method-assign]
+            mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)
     return model
 
 
@@ -376,7 +379,7 @@ def exactness_table(
     for impl in ("sdpa", "eager", hf_impl):
         model = tiny_llama(vocab, attn_implementation=impl, seed=seed, dtype=dtype)
         mode = "cu_seq_lens (padded)" if impl == hf_impl else "position_ids"
-        consumers.append((f"HF Llama ({impl})", mode, lambda s, p, m=model: check_hf_model(m, s, p)))
+        consumers.append((f"HF Llama ({impl})", mode, functools.partial(check_hf_model, model)))
     rows = []
     batches = []
     for _ in range(trials):

@@ -151,6 +151,7 @@ def token_mean_loss(
         0-dim float32 tensor (float64 for float64 logits).
     """
     total = token_losses(logits, labels).sum()
+    denom: torch.Tensor | float
     if isinstance(num_label_tokens, torch.Tensor):
         denom = num_label_tokens.to(device=total.device, dtype=total.dtype).clamp_min(1)
     else:
@@ -222,6 +223,7 @@ def sequence_mean_loss(
     """
     sums, counts = sequence_loss_sums(logits, packed)
     means = torch.where(counts > 0, sums / counts.clamp_min(1).to(sums.dtype), torch.zeros_like(sums))
+    denom: torch.Tensor | float
     if isinstance(num_sequences, torch.Tensor):
         denom = num_sequences.to(device=means.device, dtype=means.dtype).clamp_min(1)
     else:

@@ -88,9 +88,9 @@ def _as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
             raise _beyond_int64(name, int(big[0]), int(arr[big[0]]))
     if arr.dtype.kind in "iu":
         return np.ascontiguousarray(arr, dtype=np.int64)
-    err = _first_bad(name, arr, lengths)
-    if err is not None:
-        raise err
+    bad = _first_bad(name, arr, lengths)
+    if bad is not None:
+        raise bad
     return np.array(arr.tolist(), dtype=np.int64)  # objects that are all int64 integers
 
 

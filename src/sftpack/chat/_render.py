@@ -85,7 +85,9 @@ def _compile(template: str) -> Any:
     jinja2 = _optional.jinja2()
     nodes = jinja2.nodes
 
-    class GenerationTag(jinja2.ext.Extension):  # type: ignore[misc]
+    extension: Any = jinja2.ext.Extension  # jinja2 is imported lazily (an optional dependency)
+
+    class GenerationTag(extension):
         tags = {"generation"}
 
         def parse(self, parser: Any) -> Any:

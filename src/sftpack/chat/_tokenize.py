@@ -175,7 +175,7 @@ def _checked(item: Item) -> Sequence[Mapping[str, Any]]:
     """The item's messages, through the reader's row checks (raises ``_Bad``)."""
     _, payload, checked = item
     if checked:
-        return payload  # type: ignore[no-any-return]
+        return payload
     try:
         return _messages(payload, None, allow_list=True)
     except _Bad:
@@ -220,7 +220,7 @@ def _first_token_from(enc: Any, pos: int, lo: int, n: int, text_len: int) -> int
     return lo
 
 
-def mask_from_offsets(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:
+def mask_from_offsets(offsets: Sequence[tuple[int, int]] | np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
     """``(L,)`` bool: True for each token whose start offset lies in one of the ``spans``.
 
     The straightforward reference for the look-up in :func:`_mask_from_encoding`.

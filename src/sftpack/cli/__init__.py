@@ -41,7 +41,7 @@ def _command_modules() -> list[str]:
 class _Parser(argparse.ArgumentParser):
     """Usage errors as one line, ``sftpack <command>: <what> (see --help)``, exit 2."""
 
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from ._common import UsageError, load_tokenizer, positive, render_read_stats, render_tokenize_stats
+
+if TYPE_CHECKING:
+    from ..chat import Conversation
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
             f"(use {args.max_seq_len // args.pad_multiple * args.pad_multiple})"
         )
     tok = load_tokenizer(args.tokenizer)
+    conversations: Iterable[Conversation]
     if args.paths:
         reader = read_conversations(args.paths, on_bad_row=args.on_bad_row)
         conversations = reader

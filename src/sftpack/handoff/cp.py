@@ -267,10 +267,10 @@ class CPShard(PackedBatch):
         must_ignore = lay.position >= lay.global_real - 1  # padding and each sequence's last real token
         wrong = torch.nonzero(must_ignore & (self.labels != IGNORE_INDEX)).reshape(-1)
         if wrong.numel():
-            t = int(wrong[0])
+            k = int(wrong[0])
             raise PackedBatchError(
-                f"CPShard.labels[{t}] = {int(self.labels[t])} but local slot {t} (global slot "
-                f"{int(lay.slot[t])}) is padding or a sequence's last real token; its label must be {IGNORE_INDEX}"
+                f"CPShard.labels[{k}] = {int(self.labels[k])} but local slot {k} (global slot "
+                f"{int(lay.slot[k])}) is padding or a sequence's last real token; its label must be {IGNORE_INDEX}"
             )
         return self
 
@@ -375,7 +375,7 @@ def unshard_cp(
     >>> torch.equal(unshard_cp(parts, row), row.input_ids)
     True
     """
-    items = list(pieces.unbind(0)) if isinstance(pieces, torch.Tensor) else list(pieces)
+    items: list[CPShard | torch.Tensor] = list(pieces.unbind(0)) if isinstance(pieces, torch.Tensor) else list(pieces)
     if not items:
         raise PackedBatchError("unshard_cp needs one piece per CP rank, got none")
     cp = len(items) if cp_size is None else cp_size
@@ -384,7 +384,7 @@ def unshard_cp(
             f"unshard_cp: got {len(items)} pieces for cp_size={cp}; give one per rank, in rank order"
         )
     if all(isinstance(p, CPShard) for p in items):
-        shards: list[CPShard] = items  # type: ignore[assignment]
+        shards = [p for p in items if isinstance(p, CPShard)]
         for r, s in enumerate(shards):
             if s.cp_rank != r or s.cp_size != cp:
                 raise PackedBatchError(
@@ -408,12 +408,14 @@ def unshard_cp(
     cp, _ = _check_cp(cp)
     if T % cp:
         raise PackedBatchError(f"unshard_cp: a row of T={T} slots does not split over cp_size={cp}")
+    values: list[torch.Tensor] = []
     for r, p in enumerate(items):
         if not isinstance(p, torch.Tensor) or p.dim() < 1 or p.shape[0] != T // cp:
             shape = tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__
             raise PackedBatchError(f"unshard_cp: piece {r} has shape {shape}, expected (T/CP = {T // cp}, ...)")
-    order = torch.cat([cp_slot_indices(cup, cp, r) for r in range(cp)]).to(items[0].device)
-    local = torch.cat(items)
+        values.append(p)
+    order = torch.cat([cp_slot_indices(cup, cp, r) for r in range(cp)]).to(values[0].device)
+    local = torch.cat(values)
     out = torch.empty_like(local)
     # A permutation: every slot written exactly once (index_copy keeps autograd).
     return out.index_copy(0, order, local)

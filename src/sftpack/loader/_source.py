@@ -107,6 +107,7 @@ class Source:
 
         ``need`` are indices read before ``start`` (a restored buffer's).
         """
+        got: dict[int, Any]
         if self.map_style:
             mine = self.order(epoch, shard, num_shards)
             got = {i: self.samples[i] for i in sorted(need)}
@@ -118,7 +119,7 @@ class Source:
                 "re-iterable (a list, a map-style dataset, or sftpack.chat.tokenize_conversations output)"
             )
         self._opened = True
-        got: dict[int, Any] = {}
+        got = {}
         own = 0
         for i, obj in enumerate(it):
             if i % num_shards != shard:

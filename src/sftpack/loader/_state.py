@@ -98,7 +98,7 @@ def check_loadable(state: Any, config: dict[str, Any], rank: int, world_size: in
 
 def _int(state: dict[str, Any], key: str, lo: int = 0) -> int:
     check = positive_int if lo else non_negative_int
-    return check(f"state[{key!r}]", state[key], error=StateError, why="the state is damaged or edited")  # type: ignore[no-any-return]
+    return check(f"state[{key!r}]", state[key], error=StateError, why="the state is damaged or edited")
 
 
 def _ref(where: str, entry: Any, size: int) -> tuple[int, ...]:
