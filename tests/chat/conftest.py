@@ -6,8 +6,7 @@ import pytest
 
 from sftpack import Sample
 from sftpack.chat import tokenize_conversation
-
-from .chat_helpers import CONVO, tok_of
+from tests.helpers import CONVO, tok_of
 
 
 @pytest.fixture(scope="module")

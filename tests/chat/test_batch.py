@@ -15,8 +15,7 @@ from sftpack.chat import (
     tokenize_conversation,
     tokenize_conversations,
 )
-
-from .chat_helpers import (
+from tests.helpers import (
     CONVO,
     HAND,
     A,

@@ -23,8 +23,7 @@ from hypothesis import strategies as st
 from sftpack.binpack import pack
 from sftpack.chat import read_conversations, tokenize_conversation, tokenize_conversations
 from sftpack.handoff import build_row
-
-from .chat_helpers import A, S, U, tok_of
+from tests.helpers import A, S, U, tok_of
 
 
 def _rows(n: int, seed: int) -> list[dict[str, Any]]:

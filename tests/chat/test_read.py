@@ -18,8 +18,7 @@ from sftpack.chat import (
     read_conversations,
     tokenize_conversations,
 )
-
-from .chat_helpers import (
+from tests.helpers import (
     BAD_LINES,
     GOOD,
     A,

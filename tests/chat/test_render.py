@@ -20,8 +20,7 @@ from sftpack.chat import (
     tokenize_conversation,
 )
 from sftpack.testing import tiny_chat_tokenizer
-
-from .chat_helpers import (
+from tests.helpers import (
     EOT,
     HAND,
     STYLES,

@@ -17,8 +17,7 @@ from sftpack.chat import (
     tokenize_conversations,
     validate_messages,
 )
-
-from .chat_helpers import (
+from tests.helpers import (
     ROWS_OF_ANYTHING,
     A,
     S,

@@ -21,8 +21,7 @@ from sftpack.chat import (
     tokenize_conversations,
 )
 from sftpack.testing import CharTokenizer, tiny_chat_tokenizer
-
-from .chat_helpers import (
+from tests.helpers import (
     CONVO,
     STYLES,
     A,

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from sftpack.testing import tiny_chat_tokenizer
-
-from ._tiny import tiny_samples
+from tests.helpers import tiny_samples
 
 
 @pytest.fixture(scope="session")

@@ -24,8 +24,8 @@ from sftpack.loop import (
 from sftpack.loop._checkpoint import latest_checkpoint
 from sftpack.offline import prepack_samples
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import TINY_MODEL, TINY_VOCAB, tiny_config, tiny_model, tiny_samples
 
-from ._tiny import MODEL, VOCAB, tiny_config, tiny_model, tiny_samples
 from .test_cli_train import _args
 
 #: a learning rate that blows the tiny model up at step 2: AdamW's first step moves
@@ -143,7 +143,7 @@ def test_prepack_without_targets_is_refused(tmp_path):
 
 def test_a_step_without_targets_is_counted_and_not_applied():
     # two conversations, one step each: "t" has targets, "p" is all prompt
-    ids = torch.arange(1, 9).numpy() % VOCAB
+    ids = torch.arange(1, 9).numpy() % TINY_VOCAB
     t = Sample(ids, ids >= 4, "t")
     p = Sample(ids, ids < 0, "p")
     cfg = tiny_config(packing="trainer", steps=4, batch_size=1)
@@ -185,7 +185,7 @@ def test_model_with_a_smaller_vocabulary_is_refused_before_tokenizing(chat, tmp_
 
 def test_token_id_outside_the_model_is_one_clear_error(samples):
     cfg = tiny_config(packing="trainer", steps=2)
-    small = build_model(50, **MODEL)
+    small = build_model(50, **TINY_MODEL)
     with pytest.raises(ValueError, match=r"step 1: token id \d+ is outside the model's vocabulary of 50 ids"):
         train(cfg, source=make_source(cfg, samples=samples), model=small)
 

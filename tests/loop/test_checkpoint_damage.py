@@ -19,8 +19,7 @@ from sftpack.cli import main
 from sftpack.loop import CheckpointError, make_source, train
 from sftpack.loop._checkpoint import latest_checkpoint, verify_checkpoint
 from sftpack.testing import tiny_chat_tokenizer
-
-from ._tiny import max_param_diff, tiny_config, tiny_model
+from tests.helpers import max_param_diff, tiny_config, tiny_model
 
 CFG = {"packing": "trainer", "steps": 6, "checkpoint_every": 2}
 

@@ -23,8 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from sftpack.loop import make_source, train
-
-from ._tiny import tiny_config, tiny_model, tiny_samples
+from tests.helpers import tiny_config, tiny_model, tiny_samples
 
 WORLD = 2
 STEPS = 8

@@ -65,8 +65,7 @@ from sftpack.loop import ReplaySource, make_source, train
 from sftpack.loop._model import LossModule
 from sftpack.loss import token_losses
 from sftpack.offline import prepack_samples
-
-from ._tiny import max_loss_diff, max_param_diff, tiny_config, tiny_model
+from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model
 
 F64 = torch.float64
 LOSS_TOL_64 = 1e-10  # float64: 7x the worst-case bound of one step's loss (1.5e-11); see above

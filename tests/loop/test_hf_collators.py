@@ -12,8 +12,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from sftpack.loop import PackingCollator, PaddedCollator
-
-from ._tiny import tiny_model
+from tests.helpers import tiny_model
 
 COLLATORS = [PackingCollator(pad_multiple=4), PaddedCollator()]
 

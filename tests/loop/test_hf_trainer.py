@@ -22,8 +22,7 @@ from transformers import Trainer, TrainingArguments
 
 from sftpack.loop import PackingCollator, PaddedCollator, RowsCollator
 from sftpack.offline import PrepackedDataset, prepack_samples
-
-from ._tiny import max_loss_diff, max_param_diff, tiny_model
+from tests.helpers import max_loss_diff, max_param_diff, tiny_model
 
 TOL = 1e-10  # float64; see tests/loop/test_equality.py
 LOSS_TOL_32 = 2e-4  # float32 first step; see tests/loop/test_equality.py

@@ -12,8 +12,7 @@ import pytest
 from sftpack.loop import CheckpointError, make_source, train
 from sftpack.loop._checkpoint import latest_checkpoint
 from sftpack.offline import prepack_samples
-
-from ._tiny import max_param_diff, tiny_config, tiny_model, tiny_samples
+from tests.helpers import max_param_diff, tiny_config, tiny_model, tiny_samples
 
 
 def _source(cfg, samples, prepacked):
