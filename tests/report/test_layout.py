@@ -1,0 +1,41 @@
+"""sftpack.report.layout: the worked example of docs/contract.md section 2, built by each
+path's own code, and its text and PNG drawings."""
+
+from __future__ import annotations
+
+from sftpack import PackedBatch
+from sftpack.report.layout import draw_row, render_map, save_map_png, worked_example
+from sftpack.testing import samples_from_lengths
+
+
+def test_the_worked_example_has_the_contracts_boundaries():
+    rows = {r.path: r.batch for r in worked_example()}
+    assert list(rows) == ["offline", "loader", "trainer"]
+    expected = {  # (cu_seqlens, cu_seqlens_padded, width) as docs/contract.md section 2 lays them
+        "offline": ([0, 5, 15], [0, 5, 16], 16),
+        "loader": ([0, 5, 15], [0, 8, 36], 36),
+        "trainer": ([0, 5, 15], [0, 8, 20], 20),
+    }
+    for path, (cu, cup, width) in expected.items():
+        b = rows[path].validate()
+        assert (b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.num_tokens) == (cu, cup, width), path
+        assert b.input_ids[:5].tolist() == [1, 2, 3, 4, 5]  # A's tokens, first, on every path
+
+
+def test_draw_row_marks_segments_padding_and_wraps():
+    b = PackedBatch.from_samples(samples_from_lengths([3, 2]), pad_multiple=4)  # slots AAA. BB..
+    assert draw_row(b) == "A A A . |B B . ."
+    assert draw_row(b, width=3) == "A A A\n. |B B\n. ."
+
+
+def test_render_map_shows_every_path_and_its_boundaries():
+    text = render_map()
+    for path in ("offline", "loader", "trainer"):
+        assert f"\n{path} " in text
+    assert "cu_seqlens=[0, 5, 15]  cu_seqlens_padded=[0, 8, 36]" in text  # the loader row
+    assert text.count("|B") == 3  # B starts a segment on each of the three rows
+
+
+def test_save_map_png_writes_a_png(tmp_path):
+    path = save_map_png(str(tmp_path / "map.png"))
+    assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
