@@ -1,6 +1,6 @@
 # make test: create .venv/ at the repository root, install sftpack with its test
 #            dependencies (through constraints.txt), lint and format-check with ruff,
-#            run the whole suite.
+#            type-check src/ with mypy (settings in pyproject.toml), run the whole suite.
 # make demo: same .venv/, then run the main job on the embedded default.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -19,6 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 demo: $(STAMP)
