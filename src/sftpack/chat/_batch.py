@@ -35,6 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from .._base import positive_int
+from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
 from ._render import renderer_for
@@ -152,7 +153,7 @@ class TokenizeStats:
 _WORKER: tuple[Any, _Options] | None = None
 
 
-def _init_worker(tokenizer: Any, opts: _Options) -> None:
+def _init_worker(tokenizer: Tokenizer, opts: _Options) -> None:
     global _WORKER
     _WORKER = (tokenizer, opts)
 
@@ -181,7 +182,7 @@ class TokenizedConversations:
     def __init__(
         self,
         conversations: Iterable[Any],
-        tokenizer: Any,
+        tokenizer: Tokenizer,
         opts: _Options,
         batch_size: int,
         num_proc: int,
@@ -265,7 +266,7 @@ class TokenizedConversations:
 
 def tokenize_conversations(
     conversations: Iterable[Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     train_on: str | TrainOn = "all_assistant",
     max_seq_len: int | None = None,

@@ -49,6 +49,7 @@ from functools import lru_cache
 from typing import Any
 
 from .. import _optional
+from .._types import Tokenizer
 from ._options import TrainOn
 
 __all__ = ["ChatRenderer", "TemplateError", "renderer_for"]
@@ -463,7 +464,7 @@ def _assistant_indices(messages: Sequence[Mapping[str, Any]], train_on: TrainOn)
 _RENDERERS: weakref.WeakKeyDictionary[Any, dict[str, ChatRenderer]] = weakref.WeakKeyDictionary()
 
 
-def renderer_for(tokenizer: Any) -> ChatRenderer:
+def renderer_for(tokenizer: Tokenizer) -> ChatRenderer:
     """The :class:`ChatRenderer` of a Hugging Face tokenizer's chat template, cached
     per tokenizer and template (changing ``tokenizer.chat_template`` takes effect)."""
     template = getattr(tokenizer, "chat_template", None)

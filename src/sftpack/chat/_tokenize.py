@@ -58,6 +58,7 @@ import numpy as np
 
 from .. import _optional
 from .._base import positive_int
+from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample, overlong_spans
 from ._options import (
     BadRowReason,
@@ -144,7 +145,7 @@ def _options(
     return _Options(t, limit, o, b, sp)
 
 
-def _backend(tokenizer: Any) -> Any:
+def _backend(tokenizer: Tokenizer) -> Any:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch"):
         raise TypeError(
@@ -339,7 +340,7 @@ def _encode_texts(backend: Any, texts: list[str]) -> list[Any]:
 _TEXT_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def _text_backend(tokenizer: Any) -> Any:
+def _text_backend(tokenizer: Tokenizer) -> Any:
     """A copy of the fast tokenizer that reads special-token strings as plain text
     (built on first need: about 1 s for a 150k vocabulary; cached per tokenizer)."""
     try:
@@ -357,7 +358,7 @@ def _text_backend(tokenizer: Any) -> Any:
     return copy
 
 
-def _encode_pieces(r: _Rendered, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+def _encode_pieces(r: _Rendered, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Ids and ``(L, 2)`` offsets of ``r.text``, special tokens only where the template put them."""
     backend, plain = _backend(tokenizer), _text_backend(tokenizer)
     text = r.text
@@ -385,7 +386,7 @@ def _encode_pieces(r: _Rendered, tokenizer: Any) -> tuple[np.ndarray, np.ndarray
     return np.asarray(ids, dtype=np.int64), np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
 
 
-def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Any, opts: _Options) -> list[Encoded]:
+def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Tokenizer, opts: _Options) -> list[Encoded]:
     out: list[Encoded] = []
     plain = iter(encodings)
     for r in rendered:
@@ -431,14 +432,14 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Any,
     return out
 
 
-def _encode_many(items: Sequence[Item], tokenizer: Any, opts: _Options) -> list[Encoded]:
+def _encode_many(items: Sequence[Item], tokenizer: Tokenizer, opts: _Options) -> list[Encoded]:
     """Check, render, tokenize (one ``encode_batch`` call) and mask a batch of conversations, in order."""
     backend = _backend(tokenizer)
     rendered = _render(items, renderer_for(tokenizer), opts)
     return _finish(rendered, _encode_texts(backend, _plain_texts(rendered)), tokenizer, opts)
 
 
-def _encode_stream(batches: Iterable[Sequence[Item]], tokenizer: Any, opts: _Options) -> Iterator[list[Encoded]]:
+def _encode_stream(batches: Iterable[Sequence[Item]], tokenizer: Tokenizer, opts: _Options) -> Iterator[list[Encoded]]:
     """:func:`_encode_many` over batches, pipelined: while a helper thread encodes
     batch ``k`` (Rust, the GIL released), this thread renders batch ``k + 1`` and
     then masks batch ``k``, so the Python work overlaps the encoding."""
@@ -467,7 +468,7 @@ def _raise_for(enc: Encoded) -> None:
 
 def encode_conversation(
     messages: Any,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     train_on: str | TrainOn = "all_assistant",
     max_seq_len: int | None = None,
@@ -497,7 +498,7 @@ def encode_conversation(
 
 def tokenize_conversation(
     messages: Any,
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     train_on: str | TrainOn = "all_assistant",
     max_seq_len: int | None = None,

@@ -64,6 +64,7 @@ from megatron.energon import (
 )
 
 from .._base import check_width, choose, positive_int
+from .._types import Tokenizer
 from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row, pack_rows
 from ..handoff.layout import check_pad_id
@@ -155,7 +156,7 @@ class PackingTaskEncoder(TaskEncoder):
 
     def __init__(
         self,
-        tokenizer: Any = None,
+        tokenizer: Tokenizer | None = None,
         *,
         max_seq_len: int,
         pad_multiple: int = 1,
@@ -181,6 +182,10 @@ class PackingTaskEncoder(TaskEncoder):
             mask = np.asarray(sample.loss_mask, dtype=bool)
             cid = getattr(sample, "conversation_id", None)
         else:
+            if self.tokenizer is None:
+                raise TypeError(
+                    "PackingTaskEncoder: a sample of messages needs a tokenizer: pass PackingTaskEncoder(tokenizer, ...)"
+                )
             s = tokenize_conversation(
                 sample.messages, self.tokenizer, train_on=self.train_on, conversation_id=sample.conversation_id
             )

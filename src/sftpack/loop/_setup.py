@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Tokenizer
 from ..chat import tokenize_conversations
 from ..data import default_corpus
 from ..loader import PackingDataset
@@ -81,7 +82,7 @@ def model_vocab_size(path: str | os.PathLike[str]) -> int:
 
 
 def tokenized_samples(
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     conversations: Iterable[Any] | None = None,
     *,
     max_seq_len: int,
@@ -118,7 +119,7 @@ def make_source(
     rank: int = 0,
     world: int = 1,
     pad_id: int = 0,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | str | None = None,
 ) -> Source:
     """The data source of ``config.packing`` for this rank.
 

@@ -58,6 +58,7 @@ import numpy as np
 
 from .. import _optional
 from .._base import positive_int
+from .._types import Tokenizer
 from ..data import default_tokenizer
 from ..handoff import Sample
 from ._dataset import PrepackedDataset
@@ -100,7 +101,7 @@ def _pyarrow() -> tuple[Any, Any]:
     return sys.modules["pyarrow"], pq  # importing pyarrow.parquet imported pyarrow
 
 
-def _prepack_tokenizer(ds: Any, tokenizer: Any, need: str, *, check: bool) -> Any:
+def _prepack_tokenizer(ds: Any, tokenizer: Tokenizer | None, need: str, *, check: bool) -> Tokenizer:
     """``tokenizer``, or the prepack's own when it is sftpack's default tokenizer; ``check``:
     refuse a tokenizer other than the prepack's (its ids must mean what the prepack's mean)."""
     have = (ds.manifest["fingerprint"].get("tokenizer") or {}).get("sha256")
@@ -120,7 +121,7 @@ def _prepack_tokenizer(ds: Any, tokenizer: Any, need: str, *, check: bool) -> An
     return tokenizer
 
 
-def _eos_id(ds: Any, tokenizer: Any) -> int:
+def _eos_id(ds: Any, tokenizer: Tokenizer | None) -> int:
     """The EOS id Bridge's writer pads with (its ``tokenizer.eod``)."""
     need = "padding for context parallelism (Bridge's writer pads with the EOS id; pad_multiple=1 does not pad)"
     tokenizer = _prepack_tokenizer(ds, tokenizer, need, check=True)
@@ -137,7 +138,7 @@ def export_megatron_bridge(
     split: str = "training",
     row_group_size: int = 500,
     pad_multiple: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
     """Write a prepack's rows as Megatron-Bridge packed Parquet; returns the Parquet path.
 
@@ -268,7 +269,7 @@ def import_megatron_bridge(
     *,
     max_seq_len: int | None = None,
     pad_multiple: int = 1,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     overwrite: bool = False,
     progress: bool = False,
 ) -> PrepackResult:

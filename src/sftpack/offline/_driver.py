@@ -33,6 +33,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from .. import __version__
+from .._types import TokenizerSpec
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import (
     FILES,
@@ -300,7 +301,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
 
 
 def run_conversations(
-    inputs: Any, out: str | os.PathLike[str], tokenizer: Any, options: PrepackOptions, engine: PrepackEngine
+    inputs: Any, out: str | os.PathLike[str], tokenizer: TokenizerSpec, options: PrepackOptions, engine: PrepackEngine
 ) -> PrepackResult:
     """:func:`run` for conversations (what :func:`~sftpack.offline.prepack` and
     :func:`~sftpack.offline.prepack_ray` write): the output checked against the inputs

@@ -15,6 +15,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .. import Sample
+from .._types import TokenizerSpec
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._result import PrepackResult
@@ -37,7 +38,7 @@ class Conversations:
     """
 
     inputs: Any
-    tokenizer: Any
+    tokenizer: TokenizerSpec
     options: PrepackOptions
 
 

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from .. import _optional
+from .._types import Tokenizer
 from ._format import digest, file_sha256
 
 __all__ = ["digest", "input_fingerprints", "pad_id_of", "tokenizer_fingerprint"]
 
 
-def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> dict[str, Any]:
     """What identifies a tokenizer for packing: a hash of its content, chat template
     and special tokens, plus readable facts (vocabulary size, pad id).
 
@@ -61,7 +62,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def pad_id_of(tokenizer: Any) -> int:
+def pad_id_of(tokenizer: Tokenizer) -> int:
     """The id padding slots hold: the tokenizer's pad token, else its end-of-sequence
     token, else 0 (padding is never a target and never attended to by real tokens)."""
     for name in ("pad_token_id", "eos_token_id"):

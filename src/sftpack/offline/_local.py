@@ -10,6 +10,7 @@ bytes a sample) and one chunk of rows, whatever the number of tokens.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import cast
@@ -73,6 +74,11 @@ class LocalEngine(PrepackEngine):
             return Staged(staged, staged.source(), staged.source().conversation_ids_path(), counts, row_sizes=sizes)
         o = work.options
         tokenizer = default_tokenizer() if work.tokenizer is None else work.tokenizer
+        if isinstance(tokenizer, (str, os.PathLike)):
+            raise TypeError(
+                f"the local engine takes a tokenizer object, not the path {os.fspath(tokenizer)!r}: load it with "
+                "transformers.AutoTokenizer.from_pretrained(path), or prepack with the Ray engine"
+            )
         inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
         tok_fp = tokenizer_fingerprint(tokenizer)
         tokenized = tokenize_conversations(

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from .._base import positive_int
+from .._types import Tokenizer
 from ..binpack import Algorithm
 from ..chat import read_conversations, tokenize_conversation
 from ..data import default_corpus, default_tokenizer
@@ -75,7 +76,7 @@ def import_packed_jsonl(
     path: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     max_seq_len: int | None = None,
     pad_multiple: int = 1,
     train_on: str = "all_assistant",
@@ -150,7 +151,7 @@ def _source_conversations(ds: Any) -> Iterable[Any]:
 
 
 def _chat_lengths(
-    convs: list[tuple[Any, list[dict[str, Any]]]], tokenizer: Any, chat_template: str | None
+    convs: list[tuple[Any, list[dict[str, Any]]]], tokenizer: Tokenizer, chat_template: str | None
 ) -> np.ndarray:
     """Token count of every (id, messages) as the upstream loader renders it: the whole
     conversation through ``apply_chat_template`` (no generation prompt), special tokens as
@@ -186,7 +187,7 @@ def export_packed_jsonl(
     *,
     conversations: Iterable[Any] | None = None,
     system_prompt: str = "You are a helpful assistant.",
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     chat_template: str | None = None,
     pad_multiple: int | None = None,
     overlong: str | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 
 from .. import Sample
 from .._base import choose
+from .._types import Tokenizer
 from ..binpack import Algorithm
 from ..chat import OnBadRow, Overlong, TrainOn
 from ._driver import Job, run, run_conversations
@@ -44,7 +45,7 @@ def prepack(
     inputs: Any = None,
     out: str | os.PathLike[str] = "prepack",
     *,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     max_seq_len: int = 4096,
     pad_multiple: int = 1,
     algorithm: str | Algorithm = "bfd",
@@ -130,7 +131,7 @@ def prepack_samples(
     row_sizes: Iterable[int] | None = None,
     vocab_size: int | None = None,
     pad_id: int | None = None,
-    tokenizer: Any = None,
+    tokenizer: Tokenizer | None = None,
     fingerprint: dict[str, Any] | None = None,
     source_kind: str = "samples",
     overwrite: bool = False,
@@ -185,7 +186,7 @@ def prepack_rows(
     out: str | os.PathLike[str],
     planner: KeepRows,
     *,
-    tokenizer: Any,
+    tokenizer: Tokenizer | None,
     source: Path,
     source_kind: str,
     fingerprint: dict[str, Any] | None = None,
@@ -213,7 +214,7 @@ def _write_samples(
     out: str | os.PathLike[str],
     planner: BinPack | KeepRows,
     *,
-    tokenizer: Any,
+    tokenizer: Tokenizer | None,
     vocab_size: int | None,
     pad_id: int | None,
     fingerprint: dict[str, Any] | None,

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import TokenizerSpec
 from ._driver import run_conversations
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
@@ -234,7 +235,7 @@ class RayEngine(PrepackEngine):
             tokenizer=next(iter(fps.values()), None),
         )
 
-    def _tokenize(self, units: list[Any], tokenizer: Any, options: dict[str, Any]) -> list[dict[str, Any]]:
+    def _tokenize(self, units: list[Any], tokenizer: TokenizerSpec, options: dict[str, Any]) -> list[dict[str, Any]]:
         ray = import_ray()
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
@@ -312,7 +313,7 @@ def prepack_ray(
     inputs: Any = None,
     out: str | os.PathLike[str] = "prepack",
     *,
-    tokenizer: Any = None,
+    tokenizer: TokenizerSpec = None,
     **options: Any,
 ) -> RayPrepackResult:
     """:func:`sftpack.offline.prepack` on Ray: the same directory, byte for byte.

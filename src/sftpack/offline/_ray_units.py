@@ -37,6 +37,7 @@ import numpy as np
 
 from .. import _optional
 from .._base import positive_int
+from .._types import Tokenizer, TokenizerSpec
 from ..chat import Conversation, ConversationReader, OnBadRow, tokenize_conversations
 from ..chat._tokenize import _as_item
 from ..data import default_tokenizer
@@ -119,7 +120,7 @@ def make_units(inputs: Inputs, staging: Path, *, unit_size: int) -> tuple[list[U
 # ---------------------------------------------------------------------------- the tokenize actor
 
 
-def _load_tokenizer(spec: Any) -> Any:
+def _load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     if spec is None:
         return default_tokenizer()
     if isinstance(spec, (str, os.PathLike)):
@@ -137,15 +138,17 @@ class TokenizeActor:
             sent (tests pass one that kills the actor there, as ``kill -9`` would).
     """
 
-    def __init__(self, tokenizer: Any, options: dict[str, Any], after_unit: Callable[[int], None] | None = None):
+    def __init__(
+        self, tokenizer: TokenizerSpec, options: dict[str, Any], after_unit: Callable[[int], None] | None = None
+    ):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per actor: the actors fill the cores
         self.spec = tokenizer
         self.options = options
         self.after_unit = after_unit
-        self.tokenizer: Any = None
+        self.tokenizer: Tokenizer | None = None
         self.fingerprint: dict[str, Any] | None = None
 
-    def _tokenizer(self) -> Any:
+    def _tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             try:
                 tok = _load_tokenizer(self.spec)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .._types import Tokenizer
 from ..binpack import Algorithm, lower_bounds, pack, packing_stats
 from ..chat import tokenize_conversations
 
@@ -119,7 +120,7 @@ class BenchReport:
 
 def bench_lengths(
     conversations: Iterable[Any],
-    tokenizer: Any,
+    tokenizer: Tokenizer,
     *,
     source: str,
     read_stats: Any = None,
