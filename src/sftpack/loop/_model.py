@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .._optional import flash_attn_varlen_func, transformers
 from ..attention import hf_attention_forward, varlen_attention
 from ..exactness import norms_in_model_dtype
 from ..loss import loss_dtype, token_mean_loss
 from ..sample import IGNORE_INDEX
-from ._optional import flash_attn_installed, transformers
 
 __all__ = [
     "TRAIN_ATTENTION",
@@ -134,13 +134,13 @@ def register_train_attention() -> str:
     """Register the training attention with transformers; returns its name."""
     hf = transformers()
     hf.AttentionInterface.register(TRAIN_ATTENTION, _train_attention)
-    hf.masking_utils.AttentionMaskInterface.register(TRAIN_ATTENTION, lambda *args, **kwargs: None)
+    transformers("masking_utils").AttentionMaskInterface.register(TRAIN_ATTENTION, lambda *args, **kwargs: None)
     return TRAIN_ATTENTION
 
 
 def default_attention(device: torch.device | str) -> str:
     """``flash_attention_2`` on CUDA with flash-attn installed, else the reference."""
-    if torch.device(device).type == "cuda" and flash_attn_installed():
+    if torch.device(device).type == "cuda" and flash_attn_varlen_func() is not None:
         return "flash_attention_2"
     return register_train_attention()
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from ._optional import pyplot
+from .._optional import pyplot
 
 __all__ = ["plot_training", "read_log"]
 

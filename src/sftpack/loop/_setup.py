@@ -8,13 +8,13 @@ from typing import Any
 
 import numpy as np
 
+from .._optional import transformers
 from .._types import Tokenizer
 from ..chat import tokenize_conversations
 from ..data import default_corpus
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample
-from ._optional import transformers
 from ._options import Packing, TrainConfig
 from ._sources import (
     LoaderSource,

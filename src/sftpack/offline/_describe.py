@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .._optional import pyplot
 from ..handoff import padded_lengths
 
 __all__ = ["Description", "describe", "save_histograms_png"]
@@ -60,13 +61,7 @@ def describe(ds: Any) -> Description:
 
 def save_histograms_png(desc: Description, path: str) -> str:
     """Draw the row-fill and sequences-per-row histograms as a PNG (needs matplotlib)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as e:  # pragma: no cover - optional dependency
-        raise RuntimeError("sftpack inspect --png needs matplotlib: pip install 'sftpack[plot]'") from e
+    plt = pyplot("sftpack inspect --png")
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
     a.hist(desc.fill * 100, bins=50, range=(0, 100), color="#4C72B0")
     a.set_xlabel("row fill (% of slots holding real tokens)")

@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._optional import pyplot
 from ..handoff import PackedBatch
 from ..loader import worked_example_row
-from ..loop._optional import pyplot
 from ..sample import Sample
 from ..trainer import pack_step
 
