@@ -60,7 +60,7 @@ from .. import _optional
 from .._base import positive_int
 from .._types import Tokenizer
 from ..data import default_tokenizer
-from ..handoff import Sample
+from ..sample import Sample
 from ._dataset import PrepackedDataset
 from ._fingerprint import tokenizer_fingerprint
 from ._plan import KeepRows

@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from .. import Sample
 from .._types import TokenizerSpec
+from ..sample import Sample
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._result import PrepackResult

@@ -17,10 +17,10 @@ from typing import cast
 
 import numpy as np
 
-from .. import Sample
 from .._base import positive_int
 from ..chat import tokenize_conversations
 from ..data import default_tokenizer
+from ..sample import Sample
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
 from ._inputs import open_inputs, reading_counts

@@ -24,7 +24,8 @@ from typing import Any
 
 from .._base import StrEnum, choose, positive_int
 from ..binpack import Algorithm
-from ..chat import OnBadRow, Overlong, TrainOn
+from ..chat import OnBadRow, TrainOn
+from ..sample import Overlong
 from ._plan import BinPack
 
 __all__ = ["Engine", "PrepackOptions"]

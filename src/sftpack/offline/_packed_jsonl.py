@@ -43,7 +43,7 @@ from .._types import Tokenizer
 from ..binpack import Algorithm
 from ..chat import read_conversations, tokenize_conversation
 from ..data import default_corpus, default_tokenizer
-from ..handoff import Sample
+from ..sample import Sample
 from ._bridge import _prepack_tokenizer
 from ._dataset import PrepackedDataset
 from ._fingerprint import input_fingerprints

@@ -18,11 +18,11 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .. import Sample
 from .._base import choose
 from .._types import Tokenizer
 from ..binpack import Algorithm
-from ..chat import OnBadRow, Overlong, TrainOn
+from ..chat import OnBadRow, TrainOn
+from ..sample import Overlong, Sample
 from ._driver import Job, run, run_conversations
 from ._engine import PrepackEngine, Samples
 from ._fingerprint import input_fingerprints, tokenizer_fingerprint

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ..handoff import Sample
+from ..sample import Sample
 
 __all__ = ["StagedSamples", "StagingSource", "stage_samples"]
 
