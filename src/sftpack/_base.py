@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import numbers
 import sys
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 __all__ = ["StrEnum", "check_width", "choose", "non_negative_int", "positive_int", "round_up"]
 
@@ -65,7 +65,7 @@ def round_up(n: Any, multiple: int) -> Any:
 
 def _int_at_least(
     lo: int, kind: str, name: str, value: object, error: type[ValueError], allow_none: bool, who: str, why: str
-) -> Any:
+) -> int | None:
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < lo:
@@ -73,6 +73,30 @@ def _int_at_least(
         suffix = f"; {why}" if why else ""
         raise error(f"{prefix}{name} must be a {kind} integer, got {value!r}{suffix}")
     return int(value)
+
+
+@overload
+def positive_int(
+    name: str,
+    value: object,
+    *,
+    error: type[ValueError] = ...,
+    allow_none: Literal[False] = ...,
+    who: str = ...,
+    why: str = ...,
+) -> int: ...
+
+
+@overload
+def positive_int(
+    name: str,
+    value: object,
+    *,
+    error: type[ValueError] = ...,
+    allow_none: bool,
+    who: str = ...,
+    why: str = ...,
+) -> int | None: ...
 
 
 def positive_int(
@@ -83,7 +107,7 @@ def positive_int(
     allow_none: bool = False,
     who: str = "",
     why: str = "",
-) -> Any:
+) -> int | None:
     """``value`` as a Python ``int >= 1``, or ``error`` naming the option.
 
     Python and numpy integers are accepted; ``bool``, floats (even ``4.0``) and
@@ -100,6 +124,30 @@ def positive_int(
     return _int_at_least(1, "positive", name, value, error, allow_none, who, why)
 
 
+@overload
+def non_negative_int(
+    name: str,
+    value: object,
+    *,
+    error: type[ValueError] = ...,
+    allow_none: Literal[False] = ...,
+    who: str = ...,
+    why: str = ...,
+) -> int: ...
+
+
+@overload
+def non_negative_int(
+    name: str,
+    value: object,
+    *,
+    error: type[ValueError] = ...,
+    allow_none: bool,
+    who: str = ...,
+    why: str = ...,
+) -> int | None: ...
+
+
 def non_negative_int(
     name: str,
     value: object,
@@ -108,7 +156,7 @@ def non_negative_int(
     allow_none: bool = False,
     who: str = "",
     why: str = "",
-) -> Any:
+) -> int | None:
     """``value`` as a Python ``int >= 0``, or ``error`` naming the option (and ``why``, when given).
 
     >>> non_negative_int("seed", 0)

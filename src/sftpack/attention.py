@@ -23,6 +23,7 @@ Boundary modes, as Transformer Engine reads them:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -59,7 +60,7 @@ def boundaries_of(packed: Any, pad_between_seqs: bool | None = None) -> tuple[to
     return cu, cup, int(max_len), mode
 
 
-def _flash_attn_varlen() -> Any:
+def _flash_attn_varlen() -> Callable[..., Any] | None:
     return _optional.flash_attn_varlen_func()
 
 

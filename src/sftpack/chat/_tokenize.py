@@ -68,7 +68,7 @@ from ._options import (
     TrainOn,
     choose,
 )
-from ._render import TemplateError, renderer_for
+from ._render import ChatRenderer, TemplateError, renderer_for
 from ._rows import BadRowError, Conversation, _Bad, _messages
 
 __all__ = [
@@ -131,11 +131,11 @@ class _Options:
 
 
 def _options(
-    train_on: Any,
-    max_seq_len: Any,
-    overlong: Any,
-    on_bad_row: Any = "error",
-    special_tokens_in_content: Any = "text",
+    train_on: str | TrainOn,
+    max_seq_len: int | None,
+    overlong: str | Overlong,
+    on_bad_row: str | OnBadRow = "error",
+    special_tokens_in_content: str | SpecialTokensInContent = "text",
 ) -> _Options:
     t = choose(TrainOn, train_on, "train_on")
     o = choose(Overlong, overlong, "overlong")
@@ -296,7 +296,7 @@ _TEMPLATE_FIX = (
 )
 
 
-def _render_one(item: Item, renderer: Any, opts: _Options) -> _Rendered:
+def _render_one(item: Item, renderer: ChatRenderer, opts: _Options) -> _Rendered:
     cid = item[0]
     try:
         messages = _checked(item)
@@ -314,7 +314,7 @@ def _render_one(item: Item, renderer: Any, opts: _Options) -> _Rendered:
     return _Rendered(cid, text, spans, None, n_special)
 
 
-def _render(items: Sequence[Item], renderer: Any, opts: _Options) -> list[_Rendered]:
+def _render(items: Sequence[Item], renderer: ChatRenderer, opts: _Options) -> list[_Rendered]:
     return [_render_one(item, renderer, opts) for item in items]
 
 

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 import torch
 
@@ -288,7 +288,7 @@ class CPShard(PackedBatch):
             self.global_cu_seqlens, self.global_cu_seqlens_padded, self.global_max_seqlen, pad_between_seqs
         )
 
-    def _no_standalone(self, what: str) -> Any:
+    def _no_standalone(self, what: str) -> NoReturn:
         raise PackedBatchError(
             f"CPShard.{what}: a context-parallel shard is not a set of whole sequences (its chunks need the other "
             "ranks' keys and values); use to_packed_seq_params() with Transformer Engine, or unshard_cp the row"
@@ -353,11 +353,25 @@ def shard_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
     )
 
 
+@overload
+def unshard_cp(
+    pieces: Sequence[CPShard], packed: PackedBatch | torch.Tensor | None = None, cp_size: int | None = None
+) -> PackedBatch: ...
+
+
+@overload
+def unshard_cp(
+    pieces: Sequence[torch.Tensor] | torch.Tensor,
+    packed: PackedBatch | torch.Tensor | None = None,
+    cp_size: int | None = None,
+) -> torch.Tensor: ...
+
+
 def unshard_cp(
     pieces: Sequence[CPShard] | Sequence[torch.Tensor] | torch.Tensor,
     packed: PackedBatch | torch.Tensor | None = None,
     cp_size: int | None = None,
-) -> Any:
+) -> PackedBatch | torch.Tensor:
     """Put a row back together from every CP rank's piece (the inverse of sharding).
 
     Args:

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -68,6 +68,9 @@ from ._state import (
     restore_items,
 )
 from ._stats import LoaderStats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from megatron.core.packed_seq_params import PackedSeqParams
 
 __all__ = ["PAD_BETWEEN_SEQS", "PackingDataset", "StateError"]
 
@@ -208,7 +211,7 @@ class PackingDataset(IterableDataset):
         self._reset(epoch=non_negative_int("epoch", epoch, who="PackingDataset"))
         self._stats = stats
 
-    def packed_seq_params(self, row: PackedBatch) -> Any:
+    def packed_seq_params(self, row: PackedBatch) -> PackedSeqParams:
         """Megatron's ``PackedSeqParams`` for ``row`` in this loader's boundary mode
         (``pad_between_seqs=False`` by default: the padded array for all four fields)."""
         return row.to_packed_seq_params(pad_between_seqs=self.pad_between_seqs)
