@@ -4,7 +4,10 @@ usage error, and the tokenizer loader."""
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..chat import ReadStats, TokenizeStats
 
 __all__ = [
     "UsageError",
@@ -61,7 +64,7 @@ def _reasons(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) or "none"
 
 
-def render_read_stats(rs: Any, *, max_files: int = 10) -> str:
+def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
     """The reader's accounting in words: rows read/kept/dropped by reason, and every
     file that was not read (or only partly), with its reason."""
     lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}"]
@@ -77,7 +80,7 @@ def render_read_stats(rs: Any, *, max_files: int = 10) -> str:
     return "\n".join(lines)
 
 
-def render_tokenize_stats(st: Any, samples: int, seconds: float) -> str:
+def render_tokenize_stats(st: TokenizeStats, samples: int, seconds: float) -> str:
     """The tokenizer's accounting in words: outcomes, skips by reason, tokens and labels lost."""
     skipped = getattr(st, "skipped", {}) or {}
     lines = [

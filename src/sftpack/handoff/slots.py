@@ -16,9 +16,12 @@ user's own positions may differ from the offsets.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .batch import PackedBatch
 
 __all__ = ["real_token_mask", "segment_ids", "slot_layout"]
 
@@ -29,7 +32,7 @@ def _segment_of(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tenso
     return torch.repeat_interleave(torch.arange(n, device=padded.device), padded, output_size=num_tokens)
 
 
-def segment_ids(packed: Any) -> torch.Tensor:
+def segment_ids(packed: PackedBatch) -> torch.Tensor:
     """``(T,)`` int64: the segment (sequence) index of every slot of ``packed`` (a
     :class:`~sftpack.PackedBatch`), padding included; no host sync (the tensor
     shapes give ``T``).

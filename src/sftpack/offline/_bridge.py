@@ -101,7 +101,7 @@ def _pyarrow() -> tuple[Any, Any]:
     return sys.modules["pyarrow"], pq  # importing pyarrow.parquet imported pyarrow
 
 
-def _prepack_tokenizer(ds: Any, tokenizer: Tokenizer | None, need: str, *, check: bool) -> Tokenizer:
+def _prepack_tokenizer(ds: PrepackedDataset, tokenizer: Tokenizer | None, need: str, *, check: bool) -> Tokenizer:
     """``tokenizer``, or the prepack's own when it is sftpack's default tokenizer; ``check``:
     refuse a tokenizer other than the prepack's (its ids must mean what the prepack's mean)."""
     have = (ds.manifest["fingerprint"].get("tokenizer") or {}).get("sha256")
@@ -121,7 +121,7 @@ def _prepack_tokenizer(ds: Any, tokenizer: Tokenizer | None, need: str, *, check
     return tokenizer
 
 
-def _eos_id(ds: Any, tokenizer: Tokenizer | None) -> int:
+def _eos_id(ds: PrepackedDataset, tokenizer: Tokenizer | None) -> int:
     """The EOS id Bridge's writer pads with (its ``tokenizer.eod``)."""
     need = "padding for context parallelism (Bridge's writer pads with the EOS id; pad_multiple=1 does not pad)"
     tokenizer = _prepack_tokenizer(ds, tokenizer, need, check=True)
@@ -132,7 +132,7 @@ def _eos_id(ds: Any, tokenizer: Tokenizer | None) -> int:
 
 
 def export_megatron_bridge(
-    dataset: Any,
+    dataset: PrepackedDataset | str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
     split: str = "training",

@@ -16,6 +16,7 @@ import numpy as np
 
 from .._optional import pyplot
 from ..handoff import padded_lengths
+from ._dataset import PrepackedDataset
 
 __all__ = ["Description", "describe", "save_histograms_png"]
 
@@ -40,7 +41,7 @@ class Description:
     per_row_histogram: list[tuple[int, int]]
 
 
-def describe(ds: Any) -> Description:
+def describe(ds: PrepackedDataset) -> Description:
     """Summarise a :class:`~sftpack.offline.PrepackedDataset`."""
     rows, seqs = ds.rows, ds.sequences
     width = ds.max_seq_len

@@ -130,7 +130,7 @@ def import_packed_jsonl(
     )
 
 
-def _source_conversations(ds: Any) -> Iterable[Any]:
+def _source_conversations(ds: PrepackedDataset) -> Iterable[Any]:
     fp = ds.manifest["fingerprint"]
     inputs = fp.get("inputs") or []
     if len(inputs) == 1 and str(inputs[0]["name"]).startswith("sftpack.data.default_corpus"):
@@ -182,7 +182,7 @@ def _chat_lengths(
 
 
 def export_packed_jsonl(
-    dataset: Any,
+    dataset: PrepackedDataset | str | os.PathLike[str],
     path: str | os.PathLike[str],
     *,
     conversations: Iterable[Any] | None = None,

@@ -19,7 +19,7 @@ import numpy as np
 
 from .._types import Tokenizer
 from ..binpack import Algorithm, lower_bounds, pack, packing_stats
-from ..chat import tokenize_conversations
+from ..chat import ReadStats, TokenizeStats, tokenize_conversations
 
 __all__ = ["BenchReport", "LayoutRow", "bench_lengths", "compare_layouts", "format_layouts", "format_table"]
 
@@ -110,8 +110,8 @@ class BenchReport:
     tokenized, and the layouts compared (the CLI renders it)."""
 
     source: str
-    read_stats: Any  #: the reader's ``ReadStats`` (``None`` for the embedded corpus)
-    tokenize_stats: Any  #: ``TokenizeStats``
+    read_stats: ReadStats | None  #: the reader's (``None`` for the embedded corpus)
+    tokenize_stats: TokenizeStats
     lengths: np.ndarray
     seconds: float
     layouts: list[LayoutRow]
@@ -123,7 +123,7 @@ def bench_lengths(
     tokenizer: Tokenizer,
     *,
     source: str,
-    read_stats: Any = None,
+    read_stats: ReadStats | None = None,
     max_seq_len: int,
     pad_multiple: int = 1,
     overlong: str = "split",
