@@ -97,7 +97,7 @@ class Sample:
         return int(self.loss_mask.sum())
 
 
-def _token_ids(values: Any, who: Any) -> np.ndarray:
+def _token_ids(values: Any, who: object) -> np.ndarray:
     """1-D int64 token ids, refusing what would silently change them (fractions,
     strings, values beyond int64, extra dimensions)."""
     try:
@@ -129,7 +129,7 @@ def _token_ids(values: Any, who: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def _mask(values: Any, who: Any) -> np.ndarray:
+def _mask(values: Any, who: object) -> np.ndarray:
     arr = np.asarray(values)
     if arr.dtype.kind not in "biu":
         raise ValueError(f"Sample {who!r}: loss_mask must be bool (or 0/1), got dtype {arr.dtype}")

@@ -94,14 +94,14 @@ def _as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
     return np.array(arr.tolist(), dtype=np.int64)  # objects that are all int64 integers
 
 
-def _non_negative_int(name: str, value: Any) -> int:
+def _non_negative_int(name: str, value: object) -> int:
     """``value`` as a Python ``int >= 0`` (numpy integers too; bools, floats and strings refused)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < 0:
         raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     return int(value)
 
 
-def _capacity(capacity: Any) -> int:
+def _capacity(capacity: object) -> int:
     capacity = positive_int("capacity", capacity)
     if capacity > MAX_CAPACITY:
         raise ValueError(

@@ -145,7 +145,7 @@ def _walk(root: Path, split: str | None, skipped: list[FileProblem], seen: set[P
     return found
 
 
-def _is_datasets_object(obj: Any) -> bool:
+def _is_datasets_object(obj: object) -> bool:
     mod = type(obj).__module__ or ""
     return mod.startswith("datasets.") and hasattr(obj, "column_names")
 

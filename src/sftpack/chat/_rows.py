@@ -100,7 +100,7 @@ class _Bad(Exception):
         self.reason, self.detail, self.fix = reason, detail, fix
 
 
-def _type_name(value: Any) -> str:
+def _type_name(value: object) -> str:
     if value is None:
         return "null"
     return {dict: "object", list: "list", str: "string", bool: "boolean"}.get(type(value), type(value).__name__)
@@ -118,7 +118,7 @@ def _is_text(s: str) -> bool:
     return True
 
 
-def _short(value: Any, limit: int = 40) -> str:
+def _short(value: object, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

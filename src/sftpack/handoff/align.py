@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 from .._base import StrEnum, choose, positive_int, round_up
 from .batch import PackedBatch
@@ -45,13 +44,13 @@ class FP8Recipe(StrEnum):
         return {"tensorwise": 16, "delayed": 16, "mxfp8": 32, "blockwise": 128}[self.value]
 
 
-def _parse_fp8(fp8: Any) -> FP8Recipe | None:
+def _parse_fp8(fp8: object) -> FP8Recipe | None:
     if fp8 is None or fp8 is False:
         return None
     return choose(FP8Recipe, fp8, "fp8 (or None)", AlignmentError)
 
 
-def _size(name: str, value: Any) -> int:
+def _size(name: str, value: object) -> int:
     return positive_int(name, value, error=AlignmentError)
 
 

@@ -76,7 +76,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CPShard", "cp_slot_indices", "shard_for_cp", "unshard_cp"]
 
 
-def _check_cp(cp_size: Any, cp_rank: Any = 0) -> tuple[int, int]:
+def _check_cp(cp_size: object, cp_rank: object = 0) -> tuple[int, int]:
     cp_size = positive_int("cp_size", cp_size, error=PackedBatchError)
     cp_rank = non_negative_int("cp_rank", cp_rank, error=PackedBatchError)
     if cp_rank >= cp_size:

@@ -55,7 +55,7 @@ def padded_lengths(lengths: Any, pad_multiple: int) -> np.ndarray:
     return round_up(np.asarray(lengths, dtype=np.int64), m)
 
 
-def check_pad_id(pad_id: Any, who: str, error: type[ValueError] = PackedBatchError) -> int:
+def check_pad_id(pad_id: object, who: str, error: type[ValueError] = PackedBatchError) -> int:
     """``pad_id`` as an ``int >= 0``, or ``error``: padding slots are fed to the embedding
     like any token, so a negative id fails there (or wraps to the last rows)."""
     return non_negative_int(

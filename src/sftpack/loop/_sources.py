@@ -125,7 +125,7 @@ def samples_fingerprint(samples: Sequence[Sample]) -> str:
     return h.hexdigest()
 
 
-def _hash(obj: Any) -> str:
+def _hash(obj: object) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
 
 

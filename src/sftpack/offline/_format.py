@@ -97,7 +97,7 @@ class PrepackError(ValueError):
     The message names the directory or file and the fix."""
 
 
-def digest(obj: Any) -> str:
+def digest(obj: object) -> str:
     """SHA-256 of the canonical JSON of ``obj`` (sorted keys, no spaces).
 
     >>> digest({"b": 1, "a": [2, 3]}) == digest({"a": [2, 3], "b": 1})
@@ -217,7 +217,7 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def write_json(path: Path, obj: Any) -> None:
+def write_json(path: Path, obj: object) -> None:
     """Deterministic JSON (sorted keys, 2-space indent, trailing newline), flushed to disk."""
     text = json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
     with open(path, "w", encoding="utf-8") as f:
@@ -315,11 +315,11 @@ _COUNT_INTS = (
 )
 
 
-def _int(v: Any) -> bool:
+def _int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(v: Any) -> bool:
+def _number(v: object) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
@@ -327,7 +327,7 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
     """Every manifest entry a reader uses has its type and range, and the layout agrees with the
     fingerprint (whose own digest is checked). Raises :class:`PrepackError` naming the entry."""
 
-    def bad(where: str, value: Any, want: str) -> PrepackError:
+    def bad(where: str, value: object, want: str) -> PrepackError:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
         return PrepackError(
             f"{path}: {where} is {shown}, expected {want}: the manifest is damaged; write the prepack again"

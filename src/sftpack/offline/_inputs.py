@@ -52,7 +52,7 @@ _TOKENIZE_KEYS = (
 )
 
 
-def is_paths(inputs: Any) -> bool:
+def is_paths(inputs: object) -> bool:
     """Whether ``inputs`` is read by a :class:`~sftpack.chat.ConversationReader` (paths or a ``datasets`` object)."""
     if isinstance(inputs, (str, os.PathLike)):
         return True

@@ -95,7 +95,7 @@ def _finish(lengths_in: np.ndarray, order: np.ndarray, row_offsets: np.ndarray, 
     return RowPlan(order, row_offsets, lengths, starts, width, m, bounds.l1, bounds.l2)
 
 
-def check_width(max_seq_len: Any, pad_multiple: Any) -> tuple[int, int]:
+def check_width(max_seq_len: object, pad_multiple: object) -> tuple[int, int]:
     """``(max_seq_len, pad_multiple)`` as ints, or the one ``ValueError`` for each problem
     (not positive, wider than the format allows, not a multiple of the pad multiple)."""
     width = check_row_width(positive_int("max_seq_len", max_seq_len))

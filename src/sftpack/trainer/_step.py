@@ -20,7 +20,7 @@ from ..sample import IGNORE_INDEX
 __all__ = ["pack_step"]
 
 
-def _positive_int(name: str, value: Any, *, allow_none: bool = False) -> int | None:
+def _positive_int(name: str, value: object, *, allow_none: bool = False) -> int | None:
     return positive_int(name, value, error=PackedBatchError, allow_none=allow_none, who="pack_step")
 
 
