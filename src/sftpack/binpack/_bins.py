@@ -11,9 +11,10 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import overload
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._base import round_up
 from ._inputs import _as_lengths
@@ -74,7 +75,7 @@ class Bins(Sequence[np.ndarray]):
 
     __slots__ = ("offsets", "order")
 
-    def __init__(self, order: Any, offsets: Any) -> None:
+    def __init__(self, order: ArrayLike, offsets: ArrayLike) -> None:
         order = _as_lengths(order, "order")
         offsets = _as_lengths(offsets, "offsets")
         if offsets.shape[0] < 1:
@@ -142,7 +143,7 @@ class Bins(Sequence[np.ndarray]):
         """``(rows,)`` int64: the number of items in each row."""
         return np.diff(self.offsets)
 
-    def loads(self, lengths: Any, *, cost_multiple: int = 1) -> np.ndarray:
+    def loads(self, lengths: ArrayLike, *, cost_multiple: int = 1) -> np.ndarray:
         """``(rows,)`` int64: each row's total length (or cost, with ``cost_multiple``).
 
         ``lengths`` is the ``(n,)`` array the bins were packed from.
@@ -167,7 +168,7 @@ class Bins(Sequence[np.ndarray]):
 
     def check(
         self,
-        lengths: Any,
+        lengths: ArrayLike,
         capacity: int,
         *,
         cost_multiple: int = 1,

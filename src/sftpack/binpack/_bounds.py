@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._base import positive_int
 from ._bins import Bins, HistogramBins
@@ -45,7 +46,9 @@ class PackingStats:
         return asdict(self)
 
 
-def lower_bounds(lengths: Any, capacity: int, *, counts: Any = None, cost_multiple: int = 1) -> LowerBounds:
+def lower_bounds(
+    lengths: ArrayLike, capacity: int, *, counts: ArrayLike | None = None, cost_multiple: int = 1
+) -> LowerBounds:
     """Lower bounds on the rows needed to pack ``lengths`` into rows of ``capacity``.
 
     ``L1 = ceil(sum(cost) / U)``; ``L2`` is Martello and Toth's bound (1990):
@@ -106,11 +109,11 @@ def _bounds(sizes: np.ndarray, counts: np.ndarray, cap_units: int) -> LowerBound
 
 
 def packing_stats(
-    lengths: Any,
+    lengths: ArrayLike,
     bins: Bins | HistogramBins | Sequence[Any],
     capacity: int,
     *,
-    counts: Any = None,
+    counts: ArrayLike | None = None,
     cost_multiple: int = 1,
 ) -> PackingStats:
     """Rows, efficiency and gaps to the lower bounds of a packing.

@@ -12,6 +12,7 @@ import numbers
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._base import positive_int, round_up
 
@@ -65,7 +66,7 @@ def _beyond_int64(name: str, i: int, v: int) -> ValueError:
     )
 
 
-def _as_lengths(lengths: Any, name: str = "lengths") -> np.ndarray:
+def _as_lengths(lengths: ArrayLike, name: str = "lengths") -> np.ndarray:
     """Any 1-D integer sequence (list, numpy, torch) as a contiguous int64 array.
 
     Floats, strings, bools and other objects are a ``TypeError`` naming the
@@ -173,7 +174,7 @@ def _size_histogram(
     return sizes.astype(np.int64), per
 
 
-def _as_counts(counts: Any, values: np.ndarray) -> np.ndarray:
+def _as_counts(counts: ArrayLike, values: np.ndarray) -> np.ndarray:
     arr = _as_lengths(counts, "counts")
     if arr.shape != values.shape:
         raise ValueError(f"counts has shape {arr.shape} but the lengths have shape {values.shape}")

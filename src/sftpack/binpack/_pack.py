@@ -8,9 +8,8 @@ split rows until ``min_bins`` / ``bins_multiple_of`` are met.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._base import StrEnum as _StrEnum
 from .._base import choose, positive_int, round_up
@@ -47,7 +46,7 @@ def _choose_algorithm(algorithm: str | Algorithm) -> Algorithm:
 
 
 def pack(
-    lengths: Any,
+    lengths: ArrayLike,
     capacity: int,
     algorithm: str | Algorithm = "bfd",
     *,
@@ -216,8 +215,8 @@ def _split_rows(offsets: np.ndarray, target: int) -> np.ndarray:
 
 
 def pack_histogram(
-    lengths: Any,
-    counts: Any,
+    lengths: ArrayLike,
+    counts: ArrayLike,
     capacity: int,
     algorithm: str | Algorithm = "bfd",
     *,

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from numpy.typing import ArrayLike
 
 from .batch import PackedBatch
 from .layout import lay_row
@@ -21,9 +22,9 @@ __all__ = ["build_row"]
 
 
 def build_row(
-    input_ids: Any,
-    loss_mask: Any,
-    lengths: Any,
+    input_ids: ArrayLike,
+    loss_mask: ArrayLike,
+    lengths: ArrayLike,
     *,
     row_width: int | None = None,
     pad_multiple: int = 1,

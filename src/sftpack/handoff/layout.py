@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._base import check_width, non_negative_int, positive_int, round_up
 from ..binpack import Bins, pack
@@ -44,7 +45,7 @@ __all__ = ["RowArrays", "check_pad_id", "lay_row", "pack_rows", "padded_lengths"
 _SLICE_COPY_MAX = 32
 
 
-def padded_lengths(lengths: Any, pad_multiple: int) -> np.ndarray:
+def padded_lengths(lengths: ArrayLike, pad_multiple: int) -> np.ndarray:
     """``(N,)`` int64: the slots each sequence takes in a row, its length rounded up
     to ``pad_multiple`` (the bin cost, and the width :func:`lay_row` lays).
 
@@ -69,7 +70,7 @@ def check_pad_id(pad_id: object, who: str, error: type[ValueError] = PackedBatch
 
 
 def pack_rows(
-    lengths: Any,
+    lengths: ArrayLike,
     *,
     max_seq_len: int,
     pad_multiple: int = 1,
@@ -129,9 +130,9 @@ def _int_ids(name: str, arr: Any) -> np.ndarray:
 
 
 def lay_row(
-    input_ids: Any,
-    loss_mask: Any,
-    lengths: Any,
+    input_ids: ArrayLike,
+    loss_mask: ArrayLike,
+    lengths: ArrayLike,
     *,
     row_width: int | None = None,
     pad_multiple: int = 1,

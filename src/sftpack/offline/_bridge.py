@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import _optional
 from .._base import positive_int
@@ -70,7 +71,7 @@ from ._result import PrepackResult
 __all__ = ["export_megatron_bridge", "import_megatron_bridge"]
 
 
-def _bridge_lengths(lengths: Any, pad_multiple: int = 1) -> np.ndarray:
+def _bridge_lengths(lengths: ArrayLike, pad_multiple: int = 1) -> np.ndarray:
     """Stored length of each sequence as Bridge's writer lays it for ``pad_seq_to_mult``.
 
     A sequence of ``L`` real tokens feeds ``L - 1`` (its runtime length); the

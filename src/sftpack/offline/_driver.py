@@ -26,11 +26,13 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import __version__
 from .._types import TokenizerSpec
@@ -61,7 +63,7 @@ __all__ = ["Job", "Planner", "build_manifest", "run", "run_conversations"]
 class Planner(Protocol):
     """Stage 2: :class:`~sftpack.offline._plan.BinPack` or :class:`~sftpack.offline._plan.KeepRows`."""
 
-    def plan(self, lengths: Any, row_sizes: Any = None) -> RowPlan: ...
+    def plan(self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None) -> RowPlan: ...
 
     def fingerprint(self) -> dict[str, Any]: ...
 

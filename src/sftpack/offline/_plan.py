@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .._base import check_width as multiple_of
 from .._base import choose, positive_int, round_up
@@ -104,7 +105,7 @@ def check_width(max_seq_len: object, pad_multiple: object) -> tuple[int, int]:
 
 
 def plan_rows(
-    lengths: Any,
+    lengths: ArrayLike,
     *,
     max_seq_len: int,
     pad_multiple: int = 1,
@@ -127,7 +128,7 @@ def plan_rows(
     return BinPack(max_seq_len, pad_multiple, choose(Algorithm, algorithm, "algorithm"), seed).plan(lengths)
 
 
-def _bin_pack(lengths: Any, width: int, m: int, algorithm: Algorithm, seed: int) -> RowPlan:
+def _bin_pack(lengths: ArrayLike, width: int, m: int, algorithm: Algorithm, seed: int) -> RowPlan:
     """:func:`plan_rows` on settings already checked."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
     bins = pack_rows(lengths_in, max_seq_len=width, pad_multiple=m, algorithm=algorithm, seed=seed)  # the one planner
@@ -136,14 +137,16 @@ def _bin_pack(lengths: Any, width: int, m: int, algorithm: Algorithm, seed: int)
     return _finish(lengths_in, order, offsets, width, m)
 
 
-def plan_from_membership(lengths: Any, row_offsets: Any, *, max_seq_len: int, pad_multiple: int = 1) -> RowPlan:
+def plan_from_membership(
+    lengths: ArrayLike, row_offsets: ArrayLike, *, max_seq_len: int, pad_multiple: int = 1
+) -> RowPlan:
     """A plan that keeps a given packing: samples in input order, row ``r`` holding
     samples ``row_offsets[r]:row_offsets[r+1]`` (what an importer read)."""
     width, m = check_width(max_seq_len, pad_multiple)
     return _membership(lengths, row_offsets, width, m)
 
 
-def _membership(lengths: Any, row_offsets: Any, width: int, m: int) -> RowPlan:
+def _membership(lengths: ArrayLike, row_offsets: ArrayLike, width: int, m: int) -> RowPlan:
     """:func:`plan_from_membership` on a width already checked."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
     offsets = np.asarray(row_offsets, dtype=np.int64)
@@ -170,7 +173,7 @@ class BinPack:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))
 
-    def plan(self, lengths: Any, row_sizes: Any = None) -> RowPlan:
+    def plan(self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None) -> RowPlan:
         if row_sizes is not None:
             raise ValueError("bin packing plans its own rows, but the samples came in rows: keep them with KeepRows")
         return _bin_pack(lengths, self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)
@@ -196,7 +199,7 @@ class KeepRows:
         if self.max_seq_len is not None:
             object.__setattr__(self, "max_seq_len", check_width(self.max_seq_len, self.pad_multiple)[0])
 
-    def plan(self, lengths: Any, row_sizes: Any = None) -> RowPlan:
+    def plan(self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None) -> RowPlan:
         sizes = row_sizes if row_sizes is not None else self.row_sizes
         if sizes is None:
             raise ValueError("KeepRows needs the row sizes: samples given in rows, or row_sizes")

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from numpy.typing import ArrayLike
 
 from .. import binpack
 from .._base import StrEnum, choose, positive_int, round_up
@@ -89,7 +90,7 @@ class MicrobatchPlan:
 
 
 def plan_microbatches(
-    lengths: Any,
+    lengths: ArrayLike,
     token_budget: int,
     *,
     dp_size: int = 1,
