@@ -35,13 +35,16 @@ Typical step::
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
 from .handoff import PackedBatch, segment_ids
 from .sample import IGNORE_INDEX
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "count_label_tokens",
@@ -84,12 +87,8 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor | PackedBatch) -> to
     return F.cross_entropy(flat.to(loss_dtype(flat.dtype)), lab, ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def _dist_ready(group: Any) -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized() and group is not False
-
-
-def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
-    if _dist_ready(group):
+def _all_reduce_sum(t: torch.Tensor, group: ProcessGroup | Literal[False] | None) -> torch.Tensor:
+    if group is not False and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t
 
@@ -102,7 +101,10 @@ def _batches(batches: PackedBatch | Iterable[PackedBatch]) -> list[PackedBatch]:
 
 
 def count_label_tokens(
-    batches: PackedBatch | Iterable[PackedBatch], *, group: Any = None, device: torch.device | str | None = None
+    batches: PackedBatch | Iterable[PackedBatch],
+    *,
+    group: ProcessGroup | Literal[False] | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Supervised targets of this step, over all micro-batches and ranks.
 
@@ -179,7 +181,10 @@ def sequence_loss_sums(logits: torch.Tensor, packed: PackedBatch) -> tuple[torch
 
 
 def count_sequences(
-    batches: PackedBatch | Iterable[PackedBatch], *, group: Any = None, device: torch.device | str | None = None
+    batches: PackedBatch | Iterable[PackedBatch],
+    *,
+    group: ProcessGroup | Literal[False] | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Sequences with at least one target, over all micro-batches and ranks.
 
