@@ -35,6 +35,8 @@ import numpy as np
 import torch
 
 from ..handoff import PackedBatch
+from ..loader import PackingDataset
+from ..offline import PrepackedDataset
 from ..sample import IGNORE_INDEX, Sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
 
@@ -384,7 +386,7 @@ class OfflineSource(Source):
     (``set_epoch``, a fresh seeded order) and the leftover rows wait for it.
     """
 
-    def __init__(self, dataset: Any, *, batch_size: int, world: int = 1, grad_accum: int = 1) -> None:
+    def __init__(self, dataset: PrepackedDataset, *, batch_size: int, world: int = 1, grad_accum: int = 1) -> None:
         self.ds = dataset
         self.batch_size = batch_size
         self.per_rank = _rows_per_rank(batch_size, world, grad_accum)
@@ -430,7 +432,7 @@ class LoaderSource(Source):
 
     def __init__(
         self,
-        dataset: Any,
+        dataset: PackingDataset,
         *,
         batch_size: int,
         samples_fp: str,
