@@ -13,7 +13,7 @@ from sftpack.report.layout import worked_example
 def test_help_lists_commands(capsys):
     assert main([]) == 2
     out = capsys.readouterr().out
-    # CONTRACT section 3: the help lists every command, in the map's order.
+    # docs/contract.md section 3: the help lists every command, in the map's order.
     listed = [line.split()[0] for line in out.splitlines() if line[:4] == "    " and line[4:5].strip()]
     assert listed == ["prepack", "inspect", "train", "map", "demo", "bench"]
 

@@ -17,7 +17,7 @@ from tests.helpers import PAD, assert_same_batch, padded_batch
 
 # ---------------------------------------------------------------- worked example
 def test_worked_example_trainer_row():
-    """CONTRACT section 2, trainer row: batch [2, 10], lengths 5 and 10, multiple of 4."""
+    """docs/contract.md section 2, trainer row: batch [2, 10], lengths 5 and 10, multiple of 4."""
     A, B = samples_from_lengths([5, 10])
     ids, lens, _ = padded_batch([A, B], S=10)
     b = pack_step(ids, lens, pad_multiple=4, pad_id=PAD).validate()
