@@ -150,7 +150,7 @@ def test_no_object_is_public_under_two_paths_but_the_listed_aliases():
 
 
 def test_the_contracts_trainer_names_still_work():
-    """CONTRACT section 3 names sftpack.trainer.shard_for_cp and sftpack.trainer.unpack."""
+    """docs/contract.md section 3 names sftpack.trainer.shard_for_cp and sftpack.trainer.unpack."""
     import sftpack.handoff
     import sftpack.trainer
 
