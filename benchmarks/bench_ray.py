@@ -5,7 +5,7 @@
    drawn, seeded, from a log-normal fitted to the embedded corpus under Qwen:
    log-mean 5.86, log-sd 1.47, clipped to 1..4096), a fresh process allocates what
    the driver holds after the tokenize stage (lengths, conversation numbers,
-   pieces, id offsets) and runs :func:`sftpack.offline.plan_rows` (BFD,
+   pieces, id offsets) and runs :func:`sftpack.offline.engine.plan_rows` (BFD,
    ``max_seq_len=4096``) and the write ranges: wall time and peak RSS
    (``ru_maxrss``), and from them the bytes per sample and the largest N that
    fits this machine's memory.
@@ -54,8 +54,8 @@ WIDTH = 4096
 
 def _driver_one(n: int) -> dict[str, Any]:
     """Run in a fresh process: what the driver allocates and computes for n samples."""
-    from sftpack.offline import plan_rows
     from sftpack.offline._ray import split_rows
+    from sftpack.offline.engine import plan_rows
 
     plan_rows(np.array([5, 10, 3, 8]), max_seq_len=16)  # compile the packer outside the timing
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -163,7 +163,7 @@ def _engine_one(spec: str, inputs: list[str], out: str) -> dict[str, Any]:
             actors: list[dict[str, Any]] = []
             seconds = dict(r.seconds, tokenizer_load=t_tok)
         else:
-            from sftpack.offline._ray import prepack_ray
+            from sftpack.offline import prepack_ray
 
             r = prepack_ray(inputs, out, max_seq_len=WIDTH, workers=n)
             actors = r.actors

@@ -60,8 +60,7 @@ def machine(device: str) -> str:
 
 def run_benchmark(args: argparse.Namespace) -> list[dict]:
     from sftpack.data import default_tokenizer
-    from sftpack.offline import prepack_samples
-    from sftpack.train import (
+    from sftpack.loop import (
         TrainConfig,
         build_model,
         compact_vocabulary,
@@ -70,6 +69,7 @@ def run_benchmark(args: argparse.Namespace) -> list[dict]:
         tokenized_samples,
         train,
     )
+    from sftpack.offline import prepack_samples
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]

@@ -51,8 +51,8 @@ def bf16_exactness(*, seed: int = 0) -> list[tuple[str, float, float, float]]:
     """``(quantity, packed bf16 error, unpacked bf16 error, ratio)`` against fp32 unpacked."""
     from sftpack.exactness import random_samples
     from sftpack.handoff import PackedBatch
+    from sftpack.loop import build_model, default_attention
     from sftpack.loss import token_losses
-    from sftpack.train import build_model, default_attention
 
     vocab = 4096
     lengths = torch.randint(16, 1024, (12,), generator=torch.Generator().manual_seed(seed)).tolist()
