@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 def __getattr__(name: str) -> Any:
-    """``PackedBatch`` on first use: importing the handoff loads torch (~3 s)."""
+    """``PackedBatch`` on first use: importing the handoff loads torch, which takes seconds."""
     if name == "PackedBatch":
         from .handoff import PackedBatch
 

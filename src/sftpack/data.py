@@ -14,8 +14,9 @@
   talk, not instructions: right for lengths, packing and throughput, not for
   judging a model's quality.
 
-Trade-off: converting the BPE ranks takes about 5 s, loading the converted
-``tokenizer.json`` (18 MB) about 1 s. So the first call builds it and writes it to
+Trade-off: converting the BPE ranks takes several times longer than loading the
+converted ``tokenizer.json`` (18 MB; ``benchmarks/bench_tokenize.py`` times both).
+So the first call builds it and writes it to
 a cache directory (``$SFTPACK_CACHE``, else ``$XDG_CACHE_HOME/sftpack``, else
 ``~/.cache/sftpack``) under a name keyed by a hash of every input (vocabulary
 bytes, pattern, special tokens, template, tokenizers version, format version);
@@ -103,7 +104,7 @@ def _build_backend(vocab: Path, pattern: str, special_ids: dict[str, int]) -> An
 
 def _wrap(source: Any) -> Any:
     """``source``: a path to ``tokenizer.json`` (loaded as is) or a ``tokenizers.Tokenizer``
-    (which transformers deep-copies: about 2 s for this vocabulary)."""
+    (which transformers deep-copies, a cost that grows with the vocabulary)."""
     where = {"tokenizer_file": str(source)} if isinstance(source, Path) else {"tokenizer_object": source}
     tok = _optional.transformers().PreTrainedTokenizerFast(**where, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.chat_template = CHATML_TEMPLATE

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import sftpack.loop
-from sftpack.loop._optional import MissingDependency, _need
+from sftpack._optional import MissingDependency, _need
 
 #: the loop's public names: what a user imports (the rest lives in its private modules)
 PUBLIC = [

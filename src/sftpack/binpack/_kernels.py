@@ -1,5 +1,11 @@
 """The loops behind :mod:`sftpack.binpack`, compiled by numba on first use.
 
+(Over 500 lines on purpose: :func:`load` swaps every kernel for its numba
+dispatcher in this module's globals at once, because a compiling kernel resolves
+the helpers it calls as module globals; the BFD, FFD, greedy and record kernels
+share those helpers, so splitting the module would need one lazy-compile registry
+per piece and cross-module dispatch.)
+
 Every kernel works in *units*: an item of length ``L`` costs
 ``u = ceil(L / cost_multiple)`` units and a bin holds ``U = capacity // cost_multiple``
 units, so "a bin never overflows after padding" is the plain integer test
@@ -30,7 +36,7 @@ fork per branching) over the *distinct rooms in use*: ``2R - 1`` nodes for
 ``R`` live rooms, each query or update at most 31 steps down, whatever the
 capacity. (It replaced a max segment tree over all rooms ``0..U``: the same
 answers, so the same rows, but that tree cost ``16 * U`` bytes and the loop
-over every size ``U..1`` cost ``O(U)``: 19 s and 4 GB at ``U = 10**8``.)
+over every size ``U..1`` cost ``O(U)`` time.)
 Segments with equal room share a stack under their leaf, last shelved first.
 
 Compiling is lazy and per kernel: importing this module does not import
@@ -38,8 +44,8 @@ numba; :func:`load` (called by the packers) makes every kernel a numba
 dispatcher (``cache=True``), and each compiles, or loads from numba's
 on-disk cache, on its first call only, so a packer waits only for the
 kernels its algorithm runs. Compile time shapes the code: explicit loops
-instead of array expressions or slice assignments (``out[:] = x`` alone cost
-2-3 s of compiling in :func:`sort_by_units`), and typed values
+instead of array expressions or slice assignments (a single ``out[:] = x``
+multiplied the compile time of :func:`sort_by_units`), and typed values
 (``np.int64(0)``) instead of bare constants as helper arguments (a literal
 argument compiles the helper once more: ``_open_segment`` was compiled four
 times per BFD).

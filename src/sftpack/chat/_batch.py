@@ -7,8 +7,8 @@ while the main thread renders batch ``k + 1`` and masks batch ``k``.
 ``num_proc > 1`` fans batches out to worker processes with a bounded number in
 flight (``2 x num_proc``, so memory stays bounded for any input length) and
 yields results in input order, so the output is the same for any ``num_proc``.
-Workers are forked on Linux (the tokenizer is inherited, not pickled: about
-2 s saved per worker for the default one), spawned elsewhere, and run the Rust
+Workers are forked on Linux (the tokenizer is inherited, not pickled, which
+saves rebuilding it in every worker), spawned elsewhere, and run the Rust
 tokenizer single-threaded, as the processes already fill the cores.
 
 :class:`TokenizeStats` counts every outcome (fit, truncated, dropped, split,

@@ -23,7 +23,7 @@ with a content's leading newline) belongs to the side where it *starts*.
 Speed on the default corpus (``benchmarks/bench_tokenize.py``, 2 cores): the
 whole path costs 5-15% more CPU than a plain ``tokenizer(texts)`` on the
 already rendered texts (rendering about 3%, masking and the samples the rest);
-in wall-clock time it keeps up with it (0.8-1.3x measured), because the Python
+in wall-clock time it keeps up with it, because the Python
 work on one batch runs while a helper thread encodes the previous one in Rust.
 
 Row checks run here too (the reader's, from ``_rows``), on every conversation
@@ -342,7 +342,7 @@ _TEXT_BACKENDS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary(
 
 def _text_backend(tokenizer: Tokenizer) -> Any:
     """A copy of the fast tokenizer that reads special-token strings as plain text
-    (built on first need: about 1 s for a 150k vocabulary; cached per tokenizer)."""
+    (built on first need, then cached per tokenizer)."""
     try:
         cached = _TEXT_BACKENDS.get(tokenizer)
     except TypeError:

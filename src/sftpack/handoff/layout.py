@@ -21,8 +21,8 @@ row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
 :mod:`sftpack.binpack`, input order kept within a row).
 
 Everything is a few vectorised numpy operations (no Python loop over
-sequences or tokens; each sequence is one slice copy): about 60 µs for a 4,096-token row of 5 sequences on the
-development machine (``benchmarks/bench_rowbuild.py``).
+sequences or tokens; each sequence is one slice copy); ``benchmarks/bench_rowbuild.py``
+measures it.
 """
 
 from __future__ import annotations
@@ -190,7 +190,7 @@ def lay_row(
         )
     if sequence_ids is not None and len(sequence_ids) != n:
         raise PackedBatchError(f"build_row: sequence_ids has {len(sequence_ids)} entries for {n} sequences")
-    if ids.dtype.kind == "i" and n_tok and int(ids.min()) < 0:  # one pass over the ids (~2 us per 4,096)
+    if ids.dtype.kind == "i" and n_tok and int(ids.min()) < 0:  # one pass over the ids
         t = int(np.flatnonzero(ids < 0)[0])
         i = int(np.searchsorted(np.cumsum(real), t, side="right"))
         who = f", id {sequence_ids[i]!r}" if sequence_ids is not None else ""

@@ -22,16 +22,9 @@ a share the buffer is flushed, so each epoch emits every sample exactly once
 that would emit no row at all (no sample, or all dropped) raises a
 ``ValueError`` naming the rank, worker, counts and fix, instead of spinning.
 
-Fill against offline BFD on the whole set (``benchmarks/bench_loader.py``,
-one run on 2 busy cores): embedded corpus at 4,096: buffer 16: 94.7%, 64:
-98.1%, 256: 99.49% (within 0.5% of offline BFD's 99.95%), 2,048: 99.95%;
-Wikipedia lengths at 512: within 0.5% from buffer 128. Waiting matters at
-small buffers: packing each buffer whole (``max_wait=0``) gives 86.6% at 16
-and 98.9% at 256. Cost per 4,096-slot row of 5.2 conversations: one
-vectorised :func:`~sftpack.handoff.build_row` (about 0.2 ms) plus about
-0.06 ms of the loader's own reading, planning (one BFD call per round) and
-gathering: 1.7x the time of a one-conversation padded row, a third of its time
-per real token.
+Fill against offline BFD on the whole set, per buffer size and with or without
+waiting, and the cost per row against a one-conversation padded row, are measured
+by ``benchmarks/bench_loader.py`` (numbers in ``benchmarks/RESULTS.md``).
 
 Exact resume: the state is indices only (epoch, cursor into the share, the
 buffer as ``(source index, piece, rounds waited)``, the decided but not yet

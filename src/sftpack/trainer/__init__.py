@@ -13,9 +13,9 @@ Everything is a handful of vectorised tensor operations over the ``T`` output
 slots (no Python loop over sequences or tokens), so the same code runs on CPU
 and CUDA tensors. The only host synchronisation is the one the output shape
 needs: ``T``, ``N`` and ``max_seqlen`` (plus the input checks) come back in one
-small transfer. On 2 CPU cores, ``B=64, S=4096`` with real SFT lengths (~55k
-real tokens) packs in about 2 ms, about 2x a bare boolean-mask gather of the real
-tokens, the least any packer must do (``benchmarks/bench_trainer.py``).
+small transfer. ``benchmarks/bench_trainer.py`` measures packing against a bare
+boolean-mask gather of the real tokens, the least any packer must do (the numbers
+are in ``benchmarks/RESULTS.md``).
 
 The path itself is three modules:
 
