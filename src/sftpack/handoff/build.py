@@ -32,32 +32,12 @@ def build_row(
     sequence_ids: Sequence[Any] | None = None,
     device: torch.device | str | None = None,
 ) -> PackedBatch:
-    """One contract row from flat arrays.
+    """One contract row from flat arrays, as a :class:`~sftpack.PackedBatch`.
 
-    Args:
-        input_ids: ``(L,)`` the sequences' token ids laid end to end (numpy array or
-            memmap slice of any integer dtype), ``L = sum(lengths)``.
-        loss_mask: ``(L,)`` bool (or 0/1): True on tokens the model is trained to
-            produce. The target of token ``j`` is trainable iff token ``j+1`` is and
-            belongs to the same sequence.
-        lengths: ``(N,)`` real length of each sequence, each ``>= 1``.
-        row_width: fixed row width ``T`` (a multiple of ``pad_multiple``); the tail
-            padding is folded into the last segment. ``None``: exactly as wide as
-            the padded sequences.
-        pad_multiple: pad each sequence to a multiple of this (``2*CP``).
-        pad_id: integer id written into padding slots.
-        sequence_ids: ``N`` ids, one per sequence (the conversation each holds).
-        device: where to put the tensors (default: CPU).
-
-    Returns:
-        A :class:`~sftpack.PackedBatch` (``int64`` per-slot fields, ``int32``
-        boundaries).
-
-    Raises:
-        PackedBatchError: mismatched sizes, a non-integer dtype, a negative token id or
-            ``pad_id``, an empty sequence,
-            a ``row_width`` that is not a multiple of ``pad_multiple``, or padded
-            sequences that do not fit ``row_width`` (the message gives the numbers).
+    The arguments, the layout and the refusals (:class:`PackedBatchError`) are those of
+    :func:`~sftpack.handoff.layout.lay_row`, which computes the row in numpy; ``device``
+    says where to put the tensors (default: CPU). Per-slot fields are ``int64``,
+    boundaries ``int32``.
 
     >>> import numpy as np
     >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
