@@ -36,22 +36,106 @@ from __future__ import annotations
 import json
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 
 from .._base import StrEnum, choose
 from ..handoff import PackedBatch, PackedBatchError, build_row, padded_lengths
+from ..sample import IGNORE_INDEX
+from . import _collate
 from ._fingerprint import tokenizer_fingerprint
 from ._format import FILES, INDEX_FILES, ROW_DTYPE, SEQUENCE_DTYPE, PrepackError, file_sha256, open_npy, read_manifest
 from ._shard import Balance, epoch_rows
 
-__all__ = ["PrepackedDataset", "Verify"]
+__all__ = ["BatchedRows", "PrepackedDataset", "Verify"]
 
 _RELEASE_BYTES = 16 << 20
+#: attributes that view the mappings: never pickled, opened again by a DataLoader worker
+_MAPPED = (
+    "_arrays",
+    "_maps",
+    "tokens",
+    "loss_mask",
+    "sequences",
+    "rows",
+    "_row_seq",
+    "_row_tok",
+    "_seq_len",
+    "_seq_conv",
+    "_token_bytes",
+)
+assert _collate.IGNORE == IGNORE_INDEX  # the kernel writes the label the handoff ignores
+
+
+def collate(rows: Any) -> PackedBatch:
+    """A ``DataLoader``'s ``collate_fn`` for :class:`PrepackedDataset`: the rows laid end to end.
+
+    Takes what the loader fetched: the :class:`BatchedRows` of ``__getitems__`` (the batch the
+    compiled reader already built, returned as is), one :class:`PackedBatch`, or any sequence of
+    rows (:meth:`PackedBatch.concat`).
+    """
+    if isinstance(rows, BatchedRows):
+        return rows.batch
+    if isinstance(rows, PackedBatch):
+        return rows
+    return PackedBatch.concat(rows)
+
+
+class BatchedRows(Sequence[PackedBatch]):
+    """Rows read together (:meth:`PrepackedDataset.__getitems__`): a sequence of
+    :class:`PackedBatch` rows whose :attr:`batch` is all of them laid end to end.
+
+    ``rows.batch`` equals ``PackedBatch.concat(list(rows))``, field for field; it is built
+    first, in one compiled pass, and :meth:`PrepackedDataset.collate` returns it as is. A
+    ``collate_fn`` that iterates gets each row (tensor views of the batch, cut on first access).
+    """
+
+    __slots__ = ("_rows", "_seqs", "batch", "widths")
+
+    def __init__(self, batch: PackedBatch, widths: Sequence[int], sequences: Sequence[int]):
+        self.batch = batch
+        self.widths = tuple(widths)  # slots of each row
+        self._rows: list[PackedBatch] | None = None
+        self._seqs = tuple(sequences)  # sequences of each row
+
+    def __len__(self) -> int:
+        return len(self.widths)
+
+    @overload
+    def __getitem__(self, i: int) -> PackedBatch: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[PackedBatch]: ...
+    def __getitem__(self, i: int | slice) -> PackedBatch | Sequence[PackedBatch]:
+        if self._rows is None:
+            self._rows = self._cut()
+        return self._rows[i]
+
+    def _cut(self) -> list[PackedBatch]:
+        b, out = self.batch, []
+        slot = seq = 0
+        for width, n in zip(self.widths, self._seqs):
+            cu = b.cu_seqlens[seq : seq + n + 1]
+            cup = b.cu_seqlens_padded[seq : seq + n + 1]
+            out.append(
+                PackedBatch(
+                    input_ids=b.input_ids[slot : slot + width],
+                    labels=b.labels[slot : slot + width],
+                    position_ids=b.position_ids[slot : slot + width],
+                    cu_seqlens=cu - cu[0],
+                    cu_seqlens_padded=cup - cup[0],
+                    max_seqlen=int((cup[1:] - cup[:-1]).max()),
+                    sequence_ids=None if b.sequence_ids is None else b.sequence_ids[seq : seq + n],
+                )
+            )
+            slot, seq = slot + width, seq + n
+        return out
+
+    def __repr__(self) -> str:
+        return f"BatchedRows({len(self)} rows, {self.batch!r})"
 
 
 class Verify(StrEnum):
@@ -97,7 +181,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
     ([0, 5, 15], [0, 5, 16], ('A', 'B'))
     """
 
-    collate = staticmethod(PackedBatch.concat)
+    collate = staticmethod(collate)
 
     def __init__(
         self,
@@ -168,6 +252,10 @@ class PrepackedDataset(torch.utils.data.Dataset):
         self.loss_mask = self._arrays["loss_mask"]
         self.sequences = self._arrays["sequences"]
         self.rows = self._arrays["rows"]
+        # the index fields as plain strided views, what the compiled batch reader takes
+        self._row_seq, self._row_tok = self.rows["sequence"], self.rows["token"]
+        self._seq_len, self._seq_conv = self.sequences["length"], self.sequences["conversation"]
+        self._token_bytes = self.tokens.view(np.uint8)
         if mode is not None:
             self._check_index()
         self._read_bytes = 0
@@ -378,6 +466,90 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 "find the file, and write the prepack again"
             ) from None
 
+    # ------------------------------------------------------------------ batched reading
+
+    def _positions(self, indices: Iterable[int] | np.ndarray) -> np.ndarray:
+        idx = np.asarray(indices if isinstance(indices, np.ndarray) else list(indices), dtype=np.int64).reshape(-1)
+        n = len(self)
+        bad = (idx < -n) | (idx >= n)
+        if bad.any():
+            raise IndexError(f"row {int(idx[np.flatnonzero(bad)[0]])} is out of range for {n} rows")
+        return self._order[idx % n] if n else idx
+
+    def batch(self, indices: Iterable[int] | np.ndarray) -> PackedBatch:
+        """Rows ``ds[i]`` for ``i`` in ``indices`` laid end to end, as one :class:`PackedBatch`:
+        field for field ``PackedBatch.concat([ds[i] for i in indices])``, built in one compiled pass."""
+        return self.read_rows(self._positions(indices))
+
+    def __getitems__(self, indices: Sequence[int]) -> BatchedRows:
+        """What a ``DataLoader`` with ``batch_size`` fetches (torch's batched-fetch protocol): the rows
+        ``ds[i]`` as a :class:`BatchedRows`, whose collated batch :meth:`collate` returns as is."""
+        rows = self._positions(indices)
+        seqs = self.rows["sequence"]
+        counts = (seqs[rows + 1] - seqs[rows]).tolist()
+        return BatchedRows(self.read_rows(rows), [self.max_seq_len] * len(counts), counts)
+
+    def read_rows(self, rows: Iterable[int] | np.ndarray) -> PackedBatch:
+        """Global rows laid end to end, as one :class:`PackedBatch`: field for field
+        ``PackedBatch.concat([ds.row(r) for r in rows])``, built in one compiled pass."""
+        r = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64).reshape(-1)
+        n = self.num_rows
+        if r.shape[0] == 0:
+            raise PackedBatchError("PrepackedDataset.read_rows needs at least one row, got none")
+        bad = (r < -n) | (r >= n)
+        if bad.any():
+            raise IndexError(f"row {int(r[np.flatnonzero(bad)[0]])} is out of range for {n} rows")
+        r = r % n
+        if r.shape[0] * self.max_seq_len >= 1 << 31:  # int32 boundaries: leave the overflow to concat's own rules
+            return PackedBatch.concat([self.row(int(x)) for x in r])
+        a = self._arrays
+        out = _collate.collate_rows(
+            self._token_bytes,
+            self.tokens.itemsize,
+            self.loss_mask,
+            self._row_seq,
+            self._row_tok,
+            self._seq_len,
+            self._seq_conv,
+            a["conversation_offsets"],
+            a["conversation_ids"],
+            r,
+            self.max_seq_len,
+            self.pad_multiple,
+            self.pad_id,
+        )
+        status, ids, labels, pos, cu, cup, max_seqlen, conv, id_buf, id_bounds, plain = out
+        if status != _collate.OK:  # a damaged index (opened with verify=None): the row reader names it
+            return PackedBatch.concat([self.row(int(x)) for x in r])
+        self._read_bytes += int(cu[-1]) * (self.tokens.itemsize + 1)
+        if self._read_bytes >= _RELEASE_BYTES:
+            self.release_pages()
+        return PackedBatch(
+            input_ids=torch.from_numpy(ids),
+            labels=torch.from_numpy(labels),
+            position_ids=torch.from_numpy(pos),
+            cu_seqlens=torch.from_numpy(cu),
+            cu_seqlens_padded=torch.from_numpy(cup),
+            max_seqlen=int(max_seqlen),
+            sequence_ids=self._decode_ids(conv, id_buf, id_bounds, plain),
+        )
+
+    def _decode_ids(self, conv: np.ndarray, buf: np.ndarray, bounds: np.ndarray, plain: np.ndarray) -> tuple:
+        """The conversation ids of a batch from their raw bytes (gathered by the kernel): a plain
+        string decoded directly, anything else through :meth:`conversation_id` (JSON, and its error)."""
+        raw = buf.tobytes()
+        b = bounds.tolist()
+        out = []
+        for k, simple in enumerate(plain.tolist()):
+            if simple:
+                try:
+                    out.append(raw[b[k] + 1 : b[k + 1] - 1].decode("utf-8"))
+                    continue
+                except UnicodeDecodeError:
+                    pass
+            out.append(self.conversation_id(int(conv[k])))
+        return tuple(out)
+
     def release_pages(self) -> None:
         """Hand the pages read so far back to the page cache (they stop counting in RSS)."""
         self._read_bytes = 0
@@ -395,11 +567,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
     # ------------------------------------------------------------------ pickling (DataLoader workers)
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {
-            k: v
-            for k, v in self.__dict__.items()
-            if k not in ("_arrays", "_maps", "tokens", "loss_mask", "sequences", "rows")
-        }
+        state = {k: v for k, v in self.__dict__.items() if k not in _MAPPED}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
