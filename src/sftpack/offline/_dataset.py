@@ -12,7 +12,14 @@ pad id of the manifest::
 Reading the stored slices (:meth:`~PrepackedDataset.row_arrays`) costs what
 copying the same bytes out of a raw ``np.memmap`` costs; building the
 ``PackedBatch`` (five ``(max_seq_len,)`` tensors) adds the row builder's cost
-(``benchmarks/bench_offline.py`` measures both). Resident pages of a file
+(``benchmarks/bench_offline.py`` measures both). Several rows are read
+together by :meth:`~PrepackedDataset.batch` (epoch positions) or
+:meth:`~PrepackedDataset.read_rows` (global rows): one compiled pass
+(:mod:`._collate`, numba) lays them end to end straight from the mappings,
+field for field what reading them one by one and collating them gives, at a
+fraction of the per-row cost (the same benchmark measures it). A ``DataLoader``
+with a ``batch_size`` fetches through :meth:`~PrepackedDataset.__getitems__`
+and ``ds.collate`` hands the batch on as is. Resident pages of a file
 mapping count in a process's RSS, so the reader hands them back to the page
 cache (``madvise(MADV_DONTNEED)``) after every 16 MB read: an epoch's peak RSS
 stays about flat whatever the prepack's size (measured by the same benchmark).
@@ -166,8 +173,12 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     ``len(ds)`` is the number of rows this rank reads per epoch and ``ds[i]`` the
     ``i``-th of them (with the defaults: row ``i``). :meth:`row` reads any row by
-    its global number. ``ds.collate`` (= :meth:`PackedBatch.concat`) lays
-    several rows end to end for a ``DataLoader``.
+    its global number. ``ds.batch(indices)`` reads several rows laid end to end in
+    one compiled pass (``PackedBatch.concat([ds[i] for i in indices])``, field for
+    field); ``ds.read_rows(rows)`` does the same by global row numbers. For a
+    ``DataLoader(ds, batch_size=B, collate_fn=ds.collate)``, the loader fetches each
+    batch through :meth:`__getitems__` (the same pass) and ``ds.collate`` returns it;
+    any other ``collate_fn`` gets the rows one by one.
 
     >>> import tempfile, numpy as np
     >>> from sftpack import Sample
@@ -179,6 +190,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
     >>> row = ds[0]
     >>> row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist(), row.sequence_ids
     ([0, 5, 15], [0, 5, 16], ('A', 'B'))
+    >>> two = ds.batch([0, 0])
+    >>> two.cu_seqlens_padded.tolist(), two.sequence_ids
+    ([0, 5, 16, 21, 32], ('A', 'B', 'A', 'B'))
     """
 
     collate = staticmethod(collate)
