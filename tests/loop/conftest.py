@@ -14,6 +14,12 @@ def samples():
     return tiny_samples()
 
 
+@pytest.fixture(autouse=True)
+def cache_in_tmp(tmp_path_factory, monkeypatch):
+    """``sftpack train`` caches tokenized data: never in the user's ~/.cache from a test."""
+    monkeypatch.setenv("SFTPACK_CACHE_DIR", str(tmp_path_factory.mktemp("sftpack-cache")))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """Tiny matmuls: one thread is faster and steadier than several threads

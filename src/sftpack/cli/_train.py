@@ -13,12 +13,22 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import tempfile
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
 from ._common import UsageError, load_tokenizer, non_negative, positive
+
+#: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
+#: :func:`run` (``benchmarks/bench_startup.py`` reads it; nothing is printed)
+MARKS: list[tuple[str, float]] = []
+
+
+def _mark(phase: str) -> None:
+    MARKS.append((phase, time.perf_counter()))
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -156,6 +166,18 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(re-running the same command after a preemption)",
     )
     t.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes")
+    k = t.add_argument_group("tokenized-data cache")
+    k.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where tokenized samples are kept between runs, keyed by the tokenizer, options and input bytes "
+        "(default: $SFTPACK_CACHE_DIR, else $XDG_CACHE_HOME/sftpack, else ~/.cache/sftpack)",
+    )
+    k.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="tokenize again and write nothing to the cache",
+    )
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
     t.set_defaults(func=run)
 
@@ -213,23 +235,50 @@ def _config(args: argparse.Namespace) -> dict:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
+    """Tokenize the data through the cache, in a background thread while torch loads
+    and the model is built (in the foreground with ``--num-proc`` > 1: its worker
+    processes are forked, which is safe only from a process not busy importing)."""
     from ..chat import read_conversations
-    from ..loop import (
-        TrainConfig,
-        build_model,
-        compact_vocabulary,
-        load_model,
-        make_source,
-        plot_training,
-        tokenized_samples,
-        train,
+    from ..chat._cache import (
+        Pending,
+        default_cache_dir,
+        default_tokenizer_files,
+        source_identity,
+        training_samples,
     )
-    from ..loop._loop import init_distributed, resolve_device
-    from ..loop._plot import read_log
-    from ..loop._setup import check_targets, model_vocab_size, supervised_targets
-    from ..offline import prepack_samples, read_manifest
 
+    conversations: Iterable[Any] | None = None  # None: the embedded corpus
+    source = None
+    cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else default_cache_dir()
+    if args.inputs:
+        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+        conversations = itertools.islice(read, args.limit) if args.limit else read
+        if cache_dir is not None:
+            source = source_identity(paths=args.inputs, limit=args.limit, options={"on_bad_row": args.on_bad_row})
+            if source is None:
+                cache_dir = None  # a glob or a dataset name: nothing to key the cache by
+    elif cache_dir is not None:
+        source = source_identity(None, limit=args.limit)
+
+    def work() -> Any:
+        return training_samples(
+            tok,
+            conversations,
+            max_seq_len=args.max_seq_len,
+            limit=args.limit,
+            num_proc=args.num_proc,
+            progress=os.environ.get("RANK", "0") == "0",
+            cache_dir=cache_dir,
+            source=source,
+            # the embedded tokenizer is named by the files it is built from (no serialising)
+            tokenizer_files=args.tokenizer or default_tokenizer_files(),
+        )
+
+    return Pending(work, background=args.num_proc == 1)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.resume and args.resume_if_any:
         raise UsageError("give --resume or --resume-if-any, not both")
     resume: bool | Literal["auto"] = True if args.resume else ("auto" if args.resume_if_any else False)
@@ -246,8 +295,34 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.prepacked and args.inputs:
         raise UsageError("give either INPUT files or --prepacked, not both")
+    if args.no_cache and args.cache_dir:
+        raise UsageError("give --cache-dir or --no-cache, not both")
+    MARKS.clear()
+    _mark("start")
+    from ..offline import read_manifest
+
     manifest = read_manifest(Path(args.prepacked)) if args.prepacked else None
     _layout(args, manifest)
+    tok = load_tokenizer(args.tokenizer)
+    _mark("tokenizer")
+    # The data is tokenized (or read from the cache) while torch and the model load.
+    pending = _start_tokenizing(args, tok) if args.prepacked is None else None
+
+    from ..loop import (
+        TrainConfig,
+        build_model,
+        compact_vocabulary,
+        load_model,
+        make_source,
+        plot_training,
+        train,
+    )
+    from ..loop._loop import init_distributed, resolve_device
+    from ..loop._plot import read_log
+    from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
+    from ..offline import prepack_samples
+
+    _mark("imports")
     try:
         cfg = TrainConfig(**_config(args))
     except ValueError as e:
@@ -259,11 +334,10 @@ def run(args: argparse.Namespace) -> int:
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    tok = load_tokenizer(args.tokenizer)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
     vocab_size = len(tok)
     data_vocab = int((manifest or {}).get("vocab_size") or 0)
-    if args.model:  # before tokenizing: a model too small for the tokenizer cannot train on its ids
+    if args.model:  # before training: a model too small for the tokenizer cannot train on its ids
         model_vocab = model_vocab_size(args.model)
         for size, whose in ((vocab_size, "the tokenizer's"), (data_vocab, "the prepack's (its manifest)")):
             if size > model_vocab:
@@ -281,33 +355,53 @@ def run(args: argparse.Namespace) -> int:
             check_tokenizer = tok  # PrepackedDataset(expect={"tokenizer": ...}) refuses another one
         else:
             say(f"note: {args.prepacked} records no tokenizer: its ids are taken to be this tokenizer's")
+    model = None
+    if args.model:
+        model = load_model(args.model)
+    elif args.vocab == "tokenizer":  # the data vocabulary is known only after tokenizing
+        model = build_model(
+            vocab_size,
+            dim=cfg.dim,
+            layers=cfg.layers,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,
+            seed=cfg.seed,
+        )
+    _mark("model")
     samples: list[Any] | None = None
     workdir = None
     prepacked = args.prepacked
-    if prepacked is None:
-        conversations: Iterable[Any] | None = None  # None: the embedded corpus
-        if args.inputs:
-            read = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
-            conversations = itertools.islice(read, args.limit) if args.limit else read
-        samples, stats = tokenized_samples(
-            tok,
-            conversations,
-            max_seq_len=cfg.max_seq_len,
-            limit=args.limit,
-            num_proc=args.num_proc,
-            progress=rank == 0,
-        )
+    if pending is not None:
+        got = pending.result()
+        _mark("data")
+        samples = checked_samples(got.samples)
+        stats = got.stats
         targets = supervised_targets(samples)
+        where = (
+            f"read from the cache ({got.entry})"
+            if got.hit
+            else (f"cached in {got.entry}" if got.entry is not None else "not cached")
+        )
         say(
             f"data: {stats.conversations:,} conversations -> {len(samples):,} samples ({stats.split:,} split, "
             f"{stats.dropped:,} dropped), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
-            f"{targets:,} supervised targets"
+            f"{targets:,} supervised targets; {where}"
         )
         check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
         if args.vocab == "data":
             samples, kept_ids = compact_vocabulary(samples)
             vocab_size, pad_id = len(kept_ids), 0
             say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})")
+    if model is None:
+        model = build_model(
+            vocab_size,
+            dim=cfg.dim,
+            layers=cfg.layers,
+            heads=cfg.heads,
+            kv_heads=cfg.kv_heads,
+            seed=cfg.seed,
+        )
+        _mark("model")
     try:
         if prepacked is None and args.packing == "offline":
             assert samples is not None  # tokenized above: no --prepacked
@@ -331,17 +425,7 @@ def run(args: argparse.Namespace) -> int:
             pad_id=pad_id,
             tokenizer=check_tokenizer,
         )
-        if args.model:
-            model = load_model(args.model)
-        else:
-            model = build_model(
-                vocab_size,
-                dim=cfg.dim,
-                layers=cfg.layers,
-                heads=cfg.heads,
-                kv_heads=cfg.kv_heads,
-                seed=cfg.seed,
-            )
+        _mark("source")
         n_params = sum(p.numel() for p in model.parameters())
         say(
             f"model: {type(model).__name__}, {n_params / 1e6:.2f} M parameters, vocabulary {model.config.vocab_size:,}; "
@@ -355,6 +439,7 @@ def run(args: argparse.Namespace) -> int:
             checkpoint_dir=args.checkpoint_dir,
             resume=resume,
             progress=rank == 0,
+            on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
         )
     finally:
         if workdir is not None:

