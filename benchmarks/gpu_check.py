@@ -9,7 +9,11 @@ On a CUDA machine this script
    the packed error should be at most about 2x the unpacked bf16 error
    (logits, loss, gradients);
 2. runs ``benchmarks/bench_train.py`` on the GPU in bf16 (real tokens/s of each
-   path against padded batches, on the embedded corpus at 4,096 tokens).
+   path against padded batches, on the embedded corpus at 4,096 tokens);
+3. compares the fused output head's implementations (:func:`sftpack.head.fused_linear_cross_entropy`
+   with ``impl="torch"`` and each installed CUDA kernel, Liger-Kernel and cut-cross-entropy)
+   on the same bf16 inputs with the full 151,646-id vocabulary: loss and gradients
+   against a float32 reference, and the time of a forward + backward of each.
 
 Without CUDA it prints why it did nothing and exits 0 (it must not fail a CPU run).
 
@@ -103,6 +107,54 @@ def bf16_exactness(*, seed: int = 0) -> list[tuple[str, float, float, float]]:
     return rows
 
 
+def head_agreement(*, rows: int = 4096, dim: int = 896, vocab: int = 151_646, seed: int = 0) -> list[dict]:
+    """Each available head implementation on the same bf16 inputs: its error against the
+    float32 reference (``impl="torch"`` on float32 copies) and its forward + backward time."""
+    import time
+
+    from sftpack.head import fused_linear_cross_entropy, head_impl
+
+    g = torch.Generator().manual_seed(seed)
+    h32 = (torch.randn(rows, dim, generator=g) * 0.5).cuda()
+    w32 = (torch.randn(vocab, dim, generator=g) * dim**-0.5).cuda()
+    y = torch.randint(0, vocab, (rows,), generator=g).cuda()
+    y[::7] = -100
+    n = int((y != -100).sum())
+
+    def run(impl, dtype):
+        h = h32.to(dtype).requires_grad_()
+        w = w32.to(dtype).requires_grad_()
+        loss = fused_linear_cross_entropy(h, w, y, n, impl=impl)
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            loss2 = fused_linear_cross_entropy(h, w, y, n, impl=impl)
+            torch.autograd.grad(loss2, (h, w))
+        torch.cuda.synchronize()
+        return float(loss), gh.float(), gw.float(), (time.perf_counter() - t0) / 3
+
+    ref = run("torch", torch.float32)
+    out = []
+    for impl in ("torch", "liger", "cce"):
+        try:
+            head_impl(impl, h32.to(torch.bfloat16))
+        except (ImportError, ValueError) as e:
+            out.append({"impl": impl, "error": str(e)})
+            continue
+        loss, gh, gw, secs = run(impl, torch.bfloat16)
+        out.append(
+            {
+                "impl": impl,
+                "dloss": abs(loss - ref[0]) / abs(ref[0]),
+                "dgrad_h": float((gh - ref[1]).abs().max() / ref[1].abs().max()),
+                "dgrad_w": float((gw - ref[2]).abs().max() / ref[2].abs().max()),
+                "ms": secs * 1e3,
+            }
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
@@ -173,6 +225,17 @@ def main(argv: list[str] | None = None) -> int:
             "8",
         ]
     bench_train.main(bench_args)
+
+    print("\n3. fused output head, bf16, 4,096 rows x width 896 x 151,646 ids, relative errors vs float32:")
+    print(f"   {'impl':6s} {'loss':>9s} {'grad h':>9s} {'grad W':>9s} {'fwd+bwd ms':>11s}")
+    for r in head_agreement():
+        if "error" in r:
+            print(f"   {r['impl']:6s} not run: {r['error']}")
+            continue
+        print(f"   {r['impl']:6s} {r['dloss']:9.2e} {r['dgrad_h']:9.2e} {r['dgrad_w']:9.2e} {r['ms']:11.1f}")
+        # bf16 inputs (u = 2**-8): each implementation within a few bf16 roundings of float32
+        ok &= max(r["dloss"], r["dgrad_h"], r["dgrad_w"]) <= 4 * 2**-8
+    print(f"   every implementation within 4 bf16 roundings (1.6e-2 relative) of float32: {ok}")
     return 0 if ok else 1
 
 
