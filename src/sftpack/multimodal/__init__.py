@@ -1,0 +1,69 @@
+"""Multimodal SFT packing (issue 19, first part): conversations with images, Qwen2-VL.
+
+The pieces, in pipeline order:
+
+* :func:`load_image` / :func:`image_processor`: an image content part (path, bytes
+  or PIL image; never a URL) to Qwen2-VL patches, through transformers'
+  PIL/numpy ``Qwen2VLImageProcessorPil`` (no torchvision). Bad images raise
+  :class:`BadImageError` naming the record and field, or are counted.
+* :func:`tokenize_multimodal`: one conversation in the Hugging Face multimodal
+  chat format to :class:`MultimodalSample` (a :class:`~sftpack.Sample` with
+  ``pixel_values``, ``image_grid_thw`` and each image's placeholder run), with
+  :func:`qwen2vl_tokenizer` (the embedded Qwen BPE plus Qwen2-VL's special
+  tokens). Over-long samples split at text boundaries only.
+* :func:`rope_index`: Qwen2-VL's MRoPE positions of one sample alone.
+* :func:`build_multimodal_row`: samples to a :class:`MultimodalBatch` (a
+  :class:`~sftpack.PackedBatch` plus media in row order and per-sample MRoPE positions).
+* :func:`tiny_qwen2vl`, :func:`packed_logits`, :func:`alone_logits`,
+  :func:`check_packed`: the exactness harness (packed equals alone).
+* :func:`vqa_corpus`: the easy-vqa conversations (the embedded multimodal default).
+
+Not wired into the three paths, the CLI or the training loop yet: see docs/multimodal.md.
+"""
+
+from __future__ import annotations
+
+from ._exactness import PackedCheck, check_packed
+from ._images import BadImageError, BadImageReason, ImagePatches, image_processor, load_image, process_images
+from ._model import alone_logits, packed_logits, tiny_qwen2vl
+from ._row import MultimodalBatch, build_multimodal_row
+from ._sample import (
+    IMAGE_PAD,
+    QWEN2VL_SPECIALS,
+    VISION_END,
+    VISION_START,
+    MultimodalSample,
+    MultimodalStats,
+    qwen2vl_tokenizer,
+    rope_index,
+    tokenize_multimodal,
+    tokenize_multimodal_conversations,
+)
+from ._vqa import vqa_corpus
+
+__all__ = [
+    "IMAGE_PAD",
+    "QWEN2VL_SPECIALS",
+    "VISION_END",
+    "VISION_START",
+    "BadImageError",
+    "BadImageReason",
+    "ImagePatches",
+    "MultimodalBatch",
+    "MultimodalSample",
+    "MultimodalStats",
+    "PackedCheck",
+    "alone_logits",
+    "build_multimodal_row",
+    "check_packed",
+    "image_processor",
+    "load_image",
+    "packed_logits",
+    "process_images",
+    "qwen2vl_tokenizer",
+    "rope_index",
+    "tiny_qwen2vl",
+    "tokenize_multimodal",
+    "tokenize_multimodal_conversations",
+    "vqa_corpus",
+]

@@ -1,0 +1,113 @@
+"""Packed against alone: logits, the token-mean loss and every gradient (language model and vision tower).
+
+:func:`check_packed` builds one row from samples, runs it through
+:func:`packed_logits` and each sample through :func:`alone_logits` (Hugging Face's
+own path: the model computes its MRoPE positions and runs its vision tower), and
+compares. The loss is :func:`sftpack.loss.token_mean_loss` with one shared count of
+supervised targets, so the packed loss is the sum of the samples' losses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..loss import token_mean_loss
+from ..sample import IGNORE_INDEX
+from ._model import alone_logits, packed_logits
+from ._row import MultimodalBatch, build_multimodal_row
+from ._sample import MultimodalSample
+
+__all__ = ["PackedCheck", "check_packed"]
+
+
+@dataclass(frozen=True)
+class PackedCheck:
+    """Largest absolute differences, packed vs alone."""
+
+    logits: float
+    loss: float
+    grads_language: float
+    grads_vision: float
+    max_abs_logit: float  #: the largest logit magnitude (a premise of the tolerance)
+    max_abs_grad: float  #: the largest gradient entry (the other premise)
+
+    def within(self, tol: float) -> bool:
+        return max(self.logits, self.loss, self.grads_language, self.grads_vision) <= tol
+
+
+def _shifted(sample: MultimodalSample) -> torch.Tensor:
+    ids = torch.from_numpy(sample.input_ids)
+    mask = torch.from_numpy(sample.loss_mask)
+    lab = torch.full_like(ids, IGNORE_INDEX)
+    lab[:-1] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))
+    return lab
+
+
+def _grads(model: Any) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_packed(
+    model: Any,
+    samples: Sequence[MultimodalSample],
+    *,
+    pad_between_seqs: bool = True,
+    pad_multiple: int = 1,
+    row_width: int | None = None,
+    pad_id: int = 151643,
+    tamper: Callable[[MultimodalBatch], MultimodalBatch] | None = None,
+) -> PackedCheck:
+    """Compare a packed row of ``samples`` with each sample alone.
+
+    ``tamper`` (negative controls) edits the row before it runs: the check must then fail.
+    """
+    batch = build_multimodal_row(samples, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id).validate()
+    if tamper is not None:
+        batch = tamper(batch)
+    n = int((batch.text.labels != IGNORE_INDEX).sum())
+    # alone
+    model.zero_grad(set_to_none=True)
+    alone, loss_a = [], None
+    for s in samples:
+        lg = alone_logits(model, s)
+        piece = token_mean_loss(lg, _shifted(s), n)
+        loss_a = piece if loss_a is None else loss_a + piece
+        alone.append(lg.detach())
+    assert loss_a is not None
+    loss_a.backward()
+    g_a = _grads(model)
+    # packed
+    model.zero_grad(set_to_none=True)
+    lg_p = packed_logits(model, batch, pad_between_seqs=pad_between_seqs)
+    loss_p = token_mean_loss(lg_p, batch.text.labels, n)
+    loss_p.backward()
+    g_p = _grads(model)
+    model.zero_grad(set_to_none=True)
+    cu, cup = batch.text.cu_seqlens.tolist(), batch.text.cu_seqlens_padded.tolist()
+    d_logit = 0.0
+    for i, a in enumerate(alone):
+        L = cu[i + 1] - cu[i]
+        if a.shape[0] != L:
+            d_logit = float("inf")
+            continue
+        d_logit = max(d_logit, float((lg_p[cup[i] : cup[i] + L].detach() - a).abs().max()))
+    d_lang = d_vis = 0.0
+    for name in g_a.keys() | g_p.keys():
+        ga, gp = g_a.get(name), g_p.get(name)
+        d = float("inf") if ga is None or gp is None else float((ga - gp).abs().max())
+        if ".visual." in f".{name}":
+            d_vis = max(d_vis, d)
+        else:
+            d_lang = max(d_lang, d)
+    return PackedCheck(
+        logits=d_logit,
+        loss=float((loss_p - loss_a).detach().abs()),
+        grads_language=d_lang,
+        grads_vision=d_vis,
+        max_abs_logit=max(float(a.abs().max()) for a in alone),
+        max_abs_grad=max(float(g.abs().max()) for g in g_a.values()),
+    )

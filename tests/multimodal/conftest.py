@@ -1,0 +1,110 @@
+"""Shared pieces of the multimodal tests: the tokenizer, a few easy-vqa samples, a tiny Qwen2-VL.
+
+The model's vocabulary is the ids the samples use (renumbered in sorted order, so the
+order and the special tokens' roles are kept): a 151,657-row embedding would make a
+float64 forward and backward pass cost seconds instead of milliseconds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("easy_vqa")
+pytest.importorskip("PIL")
+
+from sftpack.multimodal import (  # noqa: E402
+    MultimodalSample,
+    image_processor,
+    qwen2vl_tokenizer,
+    tiny_qwen2vl,
+    tokenize_multimodal_conversations,
+    vqa_corpus,
+)
+
+#: <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
+SPECIAL_IDS = (151643, 151652, 151653, 151655, 151656)
+
+
+class Renumbered:
+    """Samples over a compact vocabulary, and the tiny model for it."""
+
+    def __init__(self, samples: list[MultimodalSample]) -> None:
+        self.vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [np.array(SPECIAL_IDS)]))
+        self.samples = [self.sample(s) for s in samples]
+
+    def id(self, token_id: int) -> int:
+        return int(np.searchsorted(self.vocab, token_id))
+
+    def sample(self, s: MultimodalSample) -> MultimodalSample:
+        return MultimodalSample(
+            np.searchsorted(self.vocab, s.input_ids),
+            s.loss_mask,
+            s.conversation_id,
+            pixel_values=s.pixel_values.astype(np.float64),
+            image_grid_thw=s.image_grid_thw,
+            image_runs=s.image_runs,
+            image_token_id=self.id(151655),
+            merge_size=s.merge_size,
+        )
+
+    @property
+    def pad_id(self) -> int:
+        return self.id(151643)
+
+    def model(self, seed: int = 0, text_attention: str | None = None):
+        return tiny_qwen2vl(
+            len(self.vocab),
+            image_token_id=self.id(151655),
+            vision_start_token_id=self.id(151652),
+            vision_end_token_id=self.id(151653),
+            video_token_id=self.id(151656),
+            seed=seed,
+            dtype=torch.float64,
+            text_attention=text_attention,
+        )
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return qwen2vl_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def proc():
+    return image_processor()
+
+
+@pytest.fixture(scope="session")
+def vqa_samples(tok, proc):
+    """Six easy-vqa conversations (three with two images under seed 2), images 56-112 px a side."""
+    convs = list(vqa_corpus(seed=2, limit=6, min_side=56, max_side=112))
+    return list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc))
+
+
+@pytest.fixture(scope="session")
+def renumbered(vqa_samples):
+    return Renumbered(vqa_samples)
+
+
+@pytest.fixture(scope="session")
+def model(renumbered):
+    return renumbered.model()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster and steadier on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def sdpa_model(renumbered, model):
+    """The same weights, the language model on Hugging Face's sdpa (boundaries from the text positions)."""
+    m = renumbered.model(text_attention="sdpa")
+    m.load_state_dict(model.state_dict())
+    return m

@@ -1,0 +1,146 @@
+"""The heart: a packed multimodal row equals each sample run alone on a tiny Qwen2-VL, in float64.
+
+Packed: one row of several easy-vqa samples (one or two images each, runs of 4 to 16
+placeholders), the vision tower over the row's per-image ``vision_cu_seqlens``, the
+language model over sftpack's varlen training attention with the row's per-sample MRoPE
+positions. Alone: each sample through Hugging Face's own path (the model computes its
+MRoPE positions with ``get_rope_index`` and runs its vision tower). Compared: logits of
+every real token, the token-mean loss (one shared count of targets), and the gradient
+of every parameter of the language model and of the vision tower.
+
+Tolerance, fixed: 1e-10 in float64 (u = 2**-53 = 1.1e-16). Both runs compute the same
+function; only summation orders may differ, and an n-term sum in any order is off by at
+most n*u of its terms' magnitude sum (Higham, Accuracy and Stability, section 3.1). The
+longest chain of roundings in one forward and backward pass here is n <= 4,000 (the
+patch embedding's 1,176-term dot products, then width 32 over 2 vision and 2 text
+layers, segments <= 90 tokens, <= 30 logits per row over <= 110 ids, <= 300 patches per
+image), so each run is off by <= 4.4e-13 relative, the two by <= 8.9e-13, on logits
+and gradients of magnitude <= 10 (asserted): <= 8.9e-12; 1e-10 is 11x that (observed:
+below 1e-15). The rotary angles are computed in float32 by the model from the integer
+positions: identical positions give identical angles in both runs, so they add nothing,
+and a position that differs shows at the float32 level (the first negative control).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from sftpack.multimodal import MultimodalBatch, MultimodalSample, check_packed, rope_index
+from sftpack.sample import IGNORE_INDEX
+
+TOL = 1e-10  # float64; see the docstring
+# What a wrong image, a wrong position or a crossing label moves something by, at least:
+# 1e6 x TOL, far above any rounding (observed: 1e-3 to 0.6; the smallest, 1-D positions, moves
+# only the rotary dimensions the MRoPE sections give to height and width, 2 of 8 here).
+BUG = 1e-4
+
+
+def _width(items, pad_multiple, extra):
+    return sum(-(-len(s) // pad_multiple) * pad_multiple for s in items) + extra if extra else None
+
+
+@pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
+@pytest.mark.parametrize("pad_multiple, extra", [(1, 0), (4, 8)])
+def test_packed_equals_alone(renumbered, model, pad_between_seqs, pad_multiple, extra):
+    """sftpack's varlen attention, boundaries from cu_seqlens, both boundary modes."""
+    items = renumbered.samples
+    width = _width(items, pad_multiple, extra)
+    r = check_packed(
+        model,
+        items,
+        pad_between_seqs=pad_between_seqs,
+        pad_multiple=pad_multiple,
+        row_width=width,
+        pad_id=renumbered.pad_id,
+    )
+    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r  # the premise of TOL
+    assert r.within(TOL), r
+    assert sum(s.num_images for s in items) >= 8
+
+
+@pytest.mark.parametrize("pad_multiple, extra", [(1, 0), (4, 8)])
+def test_packed_equals_alone_with_hf_boundaries_from_positions(renumbered, sdpa_model, pad_multiple, extra):
+    """Hugging Face's sdpa, given only the (4, 1, T) positions: it finds the boundaries where the
+    text position row restarts, so the row's text positions carry them for kernels without cu_seqlens."""
+    items = renumbered.samples
+    r = check_packed(
+        sdpa_model,
+        items,
+        pad_multiple=pad_multiple,
+        row_width=_width(items, pad_multiple, extra),
+        pad_id=renumbered.pad_id,
+    )
+    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
+    assert r.within(TOL), r
+
+
+def _as_one_sequence(b: MultimodalBatch) -> MultimodalBatch:
+    """The bug: positions of the whole row as one sequence (never restarted): the model's rope
+    rule over the row, and a text position row counting straight through."""
+    t = b.text
+    whole = MultimodalSample(
+        t.input_ids.numpy(),
+        np.zeros(t.num_tokens, bool),
+        pixel_values=b.pixel_values.numpy(),
+        image_grid_thw=b.image_grid_thw.numpy(),
+        image_runs=b.image_slots.numpy(),
+        image_token_id=b.image_token_id,
+    )
+    pos = torch.from_numpy(rope_index(whole))
+    return dataclasses.replace(
+        b, mrope_position_ids=pos, text=dataclasses.replace(t, position_ids=torch.arange(t.num_tokens))
+    )
+
+
+def _one_d(b: MultimodalBatch) -> MultimodalBatch:
+    """The bug: plain 1-D positions (restarting per sample) in all three MRoPE rows; the grids ignored."""
+    return dataclasses.replace(b, mrope_position_ids=b.text.position_ids.expand(3, -1).clone())
+
+
+def _media_reversed(b: MultimodalBatch) -> MultimodalBatch:
+    """The bug: the images in the wrong order (each image's patches still with its own grid)."""
+    grid = b.image_grid_thw
+    per = (grid[:, 0] * grid[:, 1] * grid[:, 2]).tolist()
+    blocks = list(torch.split(b.pixel_values, per))
+    cu = torch.zeros(len(per) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(per[::-1]), 0)
+    return dataclasses.replace(
+        b, pixel_values=torch.cat(blocks[::-1]), image_grid_thw=grid.flip(0), vision_cu_seqlens=cu
+    )
+
+
+def _label_across(b: MultimodalBatch) -> MultimodalBatch:
+    """The bug: the last real token of the first sample is trained to predict the next sample's first token."""
+    t = b.text
+    labels = t.labels.clone()
+    last = int(t.cu_seqlens[1]) - 1
+    assert int(t.labels[last]) == IGNORE_INDEX
+    labels[last] = t.input_ids[int(t.cu_seqlens_padded[1])]
+    return dataclasses.replace(b, text=dataclasses.replace(t, labels=labels))
+
+
+CONTROLS = [_as_one_sequence, _one_d, _media_reversed, _label_across]
+IDS = ["positions-not-restarted", "positions-1d", "media-reversed", "label-across-boundary"]
+
+
+@pytest.mark.parametrize("tamper", CONTROLS, ids=IDS)
+def test_negative_controls_fail_with_hf_boundaries(renumbered, sdpa_model, tamper):
+    r = check_packed(sdpa_model, renumbered.samples, pad_id=renumbered.pad_id, tamper=tamper)
+    assert max(r.logits, r.loss, r.grads_language, r.grads_vision) > BUG, r
+
+
+@pytest.mark.parametrize("tamper", CONTROLS, ids=IDS)
+def test_negative_controls_fail_with_sftpack_attention(renumbered, model, tamper):
+    """With boundaries from cu_seqlens, positions that do not restart shift each sample's positions
+    by a constant, which RoPE cannot see in exact arithmetic (its scores depend on position
+    differences): that control fails only through the model's float32 rotary angles (observed
+    2.5e-9, 25x TOL). It is the other kernels, which read boundaries from positions, that it
+    breaks outright (the test above). The other controls fail by more than BUG here too."""
+    r = check_packed(model, renumbered.samples, pad_id=renumbered.pad_id, tamper=tamper)
+    assert not r.within(TOL), r
+    if tamper is not _as_one_sequence:
+        assert max(r.logits, r.loss, r.grads_language, r.grads_vision) > BUG, r

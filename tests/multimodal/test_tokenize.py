@@ -1,0 +1,187 @@
+"""A multimodal conversation to samples: Qwen2-VL's tokens, placeholder runs, patches, loss mask, bad images."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from sftpack.multimodal import (
+    IMAGE_PAD,
+    QWEN2VL_SPECIALS,
+    BadImageError,
+    MultimodalSample,
+    MultimodalStats,
+    load_image,
+    tokenize_multimodal,
+    tokenize_multimodal_conversations,
+)
+from sftpack.sample import OverlongError
+
+
+def _png(w: int, h: int, color=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _conv(*images: dict, answer: str = "A red square.") -> list[dict]:
+    return [
+        {"role": "user", "content": [*images, {"type": "text", "text": "What is it?"}]},
+        {"role": "assistant", "content": answer},
+    ]
+
+
+def test_special_tokens_sit_at_qwen2_vls_ids(tok):
+    from transformers import Qwen2VLConfig
+
+    cfg = Qwen2VLConfig()
+    ids = dict(zip(QWEN2VL_SPECIALS, tok.convert_tokens_to_ids(list(QWEN2VL_SPECIALS))))
+    assert ids[IMAGE_PAD] == cfg.image_token_id == 151655
+    assert ids["<|vision_start|>"] == cfg.vision_start_token_id and ids["<|vision_end|>"] == cfg.vision_end_token_id
+    assert ids["<|video_pad|>"] == cfg.video_token_id and len(tok) == 151657
+
+
+def test_placeholders_expand_as_the_processor_does(tok, proc):
+    """Qwen2VLProcessor replaces each <|image_pad|> in the text by grid.prod() // merge**2 copies and
+    tokenizes the result (it cannot be built here without torchvision); the same on our side."""
+    parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
+    (s,) = tokenize_multimodal(_conv(*parts), tokenizer=tok, processor=proc, conversation_id="c")
+    grids = s.image_grid_thw.tolist()
+    n = [t * h * w // 4 for t, h, w in grids]
+    assert [r[1] for r in s.image_runs.tolist()] == n
+    # the processor's own count rule, from the (resized) image sizes
+    assert n[0] == proc.get_number_of_image_patches(60, 100, {}) // 4
+    text = (
+        "<|im_start|>user\n<|vision_start|>"
+        + IMAGE_PAD * n[0]
+        + "<|vision_end|><|vision_start|>"
+        + IMAGE_PAD * n[1]
+        + "<|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"
+    )
+    assert s.input_ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    # patches: the processor's output for these images, concatenated in order
+    imgs = [load_image(p) for p in parts]
+    ref = proc(images=imgs, return_tensors="np")
+    np.testing.assert_array_equal(s.pixel_values, ref["pixel_values"])
+    np.testing.assert_array_equal(s.image_grid_thw, ref["image_grid_thw"])
+    assert s.pixel_values.shape == (sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+
+
+def test_loss_mask_is_the_assistants_answers_only(tok, vqa_samples):
+    """Trained: each assistant answer and its <|im_end|>; never a header, a question or an image."""
+    from sftpack.multimodal import vqa_corpus
+
+    convs = list(vqa_corpus(seed=2, limit=6, min_side=56, max_side=112))  # the conversations of vqa_samples
+    for conv, s in zip(convs, vqa_samples):
+        answers = [m["content"][0]["text"] for m in conv["messages"] if m["role"] == "assistant"]
+        assert tok.decode(s.input_ids[s.loss_mask]) == "".join(a + "<|im_end|>" for a in answers)
+        assert not bool(s.loss_mask[s.input_ids == s.image_token_id].any())
+
+
+def test_resize_gives_images_their_own_sizes(tok, proc):
+    part = {"type": "image", "bytes": _png(64, 64), "resize": [112, 56]}
+    (s,) = tokenize_multimodal(_conv(part), tokenizer=tok, processor=proc)
+    assert s.image_grid_thw.tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
+
+
+@pytest.mark.parametrize(
+    "part, reason, field",
+    [
+        ({"type": "image", "path": "/nonexistent/x.png"}, "image_missing_file", "messages[0].content[0].path"),
+        ({"type": "image", "bytes": b"not an image"}, "image_undecodable", "messages[0].content[0].bytes"),
+        ({"type": "image", "bytes": b""}, "image_zero_size", "messages[0].content[0].bytes"),
+        ({"type": "image", "url": "https://example.com/a.png"}, "image_url", "messages[0].content[0].url"),
+        ({"type": "image"}, "image_no_source", "messages[0].content[0]"),
+    ],
+)
+def test_a_bad_image_is_an_error_naming_record_and_field_or_a_count(tok, proc, part, reason, field):
+    good = {"id": "good", "messages": _conv({"type": "image", "bytes": _png(56, 56)})}
+    bad = {"id": "bad-7", "messages": _conv(part)}
+    with pytest.raises(BadImageError) as e:
+        list(tokenize_multimodal_conversations([good, bad], tokenizer=tok, processor=proc))
+    assert "'bad-7'" in str(e.value) and field in str(e.value) and e.value.reason.value == reason
+    st = MultimodalStats()
+    out = list(
+        tokenize_multimodal_conversations([good, bad], tokenizer=tok, processor=proc, on_bad_row="skip", stats=st)
+    )
+    assert [s.conversation_id for s in out] == ["good"]
+    assert (st.read, st.kept, st.dropped) == (2, 1, {reason: 1}) and st.read == st.kept + sum(st.dropped.values())
+
+
+def test_a_malformed_record_names_its_field(tok, proc):
+    with pytest.raises(ValueError, match=r"'r1', messages\[1\]\.role"):
+        tokenize_multimodal(
+            [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}],
+            conversation_id="r1",
+            tokenizer=tok,
+            processor=proc,
+        )
+    with pytest.raises(ValueError, match="special token text"):
+        tokenize_multimodal(_conv({"type": "text", "text": "<|image_pad|>"}), tokenizer=tok, processor=proc)
+
+
+def test_overlong_splits_only_at_text_boundaries(tok, proc):
+    parts = [{"type": "image", "bytes": _png(112, 112)}, {"type": "text", "text": "one two three " * 8}]
+    msgs = [
+        {"role": "user", "content": parts},
+        {"role": "assistant", "content": "four five six " * 8},
+        {
+            "role": "user",
+            "content": [{"type": "image", "bytes": _png(84, 84, (9, 9, 9))}, {"type": "text", "text": "And?"}],
+        },
+        {"role": "assistant", "content": "seven."},
+    ]
+    (whole,) = tokenize_multimodal(msgs, tokenizer=tok, processor=proc, conversation_id="w")
+    vs, ve = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
+    for max_len in (24, 30, 41):
+        pieces = tokenize_multimodal(msgs, tokenizer=tok, processor=proc, conversation_id="w", max_seq_len=max_len)
+        assert len(pieces) > 1 and all(len(p) <= max_len for p in pieces)
+        assert np.concatenate([p.input_ids for p in pieces]).tolist() == whole.input_ids.tolist()
+        assert np.concatenate([p.loss_mask for p in pieces]).tolist() == whole.loss_mask.tolist()
+        assert sum(p.num_images for p in pieces) == 2
+        np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in pieces]), whole.pixel_values)
+        for p in pieces:  # every image block whole inside its piece
+            ids = p.input_ids.tolist()
+            assert ids.count(vs) == ids.count(ve) == p.num_images
+            for s, n in p.image_runs.tolist():
+                assert ids[s - 1] == vs and ids[s + n] == ve
+    assert tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="drop") == []
+    with pytest.raises(OverlongError, match="image block is longer"):
+        tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=12)
+    with pytest.raises(OverlongError, match="more than max_seq_len=24"):
+        tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="error")
+    with pytest.raises(ValueError, match="truncate"):
+        tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="truncate")
+    st = MultimodalStats()
+    convs = [{"id": "a", "messages": msgs}]
+    assert (
+        list(
+            tokenize_multimodal_conversations(
+                convs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="drop", stats=st
+            )
+        )
+        == []
+    )
+    assert st.dropped == {"overlong": 1} and st.read == 1
+
+
+def test_a_sample_refuses_runs_that_do_not_match_its_tokens(vqa_samples):
+    s = vqa_samples[0]
+    runs = s.image_runs.copy()
+    runs[0, 1] -= 1
+    with pytest.raises(ValueError, match="image 0 run"):
+        MultimodalSample(
+            s.input_ids, s.loss_mask, "x", pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw, image_runs=runs
+        )
+    with pytest.raises(ValueError, match="patches"):
+        MultimodalSample(
+            s.input_ids,
+            s.loss_mask,
+            "x",
+            pixel_values=s.pixel_values[1:],
+            image_grid_thw=s.image_grid_thw,
+            image_runs=s.image_runs,
+        )
