@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
 from .batch import PackedBatch
-from .layout import lay_row
+from .layout import lay_parts, lay_row
 
-__all__ = ["build_row"]
+__all__ = ["build_parts", "build_row"]
 
 
 def build_row(
@@ -54,3 +55,27 @@ def build_row(
         sequence_ids=sequence_ids,
     )
     return PackedBatch.from_row(row, sequence_ids=sequence_ids, device=device)
+
+
+def build_parts(
+    id_parts: Sequence[np.ndarray],
+    mask_parts: Sequence[np.ndarray],
+    lengths: Sequence[int],
+    *,
+    row_width: int | None = None,
+    pad_multiple: int = 1,
+    pad_id: int = 0,
+    sequence_ids: Sequence[Any] | None = None,
+) -> PackedBatch:
+    """The row :func:`build_row` builds, from each sequence's own arrays, for a caller that
+    has already checked them (see :func:`~sftpack.handoff.layout.lay_parts`: nothing is
+    validated here). The loader builds its rows with it, without first laying its
+    samples end to end.
+
+    >>> b = build_parts([np.arange(1, 6), np.arange(6, 16)], [np.ones(5, bool), np.ones(10, bool)], [5, 10],
+    ...                 row_width=36, pad_multiple=4)
+    >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
+    ([0, 5, 15], [0, 8, 36], 28)
+    """
+    row = lay_parts(id_parts, mask_parts, lengths, row_width=row_width, pad_multiple=pad_multiple, pad_id=pad_id)
+    return PackedBatch.from_row(row, sequence_ids=sequence_ids)

@@ -28,6 +28,7 @@ measures it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -38,7 +39,7 @@ from ..binpack import Bins, pack
 from ..sample import IGNORE_INDEX
 from .errors import PackedBatchError
 
-__all__ = ["RowArrays", "check_pad_id", "lay_row", "pack_rows", "padded_lengths"]
+__all__ = ["RowArrays", "check_pad_id", "lay_parts", "lay_row", "pack_rows", "padded_lengths"]
 
 #: up to this many sequences a row is laid by slice copies (a Python loop over
 #: sequences, never over tokens); above it by one vectorised scatter
@@ -210,34 +211,167 @@ def lay_row(
                 f"more than row_width={row_width}: pack fewer sequences per row (sftpack.binpack with "
                 "cost_multiple=pad_multiple) or raise row_width"
             )
+    mask_b = mask.astype(bool, copy=False)
+    if n > _SLICE_COPY_MAX:
+        return _lay_scatter(ids, mask_b, real, padded, row_width, pad_id)
+    lens = real.tolist()
+    return _lay_segments(None, None, lens, padded.tolist(), row_width, pad_id, ids, mask_b)
+
+
+def lay_parts(
+    id_parts: Sequence[np.ndarray],
+    mask_parts: Sequence[np.ndarray],
+    lengths: Sequence[int],
+    *,
+    row_width: int | None = None,
+    pad_multiple: int = 1,
+    pad_id: int = 0,
+) -> RowArrays:
+    """The row :func:`lay_row` lays, from each sequence's own arrays (not laid end to end
+    first), for a caller that has already checked them (the loader: every sample was
+    checked when it was read). Nothing is validated here.
+
+    Args:
+        id_parts: ``N`` 1-D integer arrays, the token ids of each sequence, all ``>= 0``.
+        mask_parts: ``N`` 1-D bool arrays, the loss mask of each sequence.
+        lengths: ``N`` Python ints ``>= 1``, each the length of its parts.
+        row_width, pad_multiple, pad_id: as for :func:`lay_row`; the padded sequences
+            must fit ``row_width``.
+
+    >>> r = lay_parts([np.arange(1, 6), np.arange(6, 16)], [np.ones(5, bool), np.ones(10, bool)], [5, 10],
+    ...               row_width=36, pad_multiple=4)
+    >>> r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.max_seqlen
+    ([0, 5, 15], [0, 8, 36], 28)
+    """
+    m = pad_multiple
+    padded = [-(-k // m) * m for k in lengths] if m != 1 else list(lengths)
+    if row_width is not None and sum(padded) > row_width:
+        raise PackedBatchError(
+            f"{len(padded)} sequences take {sum(padded)} slots after padding each to a multiple of {m}, "
+            f"more than row_width={row_width}: plan rows with sftpack.handoff.pack_rows"
+        )
+    if len(lengths) > _SLICE_COPY_MAX:
+        real = np.asarray(lengths, dtype=np.int64)
+        return _lay_scatter(
+            np.concatenate(id_parts),
+            np.concatenate(mask_parts),
+            real,
+            np.asarray(padded, dtype=np.int64),
+            row_width,
+            pad_id,
+        )
+    return _lay_segments(id_parts, mask_parts, lengths, padded, row_width, pad_id)
+
+
+#: ``0, 1, 2, ...`` (read-only), grown on demand: a segment's positions are a slice copy of it
+_iota: np.ndarray = np.arange(0, dtype=np.int64)
+
+
+def _positions(k: int) -> np.ndarray:
+    global _iota
+    if _iota.shape[0] < k:
+        grown = np.arange(max(k, 2 * _iota.shape[0], 4096), dtype=np.int64)
+        grown.flags.writeable = False
+        _iota = grown
+    return _iota[:k]
+
+
+def _lay_segments(
+    id_parts: Sequence[np.ndarray] | None,
+    mask_parts: Sequence[np.ndarray] | None,
+    real: Sequence[int],
+    padded: list[int],
+    row_width: int | None,
+    pad_id: int,
+    ids: np.ndarray | None = None,
+    mask: np.ndarray | None = None,
+) -> RowArrays:
+    """A row of few sequences, laid by slice copies into preallocated arrays (a Python
+    loop over sequences, never over tokens). Either the parts (each sequence's ids and
+    bool mask) or ``ids`` / ``mask`` (laid end to end) are given, or both.
+
+    When no sequence but the last is padded (``pad_multiple=1``, or lengths that are
+    multiples of it), the real tokens are one block: ids and labels are one copy each
+    and only the sequence ends are fixed up; otherwise each segment is copied in turn.
+    """
+    n = len(real)
+    n_tok = sum(real)
+    total = sum(padded)
+    one_block = n == 1 or padded[:-1] == list(real[:-1])
+    if row_width is not None:
+        padded[-1] += row_width - total  # the row's tail folds into the last segment
+        total = row_width
+    cu = np.array([0, *accumulate(real)], dtype=np.int64)  # (cheaper than np.cumsum for a few Python ints)
+    cup = np.array([0, *accumulate(padded)], dtype=np.int64)
+    out_ids = np.empty(total, dtype=np.int64)
+    labels = np.empty(total, dtype=np.int64)
+    labels.fill(IGNORE_INDEX)
+    position_ids = np.empty(total, dtype=np.int64)
+    iota = _positions(max(padded))
+    if one_block:
+        if ids is not None:
+            out_ids[:n_tok] = ids
+        else:
+            assert id_parts is not None
+            np.concatenate(id_parts, out=out_ids[:n_tok], casting="unsafe")
+        out_ids[n_tok:] = pad_id
+        if mask is None:
+            assert mask_parts is not None
+            mask = mask_parts[0] if n == 1 else np.concatenate(mask_parts)
+        # label t is token t+1 where that token is trained on, and no sequence's last real token has one
+        np.copyto(labels[: n_tok - 1], out_ids[1:n_tok], where=mask[1:])
+        if n > 1:
+            labels[cu[1:-1] - 1] = IGNORE_INDEX
+        p = 0
+        for w in padded:
+            position_ids[p : p + w] = iota[:w]
+            p += w
+    else:
+        if id_parts is None or mask_parts is None:
+            assert ids is not None and mask is not None
+            b = cu.tolist()
+            id_parts = [ids[b[i] : b[i + 1]] for i in range(n)]
+            mask_parts = [mask[b[i] : b[i + 1]] for i in range(n)]
+        p = 0
+        for i in range(n):
+            k, w = real[i], padded[i]
+            out_ids[p : p + k] = id_parts[i]
+            if w > k:
+                out_ids[p + k : p + w] = pad_id
+            position_ids[p : p + w] = iota[:w]
+            if k > 1:
+                np.copyto(labels[p : p + k - 1], out_ids[p + 1 : p + k], where=mask_parts[i][1:])
+            p += w
+    return RowArrays(out_ids, labels, position_ids, cu, cup, max(padded))
+
+
+def _lay_scatter(
+    ids: np.ndarray,
+    mask_b: np.ndarray,
+    real: np.ndarray,
+    padded: np.ndarray,
+    row_width: int | None,
+    pad_id: int,
+) -> RowArrays:
+    """A row of many sequences, laid by one vectorised scatter (the ids, sequences laid
+    end to end, go to their slots in one indexed assignment)."""
+    n = real.shape[0]
+    n_tok = int(ids.shape[0])
+    padded = padded.copy()
+    total = int(padded.sum())
+    if row_width is not None:
         padded[-1] += row_width - total
         total = row_width
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(real, out=cu[1:])
     cup = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(padded, out=cup[1:])
-
-    # Real tokens sit contiguously at the start of each segment, so each sequence
-    # is one slice copy. Three ways to do the same copy, by what is cheapest:
-    # no padding between sequences (one block), few sequences (a slice per
-    # sequence), many (one vectorised scatter).
     out_ids = np.full(total, pad_id, dtype=np.int64)
     ok = np.zeros(total, dtype=bool)  # slot t has a trainable target (token t+1, same sequence)
-    mask_b = mask.astype(bool, copy=False)
-    if n == 1 or bool((padded[:-1] == real[:-1]).all()):
-        out_ids[:n_tok] = ids
-        ok[: n_tok - 1] = mask_b[1:]
-    elif n <= _SLICE_COPY_MAX:
-        for i in range(n):
-            a, b, p = int(cu[i]), int(cu[i + 1]), int(cup[i])
-            out_ids[p : p + b - a] = ids[a:b]
-            ok[p : p + b - a - 1] = mask_b[a + 1 : b]
-    else:
-        slot = np.arange(n_tok, dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
-        out_ids[slot] = ids
-        ok[slot[:-1]] = mask_b[1:]
-    # The last real token of every sequence has no target.
-    ok[cup[:-1] + real - 1] = False
+    slot = np.arange(n_tok, dtype=np.int64) + np.repeat(cup[:-1] - cu[:-1], real)
+    out_ids[slot] = ids
+    ok[slot[:-1]] = mask_b[1:]
+    ok[cup[:-1] + real - 1] = False  # the last real token of every sequence has no target
     labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
     labels[:-1] = np.where(ok[:-1], out_ids[1:], IGNORE_INDEX)
     position_ids = np.arange(total, dtype=np.int64) - np.repeat(cup[:-1], padded)

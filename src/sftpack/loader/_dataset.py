@@ -45,7 +45,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from .._base import check_width, choose, non_negative_int, positive_int
 from ..binpack import Algorithm
-from ..handoff import PackedBatch, build_row, pack_rows, padded_lengths
+from ..handoff import PackedBatch, pack_rows, padded_lengths
+from ..handoff.build import build_parts
 from ..handoff.layout import check_pad_id
 from ..sample import DEFAULT_OVERLONG, Overlong
 from ._hold import hold_back
@@ -400,6 +401,10 @@ class PackingDataset(IterableDataset):
         s = self._stats
         s.samples_in += 1
         self._cursor += 1
+        if len(items) == 1 and not lost:  # the sample fits (the common case)
+            self._buffer.append(items[0])
+            self._ages.append(0)
+            return
         if len(items) > 1:
             s.split += 1
             s.extra_pieces += len(items) - 1
@@ -452,13 +457,13 @@ class PackingDataset(IterableDataset):
         self._stats.held_rows += int(held.sum())
 
     def _build(self, row: list[Item]) -> PackedBatch:
-        ids = np.concatenate([it.input_ids for it in row])
-        mask = np.concatenate([it.loss_mask for it in row])
-        lengths = np.fromiter((it.length for it in row), dtype=np.int64, count=len(row))
-        return build_row(
-            ids,
-            mask,
-            lengths,
+        # Every item was checked when it was read (cut_overlong: int64 ids >= 0, a bool
+        # mask, at most max_seq_len tokens) and the row was planned on padded_lengths, so
+        # the row is laid from the items' own arrays, unchecked and not concatenated first.
+        return build_parts(
+            [it.input_ids for it in row],
+            [it.loss_mask for it in row],
+            [it.length for it in row],
             row_width=self.max_seq_len,
             pad_multiple=self.pad_multiple,
             pad_id=self.pad_id,
@@ -469,5 +474,5 @@ class PackingDataset(IterableDataset):
         s = self._stats
         s.rows_out += 1
         s.sequences_out += len(row)
-        s.real_tokens += sum(it.length for it in row)
+        s.real_tokens += sum([it.length for it in row])
         s.slots += self.max_seq_len

@@ -41,12 +41,14 @@ class Item:
 
     __slots__ = ("input_ids", "length", "loss_mask", "ref", "sequence_id")
 
-    def __init__(self, ref: tuple[int, int], input_ids: np.ndarray, loss_mask: np.ndarray, sequence_id: Any) -> None:
+    def __init__(
+        self, ref: tuple[int, int], input_ids: np.ndarray, loss_mask: np.ndarray, sequence_id: Any, length: int
+    ) -> None:
         self.ref = ref
         self.input_ids = input_ids
         self.loss_mask = loss_mask
         self.sequence_id = sequence_id
-        self.length = int(input_ids.shape[0])
+        self.length = length
 
 
 def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> tuple[list[Item], int]:
@@ -60,14 +62,16 @@ def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> 
     s = obj if isinstance(obj, Sample) else as_sample(obj, index)
     sid = s.conversation_id if s.conversation_id is not None else index
     n = s.input_ids.shape[0]
-    if n and int(s.input_ids.min()) < 0:
+    if n and np.minimum.reduce(s.input_ids) < 0:
         raise ValueError(
             f"sample {index} (conversation {sid!r}) holds token id {int(s.input_ids.min())} at position "
             f"{int(np.argmin(s.input_ids))}: token ids must be non-negative (an embedding has no row for a "
             "negative id); tokenize it again with the model's tokenizer, or leave it out"
         )
+    if n <= max_seq_len:  # fits: the sample's own arrays, whole (what the one span (0, n) would slice)
+        return [Item((index, 0), s.input_ids, s.loss_mask, sid, n)], 0
     spans = overlong_spans(n, max_seq_len, overlong, f"sample {index} (conversation {sid!r})", sid)
-    items = [Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid) for k, (a, b) in enumerate(spans)]
+    items = [Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid, b - a) for k, (a, b) in enumerate(spans)]
     return items, n - sum(b - a for a, b in spans)
 
 
@@ -111,7 +115,7 @@ class Source:
         if self.map_style:
             mine = self.order(epoch, shard, num_shards)
             got = {i: self.samples[i] for i in sorted(need)}
-            return got, ((int(i), self.samples[int(i)]) for i in mine[start:])
+            return got, ((i, self.samples[i]) for i in mine[start:].tolist())
         it = iter(self.samples)
         if it is self.samples and self._opened:
             raise ValueError(
