@@ -62,6 +62,24 @@ def test_packed_equals_alone(renumbered, model, pad_between_seqs, pad_multiple, 
     assert sum(s.num_images for s in items) >= 8
 
 
+@pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
+def test_two_fixed_width_rows_in_one_run_equal_alone(renumbered, model, pad_between_seqs):
+    """Two rows of a fixed width (tail padding folded into each row's last segment) laid end to end."""
+    items = renumbered.samples
+    width = max(_width(items[:3], 4, 12), _width(items[3:], 4, 12))
+    r = check_packed(
+        model,
+        items,
+        pad_between_seqs=pad_between_seqs,
+        pad_multiple=4,
+        row_width=width,
+        rows=2,
+        pad_id=renumbered.pad_id,
+    )
+    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
+    assert r.within(TOL), r
+
+
 @pytest.mark.parametrize("pad_multiple, extra", [(1, 0), (4, 8)])
 def test_packed_equals_alone_with_hf_boundaries_from_positions(renumbered, sdpa_model, pad_multiple, extra):
     """Hugging Face's sdpa, given only the (4, 1, T) positions: it finds the boundaries where the

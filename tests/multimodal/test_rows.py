@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sftpack.handoff import PackedBatchError
-from sftpack.multimodal import build_multimodal_row, rope_index
+from sftpack.multimodal import MultimodalBatch, build_multimodal_row, rope_index
 from sftpack.sample import IGNORE_INDEX
 
 
@@ -63,6 +63,21 @@ def test_a_row_lays_samples_and_their_media_end_to_end(vqa_samples, pad_multiple
     assert hf["sftpack_cu_seqlens_real"] is t.cu_seqlens and "sftpack_cu_seqlens_real" not in b.to_hf_kwargs(
         pad_between_seqs=False
     )
+
+
+def test_rows_concatenate_into_one_run(vqa_samples):
+    a = build_multimodal_row(vqa_samples[:2], pad_multiple=4, row_width=160)
+    b = build_multimodal_row(vqa_samples[2:5], pad_multiple=4, row_width=272)
+    ab = MultimodalBatch.concat([a, b]).validate()
+    whole = build_multimodal_row(vqa_samples[:5], pad_multiple=4)
+    assert ab.text.num_tokens == 432 and ab.text.cu_seqlens.tolist() == whole.text.cu_seqlens.tolist()
+    assert ab.mrope_position_ids[:, 160:].tolist() == b.mrope_position_ids.tolist()
+    assert (
+        torch.equal(ab.pixel_values, whole.pixel_values)
+        and ab.vision_cu_seqlens.tolist() == whole.vision_cu_seqlens.tolist()
+    )
+    assert ab.image_slots.tolist() == [*a.image_slots.tolist(), *(b.image_slots + torch.tensor([160, 0])).tolist()]
+    assert ab.image_sequence.tolist() == whole.image_sequence.tolist()
 
 
 def test_validate_names_what_is_wrong(vqa_samples):

@@ -185,3 +185,25 @@ def test_a_sample_refuses_runs_that_do_not_match_its_tokens(vqa_samples):
             image_grid_thw=s.image_grid_thw,
             image_runs=s.image_runs,
         )
+
+
+def test_ids_and_patches_equal_the_real_qwen2vl_processor(tok, proc, monkeypatch):
+    """transformers' own Qwen2VLProcessor over the same text and images. Building it checks each
+    part's class against the auto mappings, and the video one needs torchvision (not installable
+    beside this torch): that check alone is switched off, the processor itself runs as shipped."""
+    import transformers
+    from transformers import processing_utils
+
+    monkeypatch.setattr(processing_utils.ProcessorMixin, "check_argument_for_proper_class", lambda *a, **k: None)
+    hf_proc = transformers.Qwen2VLProcessor(image_processor=proc, tokenizer=tok, video_processor=None)
+    parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
+    (s,) = tokenize_multimodal(_conv(*parts), tokenizer=tok, processor=proc)
+    text = (
+        "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>"
+        "What is it?<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"
+    )
+    enc = hf_proc(text=[text], images=[load_image(p) for p in parts], return_tensors="np")
+    assert enc["input_ids"][0].tolist() == s.input_ids.tolist()
+    np.testing.assert_array_equal(enc["pixel_values"], s.pixel_values)
+    np.testing.assert_array_equal(enc["image_grid_thw"], s.image_grid_thw)
+    assert (enc["mm_token_type_ids"][0] == 1).tolist() == (s.input_ids == s.image_token_id).tolist()

@@ -59,13 +59,19 @@ def check_packed(
     pad_multiple: int = 1,
     row_width: int | None = None,
     pad_id: int = 151643,
+    rows: int = 1,
     tamper: Callable[[MultimodalBatch], MultimodalBatch] | None = None,
 ) -> PackedCheck:
     """Compare a packed row of ``samples`` with each sample alone.
 
-    ``tamper`` (negative controls) edits the row before it runs: the check must then fail.
+    ``rows``: cut the samples into this many consecutive rows (each ``row_width`` wide)
+    and run them as one flat run (:meth:`MultimodalBatch.concat`). ``tamper`` (negative
+    controls) edits the run before it runs: the check must then fail.
     """
-    batch = build_multimodal_row(samples, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id).validate()
+    k = -(-len(samples) // rows)
+    parts = [samples[i : i + k] for i in range(0, len(samples), k)]
+    built = [build_multimodal_row(p, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id) for p in parts]
+    batch = MultimodalBatch.concat(built).validate()
     if tamper is not None:
         batch = tamper(batch)
     n = int((batch.text.labels != IGNORE_INDEX).sum())

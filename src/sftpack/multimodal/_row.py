@@ -81,6 +81,35 @@ class MultimodalBatch:
             raise PackedBatchError("image placeholder tokens outside the image_slots")
         return self
 
+    @classmethod
+    def concat(cls, batches: Sequence[MultimodalBatch]) -> MultimodalBatch:
+        """Rows laid end to end in one flat run (:meth:`PackedBatch.concat` for the text;
+        media appended in order, image slots and segments shifted by the rows before)."""
+        items = list(batches)
+        if not items:
+            raise PackedBatchError("MultimodalBatch.concat needs at least one batch, got none")
+        if len({b.image_token_id for b in items}) != 1:
+            raise PackedBatchError("MultimodalBatch.concat: the rows use different image token ids")
+        slots, seqs, cus = [], [], [items[0].vision_cu_seqlens]
+        t_off = n_off = 0
+        for b in items:
+            slots.append(b.image_slots + torch.tensor([t_off, 0]))
+            seqs.append(b.image_sequence + n_off)
+            t_off += b.text.num_tokens
+            n_off += b.text.num_sequences
+        for b in items[1:]:
+            cus.append(b.vision_cu_seqlens[1:] + cus[-1][-1])
+        return cls(
+            text=PackedBatch.concat([b.text for b in items]),
+            mrope_position_ids=torch.cat([b.mrope_position_ids for b in items], dim=1),
+            pixel_values=torch.cat([b.pixel_values for b in items]),
+            image_grid_thw=torch.cat([b.image_grid_thw for b in items]),
+            vision_cu_seqlens=torch.cat(cus),
+            image_slots=torch.cat(slots),
+            image_sequence=torch.cat(seqs),
+            image_token_id=items[0].image_token_id,
+        )
+
     def to_hf_kwargs(self, *, pad_between_seqs: bool = True) -> dict[str, Any]:
         """Keyword arguments for ``Qwen2VLForConditionalGeneration`` on this row (without media:
         see :func:`sftpack.multimodal.packed_logits`, which runs the vision tower on

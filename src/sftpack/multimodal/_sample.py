@@ -10,8 +10,10 @@ parts)::
     mask  = assistant content and its <|im_end|> (never an image token)
 
 which is what ``Qwen2VLProcessor`` does to the same text (its
-``replace_image_token`` rule); the processor object itself cannot be built
-without torchvision, so the image side is its ``Qwen2VLImageProcessorPil``.
+``replace_image_token`` rule; the tests compare with the real processor). That
+processor cannot be built as shipped without torchvision (its constructor checks
+the video processor's class), so the image side here is its
+``Qwen2VLImageProcessorPil``.
 
 Over-long samples are never cut inside an image block (``<|vision_start|>`` ..
 ``<|vision_end|>``): ``split`` cuts at the last text boundary that fits, each
