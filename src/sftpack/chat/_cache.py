@@ -33,6 +33,7 @@ The root is ``cache_dir`` when given, else ``$SFTPACK_CACHE_DIR``, else
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -40,7 +41,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -58,6 +59,7 @@ __all__ = [
     "default_cache_dir",
     "default_tokenizer_files",
     "source_identity",
+    "start_training_samples",
     "training_samples",
     "tokenizer_identity",
 ]
@@ -397,6 +399,72 @@ class CachedSamples:
     entry: Path | None
 
 
+class TokenizeJob:
+    """Tokenizing through the cache in two halves: the constructor reads a whole
+    entry if there is one, else (``prime=True``) starts the tokenizer and waits for
+    its first sample, which forks its worker processes with ``num_proc > 1``;
+    :meth:`finish` tokenizes the rest, streaming it into a new entry committed at
+    the end. The CLI runs the first half before torch loads (a fork is safe only
+    from a process not busy importing) and the second in a background thread.
+    """
+
+    def __init__(
+        self,
+        tokenize: Callable[[], Any],
+        *,
+        key: str | None,
+        cache_dir: str | os.PathLike[str] | None,
+        prime: bool = False,
+    ) -> None:
+        self.entry = Path(cache_dir) / "tokenized" / key if key is not None and cache_dir is not None else None
+        self.key = key or ""
+        self.tokenize = tokenize
+        self.done: CachedSamples | None = None
+        self._out: Any = None
+        self._it: Any = None
+        self._first: list[Sample] = []
+        if self.entry is not None:
+            got = read_entry(self.entry, self.key)
+            if got is not None:
+                self.done = CachedSamples(got[0], got[1], True, self.entry)
+                return
+        if prime:
+            self._first = list(itertools.islice(self._start(), 1))
+
+    def _start(self) -> Iterator[Sample]:
+        self._out = self.tokenize()
+        self._it = iter(self._out)
+        return self._it
+
+    def finish(self) -> CachedSamples:
+        if self.done is not None:
+            return self.done
+        if self._it is None:
+            self._start()
+        writer = None
+        if self.entry is not None:
+            try:
+                writer = EntryWriter(self.entry, self.key)
+            except OSError as e:  # a read-only cache folder: work without it
+                logger.warning(
+                    "cannot write the tokenized-data cache in %s (%s): tokenizing without it", self.entry.parent, e
+                )
+        samples: list[Sample] = []
+        try:
+            for s in itertools.chain(self._first, self._it):
+                samples.append(s)
+                if writer is not None:
+                    writer.add(s)
+            if writer is not None:
+                writer.commit(self._out.stats)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        self.done = CachedSamples(samples, self._out.stats, False, self.entry if writer is not None else None)
+        return self.done
+
+
 def cached_tokenize(
     tokenize: Callable[[], Any],
     *,
@@ -410,31 +478,7 @@ def cached_tokenize(
     streamed into a new entry as they come, and the entry committed at the end.
     ``key=None`` or ``cache_dir=None``: no cache, nothing written.
     """
-    entry = Path(cache_dir) / "tokenized" / key if key is not None and cache_dir is not None else None
-    if entry is not None:
-        got = read_entry(entry, key or "")
-        if got is not None:
-            return CachedSamples(got[0], got[1], True, entry)
-    out = tokenize()
-    writer = None
-    if entry is not None:
-        try:
-            writer = EntryWriter(entry, key or "")
-        except OSError as e:  # a read-only cache folder: work without it
-            logger.warning("cannot write the tokenized-data cache in %s (%s): tokenizing without it", entry.parent, e)
-    samples: list[Sample] = []
-    try:
-        for s in out:
-            samples.append(s)
-            if writer is not None:
-                writer.add(s)
-        if writer is not None:
-            writer.commit(out.stats)
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    return CachedSamples(samples, out.stats, False, entry if writer is not None else None)
+    return TokenizeJob(tokenize, key=key, cache_dir=cache_dir).finish()
 
 
 def training_samples(
@@ -457,6 +501,35 @@ def training_samples(
     cannot name is tokenized without the cache. ``tokenizer_files``: see
     :func:`tokenizer_identity`.
     """
+    return start_training_samples(
+        tokenizer,
+        conversations,
+        max_seq_len=max_seq_len,
+        limit=limit,
+        num_proc=num_proc,
+        progress=progress,
+        cache_dir=cache_dir,
+        source=source,
+        tokenizer_files=tokenizer_files,
+    ).finish()
+
+
+def start_training_samples(
+    tokenizer: Any,
+    conversations: Iterable[Any] | None = None,
+    *,
+    max_seq_len: int,
+    limit: int | None = None,
+    num_proc: int = 1,
+    progress: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    source: dict[str, Any] | None = None,
+    tokenizer_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    prime: bool = False,
+) -> TokenizeJob:
+    """:func:`training_samples` in two halves (:class:`TokenizeJob`): the cache is
+    looked up (and with ``prime=True`` the tokenizer started) now, the rest is
+    done by the job's ``finish()``."""
     from ..data import default_corpus
     from ._batch import tokenize_conversations
 
@@ -478,7 +551,7 @@ def training_samples(
         convs = default_corpus(limit=limit) if conversations is None else conversations
         return tokenize_conversations(convs, tokenizer, num_proc=num_proc, progress=progress, **options)  # type: ignore[arg-type]
 
-    return cached_tokenize(tokenize, key=key, cache_dir=cache_dir)
+    return TokenizeJob(tokenize, key=key, cache_dir=cache_dir, prime=prime)
 
 
 T = TypeVar("T")

@@ -165,7 +165,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="like --resume, but start at step 1 when --checkpoint-dir holds no checkpoint yet "
         "(re-running the same command after a preemption)",
     )
-    t.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes")
+    t.add_argument(
+        "--num-proc",
+        type=positive,
+        help="tokenizer worker processes (default: the CPUs this process may use, at most 4; the samples do not "
+        "depend on it)",
+    )
     k = t.add_argument_group("tokenized-data cache")
     k.add_argument(
         "--cache-dir",
@@ -235,17 +240,25 @@ def _config(args: argparse.Namespace) -> dict:
     )
 
 
+def _default_num_proc() -> int:
+    """The CPUs this process may use, at most 4: the tokenizer's workers run beside
+    torch loading in the main process, so a first run uses every core."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus))
+
+
 def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
-    """Tokenize the data through the cache, in a background thread while torch loads
-    and the model is built (in the foreground with ``--num-proc`` > 1: its worker
-    processes are forked, which is safe only from a process not busy importing)."""
+    """Tokenize the data through the cache in a background thread while torch loads
+    and the model is built. With ``--num-proc`` > 1 the worker processes are forked
+    first, here, before torch loads (a fork is safe only from a process that is not
+    busy importing); the thread then collects their samples."""
     from ..chat import read_conversations
     from ..chat._cache import (
         Pending,
         default_cache_dir,
         default_tokenizer_files,
         source_identity,
-        training_samples,
+        start_training_samples,
     )
 
     conversations: Iterable[Any] | None = None  # None: the embedded corpus
@@ -261,8 +274,8 @@ def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
     elif cache_dir is not None:
         source = source_identity(None, limit=args.limit)
 
-    def work() -> Any:
-        return training_samples(
+    def start(prime: bool) -> Any:
+        return start_training_samples(
             tok,
             conversations,
             max_seq_len=args.max_seq_len,
@@ -273,9 +286,12 @@ def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
             source=source,
             # the embedded tokenizer is named by the files it is built from (no serialising)
             tokenizer_files=args.tokenizer or default_tokenizer_files(),
+            prime=prime,
         )
 
-    return Pending(work, background=args.num_proc == 1)
+    if args.num_proc > 1:  # fork the workers now, then collect their samples in the background
+        return Pending(start(prime=True).finish)
+    return Pending(lambda: start(prime=False).finish())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -297,11 +313,15 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give either INPUT files or --prepacked, not both")
     if args.no_cache and args.cache_dir:
         raise UsageError("give --cache-dir or --no-cache, not both")
+    if args.num_proc is None:
+        args.num_proc = _default_num_proc()
     MARKS.clear()
     _mark("start")
-    from ..offline import read_manifest
+    manifest = None
+    if args.prepacked:
+        from ..offline import read_manifest  # loads torch: only when there is a prepack to read
 
-    manifest = read_manifest(Path(args.prepacked)) if args.prepacked else None
+        manifest = read_manifest(Path(args.prepacked))
     _layout(args, manifest)
     tok = load_tokenizer(args.tokenizer)
     _mark("tokenizer")
