@@ -22,6 +22,7 @@ API = [
     "image_processor",
     "load_image",
     "packed_logits",
+    "plan_rows",
     "process_images",
     "qwen2vl_tokenizer",
     "rope_index",

@@ -12,6 +12,7 @@ The pieces, in pipeline order:
   :func:`qwen2vl_tokenizer` (the embedded Qwen BPE plus Qwen2-VL's special
   tokens). Over-long samples split at text boundaries only.
 * :func:`rope_index`: Qwen2-VL's MRoPE positions of one sample alone.
+* :func:`plan_rows`: which samples share a row, under a token and a patch budget.
 * :func:`build_multimodal_row`: samples to a :class:`MultimodalBatch` (a
   :class:`~sftpack.PackedBatch` plus media in row order and per-sample MRoPE positions).
 * :func:`tiny_qwen2vl`, :func:`packed_logits`, :func:`alone_logits`,
@@ -26,6 +27,7 @@ from __future__ import annotations
 from ._exactness import PackedCheck, check_packed
 from ._images import BadImageError, BadImageReason, ImagePatches, image_processor, load_image, process_images
 from ._model import alone_logits, packed_logits, tiny_qwen2vl
+from ._plan import plan_rows
 from ._row import MultimodalBatch, build_multimodal_row
 from ._sample import (
     IMAGE_PAD,
@@ -59,6 +61,7 @@ __all__ = [
     "image_processor",
     "load_image",
     "packed_logits",
+    "plan_rows",
     "process_images",
     "qwen2vl_tokenizer",
     "rope_index",

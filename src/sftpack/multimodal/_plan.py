@@ -1,0 +1,80 @@
+"""Rows under two budgets: tokens per row and vision patches per row.
+
+The vision encoder's activations grow with the patches of a row, not with its
+tokens (a 448x448 image is 1,024 patches but 256 placeholder tokens), so a row
+planner for multimodal data may cap both. :func:`plan_rows` is first-fit
+decreasing over the token cost (length rounded up to ``pad_multiple``, what the
+row builder lays), placing an item in the first row where both its tokens and its
+patches fit. Without ``max_patches`` it makes as many rows as
+``sftpack.binpack.pack(..., "ffd", cost_multiple=pad_multiple)`` (the same
+first-fit decreasing rule on the same costs). Each row lists its samples in input
+order, as every path's rows do. Pure numpy, deterministic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.typing import ArrayLike
+
+__all__ = ["plan_rows"]
+
+
+def plan_rows(
+    lengths: ArrayLike,
+    patches: ArrayLike,
+    *,
+    max_seq_len: int,
+    max_patches: int | None = None,
+    pad_multiple: int = 1,
+) -> list[np.ndarray]:
+    """Rows (arrays of sample indices, ascending) under a token and a patch budget.
+
+    Args:
+        lengths: ``(n,)`` sample lengths (vision tokens included), each ``>= 1``.
+        patches: ``(n,)`` vision patches of each sample (``MultimodalSample.num_patches``).
+        max_seq_len: tokens per row (of cost: lengths rounded up to ``pad_multiple``).
+        max_patches: patches per row; ``None``: no patch budget.
+        pad_multiple: the row builder's per-sample pad multiple.
+
+    Raises:
+        ValueError: a sample that alone exceeds a budget (naming its index and the numbers).
+    """
+    ln = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    pt = np.asarray(patches, dtype=np.int64).reshape(-1)
+    if ln.shape != pt.shape:
+        raise ValueError(f"plan_rows: {ln.size} lengths but {pt.size} patch counts")
+    if pad_multiple < 1 or max_seq_len < 1:
+        raise ValueError(f"plan_rows: need pad_multiple >= 1 and max_seq_len >= 1, got {pad_multiple}, {max_seq_len}")
+    if ln.size and int(ln.min()) < 1:
+        raise ValueError(
+            f"plan_rows: sample {int(np.argmin(ln))} has length {int(ln.min())}; every sample needs a token"
+        )
+    cost = -(-ln // pad_multiple) * pad_multiple
+    big = np.flatnonzero(cost > max_seq_len)
+    if big.size:
+        i = int(big[0])
+        raise ValueError(
+            f"plan_rows: sample {i} costs {int(cost[i])} tokens (length {int(ln[i])} padded to a multiple of "
+            f"{pad_multiple}), more than max_seq_len={max_seq_len}: split or drop it first"
+        )
+    cap_p = np.iinfo(np.int64).max if max_patches is None else int(max_patches)
+    if pt.size and int(pt.max()) > cap_p:
+        i = int(np.argmax(pt))
+        raise ValueError(f"plan_rows: sample {i} has {int(pt[i])} patches, more than max_patches={cap_p}")
+    order = np.argsort(-cost, kind="stable")
+    room_t = np.empty(0, dtype=np.int64)
+    room_p = np.empty(0, dtype=np.int64)
+    members: list[list[int]] = []
+    for i in order.tolist():
+        c, p = int(cost[i]), int(pt[i])
+        fits = np.flatnonzero((room_t >= c) & (room_p >= p))
+        if fits.size:
+            b = int(fits[0])
+            room_t[b] -= c
+            room_p[b] -= p
+            members[b].append(i)
+        else:
+            room_t = np.append(room_t, max_seq_len - c)
+            room_p = np.append(room_p, cap_p - p)
+            members.append([i])
+    return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
