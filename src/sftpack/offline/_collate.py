@@ -148,36 +148,37 @@ def _collate_rows(
             w = (n + m - 1) // m * m
             if s == s1 - 1:
                 w += width - row_total  # the row's tail folds into its last segment
-            # little-endian ids of 1, 2 or 4 bytes (the .npy files are "<u1/2/4"): one compiled
-            # kernel for every token dtype
+            # each segment through views of its slots (indices from 0 compile to tighter loops than
+            # offset ones); little-endian ids of 1, 2 or 4 bytes (the .npy files are "<u1/2/4"):
+            # one compiled kernel for every token dtype
+            ip = ids[p : p + w]
+            tb = tokens[t * isz : (t + n) * isz]
             if isz == 1:
                 for j in range(n):
-                    ids[p + j] = np.int64(tokens[t + j])
+                    ip[j] = np.int64(tb[j])
             elif isz == 2:
                 for j in range(n):
-                    k = (t + j) * 2
-                    ids[p + j] = np.int64(tokens[k]) | (np.int64(tokens[k + 1]) << 8)
+                    ip[j] = np.int64(tb[2 * j]) | (np.int64(tb[2 * j + 1]) << 8)
             else:
                 for j in range(n):
-                    k = (t + j) * 4
-                    ids[p + j] = (
-                        np.int64(tokens[k])
-                        | (np.int64(tokens[k + 1]) << 8)
-                        | (np.int64(tokens[k + 2]) << 16)
-                        | (np.int64(tokens[k + 3]) << 24)
+                    ip[j] = (
+                        np.int64(tb[4 * j])
+                        | (np.int64(tb[4 * j + 1]) << 8)
+                        | (np.int64(tb[4 * j + 2]) << 16)
+                        | (np.int64(tb[4 * j + 3]) << 24)
                     )
-            for j in range(n):
-                pos[p + j] = j
-            for j in range(n - 1):
-                if mask[t + j + 1]:
-                    labels[p + j] = ids[p + j + 1]
-                else:
-                    labels[p + j] = IGNORE
-            labels[p + n - 1] = IGNORE
+            lp = labels[p : p + w]
+            pp = pos[p : p + w]
+            mp = mask[t : t + n]
+            for j in range(n - 1):  # the label of slot j is token j+1 where it is trained
+                lp[j] = ip[j + 1] if mp[j + 1] else IGNORE
+                pp[j] = j
+            lp[n - 1] = IGNORE
+            pp[n - 1] = n - 1
             for j in range(n, w):
-                ids[p + j] = pad_id
-                pos[p + j] = j
-                labels[p + j] = IGNORE
+                ip[j] = pad_id
+                pp[j] = j
+                lp[j] = IGNORE
             if w > max_seqlen:
                 max_seqlen = w
             t += n
