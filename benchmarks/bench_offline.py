@@ -512,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
             "texts (goal ratio >= 0.75), 1 and 2 processes (byte-identical directories: "
             f"{'yes' if same else 'NO'}); row reads, one by one and in batches of 8 rows, against copying the same "
             f"bytes out of a raw `np.memmap` (goal for a batch of 8: >= 0.25x; median of {args.rounds} interleaved "
-            "rounds); the cost of checking; peak RSS (flat across sizes); best of {args.repeats} "
+            f"rounds); the cost of checking; peak RSS (flat across sizes); prepack best of {args.repeats} "
             "interleaved runs."
         )
         write_section(__file__, table, where, title=title)
