@@ -14,16 +14,19 @@ are honoured: ``padded`` hands the kernel ``cu_seqlens_padded`` for both sides,
 Padded batches (the baseline) run one batched causal SDPA call, no mask needed:
 padding is on the right and attention is causal.
 
-The loss is :func:`sftpack.loss.token_mean_loss`: the summed token loss over the
+The loss is :func:`sftpack.loss.token_mean_loss`'s: the summed token loss over the
 global count of supervised targets, the same normalisation for every path, the
 padded baseline included. The output head runs only on slots that have a target
 (the same loss and gradients as ``model(**batch)``, which computes logits for
 every slot): with the embedded tokenizer's 151,646 ids a logit row is 0.6 MB, and
 on the embedded corpus about 38% of the real tokens are supervised, so this skips
 most of the head's work for every path alike (prompt tokens, and the baseline's
-padding). Long runs are cut into chunks of at most 2**27 logits (512 MB),
-recomputed in the backward pass (``torch.utils.checkpoint``) instead of holding
-several GB.
+padding). Those rows go through :func:`sftpack.head.fused_linear_cross_entropy`:
+the head's matmul and the cross-entropy in chunks of rows whose logits fit a fixed
+budget (:data:`sftpack.head.DEFAULT_CHUNK_BYTES`), one reused buffer, the gradients
+formed in the same pass (nothing recomputed in the backward pass); on CUDA a fused
+kernel (Liger-Kernel, cut-cross-entropy) where one is installed. A tied head
+(weight shared with the input embedding) and a frozen one work as they are.
 """
 
 from __future__ import annotations
@@ -33,12 +36,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .._optional import flash_attn_varlen_func, transformers
 from ..attention import hf_attention_forward, varlen_attention
 from ..exactness import norms_in_model_dtype
-from ..loss import loss_dtype, token_mean_loss
+from ..head import fused_linear_cross_entropy
 from ..sample import IGNORE_INDEX
 
 __all__ = [
@@ -51,7 +53,6 @@ __all__ = [
 
 #: transformers attention name registered by :func:`register_train_attention`
 TRAIN_ATTENTION = "sftpack_varlen_train"
-_CHUNK_LOGITS = 1 << 27
 
 
 class _Bounds:
@@ -221,16 +222,6 @@ def _body_and_head(model: Any) -> tuple[nn.Module, nn.Linear]:
     return body, head
 
 
-def _head_piece(
-    head: nn.Linear,
-    hidden: torch.Tensor,
-    labels: torch.Tensor,
-    n: torch.Tensor,
-    avg: int,
-) -> torch.Tensor:
-    return token_mean_loss(head(hidden), labels, n, average_over_ranks=avg)
-
-
 class LossModule(nn.Module):
     """The model plus the loss, as one module (so DDP wraps the whole forward).
 
@@ -260,20 +251,11 @@ class LossModule(nn.Module):
         # The head only where there is a target: the same loss, without the logits of
         # prompt and padding slots (with a 151,646-id vocabulary they cost more than the body).
         keep = labels != IGNORE_INDEX
-        hidden, labels = hidden[keep], labels[keep]
-        chunk = max(1, _CHUNK_LOGITS // int(head.weight.shape[0]))
-        avg = self.average_over_ranks
-        if hidden.shape[0] <= chunk:
-            return _head_piece(head, hidden, labels, num_label_tokens, avg)
-        total = hidden.new_zeros((), dtype=loss_dtype(hidden.dtype))
-        for s in range(0, hidden.shape[0], chunk):
-            total = total + checkpoint(
-                _head_piece,
-                head,
-                hidden[s : s + chunk],
-                labels[s : s + chunk],
-                num_label_tokens,
-                avg,
-                use_reentrant=False,
-            )
-        return total
+        return fused_linear_cross_entropy(
+            hidden[keep],
+            head.weight,
+            labels[keep],
+            num_label_tokens,
+            bias=getattr(head, "bias", None),
+            average_over_ranks=self.average_over_ranks,
+        )
