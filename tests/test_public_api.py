@@ -1,4 +1,5 @@
-"""The public face of the core, the handoff, the tokenizer, the loader and the trainer paths, pinned.
+"""The public face of the core, the handoff, the tokenizer, the loader and the trainer paths, the
+fused head and the multimodal samples, pinned.
 
 Each package's ``__all__`` is listed here exactly: adding or removing a public
 name is a change made in the open, in this file. No object is public under two
@@ -90,6 +91,34 @@ API = {
         "norms_in_model_dtype",
         "reference_labels",
         "tiny_llama",
+    ],
+    "sftpack.head": ["DEFAULT_CHUNK_BYTES", "fused_linear_cross_entropy", "head_impl"],
+    "sftpack.multimodal": [
+        "IMAGE_PAD",
+        "QWEN2VL_SPECIALS",
+        "VISION_END",
+        "VISION_START",
+        "BadImageError",
+        "BadImageReason",
+        "ImagePatches",
+        "MultimodalBatch",
+        "MultimodalSample",
+        "MultimodalStats",
+        "PackedCheck",
+        "alone_logits",
+        "build_multimodal_row",
+        "check_packed",
+        "image_processor",
+        "load_image",
+        "packed_logits",
+        "plan_rows",
+        "process_images",
+        "qwen2vl_tokenizer",
+        "rope_index",
+        "tiny_qwen2vl",
+        "tokenize_multimodal",
+        "tokenize_multimodal_conversations",
+        "vqa_corpus",
     ],
     "sftpack.data": ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"],
     "sftpack.testing": ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"],
