@@ -281,7 +281,7 @@ def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
             max_seq_len=args.max_seq_len,
             limit=args.limit,
             num_proc=args.num_proc,
-            progress=os.environ.get("RANK", "0") == "0",
+            progress=False,  # a bar from a background thread would cut through the other lines
             cache_dir=cache_dir,
             source=source,
             # the embedded tokenizer is named by the files it is built from (no serialising)
