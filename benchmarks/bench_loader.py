@@ -10,7 +10,9 @@
    ``max_wait=2``. Curve: ``docs/loader_fill.png``.
 2. Overhead per row: ``PackingDataset`` through a ``DataLoader`` against an
    unpacked ``DataLoader`` of the same samples (one sample per row, padded to
-   ``max_seq_len`` by the same row builder), interleaved, medians.
+   ``max_seq_len`` by the same row builder, ``build_row``: the yardstick of the
+   goal), and against a plain unpacked collate with no sftpack code (pad, shift
+   the labels: the least any unpacked loader does), interleaved, medians.
 3. Resume cost: time from ``load_state_dict`` to the first row, mid-epoch.
 
     python benchmarks/bench_loader.py [--wiki-samples 100000] [--rounds 5]
@@ -36,6 +38,7 @@ from _machine import cpu_model, load_average
 from _results import add_flag, formatted_table, markdown_table, write_section
 from sftpack.binpack import pack
 from sftpack.handoff import Sample, build_row, padded_lengths
+from sftpack.handoff.build import build_parts
 from sftpack.loader import PackingDataset
 
 HERE = Path(__file__).resolve().parent
@@ -103,6 +106,22 @@ def fill_curve(name: str, lengths: np.ndarray, width: int) -> list[dict]:
     return rows
 
 
+def plain_unpacked_row(s: Sample, width: int) -> dict[str, torch.Tensor]:
+    """An unpacked row with no sftpack code: the sample padded to ``width``, labels shifted
+    within it, positions 0..width-1 (what a minimal padded collate computes)."""
+    n = len(s)
+    ids = np.zeros(width, dtype=np.int64)
+    ids[:n] = s.input_ids
+    labels = np.full(width, -100, dtype=np.int64)
+    np.copyto(labels[: n - 1], ids[1:n], where=s.loss_mask[1:])
+    return {
+        "input_ids": torch.from_numpy(ids),
+        "labels": torch.from_numpy(labels),
+        "position_ids": torch.arange(width),
+        "cu_seqlens": torch.tensor([0, n], dtype=torch.int32),
+    }
+
+
 def overhead(lengths: np.ndarray, width: int, rounds: int) -> dict:
     samples = samples_of(np.minimum(lengths, width))
 
@@ -124,26 +143,38 @@ def overhead(lengths: np.ndarray, width: int, rounds: int) -> dict:
         n = sum(1 for _ in DataLoader(samples, batch_size=None, num_workers=0, collate_fn=unpacked))
         return time.perf_counter() - t0, n
 
-    # The row builder alone on the packed rows' flat arrays: the part of a packed row's cost
-    # that is build_row's (its work grows with the real tokens a row carries).
-    flat = [
-        (r.input_ids[r.real_token_mask].numpy(), r.seqlens.numpy())
-        for r in PackingDataset(samples, max_seq_len=width, buffer_size=256)
-    ]
+    def run_plain() -> tuple[float, int]:
+        t0 = time.perf_counter()
+        n = sum(
+            1
+            for _ in DataLoader(
+                samples, batch_size=None, num_workers=0, collate_fn=lambda s: plain_unpacked_row(s, width)
+            )
+        )
+        return time.perf_counter() - t0, n
+
+    # The loader's row builder alone (build_parts, each sample's own arrays) on the packed
+    # rows' sequences: the part of a packed row's cost that is laying the row.
+    parts = []
+    for r in PackingDataset(samples, max_seq_len=width, buffer_size=256):
+        cu, cup, ids = r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.input_ids.numpy()
+        seqs = [ids[cup[i] : cup[i] + cu[i + 1] - cu[i]].copy() for i in range(r.num_sequences)]
+        parts.append((seqs, [np.ones(len(q), dtype=bool) for q in seqs], [len(q) for q in seqs], r.sequence_ids))
 
     def run_builder() -> tuple[float, int]:
         t0 = time.perf_counter()
-        for ids, lens in flat:
-            build_row(ids, np.ones(ids.shape[0], dtype=bool), lens, row_width=width)
-        return time.perf_counter() - t0, len(flat)
+        for seqs, masks, lens, sids in parts:
+            build_parts(seqs, masks, lens, row_width=width, sequence_ids=sids)
+        return time.perf_counter() - t0, len(parts)
 
-    tp, tu, tb = [], [], []
-    for _ in range(rounds):  # interleaved, so a busy machine slows all three alike
-        (a, np_), (b, nu), (c, nb) = run_packed(), run_unpacked(), run_builder()
+    tp, tu, tq, tb = [], [], [], []
+    for _ in range(rounds):  # interleaved, so a busy machine slows all four alike
+        (a, np_), (b, nu), (q, nq), (c, nb) = run_packed(), run_unpacked(), run_plain(), run_builder()
         tp.append(a / np_)
         tu.append(b / nu)
+        tq.append(q / nq)
         tb.append(c / nb)
-    per_p, per_u, per_b = float(np.median(tp)), float(np.median(tu)), float(np.median(tb))
+    per_p, per_u, per_q, per_b = (float(np.median(t)) for t in (tp, tu, tq, tb))
     real = float(lengths.clip(max=width).sum())
     return {
         "packed_rows": np_,
@@ -151,10 +182,14 @@ def overhead(lengths: np.ndarray, width: int, rounds: int) -> dict:
         "us_per_packed_row": round(1e6 * per_p, 1),
         "us_per_unpacked_row": round(1e6 * per_u, 1),
         "ratio_per_row": round(per_p / per_u, 3),
-        "us_build_row_per_packed_row": round(1e6 * per_b, 1),
+        "ratio_per_row_min_max": f"{min(a / b for a, b in zip(tp, tu)):.3f}-{max(a / b for a, b in zip(tp, tu)):.3f}",
+        "us_per_plain_unpacked_row": round(1e6 * per_q, 1),
+        "ratio_per_row_vs_plain": round(per_p / per_q, 3),
+        "us_build_parts_per_packed_row": round(1e6 * per_b, 1),
         "us_loader_own_per_row": round(1e6 * (per_p - per_b), 1),
         "ns_per_real_token_packed": round(1e9 * per_p * np_ / real, 2),
         "ns_per_real_token_unpacked": round(1e9 * per_u * nu / real, 2),
+        "ratio_per_real_token": round((per_p * np_) / (per_u * nu), 3),
     }
 
 
@@ -261,13 +296,17 @@ def main(argv: list[str] | None = None) -> int:
         ok = [r["buffer_size"] for r in rows if r["dataset"] == name and r["gap_wait2_pct"] <= 0.5]
         print(f"{name}: within 0.5% of offline BFD from buffer_size={ok[0] if ok else 'none'} (max_wait=2)")
     ov = overhead(corpus, 4096, args.rounds)
+    ov["load_average_1min_after_overhead"] = round(load_average(), 2)
     print(
-        f"\noverhead (corpus @ 4096, DataLoader num_workers=0, medians of {args.rounds}): packed "
+        f"\noverhead (corpus @ 4096, DataLoader num_workers=0, medians of {args.rounds} interleaved rounds, "
+        f"1-min load average now {load_average():.2f}): packed "
         f"{ov['us_per_packed_row']} us/row ({ov['packed_rows']} rows) vs unpacked {ov['us_per_unpacked_row']} "
-        f"us/row ({ov['unpacked_rows']} rows): {ov['ratio_per_row']}x per row (goal <= 1.5x); per real token "
-        f"{ov['ns_per_real_token_packed']} vs {ov['ns_per_real_token_unpacked']} ns; of a packed row, "
-        f"build_row alone takes {ov['us_build_row_per_packed_row']} us, the loader's own work (reading, "
-        f"planning, gathering) {ov['us_loader_own_per_row']} us"
+        f"us/row ({ov['unpacked_rows']} rows, one sample a row laid by build_row): {ov['ratio_per_row']}x per row "
+        f"(rounds {ov['ratio_per_row_min_max']}; goal <= 1.3x); per real token {ov['ns_per_real_token_packed']} vs "
+        f"{ov['ns_per_real_token_unpacked']} ns ({ov['ratio_per_real_token']}x); against a plain unpacked collate "
+        f"with no sftpack code {ov['us_per_plain_unpacked_row']} us/row: {ov['ratio_per_row_vs_plain']}x per row; "
+        f"of a packed row, laying it (build_parts) takes {ov['us_build_parts_per_packed_row']} us, the loader's "
+        f"own work (reading, planning, gathering, the DataLoader) {ov['us_loader_own_per_row']} us"
     )
     rc = resume_cost(corpus, 4096)
     print(

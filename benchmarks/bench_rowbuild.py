@@ -4,11 +4,15 @@ The offline path reads a row's sequences from memory-mapped arrays and the
 loader from its buffer; both hand :func:`sftpack.handoff.build_row` the
 concatenated ids, the concatenated loss mask and the lengths. This measures
 one 4,096-token row of about 5 sequences (lengths drawn so the row is ~97%
-full, the last sequence absorbing the tail), three ways in the same run:
+full, the last sequence absorbing the tail), five ways in the same run:
 
 - ``build_row`` from numpy arrays (what the loader does),
 - ``build_row`` from slices of a ``np.memmap`` on disk (int32 ids, uint8 mask:
   what the offline path does),
+- ``build_parts`` from each sequence's own arrays, unchecked (what the loader
+  does: its samples were checked when read),
+- ``build_row`` of a row holding only the first sequence (what an unpacked
+  loader's row costs),
 - ``PackedBatch.from_samples`` on :class:`~sftpack.Sample` objects (the wrapper:
   concatenates, then calls ``build_row``).
 
@@ -36,6 +40,7 @@ import torch
 from _machine import cpu_model, load_average
 from _results import add_flag, markdown_table, write_section
 from sftpack.handoff import PackedBatch, Sample, build_row
+from sftpack.handoff.build import build_parts
 
 OUT = Path(__file__).resolve().parent / "out"
 
@@ -72,6 +77,7 @@ def main() -> None:
     ro_ids = np.memmap(os.path.join(tmp, "ids.bin"), dtype=np.int32, mode="r")
     ro_mask = np.memmap(os.path.join(tmp, "mask.bin"), dtype=np.uint8, mode="r")
     seq_ids = [s.conversation_id for s in samples]
+    id_parts, mask_parts, lens = [s.input_ids for s in samples], [s.loss_mask for s in samples], lengths.tolist()
 
     variants = {
         "build_row (numpy arrays)": lambda: build_row(
@@ -85,12 +91,19 @@ def main() -> None:
             pad_multiple=m,
             sequence_ids=seq_ids,
         ),
+        "build_parts (each sequence's arrays)": lambda: build_parts(
+            id_parts, mask_parts, lens, row_width=args.width, pad_multiple=m, sequence_ids=seq_ids
+        ),
+        "build_row (one sequence)": lambda: build_row(
+            samples[0].input_ids, samples[0].loss_mask, [len(samples[0])], row_width=args.width, pad_multiple=m
+        ),
         "PackedBatch.from_samples": lambda: PackedBatch.from_samples(samples, row_width=args.width, pad_multiple=m),
     }
     ref = variants["PackedBatch.from_samples"]()
-    for name, fn in variants.items():  # same row every way, and warm-up
+    for name, fn in variants.items():  # same row every way (but the one-sequence row), and warm-up
         b = fn()
-        assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.labels, ref.labels), name
+        if name != "build_row (one sequence)":
+            assert torch.equal(b.input_ids, ref.input_ids) and torch.equal(b.labels, ref.labels), name
     times: dict[str, list[float]] = {k: [] for k in variants}
     for _ in range(args.rounds):
         for name, fn in variants.items():
@@ -110,12 +123,13 @@ def main() -> None:
     print(setting + "\n")
     base = float(np.median(times["PackedBatch.from_samples"]))
     rows = []
-    print(f"| {'builder':28} | {'median µs':>9} | {'p90 µs':>7} | {'vs from_samples':>15} |")
-    print(f"|{'-' * 30}|{'-' * 11}|{'-' * 9}|{'-' * 17}|")
+    nw = max(len(k) for k in variants)
+    print(f"| {'builder':{nw}} | {'median µs':>9} | {'p90 µs':>7} | {'vs from_samples':>15} |")
+    print(f"|{'-' * (nw + 2)}|{'-' * 11}|{'-' * 9}|{'-' * 17}|")
     for name, ts in times.items():
         med, p90 = float(np.median(ts)) * 1e6, float(np.percentile(ts, 90)) * 1e6
         rows.append((name, f"{med:.1f}", f"{p90:.1f}", f"{med / (base * 1e6):.2f}"))
-        print(f"| {name:28} | {med:9.1f} | {p90:7.1f} | {med / (base * 1e6):14.2f}x |")
+        print(f"| {name:{nw}} | {med:9.1f} | {p90:7.1f} | {med / (base * 1e6):14.2f}x |")
     OUT.mkdir(parents=True, exist_ok=True)
     with open(OUT / "bench_rowbuild.csv", "w", newline="") as f:
         w = csv.writer(f)

@@ -20,9 +20,16 @@ row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
 :func:`pack_rows` is the one row planner on that cost (bins from
 :mod:`sftpack.binpack`, input order kept within a row).
 
-Everything is a few vectorised numpy operations (no Python loop over
-sequences or tokens; each sequence is one slice copy); ``benchmarks/bench_rowbuild.py``
-measures it.
+:func:`lay_parts` lays the same row from each sequence's own arrays, unchecked,
+for a caller that checked them already (the loader, which never concatenates
+its samples first).
+
+A row is laid into arrays allocated once at its width: with up to
+``_SLICE_COPY_MAX`` sequences by slice copies (a Python loop over sequences,
+never over tokens; when only the last sequence is padded, ids and labels are
+one block copy each), above that by one vectorised scatter. Every strategy
+lays the same bytes (``tests/handoff/test_row_fast_path.py`` pins them against
+the builder before issue 18); ``benchmarks/bench_rowbuild.py`` measures them.
 """
 
 from __future__ import annotations
