@@ -162,3 +162,39 @@ def test_a_damaged_index_read_unverified_gives_the_row_readers_error(synth, tmp_
     assert_same(ds.batch([1]), ds[1])  # the other rows still read
     with pytest.raises(PrepackError, match="sequences.npy does not match its checksum"):
         PrepackedDataset(copy)  # and the default check names the file
+
+
+def outcome(fn, *args):
+    try:
+        return "ok", fn(*args)
+    except Exception as e:  # noqa: BLE001 - whatever the row reader raises, the batched read must raise alike
+        return "error", (type(e), str(e))
+
+
+def test_random_damage_to_the_index_reads_alike_batched_and_row_by_row(tmp_path):
+    """Flipped bytes in the index files, opened unchecked (verify=None): every row and the whole
+    epoch either read the same batched and row by row, or fail with the same error (the compiled
+    pass checks every offset before it reads, so garbage never reaches memory outside the files)."""
+    out = synthetic(tmp_path / "d", **CASES["uint8-pad1"])
+    rng = np.random.default_rng(2)
+    names = ("rows.npy", "sequences.npy", "conversation_offsets.npy", "conversation_ids.npy")
+    originals = {name: (out / name).read_bytes() for name in names}
+    starts = {name: len(originals[name]) - np.load(out / name).nbytes for name in names}  # past the header
+    failed = 0
+    for trial in range(80):
+        name = names[trial % len(names)]
+        data = bytearray(originals[name])
+        at = int(rng.integers(starts[name], len(data)))
+        data[at] ^= 1 << int(rng.integers(0, 8))
+        (out / name).write_bytes(bytes(data))
+        ds = PrepackedDataset(out, verify=None)
+        for idx in [[i] for i in range(len(ds))] + [list(range(len(ds)))]:
+            a, b = outcome(ds.batch, idx), outcome(rowwise, ds, idx)
+            assert a[0] == b[0], (name, at, idx, a, b)
+            if a[0] == "ok":
+                assert_same(a[1], b[1])
+            else:
+                assert a[1] == b[1]
+                failed += 1
+        (out / name).write_bytes(originals[name])
+    assert failed > 0  # the damage was seen
