@@ -199,3 +199,118 @@ def test_to_device_moves_every_tensor():
     mixed.labels = mixed.labels.to("meta")
     with pytest.raises(PackedBatchError, match="several devices"):
         mixed.validate()
+
+
+# ------------------------------------------------------------------- media fields
+IMG = 151655  # Qwen2-VL's <|image_pad|>
+
+
+def _mm_sample(cid, pre, grids, post=(7, 8)):
+    """Ids ``pre`` + one placeholder run per grid (t*h*w/4 tokens) + ``post``; zero patches of width 6."""
+    from sftpack.multimodal import MultimodalSample
+
+    ids, runs = list(pre), []
+    for g in grids:
+        n = int(np.prod(g)) // 4
+        runs.append((len(ids), n))
+        ids += [IMG] * n + [3]
+    ids += list(post)
+    ids = np.array(ids)
+    patches = sum(int(np.prod(g)) for g in grids)
+    pv = np.arange(patches * 6, dtype=np.float32).reshape(patches, 6) + 1000 * cid
+    mask = np.zeros(len(ids), bool)
+    mask[-len(post) :] = True
+    return MultimodalSample(ids, mask, conversation_id=cid, pixel_values=pv, image_grid_thw=grids, image_runs=runs)
+
+
+def _mm_rows():
+    from sftpack.multimodal import build_multimodal_row
+
+    a = _mm_sample(0, [1, 2], [(1, 4, 4)])
+    b = _mm_sample(1, [1], [(1, 2, 4), (2, 2, 2)])
+    c = _mm_sample(2, [5, 6, 7], [])
+    return build_multimodal_row([a, b], pad_multiple=4), build_multimodal_row([c], row_width=8)
+
+
+def test_a_text_row_carries_no_media_and_its_hf_kwargs_are_unchanged():
+    b = PackedBatch.from_samples([A, B], pad_multiple=4).validate()
+    assert not b.has_media and b.num_images == 0 and b.mrope_position_ids is None and b.pixel_values is None
+    kw = b.to_hf_kwargs()
+    assert kw["position_ids"].shape == (1, 20) and "pixel_values" not in kw and "image_grid_thw" not in kw
+    assert not PackedBatch.concat([b, b]).has_media
+
+
+def test_a_media_row_validates_moves_and_gives_qwen2vl_kwargs():
+    ab, c = _mm_rows()
+    ab.validate()
+    c.validate()
+    assert ab.has_media and ab.num_images == 3 and c.has_media and c.num_images == 0
+    assert ab.vision_cu_seqlens.tolist() == [0, 16, 24, 28, 32]  # the (2, 2, 2) image: one segment per frame
+    assert ab.image_slots.tolist() == [[2, 4], [13, 2], [16, 2]] and ab.image_sequence.tolist() == [0, 1, 1]
+    kw = ab.to_hf_kwargs()
+    assert kw["position_ids"].shape == (4, 1, ab.num_tokens)
+    assert kw["position_ids"][0, 0].tolist() == ab.position_ids.tolist()
+    assert torch.equal(kw["position_ids"][1:, 0], ab.mrope_position_ids)
+    assert kw["pixel_values"] is ab.pixel_values and kw["image_grid_thw"] is ab.image_grid_thw
+    assert "pixel_values" not in c.to_hf_kwargs()  # no images: positions only
+    moved = ab.to("cpu")
+    assert all(torch.equal(getattr(moved, n), getattr(ab, n)) for n in ("pixel_values", "image_slots"))
+    assert moved.image_token_id == IMG and moved.spatial_merge_size == 2
+
+
+def test_media_rows_concatenate_with_shifted_offsets_also_after_a_row_without_images():
+    ab, c = _mm_rows()
+    run = PackedBatch.concat([c, ab, c, ab]).validate()
+    T, Tc = ab.num_tokens, c.num_tokens
+    assert run.num_images == 6 and run.pixel_values.shape[0] == 2 * ab.pixel_values.shape[0]
+    assert run.image_slots[:, 0].tolist() == [s + Tc for s in ab.image_slots[:, 0].tolist()] + [
+        s + 2 * Tc + T for s in ab.image_slots[:, 0].tolist()
+    ]
+    assert run.image_sequence.tolist() == [1, 2, 2, 4, 5, 5]
+    assert run.vision_cu_seqlens.tolist() == [0, 16, 24, 28, 32, 48, 56, 60, 64]
+    assert torch.equal(run.mrope_position_ids[:, Tc : Tc + T], ab.mrope_position_ids)
+    with pytest.raises(PackedBatchError, match="row 1 has no media"):
+        PackedBatch.concat([ab, PackedBatch.from_samples([A])])
+
+
+def _replace(b, **kw):
+    import dataclasses
+
+    return dataclasses.replace(b, **kw)
+
+
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda b: _replace(b, image_slots=None), r"not \['image_slots'\]"),
+        (lambda b: _replace(b, mrope_position_ids=b.mrope_position_ids[:, 1:]), r"mrope_position_ids must have shape"),
+        (lambda b: _replace(b, vision_cu_seqlens=b.vision_cu_seqlens.long()), "vision_cu_seqlens must be torch.int32"),
+        (lambda b: _replace(b, pixel_values=b.pixel_values.long()), "pixel_values must be floating"),
+        (lambda b: _replace(b, pixel_values=b.pixel_values[1:]), "pixel_values has 31 patches"),
+        (lambda b: _replace(b, vision_cu_seqlens=b.vision_cu_seqlens[[0, 2, 3, 4]]), "vision_cu_seqlens"),
+        (lambda b: _replace(b, spatial_merge_size=1), r"image_slots\[0\] has 4 placeholders"),
+        (lambda b: _replace(b, image_slots=b.image_slots + torch.tensor([1, 0])), r"image_slots\[0\] = \[3, 7\)"),
+        (lambda b: _replace(b, image_sequence=torch.tensor([1, 1, 1])), r"image_slots\[0\].*segment 1"),
+        (lambda b: _replace(b, image_slots=b.image_slots.flip(0)), "row order"),
+        (lambda b: _replace(b, mrope_position_ids=b.mrope_position_ids + 1), "restart at 0"),
+        (lambda b: _replace(b, input_ids=b.input_ids.index_fill(0, torch.tensor([9]), IMG)), r"input_ids\[9\]"),
+    ],
+    ids=[
+        "partial",
+        "mrope-shape",
+        "vcu-dtype",
+        "pv-dtype",
+        "patch-count",
+        "vcu-values",
+        "merge",
+        "slot-off",
+        "wrong-segment",
+        "order",
+        "mrope-restart",
+        "stray-placeholder",
+    ],
+)
+def test_validate_names_the_wrong_media_field(edit, match):
+    ab, _ = _mm_rows()
+    with pytest.raises(PackedBatchError, match=match):
+        edit(ab).validate()

@@ -99,7 +99,7 @@ def test_packed_equals_alone_with_hf_boundaries_from_positions(renumbered, sdpa_
 def _as_one_sequence(b: MultimodalBatch) -> MultimodalBatch:
     """The bug: positions of the whole row as one sequence (never restarted): the model's rope
     rule over the row, and a text position row counting straight through."""
-    t = b.text
+    t = b
     whole = MultimodalSample(
         t.input_ids.numpy(),
         np.zeros(t.num_tokens, bool),
@@ -109,14 +109,12 @@ def _as_one_sequence(b: MultimodalBatch) -> MultimodalBatch:
         image_token_id=b.image_token_id,
     )
     pos = torch.from_numpy(rope_index(whole))
-    return dataclasses.replace(
-        b, mrope_position_ids=pos, text=dataclasses.replace(t, position_ids=torch.arange(t.num_tokens))
-    )
+    return dataclasses.replace(b, mrope_position_ids=pos, position_ids=torch.arange(t.num_tokens))
 
 
 def _one_d(b: MultimodalBatch) -> MultimodalBatch:
     """The bug: plain 1-D positions (restarting per sample) in all three MRoPE rows; the grids ignored."""
-    return dataclasses.replace(b, mrope_position_ids=b.text.position_ids.expand(3, -1).clone())
+    return dataclasses.replace(b, mrope_position_ids=b.position_ids.expand(3, -1).clone())
 
 
 def _media_reversed(b: MultimodalBatch) -> MultimodalBatch:
@@ -133,12 +131,12 @@ def _media_reversed(b: MultimodalBatch) -> MultimodalBatch:
 
 def _label_across(b: MultimodalBatch) -> MultimodalBatch:
     """The bug: the last real token of the first sample is trained to predict the next sample's first token."""
-    t = b.text
+    t = b
     labels = t.labels.clone()
     last = int(t.cu_seqlens[1]) - 1
     assert int(t.labels[last]) == IGNORE_INDEX
     labels[last] = t.input_ids[int(t.cu_seqlens_padded[1])]
-    return dataclasses.replace(b, text=dataclasses.replace(t, labels=labels))
+    return dataclasses.replace(b, labels=labels)
 
 
 CONTROLS = [_as_one_sequence, _one_d, _media_reversed, _label_across]

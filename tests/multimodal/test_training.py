@@ -38,14 +38,14 @@ def test_packed_training_steps_equal_one_sample_at_a_time(renumbered):
     run = MultimodalBatch.concat(
         [build_multimodal_row([items[i] for i in r], row_width=288, pad_id=renumbered.pad_id) for r in rows]
     ).validate()
-    n = int((run.text.labels != IGNORE_INDEX).sum())
+    n = int((run.labels != IGNORE_INDEX).sum())
     packed_model, alone_model = renumbered.model(seed=1), renumbered.model(seed=1)
     opt_p = torch.optim.SGD(packed_model.parameters(), lr=LR)
     opt_a = torch.optim.SGD(alone_model.parameters(), lr=LR)
     losses_p, losses_a = [], []
     for _ in range(STEPS):
         opt_p.zero_grad()
-        loss_p = token_mean_loss(packed_logits(packed_model, run, pad_between_seqs=True), run.text.labels, n)
+        loss_p = token_mean_loss(packed_logits(packed_model, run, pad_between_seqs=True), run.labels, n)
         loss_p.backward()
         opt_p.step()
         opt_a.zero_grad()

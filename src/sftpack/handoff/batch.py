@@ -40,6 +40,18 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported l
 
 __all__ = ["PackedBatch", "PackedBatchError"]
 
+#: The media fields of a row with images: all set, or all ``None`` (a text row).
+_MEDIA = (
+    "mrope_position_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "vision_cu_seqlens",
+    "image_slots",
+    "image_sequence",
+    "image_token_id",
+    "spatial_merge_size",
+)
+
 
 def packed_seq_params(
     cu_seqlens: torch.Tensor, cu_seqlens_padded: torch.Tensor, max_seqlen: int, pad_between_seqs: bool
@@ -89,6 +101,22 @@ class PackedBatch:
             :func:`sftpack.trainer.pack_step`, read by :func:`unpack_padded`).
         source_batch_size: optional ``B`` of that padded batch.
 
+    Media (rows with images, :mod:`sftpack.multimodal`; all ``None`` on a text row, and
+    then nothing below applies). ``I`` images, ``P`` vision patches, ``F`` frames:
+
+        mrope_position_ids: ``(3, T)`` int64; each sequence's own multimodal (Qwen2-VL
+            MRoPE: temporal, height, width) positions at its segment, starting at 0;
+            a segment's padding continues from its largest position.
+        pixel_values: ``(P, D)`` floating; every image's patches, in row order.
+        image_grid_thw: ``(I, 3)`` int64; each image's ``(t, h, w)`` patch grid.
+        vision_cu_seqlens: ``(F+1,)`` int32; the vision tower's boundaries, one segment
+            per frame (``cumsum`` of ``h * w`` repeated ``t`` times).
+        image_slots: ``(I, 2)`` int64; each image's placeholder run ``(start slot,
+            length)``, ``length = t * h * w / spatial_merge_size**2``.
+        image_sequence: ``(I,)`` int64; the segment each image belongs to.
+        image_token_id: the placeholder token id (every placeholder slot is in a run).
+        spatial_merge_size: the vision tower's merge window side (2 on Qwen2-VL).
+
     A batch of several rows is one ``PackedBatch`` whose flat run is the rows laid
     end to end (THD has no row axis): see :meth:`concat`.
 
@@ -109,6 +137,14 @@ class PackedBatch:
     sequence_ids: tuple | None = None
     source_rows: tuple | None = None
     source_batch_size: int | None = None
+    mrope_position_ids: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+    vision_cu_seqlens: torch.Tensor | None = None
+    image_slots: torch.Tensor | None = None
+    image_sequence: torch.Tensor | None = None
+    image_token_id: int | None = None
+    spatial_merge_size: int | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -151,6 +187,16 @@ class PackedBatch:
         return real_token_mask(self.cu_seqlens, self.cu_seqlens_padded, self.num_tokens)
 
     @property
+    def has_media(self) -> bool:
+        """True when the row carries media fields (a row built with images, possibly none)."""
+        return self.image_grid_thw is not None
+
+    @property
+    def num_images(self) -> int:
+        """``I``: images in the row (0 on a text row)."""
+        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+
+    @property
     def device(self) -> torch.device:
         return self.input_ids.device
 
@@ -161,7 +207,9 @@ class PackedBatch:
         return (
             f"PackedBatch(T={self.num_tokens}, N={self.num_sequences}, "
             f"cu_seqlens={self.cu_seqlens.tolist()}, cu_seqlens_padded={self.cu_seqlens_padded.tolist()}, "
-            f"max_seqlen={self.max_seqlen}, device={self.device})"
+            f"max_seqlen={self.max_seqlen}, "
+            + (f"images={self.num_images}, " if self.has_media else "")
+            + f"device={self.device})"
         )
 
     # ------------------------------------------------------------- validation
@@ -292,7 +340,121 @@ class PackedBatch:
                 f"PackedBatch.labels[{slot}] = {int(lab_h[slot])} but the next token input_ids[{slot + 1}] is "
                 f"{int(nxt[slot])}; a label is the next token of its sequence (shifted) or {IGNORE_INDEX}"
             )
+        self._validate_media(cu_h, cup_h)
         return self
+
+    def _validate_media(self, cu_h: np.ndarray, cup_h: np.ndarray) -> None:
+        present = [name for name in _MEDIA if getattr(self, name) is not None]
+        if not present:
+            return
+        if len(present) != len(_MEDIA):
+            missing = [name for name in _MEDIA if getattr(self, name) is None]
+            raise PackedBatchError(
+                f"PackedBatch has media fields {present} but not {missing}: a row with media carries all of "
+                f"{list(_MEDIA)} (build it with sftpack.multimodal.build_multimodal_row)"
+            )
+        T = self.num_tokens
+        mrope = self.mrope_position_ids
+        pv, grid, vcu = self.pixel_values, self.image_grid_thw, self.vision_cu_seqlens
+        slots, seq = self.image_slots, self.image_sequence
+        assert mrope is not None and pv is not None and grid is not None and vcu is not None
+        assert slots is not None and seq is not None
+        for name, t, shape, dtype in (
+            ("mrope_position_ids", mrope, (3, T), torch.int64),
+            ("image_grid_thw", grid, (None, 3), torch.int64),
+            ("vision_cu_seqlens", vcu, (None,), torch.int32),
+            ("image_slots", slots, (None, 2), torch.int64),
+            ("image_sequence", seq, (None,), torch.int64),
+            ("pixel_values", pv, (None, None), None),
+        ):
+            if not isinstance(t, torch.Tensor):
+                raise PackedBatchError(f"PackedBatch.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
+                want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+                raise PackedBatchError(f"PackedBatch.{name} must have shape {want}, got {tuple(t.shape)}")
+            if dtype is not None and t.dtype != dtype:
+                raise PackedBatchError(f"PackedBatch.{name} must be {dtype}, got {t.dtype}")
+        if not pv.is_floating_point():
+            raise PackedBatchError(f"PackedBatch.pixel_values must be floating point, got {pv.dtype}")
+        devices = {t.device for t in (self.input_ids, mrope, pv, grid, vcu)}
+        if len(devices) > 1:
+            raise PackedBatchError(
+                f"PackedBatch media tensors are on several devices {sorted(map(str, devices))}: call .to(device)"
+            )
+        n_img = grid.shape[0]
+        if slots.shape[0] != n_img or seq.shape[0] != n_img:
+            raise PackedBatchError(
+                f"PackedBatch: image_grid_thw holds {n_img} images but image_slots {slots.shape[0]} and "
+                f"image_sequence {seq.shape[0]}: one entry per image in each"
+            )
+        if not isinstance(self.image_token_id, (int, np.integer)) or isinstance(self.image_token_id, bool):
+            raise PackedBatchError(f"PackedBatch.image_token_id must be an int, got {self.image_token_id!r}")
+        merge = self.spatial_merge_size
+        if isinstance(merge, bool) or not isinstance(merge, (int, np.integer)) or merge < 1:
+            raise PackedBatchError(f"PackedBatch.spatial_merge_size must be an int >= 1, got {merge!r}")
+        g = grid.cpu().numpy()
+        if n_img and int(g.min()) < 1:
+            i = int(np.flatnonzero(g.min(axis=1) < 1)[0])
+            raise PackedBatchError(f"PackedBatch.image_grid_thw[{i}] = {g[i].tolist()}: every extent must be >= 1")
+        per = g.prod(axis=1)
+        if int(per.sum()) != pv.shape[0]:
+            raise PackedBatchError(
+                f"PackedBatch.pixel_values has {pv.shape[0]} patches but image_grid_thw holds {int(per.sum())} "
+                "(sum of t*h*w): the patches of every image, in row order"
+            )
+        frames = np.repeat(g[:, 1] * g[:, 2], g[:, 0])
+        want_vcu = np.zeros(len(frames) + 1, dtype=np.int64)
+        np.cumsum(frames, out=want_vcu[1:])
+        got_vcu = vcu.cpu().numpy().astype(np.int64)
+        if not np.array_equal(got_vcu, want_vcu):
+            raise PackedBatchError(
+                f"PackedBatch.vision_cu_seqlens = {got_vcu.tolist()} but image_grid_thw gives "
+                f"{want_vcu.tolist()} (one vision segment per frame: cumsum of h*w, repeated t times)"
+            )
+        ids_h = self.input_ids.cpu().numpy()
+        is_img = ids_h == int(self.image_token_id)
+        marked = np.zeros(T, dtype=bool)
+        real = np.diff(cu_h)
+        n_seq = len(real)
+        sl, sq = slots.cpu().numpy(), seq.cpu().numpy()
+        if n_img > 1 and bool((np.diff(sl[:, 0]) <= 0).any()):
+            i = int(np.flatnonzero(np.diff(sl[:, 0]) <= 0)[0]) + 1
+            raise PackedBatchError(
+                f"PackedBatch.image_slots[{i}] starts at {int(sl[i, 0])}, not after image {i - 1} at "
+                f"{int(sl[i - 1, 0])}: images (and their patches) are in row order"
+            )
+        for i in range(n_img):
+            s, n, k = int(sl[i, 0]), int(sl[i, 1]), int(sq[i])
+            want_n = int(per[i]) // (int(merge) ** 2)
+            if n != want_n or int(per[i]) % (int(merge) ** 2):
+                raise PackedBatchError(
+                    f"PackedBatch.image_slots[{i}] has {n} placeholders but its grid {g[i].tolist()} gives "
+                    f"t*h*w/spatial_merge_size**2 = {int(per[i])}/{int(merge) ** 2}"
+                )
+            if not 0 <= k < n_seq:
+                raise PackedBatchError(f"PackedBatch.image_sequence[{i}] = {k}, not a segment of N={n_seq}")
+            a, e = int(cup_h[k]), int(cup_h[k] + real[k])
+            if not (a <= s and s + n <= e) or not bool(is_img[s : s + n].all()):
+                raise PackedBatchError(
+                    f"PackedBatch.image_slots[{i}] = [{s}, {s + n}) is not a run of image_token_id "
+                    f"{self.image_token_id} inside the real tokens [{a}, {e}) of segment {k}"
+                )
+            marked[s : s + n] = True
+        stray = np.flatnonzero(is_img & ~marked)
+        if stray.size:
+            raise PackedBatchError(
+                f"PackedBatch.input_ids[{int(stray[0])}] is the image token {self.image_token_id} but lies in no "
+                "image_slots run: every placeholder belongs to exactly one image"
+            )
+        m = mrope.cpu().numpy()
+        starts = cup_h[:-1]
+        bad = np.flatnonzero(m[:, starts].any(axis=0))
+        if bad.size:
+            k = int(bad[0])
+            raise PackedBatchError(
+                f"PackedBatch.mrope_position_ids[:, {int(starts[k])}] = {m[:, starts[k]].tolist()} at the start "
+                f"of segment {k}: multimodal positions restart at 0 for each sequence"
+            )
 
     # ----------------------------------------------------------- construction
     @classmethod
@@ -396,6 +558,7 @@ class PackedBatch:
             cu_seqlens_padded=torch.cat(cup_parts),
             max_seqlen=max(int(b.max_seqlen) for b in batches),
             sequence_ids=ids,
+            **_concat_media(batches),
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
@@ -448,12 +611,17 @@ class PackedBatch:
         included. ``cu_seq_lens_q/k`` (physical offsets: padding is part of each
         segment) and ``max_length_q/k`` feed flash-attention kernels.
 
+        A row with media (Qwen2-VL) gets ``position_ids`` of shape ``(4, 1, T)``: the
+        text positions (restarting per sequence) on top of the three MRoPE rows,
+        Qwen2-VL's packed form, plus ``pixel_values`` and ``image_grid_thw`` when it
+        holds images.
+
         >>> from sftpack.testing import samples_from_lengths
         >>> kw = PackedBatch.from_samples(samples_from_lengths([2, 3])).to_hf_kwargs()
         >>> kw["labels"].tolist(), kw["cu_seq_lens_q"].tolist()
         ([[-100, 1001, -100, 2001, 2002]], [0, 2, 5])
         """
-        return {
+        kw: dict[str, Any] = {
             "input_ids": self.input_ids.unsqueeze(0),
             "position_ids": self.position_ids.unsqueeze(0),
             "labels": self.hf_labels().unsqueeze(0),
@@ -463,6 +631,12 @@ class PackedBatch:
             "max_length_k": int(self.max_seqlen),
             "use_cache": False,
         }
+        if self.mrope_position_ids is not None:
+            kw["position_ids"] = torch.cat([self.position_ids[None], self.mrope_position_ids]).unsqueeze(1)
+            if self.num_images:
+                kw["pixel_values"] = self.pixel_values
+                kw["image_grid_thw"] = self.image_grid_thw
+        return kw
 
     def flash_attn_kwargs(self) -> dict[str, Any]:
         """Boundary arguments of ``flash_attn.flash_attn_varlen_func`` for this run.
@@ -477,3 +651,47 @@ class PackedBatch:
             "max_seqlen_q": int(self.max_seqlen),
             "max_seqlen_k": int(self.max_seqlen),
         }
+
+
+def _concat_media(batches: Sequence[PackedBatch]) -> dict[str, Any]:
+    """The media fields of rows laid end to end: patches, grids and MRoPE appended in
+    order; image slots, image segments and vision boundaries shifted by the rows before."""
+    with_media = [b.has_media for b in batches]
+    if not any(with_media):
+        return {}
+    if not all(with_media):
+        i = with_media.index(False)
+        raise PackedBatchError(
+            f"PackedBatch.concat: row {i} has no media fields but row {with_media.index(True)} has; build every "
+            "row of a multimodal batch with sftpack.multimodal.build_multimodal_row (a row without images "
+            "then carries empty media)"
+        )
+    for name in ("image_token_id", "spatial_merge_size"):
+        vals = {getattr(b, name) for b in batches}
+        if len(vals) != 1:
+            raise PackedBatchError(f"PackedBatch.concat: the rows use different {name} values {sorted(vals)}")
+    slots, seqs = [], []
+    vcus = [batches[0].vision_cu_seqlens]
+    t_off = n_off = 0
+    for b in batches:
+        assert b.image_slots is not None and b.image_sequence is not None
+        shift = torch.tensor([t_off, 0], dtype=b.image_slots.dtype, device=b.image_slots.device)
+        slots.append(b.image_slots + shift)
+        seqs.append(b.image_sequence + n_off)
+        t_off += b.num_tokens
+        n_off += b.num_sequences
+    v_off = batches[0].vision_cu_seqlens[-1:]  # type: ignore[index]
+    for b in batches[1:]:
+        assert b.vision_cu_seqlens is not None
+        vcus.append(b.vision_cu_seqlens[1:] + v_off)
+        v_off = v_off + b.vision_cu_seqlens[-1:]
+    return {
+        "mrope_position_ids": torch.cat([b.mrope_position_ids for b in batches], dim=1),  # type: ignore[misc]
+        "pixel_values": torch.cat([b.pixel_values for b in batches]),  # type: ignore[misc]
+        "image_grid_thw": torch.cat([b.image_grid_thw for b in batches]),  # type: ignore[misc]
+        "vision_cu_seqlens": torch.cat(vcus),  # type: ignore[arg-type]
+        "image_slots": torch.cat(slots),
+        "image_sequence": torch.cat(seqs),
+        "image_token_id": batches[0].image_token_id,
+        "spatial_merge_size": batches[0].spatial_merge_size,
+    }

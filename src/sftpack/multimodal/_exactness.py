@@ -15,10 +15,11 @@ from typing import Any
 
 import torch
 
+from ..handoff import PackedBatch
 from ..loss import token_mean_loss
 from ..sample import IGNORE_INDEX
 from ._model import alone_logits, packed_logits
-from ._row import MultimodalBatch, build_multimodal_row
+from ._row import build_multimodal_row
 from ._sample import MultimodalSample
 
 __all__ = ["PackedCheck", "check_packed"]
@@ -60,21 +61,21 @@ def check_packed(
     row_width: int | None = None,
     pad_id: int = 151643,
     rows: int = 1,
-    tamper: Callable[[MultimodalBatch], MultimodalBatch] | None = None,
+    tamper: Callable[[PackedBatch], PackedBatch] | None = None,
 ) -> PackedCheck:
     """Compare a packed row of ``samples`` with each sample alone.
 
     ``rows``: cut the samples into this many consecutive rows (each ``row_width`` wide)
-    and run them as one flat run (:meth:`MultimodalBatch.concat`). ``tamper`` (negative
+    and run them as one flat run (:meth:`PackedBatch.concat`). ``tamper`` (negative
     controls) edits the run before it runs: the check must then fail.
     """
     k = -(-len(samples) // rows)
     parts = [samples[i : i + k] for i in range(0, len(samples), k)]
     built = [build_multimodal_row(p, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id) for p in parts]
-    batch = MultimodalBatch.concat(built).validate()
+    batch = PackedBatch.concat(built).validate()
     if tamper is not None:
         batch = tamper(batch)
-    n = int((batch.text.labels != IGNORE_INDEX).sum())
+    n = int((batch.labels != IGNORE_INDEX).sum())
     # alone
     model.zero_grad(set_to_none=True)
     alone, loss_a = [], None
@@ -89,11 +90,11 @@ def check_packed(
     # packed
     model.zero_grad(set_to_none=True)
     lg_p = packed_logits(model, batch, pad_between_seqs=pad_between_seqs)
-    loss_p = token_mean_loss(lg_p, batch.text.labels, n)
+    loss_p = token_mean_loss(lg_p, batch.labels, n)
     loss_p.backward()
     g_p = _grads(model)
     model.zero_grad(set_to_none=True)
-    cu, cup = batch.text.cu_seqlens.tolist(), batch.text.cu_seqlens_padded.tolist()
+    cu, cup = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
     d_logit = 0.0
     for i, a in enumerate(alone):
         L = cu[i + 1] - cu[i]

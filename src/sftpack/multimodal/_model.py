@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .. import _optional
-from ._row import MultimodalBatch
+from ..handoff import PackedBatch
 from ._sample import MultimodalSample
 
 __all__ = ["alone_logits", "packed_logits", "tiny_qwen2vl"]
@@ -129,9 +129,10 @@ def _image_outputs(model: Any, pixel_values: torch.Tensor, grid: torch.Tensor, c
     )
 
 
-def packed_logits(model: Any, batch: MultimodalBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
+def packed_logits(model: Any, batch: PackedBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
     """``(T, V)`` logits of a packed row: the vision tower over ``batch.vision_cu_seqlens``,
-    the language model over ``batch.to_hf_kwargs(pad_between_seqs=...)``.
+    the language model over ``batch.to_hf_kwargs()`` (its tower inputs and labels dropped; with
+    ``pad_between_seqs`` the real boundaries added as ``sftpack_cu_seqlens_real``).
 
     With sftpack's training attention the boundaries are ``cu_seqlens`` (either mode).
     With any other attention (``sdpa``, ``eager``) only ``input_ids`` and the ``(4, 1, T)``
@@ -139,10 +140,16 @@ def packed_logits(model: Any, batch: MultimodalBatch, *, pad_between_seqs: bool 
     the text position row; ``pad_between_seqs`` is then moot (padding trails each
     segment and a causal mask never lets a real token see it).
     """
-    kw = batch.to_hf_kwargs(pad_between_seqs=pad_between_seqs)
+    kw = batch.to_hf_kwargs()
+    if pad_between_seqs:  # the real boundaries, for sftpack's training attention
+        kw["sftpack_cu_seqlens_real"] = batch.cu_seqlens
+    for key in ("labels", "pixel_values", "image_grid_thw"):  # the tower runs here, the loss is the caller's
+        kw.pop(key, None)
     if model.config.text_config._attn_implementation != _train_attention_name():
         kw = {"input_ids": kw["input_ids"], "position_ids": kw["position_ids"], "use_cache": False}
     if batch.num_images:
+        assert batch.pixel_values is not None and batch.image_grid_thw is not None
+        assert batch.vision_cu_seqlens is not None
         kw["mm_encoder_outputs"] = {
             "image": _image_outputs(model, batch.pixel_values, batch.image_grid_thw, batch.vision_cu_seqlens)
         }
