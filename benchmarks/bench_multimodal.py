@@ -1,0 +1,364 @@
+"""Multimodal packing on the easy-vqa corpus: fill per packer, image cost vs text cost, training speed.
+
+The corpus is :func:`sftpack.multimodal.vqa_corpus` (``--conversations``, seeded image
+sizes 56-448 px a side), tokenized with the embedded Qwen2-VL tokenizer and Qwen2-VL's
+image processor (placeholders expanded: a sample's length counts its vision tokens).
+
+(a) **Fill and rows** at ``--max-seq-len`` per packer: :func:`sftpack.multimodal.plan_rows`
+    without and with the vision-patch budget (``--max-patches``), and the
+    :func:`sftpack.binpack.pack` packers on the total lengths (they know no patch budget).
+    Fill = real tokens (text + vision) / row tokens; the patch columns say how much the
+    vision tower gets per row, which the patch budget caps.
+(b) **Image cost vs text cost**: per round, every conversation's images decoded (PIL,
+    from the PNG files), resized to their seeded size, turned into Qwen2-VL patches (the
+    PIL/numpy processor), and its ChatML text tokenized; the four stages alternate
+    conversation by conversation (one interleaved run). Medians over ``--rounds`` of the
+    per-image and per-conversation costs, and each stage's ratio to tokenizing.
+(c) **Training real tokens/s, packed vs padded** on a tiny Qwen2-VL (``tiny_qwen2vl``,
+    float32, CPU, its vocabulary renumbered to the ids the corpus uses so that the output
+    head is not the whole cost): the same ``--batch`` samples per step either packed in
+    one row (sftpack's varlen attention, boundaries from ``cu_seqlens``, the vision tower
+    over ``vision_cu_seqlens``) or padded to the longest in a ``[B, S]`` batch (Hugging
+    Face's own path: ``sdpa`` with an attention mask, the model runs its vision tower and
+    computes its MRoPE positions); forward + backward + SGD step; A and B alternate
+    every step, medians over ``--train-steps`` steps.
+
+Usage::
+
+    python benchmarks/bench_multimodal.py                 # all three, writes RESULTS.md
+    python benchmarks/bench_multimodal.py --conversations 60 --rounds 2 --train-steps 2 --no-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
+
+
+def machine() -> str:
+    import torch
+    import transformers
+
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"load average {load_average():.1f} at start"
+    )
+
+
+# ------------------------------------------------------------------------- (a)
+def fill_table(samples: list, max_seq_len: int, max_patches: int) -> list[dict[str, Any]]:
+    from sftpack.binpack import pack
+    from sftpack.multimodal import plan_rows
+
+    lengths = np.array([len(s) for s in samples], dtype=np.int64)
+    patches = np.array([s.num_patches for s in samples], dtype=np.int64)
+    vision = np.array([int(s.image_runs[:, 1].sum()) for s in samples], dtype=np.int64)
+    plans: list[tuple[str, str, list[np.ndarray]]] = [
+        ("multimodal.plan_rows", "-", plan_rows(lengths, patches, max_seq_len=max_seq_len)),
+        (
+            "multimodal.plan_rows",
+            f"{max_patches:,}",
+            plan_rows(lengths, patches, max_seq_len=max_seq_len, max_patches=max_patches),
+        ),
+    ]
+    for algo in ("bfd", "ffd", "first_fit_shuffle", "next_fit"):
+        bins = pack(lengths, max_seq_len, algorithm=algo)
+        plans.append((f"binpack {algo}", "-", [np.asarray(b) for b in bins]))
+    plans.append(("none (one sample per row)", "-", [np.array([i]) for i in range(len(samples))]))
+    out = []
+    for name, budget, rows in plans:
+        row_p = np.array([int(patches[r].sum()) for r in rows])
+        out.append(
+            {
+                "packer": name,
+                "budget": budget,
+                "rows": len(rows),
+                "fill": float(lengths.sum()) / (len(rows) * max_seq_len),
+                "vision": float(vision.sum()) / (len(rows) * max_seq_len),
+                "p_mean": float(row_p.mean()),
+                "p_max": int(row_p.max()),
+                "over": int((row_p > max_patches).sum()),
+            }
+        )
+    return out
+
+
+FILL_COLUMNS = [
+    ("packer", "packer", "{}"),
+    ("budget", "patch budget", "{}"),
+    ("rows", "rows", "{:,}"),
+    ("fill", "fill (text+vision)", "{:.3f}"),
+    ("vision", "of which vision", "{:.3f}"),
+    ("p_mean", "patches/row mean", "{:,.0f}"),
+    ("p_max", "patches/row max", "{:,}"),
+    ("over", "rows over the patch budget", "{:,}"),
+]
+
+
+# ------------------------------------------------------------------------- (b)
+def stage_costs(convs: list[dict], tok: Any, proc: Any, rounds: int) -> list[dict[str, Any]]:
+    from PIL import Image
+
+    from sftpack.multimodal import process_images
+    from sftpack.multimodal._sample import _render
+
+    rendered = [_render(c["messages"], c["id"]) for c in convs]
+    n_img = sum(len(parts) for _, _, parts in rendered)
+    per_round: dict[str, list[float]] = {k: [] for k in ("decode", "resize", "patch", "tokenize")}
+    loads = []
+    for _ in range(rounds):
+        tot = dict.fromkeys(per_round, 0.0)
+        for text, _, parts in rendered:
+            t0 = time.perf_counter()
+            imgs = []
+            for part, _ in parts:
+                with Image.open(part["path"]) as im:
+                    imgs.append(im.convert("RGB"))
+            t1 = time.perf_counter()
+            imgs = [im.resize(tuple(p["resize"]), Image.Resampling.BICUBIC) for im, (p, _) in zip(imgs, parts)]
+            t2 = time.perf_counter()
+            process_images(imgs, proc)
+            t3 = time.perf_counter()
+            tok(text, add_special_tokens=False, return_offsets_mapping=True)
+            t4 = time.perf_counter()
+            tot["decode"] += t1 - t0
+            tot["resize"] += t2 - t1
+            tot["patch"] += t3 - t2
+            tot["tokenize"] += t4 - t3
+        for k, v in tot.items():
+            per_round[k].append(v)
+        loads.append(load_average())
+    med = {k: statistics.median(v) for k, v in per_round.items()}
+    rows = []
+    for k in ("decode", "resize", "patch", "tokenize"):
+        rows.append(
+            {
+                "stage": {
+                    "decode": "decode PNG (PIL, RGB)",
+                    "resize": "resize to the seeded size",
+                    "patch": "Qwen2-VL patches (processor)",
+                    "tokenize": "tokenize the ChatML text",
+                }[k],
+                "per_image_us": med[k] / n_img * 1e6 if k != "tokenize" else float("nan"),
+                "per_conv_us": med[k] / len(convs) * 1e6,
+                "vs_tok": med[k] / med["tokenize"],
+                "load": statistics.median(loads),
+            }
+        )
+    img = med["decode"] + med["resize"] + med["patch"]
+    rows.append(
+        {
+            "stage": "all image work",
+            "per_image_us": img / n_img * 1e6,
+            "per_conv_us": img / len(convs) * 1e6,
+            "vs_tok": img / med["tokenize"],
+            "load": statistics.median(loads),
+        }
+    )
+    return rows
+
+
+COST_COLUMNS = [
+    ("stage", "stage", "{}"),
+    ("per_image_us", "per image (us)", "{:,.0f}"),
+    ("per_conv_us", "per conversation (us)", "{:,.0f}"),
+    ("vs_tok", "x tokenizing", "{:.2f}"),
+    ("load", "load", "{:.1f}"),
+]
+
+
+# ------------------------------------------------------------------------- (c)
+def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dict[str, Any]]:
+    import torch
+
+    from sftpack.loss import token_mean_loss
+    from sftpack.multimodal import MultimodalSample, build_multimodal_row, packed_logits, tiny_qwen2vl
+    from sftpack.sample import IGNORE_INDEX
+
+    torch.set_num_threads(threads)
+    specials = np.array([151643, 151652, 151653, 151655, 151656])
+    vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [specials]))
+
+    def rid(t: int) -> int:
+        return int(np.searchsorted(vocab, t))
+
+    items = [
+        MultimodalSample(
+            np.searchsorted(vocab, s.input_ids),
+            s.loss_mask,
+            s.conversation_id,
+            pixel_values=s.pixel_values,
+            image_grid_thw=s.image_grid_thw,
+            image_runs=s.image_runs,
+            image_token_id=rid(151655),
+            merge_size=s.merge_size,
+        )
+        for s in samples
+    ]
+    pad = rid(151643)
+    ids = dict(
+        image_token_id=rid(151655),
+        vision_start_token_id=rid(151652),
+        vision_end_token_id=rid(151653),
+        video_token_id=rid(151656),
+    )
+    packed_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64)
+    padded_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64, text_attention="sdpa")
+    padded_model.load_state_dict(packed_model.state_dict())
+    opt_a = torch.optim.SGD(packed_model.parameters(), lr=1e-3)
+    opt_b = torch.optim.SGD(padded_model.parameters(), lr=1e-3)
+
+    def labels_of(s: Any) -> torch.Tensor:
+        x = torch.from_numpy(s.input_ids)
+        m = torch.from_numpy(s.loss_mask)
+        lab = torch.full_like(x, IGNORE_INDEX)
+        lab[:-1] = torch.where(m[1:], x[1:], torch.full_like(x[1:], IGNORE_INDEX))
+        return lab
+
+    def packed_step(group: list) -> float:
+        row = build_multimodal_row(group, pad_id=pad)
+        n = int(row.loss_mask.sum())
+        t0 = time.perf_counter()
+        opt_a.zero_grad()
+        token_mean_loss(packed_logits(packed_model, row), row.labels, n).backward()
+        opt_a.step()
+        return time.perf_counter() - t0
+
+    def padded_step(group: list) -> float:
+        S = max(len(s) for s in group)
+        x = torch.full((len(group), S), pad, dtype=torch.int64)
+        lab = torch.full((len(group), S), IGNORE_INDEX, dtype=torch.int64)
+        att = torch.zeros((len(group), S), dtype=torch.int64)
+        for i, s in enumerate(group):
+            x[i, : len(s)] = torch.from_numpy(s.input_ids)
+            lab[i, : len(s)] = labels_of(s)
+            att[i, : len(s)] = 1
+        pv = torch.from_numpy(np.concatenate([s.pixel_values for s in group]))
+        grid = torch.from_numpy(np.concatenate([s.image_grid_thw for s in group]))
+        n = int((lab != IGNORE_INDEX).sum())
+        t0 = time.perf_counter()
+        opt_b.zero_grad()
+        out = padded_model(
+            input_ids=x,
+            attention_mask=att,
+            pixel_values=pv,
+            image_grid_thw=grid,
+            mm_token_type_ids=(x == ids["image_token_id"]).to(torch.int32),
+            use_cache=False,
+        )
+        token_mean_loss(out.logits.reshape(-1, out.logits.shape[-1]), lab.reshape(-1), n).backward()
+        opt_b.step()
+        return time.perf_counter() - t0
+
+    groups = [items[i : i + batch] for i in range(0, batch * steps, batch)]
+    packed_step(groups[0])  # warm-up, both
+    padded_step(groups[0])
+    t_a, t_b, real, slots_b, loads = [], [], [], [], []
+    for g in groups:
+        t_a.append(packed_step(g))
+        t_b.append(padded_step(g))
+        real.append(sum(len(s) for s in g))
+        slots_b.append(len(g) * max(len(s) for s in g))
+        loads.append(load_average())
+    tok_a = [r / t for r, t in zip(real, t_a)]
+    tok_b = [r / t for r, t in zip(real, t_b)]
+    return [
+        {
+            "mode": "packed (one row, varlen)",
+            "real_tok_s": statistics.median(tok_a),
+            "step_ms": statistics.median(t_a) * 1e3,
+            "slots": statistics.median(real),
+            "speedup": statistics.median([a / b for a, b in zip(tok_a, tok_b)]),
+            "load": statistics.median(loads),
+        },
+        {
+            "mode": "padded [B, S] (HF sdpa + mask)",
+            "real_tok_s": statistics.median(tok_b),
+            "step_ms": statistics.median(t_b) * 1e3,
+            "slots": statistics.median(slots_b),
+            "speedup": 1.0,
+            "load": statistics.median(loads),
+        },
+    ]
+
+
+TRAIN_COLUMNS = [
+    ("mode", "mode", "{}"),
+    ("real_tok_s", "real tokens/s", "{:,.0f}"),
+    ("step_ms", "step (ms)", "{:,.1f}"),
+    ("slots", "token slots per step", "{:,.0f}"),
+    ("speedup", "real tokens/s vs padded (median of per-step ratios)", "{:.2f}"),
+    ("load", "load", "{:.1f}"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--conversations", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seq-len", type=int, default=1024)
+    ap.add_argument("--max-patches", type=int, default=2048, help="the vision-patch budget per row")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (b)")
+    ap.add_argument("--batch", type=int, default=8, help="samples per training step in (c)")
+    ap.add_argument("--train-steps", type=int, default=6, help="timed steps per mode in (c); 0 skips (c)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads in (c)")
+    add_flag(ap)
+    args = ap.parse_args()
+
+    from sftpack.multimodal import image_processor, qwen2vl_tokenizer, tokenize_multimodal_conversations, vqa_corpus
+
+    where = machine()
+    print(f"machine: {where}")
+    tok, proc = qwen2vl_tokenizer(), image_processor()
+    convs = list(vqa_corpus(seed=args.seed, limit=args.conversations))
+    samples = list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc))
+    n_img = sum(s.num_images for s in samples)
+    lens = np.array([len(s) for s in samples])
+    corpus = (
+        f"{len(convs)} easy-vqa conversations (seed {args.seed}), {len(samples)} samples, {n_img} images; "
+        f"sample length median {int(np.median(lens))}, max {int(lens.max())} tokens (vision included)"
+    )
+    print(corpus)
+
+    fill = fill_table(samples, args.max_seq_len, args.max_patches)
+    t_fill = formatted_table(fill, FILL_COLUMNS)
+    print(f"\n(a) rows of {args.max_seq_len} tokens\n{t_fill}")
+    costs = stage_costs(convs, tok, proc, args.rounds)
+    t_cost = formatted_table(costs, COST_COLUMNS)
+    print(f"\n(b) image work vs tokenizing, medians over {args.rounds} rounds\n{t_cost}")
+    t_train = ""
+    if args.train_steps > 0:
+        train = train_speed(samples, args.batch, args.train_steps, args.threads)
+        t_train = formatted_table(train, TRAIN_COLUMNS)
+        print(f"\n(c) training, {args.batch} samples per step, {args.train_steps} steps each, interleaved\n{t_train}")
+
+    if not args.no_results:
+        body = (
+            f"{corpus}.\n\n"
+            f"(a) Fill and rows at {args.max_seq_len} tokens per row, per packer; the patch columns are "
+            "the vision tower's load per row.\n\n"
+            f"{t_fill}\n\n"
+            f"(b) Image work against tokenizing the text (stages alternate per conversation; medians over "
+            f"{args.rounds} rounds).\n\n{t_cost}\n"
+        )
+        if t_train:
+            body += (
+                f"\n(c) Training a tiny Qwen2-VL (float32, CPU, {args.threads} thread(s)), {args.batch} samples "
+                f"per step, packed vs padded alternating every step, medians over {args.train_steps} steps.\n\n"
+                f"{t_train}\n"
+            )
+        write_section(__file__, body, where, title="bench_multimodal.py: multimodal packing on easy-vqa")
+
+
+if __name__ == "__main__":
+    main()
