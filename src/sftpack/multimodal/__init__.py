@@ -6,6 +6,8 @@ The pieces, in pipeline order:
   or PIL image; never a URL) to Qwen2-VL patches, through transformers'
   PIL/numpy ``Qwen2VLImageProcessorPil`` (no torchvision). Bad images raise
   :class:`BadImageError` naming the record and field, or are counted.
+* :func:`read_multimodal_jsonl`: conversations from JSONL files (image paths relative
+  to the file; bad lines counted or named by file, line and field).
 * :func:`tokenize_multimodal`: one conversation in the Hugging Face multimodal
   chat format to :class:`MultimodalSample` (a :class:`~sftpack.Sample` with
   ``pixel_values``, ``image_grid_thw`` and each image's placeholder run), with
@@ -13,8 +15,9 @@ The pieces, in pipeline order:
   tokens). Over-long samples split at text boundaries only.
 * :func:`rope_index`: Qwen2-VL's MRoPE positions of one sample alone.
 * :func:`plan_rows`: which samples share a row, under a token and a patch budget.
-* :func:`build_multimodal_row`: samples to a :class:`MultimodalBatch` (a
-  :class:`~sftpack.PackedBatch` plus media in row order and per-sample MRoPE positions).
+* :func:`build_multimodal_row`: samples to a :class:`~sftpack.PackedBatch` with its media
+  fields set (media in row order, per-sample MRoPE positions); ``MultimodalBatch`` is
+  the same class.
 * :func:`tiny_qwen2vl`, :func:`packed_logits`, :func:`alone_logits`,
   :func:`check_packed`: the exactness harness (packed equals alone).
 * :func:`vqa_corpus`: the easy-vqa conversations (the embedded multimodal default).
@@ -28,6 +31,7 @@ from ._exactness import PackedCheck, check_packed
 from ._images import BadImageError, BadImageReason, ImagePatches, image_processor, load_image, process_images
 from ._model import alone_logits, packed_logits, tiny_qwen2vl
 from ._plan import plan_rows
+from ._read import MultimodalReadStats, read_multimodal_jsonl  # noqa: F401  (public once the API pin lists them)
 from ._row import MultimodalBatch, build_multimodal_row
 from ._sample import (
     IMAGE_PAD,
