@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -139,6 +141,18 @@ def test_two_writers_of_one_entry_leave_one_whole_entry(tok, tmp_path):
     assert got is not None
     _same(samples, got[0])
     assert [p.name for p in (tmp_path / "tokenized").iterdir()] == ["k"]
+
+
+def test_folders_of_runs_killed_long_ago_are_swept(tok, tmp_path):
+    root = tmp_path / "tokenized"
+    old, fresh = root / ".tmp-old-run", root / ".tmp-running"
+    for d in (old, fresh):
+        d.mkdir(parents=True)
+        (d / "tokens.u32").write_bytes(b"1234")
+    day_and_more = time.time() - 25 * 3600
+    os.utime(old, (day_and_more, day_and_more))
+    training_samples(tok, _convs(), max_seq_len=24, cache_dir=tmp_path)
+    assert not old.exists() and fresh.exists()  # a run writing now is left alone
 
 
 def test_ids_that_do_not_survive_json_are_not_cached(tok, tmp_path, caplog):

@@ -40,6 +40,7 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -297,6 +298,7 @@ class EntryWriter:
     def __init__(self, entry: Path, key: str) -> None:
         self.entry, self.key = entry, key
         entry.parent.mkdir(parents=True, exist_ok=True)
+        _sweep(entry.parent)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=entry.parent))
         self._ids = open(self.tmp / "tokens.u32", "wb")  # noqa: SIM115 - closed in commit/abort
         self._mask = open(self.tmp / "mask.u8", "wb")  # noqa: SIM115
@@ -370,6 +372,21 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return bool(a == b)
+
+
+#: a temporary folder untouched this long was left by a run that was killed mid-write
+_STALE_SECONDS = 24 * 3600
+
+
+def _sweep(folder: Path) -> None:
+    """Remove the temporary and half-deleted folders of runs killed long ago."""
+    now = time.time()
+    for p in [*folder.glob(".tmp-*"), *folder.glob(".trash-*")]:
+        try:
+            if now - p.stat().st_mtime > _STALE_SECONDS:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:  # removed meanwhile by another run
+            pass
 
 
 def _write_file(path: Path, data: bytes) -> None:
