@@ -136,7 +136,7 @@ TRAIN_POOL = 400
 def _train_settings(quick: bool) -> dict[str, int]:
     return {
         "max_seq_len": 1024 if quick else 2048,
-        "steps": 3 if quick else 6,
+        "steps": 3 if quick else 5,
         "conversations": 8,
         "rows": 2,
     }
