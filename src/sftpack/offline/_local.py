@@ -2,7 +2,10 @@
 
 Stage 1 streams the tokenizer's samples (:func:`sftpack.chat.tokenize_conversations`,
 whose output order does not depend on ``num_proc``) into one staging folder
-(:func:`~sftpack.offline.engine.stage_samples`); stage 3 gathers every row's
+(:func:`~sftpack.offline.engine.stage_samples`). The tokenizer's fingerprint (a
+serialisation of the whole vocabulary: a fixed cost, not a per-token one) is
+computed on a helper thread once the first samples are out, so it runs while the
+tokenizer encodes the next batch instead of before the first; stage 3 gathers every row's
 sequences back from it and writes them at the plan's offsets
 (:func:`~sftpack.offline.engine.write_rows`). Memory: the per-sample index (20
 bytes a sample) and one chunk of rows, whatever the number of tokens.
@@ -11,9 +14,10 @@ bytes a sample) and one chunk of rows, whatever the number of tokens.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 
@@ -51,6 +55,33 @@ class _Counted:
             yield from row
 
 
+class _FingerprintAfterFirst:
+    """Passes samples through; when the first one arrives (the tokenizer is then busy with
+    the next batch), starts ``tokenizer_fingerprint`` on ``pool``. :meth:`result` waits for
+    it, starting it first if no sample ever came."""
+
+    def __init__(self, samples: Iterable[Sample], tokenizer: Any, pool: ThreadPoolExecutor):
+        self.samples = samples
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.future: Future[dict[str, Any]] | None = None
+
+    def _start(self) -> Future[dict[str, Any]]:
+        if self.future is None:
+            self.future = self.pool.submit(tokenizer_fingerprint, self.tokenizer)
+        return self.future
+
+    def __iter__(self) -> Iterator[Sample]:
+        it = iter(self.samples)
+        for first in it:
+            self._start()
+            yield first
+            yield from it
+
+    def result(self) -> dict[str, Any]:
+        return self._start().result()
+
+
 class LocalEngine(PrepackEngine):
     """Stages 1 and 3 here.
 
@@ -58,10 +89,20 @@ class LocalEngine(PrepackEngine):
         num_proc: tokenizer processes (the files do not depend on it).
         progress: tqdm bars for tokenizing and writing.
         chunk_tokens: tokens gathered and written per step of stage 3.
+        batch_size: conversations rendered and encoded per tokenizer call (the files
+            do not depend on it either).
     """
 
-    def __init__(self, *, num_proc: int = 1, progress: bool = False, chunk_tokens: int = CHUNK_TOKENS):
+    def __init__(
+        self,
+        *,
+        num_proc: int = 1,
+        progress: bool = False,
+        chunk_tokens: int = CHUNK_TOKENS,
+        batch_size: int = 256,
+    ):
         self.num_proc = positive_int("num_proc", num_proc)
+        self.batch_size = positive_int("batch_size", batch_size)
         self.progress = bool(progress)
         self.chunk_tokens = positive_int("chunk_tokens", chunk_tokens)
 
@@ -80,17 +121,20 @@ class LocalEngine(PrepackEngine):
                 "transformers.AutoTokenizer.from_pretrained(path), or prepack with the Ray engine"
             )
         inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
-        tok_fp = tokenizer_fingerprint(tokenizer)
         tokenized = tokenize_conversations(
             inputs.conversations,
             tokenizer,
             max_seq_len=o.max_seq_len,
             overlong=o.overlong,
             train_on=o.train_on,
+            batch_size=self.batch_size,
             num_proc=self.num_proc,
             progress=self.progress,
         )
-        staged = stage_samples(tokenized, staging)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sftpack-fingerprint") as pool:
+            fingerprinted = _FingerprintAfterFirst(tokenized, tokenizer, pool)
+            staged = stage_samples(fingerprinted, staging)
+            tok_fp = fingerprinted.result()
         read = inputs.reader.stats.as_dict() if inputs.reader is not None else None
         return Staged(
             staged,
