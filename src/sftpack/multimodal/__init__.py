@@ -16,8 +16,8 @@ The pieces, in pipeline order:
 * :func:`rope_index`: Qwen2-VL's MRoPE positions of one sample alone.
 * :func:`plan_rows`: which samples share a row, under a token and a patch budget.
 * :func:`build_multimodal_row`: samples to a :class:`~sftpack.PackedBatch` with its media
-  fields set (media in row order, per-sample MRoPE positions); ``MultimodalBatch`` is
-  the same class.
+  fields set (media in row order, per-sample MRoPE positions); a ``MultimodalBatch``,
+  its subclass with no fields of its own.
 * :func:`tiny_qwen2vl`, :func:`packed_logits`, :func:`alone_logits`,
   :func:`check_packed`: the exactness harness (packed equals alone).
 * :func:`vqa_corpus`: the easy-vqa conversations (the embedded multimodal default).

@@ -1,9 +1,10 @@
 """Rows with media: several :class:`MultimodalSample` in one flat row, with their images.
 
-The row is a :class:`~sftpack.PackedBatch` (``MultimodalBatch`` is the same class)
-whose text fields come from :func:`sftpack.handoff.build_row` (the one row builder):
-input ids, shifted labels, text positions restarting per sample, ``cu_seqlens`` /
-``cu_seqlens_padded``. Its media fields hold, in row order (samples in input order, images in order within each sample):
+The row is a :class:`~sftpack.PackedBatch` (a ``MultimodalBatch``, its subclass with
+no fields of its own) whose text fields come from :func:`sftpack.handoff.build_row`
+(the one row builder): input ids, shifted labels, text positions restarting per
+sample, ``cu_seqlens`` / ``cu_seqlens_padded``. Its media fields hold, in row order
+(samples in input order, images in order within each sample):
 
 - ``mrope_position_ids`` ``(3, T)``: each sample's own Qwen2-VL MRoPE positions
   (:func:`rope_index` of the sample alone) at its segment; a segment's padding slots
@@ -19,7 +20,8 @@ input ids, shifted labels, text positions restarting per sample, ``cu_seqlens`` 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import fields
+from typing import cast
 
 import numpy as np
 import torch
@@ -29,9 +31,12 @@ from ._sample import MultimodalSample, rope_index
 
 __all__ = ["MultimodalBatch", "build_multimodal_row"]
 
-#: A row with media is a :class:`~sftpack.PackedBatch` whose media fields are set
-#: (the name is kept for the multimodal API).
-MultimodalBatch = PackedBatch
+
+class MultimodalBatch(PackedBatch):
+    """A :class:`~sftpack.PackedBatch` built with media (what :func:`build_multimodal_row`
+    returns): no fields of its own, the media fields are the handoff's. Any
+    ``PackedBatch`` with media fields is used the same way (``PackedBatch.concat`` of
+    these rows gives one)."""
 
 
 def build_multimodal_row(
@@ -41,7 +46,7 @@ def build_multimodal_row(
     pad_multiple: int = 1,
     pad_id: int = 151643,
     device: torch.device | str | None = None,
-) -> PackedBatch:
+) -> MultimodalBatch:
     """Lay ``samples`` end to end in one row with their media (input order kept).
 
     ``row_width``, ``pad_multiple`` and ``pad_id`` as for :func:`sftpack.handoff.build_row`
@@ -87,8 +92,8 @@ def build_multimodal_row(
     vcu = np.zeros(len(per) + 1, dtype=np.int64)
     np.cumsum(per, out=vcu[1:])
     pv = np.concatenate([s.pixel_values for s in items])
-    batch = replace(
-        text,
+    batch = MultimodalBatch(
+        **{f.name: getattr(text, f.name) for f in fields(PackedBatch) if getattr(text, f.name) is not None},
         mrope_position_ids=torch.from_numpy(mrope),
         pixel_values=torch.from_numpy(np.ascontiguousarray(pv)),
         image_grid_thw=torch.from_numpy(grids),
@@ -98,4 +103,4 @@ def build_multimodal_row(
         image_token_id=int(image_token_id),
         spatial_merge_size=int(merges.pop()),
     )
-    return batch.to(device) if device is not None else batch
+    return cast(MultimodalBatch, batch.to(device)) if device is not None else batch
