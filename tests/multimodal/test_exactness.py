@@ -29,7 +29,14 @@ import numpy as np
 import pytest
 import torch
 
-from sftpack.multimodal import MultimodalBatch, MultimodalSample, check_packed, rope_index
+from sftpack.multimodal import (
+    MultimodalBatch,
+    MultimodalSample,
+    alone_logits,
+    build_multimodal_row,
+    check_packed,
+    rope_index,
+)
 from sftpack.sample import IGNORE_INDEX
 
 TOL = 1e-10  # float64; see the docstring
@@ -160,3 +167,21 @@ def test_negative_controls_fail_with_sftpack_attention(renumbered, model, tamper
     assert not r.within(TOL), r
     if tamper is not _as_one_sequence:
         assert max(r.logits, r.loss, r.grads_language, r.grads_vision) > BUG, r
+
+
+def test_the_rows_hf_kwargs_run_qwen2vl_as_is(renumbered, sdpa_model):
+    """``to_hf_kwargs()`` of a row with media goes straight into Qwen2VLForConditionalGeneration
+    (sdpa: boundaries from the text position row, which needs ``use_cache=False``; the model
+    runs its own vision tower on ``pixel_values`` / ``image_grid_thw``): each sample's logits
+    equal it run alone, to TOL."""
+    items = renumbered.samples[:4]
+    row = build_multimodal_row(items, pad_multiple=4, pad_id=renumbered.pad_id).validate()
+    kw = row.to_hf_kwargs()
+    assert kw["position_ids"].shape == (4, 1, row.num_tokens) and kw["pixel_values"] is row.pixel_values
+    keys = ("input_ids", "position_ids", "pixel_values", "image_grid_thw", "use_cache")
+    with torch.no_grad():
+        logits = sdpa_model(**{k: kw[k] for k in keys}).logits[0]
+        cu, cup = row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
+        for i, s in enumerate(items):
+            alone = alone_logits(sdpa_model, s)
+            assert float((logits[cup[i] : cup[i] + cu[i + 1] - cu[i]] - alone).abs().max()) <= TOL

@@ -614,7 +614,9 @@ class PackedBatch:
         A row with media (Qwen2-VL) gets ``position_ids`` of shape ``(4, 1, T)``: the
         text positions (restarting per sequence) on top of the three MRoPE rows,
         Qwen2-VL's packed form, plus ``pixel_values`` and ``image_grid_thw`` when it
-        holds images.
+        holds images: ``Qwen2VLForConditionalGeneration(**kw)`` then runs its own vision
+        tower, and each sample's logits equal it run alone (tested; the
+        ``use_cache=False`` matters: with a cache Hugging Face ignores the restarts).
 
         >>> from sftpack.testing import samples_from_lengths
         >>> kw = PackedBatch.from_samples(samples_from_lengths([2, 3])).to_hf_kwargs()
