@@ -173,7 +173,10 @@ class RowsCollator:
         self.pad_between_seqs = pad_between_seqs
 
     def __call__(self, rows: Sequence[PackedBatch]) -> dict[str, Any]:
-        return hf_row_kwargs(PackedBatch.concat(list(rows)), pad_between_seqs=self.pad_between_seqs)
+        batch = getattr(rows, "batch", None)  # offline rows fetched together (PrepackedDataset.__getitems__)
+        if not isinstance(batch, PackedBatch):
+            batch = PackedBatch.concat(list(rows))
+        return hf_row_kwargs(batch, pad_between_seqs=self.pad_between_seqs)
 
 
 class PaddedCollator:

@@ -31,7 +31,7 @@ from ._exactness import PackedCheck, check_packed
 from ._images import BadImageError, BadImageReason, ImagePatches, image_processor, load_image, process_images
 from ._model import alone_logits, packed_logits, tiny_qwen2vl
 from ._plan import plan_rows
-from ._read import MultimodalReadStats, read_multimodal_jsonl  # noqa: F401  (public once the API pin lists them)
+from ._read import MultimodalReadStats, read_multimodal_jsonl
 from ._row import MultimodalBatch, build_multimodal_row
 from ._sample import (
     IMAGE_PAD,
@@ -56,6 +56,7 @@ __all__ = [
     "BadImageReason",
     "ImagePatches",
     "MultimodalBatch",
+    "MultimodalReadStats",
     "MultimodalSample",
     "MultimodalStats",
     "PackedCheck",
@@ -68,6 +69,7 @@ __all__ = [
     "plan_rows",
     "process_images",
     "qwen2vl_tokenizer",
+    "read_multimodal_jsonl",
     "rope_index",
     "tiny_qwen2vl",
     "tokenize_multimodal",
