@@ -210,6 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         str(torch.get_num_threads()),
         "--csv",
         str(bench_train.OUT / "gpu_check_train.csv"),
+        "--no-results",  # the CPU section of RESULTS.md stays the CPU run's
     ]
     if args.quick:
         bench_args += ["--limit", "300", "--steps", "2"]
