@@ -1,7 +1,7 @@
 """Rows with media: several :class:`MultimodalSample` in one flat row, with their images.
 
 The row is a :class:`~sftpack.PackedBatch` (a ``MultimodalBatch``, its subclass with
-no fields of its own) whose text fields come from :func:`sftpack.handoff.build_row`
+no fields of its own) whose text fields come from :meth:`sftpack.PackedBatch.from_samples`
 (the one row builder): input ids, shifted labels, text positions restarting per
 sample, ``cu_seqlens`` / ``cu_seqlens_padded``. Its media fields hold, in row order
 (samples in input order, images in order within each sample):
@@ -26,7 +26,7 @@ from typing import cast
 import numpy as np
 import torch
 
-from ..handoff import PackedBatch, PackedBatchError, build_row
+from ..handoff import PackedBatch, PackedBatchError
 from ._sample import MultimodalSample, rope_index
 
 __all__ = ["MultimodalBatch", "build_multimodal_row"]
@@ -65,16 +65,7 @@ def build_multimodal_row(
     image_token_id = img_ids.pop()
     if pad_id == image_token_id:
         raise PackedBatchError(f"pad_id {pad_id} is the image placeholder id; pad with another token")
-    ids = [s.conversation_id for s in items]
-    text = build_row(
-        np.concatenate([s.input_ids for s in items]),
-        np.concatenate([s.loss_mask for s in items]),
-        np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items)),
-        row_width=row_width,
-        pad_multiple=pad_multiple,
-        pad_id=pad_id,
-        sequence_ids=ids,
-    )
+    text = PackedBatch.from_samples(items, row_width=row_width, pad_multiple=pad_multiple, pad_id=pad_id)
     T = text.num_tokens
     cup = text.cu_seqlens_padded.tolist()
     mrope = np.empty((3, T), dtype=np.int64)
