@@ -375,18 +375,15 @@ def run(args: argparse.Namespace) -> int:
             check_tokenizer = tok  # PrepackedDataset(expect={"tokenizer": ...}) refuses another one
         else:
             say(f"note: {args.prepacked} records no tokenizer: its ids are taken to be this tokenizer's")
+
+    def default_model(vocab: int) -> Any:
+        return build_model(vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads, seed=cfg.seed)
+
     model = None
     if args.model:
         model = load_model(args.model)
     elif args.vocab == "tokenizer":  # the data vocabulary is known only after tokenizing
-        model = build_model(
-            vocab_size,
-            dim=cfg.dim,
-            layers=cfg.layers,
-            heads=cfg.heads,
-            kv_heads=cfg.kv_heads,
-            seed=cfg.seed,
-        )
+        model = default_model(vocab_size)
     _mark("model")
     samples: list[Any] | None = None
     workdir = None
@@ -413,14 +410,7 @@ def run(args: argparse.Namespace) -> int:
             vocab_size, pad_id = len(kept_ids), 0
             say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})")
     if model is None:
-        model = build_model(
-            vocab_size,
-            dim=cfg.dim,
-            layers=cfg.layers,
-            heads=cfg.heads,
-            kv_heads=cfg.kv_heads,
-            seed=cfg.seed,
-        )
+        model = default_model(vocab_size)
         _mark("model")
     try:
         if prepacked is None and args.packing == "offline":
