@@ -29,7 +29,10 @@ Options every algorithm honours: ``cost_multiple`` (each sequence costs its
 length rounded up to the per-sequence pad multiple, as the row builder pads it,
 so no row overflows after padding), ``max_items_per_bin``, ``min_bins`` and
 ``bins_multiple_of`` (every data-parallel rank needs a row) and ``seed``. The
-same input and seed give the same bins. :func:`pack_histogram` packs a
+same input and seed give the same bins. A second budget, ``weights`` (one
+integer per sequence, e.g. a multimodal sample's vision patches) capped per
+row by ``max_weight_per_bin``, is honoured by every algorithm, item by item.
+:func:`pack_histogram` packs a
 ``(length, count)`` histogram into :class:`HistogramBins` without item indices.
 
 Time and memory follow the number of sequences, of distinct lengths and of

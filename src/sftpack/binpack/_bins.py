@@ -173,9 +173,12 @@ class Bins(Sequence[np.ndarray]):
         *,
         cost_multiple: int = 1,
         max_items_per_bin: int | None = None,
+        weights: ArrayLike | None = None,
+        max_weight_per_bin: int | None = None,
     ) -> None:
         """Raise ``ValueError`` unless every item appears exactly once, no row is
-        empty, each row's cost fits ``capacity`` and holds at most ``max_items_per_bin``."""
+        empty, each row's cost fits ``capacity`` and holds at most ``max_items_per_bin``
+        items and at most ``max_weight_per_bin`` of ``weights`` (the second budget)."""
         arr = _as_lengths(lengths)
         n = arr.shape[0]
         if self.order.shape[0] != n:
@@ -191,6 +194,16 @@ class Bins(Sequence[np.ndarray]):
         if loads.shape[0] and loads.max() > capacity:
             b = int(np.argmax(loads))
             raise ValueError(f"bin {b} costs {int(loads[b])} > capacity {capacity}")
+        if max_weight_per_bin is not None:
+            if weights is None:
+                raise ValueError("max_weight_per_bin needs the weights to check")
+            w = _as_lengths(weights, "weights")
+            if w.shape[0] != n:
+                raise ValueError(f"weights has {w.shape[0]} entries but lengths has {n}")
+            sums = np.add.reduceat(w[self.order], self.offsets[:-1]) if n else np.zeros(0, np.int64)
+            if sums.shape[0] and sums.max() > max_weight_per_bin:
+                b = int(np.argmax(sums))
+                raise ValueError(f"bin {b} weighs {int(sums[b])} > max_weight_per_bin={max_weight_per_bin}")
 
 
 @dataclass(frozen=True, eq=False)

@@ -55,6 +55,8 @@ def pack(
     min_bins: int | None = None,
     bins_multiple_of: int | None = None,
     seed: int = 0,
+    weights: ArrayLike | None = None,
+    max_weight_per_bin: int | None = None,
 ) -> Bins:
     """Pack sequences of the given lengths into rows of ``capacity`` tokens.
 
@@ -74,6 +76,14 @@ def pack(
             data-parallel size, so every rank gets a row).
         seed: shuffle seed of ``first_fit_shuffle`` (the others are
             deterministic without it).
+        weights: ``(n,)`` a second integer size per sequence, each ``>= 0``
+            (e.g. the vision patches of a multimodal sample), capped per row
+            by ``max_weight_per_bin``. Without the cap they are checked and
+            otherwise ignored: the rows are those of the one budget.
+        max_weight_per_bin: the second budget: each row's weights sum to at
+            most this. Every algorithm honours it, item by item (see
+            :func:`_pack_two`); with it, equal lengths are no longer
+            interchangeable, so the histogram shortcut is off.
 
     Returns:
         :class:`Bins`: every index of ``lengths`` exactly once; each row's cost
@@ -83,8 +93,9 @@ def pack(
     Raises:
         ValueError: an unknown algorithm (listing the valid ones), a bad option,
             a length below 1 or above the capacity (naming its index, length
-            and the capacity) or beyond int64, or fewer sequences than the rows
-            required.
+            and the capacity) or beyond int64, a weight below 0 or above
+            ``max_weight_per_bin`` (naming its index), or fewer sequences than
+            the rows required.
         TypeError: a length that is not an integer (naming its index and value).
 
     >>> bins = pack([5, 10, 3, 8, 6], capacity=16)
@@ -94,6 +105,8 @@ def pack(
     [[0, 1], [2, 3], [4]]
     >>> pack([5, 10, 3, 8, 6], capacity=2**31 - 1).to_lists()  # one row, in microseconds
     [[1, 3, 4, 0, 2]]
+    >>> pack([5, 10, 3, 8, 6], 16, weights=[1, 3, 0, 2, 2], max_weight_per_bin=3).to_lists()
+    [[1], [3, 0, 2], [4]]
     """
     algo = _choose_algorithm(algorithm)
     capacity = _capacity(capacity)
@@ -105,6 +118,7 @@ def pack(
 
     arr = _as_lengths(lengths)
     n = arr.shape[0]
+    wts, cap_weight = _second_budget(weights, max_weight_per_bin, n)
     if min_rows > n:
         raise ValueError(
             f"min_bins={min_rows} rows need at least {min_rows} sequences, got {n}: "
@@ -117,7 +131,10 @@ def pack(
         return Bins._trusted(np.zeros(0, np.int64), np.zeros(1, np.int64))
     _k.load()
 
-    if algo in _HISTOGRAM_ALGORITHMS:
+    if wts is not None and cap_weight is not None:
+        _check_fits(arr, capacity, cost_multiple)
+        order, offsets = _pack_two(algo, arr, cost_multiple, cap_units, item_cap, wts, cap_weight, seed)
+    elif algo in _HISTOGRAM_ALGORITHMS:
         sizes, counts, bucket, start = _group_by_size(arr, capacity, cost_multiple)
         records = _records(algo, sizes, counts, cap_units, item_cap)
         order, offsets = _k.records_to_order(*records, bucket, start)
@@ -142,6 +159,80 @@ def pack(
             )
         offsets = _split_rows(offsets, target)
     return Bins._trusted(order, offsets)
+
+
+def _second_budget(
+    weights: ArrayLike | None, max_weight_per_bin: object, n: int
+) -> tuple[np.ndarray | None, int | None]:
+    """The validated ``(weights, cap)`` of the second budget (either may be None)."""
+    cap = None if max_weight_per_bin is None else _non_negative_int("max_weight_per_bin", max_weight_per_bin)
+    if cap is not None and cap > _MAX_WEIGHT:
+        raise ValueError(f"max_weight_per_bin must be at most 2**62 = {_MAX_WEIGHT}, got {cap}")
+    if weights is None:
+        if cap is not None:
+            raise ValueError(
+                f"max_weight_per_bin={cap} caps the weights per row, but no weights were given: pass weights=, "
+                f"one per sequence"
+            )
+        return None, None
+    wts = _as_lengths(weights, "weights")
+    if wts.shape[0] != n:
+        raise ValueError(f"weights has {wts.shape[0]} entries but there are {n} lengths: give one weight per sequence")
+    if n and int(wts.min()) < 0:
+        i = int(np.argmin(wts))
+        raise ValueError(f"weights[{i}] = {int(wts[i])}: weights must be >= 0")
+    if cap is not None and n and int(wts.max()) > cap:
+        i = int(np.flatnonzero(wts > cap)[0])
+        raise ValueError(
+            f"weights[{i}] = {int(wts[i])} is more than max_weight_per_bin={cap}: no row can hold that sequence; "
+            f"drop or split it first, or raise max_weight_per_bin to at least {int(wts[i])}"
+        )
+    return wts, cap
+
+
+#: the largest second budget: a row's weight sum stays below 2**63 while it is being tested
+_MAX_WEIGHT = 2**62
+
+
+def _pack_two(
+    algo: Algorithm,
+    arr: np.ndarray,
+    cost_multiple: int,
+    cap_units: int,
+    item_cap: int,
+    weights: np.ndarray,
+    cap_weight: int,
+    seed: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, offsets)`` under both budgets, item by item.
+
+    - ``ffd``: cost descending (input order among equal costs), each into the first
+      row where both its cost and its weight fit;
+    - ``bfd``: the same order, each into the row left tightest in cost among those
+      where both fit (the first of equals);
+    - ``greedy_knapsack``: one row at a time, taking the first item of that order whose
+      cost and weight both fit;
+    - ``first_fit_shuffle``: first fit in the seeded shuffled order;
+    - ``next_fit``: input order, a new row when either budget or the item count is full.
+
+    When the weights never bind, ``ffd``, ``greedy_knapsack``, ``first_fit_shuffle`` and
+    ``next_fit`` give exactly their one-budget rows, and ``bfd`` rows of the same loads
+    (rows of equal room may swap). Time ``O(n log n)`` for most inputs: the bins are
+    found in trees over the rows, no longer in the length histogram.
+    """
+    n = arr.shape[0]
+    if algo is Algorithm.NEXT_FIT:
+        return np.arange(n, dtype=np.int64), _k.next_fit_two(
+            arr, cost_multiple, cap_units, item_cap, weights, cap_weight
+        )
+    if algo is Algorithm.FIRST_FIT_SHUFFLE:
+        visit = np.random.default_rng(seed).permutation(n).astype(np.int64)
+    else:
+        visit = np.argsort(-_units(arr, cost_multiple), kind="stable").astype(np.int64)
+    if algo is Algorithm.GREEDY_KNAPSACK:
+        offsets = _k.greedy_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
+        return visit, offsets
+    return _k.any_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit, algo is Algorithm.BFD)
 
 
 def _group_by_size(

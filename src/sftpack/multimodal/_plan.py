@@ -2,19 +2,21 @@
 
 The vision encoder's activations grow with the patches of a row, not with its
 tokens (a 448x448 image is 1,024 patches but 256 placeholder tokens), so a row
-planner for multimodal data may cap both. :func:`plan_rows` is first-fit
-decreasing over the token cost (length rounded up to ``pad_multiple``, what the
-row builder lays), placing an item in the first row where both its tokens and its
-patches fit. Without ``max_patches`` it makes as many rows as
-``sftpack.binpack.pack(..., "ffd", cost_multiple=pad_multiple)`` (the same
-first-fit decreasing rule on the same costs). Each row lists its samples in input
-order, as every path's rows do. Pure numpy, deterministic.
+planner for multimodal data may cap both. :func:`plan_rows` is
+``sftpack.binpack.pack(..., "ffd", cost_multiple=pad_multiple, weights=patches,
+max_weight_per_bin=max_patches)``: first-fit decreasing over the token cost (length
+rounded up to ``pad_multiple``, what the row builder lays), placing a sample in the
+first row where both its tokens and its patches fit. Without ``max_patches`` its rows
+are exactly binpack's first-fit decreasing rows. Each row lists its samples in input
+order, as every path's rows do. Deterministic; numpy and the bin packer only.
 """
 
 from __future__ import annotations
 
 import numpy as np
 from numpy.typing import ArrayLike
+
+from ..binpack import pack
 
 __all__ = ["plan_rows"]
 
@@ -61,20 +63,14 @@ def plan_rows(
     if pt.size and int(pt.max()) > cap_p:
         i = int(np.argmax(pt))
         raise ValueError(f"plan_rows: sample {i} has {int(pt[i])} patches, more than max_patches={cap_p}")
-    order = np.argsort(-cost, kind="stable")
-    room_t = np.empty(0, dtype=np.int64)
-    room_p = np.empty(0, dtype=np.int64)
-    members: list[list[int]] = []
-    for i in order.tolist():
-        c, p = int(cost[i]), int(pt[i])
-        fits = np.flatnonzero((room_t >= c) & (room_p >= p))
-        if fits.size:
-            b = int(fits[0])
-            room_t[b] -= c
-            room_p[b] -= p
-            members[b].append(i)
-        else:
-            room_t = np.append(room_t, max_seq_len - c)
-            room_p = np.append(room_p, cap_p - p)
-            members.append([i])
-    return [np.sort(np.asarray(m, dtype=np.int64)) for m in members]
+    if ln.size == 0:
+        return []
+    bins = pack(
+        ln,
+        max_seq_len,
+        "ffd",
+        cost_multiple=pad_multiple,
+        weights=pt,
+        max_weight_per_bin=max_patches,
+    )
+    return [np.sort(np.asarray(r, dtype=np.int64)) for r in bins]
