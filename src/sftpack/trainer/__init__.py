@@ -24,6 +24,10 @@ The path itself is three modules:
   over data-parallel ranks (bins from :mod:`sftpack.binpack`).
 - ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``
   batch an unpacked loader hands over (the input of :func:`pack_step`).
+- ``_media``: the same with images (issue 19): :func:`collate_media` (multimodal
+  samples to a padded batch with their MRoPE positions and patches,
+  :class:`PaddedMediaBatch`) and :func:`pack_media_step` (that batch packed into
+  one row with its media, a ``sftpack.multimodal.MultimodalBatch``).
 
 What every path shares lives in :mod:`sftpack.handoff` and is imported from
 there (:func:`~sftpack.handoff.pad_multiple_for`, :func:`~sftpack.handoff.shard_for_cp`,
@@ -37,6 +41,11 @@ from __future__ import annotations
 
 from ..handoff import shard_for_cp as shard_for_cp  # the contract's names (sftpack._ALIASES)
 from ..handoff import unpack as unpack
+
+# issue 19's media names: importable here; in __all__ once tests/test_public_api.py pins them (the lead's)
+from ._media import PaddedMediaBatch as PaddedMediaBatch
+from ._media import collate_media as collate_media
+from ._media import pack_media_step as pack_media_step
 from ._padded import padded_batch
 from ._plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
 from ._step import pack_step
