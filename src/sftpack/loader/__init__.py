@@ -27,6 +27,9 @@ One concept per module:
   packing hooks; its batches are :class:`EnergonPackedBatch` (a ``PackedBatch``
   with Energon's restore key) (needs ``megatron-energon``; both load on first use).
 - ``_example``: :func:`worked_example_row`, the contract's worked example.
+- ``_media``: :class:`MultimodalPackingDataset`, the same rule for conversations with images
+  (rows of :class:`~sftpack.multimodal.MultimodalBatch`, planned under a token and a patch
+  budget); its counts are :class:`MultimodalLoaderStats` (loads on first use).
 
 >>> row = worked_example_row()
 >>> row.num_tokens, row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
@@ -49,6 +52,8 @@ _LAZY = {
     "saved_num_workers": "resume",
     "PackingTaskEncoder": "energon",
     "EnergonPackedBatch": "energon",
+    "MultimodalPackingDataset": "_media",
+    "MultimodalLoaderStats": "_media",
 }
 
 __all__ = [
