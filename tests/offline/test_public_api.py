@@ -18,6 +18,7 @@ def test_the_package_exports_the_user_facing_names():
         "import_megatron_bridge",
         "import_packed_jsonl",
         "prepack",
+        "prepack_multimodal",
         "prepack_ray",
         "prepack_samples",
         "read_manifest",

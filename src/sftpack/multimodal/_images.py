@@ -151,3 +151,131 @@ def process_images(images: list[Any], processor: Any) -> ImagePatches:
         np.ascontiguousarray(out["pixel_values"], dtype=np.float32),
         np.asarray(out["image_grid_thw"], dtype=np.int64).reshape(-1, 3),
     )
+
+
+# ------------------------------------------------------------------ resize apart from patchify
+#
+# The processor's pipeline per image is: to RGB, smart_resize (bicubic, PIL, uint8 in and
+# out), rescale (uint8 -> float64 * 1/255 -> float32), normalise ((x - mean) / std in
+# float32, per channel), patchify (a fixed permutation, each patch repeated over the
+# temporal patch). Everything after the resize is elementwise on one uint8 value of one
+# channel, then a permutation: so the resized uint8 image and its grid determine the
+# patches, and a (3, 256) table of the processor's own rescale+normalise outputs
+# reproduces them bit for bit (:func:`pixel_table`). That is what lets a prepack store
+# the resized pixels (3 bytes a pixel) instead of float32 patches (24 bytes a pixel:
+# 4-byte floats, each pixel twice for the temporal patch) and patchify on read.
+
+
+def _key(processor: Any) -> tuple:
+    return (
+        int(processor.patch_size),
+        int(processor.temporal_patch_size),
+        int(processor.merge_size),
+        float(processor.rescale_factor),
+        tuple(float(x) for x in processor.image_mean),
+        tuple(float(x) for x in processor.image_std),
+    )
+
+
+def processor_settings(processor: Any) -> dict[str, Any]:
+    """What the processor's output depends on, as plain JSON values (a prepack's manifest keeps them)."""
+    size = processor.size
+    p, t, m, scale, mean, std = _key(processor)
+    return {
+        "patch_size": p,
+        "temporal_patch_size": t,
+        "merge_size": m,
+        "rescale_factor": scale,
+        "image_mean": list(mean),
+        "image_std": list(std),
+        "min_pixels": int(size.shortest_edge if hasattr(size, "shortest_edge") else size["shortest_edge"]),
+        "max_pixels": int(size.longest_edge if hasattr(size, "longest_edge") else size["longest_edge"]),
+        "resample": int(processor.resample),
+        "class": type(processor).__name__,
+    }
+
+
+@lru_cache(maxsize=8)
+def _table(key: tuple, processor: Any) -> np.ndarray:
+    ramp = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 1, 256)).copy()  # a (C, H, W) image of every value
+    x = processor.rescale(ramp, processor.rescale_factor)
+    x = processor.normalize(x, processor.image_mean, processor.image_std)
+    out = np.ascontiguousarray(np.asarray(x, dtype=np.float32).reshape(3, 256))
+    out.setflags(write=False)
+    return out
+
+
+def pixel_table(processor: Any) -> np.ndarray:
+    """``(3, 256)`` float32: the processor's own rescale and normalisation of every uint8 value of
+    each channel (read-only, shared). ``table[c, v]`` is the patch value of a pixel of value ``v`` in
+    channel ``c``, bit for bit (the steps are elementwise)."""
+    if not (getattr(processor, "do_rescale", True) and getattr(processor, "do_normalize", True)):
+        raise ValueError("pixel_table needs a processor that rescales and normalises (Qwen2-VL's does)")
+    return _table(_key(processor), processor)
+
+
+def resize_image(image: Any, processor: Any) -> np.ndarray:
+    """The processor's resize of one RGB ``PIL`` image: ``(H, W, 3)`` uint8, ``H`` and ``W``
+    multiples of ``patch_size * merge_size`` (Qwen2-VL's ``smart_resize``, bicubic)."""
+    chw = processor.process_image(image, do_convert_rgb=True)
+    chw = processor.resize(
+        chw, size=processor.size, resample=processor.resample, factor=int(processor.patch_size * processor.merge_size)
+    )
+    if chw.dtype != np.uint8:
+        raise TypeError(f"the processor's resize gave {chw.dtype}, expected uint8 pixels")
+    return np.ascontiguousarray(np.moveaxis(chw, 0, -1))
+
+
+def patchify_pixels(pixels: np.ndarray, processor: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """``(grid_h * grid_w, 3 * T * p * p)`` float32 patches of a resized ``(H, W, 3)`` uint8 image:
+    byte for byte what the processor gives for the image it was resized from.
+
+    ``out``: an array of that shape to write into (a slice of a batch's ``pixel_values``)."""
+    p, t, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    h, w, c = pixels.shape
+    gh, gw = h // p, w // p
+    if c != 3 or gh * p != h or gw * p != w or gh % m or gw % m:
+        raise ValueError(f"pixels of shape {pixels.shape}: need (H, W, 3) with H and W multiples of {p * m}")
+    values = pixel_table(processor)[np.arange(3), pixels]  # (H, W, 3) float32
+    blocks = values.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(
+        0, 3, 1, 4, 6, 2, 5
+    )  # (bh, bw, mh, mw, C, py, px)
+    shape = (gh * gw, 3 * t * p * p)
+    if out is None:
+        out = np.empty(shape, np.float32)
+    elif out.shape != shape or out.dtype != np.float32:
+        raise ValueError(f"out has shape {out.shape} {out.dtype}, the patches need {shape} float32")
+    view = out.reshape(gh // m, gw // m, m, m, 3, t, p, p)
+    view[...] = blocks[:, :, :, :, :, None, :, :]
+    return out
+
+
+def pixels_from_patches(pixel_values: np.ndarray, grid_thw: Any, processor: Any) -> np.ndarray:
+    """The resized ``(H, W, 3)`` uint8 image whose :func:`patchify_pixels` is ``pixel_values``
+    (one image's patches, grid ``(1, h, w)``): the exact inverse.
+
+    Raises:
+        ValueError: the patches are not the processor's output for a uint8 image (a value that
+            is not in :func:`pixel_table`, temporal copies that differ, a video grid).
+    """
+    p, t, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    gt, gh, gw = (int(x) for x in np.asarray(grid_thw).reshape(3))
+    pv = np.asarray(pixel_values)
+    if gt != 1 or pv.shape != (gh * gw, 3 * t * p * p) or pv.dtype != np.float32:
+        raise ValueError(
+            f"patches {pv.shape} {pv.dtype} for grid {(gt, gh, gw)}: need one image's ({gh * gw}, {3 * t * p * p}) "
+            "float32 patches of grid (1, h, w)"
+        )
+    blocks = pv.reshape(gh // m, gw // m, m, m, 3, t, p, p)
+    first = blocks[:, :, :, :, :, 0]
+    if t > 1 and not np.array_equal(blocks, np.broadcast_to(first[:, :, :, :, :, None], blocks.shape)):
+        raise ValueError("the patches' temporal copies differ: not a still image")
+    chw = first.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, gh * p, gw * p)  # (C, bh, mh, py, bw, mw, px)
+    table = pixel_table(processor)
+    out = np.empty((gh * p, gw * p, 3), np.uint8)
+    for c in range(3):
+        idx = np.searchsorted(table[c], chw[c]).clip(0, 255)
+        if not np.array_equal(table[c][idx].view(np.uint32), chw[c].view(np.uint32)):
+            raise ValueError(f"channel {c} holds values that no uint8 pixel normalises to: not the processor's patches")
+        out[:, :, c] = idx
+    return out

@@ -53,7 +53,7 @@ from ._format import PrepackError, read_manifest
 from ._options import PrepackOptions
 from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl
 from ._plan import plan_rows as plan_rows  # not in __all__: benchmarks/bench_ray.py imports it here
-from ._prepack import prepack, prepack_samples
+from ._prepack import prepack, prepack_multimodal, prepack_samples
 from ._ray import prepack_ray
 from ._result import PrepackResult
 
@@ -68,6 +68,7 @@ __all__ = [
     "import_megatron_bridge",
     "import_packed_jsonl",
     "prepack",
+    "prepack_multimodal",
     "prepack_ray",
     "prepack_samples",
     "read_manifest",

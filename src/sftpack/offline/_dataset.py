@@ -55,7 +55,18 @@ from ..handoff import PackedBatch, PackedBatchError, build_row, padded_lengths
 from ..sample import IGNORE_INDEX
 from . import _collate
 from ._fingerprint import tokenizer_fingerprint
-from ._format import FILES, INDEX_FILES, ROW_DTYPE, SEQUENCE_DTYPE, PrepackError, file_sha256, open_npy, read_manifest
+from ._format import (
+    FILES,
+    INDEX_FILES,
+    MEDIA_FILES,
+    ROW_DTYPE,
+    SEQUENCE_DTYPE,
+    PrepackError,
+    file_sha256,
+    open_npy,
+    read_manifest,
+)
+from ._media import IMAGE_DTYPE, MEDIA_INDEX_FILES, MediaReader
 from ._shard import Balance, epoch_rows
 
 __all__ = ["BatchedRows", "PrepackedDataset", "Verify"]
@@ -74,6 +85,7 @@ _MAPPED = (
     "_seq_len",
     "_seq_conv",
     "_token_bytes",
+    "media",
 )
 assert _collate.IGNORE == IGNORE_INDEX  # the kernel writes the label the handoff ignores
 
@@ -103,10 +115,16 @@ class BatchedRows(Sequence[PackedBatch]):
 
     __slots__ = ("_rows", "_seqs", "batch", "widths")
 
-    def __init__(self, batch: PackedBatch, widths: Sequence[int], sequences: Sequence[int]):
+    def __init__(
+        self,
+        batch: PackedBatch,
+        widths: Sequence[int],
+        sequences: Sequence[int],
+        rows: Sequence[PackedBatch] | None = None,
+    ):
         self.batch = batch
         self.widths = tuple(widths)  # slots of each row
-        self._rows: list[PackedBatch] | None = None
+        self._rows: list[PackedBatch] | None = None if rows is None else list(rows)
         self._seqs = tuple(sequences)  # sequences of each row
 
     def __len__(self) -> int:
@@ -229,7 +247,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     def _open(self, mode: Verify | None) -> None:
         files, counts = self.manifest["files"], self.manifest["counts"]
-        for name in FILES:
+        media = self.manifest.get("media")
+        names = FILES + MEDIA_FILES if media is not None else FILES
+        for name in names:
             p = self.path / name
             if not p.is_file():
                 raise PrepackError(
@@ -241,7 +261,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
                     "truncated or was replaced; write the prepack again"
                 )
         if mode is not None:  # the index always, the bulk token and mask data with "full"
-            for name in FILES if mode is Verify.FULL else INDEX_FILES:
+            index = INDEX_FILES + MEDIA_INDEX_FILES if media is not None else INDEX_FILES
+            for name in names if mode is Verify.FULL else index:
                 if file_sha256(self.path / name) != files[name]["sha256"]:
                     raise PrepackError(
                         f"{self.path / name} does not match its checksum in the manifest (SHA-256 differs): the "
@@ -270,8 +291,22 @@ class PrepackedDataset(torch.utils.data.Dataset):
         self._row_seq, self._row_tok = self.rows["sequence"], self.rows["token"]
         self._seq_len, self._seq_conv = self.sequences["length"], self.sequences["conversation"]
         self._token_bytes = self.tokens.view(np.uint8)
+        self.media: MediaReader | None = None
+        if media is not None:
+            shapes = {
+                "pixels": (np.dtype(np.uint8), media["pixel_bytes"]),
+                "images": (IMAGE_DTYPE, media["images"]),
+                "row_images": (np.dtype("<i8"), counts["rows"] + 1),
+            }
+            for name in MEDIA_FILES:
+                key = name[: -len(".npy")]
+                arr, mm = open_npy(self.path / name, *shapes[key])
+                self._arrays[key], self._maps[key] = arr, mm
+            self.media = MediaReader(self.path, self.manifest, self._arrays)
         if mode is not None:
             self._check_index()
+            if self.media is not None:
+                self.media.check(self.rows, self.sequences, counts)
         self._read_bytes = 0
 
     def _check_index(self) -> None:
@@ -461,6 +496,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
         """Global row ``r`` as a :class:`PackedBatch` of width ``max_seq_len``; ``sequence_ids`` holds
         each segment's conversation id."""
         ids, mask, seqs = self.row_arrays(r)
+        if self.media is not None:
+            return self._media_row(r, ids, mask, seqs)
         try:
             return build_row(
                 ids,
@@ -479,6 +516,39 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 f"{self.path}: row {r} cannot be read ({e}): the index is damaged; open it with verify='size' to "
                 "find the file, and write the prepack again"
             ) from None
+
+    def _media_row(self, r: int, ids: np.ndarray, mask: np.ndarray, seqs: np.ndarray) -> PackedBatch:
+        """A row with its images: :func:`sftpack.multimodal.build_multimodal_row` of its samples (the
+        in-memory row builder), the pixels patchified as the processor does."""
+        from ..multimodal import build_multimodal_row
+
+        assert self.media is not None
+        r %= self.num_rows
+        conv_ids = [self.conversation_id(int(c)) for c in seqs["conversation"]]
+        try:
+            samples = self.media.samples(r, int(self.rows[r]["sequence"]), ids, mask, seqs, conv_ids)
+            return build_multimodal_row(
+                samples, row_width=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
+            )
+        except (PackedBatchError, IndexError, ValueError) as e:  # a damaged index (verify=None skips its checks)
+            if isinstance(e, PrepackError):
+                raise
+            raise PrepackError(
+                f"{self.path}: row {r} cannot be read with its images ({e}): the index is damaged; open it with "
+                "verify='size' to find the file, and write the prepack again"
+            ) from None
+
+    def row_images(self, r: int) -> list[np.ndarray]:
+        """Global row ``r``'s images as stored: resized ``(H, W, 3)`` uint8 arrays, in row order
+        (empty for a prepack without media)."""
+        if self.media is None:
+            return []
+        m = self.media
+        out = []
+        for rec in m.images[int(m.row_images[r]) : int(m.row_images[r + 1])]:
+            a, h, w = int(rec["pixels"]), int(rec["height"]), int(rec["width"])
+            out.append(m.pixels[a : a + h * w * 3].reshape(h, w, 3))
+        return out
 
     # ------------------------------------------------------------------ batched reading
 
@@ -501,6 +571,11 @@ class PrepackedDataset(torch.utils.data.Dataset):
         rows = self._positions(indices)
         seqs = self.rows["sequence"]
         counts = (seqs[rows + 1] - seqs[rows]).tolist()
+        if self.media is not None:  # rows with images: read one by one, laid end to end
+            from ..multimodal import MultimodalBatch
+
+            each = [self.row(int(x)) for x in rows]
+            return BatchedRows(MultimodalBatch.concat(each), [self.max_seq_len] * len(counts), counts, rows=each)
         return BatchedRows(self.read_rows(rows), [self.max_seq_len] * len(counts), counts)
 
     def read_rows(self, rows: Iterable[int] | np.ndarray) -> PackedBatch:
@@ -514,6 +589,10 @@ class PrepackedDataset(torch.utils.data.Dataset):
         if bad.any():
             raise IndexError(f"row {int(r[np.flatnonzero(bad)[0]])} is out of range for {n} rows")
         r = r % n
+        if self.media is not None:  # rows with images: each through the multimodal row builder
+            from ..multimodal import MultimodalBatch
+
+            return MultimodalBatch.concat([self.row(int(x)) for x in r])
         if r.shape[0] * self.max_seq_len >= 1 << 31:  # int32 boundaries: leave the overflow to concat's own rules
             return PackedBatch.concat([self.row(int(x)) for x in r])
         a = self._arrays

@@ -29,7 +29,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -42,6 +42,7 @@ from ._format import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    MEDIA_FORMAT_VERSION,
     PrepackError,
     digest,
     file_sha256,
@@ -50,6 +51,7 @@ from ._format import (
     write_json,
 )
 from ._inputs import check_out_outside_inputs
+from ._media import MEDIA_FILES, MultimodalConversations
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._publish import writing
@@ -87,7 +89,7 @@ class Job:
     """
 
     out: Path
-    work: Conversations | Samples
+    work: Conversations | Samples | MultimodalConversations
     planner: Planner
     fingerprint: dict[str, Any]
     source: str = "conversations"
@@ -169,12 +171,18 @@ def build_manifest(
     dtype: np.dtype,
     vocab: int,
     files: dict[str, Any],
+    media: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The manifest of a finished prepack: the counts, checked against the accounting
     identities, and the fingerprint, sealed with its own digest, and the whole manifest
-    sealed with ``manifest_sha256``."""
+    sealed with ``manifest_sha256``. With ``media`` (a prepack with images): format version
+    3 and the ``media`` entry (what is stored per image, the processor's settings, totals)."""
     counts = _counts(staged, plan, reading)
     _check_identity(counts)
+    extra: dict[str, Any] = {}
+    if media is not None:
+        fingerprint = dict(fingerprint, media={k: media[k] for k in ("kind", "processor", "image_token_id")})
+        extra["media"] = media
     # the layout the rows were built with, as the reader checks it against the manifest's own entries
     fingerprint = dict(
         fingerprint,
@@ -187,7 +195,7 @@ def build_manifest(
     return seal_manifest(
         {
             "format": FORMAT,
-            "format_version": FORMAT_VERSION,
+            "format_version": MEDIA_FORMAT_VERSION if media is not None else FORMAT_VERSION,
             "sftpack_version": __version__,
             "source": source,
             "max_seq_len": plan.row_width,
@@ -199,14 +207,16 @@ def build_manifest(
             "fingerprint": fingerprint,
             "counts": counts,
             "files": files,
+            **extra,
         }
     )
 
 
-def _checksums(directory: Path, progress: bool) -> dict[str, Any]:
+def _checksums(directory: Path, progress: bool, media: bool = False) -> dict[str, Any]:
     files = {}
-    with progress_bar(progress, total=len(FILES), desc="checksum", unit="file") as bar:
-        for name in FILES:
+    names = FILES + MEDIA_FILES if media else FILES
+    with progress_bar(progress, total=len(names), desc="checksum", unit="file") as bar:
+        for name in names:
             files[name] = {"bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
             bar.update(1)
     return files
@@ -244,7 +254,10 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     raise PrepackError(f"nothing to pack: no sample came out of the input (counts: {staged.counts})")
                 t0 = time.perf_counter()
                 with progress_bar(job.progress, total=1, desc="pack", unit="step") as bar:
-                    plan = job.planner.plan(s.lengths, staged.row_sizes)
+                    if staged.media is not None:  # the second budget: vision patches per row
+                        plan = cast(Any, job.planner).plan(s.lengths, staged.row_sizes, patches=staged.media.patches)
+                    else:
+                        plan = job.planner.plan(s.lengths, staged.row_sizes)
                     bar.update(1)
                 seconds["pack"] = time.perf_counter() - t0
                 tok = staged.tokenizer or {}
@@ -267,7 +280,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                 )
                 seconds["write"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                files = _checksums(tmp, job.progress)
+                files = _checksums(tmp, job.progress, media=staged.media is not None)
                 seconds["checksum"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 step = "writing the manifest"
@@ -282,6 +295,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     dtype=dtype,
                     vocab=vocab,
                     files=files,
+                    media=None if staged.media is None else staged.media.manifest_entry(),
                 )
                 write_json(tmp / MANIFEST, manifest)
                 step = "publishing the prepack"

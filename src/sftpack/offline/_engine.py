@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 
 from .._types import TokenizerSpec
 from ..sample import Sample
+from ._media import MultimodalConversations
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._result import PrepackResult
@@ -71,6 +72,8 @@ class Staged:
         inputs: the manifest's ``fingerprint["inputs"]`` (``None``: not an input of this engine's).
         tokenizer: the tokenizer's fingerprint (``None``: no tokenizer ran).
         row_sizes: samples per row of an input given in rows (:class:`Samples` ``in_rows``), else ``None``.
+        media: the staged images of multimodal samples
+            (:class:`~sftpack.offline._media.StagedMedia`), else ``None``.
     """
 
     samples: StagedSamples
@@ -80,6 +83,7 @@ class Staged:
     inputs: list[dict[str, Any]] | None = None
     tokenizer: dict[str, Any] | None = None
     row_sizes: np.ndarray | None = None
+    media: Any = None
 
 
 def progress_bar(progress: bool, **kw: Any) -> Any:
@@ -99,8 +103,9 @@ class PrepackEngine(ABC):
         yield
 
     @abstractmethod
-    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
-        """Stage 1: stage the samples of ``work`` under ``staging`` (an empty folder)."""
+    def stage(self, work: Conversations | Samples | MultimodalConversations, staging: Path) -> Staged:
+        """Stage 1: stage the samples of ``work`` under ``staging`` (an empty folder). Multimodal
+        conversations (:func:`~sftpack.offline.prepack_multimodal`) are the local engine's only."""
 
     @abstractmethod
     def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:

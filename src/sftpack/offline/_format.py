@@ -50,6 +50,8 @@ __all__ = [
     "INDEX_FILES",
     "MANIFEST",
     "MAX_ROW_WIDTH",
+    "MEDIA_FILES",
+    "MEDIA_FORMAT_VERSION",
     "ROW_DTYPE",
     "SEQUENCE_DTYPE",
     "PrepackError",
@@ -67,6 +69,11 @@ __all__ = [
 FORMAT = "sftpack.prepack"
 #: 2: the manifest carries ``manifest_sha256`` and the fingerprint ``pad_id``; 1 is refused (no manifest checksum).
 FORMAT_VERSION = 2
+#: 3: a prepack with images (``manifest["media"]`` and three more files, see ``_media``); an older
+#: sftpack refuses it ("written by a newer sftpack") instead of reading its rows without their images.
+MEDIA_FORMAT_VERSION = 3
+#: The media files, checked like the others when the manifest has ``media``.
+MEDIA_FILES = ("pixels.npy", "images.npy", "row_images.npy")
 MANIFEST = "manifest.json"
 #: The widest row a prepack may have (16 Mi slots). A row is built as five int64
 #: tensors of its width (40 bytes a slot: 640 MB at this width), the boundaries are
@@ -270,9 +277,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise PrepackError(
             f"{path}: format_version is {version!r}, expected an integer: the manifest is damaged; write the prepack again"
         )
-    if version > FORMAT_VERSION:
+    if version > MEDIA_FORMAT_VERSION:
         raise PrepackError(
-            f"{directory} was written by a newer sftpack (format version {version} > {FORMAT_VERSION}, "
+            f"{directory} was written by a newer sftpack (format version {version} > {MEDIA_FORMAT_VERSION}, "
             f"written by sftpack {manifest.get('sftpack_version', '?')}): upgrade sftpack to read it"
         )
     if version < FORMAT_VERSION:
@@ -364,7 +371,27 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
     get(m, "vocab_size", "vocab_size", lambda v: _int(v) and 1 <= v <= top + 1, f"an integer from 1 to {top + 1}")
     get(m, "pad_between_seqs", "pad_between_seqs", lambda v: isinstance(v, bool), "true or false")
     files = get(m, "files", "files", is_dict, "an object")
-    for name in FILES:
+    media = m.get("media")
+    if (m.get("format_version") == MEDIA_FORMAT_VERSION) != (media is not None):
+        raise bad("media", media, f"an object exactly when format_version is {MEDIA_FORMAT_VERSION}")
+    if media is not None:
+        get(m, "media", "media", is_dict, "an object")
+        for key in ("images", "patches", "pixel_bytes", "image_token_id", "merge_size"):
+            get(media, key, f"media.{key}", lambda v: _int(v) and v >= 0, "an integer >= 0")
+        get(media, "kind", "media.kind", lambda v: v == "qwen2vl-resized-uint8-hwc", "'qwen2vl-resized-uint8-hwc'")
+        proc = get(media, "processor", "media.processor", is_dict, "an object")
+        for key in ("patch_size", "temporal_patch_size", "merge_size"):
+            get(proc, key, f"media.processor.{key}", lambda v: _int(v) and v >= 1, "a positive integer")
+        for key in ("image_mean", "image_std"):
+            get(
+                proc,
+                key,
+                f"media.processor.{key}",
+                lambda v: isinstance(v, list) and len(v) == 3 and all(_number(x) for x in v),
+                "three numbers",
+            )
+        get(proc, "rescale_factor", "media.processor.rescale_factor", _number, "a number")
+    for name in FILES + (MEDIA_FILES if media is not None else ()):
         entry = get(files, name, f"files.{name}", is_dict, "an object")
         get(entry, "bytes", f"files.{name}.bytes", lambda v: _int(v) and v >= 0, "a byte count")
         get(

@@ -28,6 +28,7 @@ from ..sample import Sample
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
 from ._inputs import open_inputs, reading_counts
+from ._media import MultimodalConversations, stage_multimodal, write_media
 from ._plan import RowPlan
 from ._stage import stage_samples
 from ._write import CHUNK_TOKENS, write_rows
@@ -106,7 +107,9 @@ class LocalEngine(PrepackEngine):
         self.progress = bool(progress)
         self.chunk_tokens = positive_int("chunk_tokens", chunk_tokens)
 
-    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
+    def stage(self, work: Conversations | Samples | MultimodalConversations, staging: Path) -> Staged:
+        if isinstance(work, MultimodalConversations):
+            return stage_multimodal(work, staging, self.progress)
         if isinstance(work, Samples):
             counted = _Counted(work)
             staged = stage_samples(counted, staging)
@@ -148,3 +151,5 @@ class LocalEngine(PrepackEngine):
     def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
         with progress_bar(self.progress, total=plan.num_rows, desc="write", unit="row") as bar:
             write_rows(directory, plan, staged.source, dtype, chunk_tokens=self.chunk_tokens, on_chunk=bar.update)
+        if staged.media is not None:
+            write_media(directory, plan, staged.media)

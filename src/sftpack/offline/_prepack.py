@@ -18,7 +18,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .._base import choose
+from .._base import choose, positive_int
 from .._types import Tokenizer
 from ..binpack import Algorithm
 from ..chat import OnBadRow, TrainOn
@@ -27,12 +27,13 @@ from ._driver import Job, run, run_conversations
 from ._engine import PrepackEngine, Samples
 from ._fingerprint import input_fingerprints, tokenizer_fingerprint
 from ._local import LocalEngine
+from ._media import MediaPack, MultimodalConversations
 from ._options import Engine, PrepackOptions
 from ._plan import BinPack, KeepRows
 from ._ray import RayEngine
 from ._result import PrepackResult
 
-__all__ = ["prepack", "prepack_rows", "prepack_samples"]
+__all__ = ["prepack", "prepack_multimodal", "prepack_rows", "prepack_samples"]
 
 
 def _engine_for(options: PrepackOptions) -> PrepackEngine:
@@ -243,4 +244,67 @@ def _write_samples(
         overwrite=overwrite,
         progress=progress,
     )
+    return run(job, LocalEngine(progress=progress))
+
+
+def prepack_multimodal(
+    conversations: Iterable[Any],
+    out: str | os.PathLike[str],
+    *,
+    max_seq_len: int = 4096,
+    pad_multiple: int = 1,
+    max_patches: int | None = None,
+    overlong: str = "split",
+    on_bad_row: str = "skip",
+    num_proc: int = 1,
+    limit: int | None = None,
+    tokenizer: Any = None,
+    processor: Any = None,
+    fingerprint: dict[str, Any] | None = None,
+    overwrite: bool = False,
+    progress: bool = False,
+) -> PrepackResult:
+    """Tokenize, plan and write multimodal conversations (images included) as a prepack.
+
+    The one driver writes it (stage 1: :func:`sftpack.multimodal.tokenize_multimodal_conversations`;
+    stage 2: :func:`sftpack.multimodal.plan_rows`; stage 3: tokens and images at the plan's
+    offsets), with the local engine; the files are the same for any ``num_proc``.
+    :class:`PrepackedDataset` reads each row back as a ``MultimodalBatch`` equal to
+    :func:`sftpack.multimodal.build_multimodal_row` of the same samples.
+
+    Args:
+        conversations: Hugging Face multimodal chat conversations (mappings with ``messages``
+            and ``id``), e.g. :func:`sftpack.multimodal.vqa_corpus` or
+            :func:`sftpack.multimodal.read_multimodal_jsonl`.
+        out, max_seq_len, pad_multiple, num_proc, limit, overwrite, progress: as :func:`prepack`.
+        max_patches: vision patches per row (the second budget); ``None``: no patch budget.
+        overlong: ``split`` (at text boundaries, never inside an image), ``drop`` or ``error``.
+        on_bad_row: ``skip`` (bad images and records counted under their reasons) or ``error``.
+        tokenizer, processor: default :func:`sftpack.multimodal.qwen2vl_tokenizer` and
+            :func:`sftpack.multimodal.image_processor`.
+        fingerprint: extra entries for the manifest's fingerprint (the CLI names its corpus).
+    """
+    if str(overlong) not in ("split", "drop", "error"):
+        raise ValueError(f"overlong must be split, drop or error for multimodal samples, got {overlong!r}")
+    rule = choose(OnBadRow, on_bad_row, "on_bad_row")
+    planner = MediaPack(max_seq_len, pad_multiple, max_patches)
+    work = MultimodalConversations(
+        conversations,
+        tokenizer,
+        processor,
+        planner.max_seq_len,
+        overlong=str(overlong),
+        on_bad_row=str(rule),
+        num_proc=positive_int("num_proc", num_proc),
+        limit=limit,
+    )
+    fp = {
+        "max_seq_len": planner.max_seq_len,
+        "pad_multiple": planner.pad_multiple,
+        "overlong": str(overlong),
+        "on_bad_row": str(rule),
+        "limit": limit,
+        **(fingerprint or {}),
+    }
+    job = Job(Path(out), work, planner, fp, source="multimodal conversations", overwrite=overwrite, progress=progress)
     return run(job, LocalEngine(progress=progress))

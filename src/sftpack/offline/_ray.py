@@ -52,6 +52,7 @@ from ._driver import run_conversations
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
 from ._inputs import open_inputs, reading_counts
+from ._media import MultimodalConversations
 from ._options import UNIT_CONVERSATIONS, PrepackOptions
 from ._plan import RowPlan
 from ._ray_session import import_ray, ray_session
@@ -190,9 +191,12 @@ class RayEngine(PrepackEngine):
             raise RuntimeError("RayEngine.stage/write run inside RayEngine.session() (the driver enters it)")
         return self._run
 
-    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
+    def stage(self, work: Conversations | Samples | MultimodalConversations, staging: Path) -> Staged:
         if not isinstance(work, Conversations):
-            raise TypeError("the Ray engine tokenizes conversations; write samples with the local engine")
+            raise TypeError(
+                "the Ray engine tokenizes text conversations; write samples or multimodal conversations with the "
+                "local engine"
+            )
         state = self._state()
         o = work.options
         staging.mkdir(parents=True, exist_ok=True)

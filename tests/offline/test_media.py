@@ -1,0 +1,277 @@
+"""Prepacks with images: rows read back equal the rows built in memory, byte for byte.
+
+One small easy-vqa corpus (images 56-140 px a side, one or two per conversation) plus a
+conversation whose image file is missing (counted, never packed) and one long enough to
+be split at a text boundary, prepacked with a token and a patch budget. Checked: every
+field of every row read back against :func:`build_multimodal_row` of the same samples
+tokenized in memory (``pixel_values`` byte-identical, from the stored uint8 pixels), the
+same files for ``num_proc`` 1 and 2, a flipped media byte caught by the checksums, every
+conversation accounted for, and one read row through a tiny float64 Qwen2-VL equal to
+each of its samples run alone, in both boundary modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("easy_vqa")
+pytest.importorskip("PIL")
+
+from sftpack.multimodal import (  # noqa: E402
+    MultimodalBatch,
+    build_multimodal_row,
+    check_packed,
+    image_processor,
+    load_image,
+    qwen2vl_tokenizer,
+    tokenize_multimodal_conversations,
+    vqa_corpus,
+)
+from sftpack.multimodal._images import (  # noqa: E402
+    patchify_pixels,
+    pixel_table,
+    pixels_from_patches,
+    resize_image,
+)
+from sftpack.offline import PrepackedDataset, PrepackError, prepack_multimodal  # noqa: E402
+from sftpack.offline._format import MEDIA_FILES  # noqa: E402
+from sftpack.sample import IGNORE_INDEX  # noqa: E402
+from tests.multimodal.conftest import Renumbered  # noqa: E402
+
+MAX_SEQ_LEN = 256
+PAD_MULTIPLE = 4
+MAX_PATCHES = 400
+# Exactness tolerance, fixed, float64 (u = 2**-53 = 1.1e-16), as derived in
+# tests/multimodal/test_exactness.py: packed and alone compute the same function and
+# differ only in summation order; an n-term sum in any order is off by at most n*u of its
+# terms' magnitude sum (Higham, section 3.1). The longest chain here is n <= 4,000 (the
+# patch embedding's 1,176-term dot products, width 32 over 2 vision and 2 text layers,
+# segments <= 256 tokens, <= 256 logits per row over <= 150 ids, <= 100 patches per image),
+# so each run is off by <= 4.4e-13 relative, the two by <= 8.9e-13, on logits and gradients
+# of magnitude <= 10 (asserted): <= 8.9e-12; 1e-10 is 11x that.
+TOL = 1e-10
+
+
+def _conversations(tmp_dir):
+    convs = list(vqa_corpus(seed=2, limit=14, min_side=56, max_side=140))
+    img = convs[0]["messages"][0]["content"][0]
+    missing = {"type": "image", "path": str(tmp_dir / "no-such.png")}
+    convs.insert(3, {"id": "bad-image", "messages": [
+        {"role": "user", "content": [missing, {"type": "text", "text": "What shape?"}]},
+        {"role": "assistant", "content": "A circle."},
+    ]})  # fmt: skip
+    long = [{"role": "user", "content": [dict(img), {"type": "text", "text": "Describe it."}]}]
+    for k in range(24):
+        long.append({"role": "assistant", "content": f"Answer number {k}: it is a shape with a colour."})
+        long.append({"role": "user", "content": f"And question number {k + 1}, what else?"})
+    long.append({"role": "assistant", "content": "That is all."})
+    convs.insert(8, {"id": "long", "messages": long})
+    return convs
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    return _conversations(tmp_path_factory.mktemp("media-inputs"))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory, corpus):
+    """The corpus prepacked with num_proc 1 and 2: ``{1: path, 2: path}``."""
+    qwen2vl_tokenizer()  # loaded once, before the fork, so the workers inherit it
+    out = {}
+    for n in (1, 2):
+        r = prepack_multimodal(
+            corpus,
+            tmp_path_factory.mktemp("media") / f"p{n}",
+            max_seq_len=MAX_SEQ_LEN,
+            pad_multiple=PAD_MULTIPLE,
+            max_patches=MAX_PATCHES,
+            num_proc=n,
+        )
+        out[n] = r.path
+    return out
+
+
+@pytest.fixture(scope="module")
+def in_memory(corpus):
+    """The same conversations tokenized in memory (bad ones skipped), by conversation id and piece."""
+    samples = tokenize_multimodal_conversations(corpus, max_seq_len=MAX_SEQ_LEN, on_bad_row="skip")
+    return {(s.conversation_id, int(s.meta.get("piece", 0)) if s.meta else 0): s for s in samples}
+
+
+def _same(a, b):
+    assert type(a) is type(b) is MultimodalBatch
+    for f in dataclasses.fields(a):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, f.name
+            assert x.numpy().tobytes() == y.numpy().tobytes(), f.name
+        else:
+            assert x == y, f.name
+
+
+def _row_samples(ds, r, in_memory):
+    seqs = ds.row_sequences(r)
+    return [in_memory[(ds.conversation_id(int(c)), int(k))] for c, k in zip(seqs["conversation"], seqs["piece"])]
+
+
+def test_rows_read_back_equal_rows_built_in_memory(written, in_memory):
+    ds = PrepackedDataset(written[1], verify="full", expect={"max_seq_len": MAX_SEQ_LEN, "pad_multiple": PAD_MULTIPLE})
+    assert ds.media is not None and len(ds) >= 3
+    seen = 0
+    for r in range(len(ds)):
+        row = ds[r].validate()
+        samples = _row_samples(ds, r, in_memory)
+        _same(row, build_multimodal_row(samples, row_width=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE))
+        assert row.num_tokens == MAX_SEQ_LEN and int(row.image_grid_thw.prod(dim=1).sum()) <= MAX_PATCHES
+        imgs = ds.row_images(r)
+        assert [tuple(x.shape) for x in imgs] == [(14 * h, 14 * w, 3) for _, h, w in row.image_grid_thw.tolist()]
+        seen += len(samples)
+    assert seen == len(in_memory) == ds.manifest["counts"]["sequences"]
+    # several rows at once: the rows laid end to end, and what a DataLoader's batched fetch collates
+    _same(ds.batch([2, 0, 1]), MultimodalBatch.concat([ds[2], ds[0], ds[1]]))
+    fetched = ds.__getitems__([1, 2])
+    _same(ds.collate(fetched), MultimodalBatch.concat([ds[1], ds[2]]))
+    _same(fetched[1], ds[2])
+
+
+def test_files_are_byte_identical_for_any_num_proc(written):
+    a, b = written[1], written[2]
+    names = sorted(p.name for p in a.iterdir())
+    assert names == sorted(p.name for p in b.iterdir()) and set(MEDIA_FILES) <= set(names)
+    for name in names:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+
+
+def test_every_conversation_is_accounted_for(written, corpus, in_memory):
+    m = json.loads((written[1] / "manifest.json").read_text())
+    c = m["counts"]
+    assert c["read"] == len(corpus) and c["read"] == c["kept"] + sum(c["dropped"].values())
+    assert c["dropped"] == {"image_missing_file": 1}
+    oc = c["overlong"]
+    assert oc["split"] == 1 and oc["tokenized"] == oc["fit"] + oc["split"] + oc["dropped"] + oc["truncated"]
+    assert c["packed_conversations"] == c["kept"] and c["sequences"] == len(in_memory) > c["kept"]
+    assert c["tokens"] == sum(len(s) for s in in_memory.values())
+    media = m["media"]
+    assert media["images"] == sum(s.num_images for s in in_memory.values())
+    assert media["patches"] == sum(s.num_patches for s in in_memory.values())
+    # the stored pixels are 3 bytes a pixel; the float32 patches would be 24 (8x)
+    assert media["pixel_bytes"] * 8 == sum(s.pixel_values.nbytes for s in in_memory.values())
+    assert m["format_version"] == 3 and m["fingerprint"]["media"]["kind"] == media["kind"]
+
+
+def _flip(path, offset_from_end=1):
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name, mode", [("pixels.npy", "full"), ("images.npy", "size"), ("row_images.npy", "size")])
+def test_a_flipped_media_byte_is_caught(written, tmp_path, name, mode):
+    copy = tmp_path / "copy"
+    shutil.copytree(written[1], copy)
+    PrepackedDataset(copy, verify=mode)  # intact: opens
+    _flip(copy / name, 3)
+    with pytest.raises(PrepackError, match=name):
+        PrepackedDataset(copy, verify=mode)
+
+
+def test_an_edited_media_entry_is_refused(written, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(written[1], copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["media"]["processor"]["image_mean"][0] = 0.5
+    (copy / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PrepackError, match="manifest_sha256"):
+        PrepackedDataset(copy)
+
+
+def test_patchify_on_read_is_the_processors_output_byte_for_byte(corpus):
+    """The stored form (the processor's resize, uint8) patchified with the processor's own
+    rescale/normalise table gives its pixel_values bit for bit, on every image of the corpus
+    (sizes 56-140 px, aspect ratios from 0.4 to 2.5) and two large ones; the inverse recovers
+    the pixels exactly and refuses patches that no uint8 image gives."""
+    proc = image_processor()
+    table = pixel_table(proc)
+    assert table.dtype == np.float32 and np.all(np.diff(table, axis=1) > 0)  # injective: the inverse exists
+    parts = [p for c in corpus for m in c["messages"] if isinstance(m["content"], list) for p in m["content"]]
+    parts = [p for p in parts if p["type"] == "image" and "no-such" not in str(p.get("path"))]
+    parts += [dict(parts[0], resize=[448, 448]), dict(parts[1], resize=[500, 90])]
+    for part in parts:
+        img = load_image(part)
+        want = proc(images=[img], return_tensors="np")
+        pv = np.ascontiguousarray(want["pixel_values"], dtype=np.float32)
+        px = resize_image(img, proc)
+        assert px.dtype == np.uint8 and px.shape[2] == 3
+        assert patchify_pixels(px, proc).tobytes() == pv.tobytes()
+        grid = want["image_grid_thw"][0]
+        assert np.array_equal(pixels_from_patches(pv, grid, proc), px)
+    bad = pv.copy()
+    bad[0, [0, 14 * 14]] = np.nextafter(bad[0, 0], np.float32(10))  # channel 0's first pixel, both temporal copies
+    with pytest.raises(ValueError, match="no uint8 pixel"):
+        pixels_from_patches(bad, grid, proc)
+    bad[0, 0] = pv[0, 0]
+    with pytest.raises(ValueError, match="temporal copies differ"):
+        pixels_from_patches(bad, grid, proc)
+
+
+def _renumber_row(rn: Renumbered, row: MultimodalBatch) -> MultimodalBatch:
+    """A read row over the compact vocabulary of the tiny model, patches in float64."""
+    labels = row.labels.clone()
+    keep = labels != IGNORE_INDEX
+    labels[keep] = torch.from_numpy(np.searchsorted(rn.vocab, labels[keep].numpy()))
+    return dataclasses.replace(
+        row,
+        input_ids=torch.from_numpy(np.searchsorted(rn.vocab, row.input_ids.numpy())),
+        labels=labels,
+        pixel_values=row.pixel_values.to(torch.float64),
+        image_token_id=rn.id(151655),
+    )
+
+
+@pytest.fixture(scope="module")
+def exact_row(written, in_memory):
+    ds = PrepackedDataset(written[1])
+    r = max(range(len(ds)), key=lambda i: (ds[i].num_images, ds[i].num_sequences))
+    row = ds[r]
+    rn = Renumbered(_row_samples(ds, r, in_memory))
+    torch.set_num_threads(1)
+    return rn, _renumber_row(rn, row), rn.model()
+
+
+@pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
+def test_a_read_row_through_qwen2vl_equals_each_sample_alone(exact_row, pad_between_seqs):
+    """The row as read from disk (check_packed's own row swapped for it) against each in-memory
+    sample run alone: logits, loss, gradients of the language model and the vision tower."""
+    rn, row, model = exact_row
+    assert row.num_sequences >= 3 and row.num_images >= 3 and int(row.cu_seqlens_padded[-1]) == MAX_SEQ_LEN
+    r = check_packed(
+        model,
+        rn.samples,
+        pad_between_seqs=pad_between_seqs,
+        pad_multiple=PAD_MULTIPLE,
+        row_width=MAX_SEQ_LEN,
+        pad_id=rn.pad_id,
+        tamper=lambda built: row,
+    )
+    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r  # the premise of TOL
+    assert r.within(TOL), r
+    # the control: the same row with 1-D positions in the MRoPE rows (the grids ignored) fails by
+    # far more (tests/multimodal/test_exactness.py's BUG, 1e6 x TOL)
+    one_d = dataclasses.replace(row, mrope_position_ids=row.position_ids.expand(3, -1).clone())
+    bad = check_packed(
+        model,
+        rn.samples,
+        pad_between_seqs=pad_between_seqs,
+        pad_multiple=PAD_MULTIPLE,
+        row_width=MAX_SEQ_LEN,
+        pad_id=rn.pad_id,
+        tamper=lambda built: one_d,
+    )
+    assert not bad.within(1e-4), bad
