@@ -245,6 +245,16 @@ def test_resume_at_any_row_is_exact_and_seeded(renumbered):
     assert MultimodalLoaderStats.from_state(ref.state_dict()).epochs == 2
     with pytest.raises(StateError, match=r"other arguments \(max_patches: saved 120, here 100\)"):
         MultimodalPackingDataset(renumbered.samples, **(kw | {"max_patches": 100})).load_state_dict(st)
+    # a state saved over other items is refused before it emits a row
+    st = MultimodalPackingDataset(renumbered.samples, **kw)
+    it = iter(st)
+    next(it)
+    saved = st.state_dict()
+    assert saved["buffer"] or saved["pending"]
+    other_data = MultimodalPackingDataset(renumbered.samples[::-1], **kw)
+    other_data.load_state_dict(saved)
+    with pytest.raises(StateError, match="saved over other data"):
+        next(iter(other_data))
 
 
 def test_resume_from_conversations_re_tokenizes_only_what_it_needs(convs):
