@@ -1,4 +1,8 @@
-"""``sftpack bench``: what packing saves on your conversations, per algorithm."""
+"""``sftpack bench``: what packing saves on your conversations, per algorithm.
+
+``--corpus vqa`` benches multimodal conversations instead (the embedded easy-vqa
+corpus, or multimodal JSONL files): each packer's rows and fill for text + vision
+tokens, without and with a vision-patch budget per row."""
 
 from __future__ import annotations
 
@@ -18,7 +22,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how much packing saves on your conversations (or the embedded corpus): rows and padding per algorithm",
     )
     b.add_argument(
-        "paths", nargs="*", help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus)"
+        "paths",
+        nargs="*",
+        help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus); "
+        "with --corpus vqa, multimodal JSONL files (image paths relative to each file)",
+    )
+    b.add_argument(
+        "--corpus",
+        choices=["chat", "vqa"],
+        default="chat",
+        help="chat: text conversations (default; embedded chitchat corpus without PATHS); "
+        "vqa: conversations with images (embedded easy-vqa corpus without PATHS), packed under "
+        "a token and a vision-patch budget",
+    )
+    b.add_argument(
+        "--max-patches",
+        type=positive,
+        help="with --corpus vqa: vision patches per row for the patch budget (default 2 x --max-seq-len)",
     )
     b.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
     b.add_argument("--pad-multiple", type=positive, default=1, help="pad each sequence to a multiple of this (2*CP)")
@@ -26,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--on-bad-row", default="skip", choices=["error", "skip"])
     b.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
     b.add_argument("--limit", type=positive, help="first N conversations only")
-    b.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes")
+    b.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes (--corpus chat)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
 
@@ -45,6 +65,10 @@ def run(args: argparse.Namespace) -> int:
             f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple} "
             f"(use {args.max_seq_len // args.pad_multiple * args.pad_multiple})"
         )
+    if args.corpus == "vqa":
+        return _run_vqa(args)
+    if args.max_patches is not None:
+        raise UsageError("--max-patches is the vision-patch budget of --corpus vqa; text rows have no patches")
     tok = load_tokenizer(args.tokenizer)
     conversations: Iterable[Conversation]
     if args.paths:
@@ -83,4 +107,73 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"\nrows of {args.max_seq_len} tokens, each sequence padded to a multiple of {args.pad_multiple}:")
     print(format_layouts(r.layouts, r.bounds))
+    return 0
+
+
+def _run_vqa(args: argparse.Namespace) -> int:
+    from itertools import islice
+
+    import numpy as np
+
+    from ..multimodal import MultimodalReadStats, read_multimodal_jsonl, vqa_corpus
+    from ..report.savings import bench_multimodal, format_multimodal_layouts
+
+    if args.tokenizer is not None:
+        raise UsageError(
+            "--corpus vqa tokenizes with Qwen2-VL's tokenizer and image processor (embedded); drop --tokenizer"
+        )
+    if args.overlong == "truncate":
+        raise UsageError(
+            "--corpus vqa never cuts inside an image: use --overlong split (cut at text boundaries), drop or error"
+        )
+    max_patches = args.max_patches if args.max_patches is not None else 2 * args.max_seq_len
+    read_stats = None
+    if args.paths:
+        read_stats = MultimodalReadStats()
+        conversations: Iterable[dict] = read_multimodal_jsonl(args.paths, args.on_bad_row, stats=read_stats)
+        source = ", ".join(args.paths)
+    else:
+        conversations = vqa_corpus(seed=args.seed)
+        source = f"the embedded easy-vqa corpus (seed {args.seed}: image sizes 56-448 px a side)"
+    if args.limit is not None:
+        conversations = islice(conversations, args.limit)
+    print(f"source: {source}", flush=True)
+    r = bench_multimodal(
+        conversations,
+        source=source,
+        max_seq_len=args.max_seq_len,
+        max_patches=max_patches,
+        pad_multiple=args.pad_multiple,
+        overlong=args.overlong,
+        on_bad_row=args.on_bad_row,
+        seed=args.seed,
+        progress=True,
+    )
+    if read_stats is not None:
+        dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(read_stats.dropped.items())) or "none"
+        print(f"  read {read_stats.read:,} rows: {read_stats.kept:,} kept, dropped: {dropped}")
+    st = r.stats
+    dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(st.dropped.items())) or "none"
+    print(
+        f"  {st.read:,} conversations -> {st.samples:,} samples with {st.images:,} images "
+        f"(dropped: {dropped}); tokenized and images processed in {r.seconds:.1f} s"
+    )
+    if not len(r.lengths):
+        print("  nothing to pack")
+        return 1
+    print(
+        f"  {int(r.lengths.sum()):,} tokens, of which {int(r.vision_tokens.sum()):,} vision; "
+        f"{int(r.patches.sum()):,} vision patches; lengths median {int(np.median(r.lengths))}, "
+        f"max {int(r.lengths.max())}; patches per sample median {int(np.median(r.patches))}, "
+        f"max {int(r.patches.max())}"
+    )
+    print(
+        f"\nrows of {args.max_seq_len} tokens, each sample padded to a multiple of {args.pad_multiple}; "
+        f"patch budget {max_patches:,} vision patches per row (the vision tower's load):"
+    )
+    print(format_multimodal_layouts(r.layouts, args.max_seq_len))
+    print(
+        "  fill = real tokens (text + vision placeholders) / row slots; a row over the patch budget is one "
+        "the vision tower would have to take whole"
+    )
     return 0

@@ -1,5 +1,6 @@
 """How much packing saves on a set of lengths: the table behind ``sftpack bench``
-and step 3 of ``sftpack demo``.
+and step 3 of ``sftpack demo``; and, for multimodal samples, the same under a
+second budget (vision patches per row): ``sftpack bench --corpus vqa``.
 
 For rows of ``capacity`` tokens it compares every bin-packing algorithm with the
 two layouts that do not pack (one conversation per row padded to the capacity;
@@ -21,7 +22,19 @@ from .._types import Tokenizer
 from ..binpack import Algorithm, lower_bounds, pack, packing_stats
 from ..chat import ReadStats, TokenizeStats, tokenize_conversations
 
-__all__ = ["BenchReport", "LayoutRow", "bench_lengths", "compare_layouts", "format_layouts", "format_table"]
+__all__ = [
+    "BenchReport",
+    "LayoutRow",
+    "MultimodalBenchReport",
+    "MultimodalLayoutRow",
+    "bench_lengths",
+    "bench_multimodal",
+    "compare_layouts",
+    "compare_multimodal_layouts",
+    "format_layouts",
+    "format_multimodal_layouts",
+    "format_table",
+]
 
 
 @dataclass
@@ -150,3 +163,174 @@ def bench_lengths(
     if len(lengths):
         layouts, bounds = compare_layouts(lengths, max_seq_len, cost_multiple=pad_multiple, seed=seed)
     return BenchReport(source, read_stats, tokenized.stats, lengths, dt, layouts, bounds)
+
+
+@dataclass
+class MultimodalLayoutRow:
+    """One packer (or the unpacked layout) on multimodal samples, with or without a patch budget."""
+
+    layout: str
+    patch_budget: int | None  #: the vision patches per row allowed (None: no second budget)
+    rows: int
+    fill: float  #: real tokens (text + vision placeholders) / row slots
+    vision: float  #: vision placeholder tokens / row slots
+    patches_mean: float  #: vision patches per row, mean
+    patches_max: int  #: vision patches of the heaviest row
+    over_budget: int  #: rows over ``max_patches`` (what the vision tower would have to take)
+    seconds: float | None = None  #: packing time (None for the unpacked layout)
+
+
+def compare_multimodal_layouts(
+    lengths: Sequence[int] | np.ndarray,
+    patches: Sequence[int] | np.ndarray,
+    vision_tokens: Sequence[int] | np.ndarray,
+    capacity: int,
+    *,
+    max_patches: int,
+    algorithms: Sequence[str] = tuple(Algorithm),
+    cost_multiple: int = 1,
+    seed: int = 0,
+) -> list[MultimodalLayoutRow]:
+    """Each packer without and with the patch budget ``max_patches``, then one sample per row.
+
+    ``lengths``: sample lengths (vision placeholders included); ``patches``: each sample's
+    vision patches (the second budget's weights); ``vision_tokens``: its placeholder tokens.
+
+    >>> rows = compare_multimodal_layouts([5, 10, 3, 8, 6], [1, 3, 0, 2, 2], [1, 3, 0, 2, 2], 16,
+    ...                                   max_patches=3, algorithms=["ffd"])
+    >>> [(r.layout, r.patch_budget, r.rows, r.patches_max, r.over_budget) for r in rows]
+    [('ffd', None, 2, 5, 1), ('ffd', 3, 3, 3, 0), ('one per row', None, 5, 3, 0)]
+    """
+    ln = np.asarray(lengths, dtype=np.int64)
+    pt = np.asarray(patches, dtype=np.int64)
+    vt = np.asarray(vision_tokens, dtype=np.int64)
+    real, vision = int(ln.sum()), int(vt.sum())
+
+    def row(name: str, budget: int | None, order: np.ndarray, offsets: np.ndarray, dt: float | None) -> Any:
+        per_row = np.add.reduceat(pt[order], offsets[:-1]) if len(order) else np.zeros(0, np.int64)
+        slots = (len(offsets) - 1) * capacity
+        return MultimodalLayoutRow(
+            name,
+            budget,
+            len(offsets) - 1,
+            real / slots if slots else 0.0,
+            vision / slots if slots else 0.0,
+            float(per_row.mean()) if len(per_row) else 0.0,
+            int(per_row.max()) if len(per_row) else 0,
+            int((per_row > max_patches).sum()),
+            dt,
+        )
+
+    out = []
+    for name in algorithms:
+        for budget in (None, max_patches):
+            two: dict[str, Any] = {} if budget is None else {"weights": pt[:64], "max_weight_per_bin": budget}
+            pack(ln[:64], capacity, name, cost_multiple=cost_multiple, seed=seed, **two)  # compile first
+            two = {} if budget is None else {"weights": pt, "max_weight_per_bin": budget}
+            t0 = time.perf_counter()
+            bins = pack(ln, capacity, name, cost_multiple=cost_multiple, seed=seed, **two)
+            dt = time.perf_counter() - t0
+            out.append(row(str(name), budget, bins.order, bins.offsets, dt))
+    n = len(ln)
+    out.append(row("one per row", None, np.arange(n), np.arange(n + 1), None))
+    return out
+
+
+def format_multimodal_layouts(rows: Sequence[MultimodalLayoutRow], capacity: int) -> str:
+    """The :func:`compare_multimodal_layouts` table as text."""
+    return format_table(
+        (
+            "layout",
+            "patch budget",
+            "rows",
+            "fill (text+vision)",
+            "of which vision",
+            "patches/row mean",
+            "max",
+            "rows over budget",
+            "pack time",
+        ),
+        [
+            (
+                r.layout,
+                "-" if r.patch_budget is None else f"{r.patch_budget:,}",
+                f"{r.rows:,}",
+                f"{r.fill:.2%}",
+                f"{r.vision:.2%}",
+                f"{r.patches_mean:,.0f}",
+                f"{r.patches_max:,}",
+                f"{r.over_budget:,}",
+                "-" if r.seconds is None else f"{r.seconds * 1e3:.1f} ms",
+            )
+            for r in rows
+        ],
+    )
+
+
+@dataclass
+class MultimodalBenchReport:
+    """What ``sftpack bench --corpus vqa`` found: the samples' sizes and the layouts compared."""
+
+    source: str
+    stats: Any  #: the multimodal tokenizer's :class:`~sftpack.multimodal.MultimodalStats`
+    lengths: np.ndarray  #: sample lengths, vision placeholders included
+    patches: np.ndarray  #: vision patches per sample
+    vision_tokens: np.ndarray  #: vision placeholder tokens per sample
+    seconds: float  #: tokenizing and image processing
+    layouts: list[MultimodalLayoutRow]
+
+
+def bench_multimodal(
+    conversations: Iterable[Any],
+    *,
+    source: str,
+    max_seq_len: int,
+    max_patches: int,
+    pad_multiple: int = 1,
+    overlong: str = "split",
+    on_bad_row: str = "error",
+    seed: int = 0,
+    progress: bool = False,
+) -> MultimodalBenchReport:
+    """Tokenize multimodal ``conversations`` (Qwen2-VL: images to patches, placeholders
+    expanded; over-long ones split at text boundaries) and compare the packers'
+    layouts with and without ``max_patches`` vision patches per row (``progress``: a
+    tqdm bar over the conversations, for the CLI)."""
+    from tqdm.auto import tqdm
+
+    from ..multimodal import MultimodalStats, image_processor, qwen2vl_tokenizer, tokenize_multimodal_conversations
+
+    t0 = time.perf_counter()
+    stats = MultimodalStats()
+    samples = tokenize_multimodal_conversations(
+        conversations,
+        tokenizer=qwen2vl_tokenizer(),
+        processor=image_processor(),
+        max_seq_len=max_seq_len,
+        overlong=overlong,
+        on_bad_row=on_bad_row,
+        stats=stats,
+    )
+    sizes = []
+    heavy: list[tuple[int, str]] = []  # samples no row can hold under the patch budget
+    with tqdm(unit="conv", desc="tokenize + images", disable=not progress, delay=1.0, dynamic_ncols=True) as bar:
+        for s in samples:
+            sizes.append((len(s), s.num_patches, int(s.image_runs[:, 1].sum()) if s.num_images else 0))
+            bar.update(stats.read - bar.n)
+            if s.num_patches > max_patches:
+                heavy.append((s.num_patches, str(s.conversation_id)))
+    dt = time.perf_counter() - t0
+    if heavy:
+        most, first = max(heavy)[0], heavy[0]
+        raise ValueError(
+            f"{len(heavy):,} sample(s) have more vision patches than the patch budget {max_patches:,}, so no row "
+            f"can hold them (the first: conversation {first[1]}, {first[0]:,} patches): raise the patch budget "
+            f"to at least {most:,}, or use smaller images"
+        )
+    arr = np.asarray(sizes, dtype=np.int64).reshape(-1, 3)
+    layouts: list[MultimodalLayoutRow] = []
+    if len(arr):
+        layouts = compare_multimodal_layouts(
+            arr[:, 0], arr[:, 1], arr[:, 2], max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple, seed=seed
+        )
+    return MultimodalBenchReport(source, stats, arr[:, 0], arr[:, 1], arr[:, 2], dt, layouts)
