@@ -1,7 +1,7 @@
 """A tiny Qwen2-VL from a config, and its forward pass on a packed row or on one sample alone.
 
 The language model runs sftpack's training attention (``sftpack_varlen_train``,
-registered by :func:`sftpack.loop.register_train_attention`): boundaries from
+registered by :func:`sftpack._train_attention.register_train_attention`): boundaries from
 ``cu_seq_lens_q`` (padded) and, in the ``real`` mode, ``sftpack_cu_seqlens_real``.
 Qwen2-VL's text attention hands these keyword arguments through unchanged, and its
 ``(4, 1, T)`` position form (text row on top of the MRoPE rows) only feeds the mask
@@ -62,7 +62,7 @@ def tiny_qwen2vl(
     (default sftpack's training attention; ``"sdpa"`` makes Hugging Face find the
     boundaries from the text position row instead). The vision tower runs ``sdpa``.
     """
-    from ..loop._model import register_train_attention  # only when a model is built: the loop loads the paths
+    from .._train_attention import register_train_attention
 
     hf = _optional.transformers()
     half = dim // heads // 2
@@ -114,7 +114,7 @@ def tiny_qwen2vl(
 
 
 def _train_attention_name() -> str:
-    from ..loop._model import TRAIN_ATTENTION
+    from .._train_attention import TRAIN_ATTENTION
 
     return TRAIN_ATTENTION
 
