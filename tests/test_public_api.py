@@ -65,6 +65,8 @@ API = {
         "PAD_BETWEEN_SEQS",
         "EnergonPackedBatch",
         "LoaderStats",
+        "MultimodalLoaderStats",
+        "MultimodalPackingDataset",
         "PackingDataset",
         "PackingTaskEncoder",
         "StateError",

@@ -60,6 +60,8 @@ __all__ = [
     "PAD_BETWEEN_SEQS",
     "EnergonPackedBatch",
     "LoaderStats",
+    "MultimodalLoaderStats",
+    "MultimodalPackingDataset",
     "PackingDataset",
     "PackingTaskEncoder",
     "StateError",
