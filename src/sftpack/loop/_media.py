@@ -1,0 +1,550 @@
+"""Multimodal training (issue 19): conversations with images through the training loop.
+
+The pieces, beside the text loop's:
+
+- data: :func:`vqa_samples` (the embedded easy-vqa corpus, tokenized with Qwen2-VL's
+  tokenizer and image processor) and :func:`compact_media_vocabulary` (the ids that
+  occur, renumbered: the text loop's ``--vocab data`` for multimodal samples);
+- sources: :class:`MediaPaddedSource` (``--packing none``: each micro-batch a right-padded
+  ``[b, S]`` batch with its MRoPE positions and images, :class:`PaddedMediaMicroBatch`)
+  and :class:`MediaTrainerSource` (``--packing trainer``: the same conversations per
+  step, binned into token-budget micro-batches and each packed at the step by
+  :func:`sftpack.trainer.pack_media_step`). The step's conversations are the next slice
+  of the same seeded permutation (:class:`~sftpack.loop._sources.SampleOrder`) for
+  both, so both see the same samples and images every step;
+- model: :func:`tiny_vqa_model` (a tiny Qwen2-VL from a config, nothing downloaded) and
+  :class:`MediaLossModule` (the model plus the global token-mean loss of a micro-batch,
+  packed or padded, through the fused head on the supervised slots only);
+- :func:`train_media`: the loop (the text loop's AdamW, schedule, clipping and global
+  token-mean normalisation, one process), logging :class:`MediaStepLog` (the text
+  loop's record plus ``images``) as JSONL.
+
+Why the losses are equal whatever the packing: as for text, each step's loss is the
+sum of token losses over the step's supervised targets divided by their count. The
+packed row gives every sample its own MRoPE positions (restarting at 0) and its own
+attention segment, and the vision tower attends within each image, so each token's
+loss is the one it has alone; only summation orders differ
+(``tests/loop/test_media_train.py``: 20 AdamW steps in float64 to 1e-10).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..handoff import PackedBatch
+from ..head import fused_linear_cross_entropy
+from ..multimodal import (
+    MultimodalSample,
+    image_processor,
+    qwen2vl_tokenizer,
+    tiny_qwen2vl,
+    tokenize_multimodal_conversations,
+    vqa_corpus,
+)
+from ..multimodal._model import _image_outputs
+from ..multimodal._sample import _QWEN2VL_IDS
+from ..sample import IGNORE_INDEX
+from ..trainer import plan_microbatches
+from ..trainer._media import collate_media
+from ._loop import StepLog, TrainResult, dist_info, resolve_device
+from ._model import TRAIN_ATTENTION
+from ._options import NonFinite, Packing, TrainConfig
+from ._sources import SampleOrder, Source
+
+__all__ = [
+    "MediaLossModule",
+    "MediaPaddedSource",
+    "MediaStepLog",
+    "MediaTrainerSource",
+    "PaddedMediaMicroBatch",
+    "compact_media_vocabulary",
+    "make_media_source",
+    "media_ids",
+    "tiny_vqa_model",
+    "train_media",
+    "vqa_samples",
+]
+
+#: Qwen2-VL's pad (``<|endoftext|>``) and the special ids a tiny model must know, used or not
+PAD_ID = 151643
+_SPECIALS = (PAD_ID, *(_QWEN2VL_IDS[k] for k in ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>")), 151656)
+
+
+# ------------------------------------------------------------------------------ data
+def vqa_samples(
+    *,
+    limit: int,
+    seed: int = 0,
+    max_seq_len: int | None = None,
+    min_side: int = 56,
+    max_side: int = 448,
+) -> tuple[list[MultimodalSample], Any]:
+    """The first ``limit`` easy-vqa conversations (:func:`sftpack.multimodal.vqa_corpus`, seeded
+    image sizes ``min_side``-``max_side`` px a side) as multimodal samples, with Qwen2-VL's
+    tokenizer and image processor; conversations longer than ``max_seq_len`` are split at
+    text boundaries. Returns ``(samples, stats)`` (``stats``: ``MultimodalStats``)."""
+    from ..multimodal import MultimodalStats
+
+    stats = MultimodalStats()
+    convs = vqa_corpus(seed=seed, limit=limit, min_side=min_side, max_side=max_side)
+    got = list(
+        tokenize_multimodal_conversations(
+            convs, tokenizer=qwen2vl_tokenizer(), processor=image_processor(), max_seq_len=max_seq_len, stats=stats
+        )
+    )
+    if not got:
+        raise ValueError("no easy-vqa conversation left to train on (all dropped?)")
+    return got, stats
+
+
+def compact_media_vocabulary(samples: Sequence[MultimodalSample]) -> tuple[list[MultimodalSample], np.ndarray]:
+    """Renumber the ids the samples use, plus Qwen2-VL's pad and vision ids, as ``0..U-1`` (in
+    id order, so the special tokens keep their roles): a model over ``U`` ids instead of
+    151,657 (see :func:`sftpack.loop.compact_vocabulary`, the same for text; a different model,
+    for measuring and demonstrating). Returns the samples and the ``(U,)`` original ids."""
+    if not samples:
+        raise ValueError("compact_media_vocabulary needs at least one sample")
+    ids = np.unique(np.concatenate([s.input_ids for s in samples] + [np.array(_SPECIALS, dtype=np.int64)]))
+    out = [
+        MultimodalSample(
+            input_ids=np.searchsorted(ids, s.input_ids),
+            loss_mask=s.loss_mask,
+            conversation_id=s.conversation_id,
+            meta=dict(s.meta),
+            pixel_values=s.pixel_values,
+            image_grid_thw=s.image_grid_thw,
+            image_runs=s.image_runs,
+            image_token_id=int(np.searchsorted(ids, s.image_token_id)),
+            merge_size=s.merge_size,
+        )
+        for s in samples
+    ]
+    return out, ids
+
+
+def media_ids(vocab: np.ndarray | None) -> dict[str, int]:
+    """The pad and vision ids in a vocabulary (``None``: Qwen2-VL's own)."""
+
+    def at(token_id: int) -> int:
+        return token_id if vocab is None else int(np.searchsorted(vocab, token_id))
+
+    return {
+        "pad_id": at(PAD_ID),
+        "image_token_id": at(_QWEN2VL_IDS["<|image_pad|>"]),
+        "vision_start_token_id": at(_QWEN2VL_IDS["<|vision_start|>"]),
+        "vision_end_token_id": at(_QWEN2VL_IDS["<|vision_end|>"]),
+        "video_token_id": at(151656),
+    }
+
+
+def tiny_vqa_model(
+    vocab: np.ndarray | None,
+    *,
+    dim: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """The default model of ``sftpack train --corpus vqa``: a tiny Qwen2-VL
+    (:func:`sftpack.multimodal.tiny_qwen2vl`, text ``dim``/``layers``/``heads``/``kv_heads``, a
+    vision tower of width ``dim``, depth 2) over ``vocab`` (from
+    :func:`compact_media_vocabulary`; ``None``: Qwen2-VL's 151,657 ids)."""
+    ids = media_ids(vocab)
+    return tiny_qwen2vl(
+        151657 if vocab is None else len(vocab),
+        image_token_id=ids["image_token_id"],
+        vision_start_token_id=ids["vision_start_token_id"],
+        vision_end_token_id=ids["vision_end_token_id"],
+        video_token_id=ids["video_token_id"],
+        dim=dim,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        vision_dim=dim,
+        vision_heads=heads,
+        seed=seed,
+        dtype=dtype,
+    )
+
+
+# --------------------------------------------------------------------------- sources
+@dataclass(eq=False)
+class PaddedMediaMicroBatch:
+    """The unpacked baseline's multimodal micro-batch: a right-padded ``[b, S]`` batch.
+
+    Attributes:
+        input_ids: ``(b, S)`` int64; labels: ``(b, S)`` shifted like the text baseline's
+            (``labels[i, t]`` is token ``t+1`` when it is real and trained, else -100).
+        lengths: ``(b,)`` real lengths.
+        mrope_position_ids: ``(3, b, S)`` each row's own MRoPE positions.
+        pixel_values, image_grid_thw: the rows' images in batch order.
+        sequence_ids: the conversation of each row.
+    """
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    lengths: torch.Tensor
+    mrope_position_ids: torch.Tensor
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+    sequence_ids: tuple
+
+    @property
+    def num_real_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def num_label_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def num_images(self) -> int:
+        return int(self.image_grid_thw.shape[0])
+
+    def to(self, device: torch.device | str) -> PaddedMediaMicroBatch:
+        return PaddedMediaMicroBatch(
+            self.input_ids.to(device),
+            self.labels.to(device),
+            self.lengths,
+            self.mrope_position_ids.to(device),
+            self.pixel_values.to(device),
+            self.image_grid_thw.to(device),
+            self.sequence_ids,
+        )
+
+
+def padded_media_micro_batch(samples: Sequence[MultimodalSample], *, pad_id: int) -> PaddedMediaMicroBatch:
+    """:func:`sftpack.trainer.collate_media` of ``samples``, its labels shifted within each row."""
+    b = collate_media(samples, pad_id=pad_id)
+    shifted = torch.full_like(b.labels, IGNORE_INDEX)
+    shifted[:, :-1] = b.labels[:, 1:]  # -100 on padding and untrained tokens already
+    return PaddedMediaMicroBatch(
+        b.input_ids,
+        shifted,
+        b.attention_mask.sum(1),
+        b.mrope_position_ids,
+        b.pixel_values,
+        b.image_grid_thw,
+        b.sequence_ids,
+    )
+
+
+def media_fingerprint(samples: Sequence[MultimodalSample]) -> str:
+    """sha256 over every sample's ids, loss mask, grids and patches, in order."""
+    h = hashlib.sha256()
+    for s in samples:
+        for a in (np.int64(len(s)), s.input_ids, np.packbits(s.loss_mask), s.image_grid_thw, s.pixel_values):
+            h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+class _MediaSampleSource(Source):
+    def __init__(
+        self,
+        samples: Sequence[MultimodalSample],
+        *,
+        batch_size: int,
+        seed: int,
+        grad_accum: int = 1,
+        pad_id: int = PAD_ID,
+    ) -> None:
+        if batch_size < grad_accum:
+            raise ValueError(f"batch_size={batch_size} conversations cannot make grad_accum={grad_accum} micro-batches")
+        self.samples = list(samples)
+        self.order = SampleOrder(len(self.samples), batch_size=batch_size, seed=seed)
+        self.grad_accum, self.pad_id = grad_accum, pad_id
+        self._fp = media_fingerprint(self.samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"order": self.order.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.order.load_state_dict(state["order"])
+
+    def fingerprint(self) -> str:
+        key = {"samples": self._fp, "kind": type(self).__name__, "batch_size": self.order.batch_size}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+class MediaPaddedSource(_MediaSampleSource):
+    """``--packing none`` with images: the step's conversations cut into ``grad_accum``
+    right-padded micro-batches (in order), each with its rows' MRoPE positions and images."""
+
+    def next_step(self) -> list[Any]:
+        parts = np.array_split(self.order.take(), self.grad_accum)
+        return [padded_media_micro_batch([self.samples[i] for i in p], pad_id=self.pad_id) for p in parts]
+
+
+class MediaTrainerSource(_MediaSampleSource):
+    """``--packing trainer`` with images: the step's conversations (the same as
+    :class:`MediaPaddedSource`'s) binned into micro-batches of at most ``token_budget``
+    padded tokens (:func:`sftpack.trainer.plan_microbatches`), each collated into a padded
+    batch and packed at the step (:func:`sftpack.trainer.pack_media_step`)."""
+
+    def __init__(
+        self,
+        samples: Sequence[MultimodalSample],
+        *,
+        token_budget: int,
+        pad_multiple: int = 1,
+        **kw: Any,
+    ) -> None:
+        super().__init__(samples, **kw)
+        self.token_budget, self.pad_multiple = token_budget, pad_multiple
+
+    def next_step(self) -> list[Any]:
+        chosen = self.order.take()
+        lengths = np.fromiter((len(self.samples[i]) for i in chosen), dtype=np.int64, count=len(chosen))
+        plan = plan_microbatches(
+            lengths, self.token_budget, pad_multiple=self.pad_multiple, min_microbatches=self.grad_accum
+        )
+        out = []
+        for mb in plan[0]:
+            picked = [self.samples[int(chosen[i])] for i in sorted(mb.tolist())]
+            out.append(
+                collate_media(picked, pad_id=self.pad_id).pack(pad_multiple=self.pad_multiple, pad_id=self.pad_id)
+            )
+        return out
+
+    def fingerprint(self) -> str:
+        key = {"base": super().fingerprint(), "budget": self.token_budget, "pad_multiple": self.pad_multiple}
+        return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def make_media_source(
+    config: TrainConfig, samples: Sequence[MultimodalSample], *, pad_id: int = PAD_ID
+) -> _MediaSampleSource:
+    """The multimodal source of ``config.packing`` (``trainer`` or ``none``).
+
+    Raises:
+        ValueError: another packing (not wired for images yet), a sample longer than
+            ``config.max_seq_len``, or samples with no supervised target.
+    """
+    long = [i for i, s in enumerate(samples) if len(s) > config.max_seq_len]
+    if long:
+        raise ValueError(
+            f"sample {long[0]} has {len(samples[long[0]])} tokens, more than max_seq_len={config.max_seq_len}: "
+            "tokenize with the same max_seq_len (over-long conversations are split at text boundaries)"
+        )
+    if not any(bool(s.loss_mask[1:].any()) for s in samples):
+        raise ValueError("the samples hold no supervised target, so training would learn nothing")
+    common: dict[str, Any] = {
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+        "grad_accum": config.grad_accum,
+        "pad_id": pad_id,
+    }
+    if config.packing is Packing.NONE:
+        return MediaPaddedSource(samples, **common)
+    if config.packing is Packing.TRAINER:
+        budget = config.micro_batch_tokens or config.max_seq_len
+        return MediaTrainerSource(samples, token_budget=budget, pad_multiple=config.pad_multiple, **common)
+    raise ValueError(
+        f"--packing {config.packing} with images is not wired into the training loop yet: use --packing trainer or none"
+    )
+
+
+# ----------------------------------------------------------------------------- model
+class MediaLossModule(nn.Module):
+    """A Qwen2-VL-style model plus the loss, as one module: ``forward(mb, n)`` returns the
+    micro-batch's share of the global token-mean loss (``sum of token losses / n *
+    average_over_ranks``), as :class:`sftpack.loop._model.LossModule` does for text.
+
+    A packed row (a ``PackedBatch`` with media): the vision tower runs over the row's
+    ``vision_cu_seqlens`` (within each image), the language model over the row's
+    boundaries and per-sample MRoPE positions (``to_hf_kwargs()``; with
+    ``pad_between_seqs`` the real boundaries too). A padded batch
+    (:class:`PaddedMediaMicroBatch`): the model's own path with the rows' MRoPE positions;
+    causal attention never looks right, so no mask is needed. Then the output head on the
+    supervised slots only, through :func:`sftpack.head.fused_linear_cross_entropy`.
+    """
+
+    def __init__(self, model: Any, *, pad_between_seqs: bool, average_over_ranks: int = 1) -> None:
+        super().__init__()
+        self.model = model
+        self.pad_between_seqs = pad_between_seqs
+        self.average_over_ranks = average_over_ranks
+
+    def forward(self, mb: Any, num_label_tokens: torch.Tensor) -> torch.Tensor:
+        inner = self.model.model
+        head = self.model.get_output_embeddings()
+        if isinstance(mb, PackedBatch):
+            kw = mb.to_hf_kwargs()
+            for key in ("labels", "pixel_values", "image_grid_thw"):  # the tower runs here
+                kw.pop(key, None)
+            if self.model.config.text_config._attn_implementation == TRAIN_ATTENTION:
+                if self.pad_between_seqs:
+                    kw["sftpack_cu_seqlens_real"] = mb.cu_seqlens
+            else:  # other kernels find the boundaries where the text position row restarts
+                kw = {"input_ids": kw["input_ids"], "position_ids": kw["position_ids"], "use_cache": False}
+            if mb.num_images:
+                assert mb.pixel_values is not None and mb.image_grid_thw is not None
+                assert mb.vision_cu_seqlens is not None
+                kw["mm_encoder_outputs"] = {
+                    "image": _image_outputs(self.model, mb.pixel_values, mb.image_grid_thw, mb.vision_cu_seqlens)
+                }
+            hidden = inner(**kw).last_hidden_state[0]
+            labels = mb.labels
+        else:
+            kw = {"input_ids": mb.input_ids, "position_ids": mb.mrope_position_ids, "use_cache": False}
+            if mb.num_images:
+                kw["pixel_values"] = mb.pixel_values
+                kw["image_grid_thw"] = mb.image_grid_thw
+            hidden = inner(**kw).last_hidden_state.flatten(0, 1)
+            labels = mb.labels.reshape(-1)
+        keep = labels != IGNORE_INDEX
+        return fused_linear_cross_entropy(
+            hidden[keep],
+            head.weight,
+            labels[keep],
+            num_label_tokens,
+            bias=getattr(head, "bias", None),
+            average_over_ranks=self.average_over_ranks,
+        )
+
+
+# ------------------------------------------------------------------------------ loop
+@dataclass
+class MediaStepLog(StepLog):
+    """One line of the multimodal JSONL log: the text loop's :class:`StepLog` plus ``images``."""
+
+    images: int = 0  #: images in the step (all micro-batches)
+
+
+def train_media(
+    config: TrainConfig,
+    *,
+    source: Source,
+    model: Any,
+    log: str | os.PathLike[str] | None = None,
+    progress: bool = False,
+    on_step: Callable[[MediaStepLog], None] | None = None,
+) -> TrainResult:
+    """Train a Qwen2-VL-style ``model`` on ``source`` (:func:`make_media_source`) for
+    ``config.steps`` optimizer steps, one process: the text loop's AdamW, schedule,
+    clipping, non-finite handling and global token-mean loss, through
+    :class:`MediaLossModule`. ``log``: one :class:`MediaStepLog` per line.
+
+    Raises:
+        NonFiniteError: a step's loss or gradient norm was not finite (``on_nonfinite="error"``).
+        ValueError: an unusable device, or a run under ``torch.distributed`` with several ranks.
+    """
+    from tqdm.auto import tqdm
+
+    from ._loop import NonFiniteError
+
+    if dist_info()[1] > 1:
+        raise ValueError("multimodal training runs on one process for now: start it without torchrun")
+    device = resolve_device(config.device)
+    model.to(device)
+    runner = MediaLossModule(model, pad_between_seqs=config.pad_between_seqs)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        params,
+        lr=config.lr,
+        betas=(config.betas[0], config.betas[1]),
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, config.lr_factor)
+    vocab = model.get_input_embeddings().num_embeddings
+    logs: list[StepLog] = []
+    conversations: list[list[Any]] = []
+    bar = tqdm(total=config.steps, desc=f"train vqa ({config.packing})", unit="step") if progress else None
+    writer = None
+    if log is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+        writer = open(log, "w")  # noqa: SIM115 - closed in finally
+    t_start = time.perf_counter()
+    try:
+        for step in range(config.steps):
+            t0 = time.perf_counter()
+            mbs: list[Any] = source.next_step()
+            for mb in mbs:
+                hi = int(mb.input_ids.max())
+                if hi >= vocab:
+                    raise ValueError(
+                        f"step {step + 1}: token id {hi} is outside the model's vocabulary of {vocab:,} ids"
+                    )
+            mbs = [mb.to(device) for mb in mbs]
+            n = torch.tensor(sum(mb.num_label_tokens for mb in mbs), dtype=torch.int64, device=device)
+            opt.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), dtype=torch.float32, device=device)
+            skipped = "" if int(n) else "no_targets"
+            grad_norm: Any = 0.0
+            if not skipped:
+                for mb in mbs:
+                    loss = runner(mb, n)
+                    loss.backward()
+                    step_loss = step_loss + loss.detach()
+                if config.clip_norm is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
+                else:
+                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            lr = opt.param_groups[0]["lr"]
+            loss_v, norm = float(step_loss), float(grad_norm)
+            if not skipped and not (math.isfinite(loss_v) and math.isfinite(norm)):
+                if config.on_nonfinite is NonFinite.ERROR:
+                    raise NonFiniteError(
+                        f"step {step + 1}: the loss is {loss_v} and the gradient norm {norm} (not finite), at "
+                        f"learning rate {lr:.3g}: lower --lr (or raise --warmup-steps), or pass --on-nonfinite skip"
+                    )
+                skipped = "nonfinite"
+            if skipped:
+                opt.zero_grad(set_to_none=True)
+            else:
+                opt.step()
+            sched.step()
+            dt = time.perf_counter() - t0
+            real = sum(mb.num_real_tokens for mb in mbs)
+            slots = sum(mb.num_tokens for mb in mbs)
+            rec = MediaStepLog(
+                step=step + 1,
+                loss=loss_v,
+                real_tokens=real,
+                slots=slots,
+                label_tokens=int(n),
+                sequences=sum(len(mb.sequence_ids or ()) for mb in mbs),
+                micro_batches=len(mbs),
+                padding=1.0 - real / max(slots, 1),
+                tokens_per_s=real / dt,
+                step_time=dt,
+                time=time.perf_counter() - t_start,
+                lr=float(lr),
+                grad_norm=norm,
+                skipped=skipped,
+                images=sum(mb.num_images for mb in mbs),
+            )
+            logs.append(rec)
+            conversations.append([c for mb in mbs for c in (mb.sequence_ids or ())])
+            if writer is not None:
+                writer.write(json.dumps(rec.as_dict()) + "\n")
+                writer.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{rec.tokens_per_s:,.0f}")
+                bar.update(1)
+            if on_step is not None:
+                on_step(rec)
+    finally:
+        if writer is not None:
+            writer.close()
+        if bar is not None:
+            bar.close()
+    return TrainResult(logs, model, conversations)
