@@ -42,6 +42,15 @@ attribute; a plain ``PackedBatch`` raised ``AttributeError`` there).
 keywords of ``get_train_dataset``, and Energon logs and skips a failing sample
 unless the worker config has a re-raising error handler.
 
+Conversations with images: :class:`MultimodalPackingTaskEncoder` (in
+``sftpack.loader._energon_media``, loaded on first use from here) reads a crude
+WebDataset of ``KEY.json`` conversations in the Hugging Face multimodal chat format
+with their image files beside them, tokenizes them for Qwen2-VL, plans each buffer
+with :func:`sftpack.multimodal.plan_rows` (token and patch budgets) and lays each
+row with :func:`sftpack.multimodal.build_multimodal_row`; its batches are
+:class:`EnergonMultimodalBatch` (media fields set, samples left out counted in
+``dropped``). See docs/energon_multimodal.md.
+
 This module imports ``megatron.energon``; ``import sftpack.loader`` does not
 (``sftpack.loader.PackingTaskEncoder`` loads it on first use).
 """
@@ -238,3 +247,25 @@ class PackingTaskEncoder(TaskEncoder):
             **{f.name: getattr(row, f.name) for f in fields(PackedBatch)},
             __key__=tuple(s.__key__ for s in samples),
         )
+
+
+# ---------------------------------------------------------------- conversations with images
+_MULTIMODAL = (
+    "EncodedMultimodalSample",
+    "EnergonMultimodalBatch",
+    "MultimodalConversationSample",
+    "MultimodalPackingTaskEncoder",
+    "MultimodalRowSample",
+    "cook_multimodal",
+)
+__all__ += list(_MULTIMODAL)
+
+
+def __getattr__(name: str) -> Any:
+    """The multimodal encoder and its types (``sftpack.loader._energon_media``, which builds on this
+    module's :class:`EnergonPackedBatch`), loaded on first use."""
+    if name in _MULTIMODAL:
+        from . import _energon_media
+
+        return getattr(_energon_media, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,314 @@
+"""Megatron-Energon end to end with images: a real WebDataset shard of easy-vqa conversations (PNG and
+JPEG files beside each conversation's JSON), prepared with Energon's own preparation, packed by
+MultimodalPackingTaskEncoder. The rows are the planner's rows for Energon's buffers, bit for bit;
+one of them, run through a tiny float64 Qwen2-VL, equals each of its samples run alone; save/restore
+gives the remaining rows exactly (0 and 2 workers); restore_sample rebuilds a row from its key;
+every sample is in a row or counted as dropped."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import tarfile
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.energon")
+pytest.importorskip("easy_vqa")
+
+from megatron.energon import WorkerConfig, get_savable_loader, get_train_dataset, reraise_exception  # noqa: E402
+from megatron.energon.epathlib import EPath  # noqa: E402
+from megatron.energon.flavors import BaseWebdatasetFactory  # noqa: E402
+
+from sftpack import PackedBatch  # noqa: E402
+from sftpack.loader.energon import EnergonMultimodalBatch, MultimodalPackingTaskEncoder  # noqa: E402
+from sftpack.multimodal import (  # noqa: E402
+    BadImageError,
+    alone_logits,
+    build_multimodal_row,
+    check_packed,
+    load_image,
+    packed_logits,
+    plan_rows,
+    tokenize_multimodal,
+    vqa_corpus,
+)
+from sftpack.sample import IGNORE_INDEX, OverlongError  # noqa: E402
+from tests.multimodal.conftest import Renumbered  # noqa: E402
+from tests.multimodal.test_exactness import TOL  # noqa: E402
+
+# 24 conversations (7 with two images), images 56-112 px a side: 4-16 placeholders, 16-64 patches each.
+N, BUFFER, WIDTH, MULT, PATCHES = 24, 8, 256, 4, 240
+
+
+def _add(tf: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime = len(data), 0
+    tf.addfile(info, io.BytesIO(data))
+
+
+def _write_shard(path, convs, damage=None) -> dict:
+    """A WebDataset shard: KEY.json plus KEY.imgN.png / .jpg (alternating), each image resized to its seeded
+    size and encoded; the JSON's image parts name the files. Returns, per id, the conversation with the
+    same bytes inline (the reference). ``damage``: {sample index: file bytes to store instead, or None to
+    leave the file out}."""
+    damage = damage or {}
+    refs = {}
+    with tarfile.open(path, "w") as tf:
+        for k, conv in enumerate(convs):
+            key, n, stored, inline = f"{k:06d}", 0, [], []
+            for msg in conv["messages"]:
+                parts, parts_inline = [], []
+                for part in msg["content"]:
+                    if part["type"] != "image":
+                        parts.append(part)
+                        parts_inline.append(part)
+                        continue
+                    fmt, ext = ("PNG", "png") if n % 2 == 0 else ("JPEG", "jpg")
+                    buf = io.BytesIO()
+                    load_image(part).save(buf, fmt)
+                    name, data = f"img{n}.{ext}", buf.getvalue()
+                    if n == 0 and k in damage:
+                        data = damage[k]
+                    if data is not None:
+                        _add(tf, f"{key}.{name}", data)
+                    parts.append({"type": "image", "path": name})
+                    parts_inline.append({"type": "image", "bytes": data})
+                    n += 1
+                stored.append({**msg, "content": parts})
+                inline.append({**msg, "content": parts_inline})
+            _add(tf, f"{key}.json", json.dumps({"id": conv["id"], "messages": stored}).encode())
+            refs[conv["id"]] = inline
+    return refs
+
+
+def _prepare(root, convs, damage=None) -> dict:
+    """``energon prepare`` of one shard as a CrudeWebdataset (its Python call, as the CLI makes it)."""
+    root.mkdir()
+    refs = _write_shard(root / "shard-0.tar", convs, damage)
+    BaseWebdatasetFactory.prepare_dataset(
+        EPath(str(root)), ["shard-0.tar"], split_parts_ratio=[("train", 1.0)], workers=1, shuffle_seed=None
+    )
+    (root / ".nv-meta" / "dataset.yaml").write_text("__module__: megatron.energon\n__class__: CrudeWebdataset\n")
+    return refs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is faster and steadier on a shared machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+    convs = list(vqa_corpus(seed=2, limit=N, min_side=56, max_side=112))
+    root = tmp_path_factory.mktemp("energon_media") / "vqa"
+    refs = _prepare(root, convs)
+    samples = {cid: tokenize_multimodal(msgs, conversation_id=cid)[0] for cid, msgs in refs.items()}
+    return str(root), convs, samples
+
+
+def _loader(path, num_workers, batch_size=1, **kw):
+    wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, global_error_handler=reraise_exception)
+    enc = MultimodalPackingTaskEncoder(
+        **{"max_seq_len": WIDTH, "max_patches": PATCHES, "pad_multiple": MULT, **kw},
+    )
+    ds = get_train_dataset(
+        path,
+        worker_config=wc,
+        batch_size=batch_size,
+        packing_buffer_size=BUFFER,
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        task_encoder=enc,
+        repeat=False,
+    )
+    return get_savable_loader(ds)
+
+
+_MEDIA = ("mrope_position_ids", "pixel_values", "image_grid_thw", "vision_cu_seqlens", "image_slots", "image_sequence")
+
+
+def sig(b: PackedBatch) -> tuple:
+    """Every field of a batch, bytes for tensors (dtype included)."""
+    out = []
+    for f in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded", *_MEDIA):
+        t = getattr(b, f)
+        out.append((f, str(t.dtype), tuple(t.shape), t.numpy().tobytes()))
+    return (*out, b.max_seqlen, tuple(b.sequence_ids), b.image_token_id, b.spatial_merge_size)
+
+
+def _run(path, num_workers, k):
+    """All batches, and the state saved after batch k (the run goes on to the end: no slow teardown)."""
+    loader, batches, state = _loader(path, num_workers), [], None
+    for i, b in enumerate(loader):
+        batches.append(b)
+        if i + 1 == k:
+            state = loader.save_state_rank()
+    return loader, batches, state
+
+
+@pytest.fixture(scope="module")
+def runs(prepared):
+    path = prepared[0]
+    return {nw: _run(path, nw, k=3) for nw in (0, 2)}
+
+
+def test_rows_are_the_planners_rows_with_media_in_row_order(prepared, runs):
+    """0 workers: Energon's buffers are the dataset in order, BUFFER at a time; each row is
+    build_multimodal_row of the samples plan_rows put together, every field bit for bit."""
+    _, convs, samples = prepared
+    _, batches, _ = runs[0]
+    ids = [c["id"] for c in convs]
+    want = []
+    for a in range(0, N, BUFFER):
+        chunk = [samples[i] for i in ids[a : a + BUFFER]]
+        for row in plan_rows(
+            [len(s) for s in chunk],
+            [s.num_patches for s in chunk],
+            max_seq_len=WIDTH,
+            max_patches=PATCHES,
+            pad_multiple=MULT,
+        ):
+            want.append(build_multimodal_row([chunk[i] for i in row], row_width=WIDTH, pad_multiple=MULT))
+    assert [sig(b.validate()) for b in batches] == [sig(w) for w in want]
+    assert sorted(i for b in batches for i in b.sequence_ids) == sorted(ids)  # each sample exactly once
+    assert sum(b.num_images for b in batches) == sum(s.num_images for s in samples.values()) == 31  # 7 with two
+    for b in batches:
+        assert isinstance(b, EnergonMultimodalBatch) and b.dropped == ()
+        assert b.num_tokens == WIDTH and int(b.pixel_values.shape[0]) <= PATCHES  # both budgets hold
+        # Media in row order: the samples' patches in sequence_ids order, each image's run at its slot.
+        mine = [samples[i] for i in b.sequence_ids]
+        assert torch.equal(b.pixel_values, torch.from_numpy(np.concatenate([s.pixel_values for s in mine])))
+        assert b.image_sequence.tolist() == [j for j, s in enumerate(mine) for _ in range(s.num_images)]
+        starts = [int(b.cu_seqlens_padded[j]) + r for j, s in enumerate(mine) for r in s.image_runs[:, 0].tolist()]
+        assert b.image_slots[:, 0].tolist() == starts == sorted(starts)
+        for (s0, n), _ in zip(b.image_slots.tolist(), range(b.num_images)):
+            assert bool((b.input_ids[s0 : s0 + n] == b.image_token_id).all())
+    assert len(batches) < N / 2  # packed: fewer rows than half the samples
+
+
+def _renumber(b: PackedBatch, rn: Renumbered) -> PackedBatch:
+    """A row over the compact vocabulary (and float64 patches) of the tiny model."""
+    ids = torch.from_numpy(np.searchsorted(rn.vocab, b.input_ids.numpy()))
+    lab = b.labels.numpy()
+    labels = torch.from_numpy(np.where(lab == IGNORE_INDEX, IGNORE_INDEX, np.searchsorted(rn.vocab, lab)))
+    base = {f.name: getattr(b, f.name) for f in dataclasses.fields(PackedBatch)}
+    swap = {"input_ids": ids, "labels": labels, "pixel_values": b.pixel_values.double()}
+    return PackedBatch(**{**base, **swap, "image_token_id": rn.id(int(b.image_token_id))})
+
+
+def test_a_packed_row_equals_each_sample_alone(prepared, runs):
+    """The fullest row (most samples) through a tiny float64 Qwen2-VL: its logits at each sample's
+    segment equal the sample run alone, and check_packed on its samples (loss and every gradient,
+    language model and vision tower, both boundary modes) agrees too. TOL (1e-10) is the fixed
+    tolerance derived in tests/multimodal/test_exactness.py; its premises hold here: logits and
+    gradients below 10 (asserted), images of at most 64 patches, segments of at most 160 tokens (90
+    there: the attention sums grow by at most 70 terms, the chain n from <= 4,000 to <= 4,070, the
+    bound 2 * n * u * 10 from 8.9e-12 to 9.1e-12, still 11x below TOL)."""
+    _, _, samples = prepared
+    _, batches, _ = runs[0]
+    row = max(batches, key=lambda b: (len(b.sequence_ids), b.num_images))
+    assert len(row.sequence_ids) >= 3 and row.num_images >= 4
+    assert max(len(s) for s in samples.values()) <= 160
+    assert max(int(s.image_grid_thw.prod(axis=1).max()) for s in samples.values()) <= 64
+    rn = Renumbered(list(samples.values()))
+    model = rn.model()
+    mine = [rn.sample(samples[i]) for i in row.sequence_ids]
+    with torch.no_grad():
+        logits = packed_logits(model, _renumber(row, rn))
+        cu, cup = row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
+        for j, s in enumerate(mine):
+            alone = alone_logits(model, s)
+            assert float(alone.abs().max()) < 10
+            assert float((logits[cup[j] : cup[j] + cu[j + 1] - cu[j]] - alone).abs().max()) <= TOL
+    for real in (True, False):
+        r = check_packed(model, mine, pad_between_seqs=real, pad_multiple=MULT, row_width=WIDTH, pad_id=rn.pad_id)
+        assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
+        assert r.within(TOL), r
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_save_and_restore_give_the_same_following_rows(prepared, runs, num_workers):
+    path = prepared[0]
+    _, batches, state = runs[num_workers]
+    assert sorted(i for b in batches for i in b.sequence_ids) == sorted(prepared[2])
+    again = _loader(path, num_workers)
+    again.restore_state_rank(state)
+    assert [sig(b) for b in again] == [sig(b) for b in batches[3:]]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_restore_sample_rebuilds_each_row(runs, num_workers):
+    loader, batches, _ = runs[num_workers]
+    assert loader.can_restore_sample()
+    for b in batches:
+        again = loader.restore_sample(b.__restore_key__)
+        assert isinstance(again, EnergonMultimodalBatch)
+        assert sig(again.validate()) == sig(b) and again.__key__ == b.__key__ and again.dropped == b.dropped
+    assert sig(loader.restore_sample(batches[1].__restore_key__)) != sig(batches[0])
+
+
+# ----------------------------------------------------------------- bad samples: counted or named
+BAD = {2: b"not an image", 4: b"", 6: None}  # undecodable, zero bytes, file missing
+
+
+@pytest.fixture(scope="module")
+def damaged(tmp_path_factory):
+    convs = list(vqa_corpus(seed=2, limit=10, min_side=56, max_side=112))
+    root = tmp_path_factory.mktemp("energon_media_bad") / "vqa"
+    _prepare(root, convs, damage=BAD)
+    return str(root), [c["id"] for c in convs]
+
+
+def test_bad_images_are_counted_with_skip_and_every_sample_accounted(damaged):
+    """batch_size=2: each batch carries the dropped samples of its rows; restore_sample keeps them.
+    One sample (index 5, 126 tokens) is longer than a 124-token row: dropped as over-long."""
+    path, ids = damaged
+    loader = _loader(path, 0, batch_size=2, max_seq_len=124, on_bad_row="skip", overlong="drop")
+    batches = list(loader)
+    kept = [i for b in batches for i in b.sequence_ids]
+    dropped = dict(d for b in batches for d in b.dropped)
+    assert dropped == {
+        ids[5]: "overlong",
+        ids[2]: "image_undecodable",
+        ids[4]: "image_zero_size",
+        ids[6]: "image_missing_file",
+    }
+    assert sorted(kept + list(dropped)) == sorted(ids) and len(kept) == len(set(kept))
+    for b in batches:
+        again = loader.restore_sample(b.__restore_key__)
+        assert sig(again) == sig(b) and again.dropped == b.dropped
+
+
+def test_bad_images_raise_by_name_by_default(damaged):
+    path, ids = damaged
+    with pytest.raises(
+        BadImageError,
+        match=r"Energon sample '000002' of shard-0.tar \(id 'easy-vqa:train:\S+'\)"
+        r"\", messages\[0\]\.content\[0\]\.path: the file 'img0.png' \(12 bytes\) cannot be decoded",
+    ):
+        list(_loader(path, 0))
+
+
+def test_overlong_is_refused_by_name_unless_dropped(damaged):
+    path, _ = damaged
+    with pytest.raises(OverlongError, match=r"Energon sample '000005' .* has 126 tokens .* cannot split it"):
+        list(_loader(path, 0, max_seq_len=124, on_bad_row="skip"))
+    with pytest.raises(OverlongError, match=r"vision patches, more than max_patches=40"):
+        list(_loader(path, 0, max_patches=40, on_bad_row="skip", overlong="error"))
+
+
+def test_encoder_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="overlong='truncate' is not offered"):
+        MultimodalPackingTaskEncoder(max_seq_len=64, overlong="truncate")
+    with pytest.raises(ValueError, match="on_bad_row must be 'error' or 'skip'"):
+        MultimodalPackingTaskEncoder(max_seq_len=64, on_bad_row="ignore")
+    with pytest.raises(ValueError, match="max_seq_len=30 is not a multiple of pad_multiple=4"):
+        MultimodalPackingTaskEncoder(max_seq_len=30, pad_multiple=4)
