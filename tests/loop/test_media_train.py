@@ -131,3 +131,71 @@ def test_other_paths_are_refused_with_a_clear_error(data):
         make_media_source(_config("loader"), samples)
     with pytest.raises(ValueError, match="more than max_seq_len=16"):
         make_media_source(_config("trainer", max_seq_len=16), samples)
+
+
+# ------------------------------------------------------------------ sftpack train --corpus vqa
+#: float32, first step (the loss of the same initial parameters): rounding errors grow like
+#: lambda*sqrt(n)*u (Higham & Mary 2019; lambda = 10: exceeded with probability <= 4e-22), n <= 4,000
+#: (the chain above), u = 2**-24 = 6.0e-8: 10 * sqrt(4000) * 6e-8 = 3.8e-5 relative per run, 7.6e-5 for
+#: two, on a loss of about 4.1: 3.1e-4 -> 4e-4 absolute. Later float32 steps carry AdamW's lr/eps
+#: amplification of rounding (tests/loop/test_equality.py): compared in float64 above, not here.
+LOSS_TOL_32 = 4e-4
+
+
+def _cli(tmp_path, packing: str, dtype: str, steps: int):
+    import argparse
+
+    from sftpack.cli._train import register
+    from sftpack.cli._train_vqa import add_vqa_arguments
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
+    if "--corpus" not in train._option_string_actions:  # until cli/_train.py registers it itself
+        add_vqa_arguments(train)
+    log = tmp_path / f"{packing}-{dtype}.jsonl"
+    args = parser.parse_args(
+        ["train", "--corpus", "vqa", "--packing", packing, "--steps", str(steps), "--batch-size", "4"]
+        + ["--limit", "12", "--image-sides", "56", "112", "--max-seq-len", "256", "--vocab", "data"]
+        + ["--dim", "32", "--device", "cpu", "--dtype", dtype, "--log", str(log)]
+    )
+    return args, log
+
+
+def _log(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("dtype, steps", [("float64", 5), ("float32", 2)])  # 20 steps: above
+def test_sftpack_train_corpus_vqa_trainer_equals_none(tmp_path, capsys, dtype, steps):
+    from sftpack.cli._train_vqa import run_vqa
+
+    logs = {}
+    for packing in ("trainer", "none"):
+        args, log = _cli(tmp_path, packing, dtype, steps)
+        assert run_vqa(args) == 0
+        logs[packing] = _log(log)
+    out = capsys.readouterr().out
+    assert "easy-vqa conversations" in out and "images over" in out
+    packed, padded = logs["trainer"], logs["none"]
+    assert len(packed) == len(padded) == steps
+    for key in ("images", "sequences", "real_tokens", "label_tokens"):
+        assert [r[key] for r in packed] == [r[key] for r in padded], key
+    assert all(r["images"] >= 1 for r in packed)
+    if dtype == "float64":
+        assert max(abs(a["loss"] - b["loss"]) for a, b in zip(packed, padded)) <= TOL
+    else:
+        assert abs(packed[0]["loss"] - padded[0]["loss"]) <= LOSS_TOL_32
+
+
+def test_sftpack_train_corpus_vqa_refuses_what_it_does_not_take(tmp_path):
+    from sftpack.cli._common import UsageError
+    from sftpack.cli._train_vqa import run_vqa
+
+    args, _ = _cli(tmp_path, "loader", "float32", 1)
+    with pytest.raises(UsageError, match="not wired"):
+        run_vqa(args)
+    args, _ = _cli(tmp_path, "trainer", "float32", 1)
+    args.checkpoint_dir = str(tmp_path)
+    with pytest.raises(UsageError, match="--checkpoint-dir"):
+        run_vqa(args)
