@@ -24,6 +24,7 @@ from megatron.energon.epathlib import EPath  # noqa: E402
 from megatron.energon.flavors import BaseWebdatasetFactory  # noqa: E402
 
 from sftpack import PackedBatch  # noqa: E402
+from sftpack.loader import MultimodalPackingDataset  # noqa: E402
 from sftpack.loader.energon import EnergonMultimodalBatch, MultimodalPackingTaskEncoder  # noqa: E402
 from sftpack.multimodal import (  # noqa: E402
     BadImageError,
@@ -178,6 +179,16 @@ def test_rows_are_the_planners_rows_with_media_in_row_order(prepared, runs):
         ):
             want.append(build_multimodal_row([chunk[i] for i in row], row_width=WIDTH, pad_multiple=MULT))
     assert [sig(b.validate()) for b in batches] == [sig(w) for w in want]
+    # The loader path's rule with max_wait=0 (each buffer packed whole) lays the same rows.
+    ours = MultimodalPackingDataset(
+        [samples[i] for i in ids],
+        max_seq_len=WIDTH,
+        buffer_size=BUFFER,
+        max_patches=PATCHES,
+        pad_multiple=MULT,
+        max_wait=0,
+    )
+    assert [sig(r) for r in ours] == [sig(w) for w in want]
     assert sorted(i for b in batches for i in b.sequence_ids) == sorted(ids)  # each sample exactly once
     assert sum(b.num_images for b in batches) == sum(s.num_images for s in samples.values()) == 31  # 7 with two
     for b in batches:
@@ -312,3 +323,20 @@ def test_encoder_refuses_what_it_cannot_do():
         MultimodalPackingTaskEncoder(max_seq_len=64, on_bad_row="ignore")
     with pytest.raises(ValueError, match="max_seq_len=30 is not a multiple of pad_multiple=4"):
         MultimodalPackingTaskEncoder(max_seq_len=30, pad_multiple=4)
+    with pytest.raises(ValueError, match="MultimodalPackingTaskEncoder: pad_id must be a non-negative integer"):
+        MultimodalPackingTaskEncoder(max_seq_len=64, pad_id=-1)
+
+
+def test_a_buffer_of_only_left_out_samples_is_skipped_with_a_warning(caplog):
+    """No row to carry their count: Energon skips the buffer (SkipSample) and the ids are logged."""
+    from megatron.energon import SkipSample
+
+    from sftpack.loader.energon import EncodedMultimodalSample
+
+    left = [
+        EncodedMultimodalSample(__key__=k, __restore_key__=(), sample=None, conversation_id=k, dropped="overlong")
+        for k in ("x", "y")
+    ]
+    with caplog.at_level("WARNING"), pytest.raises(SkipSample):
+        MultimodalPackingTaskEncoder(max_seq_len=64).select_samples_to_pack(left)
+    assert "('x', 'overlong'), ('y', 'overlong')" in caplog.text

@@ -50,12 +50,8 @@ from megatron.energon import Cooker, Sample, SkipSample, TaskEncoder, basic_samp
 
 from .._base import check_width, choose, positive_int
 from ..handoff import PackedBatch
-
-# the submodules, not the package: sftpack.multimodal also loads its model harness, which needs the loop
-from ..multimodal._images import BadImageError, BadImageReason, load_image
-from ..multimodal._plan import plan_rows
-from ..multimodal._row import build_multimodal_row
-from ..multimodal._sample import tokenize_multimodal
+from ..handoff.layout import check_pad_id
+from ..multimodal import BadImageError, BadImageReason, build_multimodal_row, load_image, plan_rows, tokenize_multimodal
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError
 from .energon import EnergonPackedBatch
 
@@ -168,14 +164,16 @@ def _resolve(messages: Any, media: dict, record: str) -> list:
                         f"no file {name!r} in the sample (its files: {sorted(media)})",
                     )
                 data = media[name]
+                raw = isinstance(data, (bytes, bytearray, memoryview))
+                src = {"bytes" if raw else "image": data, "resize": part.get("resize")}  # bytes, or a PIL image
                 try:
-                    img = load_image({"bytes": data, "resize": part.get("resize")}, record, f"{field}.{kind}")
+                    img = load_image(src, record, f"{field}.{kind}")
                 except BadImageError as e:  # name the sample's file, not the bytes it was read into
+                    if not raw:
+                        raise
                     what = "cannot be decoded" if e.reason is BadImageReason.UNDECODABLE else "has no pixels"
-                    size = len(data) if isinstance(data, (bytes, bytearray, memoryview)) else "?"
-                    raise BadImageError(
-                        record, f"{field}.{kind}", e.reason, f"the file {name!r} ({size} bytes) {what}"
-                    ) from None
+                    detail = f"the file {name!r} ({len(data)} bytes) {what}"
+                    raise BadImageError(record, f"{field}.{kind}", e.reason, detail) from None
                 part = {"type": "image", "image": img}
             parts.append(part)
         out.append({**msg, "content": parts})
@@ -225,9 +223,7 @@ class MultimodalPackingTaskEncoder(TaskEncoder):
         self.pad_multiple = positive_int("pad_multiple", pad_multiple, who=who)
         self.max_seq_len = check_width(positive_int("max_seq_len", max_seq_len, who=who), self.pad_multiple, who=who)
         self.max_patches = None if max_patches is None else positive_int("max_patches", max_patches, who=who)
-        if not isinstance(pad_id, int) or pad_id < 0:
-            raise ValueError(f"{who}: pad_id must be a non-negative integer, got {pad_id!r}")
-        self.pad_id = pad_id
+        self.pad_id = check_pad_id(pad_id, who, ValueError)
         self.tokenizer = tokenizer
         self.processor = processor
         self.on_bad_row = on_bad_row
@@ -257,8 +253,8 @@ class MultimodalPackingTaskEncoder(TaskEncoder):
         over_t = n > self.max_seq_len
         over_p = self.max_patches is not None and p > self.max_patches
         if over_t or over_p:
-            if self.overlong is Overlong.DROP:
-                return self._drop(sample, cid, "overlong")
+            if self.overlong is Overlong.DROP:  # the reasons of MultimodalPackingDataset's counts
+                return self._drop(sample, cid, "overlong" if over_t else "over_patch_budget")
             what = (
                 f"{n} tokens (images included), more than max_seq_len={self.max_seq_len}"
                 if over_t
