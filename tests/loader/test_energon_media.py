@@ -39,7 +39,7 @@ from sftpack.multimodal import (  # noqa: E402
 )
 from sftpack.sample import IGNORE_INDEX, OverlongError  # noqa: E402
 from tests.multimodal.conftest import Renumbered  # noqa: E402
-from tests.multimodal.test_exactness import TOL  # noqa: E402
+from tests.multimodal.test_exactness import BUG, TOL, _media_reversed  # noqa: E402
 
 # 24 conversations (7 with two images), images 56-112 px a side: 4-16 placeholders, 16-64 patches each.
 N, BUFFER, WIDTH, MULT, PATCHES = 24, 8, 256, 4, 240
@@ -222,7 +222,8 @@ def test_a_packed_row_equals_each_sample_alone(prepared, runs):
     tolerance derived in tests/multimodal/test_exactness.py; its premises hold here: logits and
     gradients below 10 (asserted), images of at most 64 patches, segments of at most 160 tokens (90
     there: the attention sums grow by at most 70 terms, the chain n from <= 4,000 to <= 4,070, the
-    bound 2 * n * u * 10 from 8.9e-12 to 9.1e-12, still 11x below TOL)."""
+    bound 2 * n * u * 10 from 8.9e-12 to 9.1e-12, still 11x below TOL). Negative control: the same
+    row with its images in reverse order moves some sample's logits by more than BUG."""
     _, _, samples = prepared
     _, batches, _ = runs[0]
     row = max(batches, key=lambda b: (len(b.sequence_ids), b.num_images))
@@ -234,11 +235,16 @@ def test_a_packed_row_equals_each_sample_alone(prepared, runs):
     mine = [rn.sample(samples[i]) for i in row.sequence_ids]
     with torch.no_grad():
         logits = packed_logits(model, _renumber(row, rn))
+        shuffled = packed_logits(model, _media_reversed(_renumber(row, rn)))  # negative control
         cu, cup = row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
+        worst = 0.0
         for j, s in enumerate(mine):
             alone = alone_logits(model, s)
             assert float(alone.abs().max()) < 10
-            assert float((logits[cup[j] : cup[j] + cu[j + 1] - cu[j]] - alone).abs().max()) <= TOL
+            seg = slice(cup[j], cup[j] + cu[j + 1] - cu[j])
+            assert float((logits[seg] - alone).abs().max()) <= TOL
+            worst = max(worst, float((shuffled[seg] - alone).abs().max()))
+        assert worst > BUG  # the images in the wrong order are seen: the row's media order matters
     for real in (True, False):
         r = check_packed(model, mine, pad_between_seqs=real, pad_multiple=MULT, row_width=WIDTH, pad_id=rn.pad_id)
         assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
