@@ -8,7 +8,10 @@ import json
 import subprocess
 import sys
 
-from sftpack.report.demo import EAGER_64, EXACT_64, TRAIN_64
+import pytest
+
+from sftpack.cli import main
+from sftpack.report.demo import EAGER_64, EXACT_64, EXACT_MM_64, TRAIN_64, run_demo
 
 PACKED = ("offline", "loader", "trainer")
 CHECKS = {
@@ -18,6 +21,10 @@ CHECKS = {
     "exact: consumers",
     "trainer: same conversations as padded",
     *(f"{p}: losses equal" for p in PACKED),
+    "multimodal: accounted",
+    "multimodal: patch budget held",
+    "multimodal: exact real+padded",
+    "multimodal: exact padded-for-both",
 }
 
 
@@ -36,7 +43,12 @@ def test_demo_quick_runs_as_a_console_script_and_writes_its_results(tmp_path):
     assert set(results["checks"]) == CHECKS  # every check ran (none renamed or dropped) ...
     assert [name for name, passed in results["checks"].items() if not passed] == []  # ... and passed
     assert results["ok"] is True
-    assert results["tolerances"] == {"exact_64": EXACT_64, "eager_64": EAGER_64, "train_64": TRAIN_64}
+    assert results["tolerances"] == {
+        "exact_64": EXACT_64,
+        "eager_64": EAGER_64,
+        "train_64": TRAIN_64,
+        "exact_multimodal_64": EXACT_MM_64,
+    }
 
     paths = results["paths"]
     assert set(paths) == {*PACKED, "none"}
@@ -51,3 +63,22 @@ def test_demo_quick_runs_as_a_console_script_and_writes_its_results(tmp_path):
     assert paths["none"]["loss_diff"] is None  # the baseline is the reference, not compared
     # the trainer path and the padded baseline train on the same conversations: the same first loss
     assert abs(paths["trainer"]["losses"][0] - paths["none"]["losses"][0]) <= TRAIN_64
+
+    # the multimodal section: rows under both budgets, equal to each sample alone, timed against padded
+    mm = results["multimodal"]
+    assert mm["images"] >= mm["samples"] > 0 and mm["patches"] > 0
+    assert mm["patches_max"] <= mm["max_patches"] < mm["patches_max_tokens_only"]  # the budget binds and holds
+    assert mm["rows"] > mm["rows_tokens_only"] and 0 < mm["fill"] < mm["fill_tokens_only"] <= 1
+    assert set(mm["exact"]) == {"real+padded", "padded-for-both"}
+    for diffs in mm["exact"].values():
+        assert max(diffs.values()) <= EXACT_MM_64, diffs
+    assert mm["packed_tokens_per_s"] > 0 and mm["padded_tokens_per_s"] > 0 and mm["speedup"] > 0
+
+
+def test_demo_corpus_choices(capsys):
+    with pytest.raises(ValueError, match="corpus must be 'chat', 'vqa' or None"):
+        next(run_demo(corpus="images"))
+    with pytest.raises(SystemExit):
+        main(["demo", "--corpus", "images"])
+    err = capsys.readouterr().err
+    assert "argument --corpus: invalid choice: 'images'" in err and "vqa" in err

@@ -4,7 +4,14 @@ path's own code, and its text and PNG drawings."""
 from __future__ import annotations
 
 from sftpack import PackedBatch
-from sftpack.report.layout import draw_row, render_map, save_map_png, worked_example
+from sftpack.report.layout import (
+    draw_row,
+    draw_row_to_scale,
+    render_map,
+    save_demo_png,
+    save_map_png,
+    worked_example,
+)
 from sftpack.testing import samples_from_lengths
 
 
@@ -39,3 +46,41 @@ def test_render_map_shows_every_path_and_its_boundaries():
 def test_save_map_png_writes_a_png(tmp_path):
     path = save_map_png(str(tmp_path / "map.png"))
     assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def _image_row():
+    """docs/multimodal.md's row: A (8 slots, a 4-slot image run at 2) and B (7, a 2-slot run at 2), pad 4."""
+    import numpy as np
+
+    from sftpack.multimodal import MultimodalSample, build_multimodal_row
+
+    def sample(ids, grid):
+        ids = np.array(ids)
+        n = int(np.prod(grid))
+        return MultimodalSample(
+            ids,
+            ids > 200000,
+            pixel_values=np.zeros((n, 1176), np.float32),
+            image_grid_thw=[grid],
+            image_runs=[(int(np.argmax(ids == 151655)), n // 4)],
+        )
+
+    a = sample([1, 151652] + [151655] * 4 + [151653, 5], (1, 4, 4))
+    b = sample([1, 151652] + [151655] * 2 + [151653, 6, 7], (1, 2, 4))
+    return build_multimodal_row([a, b], pad_multiple=4).validate()
+
+
+def test_draw_row_to_scale_marks_image_runs_and_keeps_proportions():
+    row = _image_row()  # slots: A A # # # # A A | B B # # B B B .
+    assert draw_row_to_scale(row, width=16) == "AA####AABB##BBB."
+    assert draw_row_to_scale(row, width=8) == "A##AB#BB"  # two slots a character, the first slot's on a tie
+    assert draw_row_to_scale(row, width=100) == draw_row_to_scale(row, width=16)  # never more than one per slot
+    b = PackedBatch.from_samples(samples_from_lengths([3, 2]), pad_multiple=4)  # a text row: no '#'
+    assert draw_row_to_scale(b, width=8) == "AAA.BB.."
+
+
+def test_save_demo_png_draws_rows_with_images(tmp_path):
+    row = _image_row()
+    bars = {"fill": {"vqa": 0.9}, "tokens_per_s": {"vqa packed": 10.0, "vqa padded": 8.0}}
+    path = save_demo_png(tmp_path, {}, [row], bars)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

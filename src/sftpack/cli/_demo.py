@@ -10,12 +10,19 @@ from ._common import positive
 def register(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser(
         "demo",
-        help="the main job on the embedded default: the three paths, exactness, training vs padded batches",
+        help="the main job on the embedded default: the three paths, exactness, training vs padded batches, "
+        "and conversations with images",
     )
     d.add_argument(
         "--quick",
         action="store_true",
         help="a smaller, faster run (the first 400 conversations)",
+    )
+    d.add_argument(
+        "--corpus",
+        choices=["chat", "vqa"],
+        help="chat: only the text story (chitchat conversations); vqa: only the multimodal section "
+        "(easy-vqa conversations with images on a tiny Qwen2-VL); default: both",
     )
     d.add_argument("--seed", type=int, default=0)
     d.add_argument(
@@ -47,6 +54,7 @@ def run(args: argparse.Namespace) -> int:
         max_seq_len=args.max_seq_len,
         num_proc=args.num_proc,
         report_dir=args.report,
+        corpus=args.corpus,
     ):
         if isinstance(item, Section):
             print(f"\n== {item.title} " + "=" * max(0, 72 - len(item.title)), flush=True)

@@ -17,9 +17,17 @@
    path and the baseline see the same conversations, the offline and loader
    runs are replayed unpacked; the losses agree within a fixed tolerance
    (derived below), tokens/s compared;
-6. a summary table and, with ``report_dir``, a PNG report (rows to scale,
+6. multimodal: easy-vqa conversations with images on a tiny Qwen2-VL
+   (:mod:`._demo_multimodal`): rows under a token and a vision-patch budget
+   drawn to scale with their image runs marked, every image and patch accounted
+   for, the packed loss, logits and gradients equal to each sample alone in
+   float64, and real tokens/s of packed rows against padded batches;
+7. a summary table and, with ``report_dir``, a PNG report (rows to scale,
    fill per path, loss curves, tokens/s bars) and the results as JSON
    (``sftpack_demo.json``: every check by name, each path's numbers).
+
+``corpus="chat"`` runs the text story alone (1-5, 7), ``corpus="vqa"`` the
+multimodal section alone (6); the default runs both.
 
 The stream ends with a :class:`DemoDone` that holds the same results. Nothing is
 downloaded. ``quick`` uses the first 400 conversations and shorter training runs.
@@ -50,6 +58,7 @@ from ..loader import PackingDataset
 from ..loop import ReplaySource, TrainConfig, build_model, compact_vocabulary, make_source, train
 from ..offline import PrepackedDataset, prepack_samples
 from ..trainer import pack_step, padded_batch
+from ._demo_multimodal import EXACT_MM_64, MultimodalSummary, multimodal_section
 from .layout import render_map, save_demo_png
 from .savings import format_table
 
@@ -92,6 +101,8 @@ class DemoDone:
     checks: dict[str, bool] = field(default_factory=dict)
     #: ``"offline"``, ``"loader"``, ``"trainer"``, ``"none"`` -> that path's line of the summary table
     paths: dict[str, PathSummary] = field(default_factory=dict)
+    #: the multimodal section's numbers (None when it did not run)
+    multimodal: MultimodalSummary | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The results as JSON-ready data (``report_dir/sftpack_demo.json``); rows are left out."""
@@ -99,7 +110,13 @@ class DemoDone:
             "ok": self.ok,
             "seconds": self.seconds,
             "checks": dict(self.checks),
-            "tolerances": {"exact_64": EXACT_64, "eager_64": EAGER_64, "train_64": TRAIN_64},
+            "tolerances": {
+                "exact_64": EXACT_64,
+                "eager_64": EAGER_64,
+                "train_64": TRAIN_64,
+                "exact_multimodal_64": EXACT_MM_64,
+            },
+            "multimodal": None if self.multimodal is None else self.multimodal.as_dict(),
             "paths": {
                 name: {
                     "rows": p.rows,
@@ -149,6 +166,7 @@ def run_demo(
     max_seq_len: int = 4096,
     num_proc: int = 1,
     report_dir: str | None = None,
+    corpus: str | None = None,
 ) -> Iterator[Section | str | DemoDone]:
     """The demo as a stream of :class:`Section` headers and text lines, ending with
     a :class:`DemoDone`. Nothing is printed here: ``sftpack demo`` renders the stream
@@ -156,7 +174,12 @@ def run_demo(
 
     Torch runs on one thread until the stream ends (the previous count is restored
     then): every model here is tiny, and a second thread that the OS deschedules on a
-    busy machine stalls each small matmul at the thread barrier."""
+    busy machine stalls each small matmul at the thread barrier.
+
+    ``corpus``: ``"chat"`` (the text story only), ``"vqa"`` (the multimodal section
+    only) or ``None`` (both)."""
+    if corpus not in (None, "chat", "vqa"):
+        raise ValueError(f"corpus must be 'chat', 'vqa' or None (both), got {corpus!r}")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -166,17 +189,62 @@ def run_demo(
             max_seq_len=max_seq_len,
             num_proc=num_proc,
             report_dir=report_dir,
+            corpus=corpus,
         )
     finally:
         torch.set_num_threads(threads)
 
 
 def _demo(
-    *, quick: bool, seed: int, max_seq_len: int, num_proc: int, report_dir: str | None
+    *, quick: bool, seed: int, max_seq_len: int, num_proc: int, report_dir: str | None, corpus: str | None
 ) -> Iterator[Section | str | DemoDone]:
     t_start = time.perf_counter()
     checks: dict[str, bool] = {}
-    summary = {p: PathSummary(p) for p in ("offline", "loader", "trainer", "none")}
+    summary: dict[str, PathSummary] = {}
+    mm: MultimodalSummary | None = None
+    if corpus != "vqa":
+        summary = {p: PathSummary(p) for p in ("offline", "loader", "trainer", "none")}
+        yield from _text_story(summary, checks, quick=quick, seed=seed, max_seq_len=max_seq_len, num_proc=num_proc)
+    if corpus != "chat":
+        mm = MultimodalSummary()
+        yield Section("5. Multimodal: easy-vqa conversations with images, a tiny Qwen2-VL (no downloads)")
+        yield from multimodal_section(checks, mm, seed=seed, quick=quick)
+    if summary:
+        yield Section("6. Summary")
+        yield from _summary_table(summary)
+    if mm is not None:
+        yield (
+            f"  multimodal: {mm.rows} rows under both budgets ({mm.fill:.1%} fill, at most {mm.patches_max:,} of "
+            f"{mm.max_patches:,} patches), loss equal to each sample alone (max |dloss| "
+            f"{max(e['loss'] for e in mm.exact.values()):.1e}), packed {mm.speedup:.2f}x the real tokens/s of padded"
+        )
+    ok = all(checks.values())
+    done = DemoDone(ok, 0.0, None, checks, summary, mm)
+    if report_dir is not None:
+        bars = None
+        if mm is not None:
+            bars = {
+                "fill": {"vqa, tokens only": mm.fill_tokens_only, "vqa, + patch budget": mm.fill},
+                "tokens_per_s": {"vqa packed": mm.packed_tokens_per_s, "vqa padded": mm.padded_tokens_per_s},
+            }
+        done.report = str(save_demo_png(report_dir, summary, () if mm is None else mm.first_rows, bars))
+        yield f"  wrote {done.report}"
+
+    yield Section("Done")
+    failed = [name for name, passed in checks.items() if not passed]
+    done.seconds = time.perf_counter() - t_start
+    yield f"  {'all checks passed' if ok else 'FAILED: ' + ', '.join(failed)} in {done.seconds:.1f} s"
+    if report_dir is not None:
+        results = Path(report_dir) / "sftpack_demo.json"
+        results.write_text(json.dumps(done.as_dict(), indent=1) + "\n")
+        yield f"  wrote {results}"
+    yield done
+
+
+def _text_story(
+    summary: dict[str, PathSummary], checks: dict[str, bool], *, quick: bool, seed: int, max_seq_len: int, num_proc: int
+) -> Iterator[Section | str]:
+    """Sections 1-4 on the chat corpus."""
 
     yield Section("The handoff: two conversations at three packing moments")
     yield render_map()
@@ -309,7 +377,8 @@ def _demo(
     )
     yield from _training(samples, summary, checks, seed=seed, **cfg)
 
-    yield Section("5. Summary")
+
+def _summary_table(summary: dict[str, PathSummary]) -> Iterator[str]:
     base = summary["none"]
     yield format_table(
         (
@@ -342,21 +411,6 @@ def _demo(
         "CPU model stays under the bound (benchmarks/bench_train.py times the body and the head apart; "
         "docs/performance.md says what to expect of a real model)."
     )
-    ok = all(checks.values())
-    done = DemoDone(ok, 0.0, None, checks, summary)
-    if report_dir is not None:
-        done.report = str(save_demo_png(report_dir, summary))
-        yield f"  wrote {done.report}"
-
-    yield Section("Done")
-    failed = [name for name, passed in checks.items() if not passed]
-    done.seconds = time.perf_counter() - t_start
-    yield f"  {'all checks passed' if ok else 'FAILED: ' + ', '.join(failed)} in {done.seconds:.1f} s"
-    if report_dir is not None:
-        results = Path(report_dir) / "sftpack_demo.json"
-        results.write_text(json.dumps(done.as_dict(), indent=1) + "\n")
-        yield f"  wrote {results}"
-    yield done
 
 
 def _middle(rows: list[Any], k: int = 3) -> list[Any]:

@@ -11,7 +11,7 @@ tokens) and B (10 tokens) lie in the row and which boundaries the kernel gets::
 from __future__ import annotations
 
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,15 @@ from ..loader import worked_example_row
 from ..sample import Sample
 from ..trainer import pack_step
 
-__all__ = ["MapRow", "draw_row", "render_map", "save_demo_png", "save_map_png", "worked_example"]
+__all__ = [
+    "MapRow",
+    "draw_row",
+    "draw_row_to_scale",
+    "render_map",
+    "save_demo_png",
+    "save_map_png",
+    "worked_example",
+]
 
 
 @dataclass
@@ -81,6 +89,33 @@ def draw_row(batch: PackedBatch, width: int = 64) -> str:
     return "\n".join(lines)
 
 
+def _slot_cells(batch: PackedBatch) -> list[str]:
+    """One character per slot: the segment's letter on text, '#' on image placeholders, '.' on padding."""
+    cells = _segment_letters(batch)
+    if batch.image_slots is not None:
+        for start, n in batch.image_slots.tolist():
+            cells[start : start + n] = ["#"] * n
+    return cells
+
+
+def draw_row_to_scale(batch: PackedBatch, width: int = 64) -> str:
+    """A row in one line of ``width`` characters or fewer, to scale: each character stands
+    for ``ceil(T / width)`` slots and shows what most of them hold (a segment's letter on
+    its text, ``#`` on image placeholders, ``.`` on padding; ties: the first slot's).
+
+    >>> from sftpack.testing import samples_from_lengths
+    >>> draw_row_to_scale(PackedBatch.from_samples(samples_from_lengths([6, 3]), pad_multiple=4), width=6)  # AAAAAA..BBB.
+    'AAA.BB'
+    """
+    cells = _slot_cells(batch)
+    scale = max(1, -(-len(cells) // width))
+    out = []
+    for c in range(0, len(cells), scale):
+        chunk = cells[c : c + scale]
+        out.append(max(chunk, key=lambda ch: (chunk.count(ch), -chunk.index(ch))))
+    return "".join(out)
+
+
 def render_map(rows: list[MapRow] | None = None) -> str:
     rows = rows if rows is not None else worked_example()
     out = ["Two conversations, A (5 tokens) and B (10 tokens), packed at three moments:", ""]
@@ -131,9 +166,17 @@ def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
     return path
 
 
-def save_demo_png(directory: str | Path, summary: Mapping[str, Any]) -> Path:
+def save_demo_png(
+    directory: str | Path,
+    summary: Mapping[str, Any],
+    multimodal_rows: Sequence[PackedBatch] = (),
+    multimodal_bars: Mapping[str, Mapping[str, float]] | None = None,
+) -> Path:
     """The demo's PNG report, ``directory/sftpack_demo.png``: rows to scale, fill per
-    path, loss curves, tokens/s bars (``summary``: path name -> the demo's ``PathSummary``)."""
+    path, loss curves, tokens/s bars (``summary``: path name -> the demo's ``PathSummary``;
+    ``multimodal_rows``: rows with images, drawn under the others with their image runs
+    hatched; ``multimodal_bars``: ``{"fill": {label: fraction}, "tokens_per_s": {label: value}}``,
+    bars added (in green) to the fill and throughput panels)."""
     plt = pyplot("sftpack demo --report")
     Rectangle = plt.Rectangle
 
@@ -164,14 +207,29 @@ def save_demo_png(directory: str | Path, summary: Mapping[str, Any]) -> Path:
             labels.append((y + 0.4, p.path))
             y += 1
         y += 0.5
+    for r in multimodal_rows:
+        width = max(width, r.num_tokens)
+        starts = r.cu_seqlens_padded.tolist()
+        for i, (s, n) in enumerate(zip(starts[:-1], r.seqlens.tolist())):
+            ax_rows.add_patch(Rectangle((s, y), n, 0.8, facecolor=colours[i % len(colours)], edgecolor="white"))
+            ax_rows.add_patch(Rectangle((s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"))
+        for start, n in r.image_slots.tolist() if r.image_slots is not None else []:
+            ax_rows.add_patch(Rectangle((start, y), n, 0.8, facecolor="none", edgecolor="black", hatch="////", lw=0))
+        labels.append((y + 0.4, "vqa (images hatched)"))
+        y += 1
     ax_rows.set_xlim(0, width)
     ax_rows.set_ylim(y, -0.2)
     ax_rows.set_yticks([a for a, _ in labels], [b for _, b in labels])
     ax_rows.set_xlabel("token slots (colour: a conversation; grey: padding)")
     ax_rows.set_title("first rows of each path, to scale")
     names = list(summary)
+    extra = multimodal_bars or {}
+    mm_fill, mm_speed = dict(extra.get("fill", {})), dict(extra.get("tokens_per_s", {}))
     ax_fill = fig.add_subplot(grid[1, 0])
     ax_fill.bar(names, [summary[n].fill * 100 for n in names], color="#4C72B0")
+    if mm_fill:
+        ax_fill.bar(list(mm_fill), [v * 100 for v in mm_fill.values()], color="#55A868")
+        ax_fill.tick_params(axis="x", labelrotation=30)
     ax_fill.set(ylabel="real tokens / slots (%)", title="fill", ylim=(0, 105))
     ax_loss = fig.add_subplot(grid[1, 1])
     for n in names:
@@ -187,10 +245,19 @@ def save_demo_png(directory: str | Path, summary: Mapping[str, Any]) -> Path:
         ylabel="loss",
         title="training loss (trainer = none: same conversations)",
     )
-    ax_loss.legend()
+    if any(summary[n].losses for n in names):
+        ax_loss.legend()
+    else:
+        ax_loss.text(0.5, 0.5, "(the text story did not run)", ha="center", va="center", transform=ax_loss.transAxes)
     ax_speed = fig.add_subplot(grid[1, 2])
     ax_speed.bar(names, [summary[n].tokens_per_s for n in names], color="#DD8452")
-    ax_speed.set(ylabel="real tokens / s", title="training throughput")
+    if mm_speed:
+        ax_speed.bar(list(mm_speed), list(mm_speed.values()), color="#55A868")
+        ax_speed.tick_params(axis="x", labelrotation=30)
+    ax_speed.set(
+        ylabel="real tokens / s",
+        title="training throughput" + (" (green: tiny Qwen2-VL)" if mm_speed else ""),
+    )
     fig.suptitle("sftpack demo: the three packing paths and padded batches on the embedded corpus")
     fig.tight_layout()
     path = out / "sftpack_demo.png"
