@@ -4,11 +4,13 @@ The corpus is :func:`sftpack.multimodal.vqa_corpus` (``--conversations``, seeded
 sizes 56-448 px a side), tokenized with the embedded Qwen2-VL tokenizer and Qwen2-VL's
 image processor (placeholders expanded: a sample's length counts its vision tokens).
 
-(a) **Fill and rows** at ``--max-seq-len`` per packer: :func:`sftpack.multimodal.plan_rows`
-    without and with the vision-patch budget (``--max-patches``), and the
-    :func:`sftpack.binpack.pack` packers on the total lengths (they know no patch budget).
-    Fill = real tokens (text + vision) / row tokens; the patch columns say how much the
-    vision tower gets per row, which the patch budget caps.
+(a) **Fill and rows** at ``--max-seq-len`` per packer: every :func:`sftpack.binpack.pack`
+    algorithm on the total lengths (vision placeholders included), without and with the
+    second budget (``weights=`` the samples' vision patches, ``max_weight_per_bin=``
+    ``--max-patches``; :func:`sftpack.multimodal.plan_rows` is the ``ffd`` line), each
+    sample's cost rounded up to ``--pad-multiple``. Fill = real tokens (text + vision) /
+    row tokens; the patch columns say how much the vision tower gets per row, which the
+    patch budget caps; the pack time is one call (a single run, not a ratio).
 (b) **Image cost vs text cost**: per round, every conversation's images decoded (PIL,
     from the PNG files), resized to their seeded size, turned into Qwen2-VL patches (the
     PIL/numpy processor), and its ChatML text tokenized; the four stages alternate
@@ -22,11 +24,14 @@ image processor (placeholders expanded: a sample's length counts its vision toke
     Face's own path: ``sdpa`` with an attention mask, the model runs its vision tower and
     computes its MRoPE positions); forward + backward + SGD step; A and B alternate
     every step, medians over ``--train-steps`` steps.
+(d) **Packing time at scale**: ``--pack-items`` samples resampled from the corpus's
+    (length, patches) pairs, each packer without and with the patch budget (alternating,
+    best of ``--rounds``).
 
 Usage::
 
-    python benchmarks/bench_multimodal.py                 # all three, writes RESULTS.md
-    python benchmarks/bench_multimodal.py --conversations 60 --rounds 2 --train-steps 2 --no-results
+    python benchmarks/bench_multimodal.py                 # all four, writes RESULTS.md
+    python benchmarks/bench_multimodal.py --conversations 60 --rounds 2 --train-steps 2 --pack-items 10000 --no-results
 """
 
 from __future__ import annotations
@@ -56,41 +61,29 @@ def machine() -> str:
 
 
 # ------------------------------------------------------------------------- (a)
-def fill_table(samples: list, max_seq_len: int, max_patches: int) -> list[dict[str, Any]]:
-    from sftpack.binpack import pack
-    from sftpack.multimodal import plan_rows
+def fill_table(samples: list, max_seq_len: int, max_patches: int, pad_multiple: int) -> list[dict[str, Any]]:
+    from sftpack.report.savings import compare_multimodal_layouts
 
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     patches = np.array([s.num_patches for s in samples], dtype=np.int64)
-    vision = np.array([int(s.image_runs[:, 1].sum()) for s in samples], dtype=np.int64)
-    plans: list[tuple[str, str, list[np.ndarray]]] = [
-        ("multimodal.plan_rows", "-", plan_rows(lengths, patches, max_seq_len=max_seq_len)),
-        (
-            "multimodal.plan_rows",
-            f"{max_patches:,}",
-            plan_rows(lengths, patches, max_seq_len=max_seq_len, max_patches=max_patches),
-        ),
+    vision = np.array([int(s.image_runs[:, 1].sum()) if s.num_images else 0 for s in samples], dtype=np.int64)
+    rows = compare_multimodal_layouts(
+        lengths, patches, vision, max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple
+    )
+    return [
+        {
+            "packer": r.layout if r.layout != "one per row" else "none (one sample per row)",
+            "budget": "-" if r.patch_budget is None else f"{r.patch_budget:,}",
+            "rows": r.rows,
+            "fill": r.fill,
+            "vision": r.vision,
+            "p_mean": r.patches_mean,
+            "p_max": r.patches_max,
+            "over": r.over_budget,
+            "ms": float("nan") if r.seconds is None else r.seconds * 1e3,
+        }
+        for r in rows
     ]
-    for algo in ("bfd", "ffd", "first_fit_shuffle", "next_fit"):
-        bins = pack(lengths, max_seq_len, algorithm=algo)
-        plans.append((f"binpack {algo}", "-", [np.asarray(b) for b in bins]))
-    plans.append(("none (one sample per row)", "-", [np.array([i]) for i in range(len(samples))]))
-    out = []
-    for name, budget, rows in plans:
-        row_p = np.array([int(patches[r].sum()) for r in rows])
-        out.append(
-            {
-                "packer": name,
-                "budget": budget,
-                "rows": len(rows),
-                "fill": float(lengths.sum()) / (len(rows) * max_seq_len),
-                "vision": float(vision.sum()) / (len(rows) * max_seq_len),
-                "p_mean": float(row_p.mean()),
-                "p_max": int(row_p.max()),
-                "over": int((row_p > max_patches).sum()),
-            }
-        )
-    return out
 
 
 FILL_COLUMNS = [
@@ -102,6 +95,7 @@ FILL_COLUMNS = [
     ("p_mean", "patches/row mean", "{:,.0f}"),
     ("p_max", "patches/row max", "{:,}"),
     ("over", "rows over the patch budget", "{:,}"),
+    ("ms", "pack time (ms)", "{:.2f}"),
 ]
 
 
@@ -302,16 +296,67 @@ TRAIN_COLUMNS = [
 ]
 
 
+# ------------------------------------------------------------------------- (d)
+def pack_time(samples: list, n: int, max_seq_len: int, max_patches: int, rounds: int, seed: int) -> list[dict]:
+    """Packing time at scale: ``n`` samples drawn (seeded, with replacement) from the corpus's
+    (length, patches) pairs; each packer without and with the patch budget, alternating,
+    best of ``rounds``."""
+    from sftpack.binpack import Algorithm, pack
+
+    rng = np.random.default_rng(seed)
+    pick = rng.integers(0, len(samples), size=n)
+    lengths = np.array([len(s) for s in samples], dtype=np.int64)[pick]
+    patches = np.array([s.num_patches for s in samples], dtype=np.int64)[pick]
+    out = []
+    for algo in Algorithm:
+        pack(lengths[:100], max_seq_len, algo)  # compile (or load from numba's cache) first
+        pack(lengths[:100], max_seq_len, algo, weights=patches[:100], max_weight_per_bin=max_patches)
+        one, two, loads = [], [], []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            rows_one = len(pack(lengths, max_seq_len, algo))
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rows_two = len(pack(lengths, max_seq_len, algo, weights=patches, max_weight_per_bin=max_patches))
+            two.append(time.perf_counter() - t0)
+            loads.append(load_average())
+        out.append(
+            {
+                "packer": algo.value,
+                "one_s": min(one),
+                "rows_one": rows_one,
+                "two_s": min(two),
+                "rows_two": rows_two,
+                "ratio": min(two) / min(one),
+                "load": statistics.median(loads),
+            }
+        )
+    return out
+
+
+TIME_COLUMNS = [
+    ("packer", "packer", "{}"),
+    ("one_s", "tokens only (s)", "{:.3f}"),
+    ("rows_one", "rows", "{:,}"),
+    ("two_s", "+ patch budget (s)", "{:.3f}"),
+    ("rows_two", "rows", "{:,}"),
+    ("ratio", "x tokens only", "{:.1f}"),
+    ("load", "load", "{:.1f}"),
+]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conversations", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-seq-len", type=int, default=1024)
     ap.add_argument("--max-patches", type=int, default=2048, help="the vision-patch budget per row")
+    ap.add_argument("--pad-multiple", type=int, default=1, help="each sample's cost rounded up to this in (a)")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (b)")
     ap.add_argument("--batch", type=int, default=8, help="samples per training step in (c)")
     ap.add_argument("--train-steps", type=int, default=6, help="timed steps per mode in (c); 0 skips (c)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads in (c)")
+    ap.add_argument("--pack-items", type=int, default=1_000_000, help="samples packed in (d); 0 skips (d)")
     add_flag(ap)
     args = ap.parse_args()
 
@@ -330,9 +375,16 @@ def main() -> None:
     )
     print(corpus)
 
-    fill = fill_table(samples, args.max_seq_len, args.max_patches)
+    fill = fill_table(samples, args.max_seq_len, args.max_patches, args.pad_multiple)
     t_fill = formatted_table(fill, FILL_COLUMNS)
-    print(f"\n(a) rows of {args.max_seq_len} tokens\n{t_fill}")
+    cost = -(-lens // args.pad_multiple) * args.pad_multiple
+    l1_tokens = -(-int(cost.sum()) // args.max_seq_len)
+    l1_both = max(l1_tokens, -(-sum(s.num_patches for s in samples) // args.max_patches))
+    bounds = (
+        f"Lower bounds on rows (L1): {l1_tokens} on tokens alone, {l1_both} under both budgets "
+        f"(ceil of the patches over the budget)."
+    )
+    print(f"\n(a) rows of {args.max_seq_len} tokens\n{t_fill}\n{bounds}")
     costs = stage_costs(convs, tok, proc, args.rounds)
     t_cost = formatted_table(costs, COST_COLUMNS)
     print(f"\n(b) image work vs tokenizing, medians over {args.rounds} rounds\n{t_cost}")
@@ -342,12 +394,20 @@ def main() -> None:
         t_train = formatted_table(train, TRAIN_COLUMNS)
         print(f"\n(c) training, {args.batch} samples per step, {args.train_steps} steps each, interleaved\n{t_train}")
 
+    t_time = ""
+    if args.pack_items > 0:
+        times = pack_time(samples, args.pack_items, args.max_seq_len, args.max_patches, args.rounds, args.seed)
+        t_time = formatted_table(times, TIME_COLUMNS)
+        print(f"\n(d) packing {args.pack_items:,} samples, best of {args.rounds} alternating rounds\n{t_time}")
+
     if not args.no_results:
         body = (
             f"{corpus}.\n\n"
-            f"(a) Fill and rows at {args.max_seq_len} tokens per row, per packer; the patch columns are "
+            f"(a) Fill and rows at {args.max_seq_len} tokens per row (each sample padded to a multiple of "
+            f"{args.pad_multiple}), per packer, without and with a budget of {args.max_patches:,} vision patches "
+            "per row (sftpack.binpack's second budget; multimodal.plan_rows is ffd); the patch columns are "
             "the vision tower's load per row.\n\n"
-            f"{t_fill}\n\n"
+            f"{t_fill}\n\n{bounds}\n\n"
             f"(b) Image work against tokenizing the text (stages alternate per conversation; medians over "
             f"{args.rounds} rounds).\n\n{t_cost}\n"
         )
@@ -356,6 +416,15 @@ def main() -> None:
                 f"\n(c) Training a tiny Qwen2-VL (float32, CPU, {args.threads} thread(s)), {args.batch} samples "
                 f"per step, packed vs padded alternating every step, medians over {args.train_steps} steps.\n\n"
                 f"{t_train}\n"
+            )
+        if t_time:
+            body += (
+                f"\n(d) Packing time at scale: {args.pack_items:,} samples drawn (seeded, with replacement) from the "
+                f"corpus's (length, patches) pairs, rows of {args.max_seq_len} tokens and {args.max_patches:,} "
+                f"patches; each packer without and with the patch budget, alternating, best of {args.rounds} rounds. "
+                "The one-budget packers run on the length histogram; under two budgets equal lengths are no longer "
+                "interchangeable and every packer goes item by item.\n\n"
+                f"{t_time}\n"
             )
         write_section(__file__, body, where, title="bench_multimodal.py: multimodal packing on easy-vqa")
 
