@@ -188,7 +188,7 @@ class MultimodalPackingTaskEncoder(TaskEncoder):
         max_patches: vision patches per row (the vision tower's budget); ``None``: no limit.
         pad_multiple: per-sample pad multiple (``2 * CP``).
         pad_id: token id of padding slots (default ``<|endoftext|>``).
-        tokenizer: default :func:`~sftpack.multimodal.qwen2vl_tokenizer` (built in each worker).
+        tokenizer: default :func:`~sftpack.multimodal.qwen2vl_tokenizer` (built on first use; workers fork).
         processor: default :func:`~sftpack.multimodal.image_processor`.
         overlong: ``"split"`` (default: refused by name, Energon cannot split), ``"drop"`` (counted)
             or ``"error"``; a sample with more patches than ``max_patches`` counts as over-long.
