@@ -63,10 +63,12 @@ API = {
     ],
     "sftpack.loader": [
         "PAD_BETWEEN_SEQS",
+        "EnergonMultimodalBatch",
         "EnergonPackedBatch",
         "LoaderStats",
         "MultimodalLoaderStats",
         "MultimodalPackingDataset",
+        "MultimodalPackingTaskEncoder",
         "PackingDataset",
         "PackingTaskEncoder",
         "StateError",

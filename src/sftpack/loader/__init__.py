@@ -53,15 +53,19 @@ _LAZY = {
     "PackingTaskEncoder": "energon",
     "EnergonPackedBatch": "energon",
     "MultimodalPackingDataset": "_media",
+    "MultimodalPackingTaskEncoder": "energon",
+    "EnergonMultimodalBatch": "energon",
     "MultimodalLoaderStats": "_media",
 }
 
 __all__ = [
     "PAD_BETWEEN_SEQS",
+    "EnergonMultimodalBatch",
     "EnergonPackedBatch",
     "LoaderStats",
     "MultimodalLoaderStats",
     "MultimodalPackingDataset",
+    "MultimodalPackingTaskEncoder",
     "PackingDataset",
     "PackingTaskEncoder",
     "StateError",
