@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import numpy as np
@@ -34,6 +35,7 @@ from sftpack.multimodal import (  # noqa: E402
     vqa_corpus,
 )
 from sftpack.multimodal._images import (  # noqa: E402
+    _patchify_numpy,
     patchify_pixels,
     pixel_table,
     pixels_from_patches,
@@ -209,7 +211,10 @@ def test_patchify_on_read_is_the_processors_output_byte_for_byte(corpus):
         pv = np.ascontiguousarray(want["pixel_values"], dtype=np.float32)
         px = resize_image(img, proc)
         assert px.dtype == np.uint8 and px.shape[2] == 3
-        assert patchify_pixels(px, proc).tobytes() == pv.tobytes()
+        assert patchify_pixels(px, proc).tobytes() == pv.tobytes()  # the compiled kernel
+        ref = np.empty_like(pv)
+        _patchify_numpy(px, table, 14, 2, 2, ref)  # the numpy stand-in, used without numba
+        assert ref.tobytes() == pv.tobytes()
         grid = want["image_grid_thw"][0]
         assert np.array_equal(pixels_from_patches(pv, grid, proc), px)
     bad = pv.copy()
@@ -275,3 +280,21 @@ def test_a_read_row_through_qwen2vl_equals_each_sample_alone(exact_row, pad_betw
         tamper=lambda built: one_d,
     )
     assert not bad.within(1e-4), bad
+
+
+def test_the_cli_prepacks_the_vqa_corpus_and_inspect_shows_the_images(tmp_path, capsys):
+    from sftpack.cli import main
+
+    out = tmp_path / "vqa.prepack"
+    args = ["prepack", "--corpus", "vqa", "--limit", "6", "--out", str(out), "--max-seq-len", "2048"]
+    assert main([*args, "--max-patches-per-row", "2500", "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"images\s+\d+ \([\d.]+ a row\), [\d,]+ vision patches; stored as resized uint8 pixels", text)
+    ds = PrepackedDataset(out, verify="full")
+    assert ds.manifest["counts"]["read"] == 6 and ds.manifest["fingerprint"]["corpus"]["name"] == "easy-vqa"
+    assert all(int(ds[i].image_grid_thw.prod(dim=1).sum()) <= 2500 for i in range(len(ds)))
+    assert main(["inspect", str(out), "--row", "0"]) == 0
+    shown = capsys.readouterr().out
+    assert "stored as resized uint8 pixels" in shown and re.search(r"images \d+x\d+ px at slot \d+", shown)
+    assert main(["prepack", "--corpus", "vqa", "--out", str(tmp_path / "x"), "--tokenizer", "somewhere"]) == 2
+    assert "--tokenizer: not offered with --corpus vqa" in capsys.readouterr().err

@@ -75,6 +75,16 @@ def describe_lines(ds: PrepackedDataset) -> list[str]:
     out.append(
         f"  {c['rows']:,} rows, fill {c['fill']:.3%}, L1 bound {c['l1']:,} (gap {c['gap_l1']:.3%}), L2 {c['l2']:,}"
     )
+    media = m.get("media")
+    if media:
+        proc = media["processor"]
+        budget = fp.get("max_patches")
+        out.append(
+            f"  images: {media['images']:,} ({media['patches']:,} vision patches"
+            f"{f', at most {budget:,} a row' if budget else ''}), stored as resized uint8 pixels "
+            f"({media['pixel_bytes']:,} bytes; patch {proc['patch_size']}, merge {proc['merge_size']}, "
+            f"{proc['min_pixels']:,}-{proc['max_pixels']:,} pixels an image), patchified on read"
+        )
     out.append("")
     out.append("row fill:")
     most = max((n for _, _, n in d.fill_histogram), default=0)
@@ -157,10 +167,29 @@ def row_lines(ds: PrepackedDataset, i: int, *, cells: int = 256) -> list[str]:
     out += ["  " + line for line in draw_row(small, width=64).split("\n")]
     out.append(f"  cu_seqlens={[int(x) for x in cu]}")
     out.append(f"  cu_seqlens_padded={[int(x) for x in cup]}  max_seqlen={int(padded.max())}")
+    per_seq = _images_per_sequence(ds, i, len(seqs))
     for j, rec in enumerate(seqs):
         cid = ds.conversation_id(int(rec["conversation"]))
         piece = f" piece {int(rec['piece'])}" if int(rec["piece"]) else ""
-        out.append(f"  {names[j % len(names)]}: {cid}{piece}, {int(rec['length']):,} tokens")
+        extra = ""
+        if per_seq is not None and per_seq[j]:
+            extra = "; images " + ", ".join(f"{w}x{h} px at slot {s} ({n} placeholders)" for s, n, w, h in per_seq[j])
+        out.append(f"  {names[j % len(names)]}: {cid}{piece}, {int(rec['length']):,} tokens{extra}")
+    return out
+
+
+def _images_per_sequence(ds: PrepackedDataset, i: int, n_seq: int) -> list[list[tuple[int, int, int, int]]] | None:
+    """For a prepack with images: each sequence's images as ``(start slot in the sequence, placeholders,
+    width, height)``, from the index only (no pixel is read)."""
+    media = ds.media
+    if media is None:
+        return None
+    first = int(ds.rows[i]["sequence"])
+    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n_seq)]
+    m2 = media.merge_size**2
+    for rec in media.images[int(media.row_images[i]) : int(media.row_images[i + 1])]:
+        n = int(rec["grid_t"]) * int(rec["grid_h"]) * int(rec["grid_w"]) // m2
+        out[int(rec["sequence"]) - first].append((int(rec["start"]), n, int(rec["width"]), int(rec["height"])))
     return out
 
 

@@ -76,6 +76,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs and the "
         "parent of --out must be at the same paths on every node",
     )
+    p.add_argument(
+        "--corpus",
+        default="chat",
+        choices=["chat", "vqa"],
+        help="chat (default): text conversations (the inputs, or the embedded chitchat corpus); vqa: the embedded "
+        "easy-vqa conversations with images (Qwen2-VL tokenizer and image processor; no inputs), stored with "
+        "their resized pixels",
+    )
+    p.add_argument(
+        "--max-patches-per-row",
+        type=positive,
+        metavar="N",
+        help="--corpus vqa: vision patches per row, a second budget beside --max-seq-len (default: none)",
+    )
     p.add_argument("--limit", type=positive, help="first N conversations only")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -112,6 +126,18 @@ def summary_lines(result: PrepackResult) -> list[str]:
         ("L1 bound", f"{c['l1']:,} rows (gap {c['gap_l1']:.3%})"),
         ("time", "  ".join(f"{k} {v:.2f}s" for k, v in sec.items())),
     ]
+    media = m.get("media")
+    if media:
+        per = media["images"] / c["rows"] if c["rows"] else 0.0
+        rows.insert(
+            -1,
+            (
+                "images",
+                f"{media['images']:,} ({per:.1f} a row), {media['patches']:,} vision patches; stored as resized "
+                f"uint8 pixels: {media['pixel_bytes'] / 1e6:,.2f} MB (float32 patches: "
+                f"{media['pixel_bytes'] * 8 / 1e6:,.2f} MB)",
+            ),
+        )
     actors = getattr(result, "actors", None)
     if actors:
         rates = ", ".join(f"{a['tokens_per_s'] / 1e3:,.0f}k" for a in actors)
@@ -144,6 +170,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--pad-multiple {args.pad_multiple} is not a multiple of {align.seq_multiple}, which --cp/--tp need"
         )
+    if args.corpus == "vqa":
+        return _run_vqa(args, pad_multiple)
+    if args.max_patches_per_row is not None:
+        raise UsageError("--max-patches-per-row is a budget for images: use it with --corpus vqa")
     if args.engine == "ray":
         if args.num_proc != 1:
             raise UsageError("--num-proc is the local engine's; with --engine ray use --workers")
@@ -171,6 +201,62 @@ def run(args: argparse.Namespace) -> int:
     # Ray: a path (or None: the embedded one) that each actor loads; the driver never does
     tok = args.tokenizer if args.engine == "ray" else load_tokenizer(args.tokenizer)
     result = prepack(args.inputs or None, args.out, tokenizer=tok, options=options)
+    print(f"wrote {result.path}")
+    for line in summary_lines(result):
+        print("  " + line)
+    return 0
+
+
+def _run_vqa(args: argparse.Namespace, pad_multiple: int) -> int:
+    """``--corpus vqa``: the easy-vqa conversations, with their images, through ``prepack_multimodal``."""
+    if args.inputs:
+        raise UsageError("--corpus vqa reads the embedded easy-vqa corpus: give no inputs (or use --corpus chat)")
+    unused = [
+        flag
+        for flag, given in (
+            ("--tokenizer", args.tokenizer is not None),
+            ("--engine ray", args.engine != "local"),
+            ("--workers", args.workers is not None),
+            ("--ray-address", args.ray_address is not None),
+            ("--algorithm", args.algorithm != "bfd"),
+            ("--train-on", args.train_on != "all_assistant"),
+            ("--overlong truncate", args.overlong == "truncate"),
+        )
+        if given
+    ]
+    if unused:
+        raise UsageError(
+            f"{', '.join(unused)}: not offered with --corpus vqa (Qwen2-VL's tokenizer, the local engine, rows "
+            "planned first-fit decreasing under two budgets, assistant turns trained, never a cut inside an image)"
+        )
+    from .. import _optional
+
+    try:
+        _optional._need("easy_vqa", "multimodal", "the easy-vqa corpus")
+        _optional._need("PIL.Image", "multimodal", "reading images")
+    except ImportError as e:
+        raise UsageError(str(e)) from None
+    from ..multimodal import vqa_corpus
+    from ..offline import prepack_multimodal
+
+    try:
+        result = prepack_multimodal(
+            vqa_corpus(seed=args.seed, limit=args.limit),
+            args.out,
+            max_seq_len=args.max_seq_len,
+            pad_multiple=pad_multiple,
+            max_patches=args.max_patches_per_row,
+            overlong=args.overlong,
+            on_bad_row=args.on_bad_row,
+            num_proc=args.num_proc,
+            fingerprint={"corpus": {"name": "easy-vqa", "split": "train", "seed": args.seed, "limit": args.limit}},
+            overwrite=args.overwrite,
+            progress=not args.no_progress,
+        )
+    except ValueError as e:
+        if type(e).__name__ == "PrepackError":
+            raise
+        raise UsageError(str(e)) from None
     print(f"wrote {result.path}")
     for line in summary_lines(result):
         print("  " + line)

@@ -236,18 +236,69 @@ def patchify_pixels(pixels: np.ndarray, processor: Any, out: np.ndarray | None =
     gh, gw = h // p, w // p
     if c != 3 or gh * p != h or gw * p != w or gh % m or gw % m:
         raise ValueError(f"pixels of shape {pixels.shape}: need (H, W, 3) with H and W multiples of {p * m}")
-    values = pixel_table(processor)[np.arange(3), pixels]  # (H, W, 3) float32
-    blocks = values.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(
-        0, 3, 1, 4, 6, 2, 5
-    )  # (bh, bw, mh, mw, C, py, px)
     shape = (gh * gw, 3 * t * p * p)
     if out is None:
         out = np.empty(shape, np.float32)
-    elif out.shape != shape or out.dtype != np.float32:
-        raise ValueError(f"out has shape {out.shape} {out.dtype}, the patches need {shape} float32")
-    view = out.reshape(gh // m, gw // m, m, m, 3, t, p, p)
-    view[...] = blocks[:, :, :, :, :, None, :, :]
+    elif out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out has shape {out.shape} {out.dtype}, the patches need {shape} float32, contiguous")
+    src = np.ascontiguousarray(pixels, dtype=np.uint8)
+    _patchify_kernel()(src, pixel_table(processor), p, m, t, out)
     return out
+
+
+def _patchify_numpy(pixels: np.ndarray, table: np.ndarray, p: int, m: int, t: int, out: np.ndarray) -> None:
+    """The patch layout as numpy reshapes (the reference of the compiled kernel, and its stand-in)."""
+    h, w, _ = pixels.shape
+    gh, gw = h // p, w // p
+    values = table[np.arange(3), pixels]  # (H, W, 3) float32
+    # (bh, mh, py, bw, mw, px, C) -> (bh, bw, mh, mw, C, py, px)
+    blocks = values.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+    out.reshape(gh // m, gw // m, m, m, 3, t, p, p)[...] = blocks[:, :, :, :, :, None, :, :]
+
+
+def _patchify_loops(pixels: Any, table: Any, p: int, m: int, t: int, out: Any) -> None:
+    """One pass over the output in order: patch (bh, bw, mh, mw), then channel, temporal copy, row, column
+    (each temporal copy after the first copies the first)."""
+    h, w = pixels.shape[0], pixels.shape[1]
+    gh, gw = h // p, w // p
+    k = 0
+    for bh in range(gh // m):
+        for bw in range(gw // m):
+            for mh in range(m):
+                for mw in range(m):
+                    y0 = (bh * m + mh) * p
+                    x0 = (bw * m + mw) * p
+                    row = out[k]
+                    for c in range(3):
+                        base = c * t * p * p
+                        j = base
+                        tc = table[c]
+                        for py in range(p):
+                            line = pixels[y0 + py]
+                            for px in range(p):
+                                row[j] = tc[line[x0 + px, c]]
+                                j += 1
+                        for ti in range(1, t):  # the temporal copies repeat the first
+                            o = base + ti * p * p
+                            for q in range(p * p):
+                                row[o + q] = row[base + q]
+                    k += 1
+
+
+_kernel: Any = None
+
+
+def _patchify_kernel() -> Any:
+    """:func:`_patchify_loops` compiled by numba (cached on disk), or the numpy reshapes without numba."""
+    global _kernel
+    if _kernel is None:
+        try:
+            import numba
+        except ImportError:  # pragma: no cover - numba is a dependency of the package
+            _kernel = _patchify_numpy
+        else:
+            _kernel = numba.njit(cache=True, nogil=True)(_patchify_loops)
+    return _kernel
 
 
 def pixels_from_patches(pixel_values: np.ndarray, grid_thw: Any, processor: Any) -> np.ndarray:

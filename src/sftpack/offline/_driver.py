@@ -36,7 +36,7 @@ from numpy.typing import ArrayLike
 
 from .. import __version__
 from .._types import TokenizerSpec
-from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
+from ._engine import Conversations, MultimodalConversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import (
     FILES,
     FORMAT,
@@ -51,7 +51,7 @@ from ._format import (
     write_json,
 )
 from ._inputs import check_out_outside_inputs
-from ._media import MEDIA_FILES, MultimodalConversations
+from ._media import MEDIA_FILES
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._publish import writing

@@ -16,14 +16,13 @@ from tqdm.auto import tqdm
 
 from .._types import TokenizerSpec
 from ..sample import Sample
-from ._media import MultimodalConversations
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._result import PrepackResult
 from ._stage import StagedSamples
 from ._write import TokenSource
 
-__all__ = ["Conversations", "PrepackEngine", "Samples", "Staged", "progress_bar"]
+__all__ = ["Conversations", "MultimodalConversations", "PrepackEngine", "Samples", "Staged", "progress_bar"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,28 @@ class Samples:
 
     samples: Iterable[Sample] | Iterable[Sequence[Sample]]
     in_rows: bool = False
+
+
+@dataclass(frozen=True)
+class MultimodalConversations:
+    """Stage 1's work for :func:`~sftpack.offline.prepack_multimodal`.
+
+    Attributes:
+        inputs: conversations (Hugging Face multimodal chat format), an iterable of mappings
+            with ``messages`` (and ``id``).
+        tokenizer, processor: ``None``: :func:`sftpack.multimodal.qwen2vl_tokenizer` and
+            :func:`sftpack.multimodal.image_processor`.
+        max_seq_len, overlong, on_bad_row, num_proc, limit: as :func:`~sftpack.offline.prepack_multimodal`.
+    """
+
+    inputs: Iterable[Any]
+    tokenizer: Any
+    processor: Any
+    max_seq_len: int
+    overlong: str = "split"
+    on_bad_row: str = "skip"
+    num_proc: int = 1
+    limit: int | None = None
 
 
 @dataclass(frozen=True)

@@ -25,10 +25,10 @@ from .._base import positive_int
 from ..chat import tokenize_conversations
 from ..data import default_tokenizer
 from ..sample import Sample
-from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
+from ._engine import Conversations, MultimodalConversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
 from ._inputs import open_inputs, reading_counts
-from ._media import MultimodalConversations, stage_multimodal, write_media
+from ._media import stage_multimodal, write_media
 from ._plan import RowPlan
 from ._stage import stage_samples
 from ._write import CHUNK_TOKENS, write_rows

@@ -46,8 +46,12 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from ..sample import Sample
+from ._engine import MultimodalConversations, Staged, progress_bar
+from ._fingerprint import tokenizer_fingerprint
 from ._format import MEDIA_FILES, PrepackError, npy_header
+from ._inputs import Hashing
 from ._plan import RowPlan, _finish, check_width
+from ._stage import stage_samples
 
 __all__ = [
     "IMAGE_DTYPE",
@@ -76,28 +80,6 @@ IMAGE_DTYPE = np.dtype(
 MEDIA_INDEX_FILES = MEDIA_FILES[1:]
 MEDIA_KIND = "qwen2vl-resized-uint8-hwc"
 _PIXELS = "pixels.u8"
-
-
-@dataclass(frozen=True)
-class MultimodalConversations:
-    """Stage 1's work for :func:`~sftpack.offline.prepack_multimodal`.
-
-    Attributes:
-        inputs: conversations (Hugging Face multimodal chat format), an iterable of mappings
-            with ``messages`` (and ``id``).
-        tokenizer, processor: ``None``: :func:`sftpack.multimodal.qwen2vl_tokenizer` and
-            :func:`sftpack.multimodal.image_processor`.
-        max_seq_len, overlong, on_bad_row, num_proc, limit: as :func:`~sftpack.offline.prepack_multimodal`.
-    """
-
-    inputs: Iterable[Any]
-    tokenizer: Any
-    processor: Any
-    max_seq_len: int
-    overlong: str = "split"
-    on_bad_row: str = "skip"
-    num_proc: int = 1
-    limit: int | None = None
 
 
 @dataclass
@@ -291,9 +273,6 @@ def stage_multimodal(work: MultimodalConversations, staging: Path, progress: boo
     """Stage 1 for multimodal conversations: a :class:`~sftpack.offline.engine.Staged` with ``media``."""
     from ..multimodal import image_processor, qwen2vl_tokenizer
     from ..multimodal._images import processor_settings
-    from ._engine import Staged, progress_bar
-    from ._inputs import Hashing
-    from ._stage import stage_samples
 
     staging = Path(staging)
     staging.mkdir(parents=True, exist_ok=True)
@@ -340,8 +319,6 @@ def stage_multimodal(work: MultimodalConversations, staging: Path, progress: boo
         int(rec.image_token_id if rec.image_token_id is not None else 151655),
         int(rec.merge_size if rec.merge_size is not None else int(proc.merge_size)),
     )
-    from ._fingerprint import tokenizer_fingerprint
-
     return Staged(
         staged,
         staged.source(),

@@ -24,10 +24,10 @@ from ..binpack import Algorithm
 from ..chat import OnBadRow, TrainOn
 from ..sample import Overlong, Sample
 from ._driver import Job, run, run_conversations
-from ._engine import PrepackEngine, Samples
+from ._engine import MultimodalConversations, PrepackEngine, Samples
 from ._fingerprint import input_fingerprints, tokenizer_fingerprint
 from ._local import LocalEngine
-from ._media import MediaPack, MultimodalConversations
+from ._media import MediaPack
 from ._options import Engine, PrepackOptions
 from ._plan import BinPack, KeepRows
 from ._ray import RayEngine

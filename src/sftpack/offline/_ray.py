@@ -49,10 +49,9 @@ import numpy as np
 
 from .._types import TokenizerSpec
 from ._driver import run_conversations
-from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
+from ._engine import Conversations, MultimodalConversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
 from ._inputs import open_inputs, reading_counts
-from ._media import MultimodalConversations
 from ._options import UNIT_CONVERSATIONS, PrepackOptions
 from ._plan import RowPlan
 from ._ray_session import import_ray, ray_session
