@@ -298,3 +298,12 @@ def test_the_cli_prepacks_the_vqa_corpus_and_inspect_shows_the_images(tmp_path, 
     assert "stored as resized uint8 pixels" in shown and re.search(r"images \d+x\d+ px at slot \d+", shown)
     assert main(["prepack", "--corpus", "vqa", "--out", str(tmp_path / "x"), "--tokenizer", "somewhere"]) == 2
     assert "--tokenizer: not offered with --corpus vqa" in capsys.readouterr().err
+
+
+def test_a_bad_image_in_error_mode_names_the_record_and_field_and_leaves_nothing(corpus, tmp_path):
+    from sftpack.multimodal import BadImageError
+
+    out = tmp_path / "never"
+    with pytest.raises(BadImageError, match=r"'bad-image', messages\[0\]\.content\[0\]\.path: no file"):
+        prepack_multimodal(corpus[:5], out, max_seq_len=MAX_SEQ_LEN, on_bad_row="error")
+    assert not out.exists() and not list(tmp_path.iterdir())
