@@ -40,6 +40,7 @@ fingerprint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import mmap
 import os
@@ -519,17 +520,21 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     def _media_row(self, r: int, ids: np.ndarray, mask: np.ndarray, seqs: np.ndarray) -> PackedBatch:
         """A row with its images: :func:`sftpack.multimodal.build_multimodal_row` of its samples (the
-        in-memory row builder), the pixels patchified as the processor does."""
+        in-memory row builder), the pixels patchified as the processor does, in row order."""
         from ..multimodal import build_multimodal_row
 
         assert self.media is not None
         r %= self.num_rows
         conv_ids = [self.conversation_id(int(c)) for c in seqs["conversation"]]
         try:
-            samples = self.media.samples(r, int(self.rows[r]["sequence"]), ids, mask, seqs, conv_ids)
-            return build_multimodal_row(
+            first = int(self.rows[r]["sequence"])
+            samples = self.media.samples(r, first, ids, mask, seqs, conv_ids, with_pixels=False)
+            row = build_multimodal_row(
                 samples, row_width=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
             )
+            # the patches straight into the row's one buffer (the builder would copy them once more):
+            # the same bytes as the samples' patches concatenated in row order
+            return dataclasses.replace(row, pixel_values=torch.from_numpy(self.media.pixel_values(r)))
         except (PackedBatchError, IndexError, ValueError) as e:  # a damaged index (verify=None skips its checks)
             if isinstance(e, PrepackError):
                 raise

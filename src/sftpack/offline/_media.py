@@ -496,20 +496,44 @@ class MediaReader:
         if np.any(im["start"] < 0) or np.any(im["start"] + run > sequences["length"][seq]):
             raise fail("images.npy", "an image's placeholder run lies outside its sequence")
 
+    def pixel_values(self, r: int) -> np.ndarray:
+        """``(P, D)`` float32: row ``r``'s images patchified from the stored pixels, in row order, into
+        one buffer (what the row's ``pixel_values`` holds)."""
+        from ..multimodal._images import patchify_pixels
+
+        im = self.images[int(self.row_images[r]) : int(self.row_images[r + 1])]
+        per = (im["grid_h"].astype(np.int64) * im["grid_w"]).tolist()
+        out = np.empty((int(sum(per)), self.patch_dim), np.float32)
+        o = 0
+        for rec, n in zip(im, per):
+            a, hh, ww = int(rec["pixels"]), int(rec["height"]), int(rec["width"])
+            patchify_pixels(self.pixels[a : a + hh * ww * 3].reshape(hh, ww, 3), self.processor, out=out[o : o + n])
+            o += n
+        return out
+
     def samples(
-        self, r: int, first_sequence: int, ids: np.ndarray, mask: np.ndarray, seqs: np.ndarray, conv_ids: list[Any]
+        self,
+        r: int,
+        first_sequence: int,
+        ids: np.ndarray,
+        mask: np.ndarray,
+        seqs: np.ndarray,
+        conv_ids: list[Any],
+        *,
+        with_pixels: bool = True,
     ) -> list[Any]:
         """Row ``r``'s :class:`~sftpack.multimodal.MultimodalSample` list (its stored slices ``ids``,
         ``mask``, ``seqs``, whose first sequence is number ``first_sequence``): each sequence with its
-        images, ``pixel_values`` patchified from the stored pixels."""
+        images, ``pixel_values`` patchified from the stored pixels (``with_pixels=False``: ``(P, 0)``
+        placeholders, for a reader that patchifies the whole row into one buffer, :meth:`pixel_values`)."""
         from ..multimodal import MultimodalSample
-        from ..multimodal._images import patchify_pixels
 
         i0, i1 = int(self.row_images[r]), int(self.row_images[r + 1])
         im = self.images[i0:i1]
         owner = im["sequence"].tolist()
+        pv_row = self.pixel_values(r) if with_pixels else np.empty((0, 0), np.float32)
         out = []
-        t = k0 = 0
+        t = k0 = o = 0
         lengths = seqs["length"].astype(np.int64).tolist()
         for j, n in enumerate(lengths):
             k1 = k0
@@ -518,14 +542,8 @@ class MediaReader:
             mine = im[k0:k1]
             grids = np.stack([mine["grid_t"], mine["grid_h"], mine["grid_w"]], axis=1).astype(np.int64)
             patches = int(grids.prod(axis=1).sum()) if k1 > k0 else 0
-            pv = np.empty((patches, self.patch_dim), np.float32)
-            o = 0
-            for rec in mine:
-                a, hh, ww = int(rec["pixels"]), int(rec["height"]), int(rec["width"])
-                npatch = int(rec["grid_h"]) * int(rec["grid_w"])
-                px = self.pixels[a : a + hh * ww * 3].reshape(hh, ww, 3)
-                patchify_pixels(px, self.processor, out=pv[o : o + npatch])
-                o += npatch
+            pv = pv_row[o : o + patches] if with_pixels else np.empty((patches, 0), np.float32)
+            o += patches
             runs = np.stack([mine["start"].astype(np.int64), grids.prod(axis=1) // self.merge_size**2], axis=1)
             out.append(
                 MultimodalSample(
