@@ -217,8 +217,11 @@ def _pack_two(
 
     When the weights never bind, ``ffd``, ``greedy_knapsack``, ``first_fit_shuffle`` and
     ``next_fit`` give exactly their one-budget rows, and ``bfd`` rows of the same loads
-    (rows of equal room may swap). Time ``O(n log n)`` for most inputs: the bins are
-    found in trees over the rows, no longer in the length histogram.
+    (rows of equal room may swap). The rows are found in trees over the rows (max trees of
+    both rooms, depth first), no longer in the length histogram: first fit and greedy
+    stay near ``O(n log n)``; best fit is a branch and bound that may visit many rows per
+    sequence when the second budget binds (every row with room for both is a candidate),
+    so it is the slowest of them there (``benchmarks/bench_multimodal.py`` measures it).
     """
     n = arr.shape[0]
     if algo is Algorithm.NEXT_FIT:
