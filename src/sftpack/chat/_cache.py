@@ -17,8 +17,14 @@ One entry is one folder ``<root>/tokenized/<key>/``::
     tokens.u32     every sample's ids, end to end (uint32)
     mask.u8        every sample's loss mask, end to end (0/1)
     lengths.i64    tokens of each sample (int64)
-    index.json     each sample's conversation id and meta, the tokenize stats
+    index.json     each sample's conversation id, meta and conversation position (its
+                   index in the input), the number of conversations, the tokenize
+                   stats, and what training needs from the tokenizer (vocabulary
+                   size, pad id), so that a run reading the entry need not load it
     manifest.json  format, key, and the size and SHA-256 of the four files above
+
+Samples are stored in input order (by conversation position, pieces in order)
+whatever order they were tokenized in.
 
 It is written into a temporary folder beside it and renamed into place, so a
 reader sees a whole entry or none; two runs writing the same entry at once both
@@ -43,7 +49,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -51,9 +57,11 @@ import numpy as np
 
 from ..sample import Sample
 from ._batch import TokenizeStats
+from ._rows import Conversation
 
 __all__ = [
     "CachedSamples",
+    "ConversationSamples",
     "Pending",
     "cache_key",
     "cached_tokenize",
@@ -62,13 +70,14 @@ __all__ = [
     "source_identity",
     "start_training_samples",
     "training_samples",
+    "tokenizer_files_identity",
     "tokenizer_identity",
 ]
 
 logger = logging.getLogger("sftpack.cache")
 
 #: bump when the entry layout or what a key covers changes
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _FILES = ("tokens.u32", "mask.u8", "lengths.i64", "index.json")
 _CHUNK = 1 << 20
 
@@ -163,6 +172,41 @@ def tokenizer_identity(
     return _sha(json.dumps(parts, sort_keys=True).encode())
 
 
+def tokenizer_files_identity(
+    files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+    *,
+    loader: str,
+) -> str:
+    """A SHA-256 naming a tokenizer by what it is loaded from, without loading it.
+
+    A tokenizer that ``loader`` builds from ``files`` alone (the embedded Qwen BPE
+    from :func:`default_tokenizer_files`, or ``AutoTokenizer.from_pretrained(DIR)``
+    of a local folder) is decided by the bytes of those files, the code that loads
+    them (``sftpack/data.py`` is among the embedded tokenizer's files) and the
+    ``tokenizers`` / ``transformers`` versions: all of them are hashed here. This is
+    what lets a run that finds its samples in the cache skip loading the tokenizer.
+    A tokenizer changed in memory after loading is not covered: use
+    :func:`tokenizer_identity` for those.
+    """
+    found: list[Path] = []
+    for given in [files] if isinstance(files, (str, os.PathLike)) else files:
+        p = Path(given)
+        found += sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p]
+    parts = {
+        "loader": loader,
+        "files": [(f.name, f.stat().st_size, _file_sha(f)) for f in found],
+        "versions": _versions(),
+    }
+    return _sha(json.dumps(parts, sort_keys=True).encode())
+
+
+def tokenizer_info(tokenizer: Any) -> dict[str, int]:
+    """What training needs from a tokenizer besides its ids: the vocabulary size
+    (``len(tokenizer)``) and the pad id (``pad_token_id``, else 0). Stored in an entry."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return {"vocab_size": len(tokenizer), "pad_id": int(pad) if pad is not None else 0}
+
+
 def _paths_identity(paths: Iterable[str | os.PathLike[str]]) -> list[Any]:
     out: list[Any] = []
     for given in paths:
@@ -247,9 +291,11 @@ def _remove(entry: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats] | None:
-    """The samples and stats of a whole, matching entry; ``None`` if there is none.
-    A damaged entry is reported, removed and ``None`` returned."""
+def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats, dict[str, Any]] | None:
+    """The samples, stats and the rest of a whole, matching entry (``positions``: each
+    sample's conversation position, ``conversations``: how many conversations went in,
+    ``tokenizer``: :func:`tokenizer_info`); ``None`` if there is none. A damaged entry
+    is reported, removed and ``None`` returned."""
     manifest_path = entry / "manifest.json"
     if not entry.is_dir():
         return None
@@ -288,61 +334,70 @@ def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats] | No
         for a, b, (cid, meta) in zip(starts[:-1].tolist(), starts[1:].tolist(), index["samples"])
     ]
     stats = TokenizeStats(**index["stats"])
-    return samples, stats
+    rest = {
+        "positions": np.asarray(index["positions"], dtype=np.int64),
+        "conversations": int(index["conversations"]),
+        "tokenizer": dict(index.get("tokenizer") or {}),
+    }
+    return samples, stats, rest
 
 
 class EntryWriter:
-    """Writes one entry as the samples arrive, into a temporary folder beside it;
-    :meth:`commit` renames it into place, :meth:`abort` throws it away."""
+    """Collects one entry's samples as they arrive (``position``: each sample's
+    conversation position; by default the order of arrival), then :meth:`commit`
+    writes them in input order into a temporary folder beside the entry and renames
+    it into place; :meth:`abort` throws it away."""
 
     def __init__(self, entry: Path, key: str) -> None:
         self.entry, self.key = entry, key
         entry.parent.mkdir(parents=True, exist_ok=True)
         _sweep(entry.parent)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=entry.parent))
-        self._ids = open(self.tmp / "tokens.u32", "wb")  # noqa: SIM115 - closed in commit/abort
-        self._mask = open(self.tmp / "mask.u8", "wb")  # noqa: SIM115
-        self._lengths: list[int] = []
-        self._index: list[list[Any]] = []
-        self._hash = {n: hashlib.sha256() for n in _FILES[:2]}
-        self._size = dict.fromkeys(_FILES[:2], 0)
+        self._samples: list[Sample] = []
+        self._positions: list[int] = []
         self.uncachable = ""  # why these samples cannot be stored exactly (then nothing is committed)
 
-    def _write(self, name: str, f: Any, data: bytes) -> None:
-        f.write(data)
-        self._hash[name].update(data)
-        self._size[name] += len(data)
-
-    def add(self, s: Sample) -> None:
+    def add(self, s: Sample, position: int | None = None) -> None:
         ids = s.input_ids
         if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= 1 << 32):
             raise ValueError(f"sample of conversation {s.conversation_id!r} holds a token id outside [0, 2**32)")
-        self._write("tokens.u32", self._ids, ids.astype(np.uint32).tobytes())
-        self._write("mask.u8", self._mask, s.loss_mask.astype(np.uint8).tobytes())
-        self._lengths.append(len(s))
-        item = [s.conversation_id, dict(s.meta)]
-        if not self.uncachable and not _round_trips(item):
+        if not self.uncachable and not _round_trips([s.conversation_id, dict(s.meta)]):
             self.uncachable = f"conversation id {s.conversation_id!r} or its meta does not survive JSON"
-        self._index.append(item)
+        self._positions.append(len(self._positions) if position is None else int(position))
+        self._samples.append(s)
 
-    def commit(self, stats: TokenizeStats) -> None:
+    def commit(
+        self, stats: TokenizeStats, *, conversations: int | None = None, tokenizer: dict[str, int] | None = None
+    ) -> None:
+        """Write the entry. ``conversations``: how many went in (default: the largest
+        position + 1); ``tokenizer``: :func:`tokenizer_info`."""
         if self.uncachable:
             logger.warning("not caching the tokenized data: %s", self.uncachable)
             self.abort()
             return
+        order = np.argsort(np.asarray(self._positions, dtype=np.int64), kind="stable")
+        samples = [self._samples[i] for i in order.tolist()]
+        positions = [self._positions[i] for i in order.tolist()]
+        n = conversations if conversations is not None else (positions[-1] + 1 if positions else 0)
+        index = {
+            "samples": [[s.conversation_id, dict(s.meta)] for s in samples],
+            "positions": positions,
+            "conversations": n,
+            "tokenizer": tokenizer or {},
+            "stats": stats.as_dict(),
+        }
         files: dict[str, dict[str, Any]] = {}
-        for name, f in (("tokens.u32", self._ids), ("mask.u8", self._mask)):
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            files[name] = {"size": self._size[name], "sha256": self._hash[name].hexdigest()}
+        ids = np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int64)
+        mask = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
         for name, data in (
-            ("lengths.i64", np.asarray(self._lengths, dtype=np.int64).tobytes()),
-            ("index.json", json.dumps({"samples": self._index, "stats": stats.as_dict()}).encode()),
+            ("tokens.u32", ids.astype(np.uint32).tobytes()),
+            ("mask.u8", mask.astype(np.uint8).tobytes()),
+            ("lengths.i64", np.asarray([len(s) for s in samples], dtype=np.int64).tobytes()),
+            ("index.json", json.dumps(index).encode()),
         ):
             _write_file(self.tmp / name, data)
             files[name] = {"size": len(data), "sha256": _sha(data)}
-        manifest = {"format": FORMAT_VERSION, "key": self.key, "samples": len(self._lengths), "files": files}
+        manifest = {"format": FORMAT_VERSION, "key": self.key, "samples": len(samples), "files": files}
         _write_file(self.tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
         try:
             os.rename(self.tmp, self.entry)
@@ -350,8 +405,6 @@ class EntryWriter:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
     def abort(self) -> None:
-        for f in (self._ids, self._mask):
-            f.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -408,58 +461,170 @@ class CachedSamples:
         stats: the tokenizer's :class:`~sftpack.chat.TokenizeStats` (stored with the entry).
         hit: the samples were read from the cache.
         entry: the cache entry's folder (``None``: no cache used).
+        positions: each sample's conversation position (its index in the input);
+            ``None`` for a one-pass iterator.
+        conversations: how many conversations went in (``0``: not known).
+        tokenizer: :func:`tokenizer_info` of the tokenizer (stored with the entry).
     """
 
     samples: list[Sample]
     stats: TokenizeStats
     hit: bool
     entry: Path | None
+    positions: np.ndarray | None = None
+    conversations: int = 0
+    tokenizer: dict[str, int] = field(default_factory=dict)
+
+
+def conversation_order(n: int, *, seed: int, epoch: int) -> np.ndarray:
+    """The seeded permutation of ``n`` conversation positions of one epoch: the
+    order ``sftpack train`` tokenizes them in (epoch 0) and trains on them.
+
+    >>> conversation_order(5, seed=0, epoch=0).tolist()
+    [2, 4, 3, 0, 1]
+    """
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+class ConversationSamples:
+    """The samples of ``n`` conversations, grouped by conversation position, filled
+    in by a :class:`TokenizeJob` as they are tokenized (or all at once from the
+    cache). :meth:`group` waits for one conversation's samples (none for a
+    conversation that was skipped or dropped, several for one that was split), so
+    training can start with the first batch's conversations while the rest are
+    still being tokenized; :meth:`wait` waits for all of them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._groups: list[list[Sample] | None] = [None] * n
+        self._cond = threading.Condition()
+        self._result: CachedSamples | None = None
+        self._error: BaseException | None = None
+
+    @classmethod
+    def complete(cls, got: CachedSamples) -> ConversationSamples:
+        """All groups of ``got`` (samples in input order with their positions)."""
+        assert got.positions is not None
+        out = cls(got.conversations)
+        groups: list[list[Sample]] = [[] for _ in range(out.n)]
+        for pos, s in zip(got.positions.tolist(), got.samples):
+            groups[pos].append(s)
+        out._groups = list(groups)
+        out._result = got
+        return out
+
+    def _put(self, pos: int, samples: list[Sample]) -> None:
+        with self._cond:
+            self._groups[pos] = samples
+            self._cond.notify_all()
+
+    def _finish(self, result: CachedSamples) -> None:
+        with self._cond:
+            self._result = result
+            self._cond.notify_all()
+
+    def _fail(self, error: BaseException) -> None:
+        with self._cond:
+            self._error = error
+            self._cond.notify_all()
+
+    @property
+    def done(self) -> bool:
+        """Every conversation has been tokenized (or read)."""
+        return self._result is not None
+
+    def group(self, pos: int) -> list[Sample]:
+        """The samples of conversation ``pos`` (in piece order), once tokenized."""
+        with self._cond:
+            while self._groups[pos] is None and self._error is None:
+                self._cond.wait()
+            if self._groups[pos] is None:
+                raise self._error  # type: ignore[misc]
+            return self._groups[pos]  # type: ignore[return-value]
+
+    def wait(self) -> CachedSamples:
+        """Everything, once every conversation is tokenized (re-raises a tokenizer error)."""
+        with self._cond:
+            while self._result is None and self._error is None:
+                self._cond.wait()
+            if self._error is not None:
+                raise self._error
+            return self._result  # type: ignore[return-value]
+
+    def samples(self) -> list[Sample]:
+        """Every sample in input order (waits for the last conversation)."""
+        return self.wait().samples
+
+
+@dataclass
+class _Run:
+    """One tokenizer pass: the lazy samples, the conversation positions in the order
+    they are tokenized, the conversation id of each position, the tokenizer's info."""
+
+    out: Any
+    order: list[int] | None
+    ids: list[Any] | None
+    info: dict[str, int]
 
 
 class TokenizeJob:
     """Tokenizing through the cache in two halves: the constructor reads a whole
     entry if there is one, else (``prime=True``) starts the tokenizer and waits for
-    its first sample, which forks its worker processes with ``num_proc > 1``;
-    :meth:`finish` tokenizes the rest, streaming it into a new entry committed at
-    the end. The CLI runs the first half before torch loads (a fork is safe only
-    from a process not busy importing) and the second in a background thread.
+    its first sample, which forks its worker processes with ``num_proc > 1``
+    (``ready=True``: only reads the input and loads the tokenizer, so that
+    :attr:`sink` exists); :meth:`finish` tokenizes the rest, handing each conversation's samples to
+    :attr:`sink` (a :class:`ConversationSamples`, when the positions are known) as
+    they come and writing a new entry, committed at the end. The CLI runs the first
+    half before torch loads (a fork is safe only from a process not busy importing)
+    and the second in a background thread.
     """
 
     def __init__(
         self,
-        tokenize: Callable[[], Any],
+        prepare: Callable[[], _Run],
         *,
         key: str | None,
         cache_dir: str | os.PathLike[str] | None,
         prime: bool = False,
+        ready: bool = False,
     ) -> None:
         self.entry = Path(cache_dir) / "tokenized" / key if key is not None and cache_dir is not None else None
         self.key = key or ""
-        self.tokenize = tokenize
+        self.prepare = prepare
         self.done: CachedSamples | None = None
-        self._out: Any = None
-        self._it: Any = None
-        self._first: list[Sample] = []
+        self.sink: ConversationSamples | None = None
+        self._run: _Run | None = None
+        self._it: Iterator[tuple[int, Sample]] | None = None
+        self._first: list[tuple[int, Sample]] = []
         if self.entry is not None:
             got = read_entry(self.entry, self.key)
             if got is not None:
-                self.done = CachedSamples(got[0], got[1], True, self.entry)
+                samples, stats, rest = got
+                self.done = CachedSamples(samples, stats, True, self.entry, **rest)
+                self.sink = ConversationSamples.complete(self.done)
                 return
+        if prime or ready:
+            self._start()
         if prime:
-            self._first = list(itertools.islice(self._start(), 1))
+            assert self._it is not None
+            self._first = list(itertools.islice(self._it, 1))
 
-    def _start(self) -> Iterator[Sample]:
-        self._out = self.tokenize()
-        self._it = iter(self._out)
-        return self._it
+    def _start(self) -> None:
+        run = self._run = self.prepare()
+        if run.order is not None:
+            self.sink = ConversationSamples(len(run.order))
+        self._it = _positioned(run)
 
     def finish(self) -> CachedSamples:
         if self.done is not None:
             return self.done
         if self._it is None:
             self._start()
+        run, it = self._run, self._it
+        assert run is not None and it is not None
+        order, sink = run.order, self.sink
         writer = None
-        if self.entry is not None:
+        if self.entry is not None and order is not None:
             try:
                 writer = EntryWriter(self.entry, self.key)
             except OSError as e:  # a read-only cache folder: work without it
@@ -467,19 +632,69 @@ class TokenizeJob:
                     "cannot write the tokenized-data cache in %s (%s): tokenizing without it", self.entry.parent, e
                 )
         samples: list[Sample] = []
+        positions: list[int] = []
+        last, group = -1, list[Sample]()
         try:
-            for s in itertools.chain(self._first, self._it):
+            for j, s in itertools.chain(self._first, it):
+                if sink is not None and order is not None and j != last:
+                    if last >= 0:
+                        sink._put(order[last], group)
+                    for k in range(last + 1, j):  # skipped or dropped conversations: no sample
+                        sink._put(order[k], [])
+                    last, group = j, []
+                group.append(s)
                 samples.append(s)
+                pos = order[j] if order is not None else j
+                positions.append(pos)
                 if writer is not None:
-                    writer.add(s)
+                    writer.add(s, pos)
+            if sink is not None and order is not None:
+                if last >= 0:
+                    sink._put(order[last], group)
+                for k in range(last + 1, len(order)):
+                    sink._put(order[k], [])
             if writer is not None:
-                writer.commit(self._out.stats)
-        except BaseException:
+                writer.commit(run.out.stats, conversations=len(order or ()), tokenizer=run.info)
+        except BaseException as e:
             if writer is not None:
                 writer.abort()
+            if sink is not None:
+                sink._fail(e)
             raise
-        self.done = CachedSamples(samples, self._out.stats, False, self.entry if writer is not None else None)
+        if order is not None:  # input order, whatever order they were tokenized in
+            by = np.argsort(np.asarray(positions, dtype=np.int64), kind="stable")
+            samples = [samples[i] for i in by.tolist()]
+            positions = [positions[i] for i in by.tolist()]
+        self.done = CachedSamples(
+            samples,
+            run.out.stats,
+            False,
+            self.entry if writer is not None else None,
+            np.asarray(positions, dtype=np.int64) if order is not None else None,
+            len(order) if order is not None else 0,
+            run.info,
+        )
+        if sink is not None:
+            sink._finish(self.done)
         return self.done
+
+
+def _positioned(run: _Run) -> Iterator[tuple[int, Sample]]:
+    """``(j, sample)``: the sample and the index ``j`` into ``run.order`` of its
+    conversation (found by its id: a sample that is not a later piece of the
+    previous conversation belongs to the next conversation with its id; the ones
+    passed over gave no sample). Without an order, ``j`` counts conversations."""
+    order, ids = run.order, run.ids
+    j = -1
+    for s in run.out:
+        if j < 0 or not s.meta.get("piece"):
+            j += 1
+            if order is not None and ids is not None:
+                while j < len(order) and ids[order[j]] != s.conversation_id:
+                    j += 1
+                if j == len(order):
+                    raise RuntimeError(f"sample of conversation {s.conversation_id!r} matches no conversation left")
+        yield j, s
 
 
 def cached_tokenize(
@@ -491,11 +706,11 @@ def cached_tokenize(
     """``tokenize()`` (a lazy :class:`~sftpack.chat.TokenizedConversations`) through the cache.
 
     With ``key`` and ``cache_dir`` both given, a whole entry under that key is
-    read instead of tokenizing; otherwise the samples are tokenized once,
-    streamed into a new entry as they come, and the entry committed at the end.
+    read instead of tokenizing; otherwise the samples are tokenized once and
+    written into a new entry (positions: the order of the samples' conversations).
     ``key=None`` or ``cache_dir=None``: no cache, nothing written.
     """
-    return TokenizeJob(tokenize, key=key, cache_dir=cache_dir).finish()
+    return TokenizeJob(lambda: _Run(tokenize(), None, None, {}), key=key, cache_dir=cache_dir).finish()
 
 
 def training_samples(
@@ -543,13 +758,31 @@ def start_training_samples(
     source: dict[str, Any] | None = None,
     tokenizer_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
     prime: bool = False,
+    ready: bool = False,
+    seed: int | None = None,
+    load_tokenizer: tuple[str, Callable[[], Any]] | None = None,
 ) -> TokenizeJob:
     """:func:`training_samples` in two halves (:class:`TokenizeJob`): the cache is
-    looked up (and with ``prime=True`` the tokenizer started) now, the rest is
-    done by the job's ``finish()``."""
+    looked up (and with ``prime=True`` the tokenizer started, with ``ready=True``
+    the input read and the tokenizer loaded) now, the rest is done by the job's
+    ``finish()``.
+
+    Args:
+        seed: tokenize the conversations in the order of
+            ``conversation_order(n, seed=seed, epoch=0)``, the order training reads
+            them in (the job's ``sink`` hands them over as they come); ``None``: in
+            input order. The samples returned and cached are in input order either way.
+        load_tokenizer: with ``tokenizer=None``: ``(name, load)``, a tokenizer that
+            ``load()`` builds from ``tokenizer_files`` alone, named ``name`` in the key
+            (:func:`tokenizer_files_identity`); it is loaded only if there is
+            something to tokenize (not on a cache hit).
+    """
     from ..data import default_corpus
     from ._batch import tokenize_conversations
+    from ._tokenize import _as_item
 
+    if tokenizer is None and (load_tokenizer is None or tokenizer_files is None):
+        raise ValueError("start_training_samples: give a tokenizer, or load_tokenizer with tokenizer_files")
     options = {
         "max_seq_len": max_seq_len,
         "overlong": "split",
@@ -562,13 +795,33 @@ def start_training_samples(
         if source is None:
             source = source_identity(conversations, limit=limit)
         if source is not None:
-            key = cache_key(tokenizer_identity(tokenizer, files=tokenizer_files), options, source)
+            if tokenizer is None:
+                assert load_tokenizer is not None and tokenizer_files is not None
+                tok_id = tokenizer_files_identity(tokenizer_files, loader=load_tokenizer[0])
+            else:
+                tok_id = tokenizer_identity(tokenizer, files=tokenizer_files)
+            key = cache_key(tok_id, options, source)
 
-    def tokenize() -> Any:
-        convs = default_corpus(limit=limit) if conversations is None else conversations
-        return tokenize_conversations(convs, tokenizer, num_proc=num_proc, progress=progress, **options)  # type: ignore[arg-type]
+    def prepare() -> _Run:
+        tok = tokenizer
+        if tok is None:
+            assert load_tokenizer is not None
+            tok = load_tokenizer[1]()
+        convs: Any = default_corpus(limit=limit) if conversations is None else conversations
+        order = ids = None
+        if seed is not None or key is not None or isinstance(convs, (list, tuple)) or conversations is None:
+            # positions known: each conversation with its id, as the tokenizer would name it
+            items = [_as_item(c, i) for i, c in enumerate(convs)]
+            convs = [Conversation(cid, payload, checked=checked) for cid, payload, checked in items]
+            ids = [c.id for c in convs]
+            order = (
+                list(range(len(convs))) if seed is None else conversation_order(len(convs), seed=seed, epoch=0).tolist()
+            )
+            convs = [convs[p] for p in order]
+        out = tokenize_conversations(convs, tok, num_proc=num_proc, progress=progress, **options)  # type: ignore[arg-type]
+        return _Run(out, order, ids, tokenizer_info(tok))
 
-    return TokenizeJob(tokenize, key=key, cache_dir=cache_dir, prime=prime)
+    return TokenizeJob(prepare, key=key, cache_dir=cache_dir, prime=prime, ready=ready)
 
 
 T = TypeVar("T")

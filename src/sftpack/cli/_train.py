@@ -15,6 +15,7 @@ import argparse
 import itertools
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -247,11 +248,32 @@ def _default_num_proc() -> int:
     return max(1, min(4, cpus))
 
 
-def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
+class _Tokenizer:
+    """The run's tokenizer, loaded the first time it is asked for: a run that finds its
+    samples in the cache (and trains on the trainer, loader or padded path) never loads it."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+        self._tok: Any = None
+        self._lock = threading.Lock()
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._tok is None:
+                self._tok = load_tokenizer(self.path)
+            return self._tok
+
+
+def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, Any]:
     """Tokenize the data through the cache in a background thread while torch loads
-    and the model is built. With ``--num-proc`` > 1 the worker processes are forked
-    first, here, before torch loads (a fork is safe only from a process that is not
-    busy importing); the thread then collects their samples."""
+    and the model is built, in the order the trainer and padded paths train on the
+    conversations (``--seed``), so that training can start as soon as the first
+    step's conversations are there. On a cache hit nothing is tokenized and the
+    tokenizer is not loaded. With ``--num-proc`` > 1 the worker processes are
+    forked first, here, before torch loads (a fork is safe only from a process
+    that is not busy importing), and run at a lower priority than this process
+    (training first, tokenizing with what is left); the thread collects their
+    samples. Returns ``(job, pending)``."""
     from ..chat import read_conversations
     from ..chat._cache import (
         Pending,
@@ -261,6 +283,8 @@ def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
         start_training_samples,
     )
 
+    if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
+        tok.get()  # not a folder: the loader's own error, naming the path and the fix
     conversations: Iterable[Any] | None = None  # None: the embedded corpus
     source = None
     cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else default_cache_dir()
@@ -274,9 +298,9 @@ def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
     elif cache_dir is not None:
         source = source_identity(None, limit=args.limit)
 
-    def start(prime: bool) -> Any:
+    def start(prime: bool, ready: bool = False) -> Any:
         return start_training_samples(
-            tok,
+            None,
             conversations,
             max_seq_len=args.max_seq_len,
             limit=args.limit,
@@ -284,14 +308,34 @@ def _start_tokenizing(args: argparse.Namespace, tok: Any) -> Any:
             progress=False,  # a bar from a background thread would cut through the other lines
             cache_dir=cache_dir,
             source=source,
-            # the embedded tokenizer is named by the files it is built from (no serialising)
+            # the embedded tokenizer is named by the files it is built from (no serialising, no loading)
             tokenizer_files=args.tokenizer or default_tokenizer_files(),
+            load_tokenizer=("sftpack.data.default_tokenizer" if args.tokenizer is None else "AutoTokenizer", tok.get),
             prime=prime,
+            ready=ready,
+            seed=args.seed,
         )
 
     if args.num_proc > 1:  # fork the workers now, then collect their samples in the background
-        return Pending(start(prime=True).finish)
-    return Pending(lambda: start(prime=False).finish())
+        job = start(prime=True)
+        if job.done is None:
+            _lower_priority_of_children()
+        return job, Pending(job.finish)
+    job = start(prime=False, ready=True)  # the input read and the tokenizer loaded here; tokenized there
+    return job, Pending(job.finish)
+
+
+def _lower_priority_of_children(niceness: int = 5) -> None:
+    """Tokenizer workers yield the CPU to this process (imports, the model, the steps)."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        if child.pid is None:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, child.pid, niceness)
+        except (AttributeError, OSError):  # not on this platform, or not allowed: no matter
+            pass
 
 
 def run(args: argparse.Namespace) -> int:
@@ -323,11 +367,14 @@ def run(args: argparse.Namespace) -> int:
 
         manifest = read_manifest(Path(args.prepacked))
     _layout(args, manifest)
-    tok = load_tokenizer(args.tokenizer)
+    tokenizer = _Tokenizer(args.tokenizer)
+    job = pending = None
+    if args.prepacked is None:
+        # The data is tokenized (or read from the cache) while torch and the model load.
+        job, pending = _start_tokenizing(args, tokenizer)
     _mark("tokenizer")
-    # The data is tokenized (or read from the cache) while torch and the model load.
-    pending = _start_tokenizing(args, tok) if args.prepacked is None else None
 
+    from ..chat._cache import tokenizer_info
     from ..loop import (
         TrainConfig,
         build_model,
@@ -338,6 +385,7 @@ def run(args: argparse.Namespace) -> int:
         train,
     )
     from ..loop._loop import init_distributed, resolve_device
+    from ..loop._options import Packing
     from ..loop._plot import read_log
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
     from ..offline import prepack_samples
@@ -354,8 +402,12 @@ def run(args: argparse.Namespace) -> int:
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else 0
-    vocab_size = len(tok)
+    # what training needs of the tokenizer: from the cache entry, else from the tokenizer
+    info = dict(job.done.tokenizer) if job is not None and job.done is not None else {}
+    if not {"vocab_size", "pad_id"} <= info.keys():
+        info = tokenizer_info(tokenizer.get())
+    pad_id, vocab_size = int(info["pad_id"]), int(info["vocab_size"])
+    tokenizer_vocab = vocab_size
     data_vocab = int((manifest or {}).get("vocab_size") or 0)
     if args.model:  # before training: a model too small for the tokenizer cannot train on its ids
         model_vocab = model_vocab_size(args.model)
@@ -372,7 +424,7 @@ def run(args: argparse.Namespace) -> int:
     if manifest is not None:
         recorded = (manifest.get("fingerprint") or {}).get("tokenizer") or {}
         if recorded.get("sha256"):
-            check_tokenizer = tok  # PrepackedDataset(expect={"tokenizer": ...}) refuses another one
+            check_tokenizer = tokenizer.get()  # PrepackedDataset(expect={"tokenizer": ...}) refuses another one
         else:
             say(f"note: {args.prepacked} records no tokenizer: its ids are taken to be this tokenizer's")
 
@@ -385,30 +437,50 @@ def run(args: argparse.Namespace) -> int:
     elif args.vocab == "tokenizer":  # the data vocabulary is known only after tokenizing
         model = default_model(vocab_size)
     _mark("model")
-    samples: list[Any] | None = None
+    samples: Any = None
     workdir = None
     prepacked = args.prepacked
-    if pending is not None:
-        got = pending.result()
-        _mark("data")
-        samples = checked_samples(got.samples)
-        stats = got.stats
-        targets = supervised_targets(samples)
+
+    def say_data(got: Any) -> None:
         where = (
             f"read from the cache ({got.entry})"
             if got.hit
             else (f"cached in {got.entry}" if got.entry is not None else "not cached")
         )
+        stats = got.stats
         say(
-            f"data: {stats.conversations:,} conversations -> {len(samples):,} samples ({stats.split:,} split, "
+            f"data: {stats.conversations:,} conversations -> {len(got.samples):,} samples ({stats.split:,} split, "
             f"{stats.dropped:,} dropped), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
-            f"{targets:,} supervised targets; {where}"
+            f"{supervised_targets(got.samples):,} supervised targets; {where}"
         )
-        check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
-        if args.vocab == "data":
-            samples, kept_ids = compact_vocabulary(samples)
-            vocab_size, pad_id = len(kept_ids), 0
-            say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {len(tok):,})")
+
+    streaming = False  # training starts before the last conversation is tokenized
+    if job is not None and pending is not None:
+        sink = job.sink
+        if sink is not None and cfg.packing in (Packing.TRAINER, Packing.NONE) and args.vocab == "tokenizer":
+            # conversations in seeded order, each step waiting only for its own
+            samples = sink
+            streaming = not sink.done
+            if streaming:
+                say(
+                    f"data: tokenizing {sink.n:,} conversations in the background, in the order the steps read "
+                    "them (training starts with the first step's)"
+                )
+            else:
+                got = pending.result()
+                checked_samples(got.samples)
+                say_data(got)
+                check_targets(got.samples, cfg.max_seq_len)  # no target at all: refused before any training
+        else:
+            got = pending.result()
+            samples = checked_samples(got.samples)
+            say_data(got)
+            check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
+            if args.vocab == "data":
+                samples, kept_ids = compact_vocabulary(samples)
+                vocab_size, pad_id = len(kept_ids), 0
+                say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {tokenizer_vocab:,})")
+        _mark("data")
     if model is None:
         model = default_model(vocab_size)
         _mark("model")
@@ -422,7 +494,7 @@ def run(args: argparse.Namespace) -> int:
                 max_seq_len=cfg.max_seq_len,
                 pad_multiple=cfg.pad_multiple,
                 pad_id=pad_id,
-                tokenizer=tok if args.vocab == "tokenizer" else None,
+                tokenizer=tokenizer.get() if args.vocab == "tokenizer" else None,
                 seed=cfg.seed,
             ).path
             say(f"prepacked into {prepacked} (temporary; sftpack prepack writes a lasting one)")
@@ -435,6 +507,8 @@ def run(args: argparse.Namespace) -> int:
             pad_id=pad_id,
             tokenizer=check_tokenizer,
         )
+        if streaming:  # the first step's conversations (data with no target at all is refused here)
+            source.wait_first()  # type: ignore[attr-defined]
         _mark("source")
         n_params = sum(p.numel() for p in model.parameters())
         say(
@@ -451,9 +525,17 @@ def run(args: argparse.Namespace) -> int:
             progress=rank == 0,
             on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
         )
+    except Exception:
+        if streaming and pending is not None and samples.done:  # e.g. no target at all: the data line says so
+            say_data(pending.result())
+            streaming = False
+        raise
     finally:
         if workdir is not None:
             workdir.cleanup()
+    if streaming and pending is not None:  # the rest of the data, and its cache entry for the next run
+        say_data(pending.result())
+        _mark("cache")
     logs = result.logs
     if result.resumed_from:
         say(

@@ -321,7 +321,9 @@ def train(
     making = _Background(make_optimizer)
     opt: Any = None
     sched: Any = None
-    fingerprint = source.fingerprint()
+    # asked for only when a checkpoint is read or written: a source still receiving
+    # its samples (sftpack train tokenizing in the background) then waits for them all
+    fingerprint: str | None = source.fingerprint() if resume else None
 
     start = 0
     if resume:
@@ -337,7 +339,9 @@ def train(
                 "1 when there is none"
             )
         if path is not None:
-            shared, mine = load_checkpoint(path, rank=rank, world=world, fingerprint=fingerprint)
+            shared, mine = load_checkpoint(
+                path, rank=rank, world=world, fingerprint=fingerprint or source.fingerprint()
+            )
             _check_resume_options(path, shared.get("config") or {}, config.as_dict())
             try:
                 model.load_state_dict(shared["model"])
@@ -471,6 +475,8 @@ def train(
             if checkpoint_dir is not None and every and (step + 1) % every == 0:
                 _check_finite_params(model, step + 1)  # never a checkpoint that cannot train on
                 to_save: dict[str, Any] | None = None  # rank 0 writes the shared state
+                if fingerprint is None:
+                    fingerprint = source.fingerprint()
                 if rank == 0:
                     to_save = {
                         "step": step + 1,

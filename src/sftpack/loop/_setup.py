@@ -11,7 +11,7 @@ import numpy as np
 
 from .._optional import transformers
 from .._types import Tokenizer
-from ..chat._cache import default_cache_dir, training_samples
+from ..chat._cache import ConversationSamples, default_cache_dir, training_samples
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample
@@ -134,7 +134,7 @@ def checked_samples(samples: list[Sample]) -> list[Sample]:
 def make_source(
     config: TrainConfig,
     *,
-    samples: Sequence[Sample] | None = None,
+    samples: Sequence[Sample] | ConversationSamples | None = None,
     prepacked: str | os.PathLike[str] | Any = None,
     rank: int = 0,
     world: int = 1,
@@ -145,7 +145,10 @@ def make_source(
 
     Args:
         config: the run's :class:`TrainConfig`.
-        samples: tokenized conversations (``trainer``, ``loader``, ``none``).
+        samples: tokenized conversations (``trainer``, ``loader``, ``none``): a list,
+            or a :class:`~sftpack.chat._cache.ConversationSamples` still being filled
+            (``sftpack train``): ``trainer`` and ``none`` then draw conversations in
+            seeded order and start with the first batch's, the loader waits for all.
         prepacked: a prepacked directory (or an opened ``PrepackedDataset``) for ``offline``.
         rank, world: data-parallel coordinates.
         pad_id: token id of padding slots.
@@ -189,13 +192,19 @@ def make_source(
         return OfflineSource(ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum)
     if samples is None:
         raise ValueError(f"--packing {p} needs tokenized samples")
-    long = [i for i, s in enumerate(samples) if len(s) > config.max_seq_len]
-    if long:
-        raise ValueError(
-            f"sample {long[0]} has {len(samples[long[0]])} tokens, more than max_seq_len={config.max_seq_len}: "
-            "tokenize with the same max_seq_len (over-long conversations are split)"
-        )
-    check_targets(samples, config.max_seq_len)
+    grouped = samples if isinstance(samples, ConversationSamples) else None
+    if grouped is not None and (p is Packing.LOADER or grouped.done):
+        samples = grouped.samples()  # the loader shuffles the whole list: it waits for every sample
+    if not isinstance(samples, ConversationSamples):  # all there: checked now, else as the steps read them
+        long = [i for i, s in enumerate(samples) if len(s) > config.max_seq_len]
+        if long:
+            raise ValueError(
+                f"sample {long[0]} has {len(samples[long[0]])} tokens, more than max_seq_len={config.max_seq_len}: "
+                "tokenize with the same max_seq_len (over-long conversations are split)"
+            )
+        check_targets(samples, config.max_seq_len)
+    if grouped is not None and p is not Packing.LOADER:
+        samples = grouped  # trainer / none: conversations in seeded order, as they are tokenized
     common = {
         "batch_size": config.batch_size,
         "seed": config.seed,
@@ -204,15 +213,20 @@ def make_source(
         "grad_accum": config.grad_accum,
         "pad_id": pad_id,
     }
-    if p is Packing.NONE:
-        return PaddedSource(samples, **common)
-    if p is Packing.TRAINER:
-        return TrainerSource(
-            samples,
-            token_budget=config.micro_batch_tokens or config.max_seq_len,
-            pad_multiple=config.pad_multiple,
-            **common,
-        )
+    if p is Packing.NONE or p is Packing.TRAINER:
+        source: PaddedSource | TrainerSource
+        if p is Packing.NONE:
+            source = PaddedSource(samples, **common)
+        else:
+            source = TrainerSource(
+                samples,
+                token_budget=config.micro_batch_tokens or config.max_seq_len,
+                pad_multiple=config.pad_multiple,
+                **common,
+            )
+        source.max_seq_len = config.max_seq_len
+        return source
+    assert not isinstance(samples, ConversationSamples)
     loader = PackingDataset(
         samples,
         max_seq_len=config.max_seq_len,

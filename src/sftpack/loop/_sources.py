@@ -10,7 +10,11 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
 
 - ``trainer`` / ``none``: the step's ``batch_size`` conversations are the next
   slice of a seeded permutation of the samples (one permutation per epoch, the
-  last incomplete batch dropped), the *same* conversations for both. The
+  last incomplete batch dropped), the *same* conversations for both. Given a
+  :class:`~sftpack.chat._cache.ConversationSamples` (what ``sftpack train``
+  passes), the permutation is of the *conversations* (:class:`ConversationOrder`):
+  each conversation's samples (the pieces of a split one) follow each other, and
+  the first step waits only for its own conversations to be tokenized. The
   trainer path bins them into token-budget micro-batches dealt evenly to the
   ranks (:func:`sftpack.trainer.plan_microbatches`) and packs each at the step
   (:func:`sftpack.trainer.pack_step`); the baseline deals them round-robin and
@@ -34,6 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..chat._cache import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
@@ -41,6 +46,7 @@ from ..sample import IGNORE_INDEX, Sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
 
 __all__ = [
+    "ConversationOrder",
     "LoaderSource",
     "MicroBatch",
     "OfflineSource",
@@ -185,10 +191,63 @@ class SampleOrder:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
+class ConversationOrder:
+    """A seeded permutation of the conversations of ``data`` per epoch
+    (:func:`~sftpack.chat._cache.conversation_order`), their samples laid end to end
+    in that order (a split conversation's pieces one after the other, a dropped one
+    none) and read ``batch_size`` samples at a time, the last incomplete batch of an
+    epoch dropped. :meth:`take` waits only for the conversations it reads, so a run
+    can start while the later ones are still being tokenized (in this order).
+    The position is ``(epoch, samples read in the epoch)``, as :class:`SampleOrder`'s.
+    """
+
+    def __init__(self, data: ConversationSamples, *, batch_size: int, seed: int) -> None:
+        self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.epoch, self.position = 0, 0
+        self._built = -1  # the epoch _stream belongs to
+        self._perm: list[int] = []
+        self._stream: list[Sample] = []
+        self._next = 0  # conversations of _perm laid into _stream
+        if data.done and len(data.samples()) < batch_size:
+            raise _too_few(batch_size, len(data.samples()))
+
+    def _fill(self, upto: int) -> bool:
+        """Lay conversations into this epoch's stream until it holds ``upto`` samples
+        (``False``: the epoch has fewer)."""
+        if self._built != self.epoch:
+            self._perm = conversation_order(self.data.n, seed=self.seed, epoch=self.epoch).tolist()
+            self._stream, self._next, self._built = [], 0, self.epoch
+        while len(self._stream) < upto and self._next < len(self._perm):
+            self._stream.extend(self.data.group(self._perm[self._next]))
+            self._next += 1
+        return len(self._stream) >= upto
+
+    def take(self) -> list[Sample]:
+        if not self._fill(self.position + self.batch_size):
+            self.epoch, self.position = self.epoch + 1, 0
+            if not self._fill(self.batch_size):
+                raise _too_few(self.batch_size, len(self._stream))
+        out = self._stream[self.position : self.position + self.batch_size]
+        self.position += self.batch_size
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def _too_few(batch_size: int, n: int) -> ValueError:
+    return ValueError(
+        f"batch_size={batch_size} is more than the {n} conversations available: lower --batch-size or give more data"
+    )
+
+
 class _SampleSource(Source):
     def __init__(
         self,
-        samples: Sequence[Sample],
+        samples: Sequence[Sample] | ConversationSamples,
         *,
         batch_size: int,
         seed: int,
@@ -202,17 +261,66 @@ class _SampleSource(Source):
                 f"each: raise --batch-size to at least {world * grad_accum}"
             )
         self.samples = samples
-        self.order = SampleOrder(len(samples), batch_size=batch_size, seed=seed)
+        self.order: SampleOrder | ConversationOrder
+        if isinstance(samples, ConversationSamples):
+            self.order = ConversationOrder(samples, batch_size=batch_size, seed=seed)
+        else:
+            self.order = SampleOrder(len(samples), batch_size=batch_size, seed=seed)
         self.rank, self.world, self.grad_accum = rank, world, grad_accum
-        self._fp = samples_fingerprint(samples)
+        self._fp: str | None = None
+        self._checked = False
+        self._ahead: list[Sample] | None = None  # drawn by wait_first, handed over by the next step
+        self.max_seq_len = 0  # for the message when no sample has a target (make_source sets it)
+
+    def wait_first(self) -> None:
+        """Draw the next step's samples now (waiting for their conversations, and
+        refusing data with no target at all), so that :meth:`next_step` hands them
+        over without waiting. :meth:`load_state_dict` forgets them."""
+        if self._ahead is None:
+            self._ahead = self._draw()
+
+    def _take(self) -> list[Sample]:
+        """The step's samples (over all ranks)."""
+        if self._ahead is not None:
+            out, self._ahead = self._ahead, None
+            return out
+        return self._draw()
+
+    def _draw(self) -> list[Sample]:
+        if isinstance(self.order, ConversationOrder):
+            chosen = self.order.take()
+            if not self._checked:  # data with no target at all is refused, as make_source does for a list
+                self._checked = True
+                if not any(s.loss_mask[1:].any() for s in chosen):
+                    from ._setup import check_targets
+
+                    check_targets(self.order.data.samples(), self.max_seq_len)
+            return chosen
+        samples = self.samples
+        assert not isinstance(samples, ConversationSamples)
+        return [samples[int(i)] for i in self.order.take()]
 
     def state_dict(self) -> dict[str, Any]:
         return {"order": self.order.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._ahead = None
         self.order.load_state_dict(state["order"])
 
     def fingerprint(self) -> str:
+        if self._fp is None:  # computed when first asked (a checkpoint): it needs every sample
+            if isinstance(self.samples, ConversationSamples):
+                got = self.samples.wait()
+                assert got.positions is not None
+                self._fp = _hash(
+                    {
+                        "samples": samples_fingerprint(got.samples),
+                        "conversations": got.conversations,
+                        "positions": hashlib.sha256(got.positions.tobytes()).hexdigest(),
+                    }
+                )
+            else:
+                self._fp = samples_fingerprint(self.samples)
         return _hash(
             {
                 "samples": self._fp,
@@ -228,7 +336,7 @@ class PaddedSource(_SampleSource):
 
     def __init__(
         self,
-        samples: Sequence[Sample],
+        samples: Sequence[Sample] | ConversationSamples,
         *,
         batch_size: int,
         seed: int,
@@ -248,9 +356,10 @@ class PaddedSource(_SampleSource):
         self.pad_id = pad_id
 
     def next_step(self) -> list[MicroBatch]:
-        mine = self.order.take()[self.rank :: self.world]
+        chosen = self._take()
+        mine = np.arange(len(chosen))[self.rank :: self.world]
         parts = np.array_split(mine, self.grad_accum)
-        return [padded_micro_batch([self.samples[i] for i in p], pad_id=self.pad_id) for p in parts]
+        return [padded_micro_batch([chosen[i] for i in p], pad_id=self.pad_id) for p in parts]
 
 
 class TrainerSource(_SampleSource):
@@ -261,7 +370,7 @@ class TrainerSource(_SampleSource):
 
     def __init__(
         self,
-        samples: Sequence[Sample],
+        samples: Sequence[Sample] | ConversationSamples,
         *,
         batch_size: int,
         seed: int,
@@ -287,8 +396,8 @@ class TrainerSource(_SampleSource):
         )
 
     def next_step(self) -> list[MicroBatch]:
-        chosen = self.order.take()
-        lengths = np.fromiter((len(self.samples[i]) for i in chosen), dtype=np.int64, count=len(chosen))
+        chosen = self._take()
+        lengths = np.fromiter((len(s) for s in chosen), dtype=np.int64, count=len(chosen))
         plan = plan_microbatches(
             lengths,
             self.token_budget,
@@ -298,7 +407,7 @@ class TrainerSource(_SampleSource):
         )
         out: list[MicroBatch] = []
         for mb in plan[self.rank]:
-            picked = [self.samples[int(chosen[i])] for i in sorted(mb.tolist())]
+            picked = [chosen[i] for i in sorted(mb.tolist())]
             ids, lens, mask = padded_batch(picked, pad_id=self.pad_id)
             out.append(
                 pack_step(
