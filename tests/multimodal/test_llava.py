@@ -172,6 +172,21 @@ def test_packed_equals_alone(compact, model, pad_between_seqs, pad_multiple, ext
     assert r.within(TOL), r
 
 
+@pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
+def test_two_fixed_width_rows_in_one_run_equal_alone(compact, model, pad_between_seqs):
+    """Two rows of a fixed width (tail padding folded into each row's last segment) laid end to end."""
+    items = compact.samples
+    width = max(sum(-(-len(s) // 4) * 4 for s in part) for part in (items[:3], items[3:])) + 12
+    r = check_llava_packed(model, items, pad_between_seqs=pad_between_seqs, pad_multiple=4, row_width=width,
+                           rows=2, pad_id=compact.pad_id)  # fmt: skip
+    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
+    assert r.within(TOL), r
+    run = LlavaRow.concat([build_llava_row(p, row_width=width, pad_multiple=4, pad_id=compact.pad_id)
+                           for p in (items[:3], items[3:])]).validate()  # fmt: skip
+    assert run.batch.num_tokens == 2 * width and run.num_images == sum(s.num_images for s in items)
+    assert run.image_sequence.tolist() == [i for i, s in enumerate(items) for _ in range(s.num_images)]
+
+
 def test_packed_equals_alone_with_hf_boundaries_from_positions(compact, sdpa_model):
     """Hugging Face's sdpa, given only the embeddings and the 1-D positions: it finds the
     boundaries where the positions restart."""

@@ -252,6 +252,32 @@ class LlavaRow:
             raise PackedBatchError("LlavaRow.labels: an image token is a target; images are never trained on")
         return self
 
+    @classmethod
+    def concat(cls, rows: Sequence[LlavaRow]) -> LlavaRow:
+        """Rows laid end to end in one flat run (:meth:`PackedBatch.concat` for the text; images
+        appended in order, their slots and segments shifted by the rows before)."""
+        rows = list(rows)
+        if not rows:
+            raise PackedBatchError("LlavaRow.concat needs at least one row, got none")
+        ids = {r.image_token_id for r in rows}
+        if len(ids) != 1:
+            raise PackedBatchError(f"LlavaRow.concat: the rows use different image token ids {sorted(ids)}")
+        slots, seqs, t_off, n_off = [], [], 0, 0
+        for r in rows:
+            slots.append(
+                r.image_slots + torch.tensor([t_off, 0], dtype=r.image_slots.dtype, device=r.image_slots.device)
+            )
+            seqs.append(r.image_sequence + n_off)
+            t_off += r.batch.num_tokens
+            n_off += r.batch.num_sequences
+        return cls(
+            batch=PackedBatch.concat([r.batch for r in rows]),
+            pixel_values=torch.cat([r.pixel_values for r in rows]),
+            image_slots=torch.cat(slots),
+            image_sequence=torch.cat(seqs),
+            image_token_id=ids.pop(),
+        )
+
     def to(self, device: torch.device | str) -> LlavaRow:
         return dataclasses.replace(
             self,
@@ -478,13 +504,19 @@ def check_llava_packed(
     pad_multiple: int = 1,
     row_width: int | None = None,
     pad_id: int = 151643,
+    rows: int = 1,
     tamper: Callable[[LlavaRow], LlavaRow] | None = None,
 ) -> LlavaCheck:
     """Compare one packed row of ``samples`` with each sample alone: logits of every real
     token, the token-mean loss (:func:`sftpack.loss.token_mean_loss`, one shared count of
-    targets) and every gradient (language model, projector, vision tower). ``tamper``
-    (negative controls) edits the validated row before it runs: the check must then fail."""
-    row = build_llava_row(samples, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id).validate()
+    targets) and every gradient (language model, projector, vision tower). ``rows``: cut
+    the samples into this many consecutive rows (each ``row_width`` wide) run as one flat
+    run (:meth:`LlavaRow.concat`). ``tamper`` (negative controls) edits the validated run
+    before it runs: the check must then fail."""
+    k = -(-len(samples) // rows)
+    parts = [samples[i : i + k] for i in range(0, len(samples), k)]
+    built = [build_llava_row(p, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id) for p in parts]
+    row = LlavaRow.concat(built).validate()
     if tamper is not None:
         row = tamper(row)
     b = row.batch
