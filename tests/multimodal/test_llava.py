@@ -109,9 +109,16 @@ def model(compact):
 @pytest.fixture(scope="module")
 def sdpa_model(compact, model):
     """The same weights, the language model on Hugging Face's sdpa (boundaries from the position restarts)."""
-    m = compact.model(text_attention="sdpa")
-    m.load_state_dict(model.state_dict())
-    return m
+    return compact.model(text_attention="sdpa")  # the same seed: the same weights (tested below)
+
+
+def test_tiny_llava_is_seeded(compact, model, sdpa_model):
+    """Nothing downloaded, and the same seed gives the same weights whatever the attention."""
+    a, b = model.state_dict(), sdpa_model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert all(v.dtype == torch.float64 for v in a.values() if v.is_floating_point())
+    assert model.config.text_config._attn_implementation == "sftpack_varlen_train"
+    assert model.config.vision_config._attn_implementation == "sdpa"
 
 
 def test_samples_are_llava_shaped(llava_samples, model):
