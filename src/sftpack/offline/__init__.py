@@ -19,6 +19,10 @@ data-parallel shards balanced by tokens (``_shard``). ``_describe`` summarises a
 prepack for ``sftpack inspect``; ``_bridge`` and ``_packed_jsonl`` convert to
 and from Megatron-Bridge's packed Parquet and the upstream packed JSONL.
 
+:func:`prepack_multimodal` (``_media``) writes conversations with images through the same
+driver: their tokens as above, their images as resized uint8 pixels in row order (three
+more files), read back by :class:`PrepackedDataset` as ``MultimodalBatch`` rows.
+
 One driver (``_driver``) runs every prepack over an engine that runs stages 1
 and 3: the local one (``_local``) or Ray's (``_ray``), the same bytes either
 way; the options are one validated :class:`PrepackOptions` (``_options``). The

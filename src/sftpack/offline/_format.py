@@ -20,6 +20,12 @@ reading row ``r`` is two index look-ups and two slices of ``(len,)``, about
 5 bytes per token. Plain ``.npy`` files open with ``np.load(mmap_mode="r")``
 in any numpy, so a prepack is readable without sftpack.
 
+A prepack with images (format version 3, written by ``prepack_multimodal``) adds
+``pixels.npy`` (every image's resized uint8 pixels, in row order), ``images.npy`` (one
+record per image: pixel offset, size, grid, sequence, placeholder start) and
+``row_images.npy`` (each row's first image), and the manifest's ``media`` entry; see
+``_media``. Text prepacks stay version 2.
+
 Every byte is covered by a checksum: the six files by the SHA-256 the manifest
 records for each, the manifest by ``manifest_sha256``, the SHA-256 of its own
 canonical JSON without that key (format version 2; version 1 had none and is
