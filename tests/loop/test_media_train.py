@@ -125,12 +125,46 @@ def test_the_log_adds_images(data, tmp_path):
     assert {"step", "loss", "real_tokens", "slots", "tokens_per_s"} <= set(lines[0])
 
 
-def test_other_paths_are_refused_with_a_clear_error(data):
+def test_bad_settings_are_refused_with_a_clear_error(data):
     samples, _ = data
-    with pytest.raises(ValueError, match="not wired"):
-        make_media_source(_config("loader"), samples)
+    with pytest.raises(ValueError, match="needs a prepack with images"):
+        make_media_source(_config("offline"), samples)
     with pytest.raises(ValueError, match="more than max_seq_len=16"):
         make_media_source(_config("trainer", max_seq_len=16), samples)
+
+
+@pytest.fixture(scope="module")
+def prepacked(tmp_path_factory):
+    from sftpack.multimodal import vqa_corpus
+    from sftpack.offline import prepack_multimodal
+
+    out = tmp_path_factory.mktemp("vqa") / "rows"
+    convs = vqa_corpus(seed=0, limit=16, min_side=56, max_side=112)
+    return prepack_multimodal(convs, out, max_seq_len=256, on_bad_row="error").path
+
+
+@pytest.mark.parametrize("packing", ["loader", "offline"])
+def test_loader_and_offline_paths_train_as_padded_for_20_steps(data, prepacked, packing):
+    """The rows of the loader (packed while streaming) and of a prepack with images (read back,
+    its ids renumbered into the data's vocabulary) against the same conversations per step as
+    right-padded batches (MediaReplaySource): the same losses and parameters, 20 float64 steps."""
+    from sftpack.loop._media import MediaReplaySource
+
+    samples, vocab = data
+    cfg = _config(packing, batch_size=2)
+    src = make_media_source(cfg, samples, pad_id=media_ids(vocab)["pad_id"], prepacked=prepacked, vocab=vocab)
+    packed = _run(data, cfg, source=src)
+    by_id = {s.conversation_id: s for s in samples}
+    steps = [[by_id[c] for c in step] for step in packed.conversations]
+    assert all(steps) and sum(r.images for r in packed.logs) == sum(s.num_images for st in steps for s in st)
+    replay = MediaReplaySource(steps, pad_id=media_ids(vocab)["pad_id"])
+    padded = _run(data, _config("none"), source=replay)
+    assert [r.images for r in packed.logs] == [r.images for r in padded.logs]
+    assert max(abs(a - b) for a, b in zip(packed.losses, padded.losses)) <= TOL, (packed.losses, padded.losses)
+    drift = max(
+        float((p - q).detach().abs().max()) for p, q in zip(packed.model.parameters(), padded.model.parameters())
+    )
+    assert drift <= TOL
 
 
 # ------------------------------------------------------------------ sftpack train --corpus vqa
@@ -192,10 +226,19 @@ def test_sftpack_train_corpus_vqa_refuses_what_it_does_not_take(tmp_path):
     from sftpack.cli._common import UsageError
     from sftpack.cli._train_vqa import run_vqa
 
-    args, _ = _cli(tmp_path, "loader", "float32", 1)
-    with pytest.raises(UsageError, match="not wired"):
-        run_vqa(args)
     args, _ = _cli(tmp_path, "trainer", "float32", 1)
     args.checkpoint_dir = str(tmp_path)
     with pytest.raises(UsageError, match="--checkpoint-dir"):
         run_vqa(args)
+
+
+@pytest.mark.parametrize("packing", ["loader", "offline"])
+def test_sftpack_train_corpus_vqa_on_the_loader_and_offline_paths(tmp_path, capsys, packing):
+    from sftpack.cli._train_vqa import run_vqa
+
+    args, log = _cli(tmp_path, packing, "float32", 2)
+    args.batch_size = 2  # rows: 12 conversations make 3 rows of 256
+    assert run_vqa(args) == 0
+    lines = _log(log)
+    assert len(lines) == 2 and all(r["images"] >= 1 and r["padding"] < 0.5 for r in lines)
+    assert "images over 2 steps" in capsys.readouterr().out

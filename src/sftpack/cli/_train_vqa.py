@@ -2,15 +2,20 @@
 
 sftpack train --corpus vqa --packing trainer --steps 20 --log packed.jsonl
 sftpack train --corpus vqa --packing none --steps 20 --log padded.jsonl     # same samples and images per step
+sftpack train --corpus vqa --packing loader        # or offline (a temporary prepack with images)
 
 The data: the first ``--limit`` (default 64) easy-vqa conversations
 (:func:`sftpack.multimodal.vqa_corpus`, seeded by ``--seed``, each image resized to a
 seeded size within ``--image-sides``), tokenized with Qwen2-VL's tokenizer and image
 processor. The model: a tiny Qwen2-VL from a config (``--dim``/``--layers``/``--heads``/
 ``--kv-heads``; nothing downloaded), over Qwen2-VL's 151,657 ids or, with ``--vocab data``,
-the ids the data uses. The loop: :func:`sftpack.loop._media.train_media` (the text loop's
-optimisation options; one process, no checkpoints yet). The JSONL log is the text loop's
-plus ``images`` per step.
+the ids the data uses. The paths: ``trainer`` and ``none`` take the same conversations every
+step (so the same images); ``loader`` packs rows while streaming
+(:class:`sftpack.loader.MultimodalPackingDataset`), ``offline`` prepacks the same
+conversations with their images into a temporary directory first
+(:func:`sftpack.offline.prepack_multimodal`); ``--batch-size`` then counts rows. The loop:
+:func:`sftpack.loop._media.train_media` (the text loop's optimisation options; one process, no
+checkpoints yet). The JSONL log is the text loop's plus ``images`` per step.
 
 :func:`add_vqa_arguments` adds ``--corpus`` and the multimodal options to the ``train``
 parser; :func:`run_vqa` runs the command from the parsed arguments.
@@ -26,8 +31,9 @@ from ._common import UsageError, positive
 
 #: conversations of the default run (``--limit``): a 20-step CPU run takes seconds
 VQA_LIMIT = 64
-#: the default seeded image sizes, px a side
-IMAGE_SIDES = (56, 448)
+#: the default seeded image sizes, px a side (up to 256 patches an image: the vision tower's attention
+#: grows with the square of an image's patches, so 448 px images cost 16x as much per image on CPU)
+IMAGE_SIDES = (56, 224)
 
 
 def add_vqa_arguments(parser: argparse.ArgumentParser) -> None:
@@ -93,11 +99,6 @@ def _refuse(args: argparse.Namespace) -> None:
     given = [what for value, what in not_yet if value]
     if given:
         raise UsageError(f"--corpus vqa does not take {', '.join(given)} yet: leave it out")
-    if args.packing not in ("trainer", "none"):
-        raise UsageError(
-            f"--corpus vqa --packing {args.packing}: the {args.packing} path with images is not wired into "
-            "the training loop yet; use --packing trainer (packed at the step) or none (padded)"
-        )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--corpus vqa trains on one process for now: run it without torchrun")
 
@@ -151,8 +152,23 @@ def run_vqa(args: argparse.Namespace) -> int:
     model = tiny_vqa_model(
         vocab, dim=cfg.dim, layers=cfg.layers, heads=cfg.heads, kv_heads=cfg.kv_heads, seed=cfg.seed, dtype=dtype
     )
+    workdir = None
+    prepacked = None
+    if cfg.packing == "offline":  # a temporary prepack with images of the same conversations
+        import tempfile
+        from pathlib import Path
+
+        from ..multimodal import vqa_corpus
+        from ..offline import prepack_multimodal
+
+        workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-vqa-")
+        convs = vqa_corpus(seed=cfg.seed, limit=limit, min_side=lo, max_side=hi)
+        prepacked = prepack_multimodal(
+            convs, Path(workdir.name) / "rows", max_seq_len=cfg.max_seq_len, pad_multiple=cfg.pad_multiple
+        ).path
+        print(f"prepacked into {prepacked} (temporary)")
     try:
-        source = make_media_source(cfg, samples, pad_id=media_ids(vocab)["pad_id"])
+        source = make_media_source(cfg, samples, pad_id=media_ids(vocab)["pad_id"], prepacked=prepacked, vocab=vocab)
     except ValueError as e:
         raise UsageError(str(e)) from None
     n_params = sum(p.numel() for p in model.parameters())
@@ -160,7 +176,11 @@ def run_vqa(args: argparse.Namespace) -> int:
         f"model: tiny Qwen2-VL, {n_params / 1e6:.2f} M parameters, vocabulary {model.config.text_config.vocab_size:,}, "
         f"{str(dtype).removeprefix('torch.')}; packing {cfg.packing} ({cfg.boundaries} boundaries)"
     )
-    result = train_media(cfg, source=source, model=model, log=args.log, progress=True)
+    try:
+        result = train_media(cfg, source=source, model=model, log=args.log, progress=True)
+    finally:
+        if workdir is not None:
+            workdir.cleanup()
     logs = result.logs
     for why in sorted(result.skipped_steps):
         steps = result.skipped_steps[why]

@@ -29,6 +29,7 @@ loss is the one it has alone; only summation orders differ
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -60,14 +61,16 @@ from ..trainer._media import collate_media
 from ._loop import StepLog, TrainResult, dist_info, resolve_device
 from ._model import TRAIN_ATTENTION
 from ._options import NonFinite, Packing, TrainConfig
-from ._sources import SampleOrder, Source
+from ._sources import LoaderSource, OfflineSource, SampleOrder, Source
 
 __all__ = [
     "MediaLossModule",
     "MediaPaddedSource",
+    "MediaReplaySource",
     "MediaStepLog",
     "MediaTrainerSource",
     "PaddedMediaMicroBatch",
+    "RenumberedSource",
     "compact_media_vocabulary",
     "make_media_source",
     "media_ids",
@@ -328,14 +331,96 @@ class MediaTrainerSource(_MediaSampleSource):
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
+class MediaReplaySource(Source):
+    """Given samples per step, as padded micro-batches with their images (``grad_accum`` per
+    step, in order): the unpacked reference of a loader or offline run, whose rows decide
+    which conversations a step holds (:attr:`TrainResult.conversations`)."""
+
+    def __init__(
+        self, steps: Sequence[Sequence[MultimodalSample]], *, grad_accum: int = 1, pad_id: int = PAD_ID
+    ) -> None:
+        self.steps = [list(s) for s in steps]
+        self.grad_accum, self.pad_id = grad_accum, pad_id
+        self.position = 0
+
+    def next_step(self) -> list[Any]:
+        if self.position >= len(self.steps):
+            raise ValueError(f"MediaReplaySource: only {len(self.steps)} steps were given")
+        mine = self.steps[self.position]
+        self.position += 1
+        parts = [p for p in np.array_split(np.arange(len(mine)), self.grad_accum) if len(p)]
+        return [padded_media_micro_batch([mine[i] for i in p], pad_id=self.pad_id) for p in parts]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.position = int(state["position"])
+
+    def fingerprint(self) -> str:
+        return media_fingerprint([s for step in self.steps for s in step])
+
+
+class RenumberedSource(Source):
+    """Another source's packed rows with their token ids renumbered into ``vocab`` (the ids
+    :func:`compact_media_vocabulary` kept, in order): a prepack stores the tokenizer's ids,
+    a model over the data's vocabulary reads them renumbered. An id outside ``vocab`` is an error."""
+
+    def __init__(self, inner: Source, vocab: np.ndarray, *, pad_id: int) -> None:
+        self.inner, self.pad_id = inner, pad_id
+        self.lut = torch.full((int(vocab.max()) + 2,), -1, dtype=torch.int64)
+        self.lut[torch.from_numpy(np.asarray(vocab, dtype=np.int64))] = torch.arange(len(vocab))
+
+    def _map(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        out = torch.where(where, self.lut[ids.clamp(0, len(self.lut) - 1)], self.pad_id)
+        if bool((out < 0).any()):
+            bad = int(ids[out < 0][0])
+            raise ValueError(f"token id {bad} of the rows is not in the model's vocabulary (the data's ids)")
+        return out
+
+    def next_step(self) -> list[Any]:
+        out = []
+        for b in self.inner.next_step():
+            assert isinstance(b, PackedBatch)  # the offline and loader sources hand packed rows
+            keep = b.labels != IGNORE_INDEX
+            labels = torch.where(keep, self._map(b.labels, keep), IGNORE_INDEX)
+            ids = self._map(b.input_ids, b.real_token_mask)  # padding slots: the model's pad id
+            image_id = b.image_token_id if b.image_token_id is None else int(self.lut[int(b.image_token_id)])
+            out.append(dataclasses.replace(b, input_ids=ids, labels=labels, image_token_id=image_id))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def fingerprint(self) -> str:
+        return self.inner.fingerprint()
+
+
 def make_media_source(
-    config: TrainConfig, samples: Sequence[MultimodalSample], *, pad_id: int = PAD_ID
-) -> _MediaSampleSource:
-    """The multimodal source of ``config.packing`` (``trainer`` or ``none``).
+    config: TrainConfig,
+    samples: Sequence[MultimodalSample],
+    *,
+    pad_id: int = PAD_ID,
+    prepacked: Any = None,
+    vocab: np.ndarray | None = None,
+) -> Source:
+    """The multimodal source of ``config.packing``.
+
+    Args:
+        config: the run's :class:`TrainConfig`.
+        samples: the multimodal samples (``trainer``, ``none``, ``loader``).
+        pad_id: the pad id of ``samples``' vocabulary.
+        prepacked: ``offline``: a prepack with images (its directory, or an opened
+            :class:`sftpack.offline.PrepackedDataset`), from :func:`sftpack.offline.prepack_multimodal`.
+        vocab: ``offline`` with a model over the data's ids: the original id of each
+            (:func:`compact_media_vocabulary`); the prepack's rows are renumbered on read.
 
     Raises:
-        ValueError: another packing (not wired for images yet), a sample longer than
-            ``config.max_seq_len``, or samples with no supervised target.
+        ValueError: a sample longer than ``config.max_seq_len``, samples with no supervised
+            target, or ``offline`` without a prepack.
     """
     long = [i for i, s in enumerate(samples) if len(s) > config.max_seq_len]
     if long:
@@ -356,9 +441,36 @@ def make_media_source(
     if config.packing is Packing.TRAINER:
         budget = config.micro_batch_tokens or config.max_seq_len
         return MediaTrainerSource(samples, token_budget=budget, pad_multiple=config.pad_multiple, **common)
-    raise ValueError(
-        f"--packing {config.packing} with images is not wired into the training loop yet: use --packing trainer or none"
+    if config.packing is Packing.LOADER:
+        from ..loader import MultimodalPackingDataset
+
+        loader = MultimodalPackingDataset(
+            list(samples),
+            max_seq_len=config.max_seq_len,
+            buffer_size=config.buffer_size,
+            pad_multiple=config.pad_multiple,
+            seed=config.seed,
+            shuffle=True,
+            num_epochs=None,
+            pad_id=pad_id,
+            pad_between_seqs=config.pad_between_seqs,
+        )
+        return LoaderSource(
+            loader, batch_size=config.batch_size, samples_fp=media_fingerprint(samples), grad_accum=config.grad_accum
+        )
+    if prepacked is None:
+        raise ValueError("--packing offline needs a prepack with images (sftpack.offline.prepack_multimodal)")
+    from ..offline import PrepackedDataset
+
+    ds = (
+        PrepackedDataset(prepacked, verify="size", shuffle=True, seed=config.seed)
+        if isinstance(prepacked, (str, os.PathLike))
+        else prepacked
     )
+    if ds.max_seq_len != config.max_seq_len:
+        raise ValueError(f"the prepack's rows are {ds.max_seq_len} wide, not max_seq_len={config.max_seq_len}")
+    source: Source = OfflineSource(ds, batch_size=config.batch_size, grad_accum=config.grad_accum)
+    return source if vocab is None else RenumberedSource(source, vocab, pad_id=pad_id)
 
 
 # ----------------------------------------------------------------------------- model

@@ -1,0 +1,193 @@
+"""Training a tiny Qwen2-VL through the loop: the trainer path (packed at the step) vs padded batches.
+
+What ``sftpack train --corpus vqa --packing trainer`` and ``--packing none`` run, step for
+step: the same easy-vqa conversations per step (one seeded order), the trainer path
+binning them into micro-batches of at most ``--max-seq-len`` tokens and packing each
+(``sftpack.trainer.pack_media_step``: per-sample MRoPE positions, the vision tower over
+each image, sftpack's varlen attention), the baseline padding them into one ``[B, S]``
+batch (the model's own path with the same positions). Forward, backward (through the
+fused head on the supervised slots) and the AdamW step of two copies of the same model,
+alternating A/B every step (the order flipped every other step), medians over ``--steps``
+steps each. Real tokens/s counts text and image placeholders, never padding.
+
+The vision tower's work is the same in both (every image once, attending within itself);
+packing removes the language model's padding. So the ratio depends on how much of a step
+the tower takes: ``--image-sides`` sets it (the tower's attention grows with the square of
+an image's patches).
+
+Usage::
+
+    python benchmarks/bench_vlm_train.py                       # writes its RESULTS.md section
+    python benchmarks/bench_vlm_train.py --steps 3 --no-results
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+from typing import Any
+
+from _machine import cpu_model, load_average
+from _results import add_flag, formatted_table, write_section
+
+
+def machine() -> str:
+    import torch
+    import transformers
+
+    return (
+        f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}; "
+        f"torch {torch.__version__}, transformers {transformers.__version__}; "
+        f"load average {load_average():.1f} at start"
+    )
+
+
+class Runner:
+    """One model, its optimizer and its source: :meth:`step` is one optimizer step of the loop."""
+
+    def __init__(
+        self, packing: str, samples: list, vocab: Any, args: argparse.Namespace, dim: int, layers: int
+    ) -> None:
+        import torch
+
+        from sftpack.loop import TrainConfig
+        from sftpack.loop._media import MediaLossModule, make_media_source, media_ids, tiny_vqa_model
+
+        self.cfg = TrainConfig(
+            packing=packing,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            max_seq_len=args.max_seq_len,
+            dim=dim,
+            layers=layers,
+            device="cpu",
+        )
+        self.model = tiny_vqa_model(vocab, dim=dim, layers=layers, seed=0)
+        self.source = make_media_source(self.cfg, samples, pad_id=media_ids(vocab)["pad_id"])
+        self.loss = MediaLossModule(self.model, pad_between_seqs=self.cfg.pad_between_seqs)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
+        self.rows: list[dict[str, float]] = []
+
+    def step(self) -> None:
+        import torch
+
+        t0 = time.perf_counter()
+        mbs = self.source.next_step()
+        n = torch.tensor(sum(mb.num_label_tokens for mb in mbs))
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in mbs:
+            loss = self.loss(mb, n)
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        real = sum(mb.num_real_tokens for mb in mbs)
+        slots = sum(mb.num_tokens for mb in mbs)
+        self.rows.append(
+            {
+                "s": dt,
+                "tok_s": real / dt,
+                "real": real,
+                "padding": 1 - real / slots,
+                "images": sum(mb.num_images for mb in mbs),
+                "mbs": len(mbs),
+                "loss": total,
+                "load": load_average(),
+            }
+        )
+
+
+COLUMNS = [
+    ("shape", "language model", "{}"),
+    ("mode", "mode", "{}"),
+    ("tok_s", "real tokens/s (median)", "{:,.0f}"),
+    ("s", "s/step (median)", "{:.3f}"),
+    ("real", "real tokens/step", "{:,.0f}"),
+    ("padding", "padding", "{:.1%}"),
+    ("images", "images/step", "{:.1f}"),
+    ("mbs", "micro-batches/step", "{:.1f}"),
+    ("speedup", "x padded", "{:.2f}"),
+    ("load", "load (median)", "{:.1f}"),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=64, help="easy-vqa conversations")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--image-sides", type=int, nargs=2, default=[56, 224], metavar=("MIN", "MAX"))
+    ap.add_argument("--batch-size", type=int, default=8, help="conversations per step")
+    ap.add_argument("--max-seq-len", type=int, default=1024, help="the trainer path's token budget per micro-batch")
+    ap.add_argument(
+        "--shapes",
+        nargs="+",
+        default=["64x2", "128x8"],
+        help="DIMxLAYERS of the language model (the vision tower: width DIM, depth 2), one table row pair each",
+    )
+    ap.add_argument("--steps", type=int, default=12, help="timed steps per mode (after one warm-up step each)")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    add_flag(ap)
+    args = ap.parse_args()
+
+    import torch
+
+    from sftpack.loop._media import compact_media_vocabulary, vqa_samples
+
+    torch.set_num_threads(args.threads)
+    where = machine()
+    print(f"machine: {where}")
+    lo, hi = args.image_sides
+    samples, _ = vqa_samples(limit=args.limit, seed=args.seed, max_seq_len=args.max_seq_len, min_side=lo, max_side=hi)
+    samples, vocab = compact_media_vocabulary(samples)
+    corpus = (
+        f"{len(samples)} easy-vqa samples (seed {args.seed}, images {lo}-{hi} px a side, "
+        f"{sum(s.num_images for s in samples)} images), {args.batch_size} per step; tiny Qwen2-VL, "
+        f"float32, its vocabulary the {len(vocab)} ids the data uses; {args.threads} torch thread(s)"
+    )
+    print(corpus)
+    rows = []
+    for shape in args.shapes:
+        dim, layers = (int(x) for x in shape.split("x"))
+        packed = Runner("trainer", samples, vocab, args, dim, layers)
+        padded = Runner("none", samples, vocab, args, dim, layers)
+        packed.step()  # warm-up (first-call costs), not timed
+        padded.step()
+        packed.rows.clear()
+        padded.rows.clear()
+        for i in range(args.steps):
+            order = (packed, padded) if i % 2 == 0 else (padded, packed)
+            for r in order:
+                r.step()
+        # the same conversations and images every step: the sanity of the comparison
+        assert [r["images"] for r in packed.rows] == [r["images"] for r in padded.rows]
+        assert [r["real"] for r in packed.rows] == [r["real"] for r in padded.rows]
+        pair = []
+        for name, r in (("trainer (packed at the step)", packed), ("none (padded)", padded)):
+            pair.append(
+                {"shape": f"dim {dim}, {layers} layers", "mode": name}
+                | {k: statistics.median(x[k] for x in r.rows) for k in r.rows[0]}
+            )
+        for row in pair:
+            row["speedup"] = row["tok_s"] / pair[1]["tok_s"]
+        print(formatted_table(pair, COLUMNS))
+        rows += pair
+    table = formatted_table(rows, COLUMNS)
+    print(table)
+    if not args.no_results:
+        body = (
+            f"{corpus}. Forward + backward + AdamW step through the loop's pieces "
+            "(sftpack.loop._media: MediaTrainerSource / MediaPaddedSource, MediaLossModule), the two modes "
+            f"alternating every step, medians over {args.steps} steps each (after one warm-up step each); "
+            "both see the same conversations and images every step (checked).\n\n"
+            f"{table}\n"
+        )
+        write_section(__file__, body, where, title="bench_vlm_train.py: training a tiny Qwen2-VL, packed vs padded")
+
+
+if __name__ == "__main__":
+    main()
