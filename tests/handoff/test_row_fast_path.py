@@ -3,7 +3,8 @@
 ``lay_row`` now lays a row of few sequences by slice copies into preallocated
 arrays (one block when no sequence but the last is padded), and the loader lays
 its rows from each sample's own arrays with ``lay_parts`` / ``build_parts``
-(nothing concatenated first, nothing validated twice). ``_previous_lay_row`` below
+(nothing concatenated first, nothing validated twice; each array one
+``np.concatenate`` of the sequences and padding runs). ``_previous_lay_row`` below
 is the builder as it was before (its layout code verbatim, after the checks that
 are unchanged), kept here as the reference: over many random rows (every
 strategy, pad multiples of CP sizes 1 to 4 and an odd one, rows with and
@@ -138,6 +139,19 @@ def test_lay_parts_lays_the_previous_bytes(case):
     assert_same_batch(got, PackedBatch.from_row(want, sequence_ids=sids))
     # the parts are read, never written
     assert all(p.tobytes() == ids[a:b].tobytes() for p, a, b in zip(id_parts, bounds[:-1], bounds[1:]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(rows())
+def test_lay_parts_takes_any_integer_ids_and_0_1_masks(case):
+    """Parts of other integer dtypes (ids) and 0/1 masks lay the bytes of int64 / bool parts."""
+    ids, mask, lengths, width, m, pad_id = case
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    cut = list(zip(bounds[:-1], bounds[1:]))
+    kw = {"row_width": width, "pad_multiple": m, "pad_id": pad_id}
+    want = _previous_lay_row(ids.astype(np.int64), mask.astype(bool), lengths, **kw)
+    got = lay_parts([ids[a:b] for a, b in cut], [mask[a:b] for a, b in cut], lengths, **kw)
+    assert_same_arrays(got, want)
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

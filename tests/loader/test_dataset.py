@@ -309,7 +309,8 @@ def test_samples_are_sample_objects_with_any_ids():
 # ------------------------------------------------------------------ negative ids (issue 16, item 10)
 def test_negative_token_ids_and_pad_ids_are_refused_on_intake():
     """As the prepack path refuses ids outside [0, 2**32) at staging, the loader refuses a negative
-    id when it reads the sample, naming the source index, the conversation and the position."""
+    id before any row holding it is emitted (it checks each laid row's ids, one pass while they
+    are in cache), naming the source index, the conversation and the position in the sample."""
     samples = samples_from_lengths([4, 6, 3])
     bad = Sample(np.array([11, 12, -5, 14]), np.ones(4, bool), "chat.jsonl:7")
     ds = PackingDataset([*samples, bad], max_seq_len=16, buffer_size=8)
@@ -328,3 +329,33 @@ def test_negative_token_ids_and_pad_ids_are_refused_on_intake():
     ):
         PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=-1)
     assert len(list(PackingDataset(samples, max_seq_len=16, buffer_size=8, pad_id=0))) == 1  # the same, valid
+
+
+def test_a_negative_id_in_a_later_piece_is_named_at_its_position_in_the_sample():
+    """A split sample's pieces are checked on their rows: the position counts from the sample's start,
+    and the row that holds it is never emitted (the rows of earlier buffers are)."""
+    ids = np.arange(1, 21)
+    ids[13] = -7  # piece 1 of 8-token pieces, 6th token of that piece
+    bad = Sample(ids, np.ones(20, bool), "long")
+    ds = PackingDataset([*samples_from_lengths([8] * 4), bad], max_seq_len=8, buffer_size=4, max_wait=0)
+    emitted = []
+    with pytest.raises(
+        ValueError, match=r"sample 4 \(conversation 'long'\) holds token id -7 at position 13: token ids"
+    ):
+        for row in ds:
+            emitted.append(row)
+    assert [r.sequence_ids for r in emitted[:4]] == [(0,), (1,), (2,), (3,)]
+    assert all(int(r.input_ids.min()) >= 0 for r in emitted) and ds.stats.rows_out == len(emitted) <= 6
+
+
+def test_lookahead_takes_and_puts_back_in_order():
+    from sftpack.loader._source import Lookahead
+
+    la = Lookahead(iter([(i, f"s{i}") for i in range(6)]))
+    assert la.take(2) == [(0, "s0"), (1, "s1")]
+    taken = la.take(3)
+    assert taken == [(2, "s2"), (3, "s3"), (4, "s4")]
+    la.unread(taken[1:])  # (3, 4) go back in front of (5)
+    assert la.take(0) == [] and not la.done
+    assert la.pop() == (3, "s3") and la.take(9) == [(4, "s4"), (5, "s5")]
+    assert la.done and la.take(1) == []

@@ -1,16 +1,18 @@
 """The loader's fast row path (issue 18, item 6) emits the very rows, stats and states it emitted before.
 
-``PackingDataset`` now lays each row from its samples' own arrays
-(``build_parts``: no concatenation, no second check of what ``cut_overlong``
-checked when the sample was read), and a sample that fits is buffered whole.
-Here the loader runs twice over the same random sources, once as it is and
-once with the previous read and build steps put back (``_previous_cut_overlong``
-and ``_previous_build`` below: the code as it was); every row (every array and
-dtype, ``max_seqlen``, ``sequence_ids``), the stats and the state after every
-row must be equal, over the over-long policies, pad multiples, buffer sizes,
-waiting and shuffling. The previous builder's layout is pinned against the
-new one in ``tests/handoff/test_row_fast_path.py``; here the previous rows are
-laid by that reference.
+``PackingDataset`` lays each row from its samples' own arrays (``build_parts``:
+one ``np.concatenate`` per array, no second pass over the samples), reads a
+buffer's worth of samples at a time (a ``Sample`` that fits is buffered inline),
+checks the ids once on the laid row instead of when each sample is read, and
+plans a round with fewer array passes. Here the loader runs twice over the same
+random sources, once as it is and once with the previous read, round, build and
+planning steps put back (the ``_previous_*`` functions below: the code as it was
+before issue 18's loader work, the round and planner as they were before this
+change); every row (every array and dtype, ``max_seqlen``, ``sequence_ids``), the
+stats and the state after every row must be equal, over the over-long policies,
+pad multiples, buffer sizes, waiting and shuffling. The previous builder's layout
+is pinned against the new one in ``tests/handoff/test_row_fast_path.py``; here
+the previous rows are laid by that reference.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ from hypothesis import strategies as st
 
 import sftpack.loader._dataset as dataset_mod
 from sftpack import PackedBatch, Sample
+from sftpack.binpack import Bins, pack
+from sftpack.handoff import padded_lengths
 from sftpack.loader import PackingDataset
-from sftpack.loader._source import Item
+from sftpack.loader._hold import hold_back
+from sftpack.loader._source import Item, Lookahead
 from sftpack.sample import Overlong, as_sample, overlong_spans
 
 from ..handoff.test_row_fast_path import _previous_lay_row, assert_same_batch
@@ -44,6 +49,74 @@ def _previous_cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Ove
     return items, n - sum(b - a for a, b in spans)
 
 
+def _previous_fill(self: PackingDataset, stream: Lookahead) -> None:
+    while len(self._buffer) < self.buffer_size and not stream.done:
+        self._read(*stream.pop())
+
+
+def _previous_read(self: PackingDataset, index: int, obj: Any) -> None:
+    items, lost = _previous_cut_overlong(index, obj, self.max_seq_len, self.overlong)
+    s = self._stats
+    s.samples_in += 1
+    self._cursor += 1
+    if len(items) > 1:
+        s.split += 1
+        s.extra_pieces += len(items) - 1
+    elif items and lost:
+        s.truncated += 1
+        s.tokens_truncated += lost
+    elif not items:
+        s.dropped += 1
+        s.tokens_dropped += lost
+    self._buffer.extend(items)
+    self._ages.extend([0] * len(items))
+
+
+def _previous_pack_rows(lengths, *, max_seq_len, pad_multiple=1, algorithm="bfd", seed=0) -> Bins:
+    bins = pack(padded_lengths(lengths, pad_multiple), max_seq_len, algorithm, seed=seed)
+    if len(bins) == 0:
+        return bins
+    row_of = np.repeat(np.arange(len(bins), dtype=np.int64), bins.sizes)
+    order = bins.order[np.lexsort((bins.order, row_of))]
+    return Bins(order, bins.offsets)
+
+
+def _previous_round(self: PackingDataset, *, flush: bool) -> None:
+    buf = self._buffer
+    lengths = np.fromiter((it.length for it in buf), dtype=np.int64, count=len(buf))
+    costs = padded_lengths(lengths, self.pad_multiple)
+    bins = _previous_pack_rows(
+        lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, algorithm=self.algorithm, seed=self.seed
+    )
+    order, offsets = bins.order, bins.offsets
+    ages = np.asarray(self._ages, dtype=np.int64)
+    n_rows = offsets.shape[0] - 1
+    held = np.zeros(n_rows, dtype=bool)
+    if not flush:
+        held = hold_back(
+            bins,
+            costs,
+            ages,
+            max_seq_len=self.max_seq_len,
+            min_fill=self.min_fill,
+            max_wait=self.max_wait,
+            max_items=self.buffer_size // 2,
+        )
+    row_of = np.repeat(np.arange(n_rows), np.diff(offsets))
+    waits = held[row_of]
+    keep = np.sort(order[waits])
+    bounds = offsets.tolist()
+    order_l = order.tolist()
+    for i in np.flatnonzero(~held).tolist():
+        self._pending.append([buf[j] for j in order_l[bounds[i] : bounds[i + 1]]])
+    if (~waits).any():
+        self._stats.max_waited = max(self._stats.max_waited, int(ages[order[~waits]].max()))
+    self._buffer = [buf[i] for i in keep.tolist()]
+    self._ages = (ages[keep] + 1).tolist()
+    self._stats.rounds += 1
+    self._stats.held_rows += int(held.sum())
+
+
 def _previous_build(self: PackingDataset, row: list[Item]) -> PackedBatch:
     ids = np.concatenate([it.input_ids for it in row])
     mask = np.concatenate([it.loss_mask for it in row])
@@ -52,6 +125,14 @@ def _previous_build(self: PackingDataset, row: list[Item]) -> PackedBatch:
         ids, mask, lengths, row_width=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
     )
     return PackedBatch.from_row(laid, sequence_ids=[it.sequence_id for it in row])
+
+
+def _previous(mp: pytest.MonkeyPatch) -> None:
+    """Put the previous loader steps back (inside a monkeypatch context)."""
+    mp.setattr(dataset_mod.PackingDataset, "_fill", _previous_fill)
+    mp.setattr(dataset_mod.PackingDataset, "_read", _previous_read)
+    mp.setattr(dataset_mod.PackingDataset, "_round", _previous_round)
+    mp.setattr(dataset_mod.PackingDataset, "_build", _previous_build)
 
 
 def _run(samples: Any, kw: dict[str, Any]) -> tuple[list[PackedBatch], list[dict], dict]:
@@ -66,8 +147,7 @@ def _run(samples: Any, kw: dict[str, Any]) -> tuple[list[PackedBatch], list[dict
 def _compare(samples: Any, kw: dict[str, Any]) -> None:
     new = _run(samples, kw)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(dataset_mod, "cut_overlong", _previous_cut_overlong)
-        mp.setattr(dataset_mod.PackingDataset, "_build", _previous_build)
+        _previous(mp)
         old = _run(samples, kw)
     assert len(new[0]) == len(old[0]) > 0
     for a, b in zip(new[0], old[0]):
@@ -142,8 +222,7 @@ def test_a_resumed_loader_continues_with_the_previous_rows(monkeypatch):
     fresh.load_state_dict(state)
     resumed = list(fresh)
     with monkeypatch.context() as mp:
-        mp.setattr(dataset_mod, "cut_overlong", _previous_cut_overlong)
-        mp.setattr(dataset_mod.PackingDataset, "_build", _previous_build)
+        _previous(mp)
         old = list(PackingDataset(samples, **kw))[7:]
     assert len(resumed) == len(old) > 0
     for a, b in zip(resumed, old):

@@ -10,6 +10,7 @@ lengths; :func:`~sftpack.handoff.layout.lay_row` computes the row in numpy
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 from numpy.typing import ArrayLike
 
 from .batch import PackedBatch
-from .layout import lay_parts, lay_row
+from .layout import fit_parts, join_parts, lay_row
 
 __all__ = ["build_parts", "build_row"]
 
@@ -69,13 +70,22 @@ def build_parts(
 ) -> PackedBatch:
     """The row :func:`build_row` builds, from each sequence's own arrays, for a caller that
     has already checked them (see :func:`~sftpack.handoff.layout.lay_parts`: nothing is
-    validated here). The loader builds its rows with it, without first laying its
-    samples end to end.
+    validated here but the fit). The loader builds its rows with it, without first
+    laying its samples end to end; the boundaries are made ``int32`` directly.
 
     >>> b = build_parts([np.arange(1, 6), np.arange(6, 16)], [np.ones(5, bool), np.ones(10, bool)], [5, 10],
     ...                 row_width=36, pad_multiple=4)
     >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
-    row = lay_parts(id_parts, mask_parts, lengths, row_width=row_width, pad_multiple=pad_multiple, pad_id=pad_id)
-    return PackedBatch.from_row(row, sequence_ids=sequence_ids)
+    padded = fit_parts(lengths, row_width, pad_multiple)
+    ids, labels, positions = join_parts(id_parts, mask_parts, lengths, padded, pad_id)
+    return PackedBatch(
+        torch.from_numpy(ids),
+        torch.from_numpy(labels),
+        torch.from_numpy(positions),
+        torch.from_numpy(np.array([0, *accumulate(lengths)], dtype=np.int32)),
+        torch.from_numpy(np.array([0, *accumulate(padded)], dtype=np.int32)),
+        max(padded),
+        tuple(sequence_ids) if sequence_ids is not None else None,
+    )

@@ -22,9 +22,12 @@ row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
 
 :func:`lay_parts` lays the same row from each sequence's own arrays, unchecked,
 for a caller that checked them already (the loader, which never concatenates
-its samples first).
+its samples first): :func:`join_parts` makes each of the row's three arrays
+with one ``np.concatenate`` of views (the sequences and read-only padding runs;
+the labels one ``np.where`` over the ids one slot on), so a row costs a few
+numpy calls whatever its sequences.
 
-A row is laid into arrays allocated once at its width: with up to
+:func:`lay_row` lays a row into arrays allocated once at its width: with up to
 ``_SLICE_COPY_MAX`` sequences by slice copies (a Python loop over sequences,
 never over tokens; when only the last sequence is padded, ids and labels are
 one block copy each), above that by one vectorised scatter. Every strategy
@@ -46,7 +49,16 @@ from ..binpack import Bins, pack
 from ..sample import IGNORE_INDEX
 from .errors import PackedBatchError
 
-__all__ = ["RowArrays", "check_pad_id", "lay_parts", "lay_row", "pack_rows", "padded_lengths"]
+__all__ = [
+    "RowArrays",
+    "check_pad_id",
+    "fit_parts",
+    "join_parts",
+    "lay_parts",
+    "lay_row",
+    "pack_rows",
+    "padded_lengths",
+]
 
 #: up to this many sequences a row is laid by slice copies (a Python loop over
 #: sequences, never over tokens); above it by one vectorised scatter
@@ -106,11 +118,15 @@ def pack_rows(
     [[2], [1, 3], [0]]
     """
     bins = pack(padded_lengths(lengths, pad_multiple), max_seq_len, algorithm, seed=seed)
-    if len(bins) == 0:
+    n = bins.order.shape[0]
+    if n == 0:
         return bins
-    row_of = np.repeat(np.arange(len(bins), dtype=np.int64), bins.sizes)
-    order = bins.order[np.lexsort((bins.order, row_of))]  # one sort: rows in the packer's order, items ascending
-    return Bins(order, bins.offsets)
+    offsets = bins.offsets
+    row_base = np.repeat(np.arange(0, n * (offsets.shape[0] - 1), n, dtype=np.int64), np.diff(offsets))
+    key = bins.order + row_base  # row r's items as r * n + index: one sort puts each row's items ascending
+    key.sort()
+    key -= row_base  # the rows keep their places (and sizes) in the packer's order
+    return Bins._trusted(key, offsets)  # a permutation still, reordered within rows: nothing to check
 
 
 class RowArrays(NamedTuple):
@@ -235,8 +251,8 @@ def lay_parts(
     pad_id: int = 0,
 ) -> RowArrays:
     """The row :func:`lay_row` lays, from each sequence's own arrays (not laid end to end
-    first), for a caller that has already checked them (the loader: every sample was
-    checked when it was read). Nothing is validated here.
+    first), for a caller that has already checked them (the loader). Nothing is
+    validated here but the fit of the padded sequences.
 
     Args:
         id_parts: ``N`` 1-D integer arrays, the token ids of each sequence, all ``>= 0``.
@@ -250,24 +266,92 @@ def lay_parts(
     >>> r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
+    padded = fit_parts(lengths, row_width, pad_multiple)
+    ids, labels, positions = join_parts(id_parts, mask_parts, lengths, padded, pad_id)
+    cu = np.array([0, *accumulate(lengths)], dtype=np.int64)
+    cup = np.array([0, *accumulate(padded)], dtype=np.int64)
+    return RowArrays(ids, labels, positions, cu, cup, max(padded))
+
+
+def fit_parts(lengths: Sequence[int], row_width: int | None, pad_multiple: int) -> list[int]:
+    """The slots each sequence of a row takes (its length rounded up to ``pad_multiple``),
+    the row's tail folded into the last: what :func:`join_parts` lays. Raises
+    :class:`PackedBatchError` when the padded sequences do not fit ``row_width``."""
     m = pad_multiple
     padded = [-(-k // m) * m for k in lengths] if m != 1 else list(lengths)
-    if row_width is not None and sum(padded) > row_width:
-        raise PackedBatchError(
-            f"{len(padded)} sequences take {sum(padded)} slots after padding each to a multiple of {m}, "
-            f"more than row_width={row_width}: plan rows with sftpack.handoff.pack_rows"
-        )
-    if len(lengths) > _SLICE_COPY_MAX:
-        real = np.asarray(lengths, dtype=np.int64)
-        return _lay_scatter(
-            np.concatenate(id_parts),
-            np.concatenate(mask_parts),
-            real,
-            np.asarray(padded, dtype=np.int64),
-            row_width,
-            pad_id,
-        )
-    return _lay_segments(id_parts, mask_parts, lengths, padded, row_width, pad_id)
+    total = sum(padded)
+    if row_width is not None:
+        if total > row_width:
+            raise PackedBatchError(
+                f"{len(padded)} sequences take {total} slots after padding each to a multiple of {m}, "
+                f"more than row_width={row_width}: plan rows with sftpack.handoff.pack_rows"
+            )
+        padded[-1] += row_width - total  # the row's tail folds into the last segment
+    return padded
+
+
+def join_parts(
+    id_parts: Sequence[np.ndarray],
+    mask_parts: Sequence[np.ndarray],
+    lengths: Sequence[int],
+    padded: Sequence[int],
+    pad_id: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A row's ``(input_ids, labels, position_ids)`` (``int64``) from each sequence's own
+    arrays, ``padded`` from :func:`fit_parts`, each array made by one ``np.concatenate``
+    of views (no per-token Python, no slice assignment into a preallocated row).
+
+    ``input_ids`` is a view of the first ``T`` slots of ``T + 1`` laid ids (the extra
+    slot is padding), so the labels are one ``np.where`` over the ids one slot on: a
+    slot's label is the next slot's id where the next token is trained on and belongs to
+    the same sequence, else ``-100``. The condition is laid from each sequence's mask
+    from its second token, followed by ``False`` on its last real token and padding.
+    """
+    widest = max(padded)  # no sequence's padding (plus one slot) is wider
+    pads = _filled(pad_id, widest)
+    falses = _falses(widest)
+    iota = _positions(widest)
+    ids_parts: list[np.ndarray] = []
+    ok_parts: list[np.ndarray] = []
+    pos_parts: list[np.ndarray] = []
+    for x, mk, k, w in zip(id_parts, mask_parts, lengths, padded):
+        ids_parts.append(x)
+        if w > k:
+            ids_parts.append(pads[: w - k])
+        ok_parts.append(mk[1:])
+        ok_parts.append(falses[: w - k + 1])
+        pos_parts.append(iota[:w])
+    ids_parts.append(pads[:1])
+    ids = np.concatenate(ids_parts, dtype=np.int64, casting="unsafe")
+    labels = np.where(np.concatenate(ok_parts), ids[1:], IGNORE_INDEX)
+    positions = np.concatenate(pos_parts)
+    return ids[:-1], labels, positions
+
+
+#: read-only arrays of one value, grown on demand: padding is a view of them
+_fills: dict[int, np.ndarray] = {}
+_false: np.ndarray = np.zeros(0, dtype=bool)
+
+
+def _filled(value: int, k: int) -> np.ndarray:
+    """``k`` (or more) slots holding ``value``, int64, read-only."""
+    a = _fills.get(value)
+    if a is None or a.shape[0] < k:
+        a = np.full(max(k, 4097 if a is None else 2 * a.shape[0]), value, dtype=np.int64)
+        a.flags.writeable = False
+        if len(_fills) >= 8:  # a few pad ids in use at once; never grows without bound
+            _fills.clear()
+        _fills[value] = a
+    return a
+
+
+def _falses(k: int) -> np.ndarray:
+    global _false
+    if _false.shape[0] < k:
+        grown = np.zeros(max(k, 2 * _false.shape[0], 4097), dtype=bool)
+        grown.flags.writeable = False
+        _false = grown
+    return _false
 
 
 #: ``0, 1, 2, ...`` (read-only), grown on demand: a segment's positions are a slice copy of it

@@ -48,9 +48,9 @@ from ..binpack import Algorithm
 from ..handoff import PackedBatch, pack_rows, padded_lengths
 from ..handoff.build import build_parts
 from ..handoff.layout import check_pad_id
-from ..sample import DEFAULT_OVERLONG, Overlong
+from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._hold import hold_back
-from ._source import Item, Lookahead, Source, cut_overlong
+from ._source import Item, Lookahead, Source, cut_overlong, first_negative
 from ._state import (
     STATE_VERSION,
     StateError,
@@ -386,8 +386,7 @@ class PackingDataset(IterableDataset):
             if stream.done and not self._buffer:  # an epoch that emits no row (empty share, all dropped)
                 self._next_epoch()
                 return
-            while len(self._buffer) < self.buffer_size and not stream.done:
-                self._read(*stream.pop())
+            self._fill(stream)
             if self._buffer:
                 self._round(flush=stream.done)
 
@@ -396,12 +395,44 @@ class PackingDataset(IterableDataset):
         self._cursor = 0
         self._stats.epochs += 1
 
+    def _fill(self, stream: Lookahead) -> None:
+        """Read samples until the buffer holds ``buffer_size`` sequences or the share ends.
+
+        Samples are taken from the stream a buffer's worth at a time; a :class:`Sample` that
+        fits (the common case) is buffered inline, anything else goes through :meth:`_read`,
+        and when a split sample fills the buffer early the samples taken after it go back to
+        the stream unread, so exactly the samples one-by-one reading reads are read.
+        """
+        buf, ages, size, width = self._buffer, self._ages, self.buffer_size, self.max_seq_len
+        while len(buf) < size and not stream.done:
+            taken = stream.take(size - len(buf))
+            fast = 0
+            for j, (index, obj) in enumerate(taken):
+                if len(buf) >= size:  # a split sample filled the buffer early: the rest go back unread
+                    stream.unread(taken[j:])
+                    break
+                if isinstance(obj, Sample):
+                    ids = obj.input_ids
+                    n = ids.shape[0]
+                    if n <= width:
+                        sid = obj.conversation_id
+                        buf.append(Item((index, 0), ids, obj.loss_mask, index if sid is None else sid, n))
+                        ages.append(0)
+                        fast += 1
+                        continue
+                self._cursor += fast
+                self._stats.samples_in += fast
+                fast = 0
+                self._read(index, obj)  # any number of pieces, or none
+            self._cursor += fast
+            self._stats.samples_in += fast
+
     def _read(self, index: int, obj: Any) -> None:
         items, lost = cut_overlong(index, obj, self.max_seq_len, self.overlong)
         s = self._stats
         s.samples_in += 1
         self._cursor += 1
-        if len(items) == 1 and not lost:  # the sample fits (the common case)
+        if len(items) == 1 and not lost:  # the sample fits
             self._buffer.append(items[0])
             self._ages.append(0)
             return
@@ -418,9 +449,10 @@ class PackingDataset(IterableDataset):
         self._ages.extend([0] * len(items))
 
     def _round(self, *, flush: bool) -> None:
+        """Pack the buffer; its rows become decided rows, but the under-filled ones that may
+        wait (``hold_back``) keep their samples in the buffer, one round older."""
         buf = self._buffer
         lengths = np.fromiter((it.length for it in buf), dtype=np.int64, count=len(buf))
-        costs = padded_lengths(lengths, self.pad_multiple)
         bins = pack_rows(
             lengths,
             max_seq_len=self.max_seq_len,
@@ -429,38 +461,44 @@ class PackingDataset(IterableDataset):
             seed=self.seed,
         )
         order, offsets = bins.order, bins.offsets
-        ages = np.asarray(self._ages, dtype=np.int64)
         n_rows = offsets.shape[0] - 1
-        held = np.zeros(n_rows, dtype=bool)
-        if not flush:
+        bounds = offsets.tolist()
+        planned = [buf[j] for j in order.tolist()]  # the buffer in row order
+        stats = self._stats
+        stats.rounds += 1
+        held = None
+        if not flush and self.max_wait > 0:
             held = hold_back(
                 bins,
-                costs,
-                ages,
+                padded_lengths(lengths, self.pad_multiple),
+                np.asarray(self._ages, dtype=np.int64),
                 max_seq_len=self.max_seq_len,
                 min_fill=self.min_fill,
                 max_wait=self.max_wait,
                 max_items=self.buffer_size // 2,
             )
-        row_of = np.repeat(np.arange(n_rows), np.diff(offsets))
-        waits = held[row_of]
-        keep = np.sort(order[waits])
-        bounds = offsets.tolist()
-        order_l = order.tolist()
+        if held is None or not held.any():  # every row decided (the last rounds, max_wait=0, full rows)
+            self._pending.extend(planned[bounds[i] : bounds[i + 1]] for i in range(n_rows))
+            if self._ages:
+                stats.max_waited = max(stats.max_waited, max(self._ages))
+            self._buffer, self._ages = [], []
+            return
+        ages = np.asarray(self._ages, dtype=np.int64)
+        waits = np.repeat(held, np.diff(offsets))  # per planned position: does its row wait?
         for i in np.flatnonzero(~held).tolist():
-            self._pending.append([buf[j] for j in order_l[bounds[i] : bounds[i + 1]]])
-        if (~waits).any():
-            self._stats.max_waited = max(self._stats.max_waited, int(ages[order[~waits]].max()))
+            self._pending.append(planned[bounds[i] : bounds[i + 1]])
+        if not waits.all():
+            stats.max_waited = max(stats.max_waited, int(ages[order[~waits]].max()))
+        keep = np.sort(order[waits])
         self._buffer = [buf[i] for i in keep.tolist()]
         self._ages = (ages[keep] + 1).tolist()
-        self._stats.rounds += 1
-        self._stats.held_rows += int(held.sum())
+        stats.held_rows += int(held.sum())
 
     def _build(self, row: list[Item]) -> PackedBatch:
-        # Every item was checked when it was read (cut_overlong: int64 ids >= 0, a bool
-        # mask, at most max_seq_len tokens) and the row was planned on padded_lengths, so
-        # the row is laid from the items' own arrays, unchecked and not concatenated first.
-        return build_parts(
+        # Every item's arrays are a Sample's (int64 ids, a bool mask; cut_overlong) and the row
+        # was planned on padded_lengths, so the row is laid from the items' own arrays, not
+        # concatenated first; the ids are checked once, on the laid row (padding is >= 0).
+        batch = build_parts(
             [it.input_ids for it in row],
             [it.loss_mask for it in row],
             [it.length for it in row],
@@ -469,6 +507,9 @@ class PackingDataset(IterableDataset):
             pad_id=self.pad_id,
             sequence_ids=[it.sequence_id for it in row],
         )
+        if np.minimum.reduce(batch.input_ids.numpy()) < 0:
+            raise first_negative(row)
+        return batch
 
     def _emit(self, row: list[Item]) -> None:
         s = self._stats

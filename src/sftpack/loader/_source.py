@@ -16,12 +16,15 @@ epochs.
 
 :func:`cut_overlong` applies the over-long policy (:class:`sftpack.sample.Overlong`,
 shared by every layer) to a sample *before* it is costed (costing before
-truncation crashed jobs upstream).
+truncation crashed jobs upstream). Token ids are checked (none negative) on the
+row they are laid in, before it is emitted (:func:`first_negative` names the sample).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -29,50 +32,72 @@ import numpy as np
 from ..sample import Overlong, Sample, as_sample, overlong_spans
 from ._state import StateError
 
-__all__ = ["Item", "Lookahead", "Source", "cut_overlong"]
+__all__ = ["Item", "Lookahead", "Source", "cut_overlong", "first_negative"]
 
 
 class Item:
     """One sequence in a loader's buffer: a sample, or one piece of a split sample.
 
-    ``ref`` is ``(source index, piece)``; the state stores only refs. (A slotted
-    class: the loader makes one per sample, so a dataclass's overhead shows.)
+    ``ref`` is ``(source index, piece)``; the state stores only refs. ``start`` is
+    the piece's first token in its sample (0 for a whole sample). (A slotted class:
+    the loader makes one per sample, so a dataclass's overhead shows.)
     """
 
-    __slots__ = ("input_ids", "length", "loss_mask", "ref", "sequence_id")
+    __slots__ = ("input_ids", "length", "loss_mask", "ref", "sequence_id", "start")
 
     def __init__(
-        self, ref: tuple[int, int], input_ids: np.ndarray, loss_mask: np.ndarray, sequence_id: Any, length: int
+        self,
+        ref: tuple[int, int],
+        input_ids: np.ndarray,
+        loss_mask: np.ndarray,
+        sequence_id: Any,
+        length: int,
+        start: int = 0,
     ) -> None:
         self.ref = ref
         self.input_ids = input_ids
         self.loss_mask = loss_mask
         self.sequence_id = sequence_id
         self.length = length
+        self.start = start
 
 
 def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> tuple[list[Item], int]:
     """The items of source sample ``index`` under the over-long policy, and the
     tokens it loses (truncated or dropped).
 
+    The ids are not scanned here: a sample's arrays are read when its row is laid,
+    and :func:`first_negative` is checked on the laid row then (one pass over the
+    ids, while they are in cache, instead of a second one when the sample is read).
+
     >>> items, lost = cut_overlong(3, list(range(1, 11)), 4, Overlong.SPLIT)
-    >>> [i.input_ids.tolist() for i in items], [i.ref for i in items], lost
-    ([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]], [(3, 0), (3, 1), (3, 2)], 0)
+    >>> [i.input_ids.tolist() for i in items], [i.ref for i in items], [i.start for i in items], lost
+    ([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10]], [(3, 0), (3, 1), (3, 2)], [0, 4, 8], 0)
     """
     s = obj if isinstance(obj, Sample) else as_sample(obj, index)
     sid = s.conversation_id if s.conversation_id is not None else index
     n = s.input_ids.shape[0]
-    if n and np.minimum.reduce(s.input_ids) < 0:
-        raise ValueError(
-            f"sample {index} (conversation {sid!r}) holds token id {int(s.input_ids.min())} at position "
-            f"{int(np.argmin(s.input_ids))}: token ids must be non-negative (an embedding has no row for a "
-            "negative id); tokenize it again with the model's tokenizer, or leave it out"
-        )
     if n <= max_seq_len:  # fits: the sample's own arrays, whole (what the one span (0, n) would slice)
         return [Item((index, 0), s.input_ids, s.loss_mask, sid, n)], 0
     spans = overlong_spans(n, max_seq_len, overlong, f"sample {index} (conversation {sid!r})", sid)
-    items = [Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid, b - a) for k, (a, b) in enumerate(spans)]
+    items = [Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid, b - a, a) for k, (a, b) in enumerate(spans)]
     return items, n - sum(b - a for a, b in spans)
+
+
+def first_negative(row: list[Item]) -> ValueError:
+    """The error for the first item of ``row`` that holds a negative token id (the row's
+    laid ids were found to hold one), naming its source index, conversation and the
+    position in its sample."""
+    for it in row:
+        ids = it.input_ids
+        if ids.shape[0] and np.minimum.reduce(ids) < 0:
+            t = int(np.argmin(ids))
+            return ValueError(
+                f"sample {it.ref[0]} (conversation {it.sequence_id!r}) holds token id {int(ids[t])} at position "
+                f"{it.start + t}: token ids must be non-negative (an embedding has no row for a negative id); "
+                "tokenize it again with the model's tokenizer, or leave it out"
+            )
+    raise AssertionError("first_negative: no item of the row holds a negative id")  # pragma: no cover
 
 
 class Source:
@@ -155,18 +180,46 @@ def _chain_first(head: tuple[int, Any], rest: Iterator[tuple[int, Any]]) -> Iter
 class Lookahead:
     """An iterator with its next item read ahead, so the end of a share is known before
     its last row is emitted. The read-ahead sample is not consumed (the cursor does not
-    count it): a resume reads it again."""
+    count it): a resume reads it again. Items taken but not used can be put back
+    (:meth:`unread`); they come out again first, in order."""
 
     def __init__(self, it: Iterator[tuple[int, Any]]) -> None:
         self._it = it
+        self._back: deque[tuple[int, Any]] = deque()
         self._head = next(it, None)
 
     @property
     def done(self) -> bool:
         return self._head is None
 
+    def _next(self) -> tuple[int, Any] | None:
+        return self._back.popleft() if self._back else next(self._it, None)
+
     def pop(self) -> tuple[int, Any]:
         head = self._head
         assert head is not None
-        self._head = next(self._it, None)
+        self._head = self._next()
         return head
+
+    def take(self, k: int) -> list[tuple[int, Any]]:
+        """The next ``k`` items (fewer at the end of the stream), as :meth:`pop` would give them."""
+        head = self._head
+        if head is None or k <= 0:
+            return []
+        out = [head]
+        back = self._back
+        while back and len(out) < k:
+            out.append(back.popleft())
+        if len(out) < k:
+            out.extend(islice(self._it, k - len(out)))
+        self._head = self._next()
+        return out
+
+    def unread(self, items: list[tuple[int, Any]]) -> None:
+        """Put ``items`` (the last taken, in order) back in front of the stream."""
+        if not items:
+            return
+        if self._head is not None:
+            self._back.appendleft(self._head)
+        self._back.extendleft(reversed(items[1:]))
+        self._head = items[0]
