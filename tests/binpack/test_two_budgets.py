@@ -26,7 +26,8 @@ def decreasing(c):
 
 
 def ref_any_fit(lengths, weights, capacity, cap_w, visit, m=1, max_items=None, best=False):
-    """First fit (or best fit: least cost room, first of equals) where both budgets fit."""
+    """First fit (or best fit: least cost room; among equals the most weight room, then the
+    first) where both budgets fit."""
     c = costs_of(lengths, m)
     bins: list[list[int]] = []
     room: list[int] = []
@@ -43,7 +44,7 @@ def ref_any_fit(lengths, weights, capacity, cap_w, visit, m=1, max_items=None, b
             room_w.append(cap_w)
             b = len(bins) - 1
         else:
-            b = min(fits, key=lambda k: (room[k], k)) if best else fits[0]
+            b = min(fits, key=lambda k: (room[k], -room_w[k], k)) if best else fits[0]
         bins[b].append(i)
         room[b] -= c[i]
         room_w[b] -= weights[i]
@@ -252,3 +253,22 @@ def test_larger_inputs_where_the_second_budget_binds():
         assert got == reference(a, sub[0], sub[1], 2048, 2048, 8)
     # the decreasing packers fill better than next fit under both budgets
     assert max(rows["bfd"], rows["ffd"], rows["greedy_knapsack"]) < rows["next_fit"]
+
+
+def test_best_fit_gives_the_same_rows_on_both_routes(monkeypatch):
+    # rooms indexed by value while the capacity is small, a branch and bound over the rows above:
+    # the same choice (least token room, most weight room, first row), so the same rows
+    import sftpack.binpack._inputs as inputs
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for n, capacity in ((2000, 1024), (500, 64)):
+        lengths = rng.integers(1, capacity // 2, size=n)
+        weights = np.where(rng.random(n) < 0.2, 0, rng.integers(1, 700, size=n))
+        cases.append((lengths, weights, capacity))
+    dense = [pack(ln, c, "bfd", cost_multiple=2, weights=w, max_weight_per_bin=1500) for ln, w, c in cases]
+    monkeypatch.setattr(inputs, "_dense_route", lambda cap_units, n: False)
+    for (ln, w, c), want in zip(cases, dense):
+        got = pack(ln, c, "bfd", cost_multiple=2, weights=w, max_weight_per_bin=1500)
+        assert got == want
+        got.check(ln, c, cost_multiple=2, weights=w, max_weight_per_bin=1500)

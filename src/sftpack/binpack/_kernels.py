@@ -1103,25 +1103,34 @@ def _leftmost_both(tree_u: np.ndarray, tree_w: np.ndarray, leaves: int, u: int, 
 
 @_kernel
 def _best_both(
-    tree_u: np.ndarray, tree_w: np.ndarray, tree_min: np.ndarray, leaves: int, u: int, w: int, stack: np.ndarray
+    tree_u: np.ndarray,
+    tree_w: np.ndarray,
+    tree_min: np.ndarray,
+    leaves: int,
+    u: int,
+    w: int,
+    stack: np.ndarray,
 ) -> int:
-    """The leaf with the least ``tree_u >= u`` among those with ``tree_w >= w`` (the leftmost
-    of equals), or -1: a depth-first branch and bound that skips subtrees whose maxima
-    fall short or whose least room (``tree_min``, open bins only) cannot beat the best found."""
+    """The best-fit leaf, or -1: the least ``tree_u >= u`` among the leaves with
+    ``tree_w >= w``; among equals the most ``tree_w``, then the leftmost. A depth-first
+    branch and bound that skips subtrees whose maxima fall short or whose least room
+    (``tree_min``, open bins only) is above the best found (the sparse route of
+    :func:`best_fit_two`, for capacities too large to index rooms by value)."""
     best = np.int64(-1)
     best_room = _BIG
+    best_w = np.int64(-1)
     stack[0] = 1
     top = 1
     while top > 0:
         top -= 1
         i = stack[top]
-        if tree_u[i] < u or tree_w[i] < w or tree_min[i] >= best_room:
+        if tree_u[i] < u or tree_w[i] < w or tree_min[i] > best_room:
             continue
         if i >= leaves:
-            best = i - leaves
-            best_room = tree_u[i]
-            if best_room == u:  # nothing fits tighter
-                break
+            if tree_u[i] < best_room or tree_w[i] > best_w:  # left first: a later equal loses
+                best = i - leaves
+                best_room = tree_u[i]
+                best_w = tree_w[i]
             continue
         stack[top] = 2 * i + 1
         stack[top + 1] = 2 * i
@@ -1314,3 +1323,147 @@ def next_fit_two(
         n_bins += 1
         offsets[n_bins] = n
     return offsets[: n_bins + 1].copy()
+
+
+@_kernel
+def _before(x: int, y: int, key: np.ndarray) -> bool:
+    """Heap order: the larger ``key`` first, then the lower index."""
+    return key[x] > key[y] or (key[x] == key[y] and x < y)
+
+
+@_kernel
+def _lh_merge(
+    a: int, b: int, left: np.ndarray, right: np.ndarray, rank: np.ndarray, key: np.ndarray, stack: np.ndarray
+) -> int:
+    """Merge two leftist heaps (roots ``a``, ``b``; -1 is empty), iteratively: down the
+    right spines, then ranks fixed (and children swapped) on the way back up."""
+    if a < 0:
+        return b
+    if b < 0:
+        return a
+    if _before(b, a, key):
+        a, b = b, a
+    root = a
+    cur = a
+    top = 0
+    while b >= 0:
+        stack[top] = cur
+        top += 1
+        r = right[cur]
+        if r < 0:
+            right[cur] = b
+            b = -1
+        elif _before(b, r, key):
+            right[cur] = b
+            cur = b
+            b = r
+        else:
+            cur = r
+    while top > 0:
+        top -= 1
+        x = stack[top]
+        lr = rank[left[x]] if left[x] >= 0 else 0
+        rr = rank[right[x]] if right[x] >= 0 else 0
+        if lr < rr:
+            t = left[x]
+            left[x] = right[x]
+            right[x] = t
+            rr = lr
+        rank[x] = rr + 1
+    return root
+
+
+@_kernel
+def _first_at_least_from(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.ndarray) -> int:
+    """The leftmost leaf ``>= lo`` holding ``>= x`` in a max tree, or -1."""
+    stack[0] = 1
+    stack[1] = 0
+    stack[2] = leaves
+    top = 1
+    while top > 0:
+        top -= 1
+        i = stack[3 * top]
+        first = stack[3 * top + 1]
+        width = stack[3 * top + 2]
+        if first + width <= lo or tree[i] < x:
+            continue
+        if i >= leaves:
+            return i - leaves
+        half = width // 2
+        stack[3 * top] = 2 * i + 1
+        stack[3 * top + 1] = first + half
+        stack[3 * top + 2] = half
+        stack[3 * top + 3] = 2 * i
+        stack[3 * top + 4] = first
+        stack[3 * top + 5] = half
+        top += 2
+    return -1
+
+
+@_kernel
+def best_fit_two(
+    lengths: np.ndarray,
+    multiple: int,
+    cap_units: int,
+    max_items: int,
+    weights: np.ndarray,
+    cap_weight: int,
+    visit: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Best fit under two budgets with rooms indexed by value (the dense route: arrays over
+    ``0..U``): the open bins of each token room ``r`` form a leftist max-heap by weight
+    room (then lowest index), and a max tree over ``r`` holds each heap's top weight room.
+    A sequence of ``u`` units and weight ``w`` goes to the top bin of the least ``r >= u``
+    whose top has ``>= w``: the least token room that fits both, the most weight room among
+    those, then the lowest bin, as :func:`_best_both` chooses. ``O(log U + log bins)`` a
+    sequence. Returns ``(order, offsets)`` like :func:`any_fit_two`."""
+    n = visit.shape[0]
+    leaves = _pow2_at_least(cap_units + 1)
+    tree = np.full(2 * leaves, np.int64(-1), np.int64)  # top weight room per token room, -1: none
+    heap = np.full(cap_units + 1, np.int64(-1), np.int64)
+    left = np.full(n, np.int64(-1), np.int64)
+    right = np.full(n, np.int64(-1), np.int64)
+    rank = np.ones(n, np.int64)
+    room_w = np.zeros(n, np.int64)
+    fill = np.zeros(n, np.int64)
+    stack = np.empty(3 * (2 * 64 + 2), np.int64)
+    spine = np.empty(256, np.int64)
+    bin_of = np.empty(n, np.int64)
+    n_bins = 0
+    for t in range(n):
+        i = visit[t]
+        u = (lengths[i] + multiple - 1) // multiple
+        w = weights[i]
+        r = _first_at_least_from(tree, leaves, u, w, stack)
+        if r < 0:
+            b = n_bins
+            n_bins += 1
+            room = cap_units
+            room_w[b] = cap_weight
+        else:
+            b = heap[r]
+            top = _lh_merge(left[b], right[b], left, right, rank, room_w, spine)
+            heap[r] = top
+            _tree_set(tree, leaves, r, room_w[top] if top >= 0 else np.int64(-1))
+            left[b] = -1
+            right[b] = -1
+            rank[b] = 1
+            room = r
+        room -= u
+        room_w[b] -= w
+        fill[b] += 1
+        if fill[b] < max_items and room > 0:
+            top = _lh_merge(heap[room], b, left, right, rank, room_w, spine)
+            heap[room] = top
+            _tree_set(tree, leaves, room, room_w[top])
+        bin_of[t] = b
+    offsets = np.zeros(n_bins + 1, np.int64)
+    for b in range(n_bins):
+        offsets[b + 1] = offsets[b] + fill[b]
+    pos = offsets[:n_bins].copy()
+    order = np.empty(n, np.int64)
+    for t in range(n):
+        b = bin_of[t]
+        order[pos[b]] = visit[t]
+        pos[b] += 1
+    return order, offsets

@@ -209,7 +209,7 @@ def _pack_two(
     - ``ffd``: cost descending (input order among equal costs), each into the first
       row where both its cost and its weight fit;
     - ``bfd``: the same order, each into the row left tightest in cost among those
-      where both fit (the first of equals);
+      where both fit (among equals the one with the most weight room left, then the first);
     - ``greedy_knapsack``: one row at a time, taking the first item of that order whose
       cost and weight both fit;
     - ``first_fit_shuffle``: first fit in the seeded shuffled order;
@@ -219,9 +219,11 @@ def _pack_two(
     ``next_fit`` give exactly their one-budget rows, and ``bfd`` rows of the same loads
     (rows of equal room may swap). The rows are found in trees over the rows (max trees of
     both rooms, depth first), no longer in the length histogram: first fit and greedy
-    stay near ``O(n log n)``; best fit is a branch and bound that may visit many rows per
-    sequence when the second budget binds (every row with room for both is a candidate),
-    so it is the slowest of them there (``benchmarks/bench_multimodal.py`` measures it).
+    stay near ``O(n log n)``. Best fit indexes the rows by their token room while the
+    capacity is small (:func:`_kernels.best_fit_two`, ``O(log U + log rows)`` a sequence);
+    above that it is a branch and bound over the rows that may visit many of them per
+    sequence when the second budget binds (same rows, ``benchmarks/bench_multimodal.py``
+    measures the dense route).
     """
     n = arr.shape[0]
     if algo is Algorithm.NEXT_FIT:
@@ -235,6 +237,8 @@ def _pack_two(
     if algo is Algorithm.GREEDY_KNAPSACK:
         offsets = _k.greedy_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
         return visit, offsets
+    if algo is Algorithm.BFD and _inputs._dense_route(cap_units, n):
+        return _k.best_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
     return _k.any_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit, algo is Algorithm.BFD)
 
 
