@@ -34,8 +34,7 @@ import pytest
 import torch
 
 from sftpack.handoff import PackedBatchError
-from sftpack.multimodal import qwen2vl_tokenizer, vqa_corpus
-from sftpack.multimodal._llava import (
+from sftpack.multimodal import (
     LlavaRow,
     LlavaSample,
     build_llava_row,
@@ -43,8 +42,10 @@ from sftpack.multimodal._llava import (
     llava_alone_logits,
     llava_image_processor,
     llava_image_tokens,
+    qwen2vl_tokenizer,
     tiny_llava,
     tokenize_llava,
+    vqa_corpus,
 )
 from sftpack.sample import IGNORE_INDEX
 

@@ -40,17 +40,11 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported l
 
 __all__ = ["PackedBatch", "PackedBatchError"]
 
-#: The media fields of a row with images: all set, or all ``None`` (a text row).
-_MEDIA = (
-    "mrope_position_ids",
-    "pixel_values",
-    "image_grid_thw",
-    "vision_cu_seqlens",
-    "image_slots",
-    "image_sequence",
-    "image_token_id",
-    "spatial_merge_size",
-)
+#: The media fields of any row with images: all set, or all ``None`` (a text row).
+_MEDIA = ("pixel_values", "image_slots", "image_sequence", "image_token_id")
+#: The fields of a patch-sequence vision tower with multimodal positions (Qwen2-VL): all set,
+#: or all ``None`` (a LLaVA-style row: one fixed-size pixel tensor per image, 1-D positions).
+_PATCH_MEDIA = ("mrope_position_ids", "image_grid_thw", "vision_cu_seqlens", "spatial_merge_size")
 
 
 def packed_seq_params(
@@ -107,7 +101,11 @@ class PackedBatch:
         mrope_position_ids: ``(3, T)`` int64; each sequence's own multimodal (Qwen2-VL
             MRoPE: temporal, height, width) positions at its segment, starting at 0;
             a segment's padding continues from its largest position.
-        pixel_values: ``(P, D)`` floating; every image's patches, in row order.
+        pixel_values: ``(P, D)`` floating; every image's patches, in row order. On a row
+            without the patch fields below (LLaVA-style: ``mrope_position_ids``,
+            ``image_grid_thw``, ``vision_cu_seqlens``, ``spatial_merge_size`` all ``None``, the
+            positions 1-D) ``(I, C, H, W)``: one fixed-size pixel tensor per image, every
+            image's run of ``image_token_id`` one length.
         image_grid_thw: ``(I, 3)`` int64; each image's ``(t, h, w)`` patch grid.
         vision_cu_seqlens: ``(F+1,)`` int32; the vision tower's boundaries, one segment
             per frame (``cumsum`` of ``h * w`` repeated ``t`` times).
@@ -189,12 +187,12 @@ class PackedBatch:
     @property
     def has_media(self) -> bool:
         """True when the row carries media fields (a row built with images, possibly none)."""
-        return self.image_grid_thw is not None
+        return self.image_slots is not None
 
     @property
     def num_images(self) -> int:
         """``I``: images in the row (0 on a text row)."""
-        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+        return 0 if self.image_slots is None else int(self.image_slots.shape[0])
 
     @property
     def device(self) -> torch.device:
@@ -344,15 +342,21 @@ class PackedBatch:
         return self
 
     def _validate_media(self, cu_h: np.ndarray, cup_h: np.ndarray) -> None:
-        present = [name for name in _MEDIA if getattr(self, name) is not None]
+        present = [name for name in _MEDIA + _PATCH_MEDIA if getattr(self, name) is not None]
         if not present:
             return
-        if len(present) != len(_MEDIA):
-            missing = [name for name in _MEDIA if getattr(self, name) is None]
+        missing = [name for name in _MEDIA if getattr(self, name) is None]
+        patch = [name for name in _PATCH_MEDIA if getattr(self, name) is not None]
+        if missing or (patch and len(patch) != len(_PATCH_MEDIA)):
+            missing += [name for name in _PATCH_MEDIA if patch and getattr(self, name) is None]
             raise PackedBatchError(
                 f"PackedBatch has media fields {present} but not {missing}: a row with media carries all of "
-                f"{list(_MEDIA)} (build it with sftpack.multimodal.build_multimodal_row)"
+                f"{list(_MEDIA)}, and either all or none of {list(_PATCH_MEDIA)} (build it with "
+                "sftpack.multimodal.build_multimodal_row, or set a LlavaRow's media on its batch)"
             )
+        if not patch:
+            self._validate_image_media(cu_h, cup_h)
+            return
         T = self.num_tokens
         mrope = self.mrope_position_ids
         pv, grid, vcu = self.pixel_values, self.image_grid_thw, self.vision_cu_seqlens
@@ -411,8 +415,67 @@ class PackedBatch:
                 f"PackedBatch.vision_cu_seqlens = {got_vcu.tolist()} but image_grid_thw gives "
                 f"{want_vcu.tolist()} (one vision segment per frame: cumsum of h*w, repeated t times)"
             )
+        self._validate_image_runs(cu_h, cup_h, per // (int(merge) ** 2), per % (int(merge) ** 2), g)
+        m = mrope.cpu().numpy()
+        starts = cup_h[:-1]
+        bad = np.flatnonzero(m[:, starts].any(axis=0))
+        if bad.size:
+            k = int(bad[0])
+            raise PackedBatchError(
+                f"PackedBatch.mrope_position_ids[:, {int(starts[k])}] = {m[:, starts[k]].tolist()} at the start "
+                f"of segment {k}: multimodal positions restart at 0 for each sequence"
+            )
+
+    def _validate_image_media(self, cu_h: np.ndarray, cup_h: np.ndarray) -> None:
+        """A row whose images are one fixed-size pixel tensor each (LLaVA-style: no patch grid, no
+        multimodal positions): ``pixel_values`` ``(I, C, H, W)``, every image's run one length."""
+        pv, slots, seq = self.pixel_values, self.image_slots, self.image_sequence
+        assert pv is not None and slots is not None and seq is not None
+        for name, t, shape, dtype in (
+            ("pixel_values", pv, (None, None, None, None), None),
+            ("image_slots", slots, (None, 2), torch.int64),
+            ("image_sequence", seq, (None,), torch.int64),
+        ):
+            if not isinstance(t, torch.Tensor):
+                raise PackedBatchError(f"PackedBatch.{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != len(shape) or any(w is not None and w != g for w, g in zip(shape, t.shape)):
+                want = "(" + ", ".join("*" if w is None else str(w) for w in shape) + ")"
+                raise PackedBatchError(
+                    f"PackedBatch.{name} must have shape {want} on a row without image_grid_thw (one pixel "
+                    f"tensor per image), got {tuple(t.shape)}"
+                )
+            if dtype is not None and t.dtype != dtype:
+                raise PackedBatchError(f"PackedBatch.{name} must be {dtype}, got {t.dtype}")
+        if not pv.is_floating_point():
+            raise PackedBatchError(f"PackedBatch.pixel_values must be floating point, got {pv.dtype}")
+        if not isinstance(self.image_token_id, (int, np.integer)) or isinstance(self.image_token_id, bool):
+            raise PackedBatchError(f"PackedBatch.image_token_id must be an int, got {self.image_token_id!r}")
+        devices = {t.device for t in (self.input_ids, pv, slots, seq)}
+        if len(devices) > 1:
+            raise PackedBatchError(
+                f"PackedBatch media tensors are on several devices {sorted(map(str, devices))}: call .to(device)"
+            )
+        n_img = slots.shape[0]
+        if pv.shape[0] != n_img or seq.shape[0] != n_img:
+            raise PackedBatchError(
+                f"PackedBatch: pixel_values holds {pv.shape[0]} images but image_slots {n_img} and "
+                f"image_sequence {seq.shape[0]}: one entry per image in each"
+            )
+        lens = slots[:, 1].cpu().numpy()
+        same = np.full(n_img, int(lens[0]) if n_img else 0, dtype=np.int64)
+        self._validate_image_runs(cu_h, cup_h, same, np.zeros(n_img, dtype=np.int64), None)
+
+    def _validate_image_runs(
+        self, cu_h: np.ndarray, cup_h: np.ndarray, want: np.ndarray, rem: np.ndarray, grid: np.ndarray | None
+    ) -> None:
+        """Each image's run: ``want[i]`` slots of ``image_token_id`` (``rem[i]`` must be 0), inside its
+        segment's real tokens, in row order; every image token in exactly one run."""
+        T = self.num_tokens
+        slots, seq = self.image_slots, self.image_sequence
+        assert slots is not None and seq is not None
+        n_img = int(slots.shape[0])
         ids_h = self.input_ids.cpu().numpy()
-        is_img = ids_h == int(self.image_token_id)
+        is_img: np.ndarray = np.equal(ids_h, int(self.image_token_id))  # type: ignore[arg-type]
         marked = np.zeros(T, dtype=bool)
         real = np.diff(cu_h)
         n_seq = len(real)
@@ -425,12 +488,13 @@ class PackedBatch:
             )
         for i in range(n_img):
             s, n, k = int(sl[i, 0]), int(sl[i, 1]), int(sq[i])
-            want_n = int(per[i]) // (int(merge) ** 2)
-            if n != want_n or int(per[i]) % (int(merge) ** 2):
-                raise PackedBatchError(
-                    f"PackedBatch.image_slots[{i}] has {n} placeholders but its grid {g[i].tolist()} gives "
-                    f"t*h*w/spatial_merge_size**2 = {int(per[i])}/{int(merge) ** 2}"
+            if n != int(want[i]) or int(rem[i]):
+                why = (
+                    f"its grid {grid[i].tolist()} gives t*h*w/spatial_merge_size**2"
+                    if grid is not None
+                    else f"every image of a row without image_grid_thw takes the same {int(want[i])}"
                 )
+                raise PackedBatchError(f"PackedBatch.image_slots[{i}] has {n} placeholders but {why}")
             if not 0 <= k < n_seq:
                 raise PackedBatchError(f"PackedBatch.image_sequence[{i}] = {k}, not a segment of N={n_seq}")
             a, e = int(cup_h[k]), int(cup_h[k] + real[k])
@@ -445,15 +509,6 @@ class PackedBatch:
             raise PackedBatchError(
                 f"PackedBatch.input_ids[{int(stray[0])}] is the image token {self.image_token_id} but lies in no "
                 "image_slots run: every placeholder belongs to exactly one image"
-            )
-        m = mrope.cpu().numpy()
-        starts = cup_h[:-1]
-        bad = np.flatnonzero(m[:, starts].any(axis=0))
-        if bad.size:
-            k = int(bad[0])
-            raise PackedBatchError(
-                f"PackedBatch.mrope_position_ids[:, {int(starts[k])}] = {m[:, starts[k]].tolist()} at the start "
-                f"of segment {k}: multimodal positions restart at 0 for each sequence"
             )
 
     # ----------------------------------------------------------- construction
@@ -638,6 +693,8 @@ class PackedBatch:
             if self.num_images:
                 kw["pixel_values"] = self.pixel_values
                 kw["image_grid_thw"] = self.image_grid_thw
+        elif self.num_images:  # LLaVA-style: 1-D positions; the model scatters the features in row order
+            kw["pixel_values"] = self.pixel_values
         return kw
 
     def flash_attn_kwargs(self) -> dict[str, Any]:
@@ -668,6 +725,12 @@ def _concat_media(batches: Sequence[PackedBatch]) -> dict[str, Any]:
             "row of a multimodal batch with sftpack.multimodal.build_multimodal_row (a row without images "
             "then carries empty media)"
         )
+    patches = {b.image_grid_thw is not None for b in batches}
+    if len(patches) != 1:
+        raise PackedBatchError(
+            "PackedBatch.concat: some rows carry patch media (image_grid_thw, Qwen2-VL) and some one pixel "
+            "tensor per image (LLaVA): rows of one batch come from one model family"
+        )
     for name in ("image_token_id", "spatial_merge_size"):
         vals = {getattr(b, name) for b in batches}
         if len(vals) != 1:
@@ -682,18 +745,23 @@ def _concat_media(batches: Sequence[PackedBatch]) -> dict[str, Any]:
         seqs.append(b.image_sequence + n_off)
         t_off += b.num_tokens
         n_off += b.num_sequences
+    out: dict[str, Any] = {
+        "pixel_values": torch.cat([b.pixel_values for b in batches]),  # type: ignore[misc]
+        "image_slots": torch.cat(slots),
+        "image_sequence": torch.cat(seqs),
+        "image_token_id": batches[0].image_token_id,
+    }
+    if not patches.pop():  # LLaVA-style: no grid, no vision boundaries, 1-D positions
+        return out
     v_off = batches[0].vision_cu_seqlens[-1:]  # type: ignore[index]
     for b in batches[1:]:
         assert b.vision_cu_seqlens is not None
         vcus.append(b.vision_cu_seqlens[1:] + v_off)
         v_off = v_off + b.vision_cu_seqlens[-1:]
     return {
+        **out,
         "mrope_position_ids": torch.cat([b.mrope_position_ids for b in batches], dim=1),  # type: ignore[misc]
-        "pixel_values": torch.cat([b.pixel_values for b in batches]),  # type: ignore[misc]
         "image_grid_thw": torch.cat([b.image_grid_thw for b in batches]),  # type: ignore[misc]
         "vision_cu_seqlens": torch.cat(vcus),  # type: ignore[arg-type]
-        "image_slots": torch.cat(slots),
-        "image_sequence": torch.cat(seqs),
-        "image_token_id": batches[0].image_token_id,
         "spatial_merge_size": batches[0].spatial_merge_size,
     }

@@ -21,6 +21,9 @@ The pieces, in pipeline order:
 * :func:`tiny_qwen2vl`, :func:`packed_logits`, :func:`alone_logits`,
   :func:`check_packed`: the exactness harness (packed equals alone).
 * :func:`vqa_corpus`: the easy-vqa conversations (the embedded multimodal default).
+* A second model family, LLaVA (:func:`tokenize_llava`, :func:`build_llava_row`,
+  :func:`tiny_llava`, :func:`check_llava_packed`): fixed image-token runs replaced by
+  projected features, 1-D positions; see docs/multimodal_llava.md.
 
 Not wired into the three paths, the CLI or the training loop yet: see docs/multimodal.md.
 """
@@ -29,6 +32,19 @@ from __future__ import annotations
 
 from ._exactness import PackedCheck, check_packed
 from ._images import BadImageError, BadImageReason, ImagePatches, image_processor, load_image, process_images
+from ._llava import (
+    LlavaCheck,
+    LlavaRow,
+    LlavaSample,
+    build_llava_row,
+    check_llava_packed,
+    llava_alone_logits,
+    llava_image_processor,
+    llava_image_tokens,
+    llava_packed_logits,
+    tiny_llava,
+    tokenize_llava,
+)
 from ._model import alone_logits, packed_logits, tiny_qwen2vl
 from ._plan import plan_rows
 from ._read import MultimodalReadStats, read_multimodal_jsonl
@@ -55,15 +71,24 @@ __all__ = [
     "BadImageError",
     "BadImageReason",
     "ImagePatches",
+    "LlavaCheck",
+    "LlavaRow",
+    "LlavaSample",
     "MultimodalBatch",
     "MultimodalReadStats",
     "MultimodalSample",
     "MultimodalStats",
     "PackedCheck",
     "alone_logits",
+    "build_llava_row",
     "build_multimodal_row",
+    "check_llava_packed",
     "check_packed",
     "image_processor",
+    "llava_alone_logits",
+    "llava_image_processor",
+    "llava_image_tokens",
+    "llava_packed_logits",
     "load_image",
     "packed_logits",
     "plan_rows",
@@ -71,7 +96,9 @@ __all__ = [
     "qwen2vl_tokenizer",
     "read_multimodal_jsonl",
     "rope_index",
+    "tiny_llava",
     "tiny_qwen2vl",
+    "tokenize_llava",
     "tokenize_multimodal",
     "tokenize_multimodal_conversations",
     "vqa_corpus",

@@ -210,6 +210,20 @@ class LlavaRow:
         """Slots whose embeddings the vision features replace."""
         return int(self.image_slots[:, 1].sum()) if self.num_images else 0
 
+    def packed_batch(self) -> PackedBatch:
+        """The same row as one :class:`~sftpack.PackedBatch` with its media fields set (the
+        LLaVA form: ``pixel_values`` ``(I, C, H, W)``, ``image_slots``, ``image_sequence``,
+        ``image_token_id``; the patch fields and ``mrope_position_ids`` ``None``), validated. Its
+        :meth:`~sftpack.PackedBatch.to_hf_kwargs` carries ``pixel_values`` for
+        ``LlavaForConditionalGeneration``; :meth:`~sftpack.PackedBatch.concat` lays rows end to end."""
+        return dataclasses.replace(
+            self.batch,
+            pixel_values=self.pixel_values,
+            image_slots=self.image_slots,
+            image_sequence=self.image_sequence,
+            image_token_id=self.image_token_id,
+        ).validate()
+
     def validate(self) -> LlavaRow:
         """The text row's invariants (:meth:`PackedBatch.validate`) and the media's: one run per
         image, in row order, inside its segment's real tokens, every image token in a run, all
