@@ -10,8 +10,9 @@ child's CPU seconds). Three kinds of run, interleaved in every round:
 - **second**: the same folder again: the samples are read from the cache;
 - **no-cache**: ``--no-cache``: tokenized, nothing written.
 
-With ``--before REF`` a fourth kind, **before**, runs the same command on the
-``src/`` of git revision ``REF`` (extracted with ``git archive``; no cache there).
+With ``--before REF`` two more kinds, **before first** and **before second**,
+run the same pair (a fresh cache folder, then the same again) on the ``src/`` of
+git revision ``REF`` (extracted with ``git archive``; it must know ``--cache-dir``).
 
 The goal is **first step**: the wall time from launching the process to the end
 of its first optimizer step. The phases come from the marks
@@ -133,7 +134,9 @@ def run_once(argv: list[str], env: dict[str, str]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of (first, second, no-cache) (default 3)")
-    parser.add_argument("--before", metavar="REF", help="also run the src/ of this git revision (no cache)")
+    parser.add_argument(
+        "--before", metavar="REF", help="also run the first/second pair on the src/ of this git revision"
+    )
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "bench_startup.json")
     add_flag(parser)
@@ -152,24 +155,27 @@ def main(argv: list[str] | None = None) -> int:
         old.mkdir()
         archive = subprocess.run(["git", "archive", args.before, "src"], cwd=ROOT, capture_output=True, check=True)
         subprocess.run(["tar", "-x", "-C", str(old)], input=archive.stdout, check=True)
-        envs["before"] = {**env, "PYTHONPATH": str(old / "src")}
-        kinds["before"] = cmd
+        envs["before first"] = envs["before second"] = {**env, "PYTHONPATH": str(old / "src")}
     try:
         print("warm-up (numba and Python byte-code caches)...", flush=True)
-        for kind, argv_ in kinds.items():
-            run_once(argv_, envs[kind])
-        rows: dict[str, list[dict]] = {k: [] for k in ("first", "second", "no-cache", *kinds)}
+        run_once(kinds["no-cache"], env)
+        if args.before:
+            run_once([*cmd, "--cache-dir", str(work / "before-warm")], envs["before first"])
+        rows: dict[str, list[dict]] = {k: [] for k in ("first", "second", "no-cache")}
+        if args.before:
+            rows.update({"before first": [], "before second": []})
         for r in range(args.rounds):
             cache = work / f"cache-{r}"
-            order = ["first", "second", "no-cache"] + (["before"] if args.before else [])
-            if r % 2:  # alternate which uncached kind runs beside the cached pair
+            order = ["first", "second", "no-cache"] + (["before first", "before second"] if args.before else [])
+            if r % 2:  # alternate which kinds run first in a round
                 order = order[2:] + order[:2]
             for kind in order:
-                argv_ = kinds.get(kind) or [*cmd, "--cache-dir", str(cache)]
+                folder = work / f"before-cache-{r}" if kind.startswith("before") else cache
+                argv_ = kinds.get(kind) or [*cmd, "--cache-dir", str(folder)]
                 row = run_once(argv_, envs[kind])
                 rows[kind].append(row)
                 print(
-                    f"round {r + 1} {kind:>8}: wall {row['wall']:.1f} s, CPU {row['cpu']:.1f} s, load {row['load']:.1f}",
+                    f"round {r + 1} {kind:>13}: first step {row.get('first', float('nan')):.1f} s, wall {row['wall']:.1f} s, CPU {row['cpu']:.1f} s, load {row['load']:.1f}",
                     flush=True,
                 )
     finally:
@@ -193,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             f"`sftpack train --steps {args.steps}` on the embedded corpus, default options, each run a fresh "
             f"process; medians over {args.rounds} interleaved rounds (a fresh cache folder per round). first: empty "
             "cache; second: the same cache again; no-cache: `--no-cache`"
-            + (f"; before: the `src/` of `{args.before}`" if args.before else "")
+            + (f"; before first / before second: the same pair on the `src/` of `{args.before}`" if args.before else "")
             + ". First step: wall from launching the process to the end of step 1 (the goal). Phases: start-up "
             "(interpreter, `import sftpack.cli`, exit), tokenizer (cache look-up; on a miss loading the tokenizer "
             "and forking its workers), imports (torch, transformers, the loop), model build, waiting for the data, "

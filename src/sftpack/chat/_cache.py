@@ -80,6 +80,8 @@ logger = logging.getLogger("sftpack.cache")
 FORMAT_VERSION = 2
 _FILES = ("tokens.u32", "mask.u8", "lengths.i64", "index.json")
 _CHUNK = 1 << 20
+#: conversations per tokenizer batch when tokenizing for training
+_BATCH = 64
 
 
 def default_cache_dir() -> Path:
@@ -818,7 +820,16 @@ def start_training_samples(
                 list(range(len(convs))) if seed is None else conversation_order(len(convs), seed=seed, epoch=0).tolist()
             )
             convs = [convs[p] for p in order]
-        out = tokenize_conversations(convs, tok, num_proc=num_proc, progress=progress, **options)  # type: ignore[arg-type]
+        # batches of 64 conversations (the tokenizer's default is 256): the first step waits for
+        # the first batch only, and the samples do not depend on the batch size
+        out = tokenize_conversations(
+            convs,
+            tok,
+            num_proc=num_proc,
+            progress=progress,
+            batch_size=_BATCH,
+            **options,  # type: ignore[arg-type]
+        )
         return _Run(out, order, ids, tokenizer_info(tok))
 
     return TokenizeJob(prepare, key=key, cache_dir=cache_dir, prime=prime, ready=ready)
