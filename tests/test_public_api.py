@@ -76,7 +76,17 @@ API = {
         "saved_num_workers",
         "worked_example_row",
     ],
-    "sftpack.trainer": ["CostModel", "MicrobatchPlan", "PlanError", "pack_step", "padded_batch", "plan_microbatches"],
+    "sftpack.trainer": [
+        "CostModel",
+        "MicrobatchPlan",
+        "PaddedMediaBatch",
+        "PlanError",
+        "collate_media",
+        "pack_media_step",
+        "pack_step",
+        "padded_batch",
+        "plan_microbatches",
+    ],
     "sftpack.attention": ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"],
     "sftpack.loss": [
         "count_label_tokens",

@@ -41,11 +41,7 @@ from __future__ import annotations
 
 from ..handoff import shard_for_cp as shard_for_cp  # the contract's names (sftpack._ALIASES)
 from ..handoff import unpack as unpack
-
-# issue 19's media names: importable here; in __all__ once tests/test_public_api.py pins them (the lead's)
-from ._media import PaddedMediaBatch as PaddedMediaBatch
-from ._media import collate_media as collate_media
-from ._media import pack_media_step as pack_media_step
+from ._media import PaddedMediaBatch, collate_media, pack_media_step
 from ._padded import padded_batch
 from ._plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
 from ._step import pack_step
@@ -53,7 +49,10 @@ from ._step import pack_step
 __all__ = [
     "CostModel",
     "MicrobatchPlan",
+    "PaddedMediaBatch",
     "PlanError",
+    "collate_media",
+    "pack_media_step",
     "pack_step",
     "padded_batch",
     "plan_microbatches",
