@@ -22,7 +22,10 @@ from ._sources import (
     PaddedSource,
     Source,
     TrainerSource,
+    _no_targets,
+    check_targets,
     samples_fingerprint,
+    supervised_targets,
 )
 
 __all__ = [
@@ -33,36 +36,6 @@ __all__ = [
     "supervised_targets",
     "tokenized_samples",
 ]
-
-
-def supervised_targets(samples: Sequence[Sample]) -> int:
-    """The number of supervised targets in ``samples``: trained tokens that follow
-    another token of the same sample (a sample's first token is never predicted).
-
-    >>> from sftpack.testing import samples_from_lengths
-    >>> supervised_targets(samples_from_lengths([1, 1, 4]))
-    3
-    """
-    return sum(int(s.loss_mask[1:].sum()) for s in samples)
-
-
-def check_targets(samples: Sequence[Sample], max_seq_len: int) -> int:
-    """``supervised_targets(samples)``, or a ``ValueError`` saying why there is none."""
-    n = supervised_targets(samples)
-    if samples and not n:
-        raise _no_targets(f"the {len(samples):,} samples", max(len(s) for s in samples), max_seq_len)
-    return n
-
-
-def _no_targets(what: str, longest: int, max_seq_len: int) -> ValueError:
-    why = (
-        f"every sample is at most {longest} token(s) long (max_seq_len={max_seq_len} splits the conversations "
-        "into pieces whose first token has nothing before it to be predicted from): raise --max-seq-len"
-        if longest <= 1
-        else "no trained token follows another token of its sample: check the loss mask (train_on, the "
-        "chat template's assistant markers)"
-    )
-    return ValueError(f"{what} hold(s) no supervised target, so training would learn nothing: {why}")
 
 
 def model_vocab_size(path: str | os.PathLike[str]) -> int:
