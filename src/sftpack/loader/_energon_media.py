@@ -53,7 +53,7 @@ from ..handoff import PackedBatch
 from ..handoff.layout import check_pad_id
 from ..multimodal import BadImageError, BadImageReason, build_multimodal_row, load_image, plan_rows, tokenize_multimodal
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError
-from .energon import EnergonPackedBatch
+from ._energon_batch import EnergonPackedBatch
 
 __all__ = [
     "EncodedMultimodalSample",

@@ -58,7 +58,7 @@ This module imports ``megatron.energon``; ``import sftpack.loader`` does not
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -78,6 +78,7 @@ from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row, pack_rows
 from ..handoff.layout import check_pad_id
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
+from ._energon_batch import EnergonPackedBatch
 
 __all__ = [
     "ConversationSample",
@@ -111,22 +112,6 @@ class PackedRowSample(Sample):
     """One packed row (``row`` is a :class:`~sftpack.PackedBatch` of ``max_seq_len`` slots)."""
 
     row: PackedBatch
-
-
-@dataclass(eq=False, repr=False)
-class EnergonPackedBatch(PackedBatch):
-    """A :class:`~sftpack.PackedBatch` that carries Energon's sample metadata (the contract's
-    fields unchanged; the two extra fields have defaults, as the contract allows).
-
-    Attributes:
-        __key__: the Energon ``__key__`` of each row's first sample, one per row.
-        __restore_key__: set by Energon's batcher and loader as the batch passes through them;
-            ``loader.restore_sample(batch.__restore_key__)`` re-reads the row's samples and
-            re-packs them into an equal batch (same tokens, labels, boundaries and ids).
-    """
-
-    __key__: tuple = ()
-    __restore_key__: tuple = field(default=())
 
 
 @stateless
