@@ -20,7 +20,7 @@ from numpy.typing import ArrayLike
 from .batch import PackedBatch
 from .layout import fit_parts, join_parts, lay_row
 
-__all__ = ["build_parts", "build_row"]
+__all__ = ["build_parts", "build_row", "wrap_parts"]
 
 
 def build_row(
@@ -80,10 +80,25 @@ def build_parts(
     """
     padded = fit_parts(lengths, row_width, pad_multiple)
     ids, labels, positions = join_parts(id_parts, mask_parts, lengths, padded, pad_id)
+    return wrap_parts(ids, labels, positions, lengths, padded, sequence_ids)
+
+
+def wrap_parts(
+    input_ids: np.ndarray,
+    labels: np.ndarray,
+    position_ids: np.ndarray,
+    lengths: Sequence[int],
+    padded: Sequence[int],
+    sequence_ids: Sequence[Any] | None = None,
+) -> PackedBatch:
+    """The :class:`~sftpack.PackedBatch` of a row laid by
+    :func:`~sftpack.handoff.layout.join_parts` (``padded`` from
+    :func:`~sftpack.handoff.layout.fit_parts`): the arrays as tensors without a copy,
+    the boundaries made ``int32`` directly."""
     return PackedBatch(
-        torch.from_numpy(ids),
+        torch.from_numpy(input_ids),
         torch.from_numpy(labels),
-        torch.from_numpy(positions),
+        torch.from_numpy(position_ids),
         torch.from_numpy(np.array([0, *accumulate(lengths)], dtype=np.int32)),
         torch.from_numpy(np.array([0, *accumulate(padded)], dtype=np.int32)),
         max(padded),

@@ -46,8 +46,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._base import check_width, choose, non_negative_int, positive_int
 from ..binpack import Algorithm
 from ..handoff import PackedBatch, pack_rows, padded_lengths
-from ..handoff.build import build_parts
-from ..handoff.layout import check_pad_id
+from ..handoff.build import wrap_parts
+from ..handoff.layout import check_pad_id, fit_parts, join_parts
 from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._hold import hold_back
 from ._source import Item, Lookahead, Source, cut_overlong, first_negative
@@ -497,19 +497,16 @@ class PackingDataset(IterableDataset):
     def _build(self, row: list[Item]) -> PackedBatch:
         # Every item's arrays are a Sample's (int64 ids, a bool mask; cut_overlong) and the row
         # was planned on padded_lengths, so the row is laid from the items' own arrays, not
-        # concatenated first; the ids are checked once, on the laid row (padding is >= 0).
-        batch = build_parts(
-            [it.input_ids for it in row],
-            [it.loss_mask for it in row],
-            [it.length for it in row],
-            row_width=self.max_seq_len,
-            pad_multiple=self.pad_multiple,
-            pad_id=self.pad_id,
-            sequence_ids=[it.sequence_id for it in row],
+        # concatenated first (build_parts' steps: fit_parts, join_parts, wrap_parts), and the
+        # ids are checked once, on the laid row before it becomes tensors (padding is >= 0).
+        lengths = [it.length for it in row]
+        padded = fit_parts(lengths, self.max_seq_len, self.pad_multiple)
+        ids, labels, positions = join_parts(
+            [it.input_ids for it in row], [it.loss_mask for it in row], lengths, padded, self.pad_id
         )
-        if np.minimum.reduce(batch.input_ids.numpy()) < 0:
+        if np.minimum.reduce(ids) < 0:
             raise first_negative(row)
-        return batch
+        return wrap_parts(ids, labels, positions, lengths, padded, [it.sequence_id for it in row])
 
     def _emit(self, row: list[Item]) -> None:
         s = self._stats
