@@ -60,11 +60,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; ``argv=None``: ``sys.argv[1:]``, as the ``sftpack`` command.
+
+    Run as the command (``argv=None``), a command that sets ``exit_at_once``
+    (``sftpack train``: torch and transformers loaded, whose interpreter teardown
+    takes seconds) ends the process as soon as it returns, its output flushed,
+    instead of waiting for the interpreter to tear every module down.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    rc = _run(args)
+    if argv is None and getattr(args, "exit_at_once", False):
+        _exit_at_once(rc)
+    return rc
+
+
+def _exit_at_once(rc: int) -> NoReturn:
+    """Flush what the command wrote and end the process now (no module teardown)."""
+    import logging
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken pipe: nothing more to say
+            pass
+    os._exit(rc)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return int(args.func(args) or 0)
     except UsageError as e:

@@ -185,7 +185,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tokenize again and write nothing to the cache",
     )
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
-    t.set_defaults(func=run)
+    t.set_defaults(func=run, exit_at_once=True)  # as the command: no interpreter teardown (sftpack.cli.main)
 
 
 def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
