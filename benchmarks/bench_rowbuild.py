@@ -6,11 +6,11 @@ concatenated ids, the concatenated loss mask and the lengths. This measures
 one 4,096-token row of about 5 sequences (lengths drawn so the row is ~97%
 full, the last sequence absorbing the tail), five ways in the same run:
 
-- ``build_row`` from numpy arrays (what the loader does),
+- ``build_row`` from numpy arrays (what the loader did before issue 18),
 - ``build_row`` from slices of a ``np.memmap`` on disk (int32 ids, uint8 mask:
   what the offline path does),
 - ``build_parts`` from each sequence's own arrays, unchecked (what the loader
-  does: its samples were checked when read),
+  does: it checks the ids once, on the laid row),
 - ``build_row`` of a row holding only the first sequence (what an unpacked
   loader's row costs),
 - ``PackedBatch.from_samples`` on :class:`~sftpack.Sample` objects (the wrapper:
