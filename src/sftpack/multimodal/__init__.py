@@ -1,4 +1,4 @@
-"""Multimodal SFT packing (issue 19, first part): conversations with images, Qwen2-VL.
+"""Multimodal SFT packing: conversations with images, Qwen2-VL (and LLaVA).
 
 The pieces, in pipeline order:
 
@@ -25,7 +25,9 @@ The pieces, in pipeline order:
   :func:`tiny_llava`, :func:`check_llava_packed`): fixed image-token runs replaced by
   projected features, 1-D positions; see docs/multimodal_llava.md.
 
-Not wired into the three paths, the CLI or the training loop yet: see docs/multimodal.md.
+The three paths build on these (``sftpack.trainer.pack_media_step``,
+``sftpack.loader.MultimodalPackingDataset``, ``sftpack.offline.prepack_multimodal``);
+see docs/multimodal.md.
 """
 
 from __future__ import annotations
