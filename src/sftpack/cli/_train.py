@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ._common import UsageError, load_tokenizer, non_negative, positive
+from ._train_vqa import add_vqa_arguments
 
 #: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
 #: :func:`run` (``benchmarks/bench_startup.py`` reads it; nothing is printed)
@@ -185,6 +186,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="tokenize again and write nothing to the cache",
     )
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
+    add_vqa_arguments(t)  # --corpus {chat,vqa}, --image-sides, --dtype
     t.set_defaults(func=run, exit_at_once=True)  # as the command: no interpreter teardown (sftpack.cli.main)
 
 
@@ -339,6 +341,10 @@ def _lower_priority_of_children(niceness: int = 5) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.corpus == "vqa":  # easy-vqa conversations with images on a tiny Qwen2-VL
+        from ._train_vqa import run_vqa
+
+        return run_vqa(args)
     if args.resume and args.resume_if_any:
         raise UsageError("give --resume or --resume-if-any, not both")
     resume: bool | Literal["auto"] = True if args.resume else ("auto" if args.resume_if_any else False)
