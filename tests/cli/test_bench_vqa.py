@@ -13,7 +13,7 @@ pytest.importorskip("easy_vqa")
 
 
 def test_bench_vqa_prints_every_packer_with_and_without_the_patch_budget(capsys):
-    args = ["bench", "--corpus", "vqa", "--limit", "24", "--max-seq-len", "1024", "--max-patches", "2048"]
+    args = ["bench", "--corpus", "vqa", "--limit", "24", "--max-seq-len", "1024", "--max-patches-per-row", "2048"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "24 conversations -> 24 samples with" in out
@@ -35,4 +35,4 @@ def test_bench_vqa_refuses_what_it_cannot_do(capsys):
     assert main(["bench", "--corpus", "vqa", "--overlong", "truncate"]) == 2
     assert "never cuts inside an image" in capsys.readouterr().err
     assert main(["bench", "--max-patches", "10"]) == 2
-    assert "--max-patches is the vision-patch budget of --corpus vqa" in capsys.readouterr().err
+    assert "--max-patches-per-row is the vision-patch budget of --corpus vqa" in capsys.readouterr().err

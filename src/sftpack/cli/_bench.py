@@ -36,7 +36,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "a token and a vision-patch budget",
     )
     b.add_argument(
+        "--max-patches-per-row",
         "--max-patches",
+        dest="max_patches",
         type=positive,
         help="with --corpus vqa: vision patches per row for the patch budget (default 2 x --max-seq-len)",
     )
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.corpus == "vqa":
         return _run_vqa(args)
     if args.max_patches is not None:
-        raise UsageError("--max-patches is the vision-patch budget of --corpus vqa; text rows have no patches")
+        raise UsageError("--max-patches-per-row is the vision-patch budget of --corpus vqa; text rows have no patches")
     tok = load_tokenizer(args.tokenizer)
     conversations: Iterable[Conversation]
     if args.paths:
