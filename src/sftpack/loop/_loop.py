@@ -101,9 +101,11 @@ class StepLog:
     #: ``on_nonfinite="skip"``) or "no_targets" (no supervised target in the whole
     #: global batch) for a step whose optimizer update was skipped
     skipped: str = ""
+    #: images in the step (all ranks); ``None`` (and not in the log line) on text data
+    images: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if not (k == "images" and v is None)}
 
 
 @dataclass
@@ -266,6 +268,7 @@ def train(
     stop_after: int | None = None,
     progress: bool = False,
     on_step: Callable[[StepLog], None] | None = None,
+    loss_module: Callable[..., torch.nn.Module] = LossModule,
 ) -> TrainResult:
     """Train ``model`` on ``source`` for ``config.steps`` optimizer steps.
 
@@ -281,6 +284,11 @@ def train(
         stop_after: stop after this optimizer step (a simulated interruption), as if killed.
         progress: a tqdm bar with the loss and real tokens/s (rank 0).
         on_step: called with each :class:`StepLog`.
+        loss_module: builds the module whose ``forward(micro_batch, num_label_tokens)``
+            returns the micro-batch's share of the global loss, called as
+            ``loss_module(model, pad_between_seqs=..., average_over_ranks=...)``: the text
+            :class:`LossModule` by default; ``sftpack.loop._media.MediaLossModule`` for a
+            Qwen2-VL-style model on rows with images (the log then adds ``images``).
 
     Returns:
         :class:`TrainResult`.
@@ -298,10 +306,10 @@ def train(
     rank, world = dist_info()
     device = resolve_device(config.device)
     model.to(device)
-    loss_module = LossModule(model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world)
-    runner: torch.nn.Module = loss_module
+    module = loss_module(model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world)
+    runner: torch.nn.Module = module
     if world > 1:
-        runner = torch.nn.parallel.DistributedDataParallel(loss_module)
+        runner = torch.nn.parallel.DistributedDataParallel(module)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def make_optimizer() -> tuple[torch.optim.Optimizer, Any]:
@@ -422,6 +430,7 @@ def train(
                     sum(mb.num_real_tokens for mb in mbs),
                     sum(mb.num_tokens for mb in mbs),
                     sum(len(mb.sequence_ids or ()) for mb in mbs),
+                    sum(getattr(mb, "num_images", 0) for mb in mbs),
                 ],
                 dtype=torch.float64,
                 device=device,
@@ -460,6 +469,7 @@ def train(
                 lr=float(lr),
                 grad_norm=norm,
                 skipped=skipped,
+                images=int(counts[4]) if getattr(module, "counts_images", False) else None,
             )
             logs.append(rec)
             conversations.append([c for mb in mbs for c in (mb.sequence_ids or ())])

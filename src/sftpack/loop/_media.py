@@ -15,9 +15,9 @@ The pieces, beside the text loop's:
 - model: :func:`tiny_vqa_model` (a tiny Qwen2-VL from a config, nothing downloaded) and
   :class:`MediaLossModule` (the model plus the global token-mean loss of a micro-batch,
   packed or padded, through the fused head on the supervised slots only);
-- :func:`train_media`: the loop (the text loop's AdamW, schedule, clipping and global
-  token-mean normalisation, one process), logging :class:`MediaStepLog` (the text
-  loop's record plus ``images``) as JSONL.
+- :func:`train_media`: :func:`sftpack.loop.train` with :class:`MediaLossModule` (the text
+  loop's AdamW, schedule, clipping and global token-mean normalisation, one process), its
+  JSONL log adding ``images`` per step.
 
 Why the losses are equal whatever the packing: as for text, each step's loss is the
 sum of token losses over the step's supervised targets divided by their count. The
@@ -32,9 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,16 +56,15 @@ from ..multimodal._sample import _QWEN2VL_IDS
 from ..sample import IGNORE_INDEX
 from ..trainer import plan_microbatches
 from ..trainer._media import collate_media
-from ._loop import StepLog, TrainResult, dist_info, resolve_device
+from ._loop import StepLog, TrainResult, dist_info, train
 from ._model import TRAIN_ATTENTION
-from ._options import NonFinite, Packing, TrainConfig
+from ._options import Packing, TrainConfig
 from ._sources import LoaderSource, OfflineSource, SampleOrder, Source
 
 __all__ = [
     "MediaLossModule",
     "MediaPaddedSource",
     "MediaReplaySource",
-    "MediaStepLog",
     "MediaTrainerSource",
     "PaddedMediaMicroBatch",
     "RenumberedSource",
@@ -488,6 +485,9 @@ class MediaLossModule(nn.Module):
     supervised slots only, through :func:`sftpack.head.fused_linear_cross_entropy`.
     """
 
+    #: :func:`sftpack.loop.train` logs the step's ``images`` for this module's runs
+    counts_images = True
+
     def __init__(self, model: Any, *, pad_between_seqs: bool, average_over_ranks: int = 1) -> None:
         super().__init__()
         self.model = model
@@ -533,13 +533,6 @@ class MediaLossModule(nn.Module):
 
 
 # ------------------------------------------------------------------------------ loop
-@dataclass
-class MediaStepLog(StepLog):
-    """One line of the multimodal JSONL log: the text loop's :class:`StepLog` plus ``images``."""
-
-    images: int = 0  #: images in the step (all micro-batches)
-
-
 def train_media(
     config: TrainConfig,
     *,
@@ -547,116 +540,20 @@ def train_media(
     model: Any,
     log: str | os.PathLike[str] | None = None,
     progress: bool = False,
-    on_step: Callable[[MediaStepLog], None] | None = None,
+    on_step: Callable[[StepLog], None] | None = None,
 ) -> TrainResult:
     """Train a Qwen2-VL-style ``model`` on ``source`` (:func:`make_media_source`) for
     ``config.steps`` optimizer steps, one process: the text loop's AdamW, schedule,
     clipping, non-finite handling and global token-mean loss, through
-    :class:`MediaLossModule`. ``log``: one :class:`MediaStepLog` per line.
+    :class:`MediaLossModule`: :func:`sftpack.loop.train` itself, whose log adds ``images``
+    per step. ``log``: one :class:`~sftpack.loop.StepLog` per line.
 
     Raises:
         NonFiniteError: a step's loss or gradient norm was not finite (``on_nonfinite="error"``).
         ValueError: an unusable device, or a run under ``torch.distributed`` with several ranks.
     """
-    from tqdm.auto import tqdm
-
-    from ._loop import NonFiniteError
-
     if dist_info()[1] > 1:
         raise ValueError("multimodal training runs on one process for now: start it without torchrun")
-    device = resolve_device(config.device)
-    model.to(device)
-    runner = MediaLossModule(model, pad_between_seqs=config.pad_between_seqs)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        params,
-        lr=config.lr,
-        betas=(config.betas[0], config.betas[1]),
-        eps=config.eps,
-        weight_decay=config.weight_decay,
+    return train(
+        config, source=source, model=model, log=log, progress=progress, on_step=on_step, loss_module=MediaLossModule
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, config.lr_factor)
-    vocab = model.get_input_embeddings().num_embeddings
-    logs: list[StepLog] = []
-    conversations: list[list[Any]] = []
-    bar = tqdm(total=config.steps, desc=f"train vqa ({config.packing})", unit="step") if progress else None
-    writer = None
-    if log is not None:
-        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-        writer = open(log, "w")  # noqa: SIM115 - closed in finally
-    t_start = time.perf_counter()
-    try:
-        for step in range(config.steps):
-            t0 = time.perf_counter()
-            mbs: list[Any] = source.next_step()
-            for mb in mbs:
-                hi = int(mb.input_ids.max())
-                if hi >= vocab:
-                    raise ValueError(
-                        f"step {step + 1}: token id {hi} is outside the model's vocabulary of {vocab:,} ids"
-                    )
-            mbs = [mb.to(device) for mb in mbs]
-            n = torch.tensor(sum(mb.num_label_tokens for mb in mbs), dtype=torch.int64, device=device)
-            opt.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), dtype=torch.float32, device=device)
-            skipped = "" if int(n) else "no_targets"
-            grad_norm: Any = 0.0
-            if not skipped:
-                for mb in mbs:
-                    loss = runner(mb, n)
-                    loss.backward()
-                    step_loss = step_loss + loss.detach()
-                if config.clip_norm is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
-                else:
-                    grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-            lr = opt.param_groups[0]["lr"]
-            loss_v, norm = float(step_loss), float(grad_norm)
-            if not skipped and not (math.isfinite(loss_v) and math.isfinite(norm)):
-                if config.on_nonfinite is NonFinite.ERROR:
-                    raise NonFiniteError(
-                        f"step {step + 1}: the loss is {loss_v} and the gradient norm {norm} (not finite), at "
-                        f"learning rate {lr:.3g}: lower --lr (or raise --warmup-steps), or pass --on-nonfinite skip"
-                    )
-                skipped = "nonfinite"
-            if skipped:
-                opt.zero_grad(set_to_none=True)
-            else:
-                opt.step()
-            sched.step()
-            dt = time.perf_counter() - t0
-            real = sum(mb.num_real_tokens for mb in mbs)
-            slots = sum(mb.num_tokens for mb in mbs)
-            rec = MediaStepLog(
-                step=step + 1,
-                loss=loss_v,
-                real_tokens=real,
-                slots=slots,
-                label_tokens=int(n),
-                sequences=sum(len(mb.sequence_ids or ()) for mb in mbs),
-                micro_batches=len(mbs),
-                padding=1.0 - real / max(slots, 1),
-                tokens_per_s=real / dt,
-                step_time=dt,
-                time=time.perf_counter() - t_start,
-                lr=float(lr),
-                grad_norm=norm,
-                skipped=skipped,
-                images=sum(mb.num_images for mb in mbs),
-            )
-            logs.append(rec)
-            conversations.append([c for mb in mbs for c in (mb.sequence_ids or ())])
-            if writer is not None:
-                writer.write(json.dumps(rec.as_dict()) + "\n")
-                writer.flush()
-            if bar is not None:
-                bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{rec.tokens_per_s:,.0f}")
-                bar.update(1)
-            if on_step is not None:
-                on_step(rec)
-    finally:
-        if writer is not None:
-            writer.close()
-        if bar is not None:
-            bar.close()
-    return TrainResult(logs, model, conversations)
