@@ -138,6 +138,7 @@ API = {
         "plan_rows",
         "process_images",
         "qwen2vl_tokenizer",
+        "read_multimodal",
         "read_multimodal_jsonl",
         "rope_index",
         "tiny_llava",

@@ -25,7 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "paths",
         nargs="*",
         help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus); "
-        "with --corpus vqa, multimodal JSONL files (image paths relative to each file)",
+        "with --corpus vqa, multimodal conversations: JSONL, Parquet or saved datasets (image paths relative to each file)",
     )
     b.add_argument(
         "--corpus",
@@ -117,7 +117,7 @@ def _run_vqa(args: argparse.Namespace) -> int:
 
     import numpy as np
 
-    from ..multimodal import MultimodalReadStats, read_multimodal_jsonl, vqa_corpus
+    from ..multimodal import MultimodalReadStats, read_multimodal, vqa_corpus
     from ..report.savings import bench_multimodal, format_multimodal_layouts
 
     if args.tokenizer is not None:
@@ -132,7 +132,7 @@ def _run_vqa(args: argparse.Namespace) -> int:
     read_stats = None
     if args.paths:
         read_stats = MultimodalReadStats()
-        conversations: Iterable[dict] = read_multimodal_jsonl(args.paths, args.on_bad_row, stats=read_stats)
+        conversations: Iterable[dict] = read_multimodal(args.paths, args.on_bad_row, stats=read_stats)
         source = ", ".join(args.paths)
     else:
         conversations = vqa_corpus(seed=args.seed)

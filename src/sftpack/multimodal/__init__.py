@@ -6,8 +6,9 @@ The pieces, in pipeline order:
   or PIL image; never a URL) to Qwen2-VL patches, through transformers'
   PIL/numpy ``Qwen2VLImageProcessorPil`` (no torchvision). Bad images raise
   :class:`BadImageError` naming the record and field, or are counted.
-* :func:`read_multimodal_jsonl`: conversations from JSONL files (image paths relative
-  to the file; bad lines counted or named by file, line and field).
+* :func:`read_multimodal` / :func:`read_multimodal_jsonl`: conversations from JSONL,
+  Parquet or saved Hugging Face datasets (image paths relative to the file; image bytes;
+  an ``images`` column; bad rows counted or named by file, line or row and field).
 * :func:`tokenize_multimodal`: one conversation in the Hugging Face multimodal
   chat format to :class:`MultimodalSample` (a :class:`~sftpack.Sample` with
   ``pixel_values``, ``image_grid_thw`` and each image's placeholder run), with
@@ -49,7 +50,7 @@ from ._llava import (
 )
 from ._model import alone_logits, packed_logits, tiny_qwen2vl
 from ._plan import plan_rows
-from ._read import MultimodalReadStats, read_multimodal_jsonl
+from ._read import MultimodalReadStats, read_multimodal, read_multimodal_jsonl
 from ._row import MultimodalBatch, build_multimodal_row
 from ._sample import (
     IMAGE_PAD,
@@ -96,6 +97,7 @@ __all__ = [
     "plan_rows",
     "process_images",
     "qwen2vl_tokenizer",
+    "read_multimodal",
     "read_multimodal_jsonl",
     "rope_index",
     "tiny_llava",
