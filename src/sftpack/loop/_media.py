@@ -59,7 +59,7 @@ from ..trainer._media import collate_media
 from ._loop import StepLog, TrainResult, dist_info, train
 from ._model import TRAIN_ATTENTION
 from ._options import Packing, TrainConfig
-from ._sources import LoaderSource, OfflineSource, SampleOrder, Source
+from ._sources import LoaderSource, OfflineSource, PaddedMicroBatch, SampleOrder, Source
 
 __all__ = [
     "MediaLossModule",
@@ -182,51 +182,32 @@ def tiny_vqa_model(
 
 # --------------------------------------------------------------------------- sources
 @dataclass(eq=False)
-class PaddedMediaMicroBatch:
-    """The unpacked baseline's multimodal micro-batch: a right-padded ``[b, S]`` batch.
+class PaddedMediaMicroBatch(PaddedMicroBatch):
+    """The unpacked baseline's multimodal micro-batch: the text baseline's right-padded
+    ``[b, S]`` batch (:class:`~sftpack.loop.PaddedMicroBatch`: ``input_ids``, ``labels``
+    shifted within each row, ``lengths``, ``sequence_ids``) plus its images.
 
     Attributes:
-        input_ids: ``(b, S)`` int64; labels: ``(b, S)`` shifted like the text baseline's
-            (``labels[i, t]`` is token ``t+1`` when it is real and trained, else -100).
-        lengths: ``(b,)`` real lengths.
         mrope_position_ids: ``(3, b, S)`` each row's own MRoPE positions.
         pixel_values, image_grid_thw: the rows' images in batch order.
-        sequence_ids: the conversation of each row.
     """
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    lengths: torch.Tensor
-    mrope_position_ids: torch.Tensor
-    pixel_values: torch.Tensor
-    image_grid_thw: torch.Tensor
-    sequence_ids: tuple
-
-    @property
-    def num_real_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def num_label_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
+    mrope_position_ids: torch.Tensor = dataclasses.field(kw_only=True)
+    pixel_values: torch.Tensor = dataclasses.field(kw_only=True)
+    image_grid_thw: torch.Tensor = dataclasses.field(kw_only=True)
 
     @property
     def num_images(self) -> int:
         return int(self.image_grid_thw.shape[0])
 
     def to(self, device: torch.device | str) -> PaddedMediaMicroBatch:
-        return PaddedMediaMicroBatch(
-            self.input_ids.to(device),
-            self.labels.to(device),
-            self.lengths,
-            self.mrope_position_ids.to(device),
-            self.pixel_values.to(device),
-            self.image_grid_thw.to(device),
-            self.sequence_ids,
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            labels=self.labels.to(device),
+            mrope_position_ids=self.mrope_position_ids.to(device),
+            pixel_values=self.pixel_values.to(device),
+            image_grid_thw=self.image_grid_thw.to(device),
         )
 
 
@@ -239,10 +220,10 @@ def padded_media_micro_batch(samples: Sequence[MultimodalSample], *, pad_id: int
         b.input_ids,
         shifted,
         b.attention_mask.sum(1),
-        b.mrope_position_ids,
-        b.pixel_values,
-        b.image_grid_thw,
         b.sequence_ids,
+        mrope_position_ids=b.mrope_position_ids,
+        pixel_values=b.pixel_values,
+        image_grid_thw=b.image_grid_thw,
     )
 
 
