@@ -52,6 +52,61 @@ def _grads(model: Any) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def compare_packed_alone(
+    model: Any,
+    samples: Sequence[Any],
+    batch: PackedBatch,
+    *,
+    alone: Callable[[Any, Any], torch.Tensor],
+    packed: Callable[[], torch.Tensor],
+    part_of: Callable[[str], str],
+) -> tuple[float, float, dict[str, float], float, float]:
+    """The comparison both model families' checks run: each sample alone through
+    ``alone(model, sample)`` and the packed run through ``packed()``, one token-mean loss
+    over the same count of targets (``batch``'s), then the largest differences of the
+    logits of every real token, of the loss and of the gradients grouped by
+    ``part_of(parameter name)``. Returns ``(logits, loss, grads by part, max |logit|,
+    max |grad|)``; the model's gradients are cleared."""
+    n = int((batch.labels != IGNORE_INDEX).sum())
+    model.zero_grad(set_to_none=True)
+    outs, loss_a = [], None
+    for s in samples:
+        lg = alone(model, s)
+        piece = token_mean_loss(lg, _shifted(s), n)
+        loss_a = piece if loss_a is None else loss_a + piece
+        outs.append(lg.detach())
+    assert loss_a is not None
+    loss_a.backward()
+    g_a = _grads(model)
+    model.zero_grad(set_to_none=True)
+    lg_p = packed()
+    loss_p = token_mean_loss(lg_p, batch.labels, n)
+    loss_p.backward()
+    g_p = _grads(model)
+    model.zero_grad(set_to_none=True)
+    cu, cup = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
+    d_logit = 0.0
+    for i, a in enumerate(outs):
+        L = cu[i + 1] - cu[i]
+        if a.shape[0] != L:
+            d_logit = float("inf")
+            continue
+        d_logit = max(d_logit, float((lg_p[cup[i] : cup[i] + L].detach() - a).abs().max()))
+    parts: dict[str, float] = {}
+    for name in g_a.keys() | g_p.keys():
+        ga, gp = g_a.get(name), g_p.get(name)
+        d = float("inf") if ga is None or gp is None else float((ga - gp).abs().max())
+        part = part_of(name)
+        parts[part] = max(parts.get(part, 0.0), d)
+    return (
+        d_logit,
+        float((loss_p - loss_a).detach().abs()),
+        parts,
+        max(float(a.abs().max()) for a in outs),
+        max(float(g.abs().max()) for g in g_a.values()),
+    )
+
+
 def check_packed(
     model: Any,
     samples: Sequence[MultimodalSample],
@@ -75,46 +130,19 @@ def check_packed(
     batch = PackedBatch.concat(built).validate()
     if tamper is not None:
         batch = tamper(batch)
-    n = int((batch.labels != IGNORE_INDEX).sum())
-    # alone
-    model.zero_grad(set_to_none=True)
-    alone, loss_a = [], None
-    for s in samples:
-        lg = alone_logits(model, s)
-        piece = token_mean_loss(lg, _shifted(s), n)
-        loss_a = piece if loss_a is None else loss_a + piece
-        alone.append(lg.detach())
-    assert loss_a is not None
-    loss_a.backward()
-    g_a = _grads(model)
-    # packed
-    model.zero_grad(set_to_none=True)
-    lg_p = packed_logits(model, batch, pad_between_seqs=pad_between_seqs)
-    loss_p = token_mean_loss(lg_p, batch.labels, n)
-    loss_p.backward()
-    g_p = _grads(model)
-    model.zero_grad(set_to_none=True)
-    cu, cup = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
-    d_logit = 0.0
-    for i, a in enumerate(alone):
-        L = cu[i + 1] - cu[i]
-        if a.shape[0] != L:
-            d_logit = float("inf")
-            continue
-        d_logit = max(d_logit, float((lg_p[cup[i] : cup[i] + L].detach() - a).abs().max()))
-    d_lang = d_vis = 0.0
-    for name in g_a.keys() | g_p.keys():
-        ga, gp = g_a.get(name), g_p.get(name)
-        d = float("inf") if ga is None or gp is None else float((ga - gp).abs().max())
-        if ".visual." in f".{name}":
-            d_vis = max(d_vis, d)
-        else:
-            d_lang = max(d_lang, d)
+    logits, loss, by_part, max_logit, max_grad = compare_packed_alone(
+        model,
+        samples,
+        batch,
+        alone=alone_logits,
+        packed=lambda: packed_logits(model, batch, pad_between_seqs=pad_between_seqs),
+        part_of=lambda name: "vision" if ".visual." in f".{name}" else "language",
+    )
     return PackedCheck(
-        logits=d_logit,
-        loss=float((loss_p - loss_a).detach().abs()),
-        grads_language=d_lang,
-        grads_vision=d_vis,
-        max_abs_logit=max(float(a.abs().max()) for a in alone),
-        max_abs_grad=max(float(g.abs().max()) for g in g_a.values()),
+        logits=logits,
+        loss=loss,
+        grads_language=by_part.get("language", 0.0),
+        grads_vision=by_part.get("vision", 0.0),
+        max_abs_logit=max_logit,
+        max_abs_grad=max_grad,
     )

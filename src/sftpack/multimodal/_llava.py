@@ -39,8 +39,8 @@ import torch
 
 from .. import _optional
 from ..handoff import PackedBatch, PackedBatchError
-from ..loss import token_mean_loss
-from ..sample import IGNORE_INDEX, Sample
+from ..sample import Sample
+from ._exactness import compare_packed_alone
 from ._images import load_image
 from ._model import _rms_norm_in_input_dtype, _train_attention_name
 from ._sample import IMAGE_PAD, VISION_END, VISION_START, _render, qwen2vl_tokenizer
@@ -498,18 +498,6 @@ class LlavaCheck:
         return self.worst <= tol
 
 
-def _shifted(sample: Sample) -> torch.Tensor:
-    ids = torch.from_numpy(sample.input_ids)
-    mask = torch.from_numpy(sample.loss_mask)
-    lab = torch.full_like(ids, IGNORE_INDEX)
-    lab[:-1] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))
-    return lab
-
-
-def _grads(model: Any) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 def check_llava_packed(
     model: Any,
     samples: Sequence[LlavaSample],
@@ -534,45 +522,22 @@ def check_llava_packed(
     if tamper is not None:
         row = tamper(row)
     b = row.batch
-    n = int((b.labels != IGNORE_INDEX).sum())
-    model.zero_grad(set_to_none=True)
-    alone, loss_a = [], None
-    for s in samples:
-        lg = llava_alone_logits(model, s)
-        piece = token_mean_loss(lg, _shifted(s), n)
-        loss_a = piece if loss_a is None else loss_a + piece
-        alone.append(lg.detach())
-    assert loss_a is not None
-    loss_a.backward()
-    g_a = _grads(model)
-    model.zero_grad(set_to_none=True)
-    lg_p = llava_packed_logits(model, row, pad_between_seqs=pad_between_seqs)
-    loss_p = token_mean_loss(lg_p, b.labels, n)
-    loss_p.backward()
-    g_p = _grads(model)
-    model.zero_grad(set_to_none=True)
-    cu, cup = b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist()
-    d_logit = 0.0
-    for i, a in enumerate(alone):
-        L = cu[i + 1] - cu[i]
-        if a.shape[0] != L:
-            d_logit = float("inf")
-            continue
-        d_logit = max(d_logit, float((lg_p[cup[i] : cup[i] + L].detach() - a).abs().max()))
-    d = {"language": 0.0, "projector": 0.0, "vision": 0.0}
-    for name in g_a.keys() | g_p.keys():
-        ga, gp = g_a.get(name), g_p.get(name)
-        diff = float("inf") if ga is None or gp is None else float((ga - gp).abs().max())
-        part = (
+    logits, loss, by_part, max_logit, max_grad = compare_packed_alone(
+        model,
+        samples,
+        b,
+        alone=llava_alone_logits,
+        packed=lambda: llava_packed_logits(model, row, pad_between_seqs=pad_between_seqs),
+        part_of=lambda name: (
             "vision" if ".vision_tower." in name else "projector" if ".multi_modal_projector." in name else "language"
-        )
-        d[part] = max(d[part], diff)
+        ),
+    )
     return LlavaCheck(
-        logits=d_logit,
-        loss=float((loss_p - loss_a).detach().abs()),
-        grads_language=d["language"],
-        grads_projector=d["projector"],
-        grads_vision=d["vision"],
-        max_abs_logit=max(float(a.abs().max()) for a in alone),
-        max_abs_grad=max(float(g.abs().max()) for g in g_a.values()),
+        logits=logits,
+        loss=loss,
+        grads_language=by_part.get("language", 0.0),
+        grads_projector=by_part.get("projector", 0.0),
+        grads_vision=by_part.get("vision", 0.0),
+        max_abs_logit=max_logit,
+        max_abs_grad=max_grad,
     )
