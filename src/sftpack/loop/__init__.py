@@ -20,7 +20,8 @@ The public names (``__all__``):
   :func:`make_source` (the chosen path's micro-batches for this rank),
   :class:`ReplaySource` (given conversations per step: the unpacked reference of
   a packed run), :func:`compact_vocabulary`;
-- model: :func:`build_model` (a small Llama, nothing downloaded),
+- model: :func:`build_model` (a small Llama, nothing downloaded: transformers'
+  ``LlamaForCausalLM``, or with ``impl="torch"`` the same network in plain torch),
   :func:`load_model` (a local folder), :func:`default_attention`;
 - Hugging Face ``Trainer``: :class:`PackingCollator`, :class:`RowsCollator`,
   :class:`PaddedCollator`;
@@ -35,7 +36,7 @@ The parts behind them, importable from their modules (no second public path):
   (``Source`` and one class per path), ``PaddedMicroBatch``;
 - ``_setup``: from options and data to a source; the supervised-target checks;
 - ``_model``: the attention registered with transformers, ``LossModule`` (model +
-  loss, one module for DDP);
+  loss, one module for DDP); ``_llama``: ``SmallLlama``, ``build_model(impl="torch")``;
 - ``_loop``: :func:`train`, its log record ``StepLog`` and result ``TrainResult``,
   the device and ``torch.distributed`` helpers;
 - ``_checkpoint``: atomic save, checksum- and fingerprint-checked load;

@@ -2,7 +2,10 @@
 of one micro-batch, packed or padded.
 
 The default model is a small Llama built from a config (nothing downloaded) with
-the tokenizer's vocabulary; ``load_model(DIR)`` opens a local folder instead.
+the tokenizer's vocabulary: transformers' ``LlamaForCausalLM``, or with
+``impl="torch"`` :class:`~sftpack.loop._llama.SmallLlama`, the same network and
+weights in plain torch (``sftpack train``'s default: no transformers modeling
+import); ``load_model(DIR)`` opens a local folder instead.
 Packed rows run through variable-length attention, registered with transformers
 as :data:`TRAIN_ATTENTION` (defined in :mod:`sftpack._train_attention`): on CPU one causal 4-D SDPA call per segment (the fused
 flash kernel: exact, differentiable, and much faster on long segments than the 3-D
@@ -36,19 +39,32 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._base import StrEnum, choose
 from .._optional import flash_attn_varlen_func, transformers
 from .._train_attention import TRAIN_ATTENTION, register_train_attention
 from ..exactness import norms_in_model_dtype
 from ..head import fused_linear_cross_entropy
 from ..sample import IGNORE_INDEX
+from ._llama import build_small_llama
 
 __all__ = [
     "TRAIN_ATTENTION",
     "LossModule",
+    "ModelImpl",
     "build_model",
     "load_model",
     "register_train_attention",
 ]
+
+
+class ModelImpl(StrEnum):
+    """Which code :func:`build_model` builds the small Llama with (the same network and weights)."""
+
+    #: transformers' ``LlamaForCausalLM``: a ``PreTrainedModel`` (HF ``Trainer``, ``save_pretrained``, generation)
+    TRANSFORMERS = "transformers"
+    #: :class:`~sftpack.loop._llama.SmallLlama`, the same ops in plain torch: no transformers modeling code to
+    #: import (about 4 s of a 2-core CPU's start-up); ``sftpack train``'s default
+    TORCH = "torch"
 
 
 def default_attention(device: torch.device | str) -> str:
@@ -69,8 +85,15 @@ def build_model(
     seed: int = 0,
     attn_implementation: str | None = None,
     dtype: torch.dtype = torch.float32,
+    impl: str | ModelImpl = ModelImpl.TRANSFORMERS,
 ) -> Any:
-    """A randomly initialised ``LlamaForCausalLM`` (seeded, nothing downloaded).
+    """A randomly initialised small Llama causal LM (seeded, nothing downloaded).
+
+    ``impl="transformers"`` (the default) builds transformers' ``LlamaForCausalLM``;
+    ``impl="torch"`` builds :class:`~sftpack.loop._llama.SmallLlama`, the same network
+    in plain torch with the same weights for the same seed (tested equal: float32 bit
+    for bit, float64 to 1e-12), which imports none of transformers' modeling code;
+    ``sftpack train`` uses it by default because that import is most of its start-up.
 
     ``dtype=torch.float64`` computes in float64 throughout, norms included
     (:func:`sftpack.exactness.norms_in_model_dtype`); the training-equality tests
@@ -79,7 +102,26 @@ def build_model(
     >>> m = build_model(1000, dim=32, layers=1, heads=2, kv_heads=1)
     >>> m.config.vocab_size, sum(p.numel() for p in m.parameters())
     (1000, 79456)
+    >>> t = build_model(1000, dim=32, layers=1, heads=2, kv_heads=1, impl="torch")
+    >>> type(t).__name__, all(torch.equal(a, b) for a, b in zip(m.parameters(), t.parameters()))
+    ('SmallLlama', True)
     """
+    if choose(ModelImpl, impl, "impl") is ModelImpl.TORCH:
+        if attn_implementation not in (None, TRAIN_ATTENTION):
+            raise ValueError(
+                f"impl='torch' runs sftpack's training attention only, not attn_implementation="
+                f"{attn_implementation!r}: leave it out, or use impl='transformers'"
+            )
+        return build_small_llama(
+            vocab_size,
+            dim=dim,
+            layers=layers,
+            heads=heads,
+            kv_heads=kv_heads,
+            max_positions=max_positions,
+            seed=seed,
+            dtype=dtype,
+        )
     hf = transformers()
     cfg = hf.LlamaConfig(
         vocab_size=vocab_size,
