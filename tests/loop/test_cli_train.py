@@ -122,3 +122,25 @@ def test_resume_and_refusals(chat, tmp_path, capsys):
     assert main(_args(chat, tmp_path, "trainer", "--resume")) == 2
     assert main(_args(chat, tmp_path, "trainer", "--pad-multiple", "3")) == 2
     assert "max_seq_len=256 is not a multiple of pad_multiple=3" in capsys.readouterr().err
+
+
+def test_the_default_model_is_small_llama_and_trains_as_transformers_llama(chat, tmp_path, capsys):
+    """``--model-impl torch`` (the default) and ``transformers`` train the same network from the same
+    weights with the same ops (tests/loop/test_llama.py), so every step's loss is the same float32 number."""
+    assert main(_args(chat, tmp_path, "trainer")) == 0
+    assert "model: SmallLlama," in capsys.readouterr().out
+    assert main([*_args(chat, tmp_path, "none"), "--model-impl", "transformers"]) == 0
+    assert "model: LlamaForCausalLM," in capsys.readouterr().out
+    (tmp_path / "none.jsonl").rename(tmp_path / "hf.jsonl")
+    assert main(_args(chat, tmp_path, "none")) == 0
+    hf = [json.loads(x) for x in (tmp_path / "hf.jsonl").read_text().splitlines()]
+    me = [json.loads(x) for x in (tmp_path / "none.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in me] == [r["loss"] for r in hf]
+    assert [r["grad_norm"] for r in me] == [r["grad_norm"] for r in hf]
+
+
+def test_model_impl_is_refused_where_it_picks_nothing(chat, tmp_path, capsys):
+    assert main([*_args(chat, tmp_path, "trainer"), "--model", str(tmp_path), "--model-impl", "torch"]) == 2
+    assert "--model-impl picks the code of the default text model: not with --model" in capsys.readouterr().err
+    assert main(["train", "--corpus", "vqa", "--model-impl", "transformers", "--steps", "1"]) == 2
+    assert "not with --corpus vqa" in capsys.readouterr().err
