@@ -1043,21 +1043,23 @@ def next_fit_offsets(lengths: np.ndarray, multiple: int, cap_units: int, max_ite
 # fit). A bin takes an item only if both its units and its weight fit.
 
 _BIG = np.int64(1) << np.int64(62)
+#: above every weight (a weight may be ``_BIG`` itself): a taken item in :func:`greedy_two`
+_TAKEN = np.int64(np.iinfo(np.int64).max)
 
 
 @_kernel
-def _max_bins_two(n_items: int, n_units: int, cap_units: int, n_weight: int, cap_weight: int, max_items: int) -> int:
+def _max_bins_two(n_items: int, n_units: int, cap_units: int, per_weight: int, max_items: int) -> int:
     """An upper bound on the bins of an any-fit packing under two budgets.
 
     A bin opens only when its first item fits no earlier bin still below
     ``max_items``: for two such bins the later one's items and the earlier
     one's exceed the units or the weight budget together. Pairing those bins
     one after another, each pair holds more than ``U`` units or more than
-    ``W`` weight: bins ``<= n / max_items + 2 * (units / U + weight / W) + 2``.
+    ``W`` weight: bins ``<= n / max_items + 2 * (units / U + weight / W) + 2``
+    (``per_weight`` is ``floor(weight / W)``, 0 when ``W`` is 0).
     """
     if n_items == 0:
         return 0
-    per_weight = n_weight // cap_weight if cap_weight > 0 else 0
     bound = n_items // max_items + 2 * (n_units // cap_units + per_weight) + 2
     return n_items if n_items < bound else bound
 
@@ -1155,11 +1157,17 @@ def any_fit_two(
     in visiting order."""
     n = visit.shape[0]
     n_units = np.int64(0)
-    n_weight = np.int64(0)
+    # floor(total weight / cap_weight) without the total, which may pass 2**63
+    # (weights up to 2**62 each): ``rest < cap_weight <= 2**62`` before each add
+    per_weight = np.int64(0)
+    rest = np.int64(0)
     for t in range(n):
         n_units += (lengths[visit[t]] + multiple - 1) // multiple
-        n_weight += weights[visit[t]]
-    most = _max_bins_two(n, n_units, cap_units, n_weight, cap_weight, max_items)
+        rest += weights[visit[t]]
+        if cap_weight > 0 and rest >= cap_weight:
+            per_weight += rest // cap_weight
+            rest = rest % cap_weight
+    most = _max_bins_two(n, n_units, cap_units, per_weight, max_items)
     leaves = _pow2_at_least(most if most > 0 else 1)
     tree_u = np.zeros(2 * leaves, np.int64)  # room in units (0 once closed)
     tree_w = np.zeros(2 * leaves, np.int64)  # room in weight
@@ -1255,7 +1263,7 @@ def greedy_two(
     for t in range(n):
         us[t] = (lengths[visit[t]] + multiple - 1) // multiple
     leaves = _pow2_at_least(n if n > 0 else 1)
-    tree = np.full(2 * leaves, _BIG, np.int64)
+    tree = np.full(2 * leaves, _TAKEN, np.int64)
     for t in range(n):
         _tree_set_min(tree, leaves, t, weights[visit[t]])
     stack = np.empty(3 * (2 * 64 + 2), np.int64)
@@ -1287,7 +1295,7 @@ def greedy_two(
             fill += 1
             room -= us[q]
             room_w -= weights[visit[q]]
-            _tree_set_min(tree, leaves, q, _BIG)
+            _tree_set_min(tree, leaves, q, _TAKEN)
         n_bins += 1
         offsets[n_bins] = done
     for t in range(n):
@@ -1310,7 +1318,8 @@ def next_fit_two(
     for i in range(n):
         u = (lengths[i] + multiple - 1) // multiple
         w = weights[i]
-        if fill > 0 and (load + u > cap_units or load_w + w > cap_weight or fill == max_items):
+        # ``w > cap_weight - load_w`` and not ``load_w + w > cap_weight``: both may be 2**62
+        if fill > 0 and (load + u > cap_units or w > cap_weight - load_w or fill == max_items):
             n_bins += 1
             offsets[n_bins] = i
             load = 0
