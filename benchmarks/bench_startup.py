@@ -8,7 +8,10 @@ child's CPU seconds). Three kinds of run, interleaved in every round:
   data is tokenized (in the background while torch loads and the model is built)
   and written to the cache;
 - **second**: the same folder again: the samples are read from the cache;
-- **no-cache**: ``--no-cache``: tokenized, nothing written.
+- **no-cache**: ``--no-cache``: tokenized, nothing written;
+- **second, transformers**: the second run again with ``--model-impl transformers``
+  (transformers' ``LlamaForCausalLM`` instead of the default ``SmallLlama``, the same
+  network and weights): what importing transformers' modeling code costs.
 
 With ``--before REF`` two more kinds, **before first** and **before second**,
 run the same pair (a fresh cache folder, then the same again) on the ``src/`` of
@@ -18,8 +21,8 @@ The goal is **first step**: the wall time from launching the process to the end
 of its first optimizer step. The phases come from the marks
 :func:`sftpack.cli._train.run` records (``MARKS``): start-up (interpreter,
 ``import sftpack.cli``, and the exit), tokenizer (looking the data up in the
-cache; on a miss loading the tokenizer and forking its workers), imports (torch,
-transformers, the loop), model, waiting for the data, the first step (source,
+cache; on a miss starting the tokenizer), imports (torch and the loop), model
+(with ``--model-impl transformers`` also importing transformers' modeling code), waiting for the data, the first step (source,
 optimizer, one forward/backward/AdamW step, waiting for its conversations), and
 after (once trained, waiting for the rest of the data to be tokenized and
 cached, when training started before it was all there). The medians
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("SFTPACK_CACHE_DIR", None)
     cmd = ["train", "--steps", str(args.steps), "--log", str(work / "log.jsonl")]
     kinds: dict[str, list[str]] = {"no-cache": [*cmd, "--no-cache"]}
-    envs = {"no-cache": env, "first": env, "second": env}
+    envs = {"no-cache": env, "first": env, "second": env, "second, transformers": env}
     if args.before:
         old = work / "before"
         old.mkdir()
@@ -174,17 +177,20 @@ def main(argv: list[str] | None = None) -> int:
         run_once(kinds["no-cache"], env)
         if args.before:
             run_once([*cmd, "--cache-dir", str(work / "before-warm")], envs["before first"])
-        rows: dict[str, list[dict]] = {k: [] for k in ("first", "second", "no-cache")}
+        rows: dict[str, list[dict]] = {k: [] for k in ("first", "second", "second, transformers", "no-cache")}
         if args.before:
             rows.update({"before first": [], "before second": []})
         for r in range(args.rounds):
             cache = work / f"cache-{r}"
-            order = ["first", "second", "no-cache"] + (["before first", "before second"] if args.before else [])
-            if r % 2:  # alternate which kinds run first in a round
-                order = order[2:] + order[:2]
+            order = ["first", "second", "second, transformers", "no-cache"]
+            order += ["before first", "before second"] if args.before else []
+            if r % 2:  # alternate which kinds run first in a round (each first run before its second)
+                order = order[3:] + order[:3]
             for kind in order:
                 folder = work / f"before-cache-{r}" if kind.startswith("before") else cache
                 argv_ = kinds.get(kind) or [*cmd, "--cache-dir", str(folder)]
+                if kind == "second, transformers":
+                    argv_ = [*argv_, "--model-impl", "transformers"]
                 row = run_once(argv_, envs[kind])
                 rows[kind].append(row)
                 print(
@@ -211,11 +217,13 @@ def main(argv: list[str] | None = None) -> int:
         title = (
             f"`sftpack train --steps {args.steps}` on the embedded corpus, default options, each run a fresh "
             f"process; medians over {args.rounds} interleaved rounds (a fresh cache folder per round). first: empty "
-            "cache; second: the same cache again; no-cache: `--no-cache`"
+            "cache; second: the same cache again (second, transformers: with `--model-impl transformers`); "
+            "no-cache: `--no-cache`"
             + (f"; before first / before second: the same pair on the `src/` of `{args.before}`" if args.before else "")
             + ". First step: wall from launching the process to the end of step 1 (the goal). Phases: start-up "
-            "(interpreter, `import sftpack.cli`, exit), tokenizer (cache look-up; on a miss loading the tokenizer "
-            "and forking its workers), imports (torch, transformers, the loop), model build, waiting for the data, "
+            "(interpreter, `import sftpack.cli`, exit), tokenizer (cache look-up; on a miss starting the tokenizer), "
+            "imports (torch, the loop), model build (with transformers' modeling imports for `--model-impl "
+            "transformers`), waiting for the data, "
             "to step 1 (source, optimizer, the first step, waiting for its conversations), after (the rest of the "
             "data tokenized and cached after training). Wall and CPU seconds (the machine may be shared)."
         )
