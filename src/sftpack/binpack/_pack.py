@@ -4,9 +4,19 @@ Both validate, group the sequences by cost (a counting sort while the capacity
 is small, a radix sort above it: :func:`_group_by_size`), run the algorithm's
 kernels (:mod:`._kernels`, compiled on first use) and, for :func:`pack`,
 split rows until ``min_bins`` / ``bins_multiple_of`` are met.
+
+Small inputs run the kernels as plain Python instead: up to
+``_kernels.PLAIN_MAX_ITEMS`` (64) sequences while numba has not been loaded in
+the process (:func:`._kernels.kernels`), since importing numba and loading the
+kernels from its cache costs about 1.2 s and a plain pack of 64 sequences at
+most about 5 ms. The plain kernels always group by the radix sort and run best
+fit under two budgets as the branch and bound (their dense counterparts loop
+over ``0..U``, too slow in Python); the rows are the same either way.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import numpy as np
 from numpy.typing import ArrayLike
@@ -125,27 +135,27 @@ def pack(
             f"lower min_bins or pack more sequences"
         )
     cap_units = capacity // cost_multiple
-    item_cap = n + 1 if max_items is None else max_items
-    if n == 0:
+    item_cap = _item_cap(max_items, n)
+    if n == 0 or cap_units == 0:  # cap_units 0: no length fits (nor reaches a kernel as an int64 overflow)
         _check_fits(arr, capacity, cost_multiple)
         return Bins._trusted(np.zeros(0, np.int64), np.zeros(1, np.int64))
-    _k.load()
+    k = _k.kernels(n)
 
     if wts is not None and cap_weight is not None:
         _check_fits(arr, capacity, cost_multiple)
-        order, offsets = _pack_two(algo, arr, cost_multiple, cap_units, item_cap, wts, cap_weight, seed)
+        order, offsets = _pack_two(k, algo, arr, cost_multiple, cap_units, item_cap, wts, cap_weight, seed)
     elif algo in _HISTOGRAM_ALGORITHMS:
-        sizes, counts, bucket, start = _group_by_size(arr, capacity, cost_multiple)
-        records = _records(algo, sizes, counts, cap_units, item_cap)
-        order, offsets = _k.records_to_order(*records, bucket, start)
+        sizes, counts, bucket, start = _group_by_size(k, arr, capacity, cost_multiple)
+        records = _records(k, algo, sizes, counts, cap_units, item_cap)
+        order, offsets = k.records_to_order(*records, bucket, start)
         del bucket
     elif algo is Algorithm.FIRST_FIT_SHUFFLE:
         _check_fits(arr, capacity, cost_multiple)
         visit = np.random.default_rng(seed).permutation(n)
-        order, offsets = _k.first_fit_items(arr, cost_multiple, cap_units, item_cap, visit)
+        order, offsets = k.first_fit_items(arr, cost_multiple, cap_units, item_cap, visit)
     else:  # next_fit
         _check_fits(arr, capacity, cost_multiple)
-        offsets = _k.next_fit_offsets(arr, cost_multiple, cap_units, item_cap)
+        offsets = k.next_fit_offsets(arr, cost_multiple, cap_units, item_cap)
         order = np.arange(n, dtype=np.int64)
 
     rows = offsets.shape[0] - 1
@@ -159,6 +169,12 @@ def pack(
             )
         offsets = _split_rows(offsets, target)
     return Bins._trusted(order, offsets)
+
+
+def _item_cap(max_items: int | None, n: int) -> int:
+    """The kernels' ``max_items``: a cap above ``n`` never binds, so it is ``n + 1``
+    (which also keeps it within int64 for the compiled kernels)."""
+    return n + 1 if max_items is None or max_items > n else max_items
 
 
 def _second_budget(
@@ -195,6 +211,7 @@ _MAX_WEIGHT = 2**62
 
 
 def _pack_two(
+    k: ModuleType,
     algo: Algorithm,
     arr: np.ndarray,
     cost_multiple: int,
@@ -223,11 +240,12 @@ def _pack_two(
     capacity is small (:func:`_kernels.best_fit_two`, ``O(log U + log rows)`` a sequence);
     above that it is a branch and bound over the rows that may visit many of them per
     sequence when the second budget binds (same rows, ``benchmarks/bench_multimodal.py``
-    measures the dense route).
+    measures the dense route). Plain kernels (``k is _kernels.PLAIN``) take the branch and
+    bound: over a few rows it is cheaper than walking a tree over ``0..U`` in Python.
     """
     n = arr.shape[0]
     if algo is Algorithm.NEXT_FIT:
-        return np.arange(n, dtype=np.int64), _k.next_fit_two(
+        return np.arange(n, dtype=np.int64), k.next_fit_two(
             arr, cost_multiple, cap_units, item_cap, weights, cap_weight
         )
     if algo is Algorithm.FIRST_FIT_SHUFFLE:
@@ -235,15 +253,15 @@ def _pack_two(
     else:
         visit = np.argsort(-_units(arr, cost_multiple), kind="stable").astype(np.int64)
     if algo is Algorithm.GREEDY_KNAPSACK:
-        offsets = _k.greedy_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
+        offsets = k.greedy_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
         return visit, offsets
-    if algo is Algorithm.BFD and _inputs._dense_route(cap_units, n):
-        return _k.best_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
-    return _k.any_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit, algo is Algorithm.BFD)
+    if algo is Algorithm.BFD and k is not _k.PLAIN and _inputs._dense_route(cap_units, n):
+        return k.best_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
+    return k.any_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit, algo is Algorithm.BFD)
 
 
 def _group_by_size(
-    arr: np.ndarray, capacity: int, cost_multiple: int
+    k: ModuleType, arr: np.ndarray, capacity: int, cost_multiple: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The items grouped by cost, validated: ``(sizes, counts, bucket, start)``.
 
@@ -254,31 +272,35 @@ def _group_by_size(
 
     Dense route: one counting pass and one dealing pass, ``O(n + U)``. Sparse
     route: a radix sort (at most 3 passes), ``O(n)``, nothing over ``U``. Both
-    give the same arrays.
+    give the same arrays. Plain kernels (``k is _kernels.PLAIN``) always take the
+    sparse route: as plain Python the dense one's loop over ``0..U`` would cost
+    milliseconds per 10,000 units.
     """
     n = arr.shape[0]
     cap_units = capacity // cost_multiple
     index_type = np.int32 if n < 2**31 else np.int64  # int32 halves the dealing traffic
-    if _inputs._dense_route(cap_units, n):  # looked up here, so a test can force either route
-        hist, bad = _k.scan_units(arr, cost_multiple, cap_units)
+    if k is not _k.PLAIN and _inputs._dense_route(cap_units, n):  # looked up here: a test can force a route
+        hist, bad = k.scan_units(arr, cost_multiple, cap_units)
         if bad >= 0:
             raise _too_long(int(bad), int(arr[bad]), capacity, cost_multiple)
         bucket = np.empty(n, index_type)
-        start = _k.bucket_by_units(arr, cost_multiple, hist, bucket)
+        start = k.bucket_by_units(arr, cost_multiple, hist, bucket)
         sizes = np.flatnonzero(hist).astype(np.int64)
         return sizes, hist[sizes], bucket, start[sizes]
     _check_fits(arr, capacity, cost_multiple)
     bucket = np.empty(n, index_type)
-    sizes, counts, start = _k.sort_by_units(arr, cost_multiple, cap_units, bucket, np.empty(n, index_type))
+    sizes, counts, start = k.sort_by_units(arr, cost_multiple, cap_units, bucket, np.empty(n, index_type))
     return sizes, counts, bucket, start
 
 
-def _records(algo: Algorithm, sizes: np.ndarray, counts: np.ndarray, cap_units: int, item_cap: int) -> _k.Records:
+def _records(
+    k: ModuleType, algo: Algorithm, sizes: np.ndarray, counts: np.ndarray, cap_units: int, item_cap: int
+) -> _k.Records:
     if algo is Algorithm.BFD:
-        return _k.bfd_records(sizes, counts, cap_units, item_cap)
+        return k.bfd_records(sizes, counts, cap_units, item_cap)
     if algo is Algorithm.FFD:
-        return _k.ffd_records(sizes, counts, cap_units, item_cap)
-    return _k.greedy_records(sizes, counts, cap_units, item_cap)
+        return k.ffd_records(sizes, counts, cap_units, item_cap)
+    return k.greedy_records(sizes, counts, cap_units, item_cap)
 
 
 def _split_rows(offsets: np.ndarray, target: int) -> np.ndarray:
@@ -362,8 +384,8 @@ def pack_histogram(
     per_size = np.add.reduceat(run_cnt, first)
     run_start = np.append(first, run_units.shape[0]).astype(np.int64)
     n = int(per_size.sum())
-    _k.load()
+    k = _k.kernels(n)
     cap_units = capacity // cost_multiple
-    records = _records(algo, sizes, per_size, cap_units, n + 1 if max_items is None else max_items)
-    offsets, out_len, out_cnt = _k.records_to_runs(*records, run_len, run_cnt, run_start)
+    records = _records(k, algo, sizes, per_size, cap_units, _item_cap(max_items, n))
+    offsets, out_len, out_cnt = k.records_to_runs(*records, run_len, run_cnt, run_start)
     return HistogramBins(offsets, out_len, out_cnt)
