@@ -147,7 +147,7 @@ def test_the_plain_kernels_survive_load():
 
 PROBE = textwrap.dedent(
     """
-    import json, sys
+    import json, sys, threading, types
     import numpy as np
     from sftpack.binpack import _kernels, pack, pack_histogram
 
@@ -158,8 +158,19 @@ PROBE = textwrap.dedent(
         small.append(pack(lengths, 4096, a, weights=lengths % 7, max_weight_per_bin=9).to_lists())
     small.append(pack_histogram(lengths, [2] * 8, 4096).offsets.tolist())
     after_small = "numba" in sys.modules
+    raced = []  # small bfd packs in threads while the main thread's big pack loads numba
+
+    def worker():
+        for _ in range(40):
+            raced.append(pack(lengths, 4096).to_lists())
+
+    threads = [threading.Thread(target=worker) for _ in range(3)]
+    for t in threads:
+        t.start()
     big = pack(np.arange(1, _kernels.PLAIN_MAX_ITEMS + 2), 4096)
     after_big = "numba" in sys.modules
+    for t in threads:
+        t.join()
     again = pack(lengths, 4096, "next_fit").to_lists()  # small, but numba is loaded now: compiled
     print(json.dumps({
         "after_small": after_small,
@@ -168,17 +179,25 @@ PROBE = textwrap.dedent(
         "next_fit_compiled": bool(_kernels.next_fit_offsets.signatures),
         "small": small,
         "again": again,
+        "raced": len(raced),
+        "raced_same": all(r == small[0] for r in raced),
+        "plain_intact": all(
+            isinstance(getattr(_kernels.PLAIN, n), types.FunctionType) for n in _kernels._KERNELS
+        ),
     }))
     """
 )
 
 
 def test_a_small_pack_leaves_numba_unloaded_and_a_big_one_loads_it():
+    # a fresh process: what earlier tests loaded here does not count
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=600, check=True)
     got = json.loads(out.stdout)
     assert got["after_small"] is False
     assert got["after_big"] is True and got["loaded"] is True
     assert got["next_fit_compiled"] is True
+    assert got["raced"] == 120 and got["raced_same"] is True  # plain or compiled, whichever each call got
+    assert got["plain_intact"] is True
     # next fit: 700 + 300 + 1200 + 5 + 90 = 2295, + 4000 > 4096; 4000 + 640 > 4096; 640 + 17
     assert got["again"] == [[0, 1, 2, 3, 4], [5], [6, 7]]
     # bfd, longest first: 4000 opens row 0 (room 96), 1200, 700, 640, 300 fill row 1 (room 1256);
