@@ -23,6 +23,7 @@ PROBE = textwrap.dedent(
     import sftpack.binpack as bp
 
     k = bp._kernels
+    k.FORCE = "compiled"  # small inputs would run as plain Python (tests/binpack/test_small_plain.py)
     steps = [("import", [m for m in ("numba", "torch") if m in sys.modules])]
 
     def compiled():

@@ -44,7 +44,9 @@ rows, efficiency and the gaps to both (:class:`PackingStats`), after checking
 that the bins hold every sequence exactly once within the capacity.
 
 The loops are compiled by numba, lazily and per algorithm, and kept in numba's
-on-disk cache: ``import sftpack.binpack`` loads numpy only (neither numba nor
+on-disk cache (up to 64 sequences, while numba is not loaded, they run as plain
+Python instead: the same rows without numba's ~1.2 s first call, see
+``_kernels.kernels``): ``import sftpack.binpack`` loads numpy only (neither numba nor
 torch), and :func:`lower_bounds` and :func:`packing_stats` never wait for a
 compile. Guide: ``docs/binpack.md``; measured speed, memory and first-call
 cost: ``benchmarks/RESULTS.md`` (``benchmarks/bench_binpack.py``,
