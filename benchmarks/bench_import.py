@@ -14,6 +14,9 @@ Two questions a user meets before any packing happens:
   sparse route (``bfd`` at capacity ``2**31 - 1``), :func:`pack_histogram`, and
   every algorithm at once. Wall and CPU seconds (the machine may be shared:
   CPU time is the steadier number).
+- **small packs**: the same first calls on 8 and 64 sequences run as plain
+  Python, which ``pack`` does for up to 64 sequences while numba is not loaded
+  (no numba import, no cache load).
 
 Usage::
 
@@ -56,8 +59,10 @@ FIRST_CALL_PROBE = """
 import json, time
 import numpy as np
 import sftpack.binpack as bp
-bp._kernels.FORCE = "compiled"  # 8 lengths would run as plain Python: this probe times numba's first call
+bp._kernels.FORCE = {force!r}  # "compiled": 8 lengths would otherwise run as plain Python
 lengths = np.array([700, 300, 1200, 5, 90, 4000, 640, 17], np.int64)
+if {n} != 8:
+    lengths = np.random.default_rng(0).integers(1, 4000, {n}).astype(np.int64)
 calls = {calls}
 t0, c0 = time.perf_counter(), time.process_time()
 for algorithm, capacity, histogram in calls:
@@ -131,12 +136,21 @@ def bench_first_calls(repeats: int) -> list[dict]:
             with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
                 env = dict(os.environ, NUMBA_CACHE_DIR=cache)
                 print(f"  first call {what}: cold, then warm ...", file=sys.stderr, flush=True)
-                cold.append(run_probe(FIRST_CALL_PROBE.format(calls=calls), env))
-                warm.append(run_probe(FIRST_CALL_PROBE.format(calls=calls), env))
+                cold.append(run_probe(FIRST_CALL_PROBE.format(calls=calls, force="compiled", n=8), env))
+                warm.append(run_probe(FIRST_CALL_PROBE.format(calls=calls, force="compiled", n=8), env))
         note_cold = _cache_note(cold)
         note_warm = _cache_note(warm)
         rows.append(summarise(f"first pack: {what}", "cold cache (compiles)", cold, note_cold))
         rows.append(summarise(f"first pack: {what}", "warm cache (loads)", warm, note_warm))
+    # what a small pack really costs: up to 64 sequences, while numba is not loaded, the
+    # kernels run as plain Python (sftpack.binpack._kernels.kernels), no numba at all
+    for n in (8, 64):
+        for what, calls in cases:
+            if what.startswith("all"):
+                continue
+            print(f"  first call {what}, {n} sequences: plain Python ...", file=sys.stderr, flush=True)
+            runs = [run_probe(FIRST_CALL_PROBE.format(calls=calls, force="plain", n=n)) for _ in range(repeats)]
+            rows.append(summarise(f"first pack: {what}, {n} sequences", "plain Python (no numba)", runs))
     return rows
 
 

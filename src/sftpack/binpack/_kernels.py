@@ -47,10 +47,10 @@ for the kernels its algorithm runs. Small inputs skip numba altogether: up to
 :data:`PLAIN_MAX_ITEMS` (64) sequences, and as long as :func:`load` has not
 run in the process, :func:`kernels` hands out :data:`PLAIN`, the same
 functions run as plain Python (bound to a copy of this module's globals, so
-:func:`load` never swaps them mid-run). Importing numba (about 0.45 s) and
-loading the kernels from its cache (about 0.7 s) cost about 1.2 s, a plain
-pack of 64 sequences at most about 3 ms (see :func:`kernels`), so a first
-small pack (a training step's micro-batch plan) starts at once; once a big
+:func:`load` never swaps them mid-run). Importing numba and loading the
+kernels from its cache take over a second, a plain pack of 64 sequences a few
+milliseconds (``benchmarks/bench_import.py``), so a first small pack (a
+training step's micro-batch plan) starts at once; once a big
 input has loaded numba, every pack runs compiled. Both give identical rows,
 order and dtypes. Compile time shapes the code: explicit loops
 instead of array expressions or slice assignments (a single ``out[:] = x``
@@ -110,9 +110,9 @@ def load() -> None:
 
 #: Up to this many sequences, and while :func:`load` has not run in this process,
 #: the packers run the kernels as plain Python (:data:`PLAIN`): importing numba and
-#: loading the kernels from its cache costs about 1.2 s, a plain pack of 64
-#: sequences at most about 3 ms with any algorithm and option (measured by hand,
-#: see :func:`kernels`; 8 sequences, a training step's plan, about 1 ms at most).
+#: loading the kernels from its cache take over a second, a plain pack of this many
+#: sequences a few milliseconds with any algorithm and option
+#: (``benchmarks/bench_import.py``, "plain Python" rows).
 PLAIN_MAX_ITEMS = 64
 
 #: Tests only: ``"plain"`` or ``"compiled"`` forces :func:`kernels`' choice.
@@ -125,16 +125,9 @@ def kernels(n_items: int) -> types.ModuleType:
     compiled ones (loading them). Both give identical results (same bins, same
     order, same dtypes: ``tests/binpack/test_small_plain.py``).
 
-    Measured by hand, on a shared 2-core machine (load about 2.5; numpy 2.4,
-    Python 3.11): the slowest of 24 random cases of 64 lengths per algorithm
-    (capacities 4096, 65536 and 2**31 - 1, ``cost_multiple`` 1 and 8,
-    ``max_items_per_bin`` None and 3, short and long lengths) over 3 runs, each
-    case the best of 5 calls of the whole :func:`~sftpack.binpack.pack`, in ms:
-    bfd 3.2, ffd 1.0, greedy_knapsack 2.5, first_fit_shuffle 0.7, next_fit 0.1;
-    with ``weights``/``max_weight_per_bin``: bfd 2.6, ffd 1.8, greedy_knapsack
-    2.8, first_fit_shuffle 1.8, next_fit 0.2; ``pack_histogram``: bfd 3.2, ffd
-    1.2, greedy_knapsack 2.6 (8 lengths: bfd about 0.5). A run of only small packs
-    pays this on every call instead of 1.2 s once: next to a training step, noise.
+    A run whose packs all stay small never loads numba: it pays a few milliseconds
+    a pack instead of numba's first call once (both measured by
+    ``benchmarks/bench_import.py``); next to a training step, noise.
     """
     if FORCE == "plain" or (FORCE is None and n_items <= PLAIN_MAX_ITEMS and not _loaded):
         return PLAIN

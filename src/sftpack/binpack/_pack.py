@@ -8,8 +8,8 @@ split rows until ``min_bins`` / ``bins_multiple_of`` are met.
 Small inputs run the kernels as plain Python instead: up to
 ``_kernels.PLAIN_MAX_ITEMS`` (64) sequences while numba has not been loaded in
 the process (:func:`._kernels.kernels`), since importing numba and loading the
-kernels from its cache costs about 1.2 s and a plain pack of 64 sequences at
-most about 3 ms. The plain route groups the sequences by cost with numpy's
+kernels from its cache take over a second and a plain pack of 64 sequences a
+few milliseconds (``benchmarks/bench_import.py``). The plain route groups the sequences by cost with numpy's
 stable sort and runs best fit under two budgets as the branch and bound (the
 counting sort and the dense best fit loop over ``0..U``, the radix sort over
 2048 digits, too slow in Python); the rows are the same either way.
