@@ -1,7 +1,8 @@
 """``sftpack train`` starts early: conversations are tokenized in the seeded order
 the trainer and padded paths read them in, a step waits only for its own
 conversations, the order is the same whether the samples came from the cache or
-not, and a cache hit does not load the tokenizer."""
+not, tokenized in this process or in a producer process (``tests/loop/test_producer.py``
+tests that one further), and a cache hit does not load the tokenizer."""
 
 from __future__ import annotations
 
@@ -38,9 +39,16 @@ def tok():
     return tiny_chat_tokenizer("chatml")
 
 
-def _job(tok, convs, tmp_path, *, seed=3, cache=True, **kw):
+def _job(tok, convs, tmp_path, *, seed=3, cache=True, in_child=False, **kw):
     return start_training_samples(
-        tok, convs, max_seq_len=24, cache_dir=tmp_path if cache else None, seed=seed, ready=True, **kw
+        tok,
+        convs,
+        max_seq_len=24,
+        cache_dir=tmp_path if cache else None,
+        seed=seed,
+        ready=not in_child,
+        in_child=in_child,
+        **kw,
     )
 
 
@@ -58,10 +66,11 @@ def _same_steps(a, b):
                 assert torch.equal(getattr(mx, name), getattr(my, name))
 
 
+@pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "producer"])
 @pytest.mark.parametrize("packing", ["trainer", "none"])
-def test_same_seed_same_batches_streamed_cached_or_not(tok, tmp_path, packing):
+def test_same_seed_same_batches_streamed_cached_or_not(tok, tmp_path, packing, in_child):
     convs = _convs()
-    miss = _job(tok, convs, tmp_path)
+    miss = _job(tok, convs, tmp_path, in_child=in_child)
     assert miss.done is None and miss.sink is not None and not miss.sink.done
     pending = Pending(miss.finish)  # tokenizing in the background while the steps are read
     streamed = _steps(miss.sink, packing)

@@ -39,7 +39,6 @@ The root is ``cache_dir`` when given, else ``$SFTPACK_CACHE_DIR``, else
 from __future__ import annotations
 
 import hashlib
-import itertools
 import json
 import logging
 import os
@@ -571,60 +570,120 @@ class _Run:
 
 class TokenizeJob:
     """Tokenizing through the cache in two halves: the constructor reads a whole
-    entry if there is one, else (``prime=True``) starts the tokenizer and waits for
-    its first sample, which forks its worker processes with ``num_proc > 1``
-    (``ready=True``: only reads the input and loads the tokenizer, so that
-    :attr:`sink` exists); :meth:`finish` tokenizes the rest, handing each conversation's samples to
-    :attr:`sink` (a :class:`ConversationSamples`, when the positions are known) as
-    they come and writing a new entry, committed at the end. The CLI runs the first
-    half before torch loads (a fork is safe only from a process not busy importing)
-    and the second in a background thread.
+    entry if there is one, else starts the work (``in_child=True``: forks the
+    producer process, :class:`_Producer`; ``ready=True``: reads the input and loads
+    the tokenizer here, so that :attr:`sink` exists); :meth:`finish` tokenizes the
+    rest (or collects it from the producer), handing each conversation's samples
+    to :attr:`sink` (a :class:`ConversationSamples`, when the positions are known)
+    as they come and writing a new entry, committed at the end. The CLI runs the
+    first half before torch loads (a fork is safe only from a process not busy
+    importing and with no other thread) and the second in a background thread.
     """
 
     def __init__(
         self,
-        prepare: Callable[[], _Run],
+        prepare: Callable[..., _Run],
         *,
         key: str | None,
         cache_dir: str | os.PathLike[str] | None,
-        prime: bool = False,
         ready: bool = False,
+        in_child: bool = False,
     ) -> None:
         self.entry = Path(cache_dir) / "tokenized" / key if key is not None and cache_dir is not None else None
         self.key = key or ""
         self.prepare = prepare
         self.done: CachedSamples | None = None
-        self.sink: ConversationSamples | None = None
+        self._sink: ConversationSamples | None = None
         self._run: _Run | None = None
         self._it: Iterator[tuple[int, Sample]] | None = None
-        self._first: list[tuple[int, Sample]] = []
+        self._child: _Producer | None = None
+        self._lock = threading.Lock()
         if self.entry is not None:
             got = read_entry(self.entry, self.key)
             if got is not None:
                 samples, stats, rest = got
                 self.done = CachedSamples(samples, stats, True, self.entry, **rest)
-                self.sink = ConversationSamples.complete(self.done)
+                self._sink = ConversationSamples.complete(self.done)
                 return
-        if prime or ready:
+        if in_child:
+            self._child = _Producer(prepare)
+        elif ready:
             self._start()
-        if prime:
-            assert self._it is not None
-            self._first = list(itertools.islice(self._it, 1))
+
+    @property
+    def sink(self) -> ConversationSamples | None:
+        """The conversations' samples as they come (``None``: positions not known).
+        With a producer process, waits for its conversation order (re-raises its error)."""
+        if self._child is not None:
+            self._head()
+        return self._sink
+
+    def info(self) -> dict[str, int]:
+        """:func:`tokenizer_info` of the tokenizer: from the cache entry, else from the
+        producer process (waits for it to load the tokenizer), else loaded here."""
+        if self.done is not None:
+            return dict(self.done.tokenizer)
+        if self._child is not None:
+            with self._lock:  # one reader of the pipe at a time (see _head)
+                return self._child.info()
+        if self._run is None:
+            self._start()
+        assert self._run is not None
+        return self._run.info
+
+    @property
+    def pid(self) -> int | None:
+        """The producer process's id (``None``: none was started)."""
+        return self._child.pid if self._child is not None else None
+
+    def close(self) -> None:
+        """Stop the producer process, if any, and its workers (nothing is cached)."""
+        if self._child is not None:
+            self._child.close()
+
+    def _head(self) -> list[int] | None:
+        """The producer's conversation order, the sink made for it once."""
+        assert self._child is not None
+        with self._lock:
+            order = self._child.order()
+            if order is not None and self._sink is None:
+                self._sink = ConversationSamples(len(order))
+            return order
 
     def _start(self) -> None:
         run = self._run = self.prepare()
         if run.order is not None:
-            self.sink = ConversationSamples(len(run.order))
+            self._sink = ConversationSamples(len(run.order))
         self._it = _positioned(run)
 
     def finish(self) -> CachedSamples:
         if self.done is not None:
             return self.done
-        if self._it is None:
-            self._start()
-        run, it = self._run, self._it
-        assert run is not None and it is not None
-        order, sink = run.order, self.sink
+        stats: Callable[[], TokenizeStats]
+        if self._child is not None:
+            child = self._child
+            try:
+                order, info = self._head(), self.info()
+            except BaseException:
+                child.close()
+                raise
+            it = child.samples()
+
+            def stats() -> TokenizeStats:
+                assert child.stats is not None
+                return child.stats
+
+        else:
+            if self._it is None:
+                self._start()
+            run = self._run
+            assert run is not None and self._it is not None
+            it, order, info = self._it, run.order, run.info
+
+            def stats() -> TokenizeStats:
+                return run.out.stats
+
+        sink = self._sink
         writer = None
         if self.entry is not None and order is not None:
             try:
@@ -637,7 +696,7 @@ class TokenizeJob:
         positions: list[int] = []
         last, group = -1, list[Sample]()
         try:
-            for j, s in itertools.chain(self._first, it):
+            for j, s in it:
                 if sink is not None and order is not None and j != last:
                     if last >= 0:
                         sink._put(order[last], group)
@@ -656,29 +715,225 @@ class TokenizeJob:
                 for k in range(last + 1, len(order)):
                     sink._put(order[k], [])
             if writer is not None:
-                writer.commit(run.out.stats, conversations=len(order or ()), tokenizer=run.info)
+                writer.commit(stats(), conversations=len(order or ()), tokenizer=info)
         except BaseException as e:
+            if self._child is not None:
+                self._child.close()
             if writer is not None:
                 writer.abort()
             if sink is not None:
                 sink._fail(e)
             raise
+        if self._child is not None:
+            self._child.close()
         if order is not None:  # input order, whatever order they were tokenized in
             by = np.argsort(np.asarray(positions, dtype=np.int64), kind="stable")
             samples = [samples[i] for i in by.tolist()]
             positions = [positions[i] for i in by.tolist()]
         self.done = CachedSamples(
             samples,
-            run.out.stats,
+            stats(),
             False,
             self.entry if writer is not None else None,
             np.asarray(positions, dtype=np.int64) if order is not None else None,
             len(order) if order is not None else 0,
-            run.info,
+            info,
         )
         if sink is not None:
             sink._finish(self.done)
         return self.done
+
+
+class _Producer:
+    """``prepare()`` and its tokenizer pass in a forked child process (its own
+    process group, so that its tokenizer workers go with it), streamed back over a
+    pipe in this order: ``("info", tokenizer_info)`` as soon as the tokenizer is
+    loaded, ``("order", order)``, ``("samples", [(j, sample), ...])`` one message
+    per tokenizer batch, ``("end", stats)``; or ``("error", error)`` at any point.
+
+    The child dies with the thread that forked it (``PR_SET_PDEATHSIG`` on Linux;
+    else at its next send, which finds the pipe broken), its workers with it, and
+    :meth:`close` kills it and its workers. Reading is single-threaded: :meth:`info` and :meth:`order` are
+    called under the job's lock, :meth:`samples` only after :meth:`order`.
+    """
+
+    def __init__(self, prepare: Callable[..., _Run]) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("fork")
+        self._conn, child_end = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_produce, args=(prepare, child_end, self._conn, os.getpid()), name="sftpack-tokenize", daemon=True
+        )
+        self._proc.start()
+        self.pid = self._proc.pid
+        child_end.close()  # only the child writes: its end closing is what EOF means here
+        try:  # the child does it too: whichever runs first, the group exists before it forks workers
+            os.setpgid(self.pid, self.pid)  # type: ignore[arg-type]
+        except OSError:  # the child has already done it, or has already ended
+            pass
+        self._info: dict[str, int] | None = None
+        self._order: list[int] | None = None
+        self._ordered = False
+        self._error: BaseException | None = None
+        self.stats: TokenizeStats | None = None
+
+    def _recv(self) -> tuple[Any, ...]:
+        """The next message (raises the child's error, or one naming how it ended)."""
+        if self._error is not None:
+            raise self._error
+        while True:
+            if self._conn.poll(0.2):
+                try:
+                    msg = self._conn.recv()
+                except (EOFError, OSError):
+                    msg = None
+                break
+            if self._ended():  # killed: its workers may still hold the pipe open
+                msg = self._conn.recv() if self._conn.poll(0) else None
+                break
+        if msg is None:
+            self.close()
+            code = self._proc.exitcode
+            how = f"exit code {code}"
+            if code is not None and code < 0:
+                import signal
+
+                how = f"signal {signal.Signals(-code).name} (exit code {code})"
+            self._error = RuntimeError(
+                f"the tokenizer process (pid {self.pid}) ended with {how} before it had sent all the samples"
+            )
+        elif msg[0] == "error":
+            self._error = _rebuilt(msg[1])
+        if self._error is not None:
+            self.close()
+            raise self._error
+        return msg
+
+    def info(self) -> dict[str, int]:
+        while self._info is None:
+            msg = self._recv()
+            assert msg[0] == "info", msg[0]
+            self._info = msg[1]
+        return self._info
+
+    def order(self) -> list[int] | None:
+        self.info()
+        if not self._ordered:
+            msg = self._recv()
+            assert msg[0] == "order", msg[0]
+            self._order, self._ordered = msg[1], True
+        return self._order
+
+    def samples(self) -> Iterator[tuple[int, Sample]]:
+        assert self._ordered
+        while True:
+            msg = self._recv()
+            if msg[0] == "end":
+                self.stats = msg[1]
+                return
+            yield from msg[1]
+
+    def _ended(self) -> bool:
+        """The child has ended (told without reaping it: its pid keeps naming its group)."""
+        try:
+            return os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None  # type: ignore[arg-type]
+        except ChildProcessError:  # reaped already (multiprocessing does when it starts another process)
+            return True
+
+    def close(self) -> None:
+        """Kill the child's process group (the child and its workers) and reap the child."""
+        import signal
+
+        try:
+            os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # type: ignore[arg-type]
+            os.killpg(self.pid, signal.SIGKILL)  # type: ignore[arg-type]  # running or unreaped: still its group
+        except (ChildProcessError, ProcessLookupError, PermissionError):  # reaped, or the group is gone
+            pass
+        self._proc.join()
+        self._conn.close()
+
+
+def _produce(prepare: Callable[..., _Run], conn: Any, parents_end: Any, parent: int) -> None:
+    """The body of the producer process (see :class:`_Producer`)."""
+    import multiprocessing
+    import signal
+
+    parents_end.close()  # else a dead parent would not break the pipe
+    # daemonic for the parent (terminated when it exits), not for itself: it starts the tokenizer's workers
+    multiprocessing.current_process().daemon = False
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it kills this process
+    _die_with(parent)
+    me = os.getpid()
+    # the tokenizer's workers die with this process (else, killed, it would leave them waiting for work
+    # forever, holding the pipe open)
+    os.register_at_fork(after_in_child=lambda: _die_with(me))
+    sent = False
+
+    def tell(info: dict[str, int]) -> None:
+        nonlocal sent
+        conn.send(("info", info))
+        sent = True
+
+    try:
+        run = prepare(tell)
+        if not sent:
+            tell(run.info)
+        conn.send(("order", run.order))
+        batch: list[tuple[int, Sample]] = []
+        for j, s in _positioned(run):
+            batch.append((j, s))
+            # the last piece of a tokenizer batch's last conversation: send the batch
+            last_piece = s.meta.get("piece", 0) == s.meta.get("pieces", 1) - 1
+            if last_piece and run.out.stats.conversations % _BATCH == 0:
+                conn.send(("samples", batch))
+                batch = []
+        conn.send(("samples", batch))
+        conn.send(("end", run.out.stats))
+    except (BrokenPipeError, EOFError):  # the parent is gone or stopped listening
+        os._exit(1)
+    except Exception as e:
+        conn.send(("error", _portable(e)))
+
+
+def _die_with(parent: int) -> None:
+    """Linux: this process gets SIGKILL when ``parent`` (the process that forked it) ends,
+    however it ends (an exception, Ctrl-C, ``os._exit``, killed)."""
+    import signal
+
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: it ends at its next send, on the broken pipe
+        return
+    if os.getppid() != parent:  # the parent ended before that
+        os._exit(1)
+
+
+def _portable(e: BaseException) -> bytes:
+    """``e`` pickled, if it comes back of the same type and with the same message;
+    else a ``RuntimeError`` naming its type and message (an exception whose
+    ``__init__`` takes other arguments than its ``args`` and that does not say how
+    to rebuild it with ``__reduce__`` does not survive pickling)."""
+    import pickle
+
+    try:
+        blob = pickle.dumps(e)
+        back = pickle.loads(blob)
+        if type(back) is type(e) and str(back) == str(e):
+            return blob
+    except Exception:  # not picklable, or not rebuilt: the fallback below
+        pass
+    return pickle.dumps(RuntimeError(f"{type(e).__name__}: {e}"))
+
+
+def _rebuilt(blob: bytes) -> BaseException:
+    import pickle
+
+    err = pickle.loads(blob)
+    return err if isinstance(err, BaseException) else RuntimeError(repr(err))
 
 
 def _positioned(run: _Run) -> Iterator[tuple[int, Sample]]:
@@ -712,7 +967,7 @@ def cached_tokenize(
     written into a new entry (positions: the order of the samples' conversations).
     ``key=None`` or ``cache_dir=None``: no cache, nothing written.
     """
-    return TokenizeJob(lambda: _Run(tokenize(), None, None, {}), key=key, cache_dir=cache_dir).finish()
+    return TokenizeJob(lambda *_: _Run(tokenize(), None, None, {}), key=key, cache_dir=cache_dir).finish()
 
 
 def training_samples(
@@ -759,21 +1014,27 @@ def start_training_samples(
     cache_dir: str | os.PathLike[str] | None = None,
     source: dict[str, Any] | None = None,
     tokenizer_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
-    prime: bool = False,
     ready: bool = False,
+    in_child: bool = False,
     seed: int | None = None,
     load_tokenizer: tuple[str, Callable[[], Any]] | None = None,
 ) -> TokenizeJob:
     """:func:`training_samples` in two halves (:class:`TokenizeJob`): the cache is
-    looked up (and with ``prime=True`` the tokenizer started, with ``ready=True``
-    the input read and the tokenizer loaded) now, the rest is done by the job's
-    ``finish()``.
+    looked up now (and with ``ready=True`` the input read and the tokenizer loaded;
+    with ``in_child=True`` a producer process forked that does all of that and
+    tokenizes), the rest is done by the job's ``finish()``.
 
     Args:
         seed: tokenize the conversations in the order of
             ``conversation_order(n, seed=seed, epoch=0)``, the order training reads
             them in (the job's ``sink`` hands them over as they come); ``None``: in
             input order. The samples returned and cached are in input order either way.
+        in_child: on a cache miss, fork one producer process now that loads the
+            tokenizer, reads the input, orders it and tokenizes it (with its own
+            ``num_proc`` workers), sending the tokenizer's info, the order and the
+            samples back as they come; ``finish()`` collects them. Fork from a
+            process with no other thread and not busy importing (the CLI does it
+            before torch loads). Its errors are raised here, with their type and message.
         load_tokenizer: with ``tokenizer=None``: ``(name, load)``, a tokenizer that
             ``load()`` builds from ``tokenizer_files`` alone, named ``name`` in the key
             (:func:`tokenizer_files_identity`); it is loaded only if there is
@@ -804,11 +1065,14 @@ def start_training_samples(
                 tok_id = tokenizer_identity(tokenizer, files=tokenizer_files)
             key = cache_key(tok_id, options, source)
 
-    def prepare() -> _Run:
+    def prepare(tell: Callable[[dict[str, int]], None] | None = None) -> _Run:
         tok = tokenizer
         if tok is None:
             assert load_tokenizer is not None
             tok = load_tokenizer[1]()
+        info = tokenizer_info(tok)
+        if tell is not None:  # before reading the input: the model can be built meanwhile
+            tell(info)
         convs: Any = default_corpus(limit=limit) if conversations is None else conversations
         order = ids = None
         if seed is not None or key is not None or isinstance(convs, (list, tuple)) or conversations is None:
@@ -830,9 +1094,9 @@ def start_training_samples(
             batch_size=_BATCH,
             **options,  # type: ignore[arg-type]
         )
-        return _Run(out, order, ids, tokenizer_info(tok))
+        return _Run(out, order, ids, info)
 
-    return TokenizeJob(prepare, key=key, cache_dir=cache_dir, prime=prime, ready=ready)
+    return TokenizeJob(prepare, key=key, cache_dir=cache_dir, ready=ready, in_child=in_child)
 
 
 T = TypeVar("T")

@@ -12,6 +12,7 @@ build this parser without paying for them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import os
 import tempfile
@@ -274,15 +275,17 @@ class _Tokenizer:
 
 
 def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, Any]:
-    """Tokenize the data through the cache in a background thread while torch loads
-    and the model is built, in the order the trainer and padded paths train on the
-    conversations (``--seed``), so that training can start as soon as the first
-    step's conversations are there. On a cache hit nothing is tokenized and the
-    tokenizer is not loaded. With ``--num-proc`` > 1 the worker processes are
-    forked first, here, before torch loads (a fork is safe only from a process
-    that is not busy importing), and run at a lower priority than this process
-    (training first, tokenizing with what is left); the thread collects their
-    samples. Returns ``(job, pending)``."""
+    """Tokenize the data through the cache while torch loads and the model is built,
+    in the order the trainer and padded paths train on the conversations
+    (``--seed``), so that training can start as soon as the first step's
+    conversations are there. On a cache hit nothing is tokenized and the tokenizer
+    is not loaded. On a miss one producer process is forked here, before torch
+    loads (a fork is safe only from a process that is not busy importing and has
+    no other thread), at a lower priority than this one (training first,
+    tokenizing with what is left): it loads the tokenizer, reads the input, orders
+    it and tokenizes it (``--num-proc`` > 1: with its own worker processes); a
+    background thread here collects its samples and writes the cache entry.
+    Returns ``(job, pending)``."""
     from ..chat import read_conversations
     from ..chat._cache import (
         Pending,
@@ -307,35 +310,28 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
     elif cache_dir is not None:
         source = source_identity(None, limit=args.limit)
 
-    def start(prime: bool, ready: bool = False) -> Any:
-        return start_training_samples(
-            None,
-            conversations,
-            max_seq_len=args.max_seq_len,
-            limit=args.limit,
-            num_proc=args.num_proc,
-            progress=False,  # a bar from a background thread would cut through the other lines
-            cache_dir=cache_dir,
-            source=source,
-            # the embedded tokenizer is named by the files it is built from (no serialising, no loading)
-            tokenizer_files=args.tokenizer or default_tokenizer_files(),
-            load_tokenizer=("sftpack.data.default_tokenizer" if args.tokenizer is None else "AutoTokenizer", tok.get),
-            prime=prime,
-            ready=ready,
-            seed=args.seed,
-        )
-
-    if args.num_proc > 1:  # fork the workers now, then collect their samples in the background
-        job = start(prime=True)
-        if job.done is None:
-            _lower_priority_of_children()
-        return job, Pending(job.finish)
-    job = start(prime=False, ready=True)  # the input read and the tokenizer loaded here; tokenized there
+    job = start_training_samples(
+        None,
+        conversations,
+        max_seq_len=args.max_seq_len,
+        limit=args.limit,
+        num_proc=args.num_proc,
+        progress=False,  # a bar from a background thread would cut through the other lines
+        cache_dir=cache_dir,
+        source=source,
+        # the embedded tokenizer is named by the files it is built from (no serialising, no loading)
+        tokenizer_files=args.tokenizer or default_tokenizer_files(),
+        load_tokenizer=("sftpack.data.default_tokenizer" if args.tokenizer is None else "AutoTokenizer", tok.get),
+        in_child=True,
+        seed=args.seed,
+    )
+    if job.done is None:
+        _lower_priority_of_children()  # before it forks its own workers, which inherit it
     return job, Pending(job.finish)
 
 
 def _lower_priority_of_children(niceness: int = 5) -> None:
-    """Tokenizer workers yield the CPU to this process (imports, the model, the steps)."""
+    """The tokenizer's process yields the CPU to this one (imports, the model, the steps)."""
     import multiprocessing
 
     for child in multiprocessing.active_children():
@@ -392,6 +388,23 @@ def run(args: argparse.Namespace) -> int:
         # The data is tokenized (or read from the cache) while torch and the model load.
         job, pending = _start_tokenizing(args, tokenizer)
     _mark("tokenizer")
+    try:
+        return _train(args, resume, manifest, tokenizer, job, pending)
+    except BaseException:
+        if job is not None:  # an error, Ctrl-C: the tokenizer's process goes too (nothing is cached)
+            job.close()
+        raise
+
+
+def _train(
+    args: argparse.Namespace,
+    resume: bool | Literal["auto"],
+    manifest: dict | None,
+    tokenizer: _Tokenizer,
+    job: Any,
+    pending: Any,
+) -> int:
+    """:func:`run` once the data is on its way."""
 
     from ..chat._cache import tokenizer_info
     from ..loop import (
@@ -421,8 +434,8 @@ def run(args: argparse.Namespace) -> int:
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
 
-    # what training needs of the tokenizer: from the cache entry, else from the tokenizer
-    info = dict(job.done.tokenizer) if job is not None and job.done is not None else {}
+    # what training needs of the tokenizer: from the cache entry, else from the tokenizer's process
+    info = job.info() if job is not None else {}
     if not {"vocab_size", "pad_id"} <= info.keys():
         info = tokenizer_info(tokenizer.get())
     pad_id, vocab_size = int(info["pad_id"]), int(info["vocab_size"])
@@ -535,6 +548,9 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=check_tokenizer,
         )
         if streaming:  # the first step's conversations (data with no target at all is refused here)
+            # building the optimizer imports torch._dynamo (torch.optim's dynamo-disabling wrappers), about
+            # 1.3 s: importing it here overlaps it with the wait for the first step's conversations
+            importlib.import_module("torch._dynamo")
             source.wait_first()  # type: ignore[attr-defined]
         _mark("source")
         n_params = sum(p.numel() for p in model.parameters())
