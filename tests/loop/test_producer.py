@@ -7,6 +7,7 @@ gives an error naming how it ended; no process of it is left after an error."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -216,7 +217,7 @@ def counted_init(self, prepare):
 
 _train._Tokenizer.get, _cache._Producer.__init__ = counted_get, counted_init
 rc = main(sys.argv[1:])
-print("RESULT", rc, "producers", len(producers), "loads", len(loads))
+print("RESULT", rc, "producers", len(producers), "loads", len(loads), "pids", *producers)
 """
 
 
@@ -224,7 +225,6 @@ def test_sftpack_train_tokenizes_in_the_producer_on_a_miss(tok, tmp_path):
     files = tmp_path / "tok"
     tok.save_pretrained(files)
     chat = tmp_path / "chat.jsonl"
-    import json
 
     chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _convs(40)))
     args = ["train", str(chat), "--steps", "1", "--batch-size", "4", "--max-seq-len", "64", "--tokenizer",
@@ -241,3 +241,22 @@ def test_sftpack_train_tokenizes_in_the_producer_on_a_miss(tok, tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "RESULT 0 producers 0 loads 0" in again.stdout, again.stdout  # a hit: nothing forked, nothing loaded
     assert "read from the cache" in again.stdout
+
+
+def test_sftpack_train_reports_a_bad_row_found_in_the_producer_and_leaves_nothing(tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    convs = _bad_convs()
+    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    cache = tmp_path / "cache"
+    args = ["train", str(chat), "--steps", "1", "--max-seq-len", "64", "--cache-dir", str(cache), "--num-proc", "2",
+            "--device", "cpu"]  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]  # the driver ran; the command's own code is in RESULT
+    result = out.stdout.split("RESULT ")[1].split()
+    assert result[:5] == ["1", "producers", "1", "loads", "0"], out.stdout
+    # the reader names the row: line 71 of the file (conversation 70)
+    assert f"{chat}, line 71: none of the 1 messages is from the assistant" in out.stderr, out.stderr[-3000:]
+    assert _group(int(result[6])) == []
+    assert not list((cache / "tokenized").glob("*"))  # no entry, no temporary folder

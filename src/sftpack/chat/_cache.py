@@ -850,8 +850,7 @@ class _Producer:
             os.killpg(self.pid, signal.SIGKILL)  # type: ignore[arg-type]  # running or unreaped: still its group
         except (ChildProcessError, ProcessLookupError, PermissionError):  # reaped, or the group is gone
             pass
-        self._proc.join()
-        self._conn.close()
+        self._proc.join()  # the pipe stays open: a reader in another thread now finds it ended
 
 
 def _produce(prepare: Callable[..., _Run], conn: Any, parents_end: Any, parent: int) -> None:

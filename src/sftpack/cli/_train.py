@@ -391,8 +391,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _train(args, resume, manifest, tokenizer, job, pending)
     except BaseException:
-        if job is not None:  # an error, Ctrl-C: the tokenizer's process goes too (nothing is cached)
+        if job is not None and pending is not None:  # an error, Ctrl-C: the tokenizer's process goes too
             job.close()
+            try:
+                pending.result()  # it ends at once, its cache entry's temporary folder removed
+            except BaseException:  # what killing the producer makes of it: not the error to report
+                pass
         raise
 
 
