@@ -753,8 +753,8 @@ class _Producer:
 
     The child dies with the thread that forked it (``PR_SET_PDEATHSIG`` on Linux;
     else at its next send, which finds the pipe broken), its workers with it, and
-    :meth:`close` kills it and its workers. Reading is single-threaded: :meth:`info` and :meth:`order` are
-    called under the job's lock, :meth:`samples` only after :meth:`order`.
+    :meth:`close` kills it and its workers. One reader at a time: :meth:`info` and
+    :meth:`order` are called under the job's lock, :meth:`samples` only after :meth:`order`.
     """
 
     def __init__(self, prepare: Callable[..., _Run]) -> None:
@@ -789,8 +789,11 @@ class _Producer:
                 except (EOFError, OSError):
                     msg = None
                 break
-            if self._ended():  # killed: its workers may still hold the pipe open
-                msg = self._conn.recv() if self._conn.poll(0) else None
+            if self._ended():  # (outside Linux, the workers of a killed child may hold the pipe open)
+                try:  # what it sent before it ended
+                    msg = self._conn.recv() if self._conn.poll(0) else None
+                except (EOFError, OSError):
+                    msg = None
                 break
         if msg is None:
             self.close()

@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
         job, pending = _start_tokenizing(args, tokenizer)
     _mark("tokenizer")
     try:
-        return _train(args, resume, manifest, tokenizer, job, pending)
+        return _run_training(args, resume, manifest, tokenizer, job, pending)
     except BaseException:
         if job is not None and pending is not None:  # an error, Ctrl-C: the tokenizer's process goes too
             job.close()
@@ -400,7 +400,7 @@ def run(args: argparse.Namespace) -> int:
         raise
 
 
-def _train(
+def _run_training(
     args: argparse.Namespace,
     resume: bool | Literal["auto"],
     manifest: dict | None,
