@@ -22,6 +22,7 @@ import contextlib
 import json
 import math
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -234,6 +235,28 @@ def _check_finite_params(model: Any, step: int) -> None:
             )
 
 
+class _Background:
+    """``fn()`` in a daemon thread; :meth:`result` waits and returns it (or raises its error)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._out: list[Any] = []
+        self._err: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="sftpack-optimizer", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        try:
+            self._out.append(fn())
+        except BaseException as e:  # handed to result()
+            self._err.append(e)
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._err:
+            raise self._err[0]
+        return self._out[0]
+
+
 def train(
     config: TrainConfig,
     *,
@@ -300,12 +323,15 @@ def train(
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, config.lr_factor)
 
     # Building an optimizer imports torch._dynamo (torch.optim's dynamo-disabling wrappers),
-    # about 1.3 s on a 2-core CPU when nothing imported it before. Not in a background
-    # thread: an import holds the GIL almost throughout, and the first step's forward and
-    # backward passes, which need the GIL back after every kernel, then wait up to the
-    # interpreter's 5 ms switch interval each time (measured: the first step twice as slow).
-    # sftpack train imports it while it waits for the first step's data instead.
-    opt, sched = make_optimizer()
+    # a fixed cost of the first step whatever the options: done in a thread, it runs while
+    # the first forward and backward passes compute (torch's kernels release the GIL), and
+    # the optimizer is taken when the first update needs it. It touches no RNG. The import
+    # holds the GIL most of the time, so each kernel of those passes may wait up to the
+    # interpreter's switch interval to get it back: still a net gain over importing first
+    # (benchmarks/bench_startup.py, second runs).
+    making = _Background(make_optimizer)
+    opt: Any = None
+    sched: Any = None
     # asked for only when a checkpoint is read or written: a source still receiving
     # its samples (sftpack train tokenizing in the background) then waits for them all
     fingerprint: str | None = source.fingerprint() if resume else None
@@ -335,6 +361,7 @@ def train(
                     f"{path / 'state.pt'} holds another model's weights ({' '.join(str(e).split())[:160]}): "
                     "resume with the same --model or --dim/--layers/--heads/--kv-heads/--vocab"
                 ) from None
+            opt, sched = making.result()
             opt.load_state_dict(shared["optimizer"])
             sched.load_state_dict(shared["scheduler"])
             source.load_state_dict(mine["data"])
@@ -376,7 +403,11 @@ def train(
                     device=device,
                 )
             )
-            opt.zero_grad(set_to_none=True)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:  # the first step, the optimizer still being built: what zero_grad(set_to_none=True) does
+                for p in params:
+                    p.grad = None
             step_loss = torch.zeros((), dtype=torch.float32, device=device)
             # n is global: every rank agrees on a step with no supervised target at all
             skipped = "" if int(n) else "no_targets"
@@ -393,6 +424,8 @@ def train(
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
                 else:
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            if opt is None:
+                opt, sched = making.result()
             lr = opt.param_groups[0]["lr"]
             counts = torch.tensor(
                 [
