@@ -21,10 +21,11 @@ The goal is **first step**: the wall time from launching the process to the end
 of its first optimizer step. The phases come from the marks
 :func:`sftpack.cli._train.run` records (``MARKS``): start-up (interpreter,
 ``import sftpack.cli``, and the exit), tokenizer (looking the data up in the
-cache; on a miss starting the tokenizer), imports (torch and the loop), model
-(with ``--model-impl transformers`` also importing transformers' modeling code), waiting for the data, the first step (source,
-optimizer, one forward/backward/AdamW step, waiting for its conversations), and
-after (once trained, waiting for the rest of the data to be tokenized and
+cache; on a miss forking the producer process that tokenizes), imports (torch
+and the loop), model (on a miss waiting for the tokenizer's vocabulary size from
+the producer; with ``--model-impl transformers`` also importing transformers'
+modeling code), waiting for the data, the first step (source, optimizer, one
+forward/backward/AdamW step, waiting for its conversations), and after (once trained, waiting for the rest of the data to be tokenized and
 cached, when training started before it was all there). The medians
 over ``--rounds`` rounds are printed with the machine and its load, and written
 to this script's section of ``benchmarks/RESULTS.md``.
@@ -221,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             "no-cache: `--no-cache`"
             + (f"; before first / before second: the same pair on the `src/` of `{args.before}`" if args.before else "")
             + ". First step: wall from launching the process to the end of step 1 (the goal). Phases: start-up "
-            "(interpreter, `import sftpack.cli`, exit), tokenizer (cache look-up; on a miss starting the tokenizer), "
+            "(interpreter, `import sftpack.cli`, exit), tokenizer (cache look-up; on a miss forking the producer process that "
+            "tokenizes), "
             "imports (torch, the loop), model build (with transformers' modeling imports for `--model-impl "
             "transformers`), waiting for the data, "
             "to step 1 (source, optimizer, the first step, waiting for its conversations), after (the rest of the "
