@@ -437,6 +437,13 @@ def _run_training(
         raise UsageError(f"--device {e}") from None
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
+    if cfg.packing in (Packing.TRAINER, Packing.NONE):
+        # Building the optimizer imports torch._dynamo (torch.optim's dynamo-disabling wrappers),
+        # over a second of a 2-core CPU: begun here, in a thread, it goes on while the model is
+        # built, the first step's data arrives and its first passes compute. Only on these paths:
+        # no process is forked after this point (a fork while another thread imports could copy
+        # a held import lock into the child).
+        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
 
     # what training needs of the tokenizer: from the cache entry, else from the tokenizer's process
     info = job.info() if job is not None else {}
@@ -552,9 +559,6 @@ def _run_training(
             tokenizer=check_tokenizer,
         )
         if streaming:  # the first step's conversations (data with no target at all is refused here)
-            # building the optimizer imports torch._dynamo (torch.optim's dynamo-disabling wrappers), about
-            # 1.3 s: importing it here overlaps it with the wait for the first step's conversations
-            importlib.import_module("torch._dynamo")
             source.wait_first()  # type: ignore[attr-defined]
         _mark("source")
         n_params = sum(p.numel() for p in model.parameters())
