@@ -283,3 +283,15 @@ def max_param_diff(a, b) -> float:
 def max_loss_diff(a, b) -> float:
     assert len(a) == len(b)
     return max(abs(x - y) for x, y in zip(a, b))
+
+
+def counting_conversations(n: int = 30) -> list[list[dict[str, str]]]:
+    """``n`` two-turn conversations whose lengths cycle (user: ``i % 4 + 1`` counts,
+    assistant: ``i % 9 + 1`` triples), so that conversation ``i`` reads as its index."""
+    return [
+        [
+            {"role": "user", "content": f"count {i} " * (i % 4 + 1)},
+            {"role": "assistant", "content": "one two three " * (i % 9 + 1)},
+        ]
+        for i in range(n)
+    ]

@@ -22,19 +22,10 @@ from sftpack.chat import BadRowError
 from sftpack.chat._cache import Pending, start_training_samples, tokenizer_info
 from sftpack.loop import TrainConfig, make_source
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import counting_conversations
 
 #: a liveness guard for waits on another process (never a measured time)
 GUARD_S = 120
-
-
-def _convs(n):
-    return [
-        [
-            {"role": "user", "content": f"count {i} " * (i % 4 + 1)},
-            {"role": "assistant", "content": "one two three " * (i % 9 + 1)},
-        ]
-        for i in range(n)
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +69,7 @@ def _steps(sink, packing, n=6):
 
 @pytest.mark.parametrize("num_proc", [1, 2])
 def test_the_producer_gives_the_in_process_samples_entry_and_batches(tok, tmp_path, num_proc):
-    convs = _convs(150)  # 3 tokenizer batches of 64: 3 sample messages
+    convs = counting_conversations(150)  # 3 tokenizer batches of 64: 3 sample messages
     here = _job(tok, convs, tmp_path / "here")
     tokenizing = Pending(here.finish)
     here_steps = _steps(here.sink, "trainer")
@@ -120,7 +111,9 @@ def test_the_tokenizer_is_loaded_in_the_producer_only(tok, tmp_path):
             f.write(f"{os.getpid()}\n")
         return tok
 
-    job = _job(None, _convs(12), tmp_path, tokenizer_files=files, load_tokenizer=("test", load), in_child=True)
+    job = _job(
+        None, counting_conversations(12), tmp_path, tokenizer_files=files, load_tokenizer=("test", load), in_child=True
+    )
     info = job.info()
     assert info == tokenizer_info(tok)
     assert where.read_text().split() == [str(job.pid)]  # once, in the producer
@@ -130,12 +123,19 @@ def test_the_tokenizer_is_loaded_in_the_producer_only(tok, tmp_path):
     def refuse():
         raise AssertionError("the tokenizer was loaded on a cache hit")
 
-    hit = _job(None, _convs(12), tmp_path, tokenizer_files=files, load_tokenizer=("test", refuse), in_child=True)
+    hit = _job(
+        None,
+        counting_conversations(12),
+        tmp_path,
+        tokenizer_files=files,
+        load_tokenizer=("test", refuse),
+        in_child=True,
+    )
     assert hit.done is not None and hit.done.hit and hit.pid is None and hit.info() == info
 
 
 def _bad_convs():
-    convs = _convs(100)
+    convs = counting_conversations(100)
     convs[70] = [{"role": "user", "content": "a question and no answer"}]  # no trainable token
     return convs
 
@@ -165,7 +165,9 @@ def test_errors_before_the_order_and_unpicklable_errors(tok, tmp_path):
     def broken():
         raise OSError(2, "No such file or directory", "tokenizer.json")
 
-    job = _job(None, _convs(5), tmp_path, tokenizer_files=files, load_tokenizer=("test", broken), in_child=True)
+    job = _job(
+        None, counting_conversations(5), tmp_path, tokenizer_files=files, load_tokenizer=("test", broken), in_child=True
+    )
     with pytest.raises(FileNotFoundError, match=r"\[Errno 2\] No such file or directory: 'tokenizer.json'"):
         job.info()
     with pytest.raises(FileNotFoundError):  # the same error again, for every caller
@@ -177,7 +179,9 @@ def test_errors_before_the_order_and_unpicklable_errors(tok, tmp_path):
     def odd():
         raise Local("odd tokenizer")
 
-    job = _job(None, _convs(5), tmp_path, tokenizer_files=files, load_tokenizer=("test", odd), in_child=True)
+    job = _job(
+        None, counting_conversations(5), tmp_path, tokenizer_files=files, load_tokenizer=("test", odd), in_child=True
+    )
     with pytest.raises(RuntimeError, match="^Local: odd tokenizer$"):
         job.sink  # noqa: B018 (waits for the order)
     assert _group(job.pid) == []
@@ -186,7 +190,7 @@ def test_errors_before_the_order_and_unpicklable_errors(tok, tmp_path):
 def test_a_killed_producer_gives_a_clear_error_and_leaves_no_process(tok, tmp_path):
     # 2,000 conversations: far more samples than a pipe holds, so the producer cannot end
     # before this test reads them, which it does only after killing it
-    job = _job(tok, _convs(2000), tmp_path, in_child=True, num_proc=2)
+    job = _job(tok, counting_conversations(2000), tmp_path, in_child=True, num_proc=2)
     assert job.sink is not None  # the order has come
     pid = job.pid
     _wait_until(lambda: len(_group(pid)) == 3, "the producer and its 2 workers")
@@ -226,7 +230,7 @@ def test_sftpack_train_tokenizes_in_the_producer_on_a_miss(tok, tmp_path):
     tok.save_pretrained(files)
     chat = tmp_path / "chat.jsonl"
 
-    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in _convs(40)))
+    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in counting_conversations(40)))
     args = ["train", str(chat), "--steps", "1", "--batch-size", "4", "--max-seq-len", "64", "--tokenizer",
             str(files), "--cache-dir", str(tmp_path / "cache"), "--dim", "16", "--layers", "1", "--heads", "2",
             "--kv-heads", "1", "--num-proc", "2", "--device", "cpu"]  # fmt: skip

@@ -22,16 +22,7 @@ from sftpack.loop import TrainConfig, make_source
 from sftpack.loop._sources import ConversationOrder
 from sftpack.sample import Sample
 from sftpack.testing import tiny_chat_tokenizer
-
-
-def _convs(n=30):
-    return [
-        [
-            {"role": "user", "content": f"count {i} " * (i % 4 + 1)},
-            {"role": "assistant", "content": "one two three " * (i % 9 + 1)},
-        ]
-        for i in range(n)
-    ]
+from tests.helpers import counting_conversations
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +60,7 @@ def _same_steps(a, b):
 @pytest.mark.parametrize("in_child", [False, True], ids=["in-process", "producer"])
 @pytest.mark.parametrize("packing", ["trainer", "none"])
 def test_same_seed_same_batches_streamed_cached_or_not(tok, tmp_path, packing, in_child):
-    convs = _convs()
+    convs = counting_conversations()
     miss = _job(tok, convs, tmp_path, in_child=in_child)
     assert miss.done is None and miss.sink is not None and not miss.sink.done
     pending = Pending(miss.finish)  # tokenizing in the background while the steps are read
@@ -90,7 +81,7 @@ def test_same_seed_same_batches_streamed_cached_or_not(tok, tmp_path, packing, i
 
 
 def test_steps_read_whole_conversations_in_seeded_order(tok, tmp_path):
-    convs = _convs()
+    convs = counting_conversations()
     job = _job(tok, convs, tmp_path, cache=False)
     got = job.finish()
     assert any(s.meta.get("piece") for s in got.samples)  # some conversations were split
@@ -139,7 +130,7 @@ def test_a_tokenizer_error_reaches_the_waiting_step():
 def test_a_cache_hit_does_not_load_the_tokenizer(tok, tmp_path):
     files = tmp_path / "tok"
     tok.save_pretrained(files)
-    convs = _convs(12)
+    convs = counting_conversations(12)
     loads = []
 
     def load():
