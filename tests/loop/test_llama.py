@@ -27,7 +27,7 @@ import torch
 
 from sftpack import PackedBatch
 from sftpack.loop import build_model
-from sftpack.loop._llama import SmallLlama, SmallLlamaConfig, build_small_llama
+from sftpack.loop._llama import SmallLlama, SmallLlamaConfig
 from sftpack.loop._model import LossModule
 from sftpack.testing import samples_from_lengths
 
@@ -38,7 +38,7 @@ SHAPES = [dict(dim=32, layers=2, heads=4, kv_heads=2), dict(dim=16, layers=1, he
 
 def _pair(dtype: torch.dtype, seed: int = 0, **shape):
     hf = build_model(V, seed=seed, dtype=dtype, **shape)
-    me = build_small_llama(V, seed=seed, dtype=dtype, **shape)
+    me = build_model(V, seed=seed, dtype=dtype, impl="torch", **shape)
     return hf, me
 
 
@@ -79,7 +79,7 @@ def test_same_parameters_for_the_same_seed(shape, seed):
     assert list(a) == list(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    other = build_small_llama(V, seed=seed + 1, **shape).state_dict()
+    other = build_model(V, seed=seed + 1, impl="torch", **shape).state_dict()
     assert not torch.equal(other["lm_head.weight"], b["lm_head.weight"])
 
 
@@ -139,7 +139,7 @@ def test_a_wrong_model_is_caught():
 
 def test_checkpoints_load_into_either_model():
     hf, _ = _pair(torch.float32, **SHAPES[1])
-    me = build_small_llama(V, seed=9, **SHAPES[1])
+    me = build_model(V, seed=9, impl="torch", **SHAPES[1])
     me.load_state_dict(hf.state_dict())
     ids = torch.randint(0, V, (1, 12))
     assert torch.equal(me(ids).logits, hf(ids, use_cache=False).logits)
@@ -165,8 +165,8 @@ def test_building_it_imports_no_transformers_modeling_code():
     import sys
 
     code = (
-        "import sys; from sftpack.loop._llama import build_small_llama; build_small_llama(50, dim=16, heads=2, "
-        "kv_heads=1); print(sorted(m for m in sys.modules if m.startswith('transformers')))"
+        "import sys; from sftpack.loop import build_model; build_model(50, dim=16, heads=2, kv_heads=1, "
+        "impl='torch'); print(sorted(m for m in sys.modules if m.startswith('transformers')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

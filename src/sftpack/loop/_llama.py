@@ -235,7 +235,8 @@ class SmallLlama(nn.Module):
     """A Llama causal LM in plain torch with ``LlamaForCausalLM``'s parameters and
     computation (see the module docstring); ``model.model`` is the body, ``model.lm_head`` the head.
 
-    >>> m = build_small_llama(1000, dim=32, layers=1, heads=2, kv_heads=1)
+    >>> m = build_small_llama(SmallLlamaConfig(1000, hidden_size=32, intermediate_size=128,
+    ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
     >>> m.config.vocab_size, sum(p.numel() for p in m.parameters())
     (1000, 79456)
     >>> m(torch.tensor([[1, 2, 3]])).logits.shape
@@ -269,17 +270,7 @@ class SmallLlama(nn.Module):
         return CausalLMOutput(logits, loss)
 
 
-def build_small_llama(
-    vocab_size: int,
-    *,
-    dim: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    kv_heads: int = 2,
-    max_positions: int = 32768,
-    seed: int = 0,
-    dtype: torch.dtype = torch.float32,
-) -> SmallLlama:
+def build_small_llama(cfg: SmallLlamaConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32) -> SmallLlama:
     """A seeded :class:`SmallLlama` with the weights ``build_model`` gives transformers' Llama.
 
     The random draws follow transformers' order: each module draws torch's default
@@ -287,15 +278,6 @@ def build_small_llama(
     from ``normal(0, initializer_range)`` in module order; then the head is built
     and redrawn. The global RNG is left as it was.
     """
-    cfg = SmallLlamaConfig(
-        vocab_size,
-        hidden_size=dim,
-        intermediate_size=4 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
-    )
     std = cfg.initializer_range
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(seed)

@@ -45,7 +45,7 @@ from .._train_attention import TRAIN_ATTENTION, register_train_attention
 from ..exactness import norms_in_model_dtype
 from ..head import fused_linear_cross_entropy
 from ..sample import IGNORE_INDEX
-from ._llama import build_small_llama
+from ._llama import SmallLlamaConfig, build_small_llama
 
 __all__ = [
     "TRAIN_ATTENTION",
@@ -112,16 +112,16 @@ def build_model(
                 f"impl='torch' runs sftpack's training attention only, not attn_implementation="
                 f"{attn_implementation!r}: leave it out, or use impl='transformers'"
             )
-        return build_small_llama(
+        cfg = SmallLlamaConfig(
             vocab_size,
-            dim=dim,
-            layers=layers,
-            heads=heads,
-            kv_heads=kv_heads,
-            max_positions=max_positions,
-            seed=seed,
-            dtype=dtype,
+            hidden_size=dim,
+            intermediate_size=4 * dim,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
         )
+        return build_small_llama(cfg, seed=seed, dtype=dtype)
     hf = transformers()
     cfg = hf.LlamaConfig(
         vocab_size=vocab_size,
