@@ -1007,6 +1007,25 @@ def records_to_runs(
 
 
 @_kernel
+def _grouped_by_bin(
+    bin_of: np.ndarray, fill: np.ndarray, n_bins: int, visit: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(order, offsets)`` from ``bin_of[t]``, the bin of the ``t``-th visited item: each
+    bin's items in visiting order, bins one after another (``fill`` counts each bin's)."""
+    n = visit.shape[0]
+    offsets = np.zeros(n_bins + 1, np.int64)
+    for b in range(n_bins):
+        offsets[b + 1] = offsets[b] + fill[b]
+    pos = offsets[:n_bins].copy()
+    order = np.empty(n, np.int64)
+    for t in range(n):
+        b = bin_of[t]
+        order[pos[b]] = visit[t]
+        pos[b] += 1
+    return order, offsets
+
+
+@_kernel
 def first_fit_items(
     lengths: np.ndarray, multiple: int, cap_units: int, max_items: int, visit: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -1036,16 +1055,7 @@ def first_fit_items(
         fill[b] += 1
         _tree_set(tree, leaves, b, room if fill[b] < max_items else 0)
         bin_of[t] = b
-    offsets = np.zeros(n_bins + 1, np.int64)
-    for b in range(n_bins):
-        offsets[b + 1] = offsets[b] + fill[b]
-    pos = offsets[:n_bins].copy()
-    order = np.empty(n, np.int64)
-    for t in range(n):
-        b = bin_of[t]
-        order[pos[b]] = visit[t]
-        pos[b] += 1
-    return order, offsets
+    return _grouped_by_bin(bin_of, fill, n_bins, visit)
 
 
 @_kernel
@@ -1239,22 +1249,14 @@ def any_fit_two(
         if best_fit:
             _tree_set_min(tree_min, leaves, b, room if still_open else _BIG)
         bin_of[t] = b
-    offsets = np.zeros(n_bins + 1, np.int64)
-    for b in range(n_bins):
-        offsets[b + 1] = offsets[b] + fill[b]
-    pos = offsets[:n_bins].copy()
-    order = np.empty(n, np.int64)
-    for t in range(n):
-        b = bin_of[t]
-        order[pos[b]] = visit[t]
-        pos[b] += 1
-    return order, offsets
+    return _grouped_by_bin(bin_of, fill, n_bins, visit)
 
 
 @_kernel
-def _leftmost_at_most(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.ndarray) -> int:
-    """The leftmost leaf ``>= lo`` holding ``<= x`` in a min tree, or -1 (depth first;
-    the stack carries each node's first leaf and width)."""
+def _leftmost_from(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.ndarray, sign: int) -> int:
+    """The leftmost leaf ``>= lo`` holding ``>= x`` in a max tree (``sign`` 1), or ``<= x``
+    in a min tree (``sign`` -1), or -1 (depth first; the stack carries each node's first
+    leaf and width). Values stay within ``+-(2**63 - 1)``, so negating never overflows."""
     stack[0] = 1
     stack[1] = 0
     stack[2] = leaves
@@ -1264,7 +1266,7 @@ def _leftmost_at_most(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.
         i = stack[3 * top]
         first = stack[3 * top + 1]
         width = stack[3 * top + 2]
-        if first + width <= lo or tree[i] > x:
+        if first + width <= lo or sign * tree[i] < sign * x:
             continue
         if i >= leaves:
             return i - leaves
@@ -1325,7 +1327,7 @@ def greedy_two(
                     lo = mid + 1
             if lo >= n:
                 break
-            q = _leftmost_at_most(tree, leaves, lo, room_w, stack)
+            q = _leftmost_from(tree, leaves, lo, room_w, stack, np.int64(-1))
             if q < 0:
                 break
             taken[done] = visit[q]
@@ -1421,33 +1423,6 @@ def _lh_merge(
 
 
 @_kernel
-def _first_at_least_from(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.ndarray) -> int:
-    """The leftmost leaf ``>= lo`` holding ``>= x`` in a max tree, or -1."""
-    stack[0] = 1
-    stack[1] = 0
-    stack[2] = leaves
-    top = 1
-    while top > 0:
-        top -= 1
-        i = stack[3 * top]
-        first = stack[3 * top + 1]
-        width = stack[3 * top + 2]
-        if first + width <= lo or tree[i] < x:
-            continue
-        if i >= leaves:
-            return i - leaves
-        half = width // 2
-        stack[3 * top] = 2 * i + 1
-        stack[3 * top + 1] = first + half
-        stack[3 * top + 2] = half
-        stack[3 * top + 3] = 2 * i
-        stack[3 * top + 4] = first
-        stack[3 * top + 5] = half
-        top += 2
-    return -1
-
-
-@_kernel
 def best_fit_two(
     lengths: np.ndarray,
     multiple: int,
@@ -1481,7 +1456,7 @@ def best_fit_two(
         i = visit[t]
         u = (lengths[i] + multiple - 1) // multiple
         w = weights[i]
-        r = _first_at_least_from(tree, leaves, u, w, stack)
+        r = _leftmost_from(tree, leaves, u, w, stack, np.int64(1))
         if r < 0:
             b = n_bins
             n_bins += 1
@@ -1504,16 +1479,7 @@ def best_fit_two(
             heap[room] = top
             _tree_set(tree, leaves, room, room_w[top])
         bin_of[t] = b
-    offsets = np.zeros(n_bins + 1, np.int64)
-    for b in range(n_bins):
-        offsets[b + 1] = offsets[b] + fill[b]
-    pos = offsets[:n_bins].copy()
-    order = np.empty(n, np.int64)
-    for t in range(n):
-        b = bin_of[t]
-        order[pos[b]] = visit[t]
-        pos[b] += 1
-    return order, offsets
+    return _grouped_by_bin(bin_of, fill, n_bins, visit)
 
 
 def _plain_copy() -> types.ModuleType:
