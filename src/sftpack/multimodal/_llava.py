@@ -43,7 +43,7 @@ from ..sample import Sample
 from ._exactness import compare_packed_alone
 from ._images import load_image
 from ._model import _rms_norm_in_input_dtype, _train_attention_name
-from ._sample import IMAGE_PAD, VISION_END, VISION_START, _render, qwen2vl_tokenizer
+from ._sample import IMAGE_PAD, VISION_END, VISION_START, _check_image_runs, _render, qwen2vl_tokenizer
 
 __all__ = [
     "LlavaCheck",
@@ -95,19 +95,7 @@ class LlavaSample(Sample):
                 f"LlavaSample {who!r}: image runs of lengths {self.image_runs[:, 1].tolist()}; a LLaVA image "
                 "always takes the same number of tokens"
             )
-        is_img = self.input_ids == self.image_token_id
-        marked = np.zeros_like(is_img)
-        for i, (s, n) in enumerate(self.image_runs.tolist()):
-            if n < 1 or s < 0 or s + n > len(self) or not bool(is_img[s : s + n].all()):
-                raise ValueError(
-                    f"LlavaSample {who!r}: image {i} run (start {s}, length {n}) is not a run of image tokens "
-                    f"{self.image_token_id} in input_ids"
-                )
-            marked[s : s + n] = True
-        if not np.array_equal(marked, is_img):
-            raise ValueError(f"LlavaSample {who!r}: image tokens outside the image runs")
-        if bool((self.loss_mask & is_img).any()):
-            raise ValueError(f"LlavaSample {who!r}: an image token is marked trainable")
+        _check_image_runs(self, f"LlavaSample {who!r}", None, "image")
 
     @property
     def num_images(self) -> int:

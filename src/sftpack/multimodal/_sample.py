@@ -115,20 +115,8 @@ class MultimodalSample(Sample):
                 f"MultimodalSample {who!r}: grids hold {int(self.image_grid_thw.prod(axis=1).sum())} patches "
                 f"but pixel_values has {self.pixel_values.shape[0]}"
             )
-        want = self.image_grid_thw.prod(axis=1) // (self.merge_size**2)
-        is_img = self.input_ids == self.image_token_id
-        marked = np.zeros_like(is_img)
-        for i, (s, n) in enumerate(self.image_runs.tolist()):
-            if n != int(want[i]) or s < 0 or s + n > len(self) or not bool(is_img[s : s + n].all()):
-                raise ValueError(
-                    f"MultimodalSample {who!r}: image {i} run (start {s}, length {n}) is not {int(want[i])} "
-                    f"placeholder tokens {self.image_token_id} in input_ids"
-                )
-            marked[s : s + n] = True
-        if not np.array_equal(marked, is_img):
-            raise ValueError(f"MultimodalSample {who!r}: placeholder tokens outside the image runs")
-        if bool((self.loss_mask & is_img).any()):
-            raise ValueError(f"MultimodalSample {who!r}: an image placeholder is marked trainable")
+        want = (self.image_grid_thw.prod(axis=1) // (self.merge_size**2)).tolist()
+        _check_image_runs(self, f"MultimodalSample {who!r}", want, "placeholder")
 
     @property
     def num_images(self) -> int:
@@ -137,6 +125,27 @@ class MultimodalSample(Sample):
     @property
     def num_patches(self) -> int:
         return int(self.pixel_values.shape[0])
+
+
+def _check_image_runs(sample: Any, who: str, lengths: list[int] | None, word: str) -> None:
+    """``sample.image_runs`` are runs of ``sample.image_token_id`` in ``input_ids``
+    (each of ``lengths[i]`` tokens when given, else at least one), those runs hold
+    every such token, and none of them is trainable; else a ``ValueError`` naming
+    ``who`` and the run (``word`` names the token: "placeholder", "image")."""
+    is_img = sample.input_ids == sample.image_token_id
+    marked = np.zeros_like(is_img)
+    for i, (s, n) in enumerate(sample.image_runs.tolist()):
+        bad_length = n < 1 if lengths is None else n != lengths[i]
+        if bad_length or s < 0 or s + n > len(sample) or not bool(is_img[s : s + n].all()):
+            what = f"a run of {word} tokens" if lengths is None else f"{lengths[i]} {word} tokens"
+            raise ValueError(
+                f"{who}: image {i} run (start {s}, length {n}) is not {what} {sample.image_token_id} in input_ids"
+            )
+        marked[s : s + n] = True
+    if not np.array_equal(marked, is_img):
+        raise ValueError(f"{who}: {word} tokens outside the image runs")
+    if bool((sample.loss_mask & is_img).any()):
+        raise ValueError(f"{who}: {word} tokens of an image run are marked trainable")
 
 
 def rope_index(sample: MultimodalSample) -> np.ndarray:
