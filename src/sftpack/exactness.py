@@ -169,18 +169,19 @@ def _rms_norm_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> to
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def norms_in_model_dtype(model: nn.Module) -> nn.Module:
+def norms_in_model_dtype(model: nn.Module, classes: tuple[str, ...] = ("LlamaRMSNorm",)) -> nn.Module:
     """Make a float64 Hugging Face Llama compute its RMSNorms in float64; returns ``model``.
 
     ``LlamaRMSNorm`` upcasts to float32 (for bfloat16 stability) and casts back, so in a
     float64 model every normalised activation would be rounded to float32: float64 would
     then not be float64, and two groupings of the same tokens could differ by a float32
     rounding step. This swaps in the same formula, ``w * x / sqrt(mean(x**2) + eps)``,
-    computed in the input's dtype, on every ``LlamaRMSNorm`` of ``model`` (parameters and
+    computed in the input's dtype, on every module of ``model`` whose class is named in
+    ``classes`` (another model's RMSNorm, e.g. ``("Qwen2VLRMSNorm",)``; parameters and
     state-dict keys unchanged). Only for float64 models; other dtypes are left as they are.
     """
     for mod in model.modules():
-        if type(mod).__name__ == "LlamaRMSNorm":
+        if type(mod).__name__ in classes:
             mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)
     return model
 

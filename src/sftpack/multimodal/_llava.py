@@ -28,7 +28,6 @@ forward (``model(input_ids, pixel_values)``).
 from __future__ import annotations
 
 import dataclasses
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -38,11 +37,12 @@ import numpy as np
 import torch
 
 from .. import _optional
+from ..exactness import norms_in_model_dtype
 from ..handoff import PackedBatch, PackedBatchError
 from ..sample import Sample
 from ._exactness import compare_packed_alone
 from ._images import load_image
-from ._model import _rms_norm_in_input_dtype, _train_attention_name
+from ._model import _train_attention_name
 from ._sample import IMAGE_PAD, VISION_END, VISION_START, _check_image_runs, _render, qwen2vl_tokenizer
 
 __all__ = [
@@ -401,11 +401,7 @@ def tiny_llava(
             cfg, attn_implementation={"": name, "text_config": name, "vision_config": vision_attention}
         )
     model = model.to(dtype).train()
-    if dtype == torch.float64:
-        for mod in model.modules():
-            if type(mod).__name__ == "LlamaRMSNorm":
-                mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)
-    return model
+    return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
 def _slot_index(row: LlavaRow) -> torch.Tensor:

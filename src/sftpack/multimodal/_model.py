@@ -15,24 +15,16 @@ so the language model's boundary arguments never reach the vision attention.
 
 from __future__ import annotations
 
-import types
-from typing import Any, cast
+from typing import Any
 
 import torch
-from torch import nn
 
 from .. import _optional
+from ..exactness import norms_in_model_dtype
 from ..handoff import PackedBatch
 from ._sample import MultimodalSample
 
 __all__ = ["alone_logits", "packed_logits", "tiny_qwen2vl"]
-
-
-def _rms_norm_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    weight = cast(torch.Tensor, self.weight)
-    eps = cast(float, self.variance_epsilon)
-    x = hidden_states
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
 def tiny_qwen2vl(
@@ -106,11 +98,7 @@ def tiny_qwen2vl(
             cfg, attn_implementation={"": name, "text_config": name, "vision_config": "sdpa"}
         )
     model = model.to(dtype).train()
-    if dtype == torch.float64:
-        for mod in model.modules():
-            if type(mod).__name__ == "Qwen2VLRMSNorm":
-                mod.forward = types.MethodType(_rms_norm_in_input_dtype, mod)
-    return model
+    return norms_in_model_dtype(model, ("Qwen2VLRMSNorm",)) if dtype == torch.float64 else model
 
 
 def _train_attention_name() -> str:
