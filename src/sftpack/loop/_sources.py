@@ -187,7 +187,20 @@ class Source(ABC):
         """A hash of the data and the batching: a checkpoint of another fingerprint is refused."""
 
 
-class SampleOrder:
+class _EpochPosition:
+    """A read position ``(epoch, items read in the epoch)``, saved and restored as a dict."""
+
+    epoch: int
+    position: int
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+class SampleOrder(_EpochPosition):
     """A seeded permutation of ``n`` items per epoch, read ``batch_size`` at a time.
 
     >>> o = SampleOrder(5, batch_size=2, seed=0)
@@ -214,14 +227,8 @@ class SampleOrder:
         self.position += self.batch_size
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-class ConversationOrder:
+class ConversationOrder(_EpochPosition):
     """A seeded permutation of the conversations of ``data`` per epoch
     (:func:`~sftpack.chat._cache.conversation_order`), their samples laid end to end
     in that order (a split conversation's pieces one after the other, a dropped one
@@ -260,12 +267,6 @@ class ConversationOrder:
         out = self._stream[self.position : self.position + self.batch_size]
         self.position += self.batch_size
         return out
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 def _too_few(batch_size: int, n: int) -> ValueError:
