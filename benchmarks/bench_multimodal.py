@@ -178,6 +178,7 @@ def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dic
     from sftpack.loss import token_mean_loss
     from sftpack.multimodal import MultimodalSample, build_multimodal_row, packed_logits, tiny_qwen2vl
     from sftpack.sample import IGNORE_INDEX
+    from sftpack.trainer import collate_media
 
     torch.set_num_threads(threads)
     specials = np.array([151643, 151652, 151653, 151655, 151656])
@@ -212,13 +213,6 @@ def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dic
     opt_a = torch.optim.SGD(packed_model.parameters(), lr=1e-3)
     opt_b = torch.optim.SGD(padded_model.parameters(), lr=1e-3)
 
-    def labels_of(s: Any) -> torch.Tensor:
-        x = torch.from_numpy(s.input_ids)
-        m = torch.from_numpy(s.loss_mask)
-        lab = torch.full_like(x, IGNORE_INDEX)
-        lab[:-1] = torch.where(m[1:], x[1:], torch.full_like(x[1:], IGNORE_INDEX))
-        return lab
-
     def packed_step(group: list) -> float:
         row = build_multimodal_row(group, pad_id=pad)
         n = int(row.loss_mask.sum())
@@ -229,25 +223,17 @@ def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dic
         return time.perf_counter() - t0
 
     def padded_step(group: list) -> float:
-        S = max(len(s) for s in group)
-        x = torch.full((len(group), S), pad, dtype=torch.int64)
-        lab = torch.full((len(group), S), IGNORE_INDEX, dtype=torch.int64)
-        att = torch.zeros((len(group), S), dtype=torch.int64)
-        for i, s in enumerate(group):
-            x[i, : len(s)] = torch.from_numpy(s.input_ids)
-            lab[i, : len(s)] = labels_of(s)
-            att[i, : len(s)] = 1
-        pv = torch.from_numpy(np.concatenate([s.pixel_values for s in group]))
-        grid = torch.from_numpy(np.concatenate([s.image_grid_thw for s in group]))
+        b = collate_media(group, pad_id=pad)
+        lab = torch.nn.functional.pad(b.labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # next-token targets
         n = int((lab != IGNORE_INDEX).sum())
         t0 = time.perf_counter()
         opt_b.zero_grad()
         out = padded_model(
-            input_ids=x,
-            attention_mask=att,
-            pixel_values=pv,
-            image_grid_thw=grid,
-            mm_token_type_ids=(x == ids["image_token_id"]).to(torch.int32),
+            input_ids=b.input_ids,
+            attention_mask=b.attention_mask,
+            pixel_values=b.pixel_values,
+            image_grid_thw=b.image_grid_thw,
+            mm_token_type_ids=(b.input_ids == ids["image_token_id"]).to(torch.int32),
             use_cache=False,
         )
         token_mean_loss(out.logits.reshape(-1, out.logits.shape[-1]), lab.reshape(-1), n).backward()

@@ -232,6 +232,7 @@ def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> I
 
 def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, steps: int) -> Iterator[str]:
     from ..multimodal import build_multimodal_row, packed_logits
+    from ..trainer import collate_media
 
     c = _Compact(samples)
     pad = c.id(151643)
@@ -252,27 +253,17 @@ def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, s
         return time.perf_counter() - t0
 
     def padded_step(group: list[Any]) -> float:
-        width = max(len(s) for s in group)
-        x = torch.full((len(group), width), pad, dtype=torch.int64)
-        lab = torch.full((len(group), width), IGNORE_INDEX, dtype=torch.int64)
-        att = torch.zeros((len(group), width), dtype=torch.int64)
-        for i, s in enumerate(group):
-            ids = torch.from_numpy(s.input_ids)
-            mask = torch.from_numpy(s.loss_mask)
-            x[i, : len(s)] = ids
-            lab[i, : len(s) - 1] = torch.where(mask[1:], ids[1:], torch.full_like(ids[1:], IGNORE_INDEX))
-            att[i, : len(s)] = 1
-        pv = torch.from_numpy(np.concatenate([s.pixel_values for s in group]))
-        grid = torch.from_numpy(np.concatenate([s.image_grid_thw for s in group]))
+        b = collate_media(group, pad_id=pad)
+        lab = torch.nn.functional.pad(b.labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # next-token targets
         n = int((lab != IGNORE_INDEX).sum())
         t0 = time.perf_counter()
         opt_b.zero_grad()
         out = padded_model(
-            input_ids=x,
-            attention_mask=att,
-            pixel_values=pv,
-            image_grid_thw=grid,
-            mm_token_type_ids=(x == image_id).to(torch.int32),
+            input_ids=b.input_ids,
+            attention_mask=b.attention_mask,
+            pixel_values=b.pixel_values,
+            image_grid_thw=b.image_grid_thw,
+            mm_token_type_ids=(b.input_ids == image_id).to(torch.int32),
             use_cache=False,
         )
         token_mean_loss(out.logits.reshape(-1, out.logits.shape[-1]), lab.reshape(-1), n).backward()
