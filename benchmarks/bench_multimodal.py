@@ -175,10 +175,8 @@ COST_COLUMNS = [
 def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dict[str, Any]]:
     import torch
 
-    from sftpack.loss import token_mean_loss
-    from sftpack.multimodal import MultimodalSample, build_multimodal_row, packed_logits, tiny_qwen2vl
-    from sftpack.sample import IGNORE_INDEX
-    from sftpack.trainer import collate_media
+    from sftpack.multimodal import MultimodalSample, tiny_qwen2vl
+    from sftpack.report._demo_multimodal import step_times
 
     torch.set_num_threads(threads)
     specials = np.array([151643, 151652, 151653, 151655, 151656])
@@ -210,46 +208,13 @@ def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dic
     packed_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64)
     padded_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64, text_attention="sdpa")
     padded_model.load_state_dict(packed_model.state_dict())
-    opt_a = torch.optim.SGD(packed_model.parameters(), lr=1e-3)
-    opt_b = torch.optim.SGD(padded_model.parameters(), lr=1e-3)
-
-    def packed_step(group: list) -> float:
-        row = build_multimodal_row(group, pad_id=pad)
-        n = int(row.loss_mask.sum())
-        t0 = time.perf_counter()
-        opt_a.zero_grad()
-        token_mean_loss(packed_logits(packed_model, row), row.labels, n).backward()
-        opt_a.step()
-        return time.perf_counter() - t0
-
-    def padded_step(group: list) -> float:
-        b = collate_media(group, pad_id=pad)
-        lab = torch.nn.functional.pad(b.labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # next-token targets
-        n = int((lab != IGNORE_INDEX).sum())
-        t0 = time.perf_counter()
-        opt_b.zero_grad()
-        out = padded_model(
-            input_ids=b.input_ids,
-            attention_mask=b.attention_mask,
-            pixel_values=b.pixel_values,
-            image_grid_thw=b.image_grid_thw,
-            mm_token_type_ids=(b.input_ids == ids["image_token_id"]).to(torch.int32),
-            use_cache=False,
-        )
-        token_mean_loss(out.logits.reshape(-1, out.logits.shape[-1]), lab.reshape(-1), n).backward()
-        opt_b.step()
-        return time.perf_counter() - t0
-
     groups = [items[i : i + batch] for i in range(0, batch * steps, batch)]
-    packed_step(groups[0])  # warm-up, both
-    padded_step(groups[0])
-    t_a, t_b, real, slots_b, loads = [], [], [], [], []
-    for g in groups:
-        t_a.append(packed_step(g))
-        t_b.append(padded_step(g))
-        real.append(sum(len(s) for s in g))
-        slots_b.append(len(g) * max(len(s) for s in g))
-        loads.append(load_average())
+    t_a, t_b = step_times(
+        packed_model, padded_model, groups[0], groups, pad_id=pad, image_token_id=ids["image_token_id"]
+    )
+    real = [sum(len(s) for s in g) for g in groups]
+    slots_b = [len(g) * max(len(s) for s in g) for g in groups]
+    loads = [load_average()]
     tok_a = [r / t for r, t in zip(real, t_a)]
     tok_b = [r / t for r, t in zip(real, t_b)]
     return [

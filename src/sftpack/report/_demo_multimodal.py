@@ -230,21 +230,28 @@ def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> I
     yield f"  ({time.perf_counter() - t0:.1f} s; the vision tower attends within each image: vision_cu_seqlens)"
 
 
-def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, steps: int) -> Iterator[str]:
+def step_times(
+    packed_model: Any,
+    padded_model: Any,
+    warm_up: list[Any],
+    groups: list[list[Any]],
+    *,
+    pad_id: int,
+    image_token_id: int,
+) -> tuple[list[float], list[float]]:
+    """Seconds of one training step (forward, backward, SGD at 1e-3) on each group of
+    multimodal samples, packed in one row through ``packed_model`` (sftpack's varlen
+    attention) and as a right-padded ``[B, S]`` batch through ``padded_model`` (Hugging
+    Face sdpa and a mask), the two alternating step by step after one untimed step of each
+    on ``warm_up``. Batch building is not timed."""
     from ..multimodal import build_multimodal_row, packed_logits
     from ..trainer import collate_media
 
-    c = _Compact(samples)
-    pad = c.id(151643)
-    packed_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64)
-    padded_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64, text_attention="sdpa")
-    padded_model.load_state_dict(packed_model.state_dict())
     opt_a = torch.optim.SGD(packed_model.parameters(), lr=1e-3)
     opt_b = torch.optim.SGD(padded_model.parameters(), lr=1e-3)
-    image_id = c.id(151655)
 
     def packed_step(group: list[Any]) -> float:
-        row = build_multimodal_row(group, pad_id=pad)
+        row = build_multimodal_row(group, pad_id=pad_id)
         n = int(row.loss_mask.sum())
         t0 = time.perf_counter()
         opt_a.zero_grad()
@@ -253,7 +260,7 @@ def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, s
         return time.perf_counter() - t0
 
     def padded_step(group: list[Any]) -> float:
-        b = collate_media(group, pad_id=pad)
+        b = collate_media(group, pad_id=pad_id)
         lab = torch.nn.functional.pad(b.labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # next-token targets
         n = int((lab != IGNORE_INDEX).sum())
         t0 = time.perf_counter()
@@ -263,23 +270,34 @@ def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, s
             attention_mask=b.attention_mask,
             pixel_values=b.pixel_values,
             image_grid_thw=b.image_grid_thw,
-            mm_token_type_ids=(b.input_ids == image_id).to(torch.int32),
+            mm_token_type_ids=(b.input_ids == image_token_id).to(torch.int32),
             use_cache=False,
         )
         token_mean_loss(out.logits.reshape(-1, out.logits.shape[-1]), lab.reshape(-1), n).backward()
         opt_b.step()
         return time.perf_counter() - t0
 
+    packed_step(warm_up)
+    padded_step(warm_up)
+    t_a, t_b = [], []
+    for g in groups:
+        t_a.append(packed_step(g))
+        t_b.append(padded_step(g))
+    return t_a, t_b
+
+
+def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, steps: int) -> Iterator[str]:
+    c = _Compact(samples)
+    pad = c.id(151643)
+    packed_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64)
+    padded_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64, text_attention="sdpa")
+    padded_model.load_state_dict(packed_model.state_dict())
     groups = [c.samples[i : i + batch] for i in range(0, batch * (steps + 1), batch)]
     groups = [g for g in groups if g]
-    packed_step(groups[0])  # warm-up, both
-    padded_step(groups[0])
-    t_a, t_b, real, slots = [], [], [], []
-    for g in groups[1:] or groups:
-        t_a.append(packed_step(g))  # A and B alternate step by step
-        t_b.append(padded_step(g))
-        real.append(sum(len(s) for s in g))
-        slots.append(len(g) * max(len(s) for s in g))
+    timed = groups[1:] or groups
+    t_a, t_b = step_times(packed_model, padded_model, groups[0], timed, pad_id=pad, image_token_id=c.id(151655))
+    real = [sum(len(s) for s in g) for g in timed]
+    slots = [len(g) * max(len(s) for s in g) for g in timed]
     m.packed_tokens_per_s = statistics.median(r / t for r, t in zip(real, t_a))
     m.padded_tokens_per_s = statistics.median(r / t for r, t in zip(real, t_b))
     m.speedup = statistics.median(b / a for a, b in zip(t_a, t_b))
