@@ -43,7 +43,7 @@ from ..sample import Sample
 from ._exactness import compare_packed_alone
 from ._images import load_image
 from ._model import _train_attention_name
-from ._sample import IMAGE_PAD, VISION_END, VISION_START, _check_image_runs, _render, qwen2vl_tokenizer
+from ._sample import IMAGE_PAD, VISION_END, VISION_START, _check_image_runs, _ids_and_mask, _render, qwen2vl_tokenizer
 
 __all__ = [
     "LlavaCheck",
@@ -138,12 +138,7 @@ def tokenize_llava(
     processor = processor if processor is not None else llava_image_processor()
     text, spans, parts = _render(messages, conversation_id)
     images = [load_image(p, conversation_id, where) for p, where in parts]
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(ids.shape, dtype=bool)
-    for a, b in spans:
-        mask |= (starts >= a) & (starts < b)
+    ids, mask = _ids_and_mask(text, spans, tokenizer)
     image_id, vs, ve = (int(tokenizer.convert_tokens_to_ids(t)) for t in (IMAGE_PAD, VISION_START, VISION_END))
     keep = (ids != vs) & (ids != ve)
     ids, mask = ids[keep], mask[keep]

@@ -233,18 +233,25 @@ def _render(messages: list[dict], record: Any) -> tuple[str, list[tuple[int, int
     return "".join(text), spans, images
 
 
-def _encode(
-    messages: list[dict], record: Any, tokenizer: Any, processor: Any
-) -> tuple[np.ndarray, np.ndarray, ImagePatches, np.ndarray]:
-    text, spans, parts = _render(messages, record)
-    images = [load_image(p, record, where) for p, where in parts]
-    patches = process_images(images, processor)
+def _ids_and_mask(text: str, spans: list[tuple[int, int]], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``text``'s token ids, and True where a token starts inside one of the trained
+    character ``spans`` (from :func:`_render`)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(enc["input_ids"], dtype=np.int64)
     starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
     mask = np.zeros(ids.shape, dtype=bool)
     for a, b in spans:
         mask |= (starts >= a) & (starts < b)
+    return ids, mask
+
+
+def _encode(
+    messages: list[dict], record: Any, tokenizer: Any, processor: Any
+) -> tuple[np.ndarray, np.ndarray, ImagePatches, np.ndarray]:
+    text, spans, parts = _render(messages, record)
+    images = [load_image(p, record, where) for p, where in parts]
+    patches = process_images(images, processor)
+    ids, mask = _ids_and_mask(text, spans, tokenizer)
     image_id = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
     where = np.flatnonzero(ids == image_id)
     if where.size != len(images):
