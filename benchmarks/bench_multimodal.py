@@ -175,36 +175,14 @@ COST_COLUMNS = [
 def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dict[str, Any]]:
     import torch
 
-    from sftpack.multimodal import MultimodalSample, tiny_qwen2vl
+    from sftpack.loop._media import compact_media_vocabulary, media_ids
+    from sftpack.multimodal import tiny_qwen2vl
     from sftpack.report._demo_multimodal import step_times
 
     torch.set_num_threads(threads)
-    specials = np.array([151643, 151652, 151653, 151655, 151656])
-    vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [specials]))
-
-    def rid(t: int) -> int:
-        return int(np.searchsorted(vocab, t))
-
-    items = [
-        MultimodalSample(
-            np.searchsorted(vocab, s.input_ids),
-            s.loss_mask,
-            s.conversation_id,
-            pixel_values=s.pixel_values,
-            image_grid_thw=s.image_grid_thw,
-            image_runs=s.image_runs,
-            image_token_id=rid(151655),
-            merge_size=s.merge_size,
-        )
-        for s in samples
-    ]
-    pad = rid(151643)
-    ids = dict(
-        image_token_id=rid(151655),
-        vision_start_token_id=rid(151652),
-        vision_end_token_id=rid(151653),
-        video_token_id=rid(151656),
-    )
+    items, vocab = compact_media_vocabulary(samples)
+    ids = media_ids(vocab)
+    pad = ids.pop("pad_id")
     packed_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64)
     padded_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64, text_attention="sdpa")
     padded_model.load_state_dict(packed_model.state_dict())

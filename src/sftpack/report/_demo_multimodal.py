@@ -13,6 +13,7 @@ Nothing is printed here: the section is a stream of lines, as the rest of the de
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
@@ -35,9 +36,6 @@ from .layout import draw_row_to_scale
 #: section 3.1), the two by <= 8.9e-13, on values of magnitude <= 10 (checked as a premise):
 #: <= 8.9e-12; 1e-10 is 11x that. A boundary bug moves logits by 1e-3 or more.
 EXACT_MM_64 = 1e-10
-
-#: <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
-_SPECIALS = (151643, 151652, 151653, 151655, 151656)
 
 
 @dataclass
@@ -71,45 +69,23 @@ class MultimodalSummary:
 
 
 class _Compact:
-    """Samples over the ids they use (renumbered in sorted order, so the special tokens keep
-    their roles) and a tiny Qwen2-VL for that vocabulary: a 151,657-row output head would cost
+    """Samples over the ids they use (:func:`~sftpack.loop._media.compact_media_vocabulary`:
+    renumbered in sorted order, so the special tokens keep their roles) with pixels of
+    ``dtype``, and a tiny Qwen2-VL for that vocabulary: a 151,657-row output head would cost
     more than everything packing changes."""
 
     def __init__(self, samples: list[Any], dtype: type = np.float32) -> None:
-        from ..multimodal import MultimodalSample
+        from ..loop._media import compact_media_vocabulary, media_ids
 
-        self.vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [np.array(_SPECIALS)]))
-        self.samples = [
-            MultimodalSample(
-                np.searchsorted(self.vocab, s.input_ids),
-                s.loss_mask,
-                s.conversation_id,
-                pixel_values=s.pixel_values.astype(dtype),
-                image_grid_thw=s.image_grid_thw,
-                image_runs=s.image_runs,
-                image_token_id=self.id(151655),
-                merge_size=s.merge_size,
-            )
-            for s in samples
-        ]
-
-    def id(self, token_id: int) -> int:
-        return int(np.searchsorted(self.vocab, token_id))
+        compact, self.vocab = compact_media_vocabulary(samples)
+        self.samples = [dataclasses.replace(s, pixel_values=s.pixel_values.astype(dtype)) for s in compact]
+        self.ids = media_ids(self.vocab)
 
     def model(self, *, dtype: torch.dtype, seed: int, text_attention: str | None = None, **kw: Any) -> Any:
         from ..multimodal import tiny_qwen2vl
 
-        return tiny_qwen2vl(
-            len(self.vocab),
-            image_token_id=self.id(151655),
-            vision_start_token_id=self.id(151652),
-            vision_end_token_id=self.id(151653),
-            video_token_id=self.id(151656),
-            seed=seed,
-            dtype=dtype,
-            text_attention=text_attention,
-            **kw,
-        )
+        media = {k: v for k, v in self.ids.items() if k != "pad_id"}
+        return tiny_qwen2vl(len(self.vocab), **media, seed=seed, dtype=dtype, text_attention=text_attention, **kw)
 
 
 def _settings(quick: bool) -> dict[str, int]:
@@ -213,7 +189,7 @@ def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> I
     t0 = time.perf_counter()
     model = c.model(dtype=torch.float64, seed=seed)
     for real, name in ((True, "real+padded"), (False, "padded-for-both")):
-        r = check_packed(model, c.samples, pad_between_seqs=real, pad_multiple=4, pad_id=c.id(151643))
+        r = check_packed(model, c.samples, pad_between_seqs=real, pad_multiple=4, pad_id=c.ids["pad_id"])
         premise = r.max_abs_logit < 10 and r.max_abs_grad < 10  # the tolerance's premise
         good = checks[f"multimodal: exact {name}"] = bool(premise and r.within(EXACT_MM_64))
         m.exact[name] = {
@@ -288,14 +264,16 @@ def step_times(
 
 def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, steps: int) -> Iterator[str]:
     c = _Compact(samples)
-    pad = c.id(151643)
+    pad = c.ids["pad_id"]
     packed_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64)
     padded_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64, text_attention="sdpa")
     padded_model.load_state_dict(packed_model.state_dict())
     groups = [c.samples[i : i + batch] for i in range(0, batch * (steps + 1), batch)]
     groups = [g for g in groups if g]
     timed = groups[1:] or groups
-    t_a, t_b = step_times(packed_model, padded_model, groups[0], timed, pad_id=pad, image_token_id=c.id(151655))
+    t_a, t_b = step_times(
+        packed_model, padded_model, groups[0], timed, pad_id=pad, image_token_id=c.ids["image_token_id"]
+    )
     real = [sum(len(s) for s in g) for g in timed]
     slots = [len(g) * max(len(s) for s in g) for g in timed]
     m.packed_tokens_per_s = statistics.median(r / t for r, t in zip(real, t_a))
