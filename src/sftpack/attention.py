@@ -169,6 +169,75 @@ def _reference(
 HF_ATTENTION_NAME = "sftpack_varlen"
 
 
+def _hf_is_causal(module: torch.nn.Module, kwargs: dict[str, Any]) -> bool:
+    """Hugging Face's rule: the call's ``is_causal`` wins, else the module's (vision towers set False)."""
+    flag = kwargs.get("is_causal")
+    return bool(getattr(module, "is_causal", True) if flag is None else flag)
+
+
+def _restarts_of(position_ids: torch.Tensor | None, batch: int, width: int) -> list[torch.Tensor] | None:
+    """Per row, the ``(N+1,)`` int32 segment offsets that Hugging Face's own kernels read
+    from ``position_ids`` ``(B, T)`` when no boundaries are given: a new sequence starts
+    wherever a position is not its predecessor plus one (its packed form, "position ids
+    restarting per sample"). ``None`` when no row restarts (or there are no positions).
+    """
+    if position_ids is None or position_ids.dim() != 2 or tuple(position_ids.shape) != (batch, width):
+        return None
+    step = torch.diff(position_ids, dim=-1) != 1
+    if not bool(step.any()):
+        return None
+    rows = []
+    ends = torch.tensor([width], dtype=torch.int32, device=position_ids.device)
+    zero = torch.zeros(1, dtype=torch.int32, device=position_ids.device)
+    for b in range(batch):
+        starts = (torch.nonzero(step[b]).flatten() + 1).to(torch.int32)
+        rows.append(torch.cat([zero, starts, ends]))
+    return rows
+
+
+def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any], longest: Callable[[], int]) -> None:
+    """Options of Hugging Face's kernels this attention does not compute: refused, never ignored."""
+    name = type(module).__name__
+    for key in ("softcap", "s_aux"):
+        if kwargs.get(key) is not None:
+            raise ValueError(
+                f"{name} asks for {key}={kwargs[key]!r}, which sftpack's attention does not compute: "
+                "load this model with attn_implementation='sdpa' or 'flash_attention_2'"
+            )
+    window = kwargs.get("sliding_window")
+    if window is not None and longest() > int(window):
+        raise ValueError(
+            f"{name} uses a sliding window of {int(window)} tokens and a sequence here has {longest()}: "
+            "sftpack's attention is full attention within each sequence; cap --max-seq-len at the window, "
+            "or load this model with attn_implementation='sdpa' or 'flash_attention_2'"
+        )
+
+
+class _HfBounds:
+    """The boundary fields :func:`varlen_attention` reads (Megatron's names)."""
+
+    def __init__(self, real: torch.Tensor, padded: torch.Tensor, max_len: Any) -> None:
+        self.cu_seqlens_q = real
+        self.cu_seqlens_q_padded = padded
+        self.max_seqlen_q = None if max_len is None else int(max_len)
+
+
+def _packed_row(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padded: torch.Tensor,
+    real: torch.Tensor | None,
+    max_len: Any,
+    scaling: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """One row ``(H, T, D)`` of Hugging Face's layout through :func:`varlen_attention`; ``(T, H, D)``."""
+    q, k, v = (t.transpose(0, 1) for t in (query, key, value))
+    bounds = _HfBounds(padded if real is None else real, padded, max_len)
+    return varlen_attention(q, k, v, bounds, pad_between_seqs=real is not None, causal=causal, softmax_scale=scaling)
+
+
 def hf_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -181,39 +250,52 @@ def hf_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """A Hugging Face attention implementation backed by :func:`varlen_attention`.
 
-    It reads the physical boundaries from the ``cu_seq_lens_q`` / ``max_length_q``
-    keyword arguments that :meth:`PackedBatch.to_hf_kwargs` supplies, exactly as
-    Hugging Face's flash-attention integration does, so packed rows run through
-    the same argument path on CPU. Register it with :func:`register_hf_attention`.
+    ``query`` ``(B, Hq, T, D)``, ``key``/``value`` ``(B, Hkv, T, D)`` as Hugging Face
+    hands them; returns ``(B, T, Hq, D)``. The boundaries, in the order Hugging Face's
+    flash-attention integration reads them:
+
+    1. ``cu_seq_lens_q`` / ``max_length_q`` (physical offsets, as
+       :meth:`PackedBatch.to_hf_kwargs` supplies them; one row, ``B == 1``), with the
+       real lengths as ``sftpack_cu_seqlens_real`` in the ``real`` boundary mode
+       (padding slots then get zeros);
+    2. else the restarts of ``position_ids`` (Hugging Face's documented packed form:
+       positions restarting per sample, no mask), row by row;
+    3. else each row is one sequence.
+
+    Attention is causal unless the call or the module says ``is_causal=False`` (the
+    vision towers: bidirectional within each image). Options it does not compute
+    (``softcap``, attention sinks, a sliding window shorter than a sequence) are refused.
     """
     if dropout:
         raise ValueError("sftpack's reference attention has no dropout; set attention_dropout=0")
+    causal = _hf_is_causal(module, kwargs)
+    real = kwargs.get("sftpack_cu_seqlens_real")
     cu = kwargs.get("cu_seq_lens_q")
-    if cu is None:
-        if attention_mask is not None:
-            raise ValueError(
-                f"attn_implementation={HF_ATTENTION_NAME!r} takes packed rows (call the model with "
-                "**packed.to_hf_kwargs()) or unpadded rows without an attention_mask"
-            )
-        # No boundaries: every row is one whole causal sequence.
-        rep = query.shape[1] // key.shape[1]
-        k = key.repeat_interleave(rep, dim=1) if rep > 1 else key
-        v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
-        out = F.scaled_dot_product_attention(query, k, v, is_causal=True, scale=scaling)
-        return out.transpose(1, 2), None
-    if query.shape[0] != 1:
-        raise ValueError(f"packed rows have batch size 1, got query of shape {tuple(query.shape)}")
-    q = query[0].transpose(0, 1)  # (T, H, D)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-
-    class _Bounds:
-        cu_seqlens_q = cu
-        cu_seqlens_q_padded = cu
-        max_seqlen_q = kwargs.get("max_length_q")
-
-    out = varlen_attention(q, k, v, _Bounds, softmax_scale=scaling, causal=True)
-    return out.unsqueeze(0), None  # (1, T, H, D)
+    batch, width = query.shape[0], query.shape[2]
+    if cu is not None:
+        if batch != 1:
+            raise ValueError(f"packed rows have batch size 1, got query of shape {tuple(query.shape)}")
+        lens = cu if real is None else real
+        _refuse_unsupported(module, kwargs, lambda: int((lens[1:] - lens[:-1]).max()))
+        out = _packed_row(query[0], key[0], value[0], cu, real, kwargs.get("max_length_q"), scaling, causal)
+        return out.unsqueeze(0), None
+    if attention_mask is not None:
+        raise ValueError(
+            f"attn_implementation={HF_ATTENTION_NAME!r} takes packed rows (call the model with "
+            "**packed.to_hf_kwargs()) or unpadded rows without an attention_mask"
+        )
+    rows = _restarts_of(kwargs.get("position_ids"), batch, width)
+    if rows is not None:
+        _refuse_unsupported(module, kwargs, lambda: max(int((r[1:] - r[:-1]).max()) for r in rows))
+        outs = [_packed_row(query[b], key[b], value[b], rows[b], None, None, scaling, causal) for b in range(batch)]
+        return torch.stack(outs), None
+    # No boundaries: every row is one whole sequence.
+    _refuse_unsupported(module, kwargs, lambda: width)
+    rep = query.shape[1] // key.shape[1]
+    k = key.repeat_interleave(rep, dim=1) if rep > 1 else key
+    v = value.repeat_interleave(rep, dim=1) if rep > 1 else value
+    out = F.scaled_dot_product_attention(query, k, v, is_causal=causal, scale=scaling)
+    return out.transpose(1, 2), None
 
 
 def register_hf_attention(name: str = HF_ATTENTION_NAME) -> str:

@@ -203,7 +203,8 @@ class SmallLlamaModel(nn.Module):
         """``input_ids`` ``(B, T)``. A packed row (``B == 1``) gives its boundaries as
         :meth:`~sftpack.PackedBatch.to_hf_kwargs` does (``cu_seq_lens_q`` / ``_k``,
         ``max_length_q`` / ``_k``; ``sftpack_cu_seqlens_real`` for the ``real`` mode)
-        and ``position_ids`` restarting per sequence; without boundaries each row is
+        and ``position_ids`` restarting per sequence; without boundaries, positions that
+        restart mark the sequences (Hugging Face's packed form), else each row is
         one causal sequence (right padding needs no mask: attention never looks right).
         """
         if attention_mask is not None:
@@ -225,6 +226,8 @@ class SmallLlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        else:  # as Hugging Face's layers do: restarting positions without boundaries are a packed row
+            bounds = {**bounds, "position_ids": position_ids}
         cos, sin = self.rotary_emb(x, position_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, bounds)
