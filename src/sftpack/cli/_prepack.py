@@ -88,7 +88,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-patches-per-row",
         type=positive,
         metavar="N",
-        help="--corpus vqa: vision patches per row, a second budget beside --max-seq-len (default: none)",
+        help="--corpus vqa: vision patches per row, a second budget beside --max-seq-len (default: none); a "
+        "conversation over it alone is dropped and counted as over_patch_budget (--overlong error: refused, exit 1)",
     )
     p.add_argument("--limit", type=positive, help="first N conversations only")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
@@ -110,7 +111,7 @@ def summary_lines(result: PrepackResult) -> list[str]:
     rows = [
         ("conversations read", _fmt(c["read"])),
         ("  kept", _fmt(c["kept"])),
-        ("  dropped (bad rows)", dropped),
+        ("  dropped (by reason)", dropped),
     ]
     if oc:
         rows += [
@@ -237,8 +238,14 @@ def _run_vqa(args: argparse.Namespace, pad_multiple: int) -> int:
     except ImportError as e:
         raise UsageError(str(e)) from None
     from ..multimodal import vqa_corpus
+    from ..multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError
     from ..offline import prepack_multimodal
+    from ..offline._media import MediaPack
 
+    try:  # the options, checked before an image is read; what fails after that is the data's (exit 1)
+        MediaPack(args.max_seq_len, pad_multiple, args.max_patches_per_row)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     try:
         result = prepack_multimodal(
             vqa_corpus(seed=args.seed, limit=args.limit),
@@ -253,10 +260,12 @@ def _run_vqa(args: argparse.Namespace, pad_multiple: int) -> int:
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
-    except ValueError as e:
-        if type(e).__name__ == "PrepackError":
-            raise
-        raise UsageError(str(e)) from None
+    except PatchBudgetError as e:  # the library names its arguments; say it in the command's flags
+        raise ValueError(
+            f"{e.who} has {e.patches:,} vision patches, more than --max-patches-per-row {e.max_patches:,}: no row "
+            f"can hold it; raise --max-patches-per-row, or pass --overlong drop (or split) to drop it and count "
+            f"it as {OVER_PATCH_BUDGET}"
+        ) from None
     print(f"wrote {result.path}")
     for line in summary_lines(result):
         print("  " + line)

@@ -13,12 +13,76 @@ order, as every path's rows do. Deterministic; numpy and the bin packer only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import numpy as np
 from numpy.typing import ArrayLike
 
 from ..binpack import pack
+from ..sample import Overlong, OverlongError
 
-__all__ = ["plan_rows"]
+__all__ = ["OVER_PATCH_BUDGET", "PatchBudgetError", "check_patch_budget", "plan_rows"]
+
+#: the counted drop reason of an item with a sample (or piece) over the patch budget
+OVER_PATCH_BUDGET = "over_patch_budget"
+
+
+class PatchBudgetError(OverlongError):
+    """A sample with more vision patches than a row may hold, under ``overlong="error"``.
+
+    Attributes:
+        conversation_id: the sample's conversation id; patches: its vision patches;
+        max_patches: the budget; who: how the message names the sample.
+    """
+
+    def __init__(
+        self, message: str, conversation_id: Any = None, patches: int = 0, max_patches: int = 0, who: str = ""
+    ):
+        super().__init__(message, conversation_id)
+        self.patches, self.max_patches, self.who = patches, max_patches, who
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps the fields across worker processes
+        return (type(self), (str(self), self.conversation_id, self.patches, self.max_patches, self.who))
+
+
+def check_patch_budget(
+    samples: Iterable[Any], max_patches: int | None, overlong: Overlong | str, who: str | None = None
+) -> str | None:
+    """The patch-budget rule of every path, for the samples of one item (a sample, or the pieces
+    of a split one; each with ``num_patches`` and ``conversation_id``).
+
+    Returns ``None`` when every sample fits ``max_patches`` (or there is no budget), else
+    :data:`OVER_PATCH_BUDGET`: the reason the whole item is dropped and counted.
+
+    Raises:
+        PatchBudgetError: ``overlong="error"`` and a sample is over the budget; the message names
+            it (``who``, default ``conversation <id>``), its patches, the budget and the fix.
+
+    >>> from types import SimpleNamespace as S
+    >>> check_patch_budget([S(num_patches=8, conversation_id="c")], 8, "error") is None
+    True
+    >>> check_patch_budget([S(num_patches=8, conversation_id="c"), S(num_patches=9, conversation_id="c")], 8, "drop")
+    'over_patch_budget'
+    """
+    if max_patches is None:
+        return None
+    big = next((s for s in samples if int(s.num_patches) > max_patches), None)
+    if big is None:
+        return None
+    if Overlong(overlong) is Overlong.ERROR:
+        name = who if who is not None else f"conversation {big.conversation_id!r}"
+        patches = int(big.num_patches)
+        raise PatchBudgetError(
+            f"{name} has {patches} vision patches, more than max_patches={max_patches}: no row can hold it; "
+            f"raise max_patches, lower the images' max_pixels, or use overlong='drop' or 'split' to drop it "
+            f"(counted as {OVER_PATCH_BUDGET})",
+            big.conversation_id,
+            patches,
+            int(max_patches),
+            name,
+        )
+    return OVER_PATCH_BUDGET
 
 
 def plan_rows(
@@ -62,7 +126,10 @@ def plan_rows(
     cap_p = np.iinfo(np.int64).max if max_patches is None else int(max_patches)
     if pt.size and int(pt.max()) > cap_p:
         i = int(np.argmax(pt))
-        raise ValueError(f"plan_rows: sample {i} has {int(pt[i])} patches, more than max_patches={cap_p}")
+        raise ValueError(
+            f"plan_rows: sample {i} has {int(pt[i])} patches, more than max_patches={cap_p}: "
+            "drop or refuse it first (check_patch_budget)"
+        )
     if ln.size == 0:
         return []
     bins = pack(

@@ -66,7 +66,8 @@ class MultimodalConversations:
             with ``messages`` (and ``id``).
         tokenizer, processor: ``None``: :func:`sftpack.multimodal.qwen2vl_tokenizer` and
             :func:`sftpack.multimodal.image_processor`.
-        max_seq_len, overlong, on_bad_row, num_proc, limit: as :func:`~sftpack.offline.prepack_multimodal`.
+        max_seq_len, max_patches, overlong, on_bad_row, num_proc, limit: as
+            :func:`~sftpack.offline.prepack_multimodal`.
     """
 
     inputs: Iterable[Any]
@@ -77,6 +78,7 @@ class MultimodalConversations:
     on_bad_row: str = "skip"
     num_proc: int = 1
     limit: int | None = None
+    max_patches: int | None = None
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,11 @@
 
 The same driver (:func:`~sftpack.offline._driver.run`) writes them: stage 1 tokenizes
 each conversation with :func:`sftpack.multimodal.tokenize_multimodal_conversations`
-(in ``num_proc`` forked workers, results taken in input order) and stages its tokens
-like any sample plus its images; stage 2 plans rows with
+(in ``num_proc`` forked workers, results taken in input order), applies the patch
+budget's rule (:func:`sftpack.multimodal._plan.check_patch_budget`: a conversation
+with a sample over ``max_patches`` is dropped and counted as ``over_patch_budget``, or
+refused under ``overlong="error"``, as the loader does) and stages its tokens like any
+sample plus its images; stage 2 plans rows with
 :func:`sftpack.multimodal.plan_rows` (tokens per row and, optionally, vision patches
 per row); stage 3 writes the tokens at the plan's offsets and the images in row order.
 
@@ -133,19 +136,26 @@ def _encode(conv: Any, settings: dict[str, Any]) -> tuple[dict[str, Any], list[t
     runs, grids, [resized uint8 pixels per image])`` (plain arrays: cheap to send between processes)."""
     from ..multimodal import MultimodalStats, tokenize_multimodal_conversations
     from ..multimodal._images import pixels_from_patches
+    from ..multimodal._plan import check_patch_budget
 
     st = MultimodalStats()
     proc = settings["processor"]
+    samples = list(
+        tokenize_multimodal_conversations(
+            [conv],
+            tokenizer=settings["tokenizer"],
+            processor=proc,
+            max_seq_len=settings["max_seq_len"],
+            overlong=settings["overlong"],
+            on_bad_row=settings["on_bad_row"],
+            stats=st,
+        )
+    )
+    reason = check_patch_budget(samples, settings["max_patches"], settings["overlong"])
+    if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
+        st, samples = MultimodalStats(read=st.read, dropped={reason: 1}), []
     pieces = []
-    for s in tokenize_multimodal_conversations(
-        [conv],
-        tokenizer=settings["tokenizer"],
-        processor=proc,
-        max_seq_len=settings["max_seq_len"],
-        overlong=settings["overlong"],
-        on_bad_row=settings["on_bad_row"],
-        stats=st,
-    ):
+    for s in samples:
         offs = np.concatenate([[0], np.cumsum(s.image_grid_thw.prod(axis=1))])
         pixels = []
         for i, g in enumerate(s.image_grid_thw):
@@ -284,6 +294,7 @@ def stage_multimodal(work: MultimodalConversations, staging: Path, progress: boo
         "max_seq_len": work.max_seq_len,
         "overlong": work.overlong,
         "on_bad_row": work.on_bad_row,
+        "max_patches": work.max_patches,
     }
     rec = _Recorder(staging)
     hashing = Hashing(work.inputs if work.limit is None else islice(work.inputs, work.limit))

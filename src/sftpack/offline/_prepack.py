@@ -277,7 +277,10 @@ def prepack_multimodal(
             and ``id``), e.g. :func:`sftpack.multimodal.vqa_corpus` or
             :func:`sftpack.multimodal.read_multimodal_jsonl`.
         out, max_seq_len, pad_multiple, num_proc, limit, overwrite, progress: as :func:`prepack`.
-        max_patches: vision patches per row (the second budget); ``None``: no patch budget.
+        max_patches: vision patches per row (the second budget); ``None``: no patch budget. A
+            conversation with a sample (or a piece) over it is dropped and counted as
+            ``over_patch_budget``, or under ``overlong="error"`` raises
+            :class:`~sftpack.multimodal._plan.PatchBudgetError`, as the loader does.
         overlong: ``split`` (at text boundaries, never inside an image), ``drop`` or ``error``.
         on_bad_row: ``skip`` (bad images and records counted under their reasons) or ``error``.
         tokenizer, processor: default :func:`sftpack.multimodal.qwen2vl_tokenizer` and
@@ -297,6 +300,7 @@ def prepack_multimodal(
         on_bad_row=str(rule),
         num_proc=positive_int("num_proc", num_proc),
         limit=limit,
+        max_patches=planner.max_patches,
     )
     fp = {
         "max_seq_len": planner.max_seq_len,
