@@ -157,8 +157,9 @@ def test_a_piece_beyond_its_sample_and_an_overfull_pending_row_are_refused():
     # move every buffered sequence into the first pending row: it no longer fits max_seq_len
     bad = copy.deepcopy(st)
     nb, n0 = len(bad["buffer"]), len(bad["pending"][0])
-    lens = bad["lengths"]  # one per buffer entry, then one per pending entry: keep them aligned
-    bad["lengths"] = lens[nb : nb + n0] + lens[:nb] + lens[nb + n0 :]
+    for key in ("lengths", "digests"):  # one per buffer entry, then one per pending entry: keep them aligned
+        v = bad[key]
+        bad[key] = v[nb : nb + n0] + v[:nb] + v[nb + n0 :]
     bad["pending"][0] += [e[:2] for e in bad["buffer"]]
     bad["buffer"] = []
     ds = PackingDataset(SAMPLES, **KW)

@@ -322,6 +322,16 @@ def test_overlong_is_refused_by_name_unless_dropped(damaged):
         list(_loader(path, 0, max_patches=40, on_bad_row="skip", overlong="error"))
 
 
+def test_over_the_patch_budget_is_dropped_and_counted_as_on_every_path(damaged):
+    """Issue 26 item 3: the loader and the image prepack drop and count a sample over the patch
+    budget under the default overlong='split'; the Energon encoder raised instead."""
+    path, _ = damaged
+    batches = list(_loader(path, 0, max_seq_len=256, max_patches=40, on_bad_row="skip"))
+    reasons = dict(d for b in batches for d in b.dropped)
+    assert "over_patch_budget" in reasons.values()
+    assert all(b.pixel_values is None or b.pixel_values.shape[0] <= 40 for b in batches)
+
+
 def test_encoder_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="overlong='truncate' is not offered"):
         MultimodalPackingTaskEncoder(max_seq_len=64, overlong="truncate")

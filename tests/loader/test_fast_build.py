@@ -59,6 +59,7 @@ def _previous_read(self: PackingDataset, index: int, obj: Any) -> None:
     s = self._stats
     s.samples_in += 1
     self._cursor += 1
+    self._last = (index, items)  # the last sample read, which a state records (state version 2)
     if len(items) > 1:
         s.split += 1
         s.extra_pieces += len(items) - 1

@@ -58,8 +58,11 @@ from ._state import (
     check_loadable,
     check_refs,
     check_share,
+    check_stats,
+    position,
     refs_needed,
     restore_items,
+    unemitted,
 )
 from ._stats import LoaderStats
 
@@ -189,6 +192,7 @@ class PackingDataset(IterableDataset):
         self._stats = LoaderStats()
         self._restore: dict[str, Any] | None = None
         self._shard_seen: tuple[int, int, int] | None = None
+        self._last: tuple[int, list[Item]] | None = None  # the last sample read this epoch, and its items
 
     @property
     def stats(self) -> LoaderStats:
@@ -200,8 +204,10 @@ class PackingDataset(IterableDataset):
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start the next ``iter()`` at the beginning of ``epoch`` (drops any partial state)."""
+        """Start the next ``iter()`` at the beginning of ``epoch`` (drops any partial state; the
+        sequences it held are counted in ``stats.abandoned``)."""
         stats = self._stats
+        stats.abandoned += unemitted(self._buffer, self._pending, self._restore)
         self._reset(epoch=non_negative_int("epoch", epoch, who="PackingDataset"))
         self._stats = stats
 
@@ -251,11 +257,9 @@ class PackingDataset(IterableDataset):
             "end_epoch": self._end_epoch,
             "active": self._active,
             "cursor": self._cursor,
-            "buffer": [[*it.ref, age] for it, age in zip(self._buffer, self._ages)],
-            "pending": [[list(it.ref) for it in row] for row in self._pending],
             "stats": self._stats.as_dict(),
             "num_samples": len(self.source.samples) if self.source.map_style else None,
-            "lengths": [it.length for it in self._buffer] + [it.length for row in self._pending for it in row],
+            **position(self._buffer, self._ages, self._pending, self._last),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -272,9 +276,11 @@ class PackingDataset(IterableDataset):
         if self.source.map_style:
             order = self.source.order(state["epoch"], state["shard"], state["num_shards"])
         check_refs(state, order, len(self.source.samples) if self.source.map_style else None)
+        stats = LoaderStats.from_dict(state["stats"])
+        check_stats(state, stats, who="PackingDataset", max_seq_len=self.max_seq_len, max_wait=self.max_wait)
         self._reset(epoch=int(state["epoch"]))
         self._restore = state
-        self._stats = LoaderStats.from_dict(state["stats"])
+        self._stats = stats
 
     def _apply_restore(self, shard: int, shards: int, nw: int) -> set[int]:
         st = self._restore
@@ -289,7 +295,7 @@ class PackingDataset(IterableDataset):
     def _rebuild(self, got: dict[int, Any]) -> None:
         """Buffer and decided rows of a restored state, from the re-read samples."""
         assert self._restore is not None
-        self._buffer, self._ages, self._pending = restore_items(
+        self._buffer, self._ages, self._pending, self._last = restore_items(
             self._restore, got, lambda i, obj: cut_overlong(i, obj, self.max_seq_len, self.overlong)[0]
         )
         for r, row in enumerate(self._pending):
@@ -393,6 +399,7 @@ class PackingDataset(IterableDataset):
     def _next_epoch(self) -> None:
         self._epoch += 1
         self._cursor = 0
+        self._last = None
         self._stats.epochs += 1
 
     def _fill(self, stream: Lookahead) -> None:
@@ -404,6 +411,8 @@ class PackingDataset(IterableDataset):
         the stream unread, so exactly the samples one-by-one reading reads are read.
         """
         buf, ages, size, width = self._buffer, self._ages, self.buffer_size, self.max_seq_len
+        last: Item | None = None  # the last sample read on the fast path (None: _read recorded it)
+        li = 0
         while len(buf) < size and not stream.done:
             taken = stream.take(size - len(buf))
             fast = 0
@@ -416,7 +425,9 @@ class PackingDataset(IterableDataset):
                     n = ids.shape[0]
                     if n <= width:
                         sid = obj.conversation_id
-                        buf.append(Item((index, 0), ids, obj.loss_mask, index if sid is None else sid, n))
+                        last = Item((index, 0), ids, obj.loss_mask, index if sid is None else sid, n)
+                        li = index
+                        buf.append(last)
                         ages.append(0)
                         fast += 1
                         continue
@@ -424,14 +435,18 @@ class PackingDataset(IterableDataset):
                 self._stats.samples_in += fast
                 fast = 0
                 self._read(index, obj)  # any number of pieces, or none
+                last = None
             self._cursor += fast
             self._stats.samples_in += fast
+        if last is not None:
+            self._last = (li, [last])
 
     def _read(self, index: int, obj: Any) -> None:
         items, lost = cut_overlong(index, obj, self.max_seq_len, self.overlong)
         s = self._stats
         s.samples_in += 1
         self._cursor += 1
+        self._last = (index, items)
         if len(items) == 1 and not lost:  # the sample fits
             self._buffer.append(items[0])
             self._ages.append(0)

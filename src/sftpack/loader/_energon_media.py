@@ -36,23 +36,27 @@ either in a row's ``sequence_ids`` or in a batch's ``dropped`` (a buffer whose
 samples are all bad has no row to carry them: it is skipped with a logged
 warning). Over-long samples follow ``overlong`` as in the text encoder:
 ``"split"`` (the default) raises :class:`~sftpack.sample.OverlongError` since
-Energon encodes one sample into one, ``"drop"`` counts it, ``"error"`` raises.
+Energon encodes one sample into one, ``"drop"`` counts it, ``"error"`` raises. A
+sample over ``max_patches`` follows every path's rule
+(:func:`sftpack.multimodal._plan.check_patch_budget`): dropped and counted as
+``over_patch_budget`` under ``"split"`` and ``"drop"``, refused under ``"error"``.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, fields
 from typing import Any
 
-from megatron.energon import Cooker, Sample, SkipSample, TaskEncoder, basic_sample_keys, edataclass, stateless
+from megatron.energon import Cooker, Sample, SkipSample, basic_sample_keys, edataclass, stateless
 
 from .._base import check_width, choose, positive_int
 from ..handoff import PackedBatch
 from ..handoff.layout import check_pad_id
 from ..multimodal import BadImageError, BadImageReason, build_multimodal_row, load_image, plan_rows, tokenize_multimodal
+from ..multimodal._plan import check_patch_budget
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError
+from ._energon_base import CheckedTaskEncoder, crude_json, sample_where
 from ._energon_batch import EnergonPackedBatch
 
 __all__ = [
@@ -71,11 +75,13 @@ _PAD = 151643  # <|endoftext|>, Qwen2-VL's pad
 @edataclass
 class MultimodalConversationSample(Sample):
     """One conversation with its image files: ``messages`` in the Hugging Face multimodal chat
-    format, ``media`` the sample's files by name (``{"img0.png": b"..."}``), named by the image parts."""
+    format, ``media`` the sample's files by name (``{"img0.png": b"..."}``), named by the image parts;
+    ``bad`` what is wrong with a record that could not be read (its JSON), else None."""
 
     messages: list
     media: dict
     conversation_id: Any = None
+    bad: str | None = None
 
 
 @edataclass
@@ -107,18 +113,16 @@ class EnergonMultimodalBatch(EnergonPackedBatch):
 @stateless
 def cook_multimodal(sample: dict) -> MultimodalConversationSample:
     """A crude WebDataset sample (``json`` + image files, raw bytes) as a
-    :class:`MultimodalConversationSample`; the id defaults to the sample's ``__key__``."""
+    :class:`MultimodalConversationSample`; the id defaults to the sample's ``__key__``. A record that
+    cannot be read (no ``.json``, JSON that does not parse, no ``messages``) comes out with ``bad`` set:
+    the encoder raises on it by name or, with ``on_bad_row="skip"``, counts it as ``bad_record``."""
     key = sample.get("__key__")
-    raw = sample.get("json")
-    if raw is None:
-        raise ValueError(
-            f"Energon sample {key!r} has no .json file (its files: {sorted(_files(sample))}); "
-            'each sample needs KEY.json with {"messages": [...]}'
-        )
-    data = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
-    if not isinstance(data, dict) or "messages" not in data:
-        raise ValueError(f"Energon sample {key!r}: its .json has no 'messages' field: {str(data)[:80]}")
+    data, problem = crude_json(sample)
     media = {k: v for k, v in _files(sample).items() if k != "json"}
+    if data is None:
+        return MultimodalConversationSample(
+            **basic_sample_keys(sample), messages=[], media=media, conversation_id=key, bad=problem
+        )
     return MultimodalConversationSample(
         **basic_sample_keys(sample), messages=data["messages"], media=media, conversation_id=data.get("id", key)
     )
@@ -129,11 +133,7 @@ def _files(sample: dict) -> dict:
 
 
 def _where(sample: Any, cid: Any) -> str:
-    shard = ""
-    for src in getattr(sample, "__sources__", None) or ():
-        shard = f" of {src.shard_name}"
-        break
-    return f"Energon sample {sample.__key__!r}{shard} (id {cid!r})"
+    return f"{sample_where(sample.__key__, getattr(sample, '__sources__', None))} (id {cid!r})"
 
 
 def _resolve(messages: Any, media: dict, record: str) -> list:
@@ -180,7 +180,7 @@ def _resolve(messages: Any, media: dict, record: str) -> list:
     return out
 
 
-class MultimodalPackingTaskEncoder(TaskEncoder):
+class MultimodalPackingTaskEncoder(CheckedTaskEncoder):
     """Tokenize conversations with images and pack them into ``max_seq_len`` rows with media.
 
     Args:
@@ -190,8 +190,9 @@ class MultimodalPackingTaskEncoder(TaskEncoder):
         pad_id: token id of padding slots (default ``<|endoftext|>``).
         tokenizer: default :func:`~sftpack.multimodal.qwen2vl_tokenizer` (built on first use; workers fork).
         processor: default :func:`~sftpack.multimodal.image_processor`.
-        overlong: ``"split"`` (default: refused by name, Energon cannot split), ``"drop"`` (counted)
-            or ``"error"``; a sample with more patches than ``max_patches`` counts as over-long.
+        overlong: ``"split"`` (default: an over-long sample is refused by name, Energon cannot split),
+            ``"drop"`` (counted) or ``"error"``; a sample with more patches than ``max_patches`` is
+            dropped and counted as ``over_patch_budget`` (``"error"``: refused), as on every path.
         on_bad_row: ``"error"`` (default) or ``"skip"`` (bad images and malformed records counted).
     """
 
@@ -236,6 +237,14 @@ class MultimodalPackingTaskEncoder(TaskEncoder):
         cid = getattr(sample, "conversation_id", None)
         cid = sample.__key__ if cid is None else cid
         record = _where(sample, cid)
+        bad = getattr(sample, "bad", None)
+        if bad is not None:
+            if self.on_bad_row == "error":
+                raise ValueError(
+                    f"{record}: {bad}: fix or remove the sample and prepare the dataset again, or pass "
+                    "on_bad_row='skip' to count it as a bad_record"
+                )
+            return self._drop(sample, cid, "bad_record")
         try:
             messages = _resolve(sample.messages, sample.media, record)
             (s,) = tokenize_multimodal(
@@ -249,29 +258,26 @@ class MultimodalPackingTaskEncoder(TaskEncoder):
             if self.on_bad_row == "error":
                 raise
             return self._drop(sample, cid, "bad_record")
-        n, p = len(s), s.num_patches
-        over_t = n > self.max_seq_len
-        over_p = self.max_patches is not None and p > self.max_patches
-        if over_t or over_p:
+        n = len(s)
+        if n > self.max_seq_len:
             if self.overlong is Overlong.DROP:  # the reasons of MultimodalPackingDataset's counts
-                return self._drop(sample, cid, "overlong" if over_t else "over_patch_budget")
-            what = (
-                f"{n} tokens (images included), more than max_seq_len={self.max_seq_len}"
-                if over_t
-                else f"{p} vision patches, more than max_patches={self.max_patches}"
-            )
+                return self._drop(sample, cid, "overlong")
             cannot = (
                 ", and Energon encodes one sample into one sample, so MultimodalPackingTaskEncoder cannot split it"
                 if self.overlong is Overlong.SPLIT
                 else ""
             )
             raise OverlongError(
-                f"{record} has {what}{cannot}: pass overlong='drop' (counted in each batch's dropped), "
-                "raise the budget, or lower the images' max_pixels",
+                f"{record} has {n} tokens (images included), more than max_seq_len={self.max_seq_len}{cannot}: "
+                "pass overlong='drop' (counted in each batch's dropped), raise the budget, or lower the images' "
+                "max_pixels",
                 cid,
                 n,
                 self.max_seq_len,
             )
+        reason = check_patch_budget([s], self.max_patches, self.overlong, who=str(record))  # every path's rule
+        if reason is not None:
+            return self._drop(sample, cid, reason)
         return EncodedMultimodalSample.derive_from(sample, sample=s, conversation_id=cid)
 
     def select_samples_to_pack(self, samples: list[EncodedMultimodalSample]) -> list[list[EncodedMultimodalSample]]:

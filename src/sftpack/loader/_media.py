@@ -54,7 +54,7 @@ from .._base import check_width, choose, non_negative_int, positive_int
 # The multimodal core's modules, not its package: the package also holds the exactness
 # harness, whose model builder loads the training loop, which no path may import.
 from ..multimodal._images import BadImageError, image_processor
-from ..multimodal._plan import plan_rows
+from ..multimodal._plan import check_patch_budget, plan_rows
 from ..multimodal._row import MultimodalBatch, build_multimodal_row
 from ..multimodal._sample import MultimodalSample, qwen2vl_tokenizer, tokenize_multimodal
 from ..sample import Overlong, OverlongError
@@ -66,8 +66,12 @@ from ._state import (
     check_loadable,
     check_refs,
     check_share,
+    check_stats,
+    digest,
+    position,
     refs_needed,
     restore_items,
+    unemitted,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,7 +102,7 @@ class MultimodalLoaderStats:
         split: items cut at text boundaries into ``1 + extra`` pieces; ``extra_pieces`` the extra.
         dropped: items left out, by reason (``image_*`` as :class:`~sftpack.multimodal.BadImageReason`,
             ``bad_record``, ``overlong``, ``over_patch_budget``).
-        rounds, held_rows, max_waited, epochs: as :class:`~sftpack.loader.LoaderStats`.
+        rounds, held_rows, max_waited, epochs, abandoned: as :class:`~sftpack.loader.LoaderStats`.
     """
 
     samples_in: int = 0
@@ -114,6 +118,7 @@ class MultimodalLoaderStats:
     held_rows: int = 0
     max_waited: int = 0
     epochs: int = 0
+    abandoned: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -179,7 +184,7 @@ class _Item:
     """One sequence in the buffer: a sample, or one piece of a split item; ``ref`` is
     ``(source index, piece)``, all the state stores."""
 
-    __slots__ = ("length", "patches", "ref", "sample", "sequence_id")
+    __slots__ = ("_digest", "length", "patches", "ref", "sample", "sequence_id")
 
     def __init__(self, ref: tuple[int, int], sample: MultimodalSample, sequence_id: Any) -> None:
         self.ref = ref
@@ -187,6 +192,13 @@ class _Item:
         self.sequence_id = sequence_id
         self.length = len(sample)
         self.patches = sample.num_patches
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        """The fingerprint a state records of this sequence (its tokens, image grids and id)."""
+        if self._digest is None:
+            self._digest = digest(self.sample.input_ids, self.sequence_id, self.sample.image_grid_thw)
+        return self._digest
 
 
 def split_multimodal_sample(sample: MultimodalSample, max_seq_len: int) -> list[MultimodalSample] | None:
@@ -381,6 +393,7 @@ class MultimodalPackingDataset(IterableDataset):
         self._stats = MultimodalLoaderStats()
         self._restore: dict[str, Any] | None = None
         self._shard_seen: tuple[int, int, int] | None = None
+        self._last: tuple[int, list[_Item]] | None = None  # the last item read this epoch, and its sequences
 
     @property
     def stats(self) -> MultimodalLoaderStats:
@@ -394,6 +407,7 @@ class MultimodalPackingDataset(IterableDataset):
     def set_epoch(self, epoch: int) -> None:
         """Start the next ``iter()`` at the beginning of ``epoch`` (drops any partial state)."""
         stats = self._stats
+        stats.abandoned += unemitted(self._buffer, self._pending, self._restore)
         self._reset(epoch=non_negative_int("epoch", epoch, who="MultimodalPackingDataset"))
         self._stats = stats
 
@@ -441,11 +455,9 @@ class MultimodalPackingDataset(IterableDataset):
             "end_epoch": self._end_epoch,
             "active": self._active,
             "cursor": self._cursor,
-            "buffer": [[*it.ref, age] for it, age in zip(self._buffer, self._ages)],
-            "pending": [[list(it.ref) for it in row] for row in self._pending],
             "stats": self._stats.as_dict(),
             "num_samples": len(self.source.samples) if self.source.map_style else None,
-            "lengths": [it.length for it in self._buffer] + [it.length for row in self._pending for it in row],
+            **position(self._buffer, self._ages, self._pending, self._last),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -461,9 +473,18 @@ class MultimodalPackingDataset(IterableDataset):
         if self.source.map_style:
             order = self.source.order(state["epoch"], state["shard"], state["num_shards"])
         check_refs(state, order, len(self.source.samples) if self.source.map_style else None)
+        stats = MultimodalLoaderStats.from_dict(state["stats"])
+        check_stats(
+            state,
+            stats,
+            who="MultimodalPackingDataset",
+            max_seq_len=self.max_seq_len,
+            max_wait=self.max_wait,
+            max_patches=self.max_patches,
+        )
         self._reset(epoch=int(state["epoch"]))
         self._restore = state
-        self._stats = MultimodalLoaderStats.from_dict(state["stats"])
+        self._stats = stats
 
     # ------------------------------------------------------------- intake
     def _tokenize(self, obj: Any, index: int) -> tuple[list[MultimodalSample], str | None]:
@@ -528,16 +549,11 @@ class MultimodalPackingDataset(IterableDataset):
             if reason is not None:
                 return [], reason
             pieces = got
-        if self.max_patches is not None:
-            big = [p for p in pieces if p.num_patches > self.max_patches]
-            if big:
-                if self.overlong is Overlong.ERROR:
-                    raise ValueError(
-                        f"item {index} (conversation {big[0].conversation_id!r}) has {big[0].num_patches} vision "
-                        f"patches, more than max_patches={self.max_patches}: no row can hold it; raise max_patches, "
-                        "lower the images' max_pixels, or use overlong='split' or 'drop' to count it as dropped"
-                    )
-                return [], "over_patch_budget"
+        reason = check_patch_budget(
+            pieces, self.max_patches, self.overlong, who=f"item {index} (conversation {pieces[0].conversation_id!r})"
+        )
+        if reason is not None:
+            return [], reason
         return [
             _Item((index, k), p, p.conversation_id if p.conversation_id is not None else index)
             for k, p in enumerate(pieces)
@@ -548,6 +564,7 @@ class MultimodalPackingDataset(IterableDataset):
         s = self._stats
         s.samples_in += 1
         self._cursor += 1
+        self._last = (index, items)
         if reason is not None:
             s.drop(reason)
             return
@@ -599,7 +616,9 @@ class MultimodalPackingDataset(IterableDataset):
 
     def _rebuild(self, got: dict[int, Any]) -> None:
         assert self._restore is not None
-        self._buffer, self._ages, self._pending = restore_items(self._restore, got, lambda i, o: self._cut(i, o)[0])
+        self._buffer, self._ages, self._pending, self._last = restore_items(
+            self._restore, got, lambda i, o: self._cut(i, o)[0]
+        )
         for r, row in enumerate(self._pending):
             cost = sum(-(-it.length // self.pad_multiple) * self.pad_multiple for it in row)
             patches = sum(it.patches for it in row)
@@ -634,6 +653,7 @@ class MultimodalPackingDataset(IterableDataset):
     def _next_epoch(self) -> None:
         self._epoch += 1
         self._cursor = 0
+        self._last = None
         self._stats.epochs += 1
 
     def _round(self, *, flush: bool) -> None:

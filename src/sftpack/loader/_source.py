@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ..sample import Overlong, Sample, as_sample, overlong_spans
-from ._state import StateError
+from ._state import StateError, digest
 
 __all__ = ["Item", "Lookahead", "Source", "cut_overlong", "first_negative"]
 
@@ -43,7 +43,7 @@ class Item:
     the loader makes one per sample, so a dataclass's overhead shows.)
     """
 
-    __slots__ = ("input_ids", "length", "loss_mask", "ref", "sequence_id", "start")
+    __slots__ = ("_digest", "input_ids", "length", "loss_mask", "ref", "sequence_id", "start")
 
     def __init__(
         self,
@@ -60,6 +60,13 @@ class Item:
         self.sequence_id = sequence_id
         self.length = length
         self.start = start
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        """The fingerprint a state records of this sequence (its tokens and id), computed once."""
+        if self._digest is None:
+            self._digest = digest(self.input_ids, self.sequence_id)
+        return self._digest
 
 
 def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> tuple[list[Item], int]:

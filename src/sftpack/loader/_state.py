@@ -9,7 +9,9 @@ One (rank, worker)'s state, as :meth:`PackingDataset.state_dict` writes it::
      "pending": [[[source index, piece], ...], ...],             # rows decided, not yet emitted
      "stats": {...},                                              # LoaderStats counts
      "num_samples": 5000,                                         # len() of a map-style source (else None)
-     "lengths": [tokens, ...]}                                     # of each buffer entry, then each pending one
+     "lengths": [tokens, ...],                                    # of each buffer entry, then each pending one
+     "digests": ["9f3c...", ...],                                 # of each entry's tokens and id, same order
+     "last": [source index, pieces, digest] or None}              # the last sample the share read this epoch
 
 No token is stored: a restore re-reads the named samples (O(buffer) reads on
 a map-style source) and replays the pending rows exactly as decided. A state
@@ -22,14 +24,23 @@ A state is also checked against the data before it is trusted (:func:`check_fiel
 no sequence named twice (it would be emitted twice), the cursor within the share
 (a negative one would cut the epoch), every named sample among those the share had
 read, every piece within its sample, every re-read sequence as long as when it was
-saved, and every pending row within ``max_seq_len``. A state saved over other data
-is refused, never replayed into an ``IndexError`` or a wrong row.
+saved and with the same tokens and id (``digests``; the last sample read is re-read
+and compared too, so a state with nothing buffered is checked as well), and every
+pending row within ``max_seq_len``. A state saved over other data (fewer samples, the
+same samples reversed or some replaced) is refused, never replayed into an
+``IndexError`` or a wrong row. Its counts (:func:`check_stats`) must add up and match
+what the state holds (every sequence read is emitted, buffered, pending or abandoned).
+
+Version 2 added ``digests`` and ``last``; a version-1 state is refused with what to do.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import hashlib
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from .._base import non_negative_int, positive_int
 
@@ -40,11 +51,16 @@ __all__ = [
     "check_loadable",
     "check_refs",
     "check_share",
+    "check_stats",
+    "digest",
+    "last_mark",
+    "position",
     "refs_needed",
+    "unemitted",
     "restore_items",
 ]
 
-#: every key of a state (``num_samples`` and ``lengths`` are newer and optional)
+#: every key of a state
 _KEYS = (
     "config",
     "rank",
@@ -59,9 +75,29 @@ _KEYS = (
     "buffer",
     "pending",
     "stats",
+    "num_samples",
+    "lengths",
+    "digests",
+    "last",
 )
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+
+
+def digest(input_ids: np.ndarray, sequence_id: Any, *extra: np.ndarray) -> str:
+    """A short fingerprint of one buffered sequence: its token ids, its id and ``extra`` arrays
+    (a multimodal sample's image grid). Computed only when a state is taken."""
+    h = hashlib.blake2b(np.ascontiguousarray(input_ids, dtype=np.int64).tobytes(), digest_size=8)
+    h.update(repr(sequence_id).encode())
+    for a in extra:
+        h.update(np.ascontiguousarray(a, dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
+def last_mark(index: int, items: Sequence[Any]) -> list[Any]:
+    """``[source index, pieces, digest]`` of a sample from its items (none: dropped)."""
+    h = hashlib.blake2b("".join(it.digest() for it in items).encode(), digest_size=8)
+    return [int(index), len(items), h.hexdigest()]
 
 
 class StateError(ValueError):
@@ -70,6 +106,13 @@ class StateError(ValueError):
 
 def check_loadable(state: Any, config: dict[str, Any], rank: int, world_size: int) -> None:
     """Raise :class:`StateError` unless ``state`` came from a dataset with ``config`` on this rank."""
+    if isinstance(state, dict) and isinstance(state.get("version"), int) and state["version"] < STATE_VERSION:
+        raise StateError(
+            f"the state is state version {state['version']}, saved by an older sftpack; this sftpack reads version "
+            f"{STATE_VERSION} (which also records a fingerprint of the buffered samples to check the data on "
+            "resume): resume with the sftpack that saved it, or start the epoch over (set_epoch(epoch) on a "
+            "fresh dataset instead of load_state_dict)"
+        )
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         keys = sorted(state)[:8] if isinstance(state, dict) else "-"
         raise StateError(
@@ -94,6 +137,28 @@ def check_loadable(state: Any, config: dict[str, Any], rank: int, world_size: in
             f"the state belongs to rank {state['rank']} of {state['world_size']} but this dataset is rank "
             f"{rank} of {world_size}: load each rank's own state, with the same world size"
         )
+
+
+def position(
+    buffer: Sequence[Any], ages: Sequence[int], pending: Sequence[Sequence[Any]], last: tuple[int, list[Any]] | None
+) -> dict[str, Any]:
+    """The index-only entries of a state (``buffer``, ``pending``, ``lengths``, ``digests``, ``last``)
+    from a loader's items (each with ``ref``, ``length`` and ``digest()``)."""
+    entries = [*buffer, *(it for row in pending for it in row)]
+    return {
+        "buffer": [[*it.ref, age] for it, age in zip(buffer, ages)],
+        "pending": [[list(it.ref) for it in row] for row in pending],
+        "lengths": [it.length for it in entries],
+        "digests": [it.digest() for it in entries],
+        "last": None if last is None else last_mark(*last),
+    }
+
+
+def unemitted(buffer: Sequence[Any], pending: Sequence[Sequence[Any]], restore: dict[str, Any] | None) -> int:
+    """Sequences read but not emitted yet: a loaded state's (not yet iterated), else the buffer's and pending rows'."""
+    if restore is not None:
+        return len(restore["buffer"]) + sum(len(row) for row in restore["pending"])
+    return len(buffer) + sum(len(row) for row in pending)
 
 
 def _int(state: dict[str, Any], key: str, lo: int = 0) -> int:
@@ -158,8 +223,8 @@ def check_fields(state: dict[str, Any], max_wait: int) -> None:
             raise StateError(f"state['pending'][{r}] = {row!r}: a pending row is a non-empty list of sequences")
         for j, entry in enumerate(row):
             once(_ref(f"state['pending'][{r}][{j}]", entry, 2), f"state['pending'][{r}][{j}]")
-    lengths = state.get("lengths")
-    if lengths is not None and (
+    lengths = state["lengths"]
+    if (
         not isinstance(lengths, (list, tuple))
         or len(lengths) != len(seen)
         or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
@@ -167,6 +232,97 @@ def check_fields(state: dict[str, Any], max_wait: int) -> None:
         raise StateError(
             f"state['lengths'] must hold one token count (>= 1) per buffer and pending entry ({len(seen)}), got "
             f"{str(lengths)[:60]}; the state is damaged or edited"
+        )
+    digests = state["digests"]
+    if not isinstance(digests, (list, tuple)) or len(digests) != len(seen) or not all(_hex(d) for d in digests):
+        raise StateError(
+            f"state['digests'] must hold one fingerprint (16 hex digits) per buffer and pending entry ({len(seen)}), "
+            f"got {str(digests)[:60]}; the state is damaged or edited"
+        )
+    last = state["last"]
+    if last is not None and not (
+        isinstance(last, (list, tuple))
+        and len(last) == 3
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in last[:2])
+        and _hex(last[2])
+    ):
+        raise StateError(
+            f"state['last'] = {str(last)[:60]}: it must be None or [source index, pieces, fingerprint]; the state "
+            "is damaged or edited"
+        )
+
+
+def _hex(d: Any) -> bool:
+    return isinstance(d, str) and len(d) == 16 and all(c in "0123456789abcdef" for c in d)
+
+
+def check_stats(
+    state: dict[str, Any],
+    stats: Any,
+    *,
+    who: str,
+    max_seq_len: int,
+    max_wait: int,
+    max_patches: int | None = None,
+) -> None:
+    """Raise :class:`StateError` unless ``state['stats']`` (read into ``stats``, a
+    :class:`LoaderStats` or ``MultimodalLoaderStats``) holds exactly the counts such a state
+    writes, and they add up: ``slots = rows_out x max_seq_len``, no more real tokens than
+    slots, and every sequence read (``samples_in - dropped + extra_pieces``) emitted,
+    buffered, pending or abandoned (by ``set_epoch`` mid-epoch)."""
+    given, again = state["stats"], stats.as_dict()
+    for k in sorted(set(given) - set(again)):
+        raise StateError(
+            f"state['stats'] holds {k!r}, which a {who} state has not: the counts are damaged or edited; "
+            "pass what state_dict() returned, unedited"
+        )
+    for k in sorted(set(again) - set(given)):
+        raise StateError(f"state['stats'] lacks {k!r}: pass what state_dict() returned, unedited")
+    why = "the counts are damaged or edited; pass what state_dict() returned, unedited"
+    for k, v in sorted(given.items()):
+        if k != "fill" and v != again[k]:
+            raise StateError(f"state['stats'][{k!r}] = {v!r}: a count must be a whole number; {why}")
+
+    def bad(what: str) -> StateError:
+        return StateError(f"state['stats']{what}: {why}")
+
+    s = stats
+    if s.slots != s.rows_out * max_seq_len:
+        raise bad(
+            f"['slots'] = {s.slots} but rows_out x max_seq_len = {s.rows_out} x {max_seq_len} = "
+            f"{s.rows_out * max_seq_len}"
+        )
+    if s.real_tokens > s.slots:
+        raise bad(f"['real_tokens'] = {s.real_tokens}, more than its slots ({s.slots})")
+    if not s.rows_out <= s.sequences_out <= s.real_tokens:
+        raise bad(
+            f": rows_out <= sequences_out <= real_tokens must hold (each row holds a sequence, each sequence a "
+            f"token), got {s.rows_out}, {s.sequences_out}, {s.real_tokens}"
+        )
+    if s.split > s.extra_pieces:
+        raise bad(f"['split'] = {s.split}, more than extra_pieces = {s.extra_pieces} (a split sample adds a piece)")
+    if s.max_waited > max_wait:
+        raise bad(f"['max_waited'] = {s.max_waited}, more than max_wait={max_wait}")
+    patches = getattr(s, "patches_out", None)
+    if patches is not None and max_patches is not None and patches > s.rows_out * max_patches:
+        raise bad(
+            f"['patches_out'] = {patches}, more than rows_out x max_patches = {s.rows_out} x {max_patches} = "
+            f"{s.rows_out * max_patches}"
+        )
+    held = len(state["buffer"])
+    pend = sum(len(row) for row in state["pending"])
+    read = s.samples_in - s.dropped_total + s.extra_pieces
+    out = s.sequences_out + held + pend + s.abandoned
+    if read != out:
+        raise bad(
+            f": samples_in - dropped + extra_pieces = {s.samples_in} - {s.dropped_total} + {s.extra_pieces} = "
+            f"{read} sequences read, but sequences_out + buffered + pending + abandoned = {s.sequences_out} + "
+            f"{held} + {pend} + {s.abandoned} = {out}"
+        )
+    if given.get("fill", 0.0) != again.get("fill", 0.0):
+        raise StateError(
+            f"state['stats']['fill'] = {given['fill']!r} but real_tokens / slots = {stats.real_tokens} / "
+            f"{stats.slots} = {again['fill']!r}: {why}"
         )
 
 
@@ -194,6 +350,8 @@ def check_refs(state: dict[str, Any], order: Any, num_samples: int | None) -> No
     read = {int(i) for i in order[:cursor]} if order is not None else None
     entries = [(f"state['buffer'][{i}]", b) for i, b in enumerate(state["buffer"])]
     entries += [(f"state['pending'][{r}][{j}]", e) for r, row in enumerate(state["pending"]) for j, e in enumerate(row)]
+    if state["last"] is not None:
+        entries.append(("state['last']", state["last"]))
     for where, entry in entries:
         src = entry[0]
         if read is not None:
@@ -221,20 +379,27 @@ def check_share(state: dict[str, Any], shard: int, shards: int, num_workers: int
 
 def refs_needed(state: dict[str, Any]) -> set[int]:
     """Source indices a restore must re-read: the buffer's and the pending rows'."""
-    return {int(b[0]) for b in state["buffer"]} | {int(r[0]) for row in state["pending"] for r in row}
+    last = {int(state["last"][0])} if state["last"] is not None else set()
+    return {int(b[0]) for b in state["buffer"]} | {int(r[0]) for row in state["pending"] for r in row} | last
 
 
 def restore_items(
     state: dict[str, Any], samples: dict[int, Any], cut: Callable[[int, Any], list[Any]]
-) -> tuple[list[Any], list[int], list[list[Any]]]:
-    """``(buffer items, their ages, pending rows of items)`` of ``state``, from the re-read
-    ``samples`` (index -> sample) and ``cut`` (the over-long policy: sample -> its items)."""
+) -> tuple[list[Any], list[int], list[list[Any]], tuple[int, list[Any]] | None]:
+    """``(buffer items, their ages, pending rows of items, (last index, its items))`` of ``state``,
+    from the re-read ``samples`` (index -> sample) and ``cut`` (the over-long policy: sample -> its
+    items), each checked against the lengths and fingerprints the state recorded."""
     cache: dict[int, list[Any]] = {}
     refs = [b[:2] for b in state["buffer"]] + [r for row in state["pending"] for r in row]
-    saved = {(int(r[0]), int(r[1])): n for r, n in zip(refs, state.get("lengths") or ())}
+    keys = [(int(r[0]), int(r[1])) for r in refs]
+    saved = dict(zip(keys, state["lengths"]))
+    where = {k: i for i, k in enumerate(keys)}
+    other = (
+        "the state was saved over other data (the samples reversed, replaced or changed); resume with the same "
+        "samples in the same order"
+    )
 
-    def item(ref: list[int]) -> Any:
-        src, piece = int(ref[0]), int(ref[1])
+    def items_of(src: int) -> list[Any]:
         if src not in samples:
             raise StateError(
                 f"the state names sample {src}, which this share's source does not hold: the state was saved "
@@ -242,21 +407,43 @@ def restore_items(
             )
         if src not in cache:
             cache[src] = cut(src, samples[src])
-        if piece >= len(cache[src]):
+        return cache[src]
+
+    def item(ref: list[int]) -> Any:
+        src, piece = int(ref[0]), int(ref[1])
+        got = items_of(src)
+        if piece >= len(got):
             raise StateError(
-                f"the state names piece {piece} of sample {src}, which has {len(cache[src])} piece(s) here: the "
+                f"the state names piece {piece} of sample {src}, which has {len(got)} piece(s) here: the "
                 "state was saved over other data; resume with the same samples in the same order"
             )
-        it = cache[src][piece]
-        if (src, piece) in saved and saved[(src, piece)] != it.length:
+        it = got[piece]
+        if saved[(src, piece)] != it.length:
             raise StateError(
                 f"sample {src} piece {piece} has {it.length} tokens here but had {saved[(src, piece)]} when the "
                 "state was saved: the state was saved over other data (or another tokenizer); resume with the "
                 "same samples in the same order"
+            )
+        k = where[(src, piece)]
+        if state["digests"][k] != it.digest():
+            raise StateError(
+                f"state['digests'][{k}] = {state['digests'][k]!r}: sample {src} piece {piece} (id "
+                f"{it.sequence_id!r}) has other tokens or another id here than when the state was saved: {other}"
             )
         return it
 
     buffer = [item(b) for b in state["buffer"]]
     ages = [int(b[2]) for b in state["buffer"]]
     pending = [[item(r) for r in row] for row in state["pending"]]
-    return buffer, ages, pending
+    last = None
+    if state["last"] is not None:
+        src = int(state["last"][0])
+        got = items_of(src)
+        if last_mark(src, got) != list(state["last"]):
+            ids = sorted({repr(it.sequence_id) for it in got}) or ["- (left out)"]
+            raise StateError(
+                f"state['last'] = {list(state['last'])}: sample {src} (id {', '.join(ids)}), the last sample read "
+                f"before the save, has other tokens or another id here than when the state was saved: {other}"
+            )
+        last = (src, got)
+    return buffer, ages, pending, last

@@ -8,6 +8,10 @@ state). Nothing is silently lost::
 
     samples_in == samples_packed + dropped        (per completed epoch)
     sequences_out == samples_packed + extra pieces of split samples
+
+and in any state, every sequence read is emitted, still buffered or pending, or abandoned::
+
+    samples_in - dropped + extra_pieces == sequences_out + buffered + pending + abandoned
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class LoaderStats:
         held_rows: under-filled rows kept back for the next round.
         max_waited: the most rounds any emitted sequence waited in the buffer.
         epochs: epochs completed.
+        abandoned: sequences read but never emitted because ``set_epoch`` dropped a partial epoch.
     """
 
     samples_in: int = 0
@@ -53,6 +58,12 @@ class LoaderStats:
     held_rows: int = 0
     max_waited: int = 0
     epochs: int = 0
+    abandoned: int = 0
+
+    @property
+    def dropped_total(self) -> int:
+        """Samples left out (``dropped``; as ``MultimodalLoaderStats.dropped_total``)."""
+        return self.dropped
 
     @property
     def fill(self) -> float:

@@ -57,7 +57,6 @@ This module imports ``megatron.energon``; ``import sftpack.loader`` does not
 
 from __future__ import annotations
 
-import json
 from dataclasses import fields
 from typing import Any
 
@@ -66,7 +65,6 @@ from megatron.energon import (
     Cooker,
     Sample,
     SkipSample,
-    TaskEncoder,
     basic_sample_keys,
     edataclass,
     stateless,
@@ -78,6 +76,7 @@ from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row, pack_rows
 from ..handoff.layout import check_pad_id
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
+from ._energon_base import CheckedTaskEncoder, crude_json, sample_where
 from ._energon_batch import EnergonPackedBatch
 
 __all__ = [
@@ -117,17 +116,20 @@ class PackedRowSample(Sample):
 @stateless
 def cook_conversation(sample: dict) -> ConversationSample:
     """A JSONL line ``{"messages": [...], "id": ...}`` (Energon's crude sample) as a
-    :class:`ConversationSample`; the id defaults to the sample's ``__key__``."""
-    data = sample["json"]
-    if isinstance(data, (bytes, str)):
-        data = json.loads(data)
-    if not isinstance(data, dict) or "messages" not in data:
-        raise ValueError(f"Energon sample {sample.get('__key__')!r} has no 'messages' field: {str(data)[:80]}")
+    :class:`ConversationSample`; the id defaults to the sample's ``__key__``. A sample whose JSON does
+    not parse or has no ``messages`` raises a ``ValueError`` naming its key and shard. (Energon's own
+    JSONL reader parses each line before the cooker sees it: a bad line there raises Energon's error.)"""
+    data, problem = crude_json(sample)
+    if data is None:
+        raise ValueError(
+            f"{sample_where(sample.get('__key__'), sample.get('__sources__'))}: {problem}: fix or remove the sample "
+            "and prepare the dataset again"
+        )
     cid = data.get("id", sample.get("__key__"))
     return ConversationSample(**basic_sample_keys(sample), messages=data["messages"], conversation_id=cid)
 
 
-class PackingTaskEncoder(TaskEncoder):
+class PackingTaskEncoder(CheckedTaskEncoder):
     """Tokenize conversations and pack them into ``max_seq_len`` rows in Energon's packing hooks.
 
     Args:
