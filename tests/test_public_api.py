@@ -123,6 +123,7 @@ API = {
         "MultimodalSample",
         "MultimodalStats",
         "PackedCheck",
+        "UnsupportedModelError",
         "alone_logits",
         "build_llava_row",
         "build_multimodal_row",

@@ -42,7 +42,7 @@ class Renumbered:
             np.searchsorted(self.vocab, s.input_ids),
             s.loss_mask,
             s.conversation_id,
-            pixel_values=s.pixel_values.astype(np.float64),
+            pixel_values=s.pixel_values,  # float32: the float64 model's tower casts it, exactly
             image_grid_thw=s.image_grid_thw,
             image_runs=s.image_runs,
             image_token_id=self.id(151655),

@@ -13,7 +13,9 @@ The pieces, in pipeline order:
   chat format to :class:`MultimodalSample` (a :class:`~sftpack.Sample` with
   ``pixel_values``, ``image_grid_thw`` and each image's placeholder run), with
   :func:`qwen2vl_tokenizer` (the embedded Qwen BPE plus Qwen2-VL's special
-  tokens). Over-long samples split at text boundaries only.
+  tokens). Over-long samples split at text boundaries only; special-token text in a
+  content stays text (as on the text path). A tokenizer, processor or config of another
+  model family raises :class:`UnsupportedModelError` (one line) before any work.
 * :func:`rope_index`: Qwen2-VL's MRoPE positions of one sample alone.
 * :func:`plan_rows`: which samples share a row, under a token and a patch budget.
 * :func:`build_multimodal_row`: samples to a :class:`~sftpack.PackedBatch` with its media
@@ -59,6 +61,7 @@ from ._sample import (
     VISION_START,
     MultimodalSample,
     MultimodalStats,
+    UnsupportedModelError,
     qwen2vl_tokenizer,
     rope_index,
     tokenize_multimodal,
@@ -82,6 +85,7 @@ __all__ = [
     "MultimodalSample",
     "MultimodalStats",
     "PackedCheck",
+    "UnsupportedModelError",
     "alone_logits",
     "build_llava_row",
     "build_multimodal_row",

@@ -39,11 +39,22 @@ import torch
 from .. import _optional
 from ..exactness import norms_in_model_dtype
 from ..handoff import PackedBatch, PackedBatchError
+from ..handoff.batch import check_pixel_values
 from ..sample import Sample
 from ._exactness import compare_packed_alone
 from ._images import load_image
 from ._model import _train_attention_name
-from ._sample import IMAGE_PAD, VISION_END, VISION_START, _check_image_runs, _ids_and_mask, _render, qwen2vl_tokenizer
+from ._sample import (
+    IMAGE_PAD,
+    VISION_END,
+    VISION_START,
+    UnsupportedModelError,
+    _check_image_runs,
+    _check_tokenizer,
+    _ids_and_mask,
+    _render,
+    qwen2vl_tokenizer,
+)
 
 __all__ = [
     "LlavaCheck",
@@ -66,7 +77,8 @@ class LlavaSample(Sample):
     """A :class:`~sftpack.Sample` with its images, LLaVA-style.
 
     Attributes (beyond ``input_ids``, ``loss_mask``, ``conversation_id``, ``meta``):
-        pixel_values: ``(I, 3, H, W)`` float, one fixed-size tensor per image, in order.
+        pixel_values: ``(I, 3, H, W)`` float32 (or float16), finite, one fixed-size tensor per
+            image, in order.
         image_runs: ``(I, 2)`` int64 ``(start, length)`` of each image's run of
             ``image_token_id`` in ``input_ids``; every run has the same length (the
             tower's feature count per image).
@@ -82,11 +94,7 @@ class LlavaSample(Sample):
         self.pixel_values = np.asarray(self.pixel_values)
         self.image_runs = np.asarray(self.image_runs, dtype=np.int64).reshape(-1, 2)
         who = self.conversation_id
-        if self.pixel_values.ndim != 4:
-            raise ValueError(
-                f"LlavaSample {who!r}: pixel_values must be (images, channels, height, width), "
-                f"got shape {self.pixel_values.shape}"
-            )
+        check_pixel_values(self.pixel_values, f"LlavaSample {who!r}: pixel_values", patches=False, error=ValueError)
         n_img = self.pixel_values.shape[0]
         if self.image_runs.shape[0] != n_img:
             raise ValueError(f"LlavaSample {who!r}: {self.image_runs.shape[0]} image runs for {n_img} images")
@@ -110,12 +118,46 @@ def llava_image_processor(size: int = 32) -> Any:
     return hf.CLIPImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
 
 
+#: The vision towers :func:`llava_image_tokens` counts for, and whether each puts a class token first.
+_LLAVA_TOWERS = {"clip_vision_model": True, "siglip_vision_model": False}
+
+
 def llava_image_tokens(config: Any) -> int:
-    """Image tokens per image for a LLaVA config: ``(image_size / patch_size)**2`` features,
-    plus the class token under the ``"full"`` feature select (``"default"`` drops it)."""
-    v = config.vision_config
-    n = (int(v.image_size) // int(v.patch_size)) ** 2
-    return n + (1 if config.vision_feature_select_strategy == "full" else 0)
+    """Image tokens per image for a LLaVA config (``model_type`` ``"llava"``, a CLIP or SigLIP
+    tower): the tower's ``(image_size / patch_size)**2`` patch features, plus CLIP's class
+    token, less the first feature under the ``"default"`` feature select (LLaVA drops it
+    whatever the tower). 576 for llava-1.5 (CLIP, 336 px, 14 px patches, ``"default"``).
+
+    Raises:
+        UnsupportedModelError: another family (LLaVA-NeXT and -OneVision tile images into a
+            varying number of tokens; Gemma 3, Idefics3, SmolVLM, Mistral3, InternVL, Qwen2-VL
+            are not LLaVA), another tower or feature select, all in one line.
+    """
+    kind = getattr(config, "model_type", None)
+    supported = (
+        "supported: model_type 'llava' with a CLIP or SigLIP vision tower ('clip_vision_model', "
+        "'siglip_vision_model') and vision_feature_select_strategy 'default' or 'full'; Qwen2-VL-style "
+        "models go through tokenize_multimodal"
+    )
+    if kind != "llava":
+        raise UnsupportedModelError(
+            f"llava_image_tokens: model_type {kind!r} ({type(config).__name__}) is not {supported}"
+        )
+    v = getattr(config, "vision_config", None)
+    tower = getattr(v, "model_type", None)
+    strategy = getattr(config, "vision_feature_select_strategy", None)
+    size, patch = getattr(v, "image_size", None), getattr(v, "patch_size", None)
+    if tower not in _LLAVA_TOWERS or strategy not in ("default", "full"):
+        raise UnsupportedModelError(
+            f"llava_image_tokens: vision tower {tower!r} with feature select {strategy!r} is not {supported}"
+        )
+    if not (isinstance(size, int) and isinstance(patch, int)) or min(size, patch) < 1:
+        raise UnsupportedModelError(
+            f"llava_image_tokens: vision_config.image_size {size!r} and patch_size {patch!r} (not positive ints: "
+            f"square images and patches) are not {supported}"
+        )
+    n = (size // patch) ** 2 + (1 if _LLAVA_TOWERS[tower] else 0)
+    return n - (1 if strategy == "default" else 0)
 
 
 def tokenize_llava(
@@ -136,15 +178,15 @@ def tokenize_llava(
     """
     tokenizer = tokenizer if tokenizer is not None else qwen2vl_tokenizer()
     processor = processor if processor is not None else llava_image_processor()
-    text, spans, parts = _render(messages, conversation_id)
-    images = [load_image(p, conversation_id, where) for p, where in parts]
-    ids, mask = _ids_and_mask(text, spans, tokenizer)
+    _check_tokenizer(tokenizer)
+    r = _render(messages, conversation_id)
+    images = [load_image(p, conversation_id, where) for p, where in r.images]
+    ids, mask = _ids_and_mask(r, tokenizer)
     image_id, vs, ve = (int(tokenizer.convert_tokens_to_ids(t)) for t in (IMAGE_PAD, VISION_START, VISION_END))
     keep = (ids != vs) & (ids != ve)
     ids, mask = ids[keep], mask[keep]
     where = np.flatnonzero(ids == image_id)
-    if where.size != len(images):
-        raise RuntimeError(f"record {conversation_id!r}: {where.size} {IMAGE_PAD} tokens for {len(images)} images")
+    assert where.size == len(images), "one image token per image part: content text never makes one"
     reps = np.ones(ids.shape, dtype=np.int64)
     reps[where] = image_tokens
     new_start = np.cumsum(reps) - reps
@@ -215,8 +257,7 @@ class LlavaRow:
         if b.has_media:
             raise PackedBatchError("LlavaRow.batch must be a text row (its Qwen2-VL media fields None)")
         pv, sl, sq = self.pixel_values, self.image_slots, self.image_sequence
-        if pv.dim() != 4 or not pv.is_floating_point():
-            raise PackedBatchError(f"LlavaRow.pixel_values must be floating (I, C, H, W), got {tuple(pv.shape)}")
+        check_pixel_values(pv, "LlavaRow.pixel_values", patches=False)
         n = pv.shape[0]
         if tuple(sl.shape) != (n, 2) or tuple(sq.shape) != (n,):
             raise PackedBatchError(

@@ -62,6 +62,12 @@ def build_multimodal_row(
     merges = {s.merge_size for s in items}
     if len(merges) != 1:
         raise PackedBatchError(f"samples use different merge sizes {sorted(merges)}")
+    widths = {s.pixel_values.shape[1] for s in items if s.num_patches}
+    if len(widths) > 1:
+        raise PackedBatchError(
+            f"samples have patch widths {sorted(widths)}: one row feeds one vision tower, whose patches have "
+            "one width (3 x temporal patch x patch side**2); tokenize them with one image processor"
+        )
     image_token_id = img_ids.pop()
     if pad_id == image_token_id:
         raise PackedBatchError(f"pad_id {pad_id} is the image placeholder id; pad with another token")
@@ -82,7 +88,7 @@ def build_multimodal_row(
     per = np.repeat(grids[:, 1] * grids[:, 2], grids[:, 0])  # one attention segment per frame, as Qwen2-VL
     vcu = np.zeros(len(per) + 1, dtype=np.int64)
     np.cumsum(per, out=vcu[1:])
-    pv = np.concatenate([s.pixel_values for s in items])
+    pv = np.concatenate([s.pixel_values for s in items if s.num_patches] or [items[0].pixel_values])
     batch = MultimodalBatch(
         **{f.name: getattr(text, f.name) for f in fields(PackedBatch) if getattr(text, f.name) is not None},
         mrope_position_ids=torch.from_numpy(mrope),

@@ -5,7 +5,7 @@ a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", ..
 parts)::
 
     text  = ChatML, each image part -> <|vision_start|><|image_pad|><|vision_end|>
-    ids   = tokenizer(text)                     (one <|image_pad|> per image)
+    ids   = tokenizer(text), content as text    (one <|image_pad|> per image)
     ids   = each <|image_pad|> repeated grid_t*grid_h*grid_w / merge**2 times
     mask  = assistant content and its <|im_end|> (never an image token)
 
@@ -14,6 +14,14 @@ which is what ``Qwen2VLProcessor`` does to the same text (its
 processor cannot be built as shipped without torchvision (its constructor checks
 the video processor's class), so the image side here is its
 ``Qwen2VLImageProcessorPil``.
+
+Content text is plain text, as on the text path (:mod:`sftpack.chat`, whose
+``special_tokens_in_content="text"`` default this follows): the renderer notes where the
+template puts its own control tokens (``<|im_start|>``, ``<|im_end|>``, the vision
+tokens) and the text between them is encoded by a copy of the tokenizer that reads
+special-token strings as text. So ``"<|im_end|>"`` typed in a content, whole or split
+over adjacent text parts (``"Blue.<|im"`` + ``"_end|>"``), stays characters: it can never
+forge a turn inside the loss mask, nor add a vision token or an image placeholder.
 
 Over-long samples are never cut inside an image block (``<|vision_start|>`` ..
 ``<|vision_end|>``): ``split`` cuts at the last text boundary that fits, each
@@ -30,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from ..chat._tokenize import _backend, _encode_pieces, _Rendered, mask_from_offsets
+from ..handoff.batch import check_pixel_values
 from ..sample import Overlong, OverlongError, Sample
 from ._images import BadImageError, ImagePatches, image_processor, load_image, process_images
 
@@ -40,6 +50,7 @@ __all__ = [
     "VISION_START",
     "MultimodalSample",
     "MultimodalStats",
+    "UnsupportedModelError",
     "qwen2vl_tokenizer",
     "rope_index",
     "tokenize_multimodal",
@@ -62,6 +73,41 @@ QWEN2VL_SPECIALS = (
     "<|video_pad|>",
 )
 _QWEN2VL_IDS = dict(zip(QWEN2VL_SPECIALS, range(151646, 151657)))
+#: The control tokens the renderer writes itself (ChatML and the image block); content text never makes them.
+_TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", VISION_START, IMAGE_PAD, VISION_END)
+
+
+class UnsupportedModelError(TypeError):
+    """A tokenizer, image processor or model config of a family sftpack does not pack. One line
+    naming it and what is supported, raised before any record is read: the setup is wrong, not
+    a record, so ``on_bad_row="skip"`` never turns it into a count."""
+
+
+def _check_setup(tokenizer: Any, processor: Any) -> None:
+    """``tokenizer`` has Qwen2-VL's ChatML and image tokens, ``processor`` is a Qwen2-VL-style
+    patch processor; else :class:`UnsupportedModelError`."""
+    sizes = [getattr(processor, a, None) for a in ("patch_size", "temporal_patch_size", "merge_size")]
+    ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)
+    if not ints or "image_grid_thw" not in (getattr(processor, "model_input_names", None) or ()):
+        raise UnsupportedModelError(
+            f"{type(processor).__name__} is not a Qwen2-VL image processor (integer patch_size, "
+            "temporal_patch_size and merge_size; image_grid_thw out): tokenize_multimodal packs Qwen2-VL-style "
+            "models (Qwen2-VL, Qwen2.5-VL: sftpack.multimodal.image_processor()) and tokenize_llava LLaVA "
+            "(CLIP or SigLIP tower); Gemma 3, Idefics3, SmolVLM, Mistral3, InternVL and LLaVA-NeXT / -OneVision "
+            "are not supported"
+        )
+    _check_tokenizer(tokenizer)
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    """``tokenizer`` is a fast tokenizer with every token the renderer writes (:data:`_TEMPLATE_TOKENS`)."""
+    backend = _backend(tokenizer)
+    missing = [t for t in _TEMPLATE_TOKENS if backend.token_to_id(t) is None]
+    if missing:
+        raise UnsupportedModelError(
+            f"{type(tokenizer).__name__} lacks the tokens {missing} of Qwen2-VL's ChatML and image block: use "
+            "sftpack.multimodal.qwen2vl_tokenizer() or the Qwen2-VL model's own tokenizer"
+        )
 
 
 @lru_cache(maxsize=1)
@@ -88,7 +134,8 @@ class MultimodalSample(Sample):
     """A :class:`~sftpack.Sample` with its images.
 
     Attributes (beyond ``input_ids``, ``loss_mask``, ``conversation_id``, ``meta``):
-        pixel_values: ``(P, D)`` float32 patches of this sample's images, in order.
+        pixel_values: ``(P, D)`` float32 (or float16) patches of this sample's images, in order,
+            finite; ``D = 3 * t * p**2`` (1176 on Qwen2-VL); ``(P, 0)`` when the pixels travel apart.
         image_grid_thw: ``(I, 3)`` int64 ``(t, h, w)`` patch grid of each image.
         image_runs: ``(I, 2)`` int64 ``(start, length)`` of each image's placeholder run
             in ``input_ids`` (``length = t*h*w // merge**2``).
@@ -107,6 +154,8 @@ class MultimodalSample(Sample):
         self.image_grid_thw = np.asarray(self.image_grid_thw, dtype=np.int64).reshape(-1, 3)
         self.image_runs = np.asarray(self.image_runs, dtype=np.int64).reshape(-1, 2)
         who = self.conversation_id
+        name = f"MultimodalSample {who!r}: pixel_values"
+        check_pixel_values(self.pixel_values, name, patches=True, placeholders=True, error=ValueError)
         n_img = self.image_grid_thw.shape[0]
         if self.image_runs.shape[0] != n_img:
             raise ValueError(f"MultimodalSample {who!r}: {self.image_runs.shape[0]} image runs for {n_img} grids")
@@ -189,15 +238,29 @@ def _parts(content: Any, record: Any, where: str) -> list[dict]:
     return content
 
 
-def _render(messages: list[dict], record: Any) -> tuple[str, list[tuple[int, int]], list[tuple[dict, str]]]:
-    """ChatML text, trainable character spans, and the image parts in order (with their field names)."""
+@dataclass
+class _Rendering:
+    """A conversation rendered: ChatML ``text``, the trainable character ``spans``, where the
+    renderer put its own control tokens (``controls``; everything else is content, plain text),
+    and the image parts in order with their field names."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    controls: list[tuple[int, int]]
+    images: list[tuple[dict, str]]
+
+
+def _render(messages: list[dict], record: Any) -> _Rendering:
     text: list[str] = []
     spans: list[tuple[int, int]] = []
+    controls: list[tuple[int, int]] = []
     images: list[tuple[dict, str]] = []
     pos = 0
 
-    def put(s: str) -> None:
+    def put(s: str, control: bool = False) -> None:
         nonlocal pos
+        if control:
+            controls.append((pos, pos + len(s)))
         text.append(s)
         pos += len(s)
 
@@ -207,7 +270,8 @@ def _render(messages: list[dict], record: Any) -> tuple[str, list[tuple[int, int
         role = msg.get("role") if isinstance(msg, dict) else None
         if role not in ("system", "user", "assistant"):
             raise ValueError(f"record {record!r}, messages[{i}].role: {role!r} is not system, user or assistant")
-        put(f"<|im_start|>{role}\n")
+        put("<|im_start|>", control=True)
+        put(f"{role}\n")
         start = pos
         for j, part in enumerate(_parts(msg.get("content"), record, f"messages[{i}].content")):
             where = f"messages[{i}].content[{j}]"
@@ -215,47 +279,40 @@ def _render(messages: list[dict], record: Any) -> tuple[str, list[tuple[int, int
                 if role == "assistant":
                     raise ValueError(f"record {record!r}, {where}: images in assistant turns are not supported")
                 images.append((part, where))
-                put(VISION_START + IMAGE_PAD + VISION_END)
+                for token in (VISION_START, IMAGE_PAD, VISION_END):
+                    put(token, control=True)
             else:
                 t = part.get("text")
                 if not isinstance(t, str):
                     raise ValueError(f"record {record!r}, {where}.text: must be a string")
-                bad = [s for s in ("<|im_start|>", "<|im_end|>", "<|endoftext|>", *QWEN2VL_SPECIALS) if s in t]
-                if bad:
-                    raise ValueError(f"record {record!r}, {where}.text: holds the special token text {bad[0]!r}")
-                put(t)
-        put("<|im_end|>")
+                put(t)  # plain text, special-token strings included (they never become control tokens)
+        put("<|im_end|>", control=True)
         if role == "assistant":
             spans.append((start, pos))
         put("\n")
     if not spans:
         raise ValueError(f"record {record!r}: no assistant message, nothing to train on")
-    return "".join(text), spans, images
+    return _Rendering("".join(text), spans, controls, images)
 
 
-def _ids_and_mask(text: str, spans: list[tuple[int, int]], tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``text``'s token ids, and True where a token starts inside one of the trained
-    character ``spans`` (from :func:`_render`)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int64)
-    starts = np.asarray([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(ids.shape, dtype=bool)
-    for a, b in spans:
-        mask |= (starts >= a) & (starts < b)
-    return ids, mask
+def _ids_and_mask(r: _Rendering, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
+    """``r.text``'s token ids, control tokens only where the renderer put them (the text path's
+    piecewise encoding, :mod:`sftpack.chat`), and True where a token starts inside one of the
+    trained character spans."""
+    ids, offsets = _encode_pieces(_Rendered(None, r.text, r.spans, r.controls), tokenizer)
+    return ids, mask_from_offsets(offsets, r.spans)
 
 
 def _encode(
     messages: list[dict], record: Any, tokenizer: Any, processor: Any
 ) -> tuple[np.ndarray, np.ndarray, ImagePatches, np.ndarray]:
-    text, spans, parts = _render(messages, record)
-    images = [load_image(p, record, where) for p, where in parts]
+    r = _render(messages, record)
+    images = [load_image(p, record, where) for p, where in r.images]
     patches = process_images(images, processor)
-    ids, mask = _ids_and_mask(text, spans, tokenizer)
+    ids, mask = _ids_and_mask(r, tokenizer)
     image_id = int(tokenizer.convert_tokens_to_ids(IMAGE_PAD))
     where = np.flatnonzero(ids == image_id)
-    if where.size != len(images):
-        raise RuntimeError(f"record {record!r}: {where.size} {IMAGE_PAD} tokens for {len(images)} images")
+    assert where.size == len(images), "one placeholder per image part: content text never makes one"
     merge = int(processor.merge_size)
     reps = np.ones(ids.shape, dtype=np.int64)
     reps[where] = patches.tokens_per_image(merge)
@@ -321,12 +378,20 @@ def tokenize_multimodal(
         ValueError: a malformed record (names the field).
         OverlongError: ``overlong="error"`` and the sample is too long, or an image block
             alone is longer than ``max_seq_len``.
+        UnsupportedModelError: ``tokenizer`` or ``processor`` is not Qwen2-VL's kind (checked
+            before any work).
+
+    Special-token strings in a content (``"<|im_end|>"``, ``"<|image_pad|>"``, whole or split
+    over adjacent text parts) are tokenized as plain text, as :func:`sftpack.chat.tokenize_conversation`
+    does by default: only the template's own control tokens and one placeholder run per image
+    part are control tokens.
     """
     policy = Overlong(overlong)
     if policy is Overlong.TRUNCATE:
         raise ValueError("overlong='truncate' is not offered for multimodal samples: use split, drop or error")
     tokenizer = tokenizer if tokenizer is not None else qwen2vl_tokenizer()
     processor = processor if processor is not None else image_processor()
+    _check_setup(tokenizer, processor)
     ids, mask, patches, runs = _encode(messages, conversation_id, tokenizer, processor)
     kw = dict(
         conversation_id=conversation_id,
@@ -388,9 +453,14 @@ def tokenize_multimodal_conversations(
     """Samples of many conversations, in order. Each item is a mapping with ``messages``
     (and ``id``) or an object with ``.messages`` (and ``.id``). ``on_bad_row="skip"``
     counts bad images (under their :class:`BadImageReason`), malformed records
-    (``bad_record``) and over-long ones (``overlong``) in ``stats.dropped`` instead of raising."""
+    (``bad_record``) and over-long ones (``overlong``) in ``stats.dropped`` instead of raising.
+    A tokenizer or processor of another family raises :class:`UnsupportedModelError` before
+    the first record, in either mode."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    tokenizer = tokenizer if tokenizer is not None else qwen2vl_tokenizer()
+    processor = processor if processor is not None else image_processor()
+    _check_setup(tokenizer, processor)  # before the first record: a wrong setup is no bad record
     st = stats if stats is not None else MultimodalStats()
     for n, conv in enumerate(conversations):
         st.read += 1
