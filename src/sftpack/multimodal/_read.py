@@ -9,7 +9,8 @@ One JSON object per line, ``{"messages": [...], "id": ...}``; a message's ``cont
 is a string or a list of parts ``{"type": "text", "text": ...}`` and
 ``{"type": "image", "path": ...}`` (``"image": "<path>"`` is read as a path too).
 An image path that is not absolute is relative to the JSONL file's folder, as a
-dataset folder ships its images beside the file. The record id is
+dataset folder ships its images beside the file; a URL (any ``scheme://``, ``file://``
+included) is a malformed row, as nothing is downloaded. The record id is
 ``"name.jsonl:LINE"`` (1-based), so every later error (a missing or undecodable
 image, found by :func:`tokenize_multimodal_conversations`) names the file and line.
 
@@ -37,6 +38,7 @@ from ..chat import BadFileError, BadRowError, BadRowReason, FileProblem
 from ..chat._find import _pick_split, _resolve, _Source
 from ..chat._options import FileSkipReason
 from ..chat._read import _CONTAINER_ERRORS, _describe
+from ._images import is_url
 
 __all__ = ["MultimodalReadStats", "read_multimodal", "read_multimodal_jsonl"]
 
@@ -83,7 +85,7 @@ def _source(value: Any, key: str, where: str, base: Path) -> dict:
     if _is_pil(value):
         return {"image": value}
     if isinstance(value, str) and value:
-        if value.startswith(("http://", "https://")):
+        if is_url(value):
             raise _Bad(
                 BadRowReason.MALFORMED_MESSAGE.value,
                 f"{where}.{key}: a URL {value[:60]!r}",
