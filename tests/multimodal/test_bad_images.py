@@ -26,7 +26,7 @@ from sftpack.multimodal import (
     tokenize_multimodal,
     tokenize_multimodal_conversations,
 )
-from sftpack.multimodal._images import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES
+from sftpack.multimodal import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES
 
 transformers = pytest.importorskip("transformers")
 from transformers.image_utils import load_image as hf_load_image  # noqa: E402
@@ -289,3 +289,14 @@ def test_a_subclass_is_not_taken_for_the_processor_it_extends():
     images = _images()
     theirs = _own(_PatchesReversed(min_pixels=56 * 56, max_pixels=448 * 448), images)
     assert theirs != _own(Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=448 * 448), images)
+
+
+def test_a_prepack_refuses_a_processor_its_reader_cannot_reproduce(tmp_path):
+    """A prepack stores resized pixels and re-makes patches the PIL processor's way: with another
+    processor its rows would not be that processor's patches, so it is refused before any work."""
+    from sftpack.offline import prepack_multimodal
+
+    conv = {"id": "c0", "messages": _conv({"type": "image", "image": _pixels(56, 56)})}
+    with pytest.raises(ValueError, match=r"_PatchesReversed .* does not reproduce exactly: pass sftpack"):
+        prepack_multimodal([conv], tmp_path / "p", max_seq_len=256, processor=_PatchesReversed())
+    assert not (tmp_path / "p").exists()

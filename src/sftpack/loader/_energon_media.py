@@ -163,18 +163,8 @@ def _resolve(messages: Any, media: dict, record: str) -> list:
                         BadImageReason.MISSING_FILE,
                         f"no file {name!r} in the sample (its files: {sorted(media)})",
                     )
-                data = media[name]
-                raw = isinstance(data, (bytes, bytearray, memoryview))
-                src = {"bytes" if raw else "image": data, "resize": part.get("resize")}  # bytes, or a PIL image
-                try:
-                    img = load_image(src, record, f"{field}.{kind}")
-                except BadImageError as e:  # name the sample's file, not the bytes it was read into
-                    if not raw:
-                        raise
-                    what = "cannot be decoded" if e.reason is BadImageReason.UNDECODABLE else "has no pixels"
-                    detail = f"the file {name!r} ({len(data)} bytes) {what}"
-                    raise BadImageError(record, f"{field}.{kind}", e.reason, detail) from None
-                part = {"type": "image", "image": img}
+                src = {kind: media[name], "resize": part.get("resize")}  # the member's bytes (or PIL image)
+                part = {"type": "image", "image": load_image(src, record, field, name=name)}
             parts.append(part)
         out.append({**msg, "content": parts})
     return out

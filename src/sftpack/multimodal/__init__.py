@@ -36,7 +36,18 @@ see docs/multimodal.md.
 from __future__ import annotations
 
 from ._exactness import PackedCheck, check_packed
-from ._images import BadImageError, BadImageReason, ImagePatches, image_processor, load_image, process_images
+from ._images import (
+    MAX_ASPECT_RATIO,
+    MAX_IMAGE_BYTES,
+    BadImageError,
+    BadImageReason,
+    ImagePatches,
+    image_processor,
+    is_url,
+    load_image,
+    process_images,
+    reproduces,
+)
 from ._llava import (
     LlavaCheck,
     LlavaRow,
@@ -74,6 +85,8 @@ __all__ = [
     "QWEN2VL_SPECIALS",
     "VISION_END",
     "VISION_START",
+    "MAX_ASPECT_RATIO",
+    "MAX_IMAGE_BYTES",
     "BadImageError",
     "BadImageReason",
     "ImagePatches",
@@ -92,6 +105,7 @@ __all__ = [
     "check_llava_packed",
     "check_packed",
     "image_processor",
+    "is_url",
     "llava_alone_logits",
     "llava_image_processor",
     "llava_image_tokens",
@@ -103,6 +117,7 @@ __all__ = [
     "qwen2vl_tokenizer",
     "read_multimodal",
     "read_multimodal_jsonl",
+    "reproduces",
     "rope_index",
     "tiny_llava",
     "tiny_qwen2vl",

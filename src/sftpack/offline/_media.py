@@ -282,11 +282,18 @@ class _Recorder:
 def stage_multimodal(work: MultimodalConversations, staging: Path, progress: bool = False) -> Any:
     """Stage 1 for multimodal conversations: a :class:`~sftpack.offline.engine.Staged` with ``media``."""
     from ..multimodal import image_processor, qwen2vl_tokenizer
-    from ..multimodal._images import processor_settings
+    from ..multimodal._images import processor_settings, reproduces
 
+    proc = work.processor if work.processor is not None else image_processor()
+    if not reproduces(proc):  # the reader re-patchifies stored pixels the PIL processor's way
+        raise ValueError(
+            f"prepack_multimodal stores each image's resized uint8 pixels and re-makes the patches the way "
+            f"transformers' Qwen2VLImageProcessorPil does, which {type(proc).__name__} with these settings does "
+            "not reproduce exactly: pass sftpack.multimodal.image_processor(min_pixels=..., max_pixels=...) (or a "
+            "Qwen2VLImageProcessorPil that resizes, rescales, normalises and converts to RGB)"
+        )
     staging = Path(staging)
     staging.mkdir(parents=True, exist_ok=True)
-    proc = work.processor if work.processor is not None else image_processor()
     tok = work.tokenizer if work.tokenizer is not None else qwen2vl_tokenizer()
     settings = {
         "tokenizer": tok,
