@@ -18,6 +18,8 @@ import pytest
 from PIL import Image
 
 from sftpack.multimodal import (
+    MAX_ASPECT_RATIO,
+    MAX_IMAGE_BYTES,
     BadImageError,
     MultimodalStats,
     load_image,
@@ -26,7 +28,6 @@ from sftpack.multimodal import (
     tokenize_multimodal,
     tokenize_multimodal_conversations,
 )
-from sftpack.multimodal import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES
 
 transformers = pytest.importorskip("transformers")
 from transformers.image_utils import load_image as hf_load_image  # noqa: E402
