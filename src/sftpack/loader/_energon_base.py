@@ -11,6 +11,17 @@ and compares: over other data of the same length (the samples reversed or replac
 changed), Energon would re-read other samples and resume silently; here it is a
 :class:`~sftpack.loader.StateError` naming the field that differs. Energon stores restore keys,
 not samples, so data not yet read when the state was saved cannot be checked.
+
+It also puts :class:`EndOfData` right above the reader (each crude dataset's cooker; for a dataset
+that needs no cooker, right below the packer): a pass-through that saves whether its source has been
+read to its end. Energon 7.4.1's reader (``WebdatasetSampleLoaderDataset``, JSONL included) rolls its
+own state over to the start of the next epoch as soon as it runs out, and with ``repeat=False``
+nothing else remembers that it ran out. A level that reads ahead (the packer filling its buffer, a
+shuffle buffer) hits that end while it still holds samples to emit; a state saved then restored the
+held samples *and* a reader at the start of another epoch, so the restored loader emitted the whole
+epoch again (10 samples, buffer 8, saved after the first buffer's last row: three rows where one
+was left, the 8 samples emitted before the save again and the 2 held ones twice). Restored from such
+a state, :class:`EndOfData` yields nothing, and the levels above emit only what they held.
 """
 
 from __future__ import annotations
@@ -24,10 +35,11 @@ from megatron.energon.wrappers.base import BaseWrapperDataset
 
 from ._state import StateError, digest
 
-__all__ = ["CheckedTaskEncoder", "StateCheck", "crude_json", "sample_where"]
+__all__ = ["CheckedTaskEncoder", "EndOfData", "StateCheck", "crude_json", "sample_where"]
 
-#: the version of :class:`StateCheck`'s saved fields
-CHECK_VERSION = 1
+#: the version of the state below :class:`StateCheck` (its fields and sftpack's levels): 2 added
+#: :class:`EndOfData`, which a version-1 state lacks (Energon would fail on it with a bare assert)
+CHECK_VERSION = 2
 
 
 def sample_where(key: Any, sources: Any) -> str:
@@ -145,8 +157,61 @@ class StateCheck(BaseWrapperDataset):
         return f"StateCheck(dataset={self.dataset})"
 
 
+class EndOfData(BaseWrapperDataset):
+    """A pass-through level whose saved state says whether its source was read to its end in this pass
+    (see the module docstring): restored from a state where it was, it yields nothing, instead of
+    letting Energon's reader, already rolled over to its next epoch, emit that epoch again."""
+
+    _savable_fields = ("_ended",)
+
+    def __init__(self, dataset: Any, *, worker_config: Any) -> None:
+        super().__init__(dataset, worker_config=worker_config)
+        self.reset_state_own()
+
+    def reset_state_own(self) -> None:
+        self._ended = False
+        self._restored = False
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        return self.dataset.len_worker(worker_idx)
+
+    def config(self) -> dict[str, Any]:
+        return self.dataset.config()  # transparent: it changes no sample
+
+    def restore_state(self, state: Any) -> None:
+        super().restore_state(state)
+        self._restored = True
+
+    def __iter__(self) -> Iterator[Any]:
+        restored, self._restored = self._restored, False
+        if restored and self._ended:
+            return  # the state was saved after this pass read its source to the end: nothing is left of it
+        self._ended = False  # a new pass (a RepeatDataset's next one, or the loader iterated again)
+        yield from self.dataset
+        self._ended = True
+
+    def __str__(self) -> str:
+        return f"EndOfData(dataset={self.dataset})"
+
+
 class CheckedTaskEncoder(TaskEncoder):
-    """A ``TaskEncoder`` whose pipeline ends in :class:`StateCheck` (the batcher's output, checked on restore)."""
+    """A ``TaskEncoder`` whose pipeline ends in :class:`StateCheck` (the batcher's output, checked on
+    restore) and whose reader's end is saved by :class:`EndOfData`."""
+
+    def build_cook_crude_sample(self, dataset: Any, *, worker_config: Any, **kw: Any) -> Any:
+        """Energon's cooker level over the reader, under an :class:`EndOfData` (below any shuffle buffer,
+        repeat or blend, so each of them restores over a reader whose end is known)."""
+        cooked = super().build_cook_crude_sample(dataset, worker_config=worker_config, **kw)
+        return EndOfData(cooked, worker_config=worker_config)
 
     def build_batch(self, dataset: Any, *, worker_config: Any, **kw: Any) -> Any:
+        if _find(dataset, EndOfData) is None:  # a dataset that needs no cooker: below the packer, then
+            dataset = EndOfData(dataset, worker_config=worker_config)
         return StateCheck(super().build_batch(dataset, worker_config=worker_config, **kw), worker_config=worker_config)
+
+
+def _find(dataset: Any, cls: type) -> Any:
+    """``dataset`` itself if it is a ``cls``, else the outermost ``cls`` level it wraps (or None)."""
+    if isinstance(dataset, cls):
+        return dataset
+    return dataset._find_wrapped_dataset(cls) if isinstance(dataset, BaseWrapperDataset) else None
