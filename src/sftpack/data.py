@@ -17,19 +17,25 @@
 Trade-off: converting the BPE ranks takes several times longer than loading the
 converted ``tokenizer.json`` (18 MB; ``benchmarks/bench_tokenize.py`` times both).
 So the first call builds it and writes it to
-a cache directory (``$SFTPACK_CACHE``, else ``$XDG_CACHE_HOME/sftpack``, else
-``~/.cache/sftpack``) under a name keyed by a hash of every input (vocabulary
+sftpack's cache folder (:func:`cache_dir`: ``$SFTPACK_CACHE_DIR``, else
+``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``; ``sftpack train`` keeps its
+tokenized data there too) under a name keyed by a hash of every input (vocabulary
 bytes, pattern, special tokens, template, tokenizers version, format version);
-later processes load that file, and a process reuses its loaded tokenizer.
+later processes load that file, and a process reuses its loaded tokenizer. A
+cache that cannot be written (read-only, full) is said with a warning and the
+tokenizer built in memory.
 """
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
@@ -55,10 +61,32 @@ _SPEAKERS = ("user", "assistant")
 
 
 def cache_dir() -> Path:
-    """Where built artefacts are kept: ``$SFTPACK_CACHE``, else ``$XDG_CACHE_HOME/sftpack``,
-    else ``~/.cache/sftpack``."""
-    if os.environ.get("SFTPACK_CACHE"):
-        return Path(os.environ["SFTPACK_CACHE"])
+    """sftpack's cache folder (the built tokenizer, ``sftpack train``'s tokenized data):
+    ``$SFTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``.
+
+    ``$SFTPACK_CACHE``, which used to name it for the built tokenizer only, is still
+    read when ``$SFTPACK_CACHE_DIR`` is not set, with a ``FutureWarning``: it will be
+    ignored in the next release (when both are set and differ, ``$SFTPACK_CACHE_DIR``
+    is used and a ``FutureWarning`` says that ``$SFTPACK_CACHE`` is ignored).
+    """
+    given, old = os.environ.get("SFTPACK_CACHE_DIR"), os.environ.get("SFTPACK_CACHE")
+    if old and given and old != given:
+        warnings.warn(
+            f"SFTPACK_CACHE={old} is ignored: SFTPACK_CACHE_DIR={given} names sftpack's cache folder "
+            "(unset SFTPACK_CACHE)",
+            FutureWarning,
+            stacklevel=1,  # from here, whoever asks: said once per process (and not again in its forks)
+        )
+    elif old and not given:
+        warnings.warn(
+            "SFTPACK_CACHE is deprecated: set SFTPACK_CACHE_DIR instead (it names the same folder; "
+            "SFTPACK_CACHE will be ignored in the next release)",
+            FutureWarning,
+            stacklevel=1,  # from here, whoever asks: said once per process (and not again in its forks)
+        )
+        given = old
+    if given:
+        return Path(given)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "sftpack"
 
@@ -125,11 +153,19 @@ def default_tokenizer(cache: str | os.PathLike[str] | None = None) -> Any:
     >>> tok.convert_ids_to_tokens(tok.encode("<|im_start|>user\\nHello world<|im_end|>"))
     ['<|im_start|>', 'user', 'Ċ', 'Hello', 'Ġworld', '<|im_end|>']
     """
-    return _default_tokenizer(str(Path(cache) if cache is not None else cache_dir()))
+    key = _build_key()
+    tok = _LOADED.get(key)
+    if tok is None:  # loaded once per process, whatever cache folder it was read from
+        tok = _LOADED[key] = _default_tokenizer(str(Path(cache) if cache is not None else cache_dir()))
+    return tok
 
 
-@lru_cache(maxsize=4)
-def _default_tokenizer(cache: str) -> Any:
+_LOADED: dict[str, Any] = {}
+
+
+@lru_cache(maxsize=1)
+def _build_key() -> str:
+    """A hash of every input of the built tokenizer (its cache file's name)."""
     tokenizers = _optional.tokenizers()
     vocab, pattern, special_ids = _qwen_inputs()
     h = hashlib.sha256()
@@ -142,21 +178,36 @@ def _default_tokenizer(cache: str) -> Any:
         _FORMAT_VERSION.encode(),
     ):
         h.update(hashlib.sha256(part).digest())
-    path = Path(cache) / f"qwen-bpe-{h.hexdigest()[:16]}" / "tokenizer.json"
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=4)
+def _default_tokenizer(cache: str) -> Any:
+    vocab, pattern, special_ids = _qwen_inputs()
+    path = Path(cache) / f"qwen-bpe-{_build_key()}" / "tokenizer.json"
     if path.is_file():
         try:
             return _wrap(path)
         except Exception:  # a damaged cache file: rebuild it below
             pass
     backend = _build_backend(vocab, pattern, special_ids)
+    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # write then rename: readers never see half a file
         os.close(fd)
-        backend.save(tmp)
+        backend.save(tmp)  # its errors are not OSError (tokenizers raises Exception)
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
-    except OSError:  # a read-only home: work without the cache
+    except Exception as e:  # a read-only or full cache: work without it
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # if this call made it (and it is empty)
+        logging.getLogger("sftpack.cache").warning(
+            "cannot write the built tokenizer into the cache in %s: %s; building it again in each process", cache, e
+        )
         return _wrap(backend)
     return _wrap(path)
 

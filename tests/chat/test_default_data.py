@@ -91,9 +91,9 @@ def test_cache_is_built_once_and_reused(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_cache_dir_follows_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("SFTPACK_CACHE", str(tmp_path / "c"))
+    monkeypatch.setenv("SFTPACK_CACHE_DIR", str(tmp_path / "c"))
     assert data.cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("SFTPACK_CACHE")
+    monkeypatch.delenv("SFTPACK_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
     assert data.cache_dir() == tmp_path / "x" / "sftpack"
 

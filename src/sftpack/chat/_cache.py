@@ -10,6 +10,10 @@ An entry is keyed by a SHA-256 over everything that decides the samples:
 - the input (:func:`source_identity`): the bytes of the input files, or the
   embedded corpus's file and the sftpack version that reads it, or the content
   of an in-memory list of conversations; plus ``limit``;
+- the code (:func:`code_digest`): the bytes of the modules that read, render,
+  mask and tokenize conversations and of the one that holds sftpack's version,
+  so that a change to them (a new release, an edit of a source checkout) makes
+  new entries;
 - the cache format version.
 
 One entry is one folder ``<root>/tokenized/<key>/``::
@@ -30,14 +34,27 @@ It is written into a temporary folder beside it and renamed into place, so a
 reader sees a whole entry or none; two runs writing the same entry at once both
 succeed (the second rename finds the folder there and drops its own copy). An
 entry whose files do not match their manifest (a cut write, a damaged disk) is
-reported with a warning, removed and rebuilt: never read as it is.
+reported with a warning, removed and rebuilt: never read as it is (so is a file
+where an entry folder should be).
 
-The root is ``cache_dir`` when given, else ``$SFTPACK_CACHE_DIR``, else
-``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``.
+A cache that cannot be written (a full disk, a read-only folder, a file in the
+way) is reported with one warning and the samples are used without it: nothing
+is left behind.
+
+The cache is bounded: before a new entry is written, the entries used least
+recently (an entry's folder's modification time is its last use: set when it is
+written and each time it is read) are removed until the new one fits within
+``max_size`` bytes (:data:`DEFAULT_MAX_SIZE`; ``0``: no limit). The entry being
+written is never removed, and one larger than the limit is not written.
+
+The root is ``cache_dir`` when given, else :func:`sftpack.data.cache_dir`
+(``$SFTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -59,13 +76,16 @@ from ._batch import TokenizeStats
 from ._rows import Conversation
 
 __all__ = [
+    "DEFAULT_MAX_SIZE",
     "CachedSamples",
     "ConversationSamples",
     "Pending",
     "cache_key",
     "cached_tokenize",
+    "code_digest",
     "default_cache_dir",
     "default_tokenizer_files",
+    "parse_size",
     "source_identity",
     "start_training_samples",
     "training_samples",
@@ -76,7 +96,12 @@ __all__ = [
 logger = logging.getLogger("sftpack.cache")
 
 #: bump when the entry layout or what a key covers changes
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+#: the cache's default size limit in bytes (10 GiB): an entry takes about 5 bytes per
+#: token (uint32 id and uint8 mask), so this holds the entry of a 2-billion-token
+#: data set, or the last few versions of a few-hundred-million-token one, or about
+#: 500 entries of the embedded corpus (3.55 M tokens, about 18 MB each)
+DEFAULT_MAX_SIZE = 10 << 30
 _FILES = ("tokens.u32", "mask.u8", "lengths.i64", "index.json")
 _CHUNK = 1 << 20
 #: conversations per tokenizer batch when tokenizing for training
@@ -84,11 +109,58 @@ _BATCH = 64
 
 
 def default_cache_dir() -> Path:
-    """``$SFTPACK_CACHE_DIR``, else ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``."""
-    if os.environ.get("SFTPACK_CACHE_DIR"):
-        return Path(os.environ["SFTPACK_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "sftpack"
+    """The cache's default root: :func:`sftpack.data.cache_dir` (``$SFTPACK_CACHE_DIR``,
+    else ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``)."""
+    from ..data import cache_dir
+
+    return cache_dir()
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as ``10G``, ``500M``, ``1.5GiB`` or ``123`` (binary
+    units K, M, G, T, any case, optionally followed by ``B`` or ``iB``). ``0``: no limit.
+
+    >>> parse_size("500M"), parse_size("1.5g"), parse_size("0")
+    (524288000, 1610612736, 0)
+    """
+    t = text.strip().upper()
+    t = t[:-2] if t.endswith("IB") else t[:-1] if t.endswith("B") else t
+    unit = t[-1:] if t[-1:] in _UNITS else ""
+    number = t[: len(t) - len(unit)].strip()
+    try:
+        value = float(number)
+    except ValueError:
+        value = -1.0
+    if not number or not 0 <= value < float("inf"):
+        raise ValueError(
+            f"{text!r} is not a size: give bytes or a number with K, M, G or T (e.g. 10G, 500M; 0: no limit)"
+        )
+    return int(value * _UNITS[unit])
+
+
+#: what decides the samples besides the tokenizer, options and input: the modules
+#: that read, render, mask and tokenize conversations (relative to the package)
+_CODE = ("__init__.py", "_base.py", "sample.py", "data.py", "chat")
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """A SHA-256 over the bytes of the modules that decide the samples
+    (``sftpack/chat/*.py``, ``sample.py``, ``data.py``, ``_base.py``, and
+    ``__init__.py``, which holds sftpack's version), computed once per process
+    (about 200 KB read, about 1 ms)."""
+    package = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for name in _CODE:
+        path = package / name
+        for f in sorted(path.glob("*.py")) if path.is_dir() else [path]:
+            data = f.read_bytes()
+            h.update(f"\0{f.relative_to(package).as_posix()}\0{len(data)}\0".encode())
+            h.update(data)
+    return h.hexdigest()
 
 
 def _sha(data: bytes) -> str:
@@ -269,8 +341,15 @@ def source_identity(
 
 
 def cache_key(tokenizer_id: str, options: dict[str, Any], source: dict[str, Any]) -> str:
-    """The entry name: SHA-256 over the format version, tokenizer, options and source."""
-    blob = {"format": FORMAT_VERSION, "tokenizer": tokenizer_id, "options": options, "source": source}
+    """The entry name: SHA-256 over the format version, the code (:func:`code_digest`),
+    tokenizer, options and source."""
+    blob = {
+        "format": FORMAT_VERSION,
+        "code": code_digest(),
+        "tokenizer": tokenizer_id,
+        "options": options,
+        "source": source,
+    }
     return _sha(json.dumps(blob, sort_keys=True, default=str).encode())
 
 
@@ -288,8 +367,56 @@ def _remove(entry: Path) -> None:
     try:
         os.rename(entry, trash)
     except OSError:
-        return  # already gone (another run removed or replaced it)
-    shutil.rmtree(trash, ignore_errors=True)
+        return  # already gone (another run removed or replaced it), or a read-only cache
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            trash.unlink()
+
+
+def _cannot_write(root: Path, e: OSError) -> None:
+    """Say that the cache in ``root`` cannot be written, and why (the path named only
+    when it is not one of this run's temporary files)."""
+    why = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
+    if e.filename and not any(part.startswith(".tmp-") for part in Path(str(e.filename)).parts):
+        why += f": {str(e.filename)!r}"
+    logger.warning("cannot write the tokenized-data cache in %s: %s; going on without the cache", root, why)
+
+
+def _mark_used(entry: Path) -> None:
+    """Note that ``entry`` is used now (its folder's modification time: what eviction
+    goes by). A read-only cache cannot note it: no matter."""
+    with contextlib.suppress(OSError):
+        os.utime(entry)
+
+
+def _make_room(folder: Path, need: int, limit: int, keep: Path) -> None:
+    """Remove the entries of ``folder`` used least recently until they and ``need``
+    more bytes fit within ``limit`` (``keep`` is never removed)."""
+    found: list[tuple[float, int, Path]] = []
+    total = need
+    try:
+        children = list(os.scandir(folder))
+    except OSError:
+        return
+    for child in children:
+        if child.name.startswith(".") or child.name == keep.name:
+            continue  # temporary, half-deleted, or the entry being written
+        try:
+            st = child.stat(follow_symlinks=False)
+            size = st.st_size
+            if child.is_dir(follow_symlinks=False):
+                size = sum(f.stat(follow_symlinks=False).st_size for f in os.scandir(child.path))
+        except OSError:  # removed meanwhile by another run
+            continue
+        found.append((st.st_mtime, size, Path(child.path)))
+        total += size
+    for _, size, path in sorted(found, key=lambda t: (t[0], t[2].name)):
+        if total <= limit:
+            break
+        _remove(path)
+        total -= size
 
 
 def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats, dict[str, Any]] | None:
@@ -299,7 +426,10 @@ def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats, dict
     is reported, removed and ``None`` returned."""
     manifest_path = entry / "manifest.json"
     if not entry.is_dir():
+        if os.path.lexists(entry):
+            _damaged(entry, "a file, not a folder")
         return None
+    _mark_used(entry)
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as e:
@@ -347,10 +477,12 @@ class EntryWriter:
     """Collects one entry's samples as they arrive (``position``: each sample's
     conversation position; by default the order of arrival), then :meth:`commit`
     writes them in input order into a temporary folder beside the entry and renames
-    it into place; :meth:`abort` throws it away."""
+    it into place; :meth:`abort` throws it away. ``max_size``: the cache's size limit
+    in bytes (``0``: none): the entries used least recently are removed to make room
+    for this one, which is not written if it alone is larger."""
 
-    def __init__(self, entry: Path, key: str) -> None:
-        self.entry, self.key = entry, key
+    def __init__(self, entry: Path, key: str, *, max_size: int = DEFAULT_MAX_SIZE) -> None:
+        self.entry, self.key, self.max_size = entry, key, max_size
         entry.parent.mkdir(parents=True, exist_ok=True)
         _sweep(entry.parent)
         self.tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{entry.name[:16]}-", dir=entry.parent))
@@ -369,13 +501,17 @@ class EntryWriter:
 
     def commit(
         self, stats: TokenizeStats, *, conversations: int | None = None, tokenizer: dict[str, int] | None = None
-    ) -> None:
-        """Write the entry. ``conversations``: how many went in (default: the largest
-        position + 1); ``tokenizer``: :func:`tokenizer_info`."""
+    ) -> bool:
+        """Write the entry, first removing the entries used least recently as far as
+        ``max_size`` requires. ``conversations``: how many went in (default: the
+        largest position + 1); ``tokenizer``: :func:`tokenizer_info`. Returns whether
+        the entry is there: ``False`` (with a warning, nothing left behind) when the
+        samples cannot be stored, are larger than ``max_size``, or the cache cannot
+        be written."""
         if self.uncachable:
             logger.warning("not caching the tokenized data: %s", self.uncachable)
             self.abort()
-            return
+            return False
         order = np.argsort(np.asarray(self._positions, dtype=np.int64), kind="stable")
         samples = [self._samples[i] for i in order.tolist()]
         positions = [self._positions[i] for i in order.tolist()]
@@ -387,23 +523,46 @@ class EntryWriter:
             "tokenizer": tokenizer or {},
             "stats": stats.as_dict(),
         }
-        files: dict[str, dict[str, Any]] = {}
         ids = np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int64)
         mask = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
-        for name, data in (
-            ("tokens.u32", ids.astype(np.uint32).tobytes()),
-            ("mask.u8", mask.astype(np.uint8).tobytes()),
-            ("lengths.i64", np.asarray([len(s) for s in samples], dtype=np.int64).tobytes()),
-            ("index.json", json.dumps(index).encode()),
-        ):
-            _write_file(self.tmp / name, data)
-            files[name] = {"size": len(data), "sha256": _sha(data)}
+        blobs = {
+            "tokens.u32": ids.astype(np.uint32).tobytes(),
+            "mask.u8": mask.astype(np.uint8).tobytes(),
+            "lengths.i64": np.asarray([len(s) for s in samples], dtype=np.int64).tobytes(),
+            "index.json": json.dumps(index).encode(),
+        }
+        files = {name: {"size": len(data), "sha256": _sha(data)} for name, data in blobs.items()}
         manifest = {"format": FORMAT_VERSION, "key": self.key, "samples": len(samples), "files": files}
-        _write_file(self.tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+        blobs["manifest.json"] = json.dumps(manifest, indent=1).encode()
+        need = sum(len(data) for data in blobs.values())
+        root = self.entry.parent.parent
+        if self.max_size and need > self.max_size:
+            logger.warning(
+                "not caching the tokenized data in %s: its %s bytes exceed the cache's size limit of %s bytes",
+                root,
+                f"{need:,}",
+                f"{self.max_size:,}",
+            )
+            self.abort()
+            return False
+        if self.max_size:
+            _make_room(self.entry.parent, need, self.max_size, keep=self.entry)
+        try:
+            for name, data in blobs.items():
+                _write_file(self.tmp / name, data)
+        except OSError as e:  # a full disk, a quota
+            self.abort()
+            _cannot_write(root, e)
+            return False
         try:
             os.rename(self.tmp, self.entry)
-        except OSError:  # another run committed the same entry first: keep theirs
-            shutil.rmtree(self.tmp, ignore_errors=True)
+        except OSError as e:
+            self.abort()
+            if not self.entry.is_dir():  # something else in the way
+                _cannot_write(root, e)
+                return False
+            _mark_used(self.entry)  # another run committed the same entry first: theirs is kept
+        return True
 
     def abort(self) -> None:
         shutil.rmtree(self.tmp, ignore_errors=True)
@@ -588,9 +747,11 @@ class TokenizeJob:
         cache_dir: str | os.PathLike[str] | None,
         ready: bool = False,
         in_child: bool = False,
+        max_size: int = DEFAULT_MAX_SIZE,
     ) -> None:
         self.entry = Path(cache_dir) / "tokenized" / key if key is not None and cache_dir is not None else None
         self.key = key or ""
+        self.max_size = max_size
         self.prepare = prepare
         self.done: CachedSamples | None = None
         self._sink: ConversationSamples | None = None
@@ -687,11 +848,9 @@ class TokenizeJob:
         writer = None
         if self.entry is not None and order is not None:
             try:
-                writer = EntryWriter(self.entry, self.key)
-            except OSError as e:  # a read-only cache folder: work without it
-                logger.warning(
-                    "cannot write the tokenized-data cache in %s (%s): tokenizing without it", self.entry.parent, e
-                )
+                writer = EntryWriter(self.entry, self.key, max_size=self.max_size)
+            except OSError as e:  # a read-only cache folder, a file in the way, a full disk: work without it
+                _cannot_write(self.entry.parent.parent, e)
         samples: list[Sample] = []
         positions: list[int] = []
         last, group = -1, list[Sample]()
@@ -714,8 +873,8 @@ class TokenizeJob:
                     sink._put(order[last], group)
                 for k in range(last + 1, len(order)):
                     sink._put(order[k], [])
-            if writer is not None:
-                writer.commit(stats(), conversations=len(order or ()), tokenizer=info)
+            if writer is not None and not writer.commit(stats(), conversations=len(order or ()), tokenizer=info):
+                writer = None
         except BaseException as e:
             if self._child is not None:
                 self._child.close()
@@ -961,6 +1120,7 @@ def cached_tokenize(
     *,
     key: str | None,
     cache_dir: str | os.PathLike[str] | None,
+    cache_max_size: int = DEFAULT_MAX_SIZE,
 ) -> CachedSamples:
     """``tokenize()`` (a lazy :class:`~sftpack.chat.TokenizedConversations`) through the cache.
 
@@ -968,8 +1128,12 @@ def cached_tokenize(
     read instead of tokenizing; otherwise the samples are tokenized once and
     written into a new entry (positions: the order of the samples' conversations).
     ``key=None`` or ``cache_dir=None``: no cache, nothing written.
+    ``cache_max_size``: the cache's size limit in bytes (``0``: none).
     """
-    return TokenizeJob(lambda *_: _Run(tokenize(), None, None, {}), key=key, cache_dir=cache_dir).finish()
+    run = TokenizeJob(
+        lambda *_: _Run(tokenize(), None, None, {}), key=key, cache_dir=cache_dir, max_size=cache_max_size
+    )
+    return run.finish()
 
 
 def training_samples(
@@ -983,6 +1147,7 @@ def training_samples(
     cache_dir: str | os.PathLike[str] | None = None,
     source: dict[str, Any] | None = None,
     tokenizer_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    cache_max_size: int = DEFAULT_MAX_SIZE,
 ) -> CachedSamples:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
     training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache).
@@ -990,7 +1155,8 @@ def training_samples(
     ``source`` names the input for the key (:func:`source_identity`; by default it
     is worked out from ``conversations``: the embedded corpus or a list); input it
     cannot name is tokenized without the cache. ``tokenizer_files``: see
-    :func:`tokenizer_identity`.
+    :func:`tokenizer_identity`. ``cache_max_size``: the cache's size limit in bytes
+    (``0``: none); the entries used least recently make room for a new one.
     """
     return start_training_samples(
         tokenizer,
@@ -1002,6 +1168,7 @@ def training_samples(
         cache_dir=cache_dir,
         source=source,
         tokenizer_files=tokenizer_files,
+        cache_max_size=cache_max_size,
     ).finish()
 
 
@@ -1020,6 +1187,7 @@ def start_training_samples(
     in_child: bool = False,
     seed: int | None = None,
     load_tokenizer: tuple[str, Callable[[], Any]] | None = None,
+    cache_max_size: int = DEFAULT_MAX_SIZE,
 ) -> TokenizeJob:
     """:func:`training_samples` in two halves (:class:`TokenizeJob`): the cache is
     looked up now (and with ``ready=True`` the input read and the tokenizer loaded;
@@ -1041,6 +1209,7 @@ def start_training_samples(
             ``load()`` builds from ``tokenizer_files`` alone, named ``name`` in the key
             (:func:`tokenizer_files_identity`); it is loaded only if there is
             something to tokenize (not on a cache hit).
+        cache_max_size: the cache's size limit in bytes (``0``: none); see :class:`EntryWriter`.
     """
     from ..data import default_corpus
     from ._batch import tokenize_conversations
@@ -1098,7 +1267,7 @@ def start_training_samples(
         )
         return _Run(out, order, ids, info)
 
-    return TokenizeJob(prepare, key=key, cache_dir=cache_dir, ready=ready, in_child=in_child)
+    return TokenizeJob(prepare, key=key, cache_dir=cache_dir, ready=ready, in_child=in_child, max_size=cache_max_size)
 
 
 T = TypeVar("T")
@@ -1112,6 +1281,10 @@ class Pending(Generic[T]):
     def __init__(self, fn: Callable[[], T], *, background: bool = True) -> None:
         self._value: T | None = None
         self._error: BaseException | None = None
+        # Waited on instead of Thread.join(): on Python 3.11 a KeyboardInterrupt raised in a
+        # join() (Ctrl-C, or SIGTERM through the CLI) marks the thread ended while it still
+        # runs, and the clean-up's second result() would return before the work is aborted.
+        self._done = threading.Event()
         self._thread = None
         if background:
             self._thread = threading.Thread(target=self._run, args=(fn,), name="sftpack-tokenize", daemon=True)
@@ -1124,10 +1297,11 @@ class Pending(Generic[T]):
             self._value = fn()
         except BaseException as e:  # handed to the caller by result()
             self._error = e
+        finally:
+            self._done.set()
 
     def result(self) -> T:
-        if self._thread is not None:
-            self._thread.join()
+        self._done.wait()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]

@@ -11,7 +11,7 @@ import numpy as np
 
 from .._optional import transformers
 from .._types import Tokenizer
-from ..chat._cache import ConversationSamples, default_cache_dir, training_samples
+from ..chat._cache import DEFAULT_MAX_SIZE, ConversationSamples, default_cache_dir, training_samples
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample
@@ -63,6 +63,7 @@ def tokenized_samples(
     num_proc: int = 1,
     progress: bool = False,
     cache: bool | str | os.PathLike[str] = False,
+    cache_max_size: int = DEFAULT_MAX_SIZE,
 ) -> tuple[list[Sample], Any]:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``);
     conversations longer than ``max_seq_len`` are split, every piece kept.
@@ -71,9 +72,12 @@ def tokenized_samples(
         cache: ``False`` (default): tokenize; ``True``: through the tokenized-data
             cache in its default folder (``$SFTPACK_CACHE_DIR``, else
             ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``); a path: through
-            the cache in that folder. A second call with the same tokenizer, options
-            and conversations (the embedded corpus, or a list) reads the samples
-            back instead of tokenizing; a one-pass iterator is never cached.
+            the cache in that folder. A second call with the same tokenizer, options,
+            conversations (the embedded corpus, or a list) and sftpack code reads the
+            samples back instead of tokenizing; a one-pass iterator is never cached.
+            A cache that cannot be written is warned about and done without.
+        cache_max_size: the cache's size limit in bytes (default 10 GiB; ``0``: none):
+            the entries used least recently are removed to make room for a new one.
 
     Returns:
         ``(samples, stats)``: the samples in corpus order and the tokenizer's counts.
@@ -86,6 +90,7 @@ def tokenized_samples(
         num_proc=num_proc,
         progress=progress,
         cache_dir=resolve_cache(cache),
+        cache_max_size=cache_max_size,
     )
     return checked_samples(got.samples), got.stats
 
