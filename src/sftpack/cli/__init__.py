@@ -8,7 +8,11 @@ Each command is a module ``_<name>.py`` of this package with
 ``register(subparsers)`` (found at start, listed in :data:`_ORDER`'s order). A user
 error (a bad option, a bad file, a conversation that cannot be packed) prints
 one line, ``sftpack <command>: <what> (<fix>)``, and exits 2 for usage errors
-and 1 for data errors; ``--debug`` shows the traceback instead.
+and 1 for data errors; ``--debug`` shows the traceback instead. Ctrl-C prints
+``sftpack <command>: interrupted`` (exit 130); SIGTERM, what a scheduler sends
+before it kills a job, takes the same way out (its clean-up included), prints
+``sftpack <command>: stopped by SIGTERM...`` and exits 143 (``sftpack train``
+first saves a checkpoint at the end of the current step, with ``--checkpoint-dir``).
 """
 
 from __future__ import annotations
@@ -16,11 +20,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from ._common import UsageError
+from ._common import Terminated, UsageError, sigterm_handled
 
 __all__ = ["build_parser", "main"]
 
@@ -94,7 +99,11 @@ def _exit_at_once(rc: int) -> NoReturn:
 
 def _run(args: argparse.Namespace) -> int:
     try:
-        return int(args.func(args) or 0)
+        with sigterm_handled():
+            return int(args.func(args) or 0)
+    except Terminated as e:
+        print(f"sftpack {args.command}: {e}", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except UsageError as e:
         if args.debug:
             raise

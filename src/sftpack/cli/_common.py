@@ -1,26 +1,113 @@
 """Shared by the commands: option types that refuse bad values up front, the
-usage error, and the tokenizer loader."""
+usage error, SIGTERM handled like Ctrl-C, and the tokenizer loader."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..chat import ReadStats, TokenizeStats
 
 __all__ = [
+    "Terminated",
     "UsageError",
     "load_tokenizer",
     "non_negative",
     "positive",
     "render_read_stats",
     "render_tokenize_stats",
+    "sigterm_deferred",
+    "sigterm_handled",
 ]
 
 
 class UsageError(ValueError):
     """Options that cannot work (exit status 2)."""
+
+
+class Terminated(KeyboardInterrupt):
+    """The process was sent SIGTERM (what a scheduler sends before it kills a job): raised
+    where Ctrl-C raises ``KeyboardInterrupt``, so the same clean-up runs; exit status 143.
+    The message is the line the command prints."""
+
+    def __init__(self, message: str = "stopped by SIGTERM") -> None:
+        super().__init__(message)
+
+
+class _Sigterm:
+    """What SIGTERM does in this process: raise :class:`Terminated` (once), or, while
+    :func:`sigterm_deferred`, only record it. A process forked from this one gets the
+    default back (:func:`_default_in_child`; else, should it still run there, it ends
+    that process as the default would)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.received = False
+        self.deferred = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self.pid:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        first, self.received = not self.received, True
+        if first and not self.deferred:  # a second SIGTERM does not cut the clean-up of the first short
+            raise Terminated()
+
+
+_HANDLER: _Sigterm | None = None
+
+
+def _default_in_child() -> None:
+    """A forked process (the tokenizer's, its workers) ends on SIGTERM as by default, at
+    once, not when its Python next runs: ``Pool.terminate()`` waits for its workers to end."""
+    if isinstance(signal.getsignal(signal.SIGTERM), _Sigterm):
+        try:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        except ValueError:  # forked from another thread: the handler's own check ends it
+            pass
+
+
+os.register_at_fork(after_in_child=_default_in_child)
+
+
+@contextlib.contextmanager
+def sigterm_handled() -> Iterator[None]:
+    """Inside: SIGTERM raises :class:`Terminated` in the main thread (a no-op elsewhere: only
+    the main thread may set signal handlers)."""
+    global _HANDLER
+    try:
+        before = signal.signal(signal.SIGTERM, handler := _Sigterm())
+    except ValueError:  # not the main thread
+        yield
+        return
+    outer, _HANDLER = _HANDLER, handler
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        _HANDLER = outer
+
+
+@contextlib.contextmanager
+def sigterm_deferred() -> Iterator[Callable[[], bool]]:
+    """Inside: SIGTERM is only recorded (the training loop stops at the end of the step, saving a
+    checkpoint first); yields whether it came. After it (or outside :func:`sigterm_handled`)
+    SIGTERM raises again."""
+    handler = _HANDLER
+    if handler is None:
+        yield lambda: False
+        return
+    handler.deferred = True
+    try:
+        yield lambda: handler.received
+    finally:
+        handler.deferred = False
 
 
 def _int_at_least(text: str, low: int, what: str) -> int:

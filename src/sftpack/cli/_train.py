@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from ._common import UsageError, load_tokenizer, non_negative, positive
+from ._common import Terminated, UsageError, load_tokenizer, non_negative, positive, sigterm_deferred
 from ._train_vqa import add_vqa_arguments
 
 #: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
@@ -155,8 +155,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--heads", type=positive, default=4)
     m.add_argument("--kv-heads", type=positive, default=2)
     m.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    m.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        help="the model's dtype (default float32; float64 makes packed and padded runs agree to 1e-10); a "
+        "checkpoint resumes only in the dtype it was written in",
+    )
     c = t.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-dir", metavar="DIR")
+    c.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where checkpoints go (one run per folder: a fresh run refuses a folder that holds another run's "
+        "checkpoints); with it, SIGTERM saves one at the end of the current step before the run stops",
+    )
     c.add_argument(
         "--checkpoint-every",
         type=non_negative,
@@ -175,6 +186,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="like --resume, but start at step 1 when --checkpoint-dir holds no checkpoint yet "
         "(re-running the same command after a preemption)",
     )
+    c.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start a fresh run (step 1) in a --checkpoint-dir that holds another run's checkpoints: they are "
+        "deleted once this run has written its first checkpoint",
+    )
     t.add_argument(
         "--num-proc",
         type=positive,
@@ -185,17 +202,45 @@ def register(sub: argparse._SubParsersAction) -> None:
     k.add_argument(
         "--cache-dir",
         metavar="DIR",
-        help="where tokenized samples are kept between runs, keyed by the tokenizer, options and input bytes "
-        "(default: $SFTPACK_CACHE_DIR, else $XDG_CACHE_HOME/sftpack, else ~/.cache/sftpack)",
+        help="where tokenized samples are kept between runs, keyed by the tokenizer, options, input bytes and "
+        "sftpack's code (default: $SFTPACK_CACHE_DIR, else $XDG_CACHE_HOME/sftpack, else ~/.cache/sftpack)",
     )
     k.add_argument(
         "--no-cache",
         action="store_true",
         help="tokenize again and write nothing to the cache",
     )
+    k.add_argument(
+        "--cache-max-size",
+        metavar="SIZE",
+        type=_cache_size,
+        help="the cache's size limit, e.g. 10G, 500M (binary units; 0: no limit; default: 10G, the entry of a "
+        "2-billion-token data set at 5 bytes a token): the entries used least recently make room for a new one",
+    )
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
-    add_vqa_arguments(t)  # --corpus {chat,vqa}, --image-sides, --dtype
+    add_vqa_arguments(t)  # --corpus {chat,vqa}, --image-sides
     t.set_defaults(func=run, exit_at_once=True)  # as the command: no interpreter teardown (sftpack.cli.main)
+
+
+def _cache_size(text: str) -> int:
+    """``--cache-max-size``: bytes (:func:`~sftpack.chat._cache.parse_size`)."""
+    from ..chat._cache import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _stopped_line(result: Any) -> str:
+    """What a run that SIGTERM stopped says (its loop ended after the step it was in)."""
+    steps = result.logs[-1].step if result.logs else result.resumed_from
+    line = f"stopped by SIGTERM after step {steps}"
+    if not result.stopped:  # it came in the last step, after the loop had asked
+        return f"{line}, the last one"
+    if result.checkpoint is not None:  # written at the end of that step
+        return f"{line}; checkpoint saved in {result.checkpoint}; rerun with --resume to continue"
+    return f"{line}; nothing saved (no --checkpoint-dir)"
 
 
 def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
@@ -288,6 +333,7 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
     Returns ``(job, pending)``."""
     from ..chat import read_conversations
     from ..chat._cache import (
+        DEFAULT_MAX_SIZE,
         Pending,
         default_cache_dir,
         default_tokenizer_files,
@@ -324,6 +370,7 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
         load_tokenizer=("sftpack.data.default_tokenizer" if args.tokenizer is None else "AutoTokenizer", tok.get),
         in_child=True,
         seed=args.seed,
+        cache_max_size=DEFAULT_MAX_SIZE if args.cache_max_size is None else args.cache_max_size,
     )
     if job.done is None:
         _lower_priority_of_children()  # before it forks its own workers, which inherit it
@@ -359,6 +406,11 @@ def run(args: argparse.Namespace) -> int:
     resume: bool | Literal["auto"] = True if args.resume else ("auto" if args.resume_if_any else False)
     if resume and not args.checkpoint_dir:
         raise UsageError(f"--resume{'-if-any' if args.resume_if_any else ''} needs --checkpoint-dir")
+    if args.overwrite_checkpoints and (resume or not args.checkpoint_dir):
+        raise UsageError(
+            "--overwrite-checkpoints starts a fresh run in --checkpoint-dir over another run's checkpoints: "
+            + ("not with --resume or --resume-if-any, which continue that run" if resume else "give --checkpoint-dir")
+        )
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
     if args.prepacked and args.packing != "offline":
@@ -370,8 +422,9 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.prepacked and args.inputs:
         raise UsageError("give either INPUT files or --prepacked, not both")
-    if args.no_cache and args.cache_dir:
-        raise UsageError("give --cache-dir or --no-cache, not both")
+    if args.no_cache and (args.cache_dir or args.cache_max_size is not None):
+        given = "--cache-dir" if args.cache_dir else "--cache-max-size"
+        raise UsageError(f"give {given} or --no-cache, not both")
     if args.num_proc is None:
         args.num_proc = _default_num_proc()
     MARKS.clear()
@@ -390,13 +443,15 @@ def run(args: argparse.Namespace) -> int:
     _mark("tokenizer")
     try:
         return _run_training(args, resume, manifest, tokenizer, job, pending)
-    except BaseException:
-        if job is not None and pending is not None:  # an error, Ctrl-C: the tokenizer's process goes too
+    except BaseException as e:
+        if job is not None and pending is not None:  # an error, Ctrl-C, SIGTERM: the tokenizer's process goes too
             job.close()
             try:
                 pending.result()  # it ends at once, its cache entry's temporary folder removed
             except BaseException:  # what killing the producer makes of it: not the error to report
                 pass
+        if isinstance(e, Terminated) and all(phase != "train" for phase, _ in MARKS):
+            raise Terminated("stopped by SIGTERM before the first step; nothing was saved") from None
         raise
 
 
@@ -409,6 +464,7 @@ def _run_training(
     pending: Any,
 ) -> int:
     """:func:`run` once the data is on its way."""
+    import torch
 
     from ..chat._cache import tokenizer_info
     from ..loop import (
@@ -420,6 +476,7 @@ def _run_training(
         plot_training,
         train,
     )
+    from ..loop._checkpoint import check_new_run
     from ..loop._loop import init_distributed, resolve_device
     from ..loop._options import Packing
     from ..loop._plot import read_log
@@ -435,6 +492,8 @@ def _run_training(
         resolve_device(cfg.device)
     except ValueError as e:
         raise UsageError(f"--device {e}") from None
+    if args.checkpoint_dir and not resume and not args.overwrite_checkpoints:
+        check_new_run(args.checkpoint_dir)  # another run's checkpoints: refused before the data is waited for
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
     if cfg.packing in (Packing.TRAINER, Packing.NONE):
@@ -480,11 +539,13 @@ def _run_training(
             kv_heads=cfg.kv_heads,
             seed=cfg.seed,
             impl=args.model_impl,
+            dtype=dtype,
         )
 
+    dtype = getattr(torch, args.dtype or "float32")
     model = None
     if args.model:
-        model = load_model(args.model)
+        model = load_model(args.model, dtype=dtype)
     elif args.vocab == "tokenizer":  # the data vocabulary is known only after tokenizing
         model = default_model(vocab_size)
     _mark("model")
@@ -566,16 +627,22 @@ def _run_training(
             f"model: {type(model).__name__}, {n_params / 1e6:.2f} M parameters, vocabulary {model.config.vocab_size:,}; "
             f"packing {cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
         )
-        result = train(
-            cfg,
-            source=source,
-            model=model,
-            log=args.log,
-            checkpoint_dir=args.checkpoint_dir,
-            resume=resume,
-            progress=rank == 0,
-            on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
-        )
+        _mark("train")  # start-up is over: from here SIGTERM stops the loop at the end of a step
+        with sigterm_deferred() as sigterm:
+            result = train(
+                cfg,
+                source=source,
+                model=model,
+                log=args.log,
+                checkpoint_dir=args.checkpoint_dir,
+                resume=resume,
+                overwrite=args.overwrite_checkpoints,
+                stop=sigterm,
+                progress=rank == 0,
+                on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
+            )
+        if sigterm():
+            raise Terminated(_stopped_line(result))
     except Exception:
         if streaming and pending is not None and samples.done:  # e.g. no target at all: the data line says so
             say_data(pending.result())

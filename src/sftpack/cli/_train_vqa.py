@@ -37,7 +37,8 @@ IMAGE_SIDES = (56, 224)
 
 
 def add_vqa_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--corpus {chat,vqa}`` and the options of ``--corpus vqa`` on the ``train`` parser."""
+    """``--corpus {chat,vqa}`` and the options of ``--corpus vqa`` on the ``train`` parser (its
+    ``--dtype`` is the ``train`` parser's own: the tiny Qwen2-VL's dtype here)."""
     parser.add_argument(
         "--corpus",
         choices=["chat", "vqa"],
@@ -53,11 +54,6 @@ def add_vqa_arguments(parser: argparse.ArgumentParser) -> None:
         metavar=("MIN", "MAX"),
         help=f"each image is resized to a seeded size within MIN..MAX px a side (default {IMAGE_SIDES[0]} "
         f"{IMAGE_SIDES[1]}); --limit caps the conversations (default {VQA_LIMIT})",
-    )
-    g.add_argument(
-        "--dtype",
-        choices=["float32", "float64"],
-        help="the tiny Qwen2-VL's dtype (default float32; float64 makes packed and padded runs agree to 1e-10)",
     )
 
 
@@ -95,6 +91,7 @@ def _refuse(args: argparse.Namespace) -> None:
         (getattr(args, "tokenizer", None), "--tokenizer (it uses Qwen2-VL's)"),
         (getattr(args, "checkpoint_dir", None), "--checkpoint-dir"),
         (getattr(args, "resume", False) or getattr(args, "resume_if_any", False), "--resume"),
+        (getattr(args, "overwrite_checkpoints", False), "--overwrite-checkpoints"),
     ]
     given = [what for value, what in not_yet if value]
     if given:

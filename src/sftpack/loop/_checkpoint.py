@@ -2,7 +2,7 @@
 
 Layout of ``DIR``::
 
-    DIR/step_000010/state.pt          model, optimizer, scheduler, step, config, data fingerprint
+    DIR/step_000010/state.pt          model, optimizer, scheduler, step, config, data fingerprint, dtype
     DIR/step_000010/rank_0.pt         this rank's RNG states and data position (loader state_dict, ...)
     DIR/step_000010/checkpoint.json   bytes and SHA-256 of every file above (written last)
     DIR/latest                        "step_000010"
@@ -12,7 +12,15 @@ hashes every file, writes ``checkpoint.json`` (through a temporary file and
 ``os.replace``), renames the folder (one ``os.replace``) and then rewrites
 ``latest`` the same way. A run killed at any moment leaves either the previous
 checkpoint as ``latest`` or the new one, never half of one; stale ``*.tmp``
-folders are ignored and overwritten.
+folders are ignored and overwritten. A save that fails (a full disk, a quota: any
+``OSError`` or torch's ``RuntimeError`` while writing) removes its ``.tmp`` folder
+and raises :class:`CheckpointError` naming it and the cause; ``latest`` still
+names the previous checkpoint.
+
+One run per folder: :func:`check_new_run` refuses to start a fresh run in a folder
+that holds another run's checkpoints (its ``latest`` would be repointed, its
+steps rewritten: two runs mixed); :func:`remove_other_checkpoints` clears them
+when the user asked to replace them.
 
 Integrity: before anything is unpickled, :func:`load_checkpoint` checks the size
 and SHA-256 of ``state.pt`` and of this rank's file against ``checkpoint.json``
@@ -37,8 +45,11 @@ import torch
 __all__ = [
     "CHECKPOINT_MANIFEST",
     "CheckpointError",
+    "check_new_run",
     "latest_checkpoint",
     "load_checkpoint",
+    "model_dtype",
+    "remove_other_checkpoints",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -100,6 +111,33 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _torch_save(obj: Any, path: Path) -> None:
+    """``torch.save`` through a Python file: a failed ``write()`` (``ENOSPC``, ``EFBIG``,
+    ``EDQUOT``) then keeps its ``OSError`` as the cause of torch's error."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
+def _cause(e: BaseException) -> str:
+    """The reason of a failed write in words: the ``OSError`` behind torch's error if any."""
+    seen: BaseException | None = e
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return f"[Errno {seen.errno}] {seen.strerror}" if seen.errno and seen.strerror else str(seen)
+        seen = seen.__cause__ or seen.__context__
+    return " ".join(str(e).split())[:160] or type(e).__name__
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank's ``ok`` is true (one all-reduce; ``ok`` itself on one process)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return ok
+    on_gpu = torch.distributed.get_backend() == "nccl"
+    flag = torch.tensor([0 if ok else 1], device=torch.device("cuda", torch.cuda.current_device()) if on_gpu else None)
+    torch.distributed.all_reduce(flag)
+    return int(flag.item()) == 0
+
+
 def save_checkpoint(
     directory: str | os.PathLike[str],
     step: int,
@@ -108,33 +146,123 @@ def save_checkpoint(
     per_rank: dict[str, Any],
     rank: int = 0,
 ) -> Path:
-    """Write the checkpoint of ``step`` (``shared``: from rank 0 only; ``per_rank``: every rank's own)."""
+    """Write the checkpoint of ``step`` (``shared``: from rank 0 only; ``per_rank``: every rank's own).
+
+    Raises:
+        CheckpointError: a file could not be written (a full disk, a quota, ...): the
+            message names the folder and the cause; the ``.tmp`` folder is removed and
+            ``latest`` still names the previous checkpoint.
+    """
     root = Path(directory)
     name = f"step_{step:06d}"
     tmp = root / f"{name}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    _barrier()
-    torch.save(per_rank, tmp / f"rank_{rank}.pt")
-    if rank == 0:
-        assert shared is not None
-        torch.save(shared, tmp / "state.pt")
-    _barrier()
     final = root / name
-    if rank == 0:
-        names = ["state.pt"] + [f"rank_{r}.pt" for r in range(_world())]
-        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
-        manifest = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "step": step, "files": files}
-        _write_atomic(tmp / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _write_atomic(root / "latest", name)
+    error: BaseException | None = None
+    try:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+    except OSError as e:
+        error = e
     _barrier()
+    try:
+        if error is None:
+            _torch_save(per_rank, tmp / f"rank_{rank}.pt")
+            if rank == 0:
+                assert shared is not None
+                _torch_save(shared, tmp / "state.pt")
+    except (OSError, RuntimeError) as e:
+        error = e
+    if not _all_ranks_ok(error is None):
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        _barrier()
+        raise _write_failed(root, step, tmp, error)
+    moved = False
+    if rank == 0:
+        try:
+            names = ["state.pt"] + [f"rank_{r}.pt" for r in range(_world())]
+            files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+            manifest = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "step": step, "files": files}
+            _write_atomic(tmp / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            moved = True
+            _write_atomic(root / "latest", name)
+        except OSError as e:
+            error = e
+    if not _all_ranks_ok(error is None):
+        if rank == 0:  # ``latest`` was not repointed: nothing of this save stays
+            shutil.rmtree(final if moved else tmp, ignore_errors=True)
+            (root / "latest.tmp").unlink(missing_ok=True)
+        raise _write_failed(root, step, tmp, error)
     return final
+
+
+def _write_failed(root: Path, step: int, tmp: Path, error: BaseException | None) -> CheckpointError:
+    """The error of a save that failed on this rank (``error``) or on another one."""
+    try:
+        before = latest_checkpoint(root)
+    except CheckpointError:
+        before = None
+    kept = f"{root / 'latest'} still names {before.name}" if before is not None else "there is no earlier checkpoint"
+    cause = _cause(error) if error is not None else "another rank could not write its part (see its error)"
+    return CheckpointError(
+        f"cannot write the checkpoint of step {step} into {tmp}: {cause}; the partial folder was removed and "
+        f"{kept}; fix that (free space on a full disk) or give another --checkpoint-dir, then rerun with --resume"
+    )
+
+
+def check_new_run(directory: str | os.PathLike[str]) -> None:
+    """Refuse to start a fresh run in ``directory`` when it holds another run's checkpoints
+    (a ``latest`` pointer or a ``step_NNNNNN`` folder): the new run would rewrite them and
+    repoint ``latest``, two runs mixed in one folder.
+
+    Raises:
+        CheckpointError: naming the folder, its latest checkpoint and the ways forward.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        return
+    steps = sorted(p.name for p in root.iterdir() if p.is_dir() and _STEP_DIR.fullmatch(p.name))
+    pointer = root / "latest"
+    if not steps and not pointer.exists():
+        return
+    named = pointer.read_text(errors="replace").strip()[:40] if pointer.is_file() else ""
+    latest = named if _STEP_DIR.fullmatch(named) else (f"{steps[-1]}, no 'latest' pointer" if steps else named)
+    raise CheckpointError(
+        f"{root} holds the checkpoints of another run (latest: {latest}): a fresh run there would rewrite them; "
+        "continue that run with --resume (or --resume-if-any), replace its checkpoints with --overwrite-checkpoints "
+        "(overwrite=True), or give another --checkpoint-dir"
+    )
+
+
+def remove_other_checkpoints(directory: str | os.PathLike[str], keep: Path) -> None:
+    """Remove every checkpoint folder of ``directory`` but ``keep`` (a run that replaces
+    another's checkpoints, once its own first checkpoint is in place)."""
+    for p in Path(directory).iterdir():
+        if p != keep and p.is_dir() and _STEP_DIR.fullmatch(p.name.removesuffix(".tmp")):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _floating_dtype(state: dict[str, Any], names: set[str]) -> str:
+    """The dtype(s) of the floating-point entries ``names`` of a state dict (``"a+b"`` when mixed)."""
+    kinds = {
+        str(t.dtype).removeprefix("torch.")
+        for k, t in state.items()
+        if k in names and isinstance(t, torch.Tensor) and t.is_floating_point()
+    }
+    return "+".join(sorted(kinds))
+
+
+def model_dtype(model: Any, state: dict[str, Any] | None = None) -> str:
+    """The dtype of ``model``'s parameters (``"float32"``; ``"a+b"`` when mixed), or, given a
+    saved ``state`` dict of it, the dtype of those parameters in ``state``."""
+    params = {n for n, _ in model.named_parameters()}
+    return _floating_dtype(model.state_dict() if state is None else state, params)
 
 
 def _earlier(path: Path) -> str:
@@ -237,10 +365,14 @@ def _load(path: Path) -> Any:
         ) from None
 
 
-def load_checkpoint(path: str | os.PathLike[str], *, rank: int, world: int, fingerprint: str) -> tuple[dict, dict]:
-    """``(shared, per_rank)`` of the checkpoint folder ``path``, checked against this run.
+def load_checkpoint(
+    path: str | os.PathLike[str], *, rank: int, world: int, fingerprint: str, model: Any = None
+) -> tuple[dict, dict]:
+    """``(shared, per_rank)`` of the checkpoint folder ``path``, checked against this run
+    (its data ``fingerprint``, its ``world`` size and, given this run's ``model``, its dtype).
 
-    The files are verified against ``checkpoint.json`` before they are unpickled.
+    The files are verified against ``checkpoint.json`` before they are unpickled. A
+    checkpoint written before the dtype was recorded is checked by its saved weights.
     """
     path = Path(path)
     mine = f"rank_{rank}.pt"
@@ -266,4 +398,13 @@ def load_checkpoint(path: str | os.PathLike[str], *, rank: int, world: int, fing
             f"{path}: written by {shared.get('world')} rank(s), resumed on {world}: each rank's data position is "
             "saved separately; resume with the same number of processes"
         )
+    if model is not None:
+        now = model_dtype(model)
+        saved = shared.get("dtype") or model_dtype(model, shared["model"])
+        if saved != now:
+            raise CheckpointError(
+                f"{path}: the checkpoint's model is {saved}, this run's {now}: a resumed run must train in the "
+                f"dtype it saved (its weights and optimizer state); resume with --dtype {saved}, or start a fresh "
+                "--checkpoint-dir"
+            )
     return shared, _load(path / mine)

@@ -34,8 +34,11 @@ from tqdm.auto import tqdm
 
 from ._checkpoint import (
     CheckpointError,
+    check_new_run,
     latest_checkpoint,
     load_checkpoint,
+    model_dtype,
+    remove_other_checkpoints,
     rng_state,
     save_checkpoint,
     set_rng_state,
@@ -117,6 +120,10 @@ class TrainResult:
     #: this rank's conversation ids per step (in micro-batch order)
     conversations: list[list[Any]] = field(default_factory=list)
     resumed_from: int = 0
+    #: ``stop()`` asked the run to end early: it ended after the last step logged
+    stopped: bool = False
+    #: the last checkpoint this run wrote (``None``: none)
+    checkpoint: Path | None = None
 
     @property
     def losses(self) -> list[float]:
@@ -265,7 +272,9 @@ def train(
     log: str | os.PathLike[str] | None = None,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     resume: bool | Literal["auto"] = False,
+    overwrite: bool = False,
     stop_after: int | None = None,
+    stop: Callable[[], bool] | None = None,
     progress: bool = False,
     on_step: Callable[[StepLog], None] | None = None,
     loss_module: Callable[..., torch.nn.Module] = LossModule,
@@ -280,8 +289,15 @@ def train(
         checkpoint_dir: where ``config.checkpoint_every`` saves (and ``resume`` reads).
         resume: ``True``: continue from the latest checkpoint in ``checkpoint_dir``
             (there must be one); ``"auto"``: continue from it if there is one, else
-            start at step 1 (a job re-run after preemption); ``False``: start at step 1.
+            start at step 1 (a job re-run after preemption); ``False``: start at step 1,
+            in a ``checkpoint_dir`` that holds no other run's checkpoints.
+        overwrite: with ``resume=False``: start even when ``checkpoint_dir`` holds another
+            run's checkpoints, and remove them once this run's first checkpoint is written.
         stop_after: stop after this optimizer step (a simulated interruption), as if killed.
+        stop: asked once a step (after its backward passes; on every rank, any rank's
+            ``True`` counts): ``True`` ends the run after that step, saving a checkpoint
+            first when there is a ``checkpoint_dir`` (a preempted job: ``sftpack train``
+            passes whether SIGTERM came); the result then says ``stopped``.
         progress: a tqdm bar with the loss and real tokens/s (rank 0).
         on_step: called with each :class:`StepLog`.
         loss_module: builds the module whose ``forward(micro_batch, num_label_tokens)``
@@ -295,14 +311,19 @@ def train(
 
     Raises:
         CheckpointError: ``resume`` found no checkpoint, a damaged one (a file that does
-            not match its checksum), or one of other data (fingerprint), world size or
-            optimisation options.
+            not match its checksum), or one of other data (fingerprint), world size,
+            model dtype or optimisation options; a fresh run (``resume=False``) found
+            another run's checkpoints in ``checkpoint_dir`` (without ``overwrite``); a
+            checkpoint could not be written (a full disk: the message names the folder
+            and the cause, and the previous checkpoint stays ``latest``).
         NonFiniteError: a step's loss or gradient norm was not finite (with
             ``config.on_nonfinite="error"``).
         ValueError: an unusable ``config.device``, or a token id outside the model's vocabulary.
     """
     if resume not in (True, False, "auto"):
         raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
+    if checkpoint_dir is not None and not resume and not overwrite:
+        check_new_run(checkpoint_dir)  # before anything slow
     rank, world = dist_info()
     device = resolve_device(config.device)
     model.to(device)
@@ -351,7 +372,7 @@ def train(
             )
         if path is not None:
             shared, mine = load_checkpoint(
-                path, rank=rank, world=world, fingerprint=fingerprint or source.fingerprint()
+                path, rank=rank, world=world, fingerprint=fingerprint or source.fingerprint(), model=model
             )
             _check_resume_options(path, shared.get("config") or {}, config.as_dict())
             try:
@@ -390,6 +411,41 @@ def train(
     conversations: list[list[Any]] = []
     t_start = time.perf_counter()
     last = config.steps if stop_after is None else min(config.steps, stop_after)
+    stopped = False
+    saved: Path | None = None
+    replace = overwrite and not start  # another run's checkpoints go once this run has one
+
+    def checkpoint(step: int) -> Path:
+        nonlocal fingerprint, replace
+        _check_finite_params(model, step)  # never a checkpoint that cannot train on
+        to_save: dict[str, Any] | None = None  # rank 0 writes the shared state
+        if fingerprint is None:
+            fingerprint = source.fingerprint()
+        if rank == 0:
+            to_save = {
+                "step": step,
+                "model": model.state_dict(),
+                "optimizer": opt.state_dict(),
+                "scheduler": sched.state_dict(),
+                "config": config.as_dict(),
+                "fingerprint": fingerprint,
+                "world": world,
+                "dtype": model_dtype(model),
+            }
+        assert checkpoint_dir is not None
+        path = save_checkpoint(
+            checkpoint_dir,
+            step,
+            shared=to_save,
+            rank=rank,
+            per_rank={"data": source.state_dict(), "rng": rng_state()},
+        )
+        if replace:
+            if rank == 0:
+                remove_other_checkpoints(checkpoint_dir, keep=path)
+            replace = False
+        return path
+
     try:
         for step in range(start, last):
             t0 = time.perf_counter()
@@ -434,6 +490,7 @@ def train(
                     sum(mb.num_tokens for mb in mbs),
                     sum(len(mb.sequence_ids or ()) for mb in mbs),
                     sum(getattr(mb, "num_images", 0) for mb in mbs),
+                    float(stop is not None and stop()),  # any rank asked to stop: every rank stops
                 ],
                 dtype=torch.float64,
                 device=device,
@@ -484,32 +541,15 @@ def train(
                 bar.update(1)
             if on_step is not None:
                 on_step(rec)
+            stopped = bool(counts[5])
             every = config.checkpoint_every
-            if checkpoint_dir is not None and every and (step + 1) % every == 0:
-                _check_finite_params(model, step + 1)  # never a checkpoint that cannot train on
-                to_save: dict[str, Any] | None = None  # rank 0 writes the shared state
-                if fingerprint is None:
-                    fingerprint = source.fingerprint()
-                if rank == 0:
-                    to_save = {
-                        "step": step + 1,
-                        "model": model.state_dict(),
-                        "optimizer": opt.state_dict(),
-                        "scheduler": sched.state_dict(),
-                        "config": config.as_dict(),
-                        "fingerprint": fingerprint,
-                        "world": world,
-                    }
-                save_checkpoint(
-                    checkpoint_dir,
-                    step + 1,
-                    shared=to_save,
-                    rank=rank,
-                    per_rank={"data": source.state_dict(), "rng": rng_state()},
-                )
+            if checkpoint_dir is not None and (stopped or (every and (step + 1) % every == 0)):
+                saved = checkpoint(step + 1)
+            if stopped:
+                break
     finally:
         if writer is not None:
             writer.close()
         if bar is not None:
             bar.close()
-    return TrainResult(logs, model, conversations, resumed_from=start)
+    return TrainResult(logs, model, conversations, resumed_from=start, stopped=stopped, checkpoint=saved)
