@@ -13,7 +13,6 @@ Nothing is printed here: the section is a stream of lines, as the rest of the de
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections.abc import Iterator
@@ -70,15 +69,15 @@ class MultimodalSummary:
 
 class _Compact:
     """Samples over the ids they use (:func:`~sftpack.loop._media.compact_media_vocabulary`:
-    renumbered in sorted order, so the special tokens keep their roles) with pixels of
-    ``dtype``, and a tiny Qwen2-VL for that vocabulary: a 151,657-row output head would cost
-    more than everything packing changes."""
+    renumbered in sorted order, so the special tokens keep their roles), and a tiny Qwen2-VL
+    for that vocabulary: a 151,657-row output head would cost more than everything packing
+    changes. The pixels stay float32 (what the processor makes): a float64 model's tower casts
+    them exactly."""
 
-    def __init__(self, samples: list[Any], dtype: type = np.float32) -> None:
+    def __init__(self, samples: list[Any]) -> None:
         from ..loop._media import compact_media_vocabulary, media_ids
 
-        compact, self.vocab = compact_media_vocabulary(samples)
-        self.samples = [dataclasses.replace(s, pixel_values=s.pixel_values.astype(dtype)) for s in compact]
+        self.samples, self.vocab = compact_media_vocabulary(samples)
         self.ids = media_ids(self.vocab)
 
     def model(self, *, dtype: torch.dtype, seed: int, text_attention: str | None = None, **kw: Any) -> Any:
@@ -185,7 +184,7 @@ def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> I
 
     convs = list(vqa_corpus(seed=seed, limit=6, min_side=56, max_side=112))
     small = list(tokenize_multimodal_conversations(convs, tokenizer=qwen2vl_tokenizer(), processor=image_processor()))
-    c = _Compact(small, np.float64)
+    c = _Compact(small)
     t0 = time.perf_counter()
     model = c.model(dtype=torch.float64, seed=seed)
     for real, name in ((True, "real+padded"), (False, "padded-for-both")):
