@@ -13,11 +13,14 @@ stay in their modules. :class:`~sftpack.Sample`, ``as_sample`` and
 - ``layout``: the row layout in numpy (``lay_row``), :func:`padded_lengths` (the
   bin cost that equals what it lays) and :func:`pack_rows` (the one row planner
   on that cost). Below ``batch``: it never imports it.
+- ``media``: the media fields of a row with images (``check_pixel_values``, the media
+  part of validation and of ``concat``). Below ``batch``: it reads a row through a protocol.
 - ``batch``: :class:`PackedBatch`, its validation and kernel adapters.
 - ``build``: :func:`build_row`, a row from flat arrays (``layout`` then ``batch``).
 - ``align``: :func:`pad_multiple_for`, the multiples CP / TP / FP8 need.
 - ``cp``: :func:`shard_for_cp`, :func:`unshard_cp`, :class:`CPShard` (and ``cp_slot_indices``).
 - ``slots``: :func:`segment_ids` (and ``real_token_mask``, ``slot_layout``) from the boundaries.
+  Below ``batch``: it reads a row through a protocol.
 - ``unpack``: :func:`unpack`, :func:`unpack_padded`.
 """
 

@@ -16,14 +16,21 @@ user's own positions may differ from the offsets.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .batch import PackedBatch
+__all__ = ["Segmented", "real_token_mask", "segment_ids", "slot_layout"]
 
-__all__ = ["real_token_mask", "segment_ids", "slot_layout"]
+
+class Segmented(Protocol):
+    """What :func:`segment_ids` reads of a row: a :class:`~sftpack.PackedBatch` (typed by this
+    protocol, not by the class, so that ``slots`` stays below ``batch`` and never imports it)."""
+
+    @property
+    def cu_seqlens_padded(self) -> torch.Tensor: ...
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def _segment_of(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tensor:
@@ -32,7 +39,7 @@ def _segment_of(cu_seqlens_padded: torch.Tensor, num_tokens: int) -> torch.Tenso
     return torch.repeat_interleave(torch.arange(n, device=padded.device), padded, output_size=num_tokens)
 
 
-def segment_ids(packed: PackedBatch) -> torch.Tensor:
+def segment_ids(packed: Segmented) -> torch.Tensor:
     """``(T,)`` int64: the segment (sequence) index of every slot of ``packed`` (a
     :class:`~sftpack.PackedBatch`), padding included; no host sync (the tensor
     shapes give ``T``).

@@ -39,7 +39,7 @@ import torch
 from .. import _optional
 from ..exactness import norms_in_model_dtype
 from ..handoff import PackedBatch, PackedBatchError
-from ..handoff.batch import check_pixel_values
+from ..handoff.media import check_pixel_values
 from ..sample import Sample
 from ._exactness import compare_packed_alone
 from ._images import load_image

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ..chat._tokenize import _backend, _encode_pieces, _Rendered, mask_from_offsets
-from ..handoff.batch import check_pixel_values
+from ..handoff.media import check_pixel_values
 from ..sample import Overlong, OverlongError, Sample
 from ._images import BadImageError, ImagePatches, image_processor, load_image, process_images
 
