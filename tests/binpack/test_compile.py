@@ -85,6 +85,6 @@ def test_compiled_kernels_are_cached_on_disk_and_reused(tmp_path: Path):
     assert dict(first["steps"])["next_fit"] == ["next_fit_offsets"]
     assert first["cache"] == {"next_fit_offsets": [0, 1]}
     written = sorted(p.name for p in Path(cache).rglob("*") if p.is_file())
-    assert written and all(name.startswith("_kernels.next_fit_offsets-") for name in written)
+    assert written and all(name.startswith("_kernels_next.next_fit_offsets-") for name in written)
     second = probe(2, cache)  # ... and a new process loads it from the cache
     assert second["cache"] == {"next_fit_offsets": [1, 0]}

@@ -53,9 +53,12 @@ cost: ``benchmarks/RESULTS.md`` (``benchmarks/bench_binpack.py``,
 ``benchmarks/bench_import.py``).
 
 Modules: ``_pack`` (the packers and :class:`Algorithm`), ``_kernels`` (the
-compiled loops), ``_bins`` (:class:`Bins`, :class:`HistogramBins`),
-``_bounds`` (:func:`lower_bounds`, :func:`packing_stats`), ``_inputs``
-(validation and grouping by cost).
+registry of the compiled loops and their plain-Python copies), whose kernels
+live per family in ``_kernels_common`` (shared helpers, grouping by cost,
+records to bins), ``_kernels_fit`` (best and first fit), ``_kernels_next``
+(next fit, greedy knapsack) and ``_kernels_two`` (two budgets), ``_bins``
+(:class:`Bins`, :class:`HistogramBins`), ``_bounds`` (:func:`lower_bounds`,
+:func:`packing_stats`), ``_inputs`` (validation and grouping by cost).
 """
 
 from __future__ import annotations
