@@ -34,7 +34,6 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 import warnings
 from collections.abc import Iterator
 from functools import lru_cache
@@ -43,7 +42,8 @@ from types import ModuleType
 from typing import Any
 
 from . import _optional
-from .chat._rows import Conversation
+from ._publish import Publish
+from .sample import Conversation
 
 __all__ = ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"]
 
@@ -191,18 +191,12 @@ def _default_tokenizer(cache: str) -> Any:
         except Exception:  # a damaged cache file: rebuild it below
             pass
     backend = _build_backend(vocab, pattern, special_ids)
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")  # write then rename: readers never see half a file
-        os.close(fd)
-        backend.save(tmp)  # its errors are not OSError (tokenizers raises Exception)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except Exception as e:  # a read-only or full cache: work without it
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        with Publish(path, folder=False) as tmp:  # write then rename: readers never see half a file
+            backend.save(str(tmp))  # its errors are not OSError (tokenizers raises Exception)
+            os.chmod(tmp, 0o644)
+    except Exception as e:  # a read-only or full cache: work without it (the temporary file is gone)
         with contextlib.suppress(OSError):
             path.parent.rmdir()  # if this call made it (and it is empty)
         logging.getLogger("sftpack.cache").warning(

@@ -19,6 +19,10 @@ asks for it. A layer that turns one conversation into exactly one sample
 split: under the default, a conversation that needs two pieces raises
 :class:`OverlongError` there rather than being cut short silently.
 
+What a sample is made from, :class:`Conversation` (an id and its messages, as
+read), lives here too, below both its reader (:mod:`sftpack.chat`) and the
+embedded corpus (:mod:`sftpack.data`); it is public as ``sftpack.chat.Conversation``.
+
 This module needs numpy only, never torch: the tokenizer (:mod:`sftpack.chat`,
 and every Ray tokenize actor) builds samples without loading torch. It is the
 home of :class:`Sample` and :class:`Overlong`; ``sftpack.Sample`` and
@@ -208,3 +212,36 @@ def overlong_spans(
         length,
         max_seq_len,
     )
+
+
+@dataclass
+class Conversation:
+    """One conversation as read: an id naming its source and its messages
+    (public as ``sftpack.chat.Conversation``; its home is here, below both the
+    reader and the embedded corpus that make it).
+
+    >>> Conversation("chat.jsonl:1", [{"role": "user", "content": "hi"}]).messages[0]["role"]
+    'user'
+    """
+
+    id: str
+    messages: list[dict[str, Any]]
+    #: True when the row checks already passed (the reader sets it); the tokenizer checks the others.
+    checked: bool = field(default=False, repr=False, compare=False)
+
+    # Read-only mapping access, so code written for dict rows keeps working.
+    def __getitem__(self, key: str) -> Any:
+        if key == "messages":
+            return self.messages
+        if key in ("id", "conversation_id"):
+            return self.id
+        raise KeyError(key)
+
+    def keys(self) -> tuple[str, ...]:
+        return ("id", "messages")
+
+    def __contains__(self, key: object) -> bool:
+        return key in ("id", "conversation_id", "messages")
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default

@@ -17,14 +17,9 @@ import pytest
 import torch
 
 from sftpack.chat._batch import TokenizeStats
-from sftpack.chat._cache import (
-    EntryWriter,
-    cache_key,
-    read_entry,
-    source_identity,
-    tokenizer_identity,
-    training_samples,
-)
+from sftpack.chat._cache_entry import EntryWriter, read_entry
+from sftpack.chat._cache_key import cache_key, source_identity, tokenizer_identity
+from sftpack.chat._training_samples import training_samples
 from sftpack.cli import main
 from sftpack.loop import TrainConfig, make_source, tokenized_samples
 from sftpack.sample import Sample

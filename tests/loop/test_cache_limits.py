@@ -29,7 +29,8 @@ import pytest
 
 import sftpack
 from sftpack import data
-from sftpack.chat._cache import DEFAULT_MAX_SIZE, default_cache_dir, parse_size, training_samples
+from sftpack.chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir, parse_size
+from sftpack.chat._training_samples import training_samples
 from sftpack.cli import main
 from sftpack.loop import tokenized_samples
 from sftpack.testing import tiny_chat_tokenizer
@@ -89,7 +90,7 @@ def test_a_change_to_the_masking_code_is_a_new_entry(tok, tmp_path):
     script = textwrap.dedent(
         f"""
         import json, sys, sftpack
-        from sftpack.chat._cache import training_samples
+        from sftpack.chat._training_samples import training_samples
         from sftpack.testing import tiny_chat_tokenizer
         assert sftpack.__file__.startswith({str(copy)!r}), sftpack.__file__
         got = training_samples(tiny_chat_tokenizer("chatml"), json.loads(sys.stdin.read()), max_seq_len=24,

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from sftpack.chat import BadRowError
-from sftpack.chat._cache import Pending, start_training_samples, tokenizer_info
+from sftpack.chat._cache_key import tokenizer_info
+from sftpack.chat._training_samples import Pending, start_training_samples
 from sftpack.loop import TrainConfig, make_source
 from sftpack.testing import tiny_chat_tokenizer
 from tests.helpers import counting_conversations
@@ -205,11 +206,11 @@ def test_a_killed_producer_gives_a_clear_error_and_leaves_no_process(tok, tmp_pa
 # asked for in this (the parent) process; a producer's loads happen in its own memory
 DRIVER = """
 import sys
-from sftpack.chat import _cache
+from sftpack.chat import _producer
 from sftpack.cli import _train, main
 
 loads, producers = [], []
-get, init = _train._Tokenizer.get, _cache._Producer.__init__
+get, init = _train._Tokenizer.get, _producer._Producer.__init__
 
 def counted_get(self):
     loads.append(1)
@@ -219,7 +220,7 @@ def counted_init(self, prepare):
     init(self, prepare)
     producers.append(self.pid)
 
-_train._Tokenizer.get, _cache._Producer.__init__ = counted_get, counted_init
+_train._Tokenizer.get, _producer._Producer.__init__ = counted_get, counted_init
 rc = main(sys.argv[1:])
 print("RESULT", rc, "producers", len(producers), "loads", len(loads), "pids", *producers)
 """

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from sftpack.chat._cache import (
+from sftpack.chat._training_samples import (
     ConversationSamples,
     Pending,
     conversation_order,

@@ -29,6 +29,18 @@ Private modules, one concept each:
 * ``_batch``: :func:`tokenize_conversations`: the same in batches,
   optionally in worker processes, in a deterministic order, with stats.
 
+``sftpack train``'s disk cache of tokenized samples, one concept per module too:
+
+* ``_cache_key``: what names an entry (tokenizer, options, input, code, format).
+* ``_cache_entry``: one entry on disk: layout, atomic write, checked read,
+  least-recently-used eviction, the cache's root and size limit.
+* ``_producer``: the forked tokenizer process and its pipe protocol.
+* ``_training_samples``: :func:`~._training_samples.training_samples` and its two
+  halves, samples handed over conversation by conversation, the background thread.
+
+:class:`Conversation` lives in :mod:`sftpack.sample` (below both this package and
+:mod:`sftpack.data`, which makes the embedded corpus of them); it is public here.
+
 What is trained on (``train_on="all_assistant"``), in ChatML::
 
     <|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\nHello!<|im_end|>\\n
@@ -48,6 +60,7 @@ system and user turns, not the newline between turns.
 
 from __future__ import annotations
 
+from ..sample import Conversation  # its home is sftpack.sample, below sftpack.data; public here
 from ..sample import Overlong as Overlong  # aliases of sftpack.sample's (sftpack._ALIASES)
 from ..sample import OverlongError as OverlongError
 from ._batch import TokenizedConversations as TokenizedConversations
@@ -64,7 +77,7 @@ from ._render import TemplateError
 from ._render import renderer_for as renderer_for
 from ._rows import ROLES as ROLES
 from ._rows import SHAREGPT_ROLES as SHAREGPT_ROLES
-from ._rows import BadRowError, Conversation
+from ._rows import BadRowError
 from ._rows import validate_messages as validate_messages
 from ._tokenize import ConversationTemplateError, encode_conversation, tokenize_conversation
 from ._tokenize import Encoded as Encoded

@@ -68,9 +68,10 @@ from typing import Any
 
 from .. import _optional
 from .._base import positive_int
+from ..sample import Conversation
 from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
-from ._rows import ROLES, BadRowError, Conversation, _Bad, _messages
+from ._rows import ROLES, BadRowError, _Bad, _messages
 
 __all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
 

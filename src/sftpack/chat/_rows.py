@@ -15,12 +15,11 @@ source code to repair the file.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from ._options import BadRowReason
 
-__all__ = ["ROLES", "SHAREGPT_ROLES", "BadRowError", "Conversation", "validate_messages"]
+__all__ = ["ROLES", "SHAREGPT_ROLES", "BadRowError", "validate_messages"]
 
 #: Roles a message may have once read (after ``role_map`` / the ShareGPT mapping).
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -42,37 +41,6 @@ SHAREGPT_ROLES: Mapping[str, str] = {
 }
 
 _SKIP_HINT = "or pass on_bad_row='skip' to leave such rows out (each counted in stats.dropped)"
-
-
-@dataclass
-class Conversation:
-    """One conversation as read: an id naming its source and its messages.
-
-    >>> Conversation("chat.jsonl:1", [{"role": "user", "content": "hi"}]).messages[0]["role"]
-    'user'
-    """
-
-    id: str
-    messages: list[dict[str, Any]]
-    #: True when the row checks already passed (the reader sets it); the tokenizer checks the others.
-    checked: bool = field(default=False, repr=False, compare=False)
-
-    # Read-only mapping access, so code written for dict rows keeps working.
-    def __getitem__(self, key: str) -> Any:
-        if key == "messages":
-            return self.messages
-        if key in ("id", "conversation_id"):
-            return self.id
-        raise KeyError(key)
-
-    def keys(self) -> tuple[str, ...]:
-        return ("id", "messages")
-
-    def __contains__(self, key: object) -> bool:
-        return key in ("id", "conversation_id", "messages")
-
-    def get(self, key: str, default: Any = None) -> Any:
-        return self[key] if key in self else default
 
 
 class BadRowError(ValueError):

@@ -59,7 +59,7 @@ import numpy as np
 from .. import _optional
 from .._base import positive_int
 from .._types import Tokenizer
-from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample, overlong_spans
+from ..sample import DEFAULT_OVERLONG, Conversation, Overlong, OverlongError, Sample, overlong_spans
 from ._options import (
     BadRowReason,
     OnBadRow,
@@ -69,7 +69,7 @@ from ._options import (
     choose,
 )
 from ._render import ChatRenderer, TemplateError, renderer_for
-from ._rows import BadRowError, Conversation, _Bad, _messages
+from ._rows import BadRowError, _Bad, _messages
 
 __all__ = [
     "ConversationTemplateError",

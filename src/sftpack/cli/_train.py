@@ -223,8 +223,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _cache_size(text: str) -> int:
-    """``--cache-max-size``: bytes (:func:`~sftpack.chat._cache.parse_size`)."""
-    from ..chat._cache import parse_size
+    """``--cache-max-size``: bytes (:func:`~sftpack.chat._cache_entry.parse_size`)."""
+    from ..chat._cache_entry import parse_size
 
     try:
         return parse_size(text)
@@ -332,14 +332,9 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
     background thread here collects its samples and writes the cache entry.
     Returns ``(job, pending)``."""
     from ..chat import read_conversations
-    from ..chat._cache import (
-        DEFAULT_MAX_SIZE,
-        Pending,
-        default_cache_dir,
-        default_tokenizer_files,
-        source_identity,
-        start_training_samples,
-    )
+    from ..chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir
+    from ..chat._cache_key import default_tokenizer_files, source_identity
+    from ..chat._training_samples import Pending, start_training_samples
 
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         tok.get()  # not a folder: the loader's own error, naming the path and the fix
@@ -466,7 +461,7 @@ def _run_training(
     """:func:`run` once the data is on its way."""
     import torch
 
-    from ..chat._cache import tokenizer_info
+    from ..chat._cache_key import tokenizer_info
     from ..loop import (
         TrainConfig,
         build_model,

@@ -8,9 +8,10 @@ Layout of ``DIR``::
     DIR/latest                        "step_000010"
 
 Atomicity: every rank writes into ``step_000010.tmp``; after a barrier rank 0
-hashes every file, writes ``checkpoint.json`` (through a temporary file and
-``os.replace``), renames the folder (one ``os.replace``) and then rewrites
-``latest`` the same way. A run killed at any moment leaves either the previous
+hashes every file, writes ``checkpoint.json`` (through a temporary file and a
+rename), renames the folder (one rename) and then rewrites ``latest`` the same
+way (all three with :class:`sftpack._publish.Publish`, which fsyncs before and
+after each rename). A run killed at any moment leaves either the previous
 checkpoint as ``latest`` or the new one, never half of one; stale ``*.tmp``
 folders are ignored and overwritten. A save that fails (a full disk, a quota: any
 ``OSError`` or torch's ``RuntimeError`` while writing) removes its ``.tmp`` folder
@@ -41,6 +42,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .._publish import Publish
 
 __all__ = [
     "CHECKPOINT_MANIFEST",
@@ -106,9 +109,8 @@ def _sha256(path: Path) -> str:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    with Publish(path, folder=False, tmp=path.with_name(path.name + ".tmp")) as tmp:
+        tmp.write_text(text)
 
 
 def _torch_save(obj: Any, path: Path) -> None:
@@ -158,12 +160,13 @@ def save_checkpoint(
     tmp = root / f"{name}.tmp"
     final = root / name
     error: BaseException | None = None
+    folder: Publish | None = None  # rank 0's: every rank writes into its tmp, rank 0 publishes it
     try:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():
                 shutil.rmtree(tmp)
-            tmp.mkdir()
+            folder = Publish(final, tmp=tmp)
     except OSError as e:
         error = e
     _barrier()
@@ -187,9 +190,10 @@ def save_checkpoint(
             files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
             manifest = {"format": _FORMAT, "format_version": _FORMAT_VERSION, "step": step, "files": files}
             _write_atomic(tmp / CHECKPOINT_MANIFEST, json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-            if final.exists():
+            if final.exists():  # a step saved again (after a resume from an earlier one): this save replaces it
                 shutil.rmtree(final)
-            os.replace(tmp, final)
+            assert folder is not None
+            folder.publish()
             moved = True
             _write_atomic(root / "latest", name)
         except OSError as e:

@@ -11,7 +11,8 @@ import numpy as np
 
 from .._optional import transformers
 from .._types import Tokenizer
-from ..chat._cache import DEFAULT_MAX_SIZE, ConversationSamples, default_cache_dir, training_samples
+from ..chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir
+from ..chat._training_samples import ConversationSamples, training_samples
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample
@@ -124,7 +125,7 @@ def make_source(
     Args:
         config: the run's :class:`TrainConfig`.
         samples: tokenized conversations (``trainer``, ``loader``, ``none``): a list,
-            or a :class:`~sftpack.chat._cache.ConversationSamples` still being filled
+            or a :class:`~sftpack.chat._training_samples.ConversationSamples` still being filled
             (``sftpack train``): ``trainer`` and ``none`` then draw conversations in
             seeded order and start with the first batch's, the loader waits for all.
         prepacked: a prepacked directory (or an opened ``PrepackedDataset``) for ``offline``.

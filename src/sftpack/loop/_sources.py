@@ -11,7 +11,7 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
 - ``trainer`` / ``none``: the step's ``batch_size`` conversations are the next
   slice of a seeded permutation of the samples (one permutation per epoch, the
   last incomplete batch dropped), the *same* conversations for both. Given a
-  :class:`~sftpack.chat._cache.ConversationSamples` (what ``sftpack train``
+  :class:`~sftpack.chat._training_samples.ConversationSamples` (what ``sftpack train``
   passes), the permutation is of the *conversations* (:class:`ConversationOrder`):
   each conversation's samples (the pieces of a split one) follow each other, and
   the first step waits only for its own conversations to be tokenized. The
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..chat._cache import ConversationSamples, conversation_order
+from ..chat._training_samples import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
@@ -230,7 +230,7 @@ class SampleOrder(_EpochPosition):
 
 class ConversationOrder(_EpochPosition):
     """A seeded permutation of the conversations of ``data`` per epoch
-    (:func:`~sftpack.chat._cache.conversation_order`), their samples laid end to end
+    (:func:`~sftpack.chat._training_samples.conversation_order`), their samples laid end to end
     in that order (a split conversation's pieces one after the other, a dropped one
     none) and read ``batch_size`` samples at a time, the last incomplete batch of an
     epoch dropped. :meth:`take` waits only for the conversations it reads, so a run

@@ -25,6 +25,12 @@ Publishing depends on what was at the output when the run started
   run fails. Then it is removed (a kill before that leaves it in a partial
   folder, which the next run removes).
 
+The partial folder is made and, on failure, removed by
+:class:`sftpack._publish.Publish`, sftpack's one atomic-publish helper; the
+placing is this module's own (the cases above): that helper's rename replaces an
+empty folder at most and keeps or refuses anything else, while a prepack may
+replace the very prepack it found at the start, and only that, in one step.
+
 Where ``renameat2`` is missing (not Linux, or a filesystem without it), the
 exchange is two renames with the old prepack parked at
 ``.<name>.sftpack-old-<pid>-<nonce>``, and a kill between them is repaired by the
@@ -48,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .._publish import Publish, fsync_dir
 from ._format import MANIFEST, PrepackError
 
 __all__ = ["Output", "check_target", "partial_dir", "recover", "writing"]
@@ -142,15 +149,6 @@ def check_target(out: Path, overwrite: bool) -> tuple[int, int] | None:
     return _identity(out)
 
 
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
 def recover(out: Path) -> None:
     """Repair what a run killed between the two renames of the fallback exchange left: finish
     the swap if its new folder is complete, else put the old prepack back; then remove the
@@ -160,7 +158,7 @@ def recover(out: Path) -> None:
             pid = _pid_of(old, _OLD)
             done = [p for p in _stale(out, _PARTIAL, pid) if (p / MANIFEST).is_file()]
             os.rename(done[0] if done else old, out)
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
             if not done:
                 continue
         shutil.rmtree(old, ignore_errors=True)
@@ -214,7 +212,7 @@ class Output:
         if _identity(self.tmp) != self.found:
             _renameat2(self.tmp, self.out, _RENAME_EXCHANGE)  # undo: the newcomer stays, ours is discarded
             raise self._replaced()
-        _fsync_dir(self.out.parent)
+        fsync_dir(self.out.parent)
         shutil.rmtree(self.tmp, ignore_errors=True)  # the old prepack (a kill here: the next run removes it)
 
     def _two_renames(self) -> None:
@@ -228,17 +226,17 @@ class Output:
             os.rename(old, self.out)
             raise self._replaced()
         os.rename(self.tmp, self.out)  # a kill between the renames: recover() repairs it
-        _fsync_dir(self.out.parent)
+        fsync_dir(self.out.parent)
         shutil.rmtree(old, ignore_errors=True)
 
     def publish(self) -> None:
         """Move the finished ``tmp`` to ``out`` (see the module docstring for the cases)."""
-        _fsync_dir(self.tmp)
+        fsync_dir(self.tmp)
         if self.found is not None and self.found_prepack:
             self._exchange()
         else:
             self._place()
-        _fsync_dir(self.out.parent)
+        fsync_dir(self.out.parent)
 
 
 @contextlib.contextmanager
@@ -253,10 +251,9 @@ def writing(out: Path, overwrite: bool) -> Iterator[Output]:
     out.parent.mkdir(parents=True, exist_ok=True)
     for stale in _stale(out, _PARTIAL):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = partial_dir(out)
-    tmp.mkdir()
+    partial = Publish(out, tmp=partial_dir(out))  # made here; placed by Output.publish, removed on failure
     try:
-        yield Output(out, tmp, overwrite, found, found_prepack)
+        yield Output(out, partial.tmp, overwrite, found, found_prepack)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        partial.discard()
         raise
