@@ -5,8 +5,11 @@ every ``import`` / ``from ... import`` in a module counts, at module level and
 inside function bodies alike (a lazy import is still a dependency; hiding it in
 a function only hides it from readers and from import-linter). Relative imports
 are resolved against the importing module's package. Imports under
-``if TYPE_CHECKING:`` are left out: they never run, so they cannot make a cycle
-at import time, and they are how an annotation names a type from a module above.
+``if TYPE_CHECKING:`` count too (issue 27: "no import cycle, type-only
+included"): they never run, but a type named from a module above is still an
+arrow that climbs back up, and a reader (or a type checker) follows it; a module
+that needs a type from above takes a protocol of what it reads instead
+(``handoff.slots.Segmented``, ``handoff.media.MediaRow``).
 
 ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
 ``pkg`` (whose ``__init__`` runs). Importing ``a.b.c`` runs ``a/__init__`` and
@@ -45,28 +48,9 @@ def _modules(src: Path) -> dict[str, Path]:
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import node, at any depth, except those under ``if TYPE_CHECKING:``."""
-    out: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            out.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return out
+    """Every import node, at any depth (function bodies and ``if TYPE_CHECKING:`` included)."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
 
 
 def _targets(module: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> set[str]:
@@ -164,8 +148,8 @@ def _shown(component: frozenset[str], graph: dict[str, set[str]]) -> str:
 
 
 def test_the_graph_is_read_with_function_level_and_relative_imports():
-    """The reader sees what the test relies on: relative imports resolved, lazy imports counted,
-    type-only imports left out (each checked on a module known to have one)."""
+    """The reader sees what the test relies on: relative imports resolved, lazy and type-only
+    imports counted (each checked on a module known to have one)."""
     graph = import_graph()
     assert "sftpack.handoff.batch" in graph["sftpack.handoff.unpack"]  # from .batch import ...
     assert "sftpack.sample" in graph["sftpack.chat._tokenize"]  # from ..sample import ...
@@ -175,7 +159,7 @@ def test_the_graph_is_read_with_function_level_and_relative_imports():
     assert "sftpack.handoff" not in graph["sftpack.handoff.unpack"]  # its own package: already initialising
     tree = ast.parse("def f():\n    from .x import y\nif TYPE_CHECKING:\n    from .z import w\n")
     got = [_targets("sftpack.a.b", False, n, {"sftpack.a.x", "sftpack.a.z", "sftpack.a"}) for n in _imports(tree)]
-    assert got == [{"sftpack.a.x"}]  # the lazy import counts, the type-only one does not
+    assert sorted(map(sorted, got)) == [["sftpack.a.x"], ["sftpack.a.z"]]  # the lazy and the type-only import
 
 
 def test_cycles_are_found():
@@ -193,6 +177,15 @@ def test_a_lazy_import_that_closes_a_cycle_is_caught(tmp_path):
         layout.read_text() + "\n\ndef _planted():\n    from .batch import PackedBatch\n\n    return PackedBatch\n"
     )
     assert frozenset({"sftpack.handoff.batch", "sftpack.handoff.layout"}) in cycles(import_graph(tmp_path))
+
+
+def test_a_type_only_import_that_closes_a_cycle_is_caught(tmp_path):
+    """The tree with ``slots`` naming ``PackedBatch`` for typing only: the cycle ``batch`` <->
+    ``slots`` this package had until its ``segment_ids`` took a protocol."""
+    shutil.copytree(SRC / PACKAGE, tmp_path / PACKAGE, ignore=shutil.ignore_patterns("__pycache__"))
+    slots = tmp_path / PACKAGE / "handoff" / "slots.py"
+    slots.write_text(slots.read_text() + "\n\nif TYPE_CHECKING:\n    from .batch import PackedBatch  # noqa: F401\n")
+    assert frozenset({"sftpack.handoff.batch", "sftpack.handoff.slots"}) in cycles(import_graph(tmp_path))
 
 
 def test_no_import_cycles_in_src():
