@@ -66,20 +66,35 @@ assignments (a single ``out[:] = x`` multiplied the compile time of
 constants as helper arguments (a literal argument compiles the helper once
 more: ``_open_segment`` was compiled four times per BFD).
 
-Numba's cache checks only the file that defines a kernel (its index is
-keyed by that file's stamp), not the files of the helpers it calls: after
-editing a helper of :mod:`._kernels_common`, the kernels of the other modules
-that call it keep their cached machine code until their own file changes.
-Clear the cache (the ``_kernels*.nbi`` / ``.nbc`` files under ``__pycache__``,
-or ``NUMBA_CACHE_DIR``) after such an edit; an installed release rewrites
-every file, so users never meet this.
+Numba's on-disk cache checks a kernel only against the file that defines it
+(its index is stamped with that file), not the files of the helpers it calls,
+so after an edit of a helper in :mod:`._kernels_common` (or a ``git pull`` of
+an editable install) the kernels of the other modules would keep running the
+old helper from the cache. :func:`load` therefore ties every kernel's cache to
+*all* the kernel sources: it hashes the ``_kernels*.py`` files of this package
+once (sorted by name, their bytes: about 0.25 ms) and adds that digest to the
+stamp numba writes into, and checks against, each kernel's index
+(:func:`_tie_to_sources`). Any edit to any kernel module makes every cached
+kernel a miss: each recompiles on its next first call and overwrites its
+entry; going back to earlier sources is a miss again, never a stale hit. The
+stamp travels inside numba's own index, written atomically with the entries,
+so a process that loaded the kernels before an edit and compiles one of them
+later saves it under its old digest, which no newer process reads. If the
+kernel sources changed on disk after this package was imported (the code in
+memory is no longer the code on disk), cannot be read, or numba no longer has
+the index stamp this relies on, :func:`load` warns and compiles without the
+disk cache for this process: slower, never stale.
 """
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import threading
 import types
+import warnings
+from pathlib import Path
+from typing import Any
 
 from . import _kernels_common, _kernels_fit, _kernels_next, _kernels_two
 from ._kernels_common import _DEFINED
@@ -95,6 +110,61 @@ _lock = threading.Lock()
 globals().update(_DEFINED)
 
 
+def _source_files() -> list[Path]:
+    """The kernel modules' files (``_kernels*.py`` of this package), sorted by name."""
+    return sorted(Path(__file__).parent.glob("_kernels*.py"))
+
+
+def _file_stamps() -> tuple[tuple[str, int, int], ...]:
+    """Name, mtime and size of every kernel module's file (``OSError`` if one cannot be read)."""
+    return tuple((path.name, stat.st_mtime_ns, stat.st_size) for path in _source_files() for stat in (path.stat(),))
+
+
+try:  # the kernel files as imported (a few stat calls): load() refuses to cache code that no longer matches them
+    _IMPORTED_STAMPS: tuple[tuple[str, int, int], ...] | None = _file_stamps()
+except OSError:
+    _IMPORTED_STAMPS = None
+
+
+def _sources_digest() -> str | None:
+    """SHA-256 over every kernel module's source (names, lengths and bytes, sorted by
+    name), or ``None`` when they cannot be read or changed on disk since import (then
+    the code in memory is not the code the digest would describe)."""
+    try:
+        files = _source_files()
+        if not files or _IMPORTED_STAMPS is None or _file_stamps() != _IMPORTED_STAMPS:
+            return None
+        digest = hashlib.sha256()
+        for path in files:
+            data = path.read_bytes()
+            digest.update(f"{path.name}\0{len(data)}\0".encode())
+            digest.update(data)
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+_NO_STAMP = object()
+
+
+def _tie_to_sources(dispatcher: Any, digest: str) -> bool:
+    """Make ``dispatcher``'s on-disk cache depend on ``digest`` too; ``False`` if this
+    numba has no index stamp to extend (then the caller must not use its cache).
+
+    Numba's ``FunctionCache`` keeps the stamp of the defining file in
+    ``_cache._cache_file._source_stamp``, writes it into the index with every entry
+    and serves an entry only while the stored stamp equals it: replacing it with
+    ``(stamp, digest)`` before the first compile makes every entry depend on all
+    the kernel sources, with no file of our own and nothing to flush.
+    """
+    index = getattr(getattr(dispatcher, "_cache", None), "_cache_file", None)
+    stamp = getattr(index, "_source_stamp", _NO_STAMP)
+    if stamp is _NO_STAMP:
+        return False
+    index._source_stamp = (stamp, digest)  # type: ignore[union-attr]
+    return True
+
+
 def load() -> None:
     """Import numba and make every kernel a lazily compiling, disk-cached dispatcher.
 
@@ -102,7 +172,8 @@ def load() -> None:
     numba's on-disk cache) on its first call. All kernels are swapped in at
     once, in this module and in every kernel module that binds them, because a
     compiled kernel resolves the helpers it calls as globals of its module
-    when it compiles.
+    when it compiles. Every kernel's cache entry holds for one digest of all the
+    kernel sources (:func:`_tie_to_sources`); without one, nothing is cached.
     """
     global _loaded
     if _loaded:
@@ -112,7 +183,30 @@ def load() -> None:
             return
         import numba
 
-        compiled = {name: numba.njit(cache=True, nogil=True)(fn) for name, fn in _DEFINED.items()}
+        digest = _sources_digest()
+        compiled = {}
+        untied = False
+        for name, fn in _DEFINED.items():
+            dispatcher = None
+            if digest is not None:
+                dispatcher = numba.njit(cache=True, nogil=True)(fn)
+                if not _tie_to_sources(dispatcher, digest):
+                    dispatcher = None
+            if dispatcher is None:  # uncached: never a cached kernel built on other helpers
+                dispatcher = numba.njit(nogil=True)(fn)
+                untied = True
+            compiled[name] = dispatcher
+        if untied:
+            why = (
+                "the kernel sources cannot be read or changed on disk since import"
+                if digest is None
+                else "this numba has no cache index stamp to extend"
+            )
+            warnings.warn(
+                f"sftpack.binpack: {why}; the kernels compile without numba's disk cache in this process",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         for namespace in (globals(), *(vars(module) for module in _FAMILIES)):
             for name, dispatcher in compiled.items():
                 if namespace.get(name) is _DEFINED[name]:
