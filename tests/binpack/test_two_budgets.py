@@ -224,14 +224,33 @@ def test_a_cap_that_never_binds_gives_the_one_budget_rows(algorithm, problem, ma
         lengths, capacity, algorithm, cost_multiple=m, max_items_per_bin=max_items, seed=seed, weights=weights
     )
     assert ignored == one  # cap None: exactly the rows of before
-    if algorithm is Algorithm.BFD:
-        # the histogram BFD breaks ties between rows of equal room another way: same row count, same loads
+    if algorithm is Algorithm.BFD and max_items is not None:
+        # Rows of equal room that hold different numbers of items are not interchangeable under an
+        # item cap, so the two routes' tie-breaks may differ in row count (test_item_cap_ties below):
+        # both are valid best-fit-decreasing packings.
+        loose.check(lengths, capacity, cost_multiple=m, max_items_per_bin=max_items)
+    elif algorithm is Algorithm.BFD:
+        # the histogram BFD breaks ties between rows of equal room another way; without an item cap
+        # such rows are interchangeable: same row count, same loads
         assert len(loose) == len(one)
         assert np.array_equal(
             np.sort(loose.loads(lengths, cost_multiple=m)), np.sort(one.loads(lengths, cost_multiple=m))
         )
     else:
         assert loose == one
+
+
+def test_item_cap_ties():
+    """Why the item-capped BFD routes may differ: 33 and 30 open two rows of capacity 35, 3 goes
+    to the 30-row, and now both rows have room 2. The histogram route puts 2 with the 30 and
+    3 + 30 + 2 fills a row of 3 items; the two-budget route puts 2 with the 33, leaving the 30-row
+    a slot for one 1. Both are best fit; under max_items_per_bin=3 one needs a row more."""
+    lengths = np.array([1] * 11 + [2, 3, 30, 33])
+    one = pack(lengths, 35, "bfd", max_items_per_bin=3)
+    two = pack(lengths, 35, "bfd", max_items_per_bin=3, weights=np.ones(15, np.int64), max_weight_per_bin=15)
+    assert (len(one), len(two)) == (5, 6)
+    one.check(lengths, 35, max_items_per_bin=3)
+    two.check(lengths, 35, max_items_per_bin=3)
 
 
 def test_larger_inputs_where_the_second_budget_binds():
