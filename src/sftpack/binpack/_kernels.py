@@ -88,12 +88,11 @@ disk cache for this process: slower, never stale.
 
 from __future__ import annotations
 
-import hashlib
+import os
 import sys
 import threading
 import types
 import warnings
-from pathlib import Path
 from typing import Any
 
 from . import _kernels_common, _kernels_fit, _kernels_next, _kernels_two
@@ -110,14 +109,21 @@ _lock = threading.Lock()
 globals().update(_DEFINED)
 
 
-def _source_files() -> list[Path]:
-    """The kernel modules' files (``_kernels*.py`` of this package), sorted by name."""
-    return sorted(Path(__file__).parent.glob("_kernels*.py"))
+def _source_files() -> list[str]:
+    """The kernel modules' files (``_kernels*.py`` of this package), sorted by name (plain
+    ``os`` calls: ``import sftpack.binpack`` loads no pathlib or hashlib for this)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    names = (n for n in os.listdir(here) if n.startswith("_kernels") and n.endswith(".py"))
+    return [os.path.join(here, n) for n in sorted(names)]
 
 
 def _file_stamps() -> tuple[tuple[str, int, int], ...]:
     """Name, mtime and size of every kernel module's file (``OSError`` if one cannot be read)."""
-    return tuple((path.name, stat.st_mtime_ns, stat.st_size) for path in _source_files() for stat in (path.stat(),))
+    return tuple(
+        (os.path.basename(path), stat.st_mtime_ns, stat.st_size)
+        for path in _source_files()
+        for stat in (os.stat(path),)
+    )
 
 
 try:  # the kernel files as imported (a few stat calls): load() refuses to cache code that no longer matches them
@@ -134,10 +140,13 @@ def _sources_digest() -> str | None:
         files = _source_files()
         if not files or _IMPORTED_STAMPS is None or _file_stamps() != _IMPORTED_STAMPS:
             return None
+        import hashlib
+
         digest = hashlib.sha256()
         for path in files:
-            data = path.read_bytes()
-            digest.update(f"{path.name}\0{len(data)}\0".encode())
+            with open(path, "rb") as f:
+                data = f.read()
+            digest.update(f"{os.path.basename(path)}\0{len(data)}\0".encode())
             digest.update(data)
     except OSError:
         return None
