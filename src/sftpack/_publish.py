@@ -100,7 +100,7 @@ class Publish:
             else:
                 with open(self.tmp, "rb+") as f:
                     os.fsync(f.fileno())
-            os.rename(self.tmp, self.dest)
+            os.replace(self.tmp, self.dest)  # a file replaces its target everywhere; a folder as rename
         except OSError:
             self.discard()
             there = self.dest.is_dir() if self.folder else self.dest.is_file()

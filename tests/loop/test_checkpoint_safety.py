@@ -197,6 +197,9 @@ def test_a_failed_save_names_the_cause_and_keeps_the_previous_checkpoint(samples
     assert msg.startswith(f"cannot write the checkpoint of step 4 into {tmp_path / 'step_000004.tmp'}: ")
     assert "[Errno 27] File too large" in msg and "step_000002" in msg
     assert "\n" not in msg and "inline_container" not in msg
+    assert msg.endswith(
+        "rerun with --resume to continue from step_000002, or give another --checkpoint-dir to start over"
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000002"]  # no step_000004.tmp
     assert latest_checkpoint(tmp_path).name == "step_000002"
     out = train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, resume=True)

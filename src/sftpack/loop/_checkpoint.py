@@ -118,6 +118,8 @@ def _torch_save(obj: Any, path: Path) -> None:
     ``EDQUOT``) then keeps its ``OSError`` as the cause of torch's error."""
     with open(path, "wb") as f:
         torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the folder is renamed in and latest names it
 
 
 def _cause(e: BaseException) -> str:
@@ -212,11 +214,17 @@ def _write_failed(root: Path, step: int, tmp: Path, error: BaseException | None)
         before = latest_checkpoint(root)
     except CheckpointError:
         before = None
-    kept = f"{root / 'latest'} still names {before.name}" if before is not None else "there is no earlier checkpoint"
     cause = _cause(error) if error is not None else "another rank could not write its part (see its error)"
+    if before is not None:
+        kept = f"{root / 'latest'} still names {before.name}"
+        fix = f"fix that (free space on a full disk) and rerun with --resume to continue from {before.name}, "
+        fix += "or give another --checkpoint-dir to start over"
+    else:  # nothing to resume: --resume would be refused
+        kept = "there is no earlier checkpoint"
+        fix = "fix that (free space on a full disk) or give another --checkpoint-dir, and rerun the same command"
     return CheckpointError(
         f"cannot write the checkpoint of step {step} into {tmp}: {cause}; the partial folder was removed and "
-        f"{kept}; fix that (free space on a full disk) or give another --checkpoint-dir, then rerun with --resume"
+        f"{kept}; {fix}"
     )
 
 
