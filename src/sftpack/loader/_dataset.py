@@ -59,6 +59,7 @@ from ._state import (
     check_refs,
     check_share,
     check_stats,
+    first_iter,
     position,
     refs_needed,
     restore_items,
@@ -191,6 +192,7 @@ class PackingDataset(IterableDataset):
         self._pending: list[list[Item]] = []
         self._stats = LoaderStats()
         self._restore: dict[str, Any] | None = None
+        self._skipped = False  # the first iter() after restoring an ended share (see first_iter) ran
         self._shard_seen: tuple[int, int, int] | None = None
         self._last: tuple[int, list[Item]] | None = None  # the last sample read this epoch, and its items
 
@@ -310,6 +312,15 @@ class PackingDataset(IterableDataset):
 
     # ------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[PackedBatch]:
+        skip, self._restore = first_iter(self._restore, get_worker_info() is not None, self._skipped)
+        if skip:  # a worker restored after its share of the loader's pass had ended: that pass gets nothing
+            self._skipped = True
+            return iter(())
+        if self._restore is None and not self._active:
+            self._end_epoch = None  # the last iter() ended (or none ran): this one starts the next epoch
+        return self._rows()
+
+    def _rows(self) -> Iterator[PackedBatch]:
         shard, shards, nw = self._shard()
         if self.source.map_style and len(self.source.samples) < shards:
             raise ValueError(self._too_few(shard, shards, nw, len(self.source.samples)))
@@ -333,6 +344,8 @@ class PackingDataset(IterableDataset):
             if fresh and self._stats.rows_out == before[0]:
                 read, dropped = self._stats.samples_in - before[1], self._stats.dropped - before[2]
                 raise ValueError(self._no_row(shard, shards, nw, read, dropped))
+        if self._restore is not None:  # restored at the end of its last epoch: nothing to re-read
+            self._rebuild({})
         self._active = False
 
     # ------------------------------------------------------------ empty shares

@@ -68,6 +68,7 @@ from ._state import (
     check_share,
     check_stats,
     digest,
+    first_iter,
     position,
     refs_needed,
     restore_items,
@@ -392,6 +393,7 @@ class MultimodalPackingDataset(IterableDataset):
         self._pending: list[list[_Item]] = []
         self._stats = MultimodalLoaderStats()
         self._restore: dict[str, Any] | None = None
+        self._skipped = False  # the first iter() after restoring an ended share (see first_iter) ran
         self._shard_seen: tuple[int, int, int] | None = None
         self._last: tuple[int, list[_Item]] | None = None  # the last item read this epoch, and its sequences
 
@@ -576,6 +578,15 @@ class MultimodalPackingDataset(IterableDataset):
 
     # ------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[MultimodalBatch]:
+        skip, self._restore = first_iter(self._restore, get_worker_info() is not None, self._skipped)
+        if skip:  # a worker restored after its share of the loader's pass had ended: that pass gets nothing
+            self._skipped = True
+            return iter(())
+        if self._restore is None and not self._active:
+            self._end_epoch = None  # the last iter() ended (or none ran): this one starts the next epoch
+        return self._rows()
+
+    def _rows(self) -> Iterator[MultimodalBatch]:
         shard, shards, nw = self._shard()
         if self.source.map_style and len(self.source.samples) < shards:
             raise ValueError(
@@ -612,6 +623,8 @@ class MultimodalPackingDataset(IterableDataset):
                     f"({self._stats.dropped}); a share with no row never yields with num_epochs=None and makes "
                     "ranks disagree on the row count: fix the data (see the reasons), or use fewer ranks x workers"
                 )
+        if self._restore is not None:  # restored at the end of its last epoch: nothing to re-read
+            self._rebuild({})
         self._active = False
 
     def _rebuild(self, got: dict[int, Any]) -> None:

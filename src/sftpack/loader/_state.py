@@ -32,6 +32,12 @@ same samples reversed or some replaced) is refused, never replayed into an
 what the state holds (every sequence read is emitted, buffered, pending or abandoned).
 
 Version 2 added ``digests`` and ``last``; a version-1 state is refused with what to do.
+
+``active`` False with an ``end_epoch`` marks a share whose ``iter()`` had ended when the
+state was taken (:func:`first_iter`): inside a DataLoader worker that is a worker that
+finished its share of the loader's pass while the others still yield, so the first
+``iter()`` after the restore (torchdata's, finishing that pass) yields nothing and the
+next one starts the next epoch; in the main process the first ``iter()`` starts it.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ __all__ = [
     "check_share",
     "check_stats",
     "digest",
+    "first_iter",
     "last_mark",
     "position",
     "refs_needed",
@@ -364,6 +371,23 @@ def check_refs(state: dict[str, Any], order: Any, num_samples: int | None) -> No
                 f"{shard} of {shards} had read in epoch {epoch} (state['cursor'] = {cursor}): the state was saved "
                 "over other data (or edited); resume with the same samples in the same order"
             )
+
+
+def first_iter(restore: dict[str, Any] | None, in_worker: bool, skipped: bool) -> tuple[bool, dict[str, Any] | None]:
+    """``(yield nothing, the state to restore)`` for an ``iter()`` of a dataset holding ``restore``.
+
+    A state taken after the share's ``iter()`` had ended (``active`` False, an ``end_epoch``)
+    inside a DataLoader worker is a worker that had finished its share of the loader's pass
+    while other workers still yielded: torchdata restores it and asks one ``iter()`` to finish
+    that pass, so that ``iter()`` must yield nothing (not the next epoch, which ``set_epoch`` or
+    the next pass gives). Once it has (``skipped``), or in the main process, the state reads as
+    one ready for the next ``iter()`` (no ``end_epoch``): that iteration starts the next epoch.
+    """
+    if restore is None or restore["active"] or restore["end_epoch"] is None:
+        return False, restore
+    if in_worker and not skipped:
+        return True, restore
+    return False, {**restore, "end_epoch": None}
 
 
 def check_share(state: dict[str, Any], shard: int, shards: int, num_workers: int, rank: int) -> None:
