@@ -59,7 +59,7 @@ from ._state import (
     check_refs,
     check_share,
     check_stats,
-    first_iter,
+    enter_iter,
     position,
     refs_needed,
     restore_items,
@@ -312,13 +312,8 @@ class PackingDataset(IterableDataset):
 
     # ------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[PackedBatch]:
-        skip, self._restore = first_iter(self._restore, get_worker_info() is not None, self._skipped)
-        if skip:  # a worker restored after its share of the loader's pass had ended: that pass gets nothing
-            self._skipped = True
-            return iter(())
-        if self._restore is None and not self._active:
-            self._end_epoch = None  # the last iter() ended (or none ran): this one starts the next epoch
-        return self._rows()
+        # a worker restored after its share of the loader's pass had ended: that pass gets nothing
+        return iter(()) if enter_iter(self, get_worker_info() is not None) else self._rows()
 
     def _rows(self) -> Iterator[PackedBatch]:
         shard, shards, nw = self._shard()

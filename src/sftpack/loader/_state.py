@@ -59,6 +59,7 @@ __all__ = [
     "check_share",
     "check_stats",
     "digest",
+    "enter_iter",
     "first_iter",
     "last_mark",
     "position",
@@ -388,6 +389,20 @@ def first_iter(restore: dict[str, Any] | None, in_worker: bool, skipped: bool) -
     if in_worker and not skipped:
         return True, restore
     return False, {**restore, "end_epoch": None}
+
+
+def enter_iter(ds: Any, in_worker: bool) -> bool:
+    """What an ``iter()`` of a loader dataset (``PackingDataset``, ``MultimodalPackingDataset``:
+    ``_restore``, ``_skipped``, ``_active``, ``_end_epoch``) settles before it reads: ``True``
+    when it must yield nothing (:func:`first_iter`); else, with nothing to restore and no pass
+    running, the last ``iter()`` ended (or none ran), so this one starts the next epoch."""
+    skip, ds._restore = first_iter(ds._restore, in_worker, ds._skipped)
+    if skip:
+        ds._skipped = True
+        return True
+    if ds._restore is None and not ds._active:
+        ds._end_epoch = None
+    return False
 
 
 def check_share(state: dict[str, Any], shard: int, shards: int, num_workers: int, rank: int) -> None:
