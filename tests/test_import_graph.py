@@ -9,7 +9,7 @@ are resolved against the importing module's package. Imports under
 included"): they never run, but a type named from a module above is still an
 arrow that climbs back up, and a reader (or a type checker) follows it; a module
 that needs a type from above takes a protocol of what it reads instead
-(``handoff.slots.Segmented``, ``handoff.media.MediaRow``).
+(``handoff.slots.Segmented``).
 
 ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
 ``pkg`` (whose ``__init__`` runs). Importing ``a.b.c`` runs ``a/__init__`` and

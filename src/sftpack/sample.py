@@ -63,6 +63,11 @@ class Sample:
         conversation_id: identifies the source conversation (any hashable; a
             string such as ``"file.jsonl:12"`` or an integer index).
         meta: free-form extras (e.g. ``{"piece": 1}`` for a split conversation).
+        media: ``None``, or the sample's media (images): one payload object
+            (:class:`sftpack.handoff.payload.Media`) holding its items in order, each with
+            its run of placeholder tokens in ``input_ids``. The paths carry it as an opaque
+            per-sample extra; the row builder lays it with the tokens. Checked against the
+            tokens here (no placeholder trainable).
 
     Supports mapping-style access too (``sample["input_ids"]``), so code written
     against dict samples keeps working.
@@ -72,6 +77,7 @@ class Sample:
     loss_mask: np.ndarray
     conversation_id: Any = None
     meta: dict = field(default_factory=dict)
+    media: Any = None
 
     def __post_init__(self) -> None:
         self.input_ids = _token_ids(self.input_ids, self.conversation_id)
@@ -83,6 +89,18 @@ class Sample:
             )
         if self.input_ids.size == 0:
             raise ValueError(f"Sample {self.conversation_id!r} has no tokens: drop empty conversations before packing")
+        if self.media is not None:
+            self.media.check(
+                self.input_ids,
+                loss_mask=self.loss_mask,
+                name=f"Sample {self.conversation_id!r}: media",
+                error=ValueError,
+            )
+
+    @property
+    def num_patches(self) -> int:
+        """What the row planner's second budget counts (vision patches; 0 without media)."""
+        return 0 if self.media is None else int(self.media.num_patches)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -206,8 +206,10 @@ IMG = 151655  # Qwen2-VL's <|image_pad|>
 
 
 def _mm_sample(cid, pre, grids, post=(7, 8)):
-    """Ids ``pre`` + one placeholder run per grid (t*h*w/4 tokens) + ``post``; zero patches of width 6."""
-    from sftpack.multimodal import MultimodalSample
+    """Ids ``pre`` + one placeholder run per grid (t*h*w/4 tokens) + ``post``; zero patches of width 6,
+    as a Sample with Qwen2-VL-shaped media (patches, grids, merge 2, the sample's MRoPE positions)."""
+    from sftpack.handoff.payload import PatchMedia
+    from sftpack.multimodal.families.qwen2_vl import mrope_positions
 
     ids, runs = list(pre), []
     for g in grids:
@@ -220,21 +222,33 @@ def _mm_sample(cid, pre, grids, post=(7, 8)):
     pv = np.arange(patches * 6, dtype=np.float32).reshape(patches, 6) + 1000 * cid
     mask = np.zeros(len(ids), bool)
     mask[-len(post) :] = True
-    return MultimodalSample(ids, mask, conversation_id=cid, pixel_values=pv, image_grid_thw=grids, image_runs=runs)
+    runs_a = np.array(runs, dtype=np.int64).reshape(-1, 2)
+    grid_a = np.array(grids, dtype=np.int64).reshape(-1, 3)
+    media = PatchMedia(
+        pixel_values=pv,
+        slots=runs_a,
+        sequence=np.zeros(len(runs), np.int64),
+        token_id=IMG,
+        grid_thw=grid_a,
+        merge_size=2,
+        positions=mrope_positions(len(ids), runs_a, grid_a, 2),
+    )
+    return Sample(ids, mask, conversation_id=cid, media=media)
 
 
 def _mm_rows():
-    from sftpack.multimodal import build_multimodal_row
-
     a = _mm_sample(0, [1, 2], [(1, 4, 4)])
     b = _mm_sample(1, [1], [(1, 2, 4), (2, 2, 2)])
     c = _mm_sample(2, [5, 6, 7], [])
-    return build_multimodal_row([a, b], pad_multiple=4), build_multimodal_row([c], row_width=8)
+    return (
+        PackedBatch.from_samples([a, b], pad_multiple=4, pad_id=151643),
+        PackedBatch.from_samples([c], row_width=8, pad_id=151643),
+    )
 
 
 def test_a_text_row_carries_no_media_and_its_hf_kwargs_are_unchanged():
     b = PackedBatch.from_samples([A, B], pad_multiple=4).validate()
-    assert not b.has_media and b.num_images == 0 and b.mrope_position_ids is None and b.pixel_values is None
+    assert not b.has_media and b.num_media_items == 0 and b.media is None
     kw = b.to_hf_kwargs()
     assert kw["position_ids"].shape == (1, 20) and "pixel_values" not in kw and "image_grid_thw" not in kw
     assert not PackedBatch.concat([b, b]).has_media
@@ -244,64 +258,83 @@ def test_a_media_row_validates_moves_and_gives_qwen2vl_kwargs():
     ab, c = _mm_rows()
     ab.validate()
     c.validate()
-    assert ab.has_media and ab.num_images == 3 and c.has_media and c.num_images == 0
-    assert ab.vision_cu_seqlens.tolist() == [0, 16, 24, 28, 32]  # the (2, 2, 2) image: one segment per frame
-    assert ab.image_slots.tolist() == [[2, 4], [13, 2], [16, 2]] and ab.image_sequence.tolist() == [0, 1, 1]
+    assert ab.has_media and ab.num_media_items == 3 and c.has_media and c.num_media_items == 0
+    m = ab.media
+    assert m.vision_cu_seqlens.tolist() == [0, 16, 24, 28, 32]  # the (2, 2, 2) image: one segment per frame
+    assert m.vision_cu_seqlens.dtype == torch.int32
+    assert m.slots.tolist() == [[2, 4], [13, 2], [16, 2]] and m.sequence.tolist() == [0, 1, 1]
     kw = ab.to_hf_kwargs()
     assert kw["position_ids"].shape == (4, 1, ab.num_tokens)
     assert kw["position_ids"][0, 0].tolist() == ab.position_ids.tolist()
-    assert torch.equal(kw["position_ids"][1:, 0], ab.mrope_position_ids)
-    assert kw["pixel_values"] is ab.pixel_values and kw["image_grid_thw"] is ab.image_grid_thw
+    assert torch.equal(kw["position_ids"][1:, 0], m.positions)
+    assert kw["pixel_values"] is m.pixel_values and kw["image_grid_thw"] is m.grid_thw
     assert "pixel_values" not in c.to_hf_kwargs()  # no images: positions only
     moved = ab.to("cpu")
-    assert all(torch.equal(getattr(moved, n), getattr(ab, n)) for n in ("pixel_values", "image_slots"))
-    assert moved.image_token_id == IMG and moved.spatial_merge_size == 2
+    assert all(torch.equal(getattr(moved.media, n), getattr(m, n)) for n in ("pixel_values", "slots"))
+    assert moved.media.token_id == IMG and moved.media.merge_size == 2
 
 
 def test_media_rows_concatenate_with_shifted_offsets_also_after_a_row_without_images():
     ab, c = _mm_rows()
     run = PackedBatch.concat([c, ab, c, ab]).validate()
     T, Tc = ab.num_tokens, c.num_tokens
-    assert run.num_images == 6 and run.pixel_values.shape[0] == 2 * ab.pixel_values.shape[0]
-    assert run.image_slots[:, 0].tolist() == [s + Tc for s in ab.image_slots[:, 0].tolist()] + [
-        s + 2 * Tc + T for s in ab.image_slots[:, 0].tolist()
+    m = run.media
+    assert run.num_media_items == 6 and m.pixel_values.shape[0] == 2 * ab.media.pixel_values.shape[0]
+    assert m.slots[:, 0].tolist() == [s + Tc for s in ab.media.slots[:, 0].tolist()] + [
+        s + 2 * Tc + T for s in ab.media.slots[:, 0].tolist()
     ]
-    assert run.image_sequence.tolist() == [1, 2, 2, 4, 5, 5]
-    assert run.vision_cu_seqlens.tolist() == [0, 16, 24, 28, 32, 48, 56, 60, 64]
-    assert torch.equal(run.mrope_position_ids[:, Tc : Tc + T], ab.mrope_position_ids)
+    assert m.sequence.tolist() == [1, 2, 2, 4, 5, 5]
+    assert m.vision_cu_seqlens.tolist() == [0, 16, 24, 28, 32, 48, 56, 60, 64]
+    assert torch.equal(m.positions[:, Tc : Tc + T], ab.media.positions)
     with pytest.raises(PackedBatchError, match="row 1 has no media"):
         PackedBatch.concat([ab, PackedBatch.from_samples([A])])
 
 
-def _replace(b, **kw):
+def _media(b, **kw):
     import dataclasses
 
-    return dataclasses.replace(b, **kw)
+    return dataclasses.replace(b, media=dataclasses.replace(b.media, **kw))
 
 
+def _grid_as_int32(b):
+    """A grid of the wrong dtype (set on a copy after construction, which would cast it)."""
+    out = _media(b)
+    out.media.grid_thw = out.media.grid_thw.int()
+    return out
+
+
+def _ids(b, ids):
+    import dataclasses
+
+    return dataclasses.replace(b, input_ids=ids)
+
+
+# The media is one object: its fields cannot be half set (``image_slots=None`` beside the rest), and
+# the tower's boundaries are the grids' own (``vision_cu_seqlens`` cannot disagree with them). What
+# can still be wrong is each field against the others and against the row, and each is named.
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (lambda b: _replace(b, image_slots=None), r"not \['image_slots'\]"),
-        (lambda b: _replace(b, mrope_position_ids=b.mrope_position_ids[:, 1:]), r"mrope_position_ids must have shape"),
-        (lambda b: _replace(b, vision_cu_seqlens=b.vision_cu_seqlens.long()), "vision_cu_seqlens must be torch.int32"),
-        (lambda b: _replace(b, pixel_values=b.pixel_values.long()), "pixel_values must be floating"),
-        (lambda b: _replace(b, pixel_values=b.pixel_values[1:]), "pixel_values has 31 patches"),
-        (lambda b: _replace(b, vision_cu_seqlens=b.vision_cu_seqlens[[0, 2, 3, 4]]), "vision_cu_seqlens"),
-        (lambda b: _replace(b, spatial_merge_size=1), r"image_slots\[0\] has 4 placeholders"),
-        (lambda b: _replace(b, image_slots=b.image_slots + torch.tensor([1, 0])), r"image_slots\[0\] = \[3, 7\)"),
-        (lambda b: _replace(b, image_sequence=torch.tensor([1, 1, 1])), r"image_slots\[0\].*segment 1"),
-        (lambda b: _replace(b, image_slots=b.image_slots.flip(0)), "row order"),
-        (lambda b: _replace(b, mrope_position_ids=b.mrope_position_ids + 1), "restart at 0"),
-        (lambda b: _replace(b, input_ids=b.input_ids.index_fill(0, torch.tensor([9]), IMG)), r"input_ids\[9\]"),
+        (lambda b: _media(b, grid_thw=b.media.grid_thw[1:]), r"media\.grid_thw must have shape \(3, 3\)"),
+        (lambda b: _media(b, positions=b.media.positions[:, 1:]), r"media\.positions must have shape"),
+        (_grid_as_int32, r"media\.grid_thw must be torch\.int64"),
+        (lambda b: _media(b, pixel_values=b.media.pixel_values.long()), "pixel_values must be floating"),
+        (lambda b: _media(b, pixel_values=b.media.pixel_values[1:]), "pixel_values has 31 patches"),
+        (lambda b: _media(b, sequence=b.media.sequence[1:]), r"media\.sequence must have shape \(3,?\), got \(2,\)"),
+        (lambda b: _media(b, merge_size=1), r"media\.slots\[0\] has 4 placeholders"),
+        (lambda b: _media(b, slots=b.media.slots + torch.tensor([1, 0])), r"media\.slots\[0\] = \[3, 7\)"),
+        (lambda b: _media(b, sequence=torch.tensor([1, 1, 1])), r"media\.slots\[0\].*segment 1"),
+        (lambda b: _media(b, slots=b.media.slots.flip(0)), "row order"),
+        (lambda b: _media(b, positions=b.media.positions + 1), "restart at 0"),
+        (lambda b: _ids(b, b.input_ids.index_fill(0, torch.tensor([9]), IMG)), r"slot 9 holds the placeholder"),
     ],
     ids=[
-        "partial",
+        "grid-count",
         "mrope-shape",
-        "vcu-dtype",
+        "grid-dtype",
         "pv-dtype",
         "patch-count",
-        "vcu-values",
+        "sequence-count",
         "merge",
         "slot-off",
         "wrong-segment",

@@ -1,4 +1,4 @@
-"""Shared pieces of the multimodal tests: the tokenizer, a few easy-vqa samples, a tiny Qwen2-VL.
+"""Shared pieces of the multimodal tests: the tokenizer, a few easy-vqa samples, a tiny Qwen2-VL (or Qwen2.5-VL).
 
 The model's vocabulary is the ids the samples use (renumbered in sorted order, so the
 order and the special tokens' roles are kept): a 151,657-row embedding would make a
@@ -7,6 +7,8 @@ float64 forward and backward pass cost seconds instead of milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -14,39 +16,31 @@ import torch
 pytest.importorskip("easy_vqa")
 pytest.importorskip("PIL")
 
-from sftpack.multimodal import (  # noqa: E402
-    MultimodalSample,
-    image_processor,
-    qwen2vl_tokenizer,
-    tiny_qwen2vl,
-    tokenize_multimodal_conversations,
-    vqa_corpus,
-)
+from sftpack import Sample  # noqa: E402
+from sftpack.multimodal import family_for, tokenize_multimodal_conversations, vqa_corpus  # noqa: E402
 
 #: <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
 SPECIAL_IDS = (151643, 151652, 151653, 151655, 151656)
 
 
 class Renumbered:
-    """Samples over a compact vocabulary, and the tiny model for it."""
+    """Samples over a compact vocabulary, and the tiny model of a family (default Qwen2-VL) for it."""
 
-    def __init__(self, samples: list[MultimodalSample]) -> None:
+    def __init__(self, samples: list[Sample], family: str = "qwen2_vl") -> None:
+        self.family = family_for(family)
         self.vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [np.array(SPECIAL_IDS)]))
         self.samples = [self.sample(s) for s in samples]
 
     def id(self, token_id: int) -> int:
         return int(np.searchsorted(self.vocab, token_id))
 
-    def sample(self, s: MultimodalSample) -> MultimodalSample:
-        return MultimodalSample(
+    def sample(self, s: Sample) -> Sample:
+        # the media as it is (pixels float32: the float64 model's tower casts them, exactly), its placeholder renumbered
+        return Sample(
             np.searchsorted(self.vocab, s.input_ids),
             s.loss_mask,
             s.conversation_id,
-            pixel_values=s.pixel_values,  # float32: the float64 model's tower casts it, exactly
-            image_grid_thw=s.image_grid_thw,
-            image_runs=s.image_runs,
-            image_token_id=self.id(151655),
-            merge_size=s.merge_size,
+            media=dataclasses.replace(s.media, token_id=self.id(151655)),
         )
 
     @property
@@ -54,12 +48,14 @@ class Renumbered:
         return self.id(151643)
 
     def model(self, seed: int = 0, text_attention: str | None = None):
-        return tiny_qwen2vl(
-            len(self.vocab),
-            image_token_id=self.id(151655),
-            vision_start_token_id=self.id(151652),
-            vision_end_token_id=self.id(151653),
-            video_token_id=self.id(151656),
+        return self.family.tiny_model(
+            vocab_size=len(self.vocab),
+            token_ids=dict(
+                image_token_id=self.id(151655),
+                vision_start_token_id=self.id(151652),
+                vision_end_token_id=self.id(151653),
+                video_token_id=self.id(151656),
+            ),
             seed=seed,
             dtype=torch.float64,
             text_attention=text_attention,
@@ -68,12 +64,12 @@ class Renumbered:
 
 @pytest.fixture(scope="session")
 def tok():
-    return qwen2vl_tokenizer()
+    return family_for("qwen2_vl").tokenizer()
 
 
 @pytest.fixture(scope="session")
 def proc():
-    return image_processor()
+    return family_for("qwen2_vl").image_processor()
 
 
 @pytest.fixture(scope="session")

@@ -17,17 +17,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from sftpack.chat import read_conversations
 from sftpack.multimodal import (
-    MAX_ASPECT_RATIO,
-    MAX_IMAGE_BYTES,
     BadImageError,
     MultimodalStats,
     load_image,
-    process_images,
-    read_multimodal_jsonl,
     tokenize_multimodal,
     tokenize_multimodal_conversations,
 )
+from sftpack.multimodal._images import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, process_images
 
 transformers = pytest.importorskip("transformers")
 from transformers.image_utils import load_image as hf_load_image  # noqa: E402
@@ -92,8 +90,8 @@ def test_a_rotated_jpeg_is_turned_upright_as_transformers_load_image_does(tmp_pa
     hf = Qwen2VLImageProcessorPil(min_pixels=proc.size["shortest_edge"], max_pixels=proc.size["longest_edge"])
     ref = hf(images=[want], return_tensors="np")
     (s,) = tokenize_multimodal(_conv({"type": "image", "path": str(path)}), tokenizer=tok, processor=proc)
-    assert s.image_grid_thw.tolist() == ref["image_grid_thw"].tolist() == [[1, 16, 8]]
-    assert s.pixel_values.tobytes() == np.asarray(ref["pixel_values"], np.float32).tobytes()
+    assert s.media.grid_thw.tolist() == ref["image_grid_thw"].tolist() == [[1, 16, 8]]
+    assert s.media.pixel_values.numpy().tobytes() == np.asarray(ref["pixel_values"], np.float32).tobytes()
 
 
 def test_a_pil_image_given_is_not_changed_in_place(tmp_path):
@@ -116,7 +114,7 @@ def test_an_aspect_ratio_over_the_limit_is_a_bad_image_not_a_bad_record(tok, pro
     (s,) = tokenize_multimodal(
         _conv({"type": "image", "bytes": _encoded(_pixels(400, 2))}), tokenizer=tok, processor=proc
     )
-    assert s.num_images == 1
+    assert s.media.num_items == 1
 
 
 def test_a_resize_to_an_aspect_ratio_over_the_limit_names_the_resize(tok, proc):
@@ -200,7 +198,7 @@ def test_a_missing_jsonl_image_names_the_path_read_relative_to_the_file(tmp_path
     (data / "chat.jsonl").write_text(json.dumps(row) + "\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadImageError) as e:
-        list(tokenize_multimodal_conversations(read_multimodal_jsonl("data/chat.jsonl"), tokenizer=tok, processor=proc))
+        list(tokenize_multimodal_conversations(read_conversations("data/chat.jsonl"), tokenizer=tok, processor=proc))
     msg = str(e.value)
     assert repr(os.fspath(data / "imgs" / "gone.png")) in msg and "working directory" not in msg
     assert e.value.reason.value == "image_missing_file"
@@ -230,10 +228,9 @@ def test_any_url_is_a_url_not_a_missing_file(tmp_path, tok, proc, url):
         assert err.reason.value == "image_url" and err.field == f"messages[0].content[0].{key}"
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": _conv({"type": "image", "path": url})}) + "\n")
-    st = read_multimodal_jsonl(path, on_bad_row="skip")
-    assert list(st) == []
+    assert list(read_conversations(path, on_bad_row="skip")) == []
     with pytest.raises(ValueError, match=r"content\[0\]\.path: a URL"):
-        list(read_multimodal_jsonl(path))
+        list(read_conversations(path))
 
 
 def test_a_windows_drive_path_is_not_a_url(tmp_path):
@@ -283,7 +280,7 @@ def test_the_patches_are_exactly_the_given_processors_own(make, tok):
     images = _images()[:2] if processor.do_resize else [_pixels(80, 40)]
     assert _mine(processor, images) == _own(processor, images)
     (s,) = tokenize_multimodal(_conv({"type": "image", "image": images[0]}), tokenizer=tok, processor=processor)
-    assert (s.pixel_values.tobytes(), s.image_grid_thw.tolist()) == _own(processor, images[:1])
+    assert (s.media.pixel_values.numpy().tobytes(), s.media.grid_thw.tolist()) == _own(processor, images[:1])
 
 
 def test_a_subclass_is_not_taken_for_the_processor_it_extends():
@@ -295,9 +292,9 @@ def test_a_subclass_is_not_taken_for_the_processor_it_extends():
 def test_a_prepack_refuses_a_processor_its_reader_cannot_reproduce(tmp_path):
     """A prepack stores resized pixels and re-makes patches the PIL processor's way: with another
     processor its rows would not be that processor's patches, so it is refused before any work."""
-    from sftpack.offline import prepack_multimodal
+    from sftpack.offline import prepack
 
     conv = {"id": "c0", "messages": _conv({"type": "image", "image": _pixels(56, 56)})}
     with pytest.raises(ValueError, match=r"_PatchesReversed .* does not reproduce exactly: pass sftpack"):
-        prepack_multimodal([conv], tmp_path / "p", max_seq_len=256, processor=_PatchesReversed())
+        prepack([conv], tmp_path / "p", images=True, max_seq_len=256, processor=_PatchesReversed())
     assert not (tmp_path / "p").exists()

@@ -24,21 +24,18 @@ import pytest
 import torch
 from PIL import Image
 
+from sftpack import PackedBatch, Sample
 from sftpack.chat import tokenize_conversation
 from sftpack.handoff import PackedBatchError
+from sftpack.handoff.payload import ImageMedia, PatchMedia
 from sftpack.multimodal import (
-    LlavaSample,
-    MultimodalSample,
     MultimodalStats,
     UnsupportedModelError,
-    build_llava_row,
-    build_multimodal_row,
-    llava_image_processor,
-    llava_image_tokens,
-    tokenize_llava,
     tokenize_multimodal,
     tokenize_multimodal_conversations,
 )
+from sftpack.multimodal.families.llava import Llava, llava_image_tokens
+from sftpack.multimodal.families.qwen2_vl import mrope_positions
 
 IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD_ID = 151644, 151645, 151652, 151653, 151655
 
@@ -106,11 +103,13 @@ def test_text_parts_tokenize_as_the_text_path_tokenizes_the_joined_content(tok, 
     ref = tokenize_conversation(joined, tok)
     assert s.input_ids.tolist() == ref.input_ids.tolist()
     assert s.loss_mask.tolist() == ref.loss_mask.tolist()
-    assert s.num_images == 0 and not {VISION_START, VISION_END, IMAGE_PAD_ID} & set(s.input_ids.tolist())
+    assert s.media.num_items == 0 and not {VISION_START, VISION_END, IMAGE_PAD_ID} & set(s.input_ids.tolist())
 
 
 def test_llava_keeps_split_special_text_as_text(tok):
-    s = tokenize_llava(_forged_conv(), image_tokens=16, tokenizer=tok, processor=llava_image_processor())
+    llava = Llava(image_tokens=16, image_size=32)
+    (s,) = tokenize_multimodal(_forged_conv(), family=llava, tokenizer=tok, processor=llava.image_processor())
+    assert isinstance(s.media, ImageMedia)
     ids = s.input_ids.tolist()
     assert ids.count(IM_START) == 2 and ids.count(IM_END) == 2 and ids.count(IMAGE_PAD_ID) == 16
     assert tok.decode(s.input_ids[s.loss_mask]) == FORGED_TEXT + "<|im_end|>"
@@ -120,8 +119,8 @@ def test_llava_keeps_split_special_text_as_text(tok):
 
 
 def test_a_fake_image_pad_over_parts_stops_no_path_and_counts_add_up(tok, proc, tmp_path):
-    from sftpack.loader import MultimodalPackingDataset
-    from sftpack.offline import PrepackedDataset, prepack_multimodal
+    from sftpack.loader import PackingDataset
+    from sftpack.offline import PrepackedDataset, prepack
 
     convs = [{"id": "fake-pad", "messages": _fake_pad_conv()}, {"id": "forged", "messages": _forged_conv()}]
     for mode in ("error", "skip"):
@@ -130,34 +129,40 @@ def test_a_fake_image_pad_over_parts_stops_no_path_and_counts_add_up(tok, proc, 
         assert [s.conversation_id for s in out] == ["fake-pad", "forged"]
         assert (st.read, st.kept, st.dropped) == (2, 2, {})
     s = out[0]
-    assert s.num_images == 1 and int((s.input_ids == IMAGE_PAD_ID).sum()) == int(s.image_runs[0, 1])
+    assert s.media.num_items == 1 and int((s.input_ids == IMAGE_PAD_ID).sum()) == int(s.media.slots[0, 1])
     assert "and <|image_pad|> here?" in tok.decode(s.input_ids)
 
-    ds = MultimodalPackingDataset(convs, max_seq_len=256, tokenizer=tok, processor=proc, num_epochs=1)
+    ds = PackingDataset(convs, max_seq_len=256, buffer_size=64, tokenizer=tok, processor=proc, num_epochs=1)
     rows = list(ds)
-    assert ds.stats.samples_in == ds.stats.samples_packed == 2 and ds.stats.dropped == {}
-    assert sum(r.num_images for r in rows) == 2
+    assert ds.stats.samples_in == ds.stats.samples_packed == 2 and ds.stats.dropped == 0
+    assert sum(r.num_media_items for r in rows) == 2
 
     for n in (1, 2):
-        result = prepack_multimodal(convs, tmp_path / f"p{n}", max_seq_len=256, num_proc=n, tokenizer=tok)
+        result = prepack(convs, tmp_path / f"p{n}", images=True, max_seq_len=256, num_proc=n, tokenizer=tok)
         ds = PrepackedDataset(result.path)
         assert ds.manifest["counts"]["read"] == ds.manifest["counts"]["kept"] == 2
-        assert sum(ds[i].num_images for i in range(len(ds))) == 2
+        assert sum(ds[i].num_media_items for i in range(len(ds))) == 2
 
 
 # ------------------------------------------------------------------ 3. pixel values
 
 
-def _sample(pv: np.ndarray, cid: str = "s7") -> MultimodalSample:
+def _sample(pv: np.ndarray, cid: str = "s7") -> Sample:
     ids = np.array([1, 2, IMAGE_PAD_ID, IMAGE_PAD_ID, 3], dtype=np.int64)
-    return MultimodalSample(
-        ids,
-        np.array([0, 0, 0, 0, 1], dtype=bool),
-        cid,
+    media = PatchMedia(
         pixel_values=pv,
-        image_grid_thw=[[1, 2, 4]],
-        image_runs=[[2, 2]],
+        slots=[[2, 2]],
+        sequence=[0],
+        token_id=IMAGE_PAD_ID,
+        grid_thw=[[1, 2, 4]],
+        merge_size=2,
+        positions=mrope_positions(5, np.array([[2, 2]]), np.array([[1, 2, 4]]), 2),
     )
+    return Sample(ids, np.array([0, 0, 0, 0, 1], dtype=bool), cid, media=media)
+
+
+def _pixels_of(row: PackedBatch, pv: torch.Tensor) -> PackedBatch:
+    return dataclasses.replace(row, media=dataclasses.replace(row.media, pixel_values=pv))
 
 
 def _pixels(width: int = 1176, dtype=np.float32) -> np.ndarray:
@@ -171,62 +176,68 @@ def test_non_finite_pixels_are_refused_by_the_sample_and_the_batch(bad):
     pv[5, 17] = bad
     with pytest.raises(ValueError, match=rf"'s7'.*pixel_values\[5, 17\] = {bad}.*finite"):
         _sample(pv)
-    row = build_multimodal_row([good])
-    broken = row.pixel_values.clone()
+    row = PackedBatch.from_samples([good])
+    broken = row.media.pixel_values.clone()
     broken[5, 17] = bad
-    with pytest.raises(PackedBatchError, match=rf"PackedBatch\.pixel_values\[5, 17\] = {bad}.*finite"):
-        dataclasses.replace(row, pixel_values=broken).validate()
+    with pytest.raises(PackedBatchError, match=rf"PackedBatch\.media\.pixel_values\[5, 17\] = {bad}.*finite"):
+        _pixels_of(row, broken).validate()
 
 
 def test_float64_pixels_are_refused_with_the_cast_to_make():
-    with pytest.raises(ValueError, match=r"'s7'.*pixel_values must be floating point: float32.*got float64"):
-        _sample(_pixels(dtype=np.float64))
-    row = build_multimodal_row([_sample(_pixels())])
+    with pytest.raises(ValueError, match=r"'s7'.*pixel_values must be floating point: float32.*got torch\.float64"):
+        _sample(_pixels(dtype=np.float64))  # a sample's media fields are torch tensors too
+    row = PackedBatch.from_samples([_sample(_pixels())])
     with pytest.raises(
-        PackedBatchError, match=r"PackedBatch\.pixel_values must be floating point: float32.*got torch\.float64"
+        PackedBatchError,
+        match=r"PackedBatch\.media\.pixel_values must be floating point: float32.*got torch\.float64.*\.float\(\)",
     ):
-        dataclasses.replace(row, pixel_values=row.pixel_values.double()).validate()
+        _pixels_of(row, row.media.pixel_values.double()).validate()
     for ok in (torch.float16, torch.bfloat16):
-        dataclasses.replace(row, pixel_values=row.pixel_values.to(ok)).validate()
+        _pixels_of(row, row.media.pixel_values.to(ok)).validate()
 
 
 @pytest.mark.parametrize("width", [1000, 1175, 3 * 14 * 14 * 3])
 def test_wrong_width_patches_are_refused_naming_the_expected_widths(width):
     with pytest.raises(ValueError, match=rf"'s7'.*pixel_values.*width {width}.*1176"):
         _sample(_pixels(width))
-    row = build_multimodal_row([_sample(_pixels())])
+    row = PackedBatch.from_samples([_sample(_pixels())])
     wide = torch.zeros(8, width)
-    with pytest.raises(PackedBatchError, match=rf"PackedBatch\.pixel_values.*width {width}.*1176"):
-        dataclasses.replace(row, pixel_values=wide).validate()
+    with pytest.raises(PackedBatchError, match=rf"PackedBatch\.media\.pixel_values.*width {width}.*1176"):
+        _pixels_of(row, wide).validate()
 
 
 def test_patch_widths_of_other_qwen_vision_towers_are_taken():
     """3 channels x temporal patch 2 x patch side**2: Qwen2-VL / 2.5-VL (14 px) and Qwen3-VL (16 px)."""
     for width in (3 * 2 * 14 * 14, 3 * 2 * 16 * 16):
-        build_multimodal_row([_sample(_pixels(width))]).validate()
+        PackedBatch.from_samples([_sample(_pixels(width))]).validate()
 
 
 def test_samples_of_different_patch_widths_do_not_share_a_row():
-    with pytest.raises(PackedBatchError, match=r"patch widths \[1176, 1536\]"):
-        build_multimodal_row([_sample(_pixels(1176), "a"), _sample(_pixels(1536), "b")])
+    with pytest.raises(PackedBatchError, match=r"patches of widths \[1176, 1536\]"):
+        PackedBatch.from_samples([_sample(_pixels(1176), "a"), _sample(_pixels(1536), "b")])
 
 
 def test_llava_pixels_must_be_finite_float32():
     ids = np.array([1, IMAGE_PAD_ID, IMAGE_PAD_ID, 2], dtype=np.int64)
     pv = np.zeros((1, 3, 4, 4), np.float32)
-    good = LlavaSample(ids, np.array([0, 0, 0, 1], bool), "l1", pixel_values=pv, image_runs=[[1, 2]])
+
+    def llava(pixels: np.ndarray) -> Sample:
+        media = ImageMedia(pixel_values=pixels, slots=[[1, 2]], sequence=[0], token_id=IMAGE_PAD_ID)
+        return Sample(ids, np.array([0, 0, 0, 1], bool), "l1", media=media)
+
+    good = llava(pv)
     pv_nan = pv.copy()
     pv_nan[0, 1, 2, 3] = np.nan
     with pytest.raises(ValueError, match=r"'l1'.*pixel_values\[0, 1, 2, 3\] = nan"):
-        LlavaSample(ids, good.loss_mask, "l1", pixel_values=pv_nan, image_runs=[[1, 2]])
+        llava(pv_nan)
     with pytest.raises(ValueError, match=r"'l1'.*float64"):
-        LlavaSample(ids, good.loss_mask, "l1", pixel_values=pv.astype(np.float64), image_runs=[[1, 2]])
-    row = build_llava_row([good])
-    row.pixel_values[0, 0, 0, 0] = float("inf")
-    with pytest.raises(PackedBatchError, match=r"pixel_values\[0, 0, 0, 0\] = inf"):
+        llava(pv.astype(np.float64))
+    row = PackedBatch.from_samples([good])
+    row.media.pixel_values[0, 0, 0, 0] = float("inf")
+    with pytest.raises(PackedBatchError, match=r"PackedBatch\.media\.pixel_values\[0, 0, 0, 0\] = inf"):
         row.validate()
-    with pytest.raises(PackedBatchError, match=r"pixel_values\[0, 0, 0, 0\] = inf"):
-        row.packed_batch()
+    with pytest.raises(PackedBatchError, match=r"PackedBatch\.media\.pixel_values\[0, 0, 0, 0\] = inf"):
+        PackedBatch.concat([row, row]).validate()  # and in a run of rows, at its slot there
 
 
 # ------------------------------------------------------------------ 4. other model families
@@ -311,7 +322,7 @@ def test_tokenize_multimodal_refuses_other_processors_before_any_work(tok, name)
     convs = [{"id": "r1", "messages": missing + [{"role": "assistant", "content": "x"}]}]
     with pytest.raises(UnsupportedModelError) as e:  # not the BadImageError of the missing file: no work done
         tokenize_multimodal(convs[0]["messages"], tokenizer=tok, processor=processor)
-    assert "\n" not in str(e.value) and name in str(e.value) and "Qwen2-VL" in str(e.value)
+    assert "\n" not in str(e.value) and name in str(e.value) and "qwen2_vl" in str(e.value)
     st = MultimodalStats()
     with pytest.raises(UnsupportedModelError):  # skip mode does not turn it into a drop per record
         list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=processor, on_bad_row="skip", stats=st))

@@ -25,18 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
-from sftpack.multimodal import (
-    MultimodalBatch,
-    MultimodalSample,
-    alone_logits,
-    build_multimodal_row,
-    check_packed,
-    rope_index,
-)
+from sftpack import PackedBatch
+from sftpack.multimodal import check_packed, family_for
+from sftpack.multimodal.families.qwen2_vl import mrope_positions
 from sftpack.sample import IGNORE_INDEX
 
 TOL = 1e-10  # float64; see the docstring
@@ -66,7 +60,7 @@ def test_packed_equals_alone(renumbered, model, pad_between_seqs, pad_multiple, 
     )
     assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r  # the premise of TOL
     assert r.within(TOL), r
-    assert sum(s.num_images for s in items) >= 8
+    assert sum(s.media.num_items for s in items) >= 8
 
 
 @pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
@@ -103,40 +97,32 @@ def test_packed_equals_alone_with_hf_boundaries_from_positions(renumbered, sdpa_
     assert r.within(TOL), r
 
 
-def _as_one_sequence(b: MultimodalBatch) -> MultimodalBatch:
+def _as_one_sequence(b: PackedBatch) -> PackedBatch:
     """The bug: positions of the whole row as one sequence (never restarted): the model's rope
     rule over the row, and a text position row counting straight through."""
-    t = b
-    whole = MultimodalSample(
-        t.input_ids.numpy(),
-        np.zeros(t.num_tokens, bool),
-        pixel_values=b.pixel_values.numpy(),
-        image_grid_thw=b.image_grid_thw.numpy(),
-        image_runs=b.image_slots.numpy(),
-        image_token_id=b.image_token_id,
-    )
-    pos = torch.from_numpy(rope_index(whole))
-    return dataclasses.replace(b, mrope_position_ids=pos, position_ids=torch.arange(t.num_tokens))
+    m = b.media
+    pos = torch.from_numpy(mrope_positions(b.num_tokens, m.slots.numpy(), m.grid_thw.numpy(), m.merge_size))
+    return dataclasses.replace(b, media=dataclasses.replace(m, positions=pos), position_ids=torch.arange(b.num_tokens))
 
 
-def _one_d(b: MultimodalBatch) -> MultimodalBatch:
+def _one_d(b: PackedBatch) -> PackedBatch:
     """The bug: plain 1-D positions (restarting per sample) in all three MRoPE rows; the grids ignored."""
-    return dataclasses.replace(b, mrope_position_ids=b.position_ids.expand(3, -1).clone())
+    return dataclasses.replace(b, media=dataclasses.replace(b.media, positions=b.position_ids.expand(3, -1).clone()))
 
 
-def _media_reversed(b: MultimodalBatch) -> MultimodalBatch:
-    """The bug: the images in the wrong order (each image's patches still with its own grid)."""
-    grid = b.image_grid_thw
+def _media_reversed(b: PackedBatch) -> PackedBatch:
+    """The bug: the images in the wrong order (each image's patches still with its own grid; the
+    tower's per-image boundaries follow the grids)."""
+    m = b.media
+    grid = m.grid_thw
     per = (grid[:, 0] * grid[:, 1] * grid[:, 2]).tolist()
-    blocks = list(torch.split(b.pixel_values, per))
-    cu = torch.zeros(len(per) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(per[::-1]), 0)
+    blocks = list(torch.split(m.pixel_values, per))
     return dataclasses.replace(
-        b, pixel_values=torch.cat(blocks[::-1]), image_grid_thw=grid.flip(0), vision_cu_seqlens=cu
+        b, media=dataclasses.replace(m, pixel_values=torch.cat(blocks[::-1]), grid_thw=grid.flip(0))
     )
 
 
-def _label_across(b: MultimodalBatch) -> MultimodalBatch:
+def _label_across(b: PackedBatch) -> PackedBatch:
     """The bug: the last real token of the first sample is trained to predict the next sample's first token."""
     t = b
     labels = t.labels.clone()
@@ -153,7 +139,7 @@ IDS = ["positions-not-restarted", "positions-1d", "media-reversed", "label-acros
 @pytest.mark.parametrize("tamper", CONTROLS, ids=IDS)
 def test_negative_controls_fail_with_hf_boundaries(renumbered, sdpa_model, tamper):
     r = check_packed(sdpa_model, renumbered.samples, pad_id=renumbered.pad_id, tamper=tamper)
-    assert max(r.logits, r.loss, r.grads_language, r.grads_vision) > BUG, r
+    assert max(r.logits, r.loss, r.grads["language"], r.grads["vision"]) > BUG, r
 
 
 @pytest.mark.parametrize("tamper", CONTROLS, ids=IDS)
@@ -166,7 +152,7 @@ def test_negative_controls_fail_with_sftpack_attention(renumbered, model, tamper
     r = check_packed(model, renumbered.samples, pad_id=renumbered.pad_id, tamper=tamper)
     assert not r.within(TOL), r
     if tamper is not _as_one_sequence:
-        assert max(r.logits, r.loss, r.grads_language, r.grads_vision) > BUG, r
+        assert max(r.logits, r.loss, r.grads["language"], r.grads["vision"]) > BUG, r
 
 
 def test_the_rows_hf_kwargs_run_qwen2vl_as_is(renumbered, sdpa_model):
@@ -175,13 +161,14 @@ def test_the_rows_hf_kwargs_run_qwen2vl_as_is(renumbered, sdpa_model):
     runs its own vision tower on ``pixel_values`` / ``image_grid_thw``): each sample's logits
     equal it run alone, to TOL."""
     items = renumbered.samples[:4]
-    row = build_multimodal_row(items, pad_multiple=4, pad_id=renumbered.pad_id).validate()
+    row = PackedBatch.from_samples(items, pad_multiple=4, pad_id=renumbered.pad_id).validate()
     kw = row.to_hf_kwargs()
-    assert kw["position_ids"].shape == (4, 1, row.num_tokens) and kw["pixel_values"] is row.pixel_values
+    assert kw["position_ids"].shape == (4, 1, row.num_tokens) and kw["pixel_values"] is row.media.pixel_values
+    family = family_for(sdpa_model)
     keys = ("input_ids", "position_ids", "pixel_values", "image_grid_thw", "use_cache")
     with torch.no_grad():
         logits = sdpa_model(**{k: kw[k] for k in keys}).logits[0]
         cu, cup = row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
         for i, s in enumerate(items):
-            alone = alone_logits(sdpa_model, s)
+            alone = family.alone_logits(sdpa_model, s)
             assert float((logits[cup[i] : cup[i] + cu[i + 1] - cu[i]] - alone).abs().max()) <= TOL

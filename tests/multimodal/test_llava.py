@@ -3,8 +3,8 @@
 LLaVA is not Qwen-shaped: each image is one fixed-size pixel tensor, its token is
 repeated a fixed number of times, the language model's embeddings at those slots are
 replaced by the projected vision features, and positions are 1-D. The same row
-machinery (the text row of ``PackedBatch.from_samples``, media in row order with their
-slots and segments, ``cu_seqlens`` boundaries) makes it exact.
+machinery (``PackedBatch.from_samples`` laying the samples' ``ImageMedia`` in row order
+with their slots and segments, ``cu_seqlens`` boundaries) makes it exact.
 
 Packed: one row of six easy-vqa samples (one or two images each, images through CLIP's
 processing to 32x32, 16 image tokens each), the vision tower once over the row's
@@ -33,20 +33,11 @@ import numpy as np
 import pytest
 import torch
 
+from sftpack import PackedBatch, Sample
 from sftpack.handoff import PackedBatchError
-from sftpack.multimodal import (
-    LlavaRow,
-    LlavaSample,
-    build_llava_row,
-    check_llava_packed,
-    llava_alone_logits,
-    llava_image_processor,
-    llava_image_tokens,
-    qwen2vl_tokenizer,
-    tiny_llava,
-    tokenize_llava,
-    vqa_corpus,
-)
+from sftpack.handoff.payload import ImageMedia
+from sftpack.multimodal import check_packed, family_for, tokenize_multimodal, vqa_corpus
+from sftpack.multimodal.families.llava import Llava, llava_image_tokens, tiny_llava
 from sftpack.sample import IGNORE_INDEX
 
 TOL = 1e-10  # float64; see the docstring
@@ -61,16 +52,15 @@ class Compact:
     """LLaVA samples over a compact vocabulary (the ids they use, in sorted order), and the
     tiny model for it: a 151,657-row embedding would make each float64 pass cost seconds."""
 
-    def __init__(self, samples: list[LlavaSample]) -> None:
+    def __init__(self, samples: list[Sample]) -> None:
         self.vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [np.array(SPECIAL_IDS)]))
         self.samples = [
-            LlavaSample(
+            Sample(
                 np.searchsorted(self.vocab, s.input_ids),
                 s.loss_mask,
                 s.conversation_id,
-                pixel_values=s.pixel_values,  # float32: the float64 model casts it, exactly
-                image_runs=s.image_runs,
-                image_token_id=self.id(151655),
+                # the media as it is (pixels float32: the float64 model casts them, exactly), its placeholder renumbered
+                media=dataclasses.replace(s.media, token_id=self.id(151655)),
             )
             for s in samples
         ]
@@ -92,9 +82,13 @@ class Compact:
 def llava_samples():
     """Six easy-vqa conversations (three with two images under seed 2), as LLaVA samples."""
     convs = list(vqa_corpus(seed=2, limit=6, min_side=56, max_side=112))
-    tok, proc = qwen2vl_tokenizer(), llava_image_processor(32)
-    return [tokenize_llava(c["messages"], image_tokens=IMAGE_TOKENS, tokenizer=tok, processor=proc,
-                           conversation_id=c["id"]) for c in convs]  # fmt: skip
+    family = Llava(image_tokens=IMAGE_TOKENS, image_size=32)
+    tok, proc = family.tokenizer(), family.image_processor()
+    out = []
+    for c in convs:
+        (s,) = tokenize_multimodal(c["messages"], family=family, tokenizer=tok, processor=proc, conversation_id=c["id"])
+        out.append(s)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -126,11 +120,14 @@ def test_samples_are_llava_shaped(llava_samples, model):
     """One fixed-size tensor per image, a fixed run of image tokens, no Qwen vision brackets,
     never a loss on an image token; the run length is what the model's feature select gives."""
     assert llava_image_tokens(model.config) == IMAGE_TOKENS
-    assert sum(s.num_images for s in llava_samples) >= 8
-    tok = qwen2vl_tokenizer()
+    assert family_for(model) == Llava(image_tokens=IMAGE_TOKENS, image_size=32)  # read from the model's config
+    assert sum(s.media.num_items for s in llava_samples) >= 8
+    tok = family_for("llava").tokenizer()
     for s in llava_samples:
-        assert s.pixel_values.shape[1:] == (3, 32, 32) and s.pixel_values.dtype == np.float32
-        assert s.image_runs[:, 1].tolist() == [IMAGE_TOKENS] * s.num_images
+        m = s.media
+        assert isinstance(m, ImageMedia) and s.num_patches == m.num_placeholders
+        assert m.pixel_values.shape[1:] == (3, 32, 32) and m.pixel_values.dtype == torch.float32
+        assert m.slots[:, 1].tolist() == [IMAGE_TOKENS] * m.num_items
         assert not np.isin(s.input_ids, [151652, 151653]).any()
         assert not s.loss_mask[s.input_ids == 151655].any() and s.loss_mask.any()
         text = tok.decode(s.input_ids[s.input_ids != 151655])
@@ -140,30 +137,33 @@ def test_samples_are_llava_shaped(llava_samples, model):
 def test_the_row(compact):
     """Text from PackedBatch.from_samples (1-D positions restarting, no MRoPE); images in row order."""
     items = compact.samples
-    row = build_llava_row(items, pad_multiple=4, pad_id=compact.pad_id).validate()
-    b = row.batch
-    assert b.mrope_position_ids is None and not b.has_media
+    b = PackedBatch.from_samples(items, pad_multiple=4, pad_id=compact.pad_id).validate()
+    m = b.media
+    assert isinstance(m, ImageMedia) and not hasattr(m, "positions")  # no multimodal positions
+    assert b.to_hf_kwargs()["position_ids"].shape == (1, b.num_tokens)  # the text's 1-D ones
     assert b.position_ids.tolist() == [t for n in b.padded_seqlens.tolist() for t in range(n)]
-    assert row.num_images == sum(s.num_images for s in items) == row.image_sequence.shape[0]
-    assert row.num_image_tokens == IMAGE_TOKENS * row.num_images
-    assert torch.equal(row.pixel_values, torch.from_numpy(np.concatenate([s.pixel_values for s in items])))
+    assert b.num_media_items == sum(s.media.num_items for s in items) == m.sequence.shape[0]
+    assert m.num_placeholders == IMAGE_TOKENS * b.num_media_items
+    assert torch.equal(m.pixel_values, torch.cat([s.media.pixel_values for s in items]))
     cup = b.cu_seqlens_padded.tolist()
-    want = [(cup[i] + a, n) for i, s in enumerate(items) for a, n in s.image_runs.tolist()]
-    assert row.image_slots.tolist() == [list(w) for w in want]
-    assert not bool((b.labels == row.image_token_id).any())
+    want = [(cup[i] + a, n) for i, s in enumerate(items) for a, n in s.media.slots.tolist()]
+    assert m.slots.tolist() == [list(w) for w in want]
+    assert not bool((b.labels == m.token_id).any())
     assert b.num_label_tokens == sum(int(s.loss_mask[1:].sum()) for s in items)
 
 
 def test_the_row_refuses_bad_media(compact):
-    row = build_llava_row(compact.samples, pad_id=compact.pad_id)
-    swapped = dataclasses.replace(row, image_slots=row.image_slots.flip(0), image_sequence=row.image_sequence.flip(0))
+    row = PackedBatch.from_samples(compact.samples, pad_id=compact.pad_id)
+    m = row.media
+    swapped = dataclasses.replace(row, media=dataclasses.replace(m, slots=m.slots.flip(0), sequence=m.sequence.flip(0)))
     with pytest.raises(PackedBatchError, match="row order"):
         swapped.validate()
-    short = dataclasses.replace(row, image_slots=row.image_slots[1:], image_sequence=row.image_sequence[1:])
-    with pytest.raises(PackedBatchError, match="images but image_slots"):
-        short.validate()
-    with pytest.raises(PackedBatchError, match="image token id"):
-        build_llava_row(compact.samples, pad_id=compact.samples[0].image_token_id)
+    short = dataclasses.replace(row, media=dataclasses.replace(m, slots=m.slots[1:], sequence=m.sequence[1:]))
+    n = m.num_items
+    with pytest.raises(PackedBatchError, match=rf"pixel_values must have shape \({n - 1}, .*got \({n}, 3, 32, 32\)"):
+        short.validate()  # an image without a run
+    with pytest.raises(PackedBatchError, match="placeholder id"):
+        PackedBatch.from_samples(compact.samples, pad_id=compact.samples[0].media.token_id)
 
 
 @pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
@@ -172,7 +172,7 @@ def test_packed_equals_alone(compact, model, pad_between_seqs, pad_multiple, ext
     """sftpack's varlen attention, boundaries from cu_seqlens, both boundary modes."""
     items = compact.samples
     width = sum(-(-len(s) // pad_multiple) * pad_multiple for s in items) + extra if extra else None
-    r = check_llava_packed(
+    r = check_packed(
         model, items, pad_between_seqs=pad_between_seqs, pad_multiple=pad_multiple, row_width=width,
         pad_id=compact.pad_id,
     )  # fmt: skip
@@ -185,51 +185,49 @@ def test_two_fixed_width_rows_in_one_run_equal_alone(compact, model, pad_between
     """Two rows of a fixed width (tail padding folded into each row's last segment) laid end to end."""
     items = compact.samples
     width = max(sum(-(-len(s) // 4) * 4 for s in part) for part in (items[:3], items[3:])) + 12
-    r = check_llava_packed(model, items, pad_between_seqs=pad_between_seqs, pad_multiple=4, row_width=width,
-                           rows=2, pad_id=compact.pad_id)  # fmt: skip
+    r = check_packed(model, items, pad_between_seqs=pad_between_seqs, pad_multiple=4, row_width=width,
+                     rows=2, pad_id=compact.pad_id)  # fmt: skip
     assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
     assert r.within(TOL), r
-    run = LlavaRow.concat([build_llava_row(p, row_width=width, pad_multiple=4, pad_id=compact.pad_id)
-                           for p in (items[:3], items[3:])]).validate()  # fmt: skip
-    assert run.batch.num_tokens == 2 * width and run.num_images == sum(s.num_images for s in items)
-    assert run.image_sequence.tolist() == [i for i, s in enumerate(items) for _ in range(s.num_images)]
+    run = PackedBatch.concat([PackedBatch.from_samples(p, row_width=width, pad_multiple=4, pad_id=compact.pad_id)
+                              for p in (items[:3], items[3:])]).validate()  # fmt: skip
+    assert run.num_tokens == 2 * width and run.num_media_items == sum(s.media.num_items for s in items)
+    assert run.media.sequence.tolist() == [i for i, s in enumerate(items) for _ in range(s.media.num_items)]
 
 
 def test_packed_equals_alone_with_hf_boundaries_from_positions(compact, sdpa_model):
     """Hugging Face's sdpa, given only the embeddings and the 1-D positions: it finds the
     boundaries where the positions restart."""
-    r = check_llava_packed(sdpa_model, compact.samples, pad_multiple=4, pad_id=compact.pad_id)
+    r = check_packed(sdpa_model, compact.samples, pad_multiple=4, pad_id=compact.pad_id)
     assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r
     assert r.within(TOL), r
 
 
-def _images_reversed(row: LlavaRow) -> LlavaRow:
+def _images_reversed(b: PackedBatch) -> PackedBatch:
     """The bug: the images in the wrong order (their slots unchanged)."""
-    return dataclasses.replace(row, pixel_values=row.pixel_values.flip(0))
+    return dataclasses.replace(b, media=dataclasses.replace(b.media, pixel_values=b.media.pixel_values.flip(0)))
 
 
-def _positions_not_restarted(row: LlavaRow) -> LlavaRow:
+def _positions_not_restarted(b: PackedBatch) -> PackedBatch:
     """The bug: positions of the whole row as one sequence."""
-    b = row.batch
-    return dataclasses.replace(row, batch=dataclasses.replace(b, position_ids=torch.arange(b.num_tokens)))
+    return dataclasses.replace(b, position_ids=torch.arange(b.num_tokens))
 
 
-def _label_across(row: LlavaRow) -> LlavaRow:
+def _label_across(b: PackedBatch) -> PackedBatch:
     """The bug: the last real token of the first sample is trained to predict the next sample's first token."""
-    b = row.batch
     labels = b.labels.clone()
     last = int(b.cu_seqlens[1]) - 1
     assert int(labels[last]) == IGNORE_INDEX
     labels[last] = b.input_ids[int(b.cu_seqlens_padded[1])]
-    return dataclasses.replace(row, batch=dataclasses.replace(b, labels=labels))
+    return dataclasses.replace(b, labels=labels)
 
 
 @pytest.mark.parametrize("tamper", [_images_reversed, _label_across], ids=["images-reversed", "label-across"])
 def test_negative_controls_fail(compact, model, tamper):
-    r = check_llava_packed(model, compact.samples, pad_id=compact.pad_id, tamper=tamper)
+    r = check_packed(model, compact.samples, pad_id=compact.pad_id, tamper=tamper)
     assert r.worst > BUG, r
     if tamper is _images_reversed:  # the wrong features reach the projector and the tower's gradients too
-        assert r.grads_projector > BUG and r.grads_vision > BUG, r
+        assert r.grads["projector"] > BUG and r.grads["vision"] > BUG, r
 
 
 def test_positions_not_restarted_with_cu_seqlens_fail_only_through_float32_angles(compact, model):
@@ -238,7 +236,7 @@ def test_positions_not_restarted_with_cu_seqlens_fail_only_through_float32_angle
     differences): the control fails only through the model's float32 rotary angles (observed
     2.4e-9, 24x TOL), as on Qwen2-VL. Kernels that read boundaries from positions break outright
     (the next test)."""
-    r = check_llava_packed(model, compact.samples, pad_id=compact.pad_id, tamper=_positions_not_restarted)
+    r = check_packed(model, compact.samples, pad_id=compact.pad_id, tamper=_positions_not_restarted)
     assert not r.within(TOL), r
 
 
@@ -249,7 +247,7 @@ def test_negative_controls_fail_with_hf_boundaries(compact, sdpa_model, tamper):
     """Kernels that read boundaries from positions: positions that do not restart join the
     samples into one causal sequence, and every sample after the first sees the ones before
     (the logits themselves move, not only the loss)."""
-    r = check_llava_packed(sdpa_model, compact.samples, pad_id=compact.pad_id, tamper=tamper)
+    r = check_packed(sdpa_model, compact.samples, pad_id=compact.pad_id, tamper=tamper)
     assert r.logits > BUG, r
 
 
@@ -258,9 +256,9 @@ def test_alone_is_the_models_own_forward(compact, model):
     blank images gives other logits."""
     s = compact.samples[0]
     ids = torch.from_numpy(s.input_ids)[None]
-    pv = torch.from_numpy(s.pixel_values)
+    pv = s.media.pixel_values
     with torch.no_grad():
-        lg = llava_alone_logits(model, s)
+        lg = family_for(model).alone_logits(model, s)
         assert torch.equal(model(input_ids=ids, pixel_values=pv, use_cache=False).logits[0], lg)
         blank = model(input_ids=ids, pixel_values=torch.zeros_like(pv), use_cache=False).logits[0]
     assert float((blank - lg).abs().max()) > BUG

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from sftpack import PackedBatch
 from sftpack.binpack import pack
-from sftpack.multimodal import build_multimodal_row, plan_rows
+from sftpack.multimodal import plan_rows
 
 
 def _check(rows, lengths, patches, max_seq_len, max_patches, m):
@@ -45,5 +46,5 @@ def test_planned_rows_build(vqa_samples):
     patches = [s.num_patches for s in vqa_samples]
     rows = plan_rows(lengths, patches, max_seq_len=256, max_patches=200, pad_multiple=4)
     for r in rows:
-        b = build_multimodal_row([vqa_samples[i] for i in r], pad_multiple=4, row_width=256).validate()
-        assert b.pixel_values.shape[0] <= 200
+        b = PackedBatch.from_samples([vqa_samples[i] for i in r], pad_multiple=4, row_width=256, pad_id=151643)
+        assert b.validate().media.pixel_values.shape[0] <= 200

@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from sftpack import Sample
+from sftpack.handoff.payload import PatchMedia
 from sftpack.multimodal import (
-    IMAGE_PAD,
-    QWEN2VL_SPECIALS,
     BadImageError,
-    MultimodalSample,
     MultimodalStats,
     load_image,
     tokenize_multimodal,
     tokenize_multimodal_conversations,
 )
+from sftpack.multimodal.families.qwen2_vl import IMAGE_PAD, QWEN2VL_SPECIALS
 from sftpack.sample import OverlongError
 
 
@@ -49,9 +50,10 @@ def test_placeholders_expand_as_the_processor_does(tok, proc):
     tokenizes the result (it cannot be built here without torchvision); the same on our side."""
     parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
     (s,) = tokenize_multimodal(_conv(*parts), tokenizer=tok, processor=proc, conversation_id="c")
-    grids = s.image_grid_thw.tolist()
+    assert isinstance(s, Sample) and isinstance(s.media, PatchMedia)
+    grids = s.media.grid_thw.tolist()
     n = [t * h * w // 4 for t, h, w in grids]
-    assert [r[1] for r in s.image_runs.tolist()] == n
+    assert [r[1] for r in s.media.slots.tolist()] == n
     # the processor's own count rule, from the (resized) image sizes
     assert n[0] == proc.get_number_of_image_patches(60, 100, {}) // 4
     text = (
@@ -65,9 +67,10 @@ def test_placeholders_expand_as_the_processor_does(tok, proc):
     # patches: the processor's output for these images, concatenated in order
     imgs = [load_image(p) for p in parts]
     ref = proc(images=imgs, return_tensors="np")
-    np.testing.assert_array_equal(s.pixel_values, ref["pixel_values"])
-    np.testing.assert_array_equal(s.image_grid_thw, ref["image_grid_thw"])
-    assert s.pixel_values.shape == (sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+    np.testing.assert_array_equal(s.media.pixel_values.numpy(), ref["pixel_values"])
+    np.testing.assert_array_equal(s.media.grid_thw.numpy(), ref["image_grid_thw"])
+    assert tuple(s.media.pixel_values.shape) == (sum(t * h * w for t, h, w in grids), 3 * 2 * 14 * 14)
+    assert s.num_patches == s.media.num_patches == s.media.pixel_values.shape[0]
 
 
 def test_loss_mask_is_the_assistants_answers_only(tok, vqa_samples):
@@ -78,13 +81,13 @@ def test_loss_mask_is_the_assistants_answers_only(tok, vqa_samples):
     for conv, s in zip(convs, vqa_samples):
         answers = [m["content"][0]["text"] for m in conv["messages"] if m["role"] == "assistant"]
         assert tok.decode(s.input_ids[s.loss_mask]) == "".join(a + "<|im_end|>" for a in answers)
-        assert not bool(s.loss_mask[s.input_ids == s.image_token_id].any())
+        assert not bool(s.loss_mask[s.input_ids == s.media.token_id].any())
 
 
 def test_resize_gives_images_their_own_sizes(tok, proc):
     part = {"type": "image", "bytes": _png(64, 64), "resize": [112, 56]}
     (s,) = tokenize_multimodal(_conv(part), tokenizer=tok, processor=proc)
-    assert s.image_grid_thw.tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
+    assert s.media.grid_thw.tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
 
 
 @pytest.mark.parametrize(
@@ -139,12 +142,14 @@ def test_overlong_splits_only_at_text_boundaries(tok, proc):
         assert len(pieces) > 1 and all(len(p) <= max_len for p in pieces)
         assert np.concatenate([p.input_ids for p in pieces]).tolist() == whole.input_ids.tolist()
         assert np.concatenate([p.loss_mask for p in pieces]).tolist() == whole.loss_mask.tolist()
-        assert sum(p.num_images for p in pieces) == 2
-        np.testing.assert_array_equal(np.concatenate([p.pixel_values for p in pieces]), whole.pixel_values)
+        assert sum(p.media.num_items for p in pieces) == 2
+        np.testing.assert_array_equal(
+            np.concatenate([p.media.pixel_values for p in pieces]), whole.media.pixel_values.numpy()
+        )
         for p in pieces:  # every image block whole inside its piece
             ids = p.input_ids.tolist()
-            assert ids.count(vs) == ids.count(ve) == p.num_images
-            for s, n in p.image_runs.tolist():
+            assert ids.count(vs) == ids.count(ve) == p.media.num_items
+            for s, n in p.media.slots.tolist():
                 assert ids[s - 1] == vs and ids[s + n] == ve
     assert tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="drop") == []
     with pytest.raises(OverlongError, match="image block is longer"):
@@ -168,21 +173,12 @@ def test_overlong_splits_only_at_text_boundaries(tok, proc):
 
 def test_a_sample_refuses_runs_that_do_not_match_its_tokens(vqa_samples):
     s = vqa_samples[0]
-    runs = s.image_runs.copy()
+    runs = s.media.slots.clone()
     runs[0, 1] -= 1
-    with pytest.raises(ValueError, match="image 0 run"):
-        MultimodalSample(
-            s.input_ids, s.loss_mask, "x", pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw, image_runs=runs
-        )
+    with pytest.raises(ValueError, match=r"'x': media\.slots\[0\] has"):
+        Sample(s.input_ids, s.loss_mask, "x", media=dataclasses.replace(s.media, slots=runs))
     with pytest.raises(ValueError, match="patches"):
-        MultimodalSample(
-            s.input_ids,
-            s.loss_mask,
-            "x",
-            pixel_values=s.pixel_values[1:],
-            image_grid_thw=s.image_grid_thw,
-            image_runs=s.image_runs,
-        )
+        Sample(s.input_ids, s.loss_mask, "x", media=dataclasses.replace(s.media, pixel_values=s.media.pixel_values[1:]))
 
 
 def test_ids_and_patches_equal_the_real_qwen2vl_processor(tok, proc, monkeypatch):
@@ -202,6 +198,6 @@ def test_ids_and_patches_equal_the_real_qwen2vl_processor(tok, proc, monkeypatch
     )
     enc = hf_proc(text=[text], images=[load_image(p) for p in parts], return_tensors="np")
     assert enc["input_ids"][0].tolist() == s.input_ids.tolist()
-    np.testing.assert_array_equal(enc["pixel_values"], s.pixel_values)
-    np.testing.assert_array_equal(enc["image_grid_thw"], s.image_grid_thw)
-    assert (enc["mm_token_type_ids"][0] == 1).tolist() == (s.input_ids == s.image_token_id).tolist()
+    np.testing.assert_array_equal(enc["pixel_values"], s.media.pixel_values.numpy())
+    np.testing.assert_array_equal(enc["image_grid_thw"], s.media.grid_thw.numpy())
+    assert (enc["mm_token_type_ids"][0] == 1).tolist() == (s.input_ids == s.media.token_id).tolist()

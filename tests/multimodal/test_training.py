@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import torch
 
+from sftpack import PackedBatch
 from sftpack.loss import token_mean_loss
-from sftpack.multimodal import MultimodalBatch, alone_logits, build_multimodal_row, packed_logits, plan_rows
+from sftpack.multimodal import family_for, plan_rows
 from sftpack.sample import IGNORE_INDEX
 
 TOL = 1e-10  # see the docstring
@@ -35,21 +36,22 @@ def test_packed_training_steps_equal_one_sample_at_a_time(renumbered):
     items = renumbered.samples
     rows = plan_rows([len(s) for s in items], [s.num_patches for s in items], max_seq_len=288, max_patches=400)
     assert len(rows) >= 2
-    run = MultimodalBatch.concat(
-        [build_multimodal_row([items[i] for i in r], row_width=288, pad_id=renumbered.pad_id) for r in rows]
+    run = PackedBatch.concat(
+        [PackedBatch.from_samples([items[i] for i in r], row_width=288, pad_id=renumbered.pad_id) for r in rows]
     ).validate()
     n = int((run.labels != IGNORE_INDEX).sum())
     packed_model, alone_model = renumbered.model(seed=1), renumbered.model(seed=1)
+    family = family_for(packed_model)
     opt_p = torch.optim.SGD(packed_model.parameters(), lr=LR)
     opt_a = torch.optim.SGD(alone_model.parameters(), lr=LR)
     losses_p, losses_a = [], []
     for _ in range(STEPS):
         opt_p.zero_grad()
-        loss_p = token_mean_loss(packed_logits(packed_model, run, pad_between_seqs=True), run.labels, n)
+        loss_p = token_mean_loss(family.packed_logits(packed_model, run, pad_between_seqs=True), run.labels, n)
         loss_p.backward()
         opt_p.step()
         opt_a.zero_grad()
-        loss_a = sum(token_mean_loss(alone_logits(alone_model, s), _labels(s), n) for s in items)
+        loss_a = sum(token_mean_loss(family.alone_logits(alone_model, s), _labels(s), n) for s in items)
         loss_a.backward()
         opt_a.step()
         losses_p.append(loss_p.item())

@@ -13,7 +13,8 @@ Private modules, one concept each:
 
 * ``_options``: the choices (``StrEnum``), validated up front.
 * ``_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
-  ``conversations``) and its checks; :class:`BadRowError`.
+  ``conversations``; a content a string or a list of text / image parts) and its
+  checks; :class:`BadRowError`.
 * ``_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
   Face datasets (folders searched recursively) with bounded memory; every bad row
   is either an exception naming file, line and fix, or a count under its reason

@@ -42,7 +42,9 @@ class BadRowReason(_StrEnum):
     EMPTY_MESSAGES = "empty_messages"  #: the message list is empty
     MALFORMED_MESSAGE = "malformed_message"  #: not a list of objects with a role and a content
     UNKNOWN_ROLE = "unknown_role"  #: a role outside system/user/assistant/tool (after ``role_map``)
-    NON_STRING_CONTENT = "non_string_content"  #: a content that is null, a list, a number...
+    #: a content that is null, a number, an object, an empty list (the reader takes a list of content
+    #: parts; the text tokenizer only strings), or a text part whose ``text`` is not a string
+    NON_STRING_CONTENT = "non_string_content"
     EMPTY_CONTENT = "empty_content"  #: a content that is empty or only whitespace
     INVALID_TEXT = "invalid_text"  #: a content holding a lone surrogate (``"\\ud800"``): no tokenizer encodes it
     NO_ASSISTANT_TURN = "no_assistant_turn"  #: nothing to train on

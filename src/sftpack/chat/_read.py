@@ -1,6 +1,6 @@
 """Reading conversations from files, streaming, with every rejected row and file accounted for.
 
-(About 590 lines, on purpose: one reader whose three formats share one set of
+(About 620 lines, on purpose: one reader whose three formats share one set of
 accounting steps, ``_drop`` / ``_skip_file`` / ``_lose_tail``, which keep
 ``read == kept + sum(dropped)`` true at every moment; split per format, each
 piece would need the reader's counters handed around. Finding the files is
@@ -27,6 +27,15 @@ and a hidden entry (``.git``, ``.DS_Store``) under ``"hidden"``, each listed in
 Which files a path, folder or glob names, and of which kind, is ``_find``'s
 part. A row holds either OpenAI-style ``messages`` or ShareGPT
 ``conversations``; its checks live in ``_rows``.
+
+Contents may be lists of ``{"type": "text"}`` / ``{"type": "image"}`` parts
+(``_rows`` has the rules): a conversation of text parts only reads as text (each
+content joined into one string); one with images keeps its parts, each image's
+``path`` made absolute against the data file's folder (a saved dataset's folder;
+the working folder for a ``datasets`` object), an ``images`` column handed to the
+source-less image parts in order, and ``stats.images`` counting the image parts
+kept. Such a conversation is left unchecked for the text tokenizer (which refuses
+image parts); the multimodal tokenizer takes it.
 
 Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
@@ -71,7 +80,7 @@ from .._base import positive_int
 from ..sample import Conversation
 from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
-from ._rows import ROLES, BadRowError, _Bad, _messages
+from ._rows import ROLES, BadRowError, _Bad, _read_row
 
 __all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
 
@@ -110,6 +119,7 @@ class ReadStats:
         read: rows seen (blank JSONL lines are not rows; the damaged tail of a
             file counts as its rows where known, else as one).
         kept: rows yielded as conversations.
+        images: image content parts in the kept rows (0 for text data).
         dropped: reason (a :class:`BadRowReason` value) -> rows left out for it.
         files_read: files (and datasets) opened and read, wholly or up to damage.
         files_skipped: reason (a :class:`FileSkipReason` value) -> files not read.
@@ -120,6 +130,7 @@ class ReadStats:
     read: int = 0
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
+    images: int = 0
     files_read: int = 0
     files_skipped: dict[str, int] = field(default_factory=dict)
     file_problems: list[FileProblem] = field(default_factory=list)
@@ -131,20 +142,25 @@ class ReadStats:
 
     def __repr__(self) -> str:  # the file fields only when a file was skipped or damaged
         text = f"ReadStats(read={self.read}, kept={self.kept}, dropped={self.dropped}"
+        if self.images:
+            text += f", images={self.images}"
         if self.files_skipped or self.file_problems:
             text += f", files_read={self.files_read}, files_skipped={self.files_skipped}"
             text += f", file_problems=[{len(self.file_problems)} files]"
         return text + ")"
 
     def __getitem__(self, key: str) -> Any:
-        if key in ("read", "kept", "dropped", "files_read", "files_skipped", "file_problems"):
+        if key in ("read", "kept", "dropped", "images", "files_read", "files_skipped", "file_problems"):
             return getattr(self, key)
         raise KeyError(key)
 
     def as_dict(self, *, files: bool = False) -> dict[str, Any]:
-        """``read``, ``kept`` and ``dropped`` (JSON-ready); with ``files=True`` also
-        ``files_read``, ``files_skipped`` and ``file_problems`` (a list of dicts)."""
+        """``read``, ``kept`` and ``dropped`` (JSON-ready), and ``images`` where an image part
+        was kept; with ``files=True`` also ``files_read``, ``files_skipped`` and
+        ``file_problems`` (a list of dicts)."""
         out: dict[str, Any] = {"read": self.read, "kept": self.kept, "dropped": dict(self.dropped)}
+        if self.images:
+            out["images"] = self.images
         if files:
             out["files_read"] = self.files_read
             out["files_skipped"] = dict(self.files_skipped)
@@ -152,7 +168,7 @@ class ReadStats:
         return out
 
     def _reset(self) -> None:
-        self.read = self.kept = self.files_read = 0
+        self.read = self.kept = self.images = self.files_read = 0
         self.dropped.clear()
         self.files_skipped.clear()
         self.file_problems.clear()
@@ -278,10 +294,11 @@ class ConversationReader:
         if self.on_bad_row is OnBadRow.ERROR:
             raise BadRowError(src.name, location, bad.reason, bad.detail, bad.fix)
 
-    def _row(self, src: _Source, cid: str, location: str, row: Any) -> Conversation | None:
+    def _row(self, src: _Source, cid: str, location: str, row: Any, base: Path) -> Conversation | None:
+        """One row: a conversation, or counted (raised) as bad. ``base``: the folder image paths are relative to."""
         self.stats.read += 1
         try:
-            messages = _messages(row, self.role_map)
+            messages, images = _read_row(row, self.role_map, base=base)
         except _Bad as bad:
             self._drop(src, location, bad)
             return None
@@ -297,7 +314,9 @@ class ConversationReader:
             )
             return None
         self.stats.kept += 1
-        return Conversation(cid, messages, checked=True)
+        self.stats.images += images
+        # with images, the text tokenizer's checks must run (and refuse it); the multimodal one takes it
+        return Conversation(cid, messages, checked=not images)
 
     def _skip_file(self, src: _Source, reason: FileSkipReason, detail: str, fix: str) -> None:
         self.stats._skip_file(FileProblem(src.name, reason.value, detail))
@@ -340,7 +359,7 @@ class ConversationReader:
         self._last_line = 0
         try:
             with opener(path, "rb") as f:
-                yield from self._jsonl_rows(src, f)
+                yield from self._jsonl_rows(src, f, path.resolve().parent)
         except _NotJsonl as e:
             self.stats.files_read -= 1
             self._skip_file(src, e.reason, e.detail, e.fix)
@@ -351,7 +370,7 @@ class ConversationReader:
                 return
             self._lose_tail(src, f"line {self._last_line}", e, 1)
 
-    def _jsonl_rows(self, src: _Source, f: Any) -> Iterator[Conversation]:
+    def _jsonl_rows(self, src: _Source, f: Any, base: Path) -> Iterator[Conversation]:
         self._last_line = 0
         lines = enumerate(f, 1)
         pending: list[tuple[int, bytes]] = []  # a line read ahead to tell a document from a bad first row
@@ -402,7 +421,7 @@ class ConversationReader:
             if first and isinstance(row, list) and row and isinstance(row[0], dict):
                 raise _document(src.name, f"array of objects ({len(row)}) on one line", True)
             first = False
-            conv = self._row(src, f"{src.name}:{lineno}", location, row)
+            conv = self._row(src, f"{src.name}:{lineno}", location, row, base)
             if conv is not None:
                 yield conv
 
@@ -434,6 +453,8 @@ class ConversationReader:
         if not columns:
             yield from self._missing_column(src, num_rows, sorted(names))
             return
+        columns += ["images"] if "images" in names else []
+        base = Path(src.target).resolve().parent
         index = 0
         batches = pf.iter_batches(batch_size=self.batch_size, columns=columns)
         while True:
@@ -447,7 +468,7 @@ class ConversationReader:
             if batch is None:
                 return
             for row in rows:
-                conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row)
+                conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row, base)
                 index += 1
                 if conv is not None:
                     yield conv
@@ -456,9 +477,11 @@ class ConversationReader:
 
     def _read_dataset(self, src: _Source) -> Iterator[Conversation]:
         target = src.target
+        base = Path.cwd()  # a datasets object's image paths: relative to the working folder
         if isinstance(target, tuple):
             datasets = _optional.datasets()
             path, split = target
+            base = Path(path).resolve()
             try:
                 loaded = datasets.load_from_disk(str(path))
             except (OSError, ValueError, EOFError) as e:
@@ -474,7 +497,7 @@ class ConversationReader:
         index = 0
         if not hasattr(target, "__len__"):  # an IterableDataset: its columns may be unknown, check each row
             for row in target:
-                conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row)
+                conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row, base)
                 index += 1
                 if conv is not None:
                     yield conv
@@ -484,12 +507,14 @@ class ConversationReader:
         if not columns:
             yield from self._missing_column(src, len(target), names)
             return
-        # map-style: columnar batches of only the needed columns from the memory-mapped Arrow table
-        batches: Iterable[dict[str, list[Any]]] = target.select_columns(columns).iter(batch_size=self.batch_size)
+        columns += ["images"] if "images" in names else []
+        # map-style: Arrow batches of only the needed columns from the memory-mapped table (not
+        # decoded rows: an Image feature stays its {"bytes", "path"} struct)
+        batches: Iterable[Any] = target.select_columns(columns).with_format("arrow").iter(batch_size=self.batch_size)
         for batch in batches:
-            rows = [dict(zip(columns, vals)) for vals in zip(*(batch[c] for c in columns))]
+            rows = batch.to_pylist()
             for row in rows:
-                conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row)
+                conv = self._row(src, f"{src.name}[{index}]", f"row {index}", row, base)
                 index += 1
                 if conv is not None:
                     yield conv

@@ -10,16 +10,33 @@ check (a role that is a list or an object is a bad row, not a ``TypeError``), so
 nothing but a :class:`BadRowError` (or a count) ever comes out of a row. Each message error states what is wrong
 *and* the fix, because a user reading ``line 48113: ...`` should not need the
 source code to repair the file.
+
+Content parts (the reader's rows only, which know the data file's folder): a
+content may also be a list of ``{"type": "text", "text": ...}`` and
+``{"type": "image", ...}`` parts (Hugging Face's multimodal chat format). A
+conversation without an image part is text: each list of text parts is joined
+into one string (no separator), so it reads exactly as the same text written as
+strings. A conversation with an image part keeps every content as a list of parts
+(a string becomes one text part), each image part's source resolved: ``path`` (or
+``image``) as a path relative to the data file's folder (made absolute), ``bytes``,
+a Hugging Face ``{"bytes", "path"}`` image struct or a PIL image kept as given; a URL
+is a malformed row (nothing is downloaded); an image part without a source takes
+the next entry of the row's ``images`` list, which must hold exactly one entry per
+such part; an image in an assistant turn is a malformed row. Images are not opened
+here (that is the multimodal tokenizer's work).
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from ._options import BadRowReason
 
-__all__ = ["ROLES", "SHAREGPT_ROLES", "BadRowError", "validate_messages"]
+__all__ = ["ROLES", "SHAREGPT_ROLES", "BadRowError", "is_url", "validate_messages"]
 
 #: Roles a message may have once read (after ``role_map`` / the ShareGPT mapping).
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -39,6 +56,19 @@ SHAREGPT_ROLES: Mapping[str, str] = {
     "function": "tool",
     "observation": "tool",
 }
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+_SOURCES = ("path", "image", "bytes")  # the keys an image part names its image by
+
+
+def is_url(text: str) -> bool:
+    """Whether ``text`` is a URL (``scheme://...``: ``http``, ``ftp``, ``s3``, ``file``, ...), not a path.
+
+    >>> is_url("https://x/y.png"), is_url("imgs/y.png")
+    (True, False)
+    """
+    return _URL.match(text) is not None
+
 
 _SKIP_HINT = "or pass on_bad_row='skip' to leave such rows out (each counted in stats.dropped)"
 
@@ -109,6 +139,18 @@ def validate_messages(row: Any, role_map: Mapping[str, str] | None = None) -> li
 
 
 def _messages(row: Any, role_map: Mapping[str, str] | None, allow_list: bool = False) -> list[dict[str, Any]]:
+    """The row's checked messages, each content a string (the tokenizer's checks; see :func:`_read_row`)."""
+    return _read_row(row, role_map, allow_list)[0]
+
+
+def _read_row(
+    row: Any, role_map: Mapping[str, str] | None, allow_list: bool = False, base: Path | None = None
+) -> tuple[list[dict[str, Any]], int]:
+    """The row's checked messages and its number of image parts; raises :class:`_Bad`.
+
+    ``base`` (the reader's: the data file's folder) accepts content parts, image paths
+    relative to it; without it (the tokenizer's checks) a content must be a string.
+    """
     sharegpt = False
     if allow_list and isinstance(row, list):
         msgs: Any = row
@@ -145,7 +187,10 @@ def _messages(row: Any, role_map: Mapping[str, str] | None, allow_list: bool = F
             f"'{field_name}' is empty",
             "remove the row, or give it at least a user and an assistant message",
         )
+    pool = _images_column(row) if base is not None and isinstance(row, dict) else None
     out: list[dict[str, Any]] = []
+    parts_of: list[list[dict[str, Any]] | None] = []  # each message's parts, where it gave a list
+    images = 0
     has_assistant = False
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -187,34 +232,193 @@ def _messages(row: Any, role_map: Mapping[str, str] | None, allow_list: bool = F
                 f"message {i} has role {_short(raw_role)}, which is not one of {known}",
                 f"map it with role_map={{{raw_role!r}: 'assistant'}} (or 'user', ...)",
             )
-        if not isinstance(content, str):
+        parts: list[dict[str, Any]] | None = None
+        n_images = 0
+        if isinstance(content, list) and content and base is not None:
+            parts, n_images = _parts(content, f"{field_name}[{i}].{ck}", role, base, pool)
+            if not n_images:  # text only: one string, as if it had been written as one
+                content = "".join(p["text"] for p in parts)
+        elif isinstance(content, list) and base is None and any(_is_image_part(p) for p in content):
+            raise _Bad(
+                BadRowReason.NON_STRING_CONTENT,
+                f"message {i} ({role}) holds image parts: this is the text path, which reads text only",
+                "tokenize conversations with images with sftpack.multimodal.tokenize_multimodal_conversations",
+            )
+        if n_images:
+            for j, p in enumerate(parts or ()):
+                if p["type"] == "text" and not _is_text(p["text"]):
+                    raise _Bad(
+                        BadRowReason.INVALID_TEXT,
+                        f"{field_name}[{i}].{ck}[{j}].text holds a lone surrogate (an unpaired \\ud800-\\udfff "
+                        "escape), not text",
+                        "fix the escape (a character outside the BMP is a surrogate *pair*) or remove the row",
+                    )
+        elif not isinstance(content, str):
+            if isinstance(content, list) and not content and base is not None:
+                raise _Bad(
+                    BadRowReason.NON_STRING_CONTENT,
+                    f"message {i} ({role}) has an empty list content, expected a string or a list of parts",
+                    'give a string or a non-empty list of {"type": "text"|"image", ...} parts',
+                )
             raise _Bad(
                 BadRowReason.NON_STRING_CONTENT,
                 f"message {i} ({role}) has a {_type_name(content)} content, expected a string",
                 "flatten the content to one string (e.g. join the text parts)",
             )
-        if not content.strip():
+        elif not content.strip():
             raise _Bad(
                 BadRowReason.EMPTY_CONTENT,
                 f"message {i} ({role}) has an empty content",
                 "remove the empty message or the row",
             )
-        if not _is_text(content):
+        elif not _is_text(content):
             raise _Bad(
                 BadRowReason.INVALID_TEXT,
                 f"message {i} ({role}) holds a lone surrogate (an unpaired \\ud800-\\udfff escape), not text",
                 "fix the escape (a character outside the BMP is a surrogate *pair*) or remove the row",
             )
+        images += n_images
         has_assistant = has_assistant or role == "assistant"
+        parts_of.append(parts)
         if sharegpt or rk != "role" or ck != "content":
             extra = {k: v for k, v in m.items() if k not in (rk, ck) and v is not None}
             out.append({"role": role, "content": content, **extra})
         else:
-            out.append({k: v for k, v in m.items() if v is not None} | {"role": role})
+            out.append({k: v for k, v in m.items() if v is not None} | {"role": role, "content": content})
     if not has_assistant:
         raise _Bad(
             BadRowReason.NO_ASSISTANT_TURN,
             f"none of the {len(out)} messages is from the assistant: nothing to train on",
             "remove the row, or add the assistant's answer",
         )
-    return out
+    if pool is not None and pool.used != len(pool.values):
+        raise _Bad(
+            BadRowReason.MALFORMED_MESSAGE,
+            f"'images' has {len(pool.values)} entries but {pool.used} image parts without a source take from it",
+            "give 'images' exactly one entry per image part without a path",
+        )
+    if images:  # a conversation with images: every content a list of parts
+        for msg, parts in zip(out, parts_of):
+            msg["content"] = parts if parts is not None else [{"type": "text", "text": msg["content"]}]
+    return out, images
+
+
+# ---------------------------------------------------------------------------- content parts
+
+
+def _is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "image"
+
+
+def _is_pil(value: Any) -> bool:
+    return type(value).__module__.startswith("PIL.") and hasattr(value, "convert")
+
+
+class _Images:
+    """A row's ``images`` list, handed out to its source-less image parts in order."""
+
+    def __init__(self, values: list[Any]):
+        self.values, self.used = values, 0
+
+    def take(self, where: str, base: Path) -> dict[str, Any]:
+        if self.used >= len(self.values):
+            raise _Bad(
+                BadRowReason.MALFORMED_MESSAGE,
+                f"{where}: image part {self.used + 1} without a source, but 'images' has {len(self.values)}",
+                "give 'images' one entry per image part without a path",
+            )
+        value = self.values[self.used]
+        self.used += 1
+        return _source(value, "image", f"images[{self.used - 1}]", base)
+
+
+def _images_column(row: dict[str, Any]) -> _Images | None:
+    column = row.get("images")
+    if column is None:
+        return None
+    if not isinstance(column, list):
+        raise _Bad(
+            BadRowReason.MALFORMED_MESSAGE,
+            f"'images': a {type(column).__name__}, not a list",
+            "give 'images' as a list of paths or image bytes",
+        )
+    return _Images(column)
+
+
+def _parts(
+    content: list[Any], where: str, role: str, base: Path, pool: _Images | None
+) -> tuple[list[dict[str, Any]], int]:
+    """A content's parts, checked, image sources resolved, and how many are images."""
+    parts: list[dict[str, Any]] = []
+    images = 0
+    for j, p in enumerate(content):
+        part, is_image = _part(p, f"{where}[{j}]", base, pool)
+        if is_image and role == "assistant":
+            raise _Bad(
+                BadRowReason.MALFORMED_MESSAGE,
+                f"{where}[{j}]: an image in an assistant turn",
+                "move it to a user turn",
+            )
+        images += is_image
+        parts.append(part)
+    return parts, images
+
+
+def _part(part: Any, where: str, base: Path, pool: _Images | None) -> tuple[dict[str, Any], bool]:
+    """One content part, its image source resolved; returns (part, is_image). Keys holding
+    None (a struct column's absent fields in Parquet / Arrow) are dropped; an image part
+    with no source takes the next entry of the row's ``images`` list, if it has one."""
+    if isinstance(part, dict):
+        part = {k: v for k, v in part.items() if v is not None}
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+        raise _Bad(
+            BadRowReason.MALFORMED_MESSAGE,
+            f"{where}: {str(part)[:60]!r} is not a text or image part",
+            'write parts as {"type": "text", "text": ...} or {"type": "image", "path": ...}',
+        )
+    if part["type"] == "text":
+        if not isinstance(part.get("text"), str):
+            raise _Bad(BadRowReason.NON_STRING_CONTENT, f"{where}.text: not a string", "give it a string")
+        return part, False
+    src = next((k for k in _SOURCES if k in part), None)
+    out = {k: v for k, v in part.items() if k not in _SOURCES}
+    if src is None:
+        if pool is None:
+            raise _Bad(
+                BadRowReason.MALFORMED_MESSAGE,
+                f"{where}: an image part with no path",
+                'give it "path": "<file relative to the data file>", or give the row an \'images\' list',
+            )
+        out.update(pool.take(where, base))
+        return out, True
+    if src == "bytes" and not isinstance(part[src], (bytes, bytearray, memoryview)):
+        out["bytes"] = part[src]  # left to the image loader, which names it (BadImageError)
+        return out, True
+    out.update(_source(part[src], src, where, base))
+    return out, True
+
+
+def _source(value: Any, key: str, where: str, base: Path) -> dict[str, Any]:
+    """An image value (a path string, bytes, a ``{"bytes", "path"}`` struct as Hugging Face
+    stores an ``Image`` feature, or a PIL image) as the source keys of a part."""
+    if isinstance(value, dict) and ("bytes" in value or "path" in value):  # an Arrow Image struct
+        if value.get("bytes") is not None:
+            return {"bytes": value["bytes"]}
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return {"bytes": bytes(value)}
+    if _is_pil(value):
+        return {"image": value}
+    if isinstance(value, str) and value:
+        if is_url(value):
+            raise _Bad(
+                BadRowReason.MALFORMED_MESSAGE,
+                f"{where}.{key}: a URL {value[:60]!r}",
+                "download the image and give its path",
+            )
+        return {"path": os.fspath(Path(value) if os.path.isabs(value) else base / value)}
+    raise _Bad(
+        BadRowReason.MALFORMED_MESSAGE,
+        f"{where}.{key}: a {type(value).__name__}, not a path string or image bytes",
+        "give the image as a path string (or bytes)",
+    )

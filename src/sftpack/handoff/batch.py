@@ -33,7 +33,7 @@ import torch
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from .errors import PackedBatchError
 from .layout import RowArrays, lay_row
-from .media import concat_media, validate_media
+from .payload import Media
 from .slots import real_token_mask
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported lazily
@@ -90,26 +90,11 @@ class PackedBatch:
             :func:`sftpack.trainer.pack_step`, read by :func:`unpack_padded`).
         source_batch_size: optional ``B`` of that padded batch.
 
-    Media (rows with images, :mod:`sftpack.multimodal`; all ``None`` on a text row, and
-    then nothing below applies). ``I`` images, ``P`` vision patches, ``F`` frames:
-
-        mrope_position_ids: ``(3, T)`` int64; each sequence's own multimodal (Qwen2-VL
-            MRoPE: temporal, height, width) positions at its segment, starting at 0;
-            a segment's padding continues from its largest position.
-        pixel_values: ``(P, D)`` float32 (or float16 / bfloat16), finite; every image's patches, in
-            row order; ``D = 3 * t * p**2`` (1176 on Qwen2-VL). On a row
-            without the patch fields below (LLaVA-style: ``mrope_position_ids``,
-            ``image_grid_thw``, ``vision_cu_seqlens``, ``spatial_merge_size`` all ``None``, the
-            positions 1-D) ``(I, C, H, W)``: one fixed-size pixel tensor per image, every
-            image's run of ``image_token_id`` one length.
-        image_grid_thw: ``(I, 3)`` int64; each image's ``(t, h, w)`` patch grid.
-        vision_cu_seqlens: ``(F+1,)`` int32; the vision tower's boundaries, one segment
-            per frame (``cumsum`` of ``h * w`` repeated ``t`` times).
-        image_slots: ``(I, 2)`` int64; each image's placeholder run ``(start slot,
-            length)``, ``length = t * h * w / spatial_merge_size**2``.
-        image_sequence: ``(I,)`` int64; the segment each image belongs to.
-        image_token_id: the placeholder token id (every placeholder slot is in a run).
-        spatial_merge_size: the vision tower's merge window side (2 on Qwen2-VL).
+        media: optional :class:`~sftpack.handoff.payload.Media`: the row's images (their
+            pixels, each one's placeholder run and segment, and, for models with their own
+            positions, the multimodal positions); ``None`` on a text row. It validates itself
+            against the row, concatenates in row order, moves with the row and adds its part
+            to :meth:`to_hf_kwargs`. :meth:`from_samples` lays the samples' ``media``.
 
     A batch of several rows is one ``PackedBatch`` whose flat run is the rows laid
     end to end (THD has no row axis): see :meth:`concat`.
@@ -131,14 +116,7 @@ class PackedBatch:
     sequence_ids: tuple | None = None
     source_rows: tuple | None = None
     source_batch_size: int | None = None
-    mrope_position_ids: torch.Tensor | None = None
-    pixel_values: torch.Tensor | None = None
-    image_grid_thw: torch.Tensor | None = None
-    vision_cu_seqlens: torch.Tensor | None = None
-    image_slots: torch.Tensor | None = None
-    image_sequence: torch.Tensor | None = None
-    image_token_id: int | None = None
-    spatial_merge_size: int | None = None
+    media: Media | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -182,13 +160,13 @@ class PackedBatch:
 
     @property
     def has_media(self) -> bool:
-        """True when the row carries media fields (a row built with images, possibly none)."""
-        return self.image_slots is not None
+        """True when the row carries media (a row built from samples with media, possibly no items)."""
+        return self.media is not None
 
     @property
-    def num_images(self) -> int:
-        """``I``: images in the row (0 on a text row)."""
-        return 0 if self.image_slots is None else int(self.image_slots.shape[0])
+    def num_media_items(self) -> int:
+        """Media items (images) in the row (0 on a text row)."""
+        return 0 if self.media is None else self.media.num_items
 
     @property
     def device(self) -> torch.device:
@@ -202,7 +180,7 @@ class PackedBatch:
             f"PackedBatch(T={self.num_tokens}, N={self.num_sequences}, "
             f"cu_seqlens={self.cu_seqlens.tolist()}, cu_seqlens_padded={self.cu_seqlens_padded.tolist()}, "
             f"max_seqlen={self.max_seqlen}, "
-            + (f"images={self.num_images}, " if self.has_media else "")
+            + (f"media_items={self.num_media_items}, " if self.media is not None else "")
             + f"device={self.device})"
         )
 
@@ -334,7 +312,8 @@ class PackedBatch:
                 f"PackedBatch.labels[{slot}] = {int(lab_h[slot])} but the next token input_ids[{slot + 1}] is "
                 f"{int(nxt[slot])}; a label is the next token of its sequence (shifted) or {IGNORE_INDEX}"
             )
-        validate_media(self, cu_h, cup_h)
+        if self.media is not None:
+            self.media.check(ids, cu_h, cup_h)
         return self
 
     # ----------------------------------------------------------- construction
@@ -379,7 +358,20 @@ class PackedBatch:
             pad_id=pad_id,
             sequence_ids=ids,
         )
-        return cls.from_row(row, sequence_ids=ids, device=device)
+        batch = cls.from_row(row, sequence_ids=ids)
+        if any(s.media is not None for s in items):
+            cup = row.cu_seqlens_padded.tolist()
+            first = next(s.media for s in items if s.media is not None)
+            if pad_id == first.token_id:
+                raise PackedBatchError(f"pad_id {pad_id} is the media placeholder id; pad with another token")
+            batch.media = type(first).lay(
+                [s.media for s in items],
+                lengths=[len(s) for s in items],
+                offsets=cup[:-1],
+                widths=[b - a for a, b in zip(cup[:-1], cup[1:])],
+                segments=[1] * len(items),
+            )
+        return batch.to(device) if device is not None else batch
 
     @classmethod
     def from_row(
@@ -439,25 +431,29 @@ class PackedBatch:
             cu_seqlens_padded=torch.cat(cup_parts),
             max_seqlen=max(int(b.max_seqlen) for b in batches),
             sequence_ids=ids,
-            **concat_media(batches),
+            media=_concat_media(batches),
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        """A copy with every tensor on ``device``."""
-        moved = {
+        """A copy with every tensor (the media's too) on ``device``."""
+        moved: dict[str, Any] = {
             f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.media is not None:
+            moved["media"] = self.media.to(device, non_blocking=non_blocking)
         return replace(self, **moved)
 
     def pin_memory(self) -> PackedBatch:
         """Pinned host copies (DataLoader ``pin_memory=True`` calls this)."""
-        pinned = {
+        pinned: dict[str, Any] = {
             f.name: getattr(self, f.name).pin_memory()
             for f in fields(self)
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
+        if self.media is not None:
+            pinned["media"] = self.media.pin_memory()
         return replace(self, **pinned)
 
     # --------------------------------------------------------------- adapters
@@ -492,11 +488,11 @@ class PackedBatch:
         included. ``cu_seq_lens_q/k`` (physical offsets: padding is part of each
         segment) and ``max_length_q/k`` feed flash-attention kernels.
 
-        A row with media (Qwen2-VL) gets ``position_ids`` of shape ``(4, 1, T)``: the
-        text positions (restarting per sequence) on top of the three MRoPE rows,
-        Qwen2-VL's packed form, plus ``pixel_values`` and ``image_grid_thw`` when it
-        holds images: ``Qwen2VLForConditionalGeneration(**kw)`` then runs its own vision
-        tower, and each sample's logits equal it run alone (tested; the
+        A row with media adds its part (:meth:`~sftpack.handoff.payload.Media.hf_kwargs`): the
+        pixel inputs, and for a model with multimodal positions (Qwen2-VL) ``position_ids`` of
+        shape ``(4, 1, T)``, the text positions (restarting per sequence) on top of the three
+        MRoPE rows, Qwen2-VL's packed form. ``Qwen2VLForConditionalGeneration(**kw)`` then runs
+        its own vision tower, and each sample's logits equal it run alone (tested; the
         ``use_cache=False`` matters: with a cache Hugging Face ignores the restarts).
 
         >>> from sftpack.testing import samples_from_lengths
@@ -514,13 +510,8 @@ class PackedBatch:
             "max_length_k": int(self.max_seqlen),
             "use_cache": False,
         }
-        if self.mrope_position_ids is not None:
-            kw["position_ids"] = torch.cat([self.position_ids[None], self.mrope_position_ids]).unsqueeze(1)
-            if self.num_images:
-                kw["pixel_values"] = self.pixel_values
-                kw["image_grid_thw"] = self.image_grid_thw
-        elif self.num_images:  # LLaVA-style: 1-D positions; the model scatters the features in row order
-            kw["pixel_values"] = self.pixel_values
+        if self.media is not None:
+            kw.update(self.media.hf_kwargs(self.position_ids))
         return kw
 
     def flash_attn_kwargs(self) -> dict[str, Any]:
@@ -536,3 +527,26 @@ class PackedBatch:
             "max_seqlen_q": int(self.max_seqlen),
             "max_seqlen_k": int(self.max_seqlen),
         }
+
+
+def _concat_media(batches: Sequence[PackedBatch]) -> Media | None:
+    """The rows' media laid end to end (``None`` when no row has any)."""
+    with_media = [b.media is not None for b in batches]
+    if not any(with_media):
+        return None
+    if not all(with_media):
+        raise PackedBatchError(
+            f"PackedBatch.concat: row {with_media.index(False)} has no media but row {with_media.index(True)} has; "
+            "build every row of a batch with media from samples that carry media (a row without images then "
+            "carries empty media)"
+        )
+    first = batches[0].media
+    assert first is not None
+    sizes = [b.num_tokens for b in batches]
+    return type(first).lay(
+        [b.media for b in batches],
+        lengths=sizes,
+        offsets=np.concatenate([[0], np.cumsum(sizes)[:-1]]).tolist(),
+        widths=sizes,
+        segments=[b.num_sequences for b in batches],
+    )

@@ -17,30 +17,32 @@ import torch
 
 from ..handoff import PackedBatch
 from ..loss import token_mean_loss
-from ..sample import IGNORE_INDEX
-from ._model import alone_logits, packed_logits
-from ._row import build_multimodal_row
-from ._sample import MultimodalSample
+from ..sample import IGNORE_INDEX, Sample
+from ._family import family_for
 
 __all__ = ["PackedCheck", "check_packed"]
 
 
 @dataclass(frozen=True)
 class PackedCheck:
-    """Largest absolute differences, packed vs alone."""
+    """Largest absolute differences, packed vs alone; ``grads`` by part of the model (the
+    family's ``part_of``: ``"language"``, ``"vision"``, and LLaVA's ``"projector"``)."""
 
     logits: float
     loss: float
-    grads_language: float
-    grads_vision: float
+    grads: dict[str, float]
     max_abs_logit: float  #: the largest logit magnitude (a premise of the tolerance)
     max_abs_grad: float  #: the largest gradient entry (the other premise)
 
+    @property
+    def worst(self) -> float:
+        return max(self.logits, self.loss, *self.grads.values())
+
     def within(self, tol: float) -> bool:
-        return max(self.logits, self.loss, self.grads_language, self.grads_vision) <= tol
+        return self.worst <= tol
 
 
-def _shifted(sample: MultimodalSample) -> torch.Tensor:
+def _shifted(sample: Sample) -> torch.Tensor:
     ids = torch.from_numpy(sample.input_ids)
     mask = torch.from_numpy(sample.loss_mask)
     lab = torch.full_like(ids, IGNORE_INDEX)
@@ -109,7 +111,7 @@ def compare_packed_alone(
 
 def check_packed(
     model: Any,
-    samples: Sequence[MultimodalSample],
+    samples: Sequence[Sample],
     *,
     pad_between_seqs: bool = True,
     pad_multiple: int = 1,
@@ -118,15 +120,19 @@ def check_packed(
     rows: int = 1,
     tamper: Callable[[PackedBatch], PackedBatch] | None = None,
 ) -> PackedCheck:
-    """Compare a packed row of ``samples`` with each sample alone.
+    """Compare a packed row of ``samples`` (with media) with each sample alone, through
+    ``model``'s family (:func:`~sftpack.multimodal.family_for` of the model): logits of every
+    real token, the token-mean loss (:func:`sftpack.loss.token_mean_loss`, one shared count of
+    targets) and every gradient, grouped by the family's parts.
 
     ``rows``: cut the samples into this many consecutive rows (each ``row_width`` wide)
     and run them as one flat run (:meth:`PackedBatch.concat`). ``tamper`` (negative
     controls) edits the run before it runs: the check must then fail.
     """
+    family = family_for(model)
     k = -(-len(samples) // rows)
     parts = [samples[i : i + k] for i in range(0, len(samples), k)]
-    built = [build_multimodal_row(p, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id) for p in parts]
+    built = [PackedBatch.from_samples(p, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id) for p in parts]
     batch = PackedBatch.concat(built).validate()
     if tamper is not None:
         batch = tamper(batch)
@@ -134,15 +140,8 @@ def check_packed(
         model,
         samples,
         batch,
-        alone=alone_logits,
-        packed=lambda: packed_logits(model, batch, pad_between_seqs=pad_between_seqs),
-        part_of=lambda name: "vision" if ".visual." in f".{name}" else "language",
+        alone=family.alone_logits,
+        packed=lambda: family.packed_logits(model, batch, pad_between_seqs=pad_between_seqs),
+        part_of=family.part_of,
     )
-    return PackedCheck(
-        logits=logits,
-        loss=loss,
-        grads_language=by_part.get("language", 0.0),
-        grads_vision=by_part.get("vision", 0.0),
-        max_abs_logit=max_logit,
-        max_abs_grad=max_grad,
-    )
+    return PackedCheck(logits=logits, loss=loss, grads=by_part, max_abs_logit=max_logit, max_abs_grad=max_grad)

@@ -31,7 +31,6 @@ from __future__ import annotations
 import io
 import numbers
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,6 +40,7 @@ import numpy as np
 
 from .. import _optional
 from .._base import StrEnum
+from ..chat._rows import is_url  # its home is the reader's row checks; public here too
 
 __all__ = [
     "MAX_ASPECT_RATIO",
@@ -68,12 +68,6 @@ MAX_IMAGE_BYTES = 256 << 20
 MAX_ASPECT_RATIO = 200
 
 _Bad = Callable[..., NoReturn]  # raises the BadImageError of a reason and a detail (and a field)
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-
-
-def is_url(text: str) -> bool:
-    """Whether ``text`` is a URL (``scheme://...``: ``http``, ``ftp``, ``s3``, ``file``, ...), not a path."""
-    return _URL.match(text) is not None
 
 
 class BadImageReason(StrEnum):

@@ -1,0 +1,47 @@
+"""Qwen2.5-VL: Qwen2-VL's tokens, image processor, media and MRoPE rule, with a windowed vision tower.
+
+For images Qwen2.5-VL is Qwen2-VL's family with another model class: the same image
+block and placeholder counts (``Qwen2VLImageProcessorPil``: patch 14, temporal patch 2,
+merge 2), the same :class:`~sftpack.handoff.payload.PatchMedia` and the same MRoPE
+positions (``get_rope_index`` differs only for video, where ``second_per_grid_ts``
+scales the temporal axis). Its vision tower attends within windows (computed from
+``grid_thw``, image by image: no window crosses an image) and, in its full-attention
+blocks, within each image's frames (the row's ``vision_cu_seqlens``, as Qwen2-VL's):
+Qwen2-VL's :meth:`~sftpack.multimodal.families.qwen2_vl.Qwen2VL.packed_logits` runs it
+unchanged. What this module adds is the model: ``Qwen2_5_VLForConditionalGeneration``
+built from a config with Qwen2.5-VL's own vision keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+from ... import _optional
+from .qwen2_vl import Qwen2VL, _config
+
+__all__ = ["Qwen25VL"]
+
+
+class Qwen25VL(Qwen2VL):
+    """Qwen2.5-VL (see the module text)."""
+
+    name: ClassVar[str] = "qwen2_5_vl"
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
+    model_class: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
+    norm_classes: ClassVar[tuple[str, ...]] = ("Qwen2_5_VLRMSNorm",)
+
+    def config(self, vocab_size: int, token_ids: dict[str, int], **sizes: Any) -> Any:
+        """A small ``Qwen2_5_VLConfig``: Qwen2-VL's sizes; the tower ``vision_dim`` wide (its
+        ``hidden_size``; ``out_hidden_size`` is the language model's width), a gated MLP of
+        twice that, windows of 112 px (8 x 8 patches) and its last block full attention.
+        (Qwen2.5-VL's config takes Qwen2-VL's ``embed_dim`` / ``mlp_ratio`` silently and
+        ignores them: its keys are set here.)"""
+        vdim, depth = sizes.get("vision_dim", 32), sizes.get("vision_depth", 2)
+        vision = dict(
+            hidden_size=vdim,
+            out_hidden_size=sizes.get("dim", 32),
+            intermediate_size=2 * vdim,
+            window_size=112,
+            fullatt_block_indexes=[depth - 1],
+        )
+        return _config(_optional.transformers().Qwen2_5_VLConfig, vocab_size, token_ids, vision=vision, **sizes)

@@ -1,0 +1,272 @@
+"""Qwen2-VL: a patch-sequence vision tower, placeholders in a vision block, MRoPE positions.
+
+The family behind :class:`~sftpack.multimodal.Family` (``family_for("qwen2_vl")``):
+
+- an image part is ``<|vision_start|><|image_pad|><|vision_end|>``, its placeholder
+  repeated ``t*h*w / merge**2`` times (``Qwen2VLProcessor``'s ``replace_image_token``
+  rule), its pixels ``(t*h*w, 3*t_p*14*14)`` patches from ``Qwen2VLImageProcessorPil``;
+- the media is a :class:`~sftpack.handoff.payload.PatchMedia` with each sample's own
+  MRoPE positions (:func:`mrope_positions`, ``Qwen2VLModel.get_rope_index`` re-implemented
+  in numpy and tested equal to it);
+- the tokenizer is the embedded Qwen BPE plus Qwen2-VL's special tokens at Qwen2-VL's ids.
+
+The language model runs sftpack's training attention (``sftpack_varlen_train``):
+boundaries from ``cu_seq_lens_q`` (padded) and, in the ``real`` mode,
+``sftpack_cu_seqlens_real``. Qwen2-VL's text attention hands these keyword arguments
+through unchanged, and its ``(4, 1, T)`` position form (text row on top of the MRoPE
+rows) only feeds the mask builder, which the registered mask function turns into "no
+mask". The vision tower runs ``sdpa`` (bidirectional within each image);
+:meth:`Qwen2VL.packed_logits` calls the tower itself with the row's per-image
+boundaries and hands its output to the model (``mm_encoder_outputs``), so the language
+model's boundary arguments never reach the vision attention.
+"""
+
+from __future__ import annotations
+
+import copy
+from functools import lru_cache
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from ... import _optional
+from ...handoff import PackedBatch
+from ...handoff.payload import PatchMedia
+from ...sample import Sample
+from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model, text_kwargs
+from .._images import image_processor, process_images
+
+__all__ = ["QWEN2VL_SPECIALS", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
+
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+#: Qwen2-VL's special tokens after ``<|im_end|>``, in id order (151646 ... 151656).
+QWEN2VL_SPECIALS = (
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    VISION_START,
+    VISION_END,
+    "<|vision_pad|>",
+    IMAGE_PAD,
+    "<|video_pad|>",
+)
+QWEN2VL_IDS = dict(zip(QWEN2VL_SPECIALS, range(151646, 151657)))
+
+
+@lru_cache(maxsize=1)
+def _tokenizer() -> Any:
+    from ...data import default_tokenizer
+
+    tok = copy.deepcopy(default_tokenizer())
+    tok.add_special_tokens({"additional_special_tokens": list(QWEN2VL_SPECIALS)}, replace_extra_special_tokens=False)
+    got = dict(zip(QWEN2VL_SPECIALS, tok.convert_tokens_to_ids(list(QWEN2VL_SPECIALS))))
+    if got != QWEN2VL_IDS:
+        raise RuntimeError(f"Qwen2-VL special token ids {got} differ from Qwen2-VL's {QWEN2VL_IDS}")
+    return tok
+
+
+def qwen2vl_tokenizer() -> Any:
+    """The embedded Qwen BPE (:func:`sftpack.data.default_tokenizer`) plus Qwen2-VL's special
+    tokens at Qwen2-VL's ids (``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653,
+    ``<|image_pad|>`` 151655); 151,657 tokens. Shared within the process."""
+    return _tokenizer()
+
+
+def mrope_positions(length: int, runs: np.ndarray, grid_thw: np.ndarray, merge: int) -> np.ndarray:
+    """Qwen2-VL's 3-D MRoPE positions ``(3, length)`` of one sample alone, starting at 0.
+
+    The rule of ``Qwen2VLModel.get_rope_index`` (transformers 5.24), re-implemented in
+    numpy and tested equal to it: a text token takes ``(p, p, p)`` and advances ``p``
+    by one; an image of grid ``(t, h, w)`` with ``h' = h/merge``, ``w' = w/merge``
+    (placeholder run ``runs[i]``) takes ``(p + i_t, p + i_h, p + i_w)`` over its
+    ``t x h' x w'`` placeholders in row-major order, then ``p`` advances by
+    ``max(h, w) // merge``.
+    """
+    L = int(length)
+    out = np.empty((3, L), dtype=np.int64)
+    p, t0 = 0, 0
+    for (s, n), (gt, gh, gw) in zip(np.asarray(runs).tolist(), np.asarray(grid_thw).tolist()):
+        out[:, t0:s] = np.arange(p, p + s - t0)
+        p += s - t0
+        hh, ww = gh // merge, gw // merge
+        tt, yy, xx = np.meshgrid(np.arange(gt), np.arange(hh), np.arange(ww), indexing="ij")
+        out[0, s : s + n] = tt.reshape(-1) + p
+        out[1, s : s + n] = yy.reshape(-1) + p
+        out[2, s : s + n] = xx.reshape(-1) + p
+        p += max(gh, gw) // merge
+        t0 = s + n
+    out[:, t0:] = np.arange(p, p + L - t0)
+    return out
+
+
+class Qwen2VL(Family):
+    """Qwen2-VL (see the module text)."""
+
+    name: ClassVar[str] = "qwen2_vl"
+    model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
+    image_block: ClassVar[tuple[str, ...]] = (VISION_START, IMAGE_PAD, VISION_END)
+    placeholder: ClassVar[str] = IMAGE_PAD
+    #: the Hugging Face model class, in ``transformers``
+    model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
+    #: the RMSNorm classes that compute in float32 unless told (see ``norms_in_model_dtype``)
+    norm_classes: ClassVar[tuple[str, ...]] = ("Qwen2VLRMSNorm",)
+
+    def _default_tokenizer(self) -> Any:
+        return qwen2vl_tokenizer()
+
+    def _default_image_processor(self) -> Any:
+        return image_processor()
+
+    def check(self, tokenizer: Any, processor: Any) -> None:
+        sizes = [getattr(processor, a, None) for a in ("patch_size", "temporal_patch_size", "merge_size")]
+        ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)
+        if not ints or "image_grid_thw" not in (getattr(processor, "model_input_names", None) or ()):
+            raise UnsupportedModelError(
+                f"{type(processor).__name__} is not a {self.name} image processor (integer patch_size, "
+                "temporal_patch_size and merge_size; image_grid_thw out): the qwen2_vl and qwen2_5_vl families "
+                "take Qwen2VLImageProcessorPil (Family.image_processor()), the llava family a CLIP processor"
+            )
+        super().check(tokenizer, processor)
+
+    def encode_images(self, images: list[Any], processor: Any) -> EncodedImages:
+        patches = process_images(images, processor)
+        grid = patches.image_grid_thw
+        merge = int(processor.merge_size)
+        return EncodedImages(patches.pixel_values, patches.tokens_per_image(merge), grid, merge)
+
+    def media(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, token_id: int) -> PatchMedia:
+        assert images.grid_thw is not None
+        merge = images.merge_size
+        return PatchMedia(
+            pixel_values=torch.from_numpy(images.pixel_values),
+            slots=torch.from_numpy(runs),
+            sequence=torch.zeros(len(runs), dtype=torch.int64),
+            token_id=token_id,
+            grid_thw=torch.from_numpy(images.grid_thw),
+            merge_size=merge,
+            positions=torch.from_numpy(mrope_positions(len(input_ids), runs, images.grid_thw, merge)),
+        )
+
+    # ------------------------------------------------------------- the model
+    def token_ids(self, tokenizer: Any) -> dict[str, int]:
+        """The ids a config names: the placeholder and the vision block's ends."""
+        ids = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
+        return dict(image_token_id=ids[0], vision_start_token_id=ids[1], vision_end_token_id=ids[2])
+
+    def config(self, vocab_size: int, token_ids: dict[str, int], **sizes: Any) -> Any:
+        """A small ``Qwen2VLConfig`` (patch 14, temporal patch 2, merge 2; MRoPE sections of a
+        ``dim / heads / 2`` rotary half-width)."""
+        return _config(_optional.transformers().Qwen2VLConfig, vocab_size, token_ids, **sizes)
+
+    def _tiny_model(self, vocab_size: int, ids: dict[str, int], build: dict[str, Any], sizes: dict[str, Any]) -> Any:
+        """Vision: patch 14, temporal patch 2, merge 2 (so the real image processor fits).
+        Text: MRoPE sections of a ``dim / heads / 2`` rotary half-width. The vision tower runs
+        ``sdpa``. ``sizes``: ``dim``, ``layers``, ``heads``, ``kv_heads``, ``vision_dim``,
+        ``vision_depth``, ``vision_heads``."""
+        cfg = self.config(vocab_size, ids, **sizes)
+        model_class = getattr(_optional.transformers(), self.model_class)
+        return seeded_model(model_class, cfg, **build, norm_classes=self.norm_classes)
+
+    def vision_outputs(self, model: Any, media: PatchMedia) -> Any:
+        """The vision tower over the row's images, one attention segment per frame, as the
+        model's ``mm_encoder_outputs`` take it."""
+        hf = _optional.transformers("modeling_outputs")
+        visual = model.model.visual
+        grid = media.grid_thw
+        out = visual(media.pixel_values.to(visual.dtype), grid_thw=grid, cu_seqlens=media.vision_cu_seqlens)
+        sizes = (grid.prod(-1) // visual.spatial_merge_size**2).tolist()
+        return hf.BaseModelOutputWithPooling(
+            last_hidden_state=out.last_hidden_state, pooler_output=torch.split(out.pooler_output, sizes)
+        )
+
+    def packed_hidden(self, model: Any, batch: PackedBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
+        """``(T, H)`` hidden states of a packed row: the vision tower over the row's per-image
+        boundaries, the language model over ``batch.to_hf_kwargs()`` (its tower inputs and
+        labels dropped; with ``pad_between_seqs`` the real boundaries added as
+        ``sftpack_cu_seqlens_real``).
+
+        With sftpack's training attention the boundaries are ``cu_seqlens`` (either mode).
+        With any other attention (``sdpa``, ``eager``) only ``input_ids`` and the ``(4, 1, T)``
+        positions go in, and Hugging Face builds a block-causal mask from the restarts of
+        the text position row; ``pad_between_seqs`` is then moot.
+        """
+        row = batch.to_hf_kwargs()  # its pixels and labels left out: the tower runs here, the loss is the caller's
+        inputs = {"input_ids": row["input_ids"], "position_ids": row["position_ids"]}
+        kw = text_kwargs(model, batch, inputs, pad_between_seqs=pad_between_seqs)
+        media = batch.media
+        if isinstance(media, PatchMedia) and media.num_items:
+            kw["mm_encoder_outputs"] = {"image": self.vision_outputs(model, media)}
+        return model.model(**kw).last_hidden_state[0]
+
+    def alone_logits(self, model: Any, sample: Sample) -> torch.Tensor:
+        """``(L, V)`` logits of one sample run alone, Hugging Face's own way: the model computes
+        the MRoPE positions (``get_rope_index``) and runs its vision tower itself; one causal
+        sequence, no boundaries."""
+        ids = torch.from_numpy(sample.input_ids).unsqueeze(0)
+        kw: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        media = sample.media
+        if media is not None and media.num_items:
+            kw["pixel_values"] = media.pixel_values
+            kw["image_grid_thw"] = media.grid_thw
+            kw["mm_token_type_ids"] = (ids == media.token_id).to(torch.int32)
+        return model(**kw).logits[0]
+
+    def part_of(self, parameter: str) -> str:
+        return "vision" if ".visual." in f".{parameter}" else "language"
+
+
+def _config(
+    config_class: Any,
+    vocab_size: int,
+    token_ids: dict[str, int],
+    *,
+    dim: int = 32,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vision_dim: int = 32,
+    vision_depth: int = 2,
+    vision_heads: int = 4,
+    vision: dict[str, Any] | None = None,
+) -> Any:
+    """A small config of a Qwen2-VL-shaped model (``vision``: vision-config keys that replace or
+    add to Qwen2-VL's)."""
+    half = dim // heads // 2
+    section = [half - 2 * (half // 4), half // 4, half // 4]
+    return config_class(
+        text_config=dict(
+            vocab_size=vocab_size,
+            hidden_size=dim,
+            intermediate_size=2 * dim,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+            max_position_embeddings=32768,
+            attention_dropout=0.0,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        ),
+        vision_config={
+            **dict(
+                depth=vision_depth,
+                embed_dim=vision_dim,
+                hidden_size=dim,
+                num_heads=vision_heads,
+                mlp_ratio=2,
+                patch_size=14,
+                temporal_patch_size=2,
+                spatial_merge_size=2,
+                in_channels=3,
+            ),
+            **(vision or {}),
+        },
+        video_token_id=token_ids.get("video_token_id", vocab_size - 1),
+        tie_word_embeddings=False,
+        **{k: v for k, v in token_ids.items() if k != "video_token_id"},
+    )
