@@ -1,6 +1,6 @@
 """Reading prepacked rows with images: what storing resized uint8 pixels costs and saves.
 
-A prepack of ``--conversations`` easy-vqa conversations (:func:`sftpack.offline.prepack_multimodal`,
+A prepack of ``--conversations`` easy-vqa conversations (:func:`sftpack.offline.prepack` with ``images=True``,
 rows of ``--max-seq-len``, seeded image sizes 56-448 px a side) is read three ways, in
 one interleaved run (the three alternate row by row, every round; medians over
 ``--rounds``), page cache warm (the files are read once before timing):
@@ -17,7 +17,7 @@ one interleaved run (the three alternate row by row, every round; medians over
 
 Reported: rows/s, MB/s of stored bytes read (tokens, mask and the media the row needs),
 and the ratio to text only. Then bytes on disk per image for each format, the share of a
-row read spent recomputing the MRoPE positions (``rope_index`` per sample, against the
+row read spent recomputing the MRoPE positions (``mrope_positions`` per sample, against the
 whole read), and image work against tokenizing per conversation (decode, the processor's
 resize, patchify from pixels (the read side), the whole processor call, and tokenizing
 the ChatML text; alternating conversation by conversation).
@@ -62,9 +62,9 @@ def build(convs: list[dict], root: Path, max_seq_len: int) -> tuple[Any, Any, np
     of every image in row order (a memmap) with each image's offset (in patches)."""
     from sftpack import Sample
     from sftpack.multimodal._images import patchify_pixels
-    from sftpack.offline import PrepackedDataset, prepack_multimodal, prepack_samples
+    from sftpack.offline import PrepackedDataset, prepack, prepack_samples
 
-    mm = prepack_multimodal(convs, root / "media", max_seq_len=max_seq_len)
+    mm = prepack(convs, root / "media", images=True, max_seq_len=max_seq_len)
     ds = PrepackedDataset(mm.path)
     text: list[list[Sample]] = []
     for r in range(ds.num_rows):
@@ -100,7 +100,9 @@ def read_f32_row(ds: Any, r: int, f32: np.ndarray, off: np.ndarray) -> Any:
     """Row ``r`` built from stored float32 patches (the alternative format) with the same builder."""
     import torch
 
-    from sftpack.multimodal import MultimodalSample, build_multimodal_row
+    from sftpack import PackedBatch, Sample
+    from sftpack.handoff.payload import PatchMedia
+    from sftpack.multimodal.families.qwen2_vl import mrope_positions
 
     media = ds.media
     ids, mask, seqs = ds.row_arrays(r)
@@ -116,21 +118,29 @@ def read_f32_row(ds: Any, r: int, f32: np.ndarray, off: np.ndarray) -> Any:
         mine = media.images[i:k]
         grids = np.stack([mine["grid_t"], mine["grid_h"], mine["grid_w"]], axis=1).astype(np.int64).reshape(-1, 3)
         runs = np.stack([mine["start"].astype(np.int64), grids.prod(axis=1) // 4], axis=1).reshape(-1, 2)
+        payload = PatchMedia(
+            pixel_values=np.empty((int(grids.prod(axis=1).sum()), 0), np.float32),  # shapes only
+            slots=runs,
+            sequence=np.zeros(len(runs), np.int64),
+            token_id=151655,
+            grid_thw=grids,
+            merge_size=2,
+            positions=mrope_positions(n, runs, grids, 2),
+        )
         samples.append(
-            MultimodalSample(
+            Sample(
                 np.asarray(ids[t : t + n], np.int64),
                 np.asarray(mask[t : t + n], bool),
                 ds.conversation_id(int(rec["conversation"])),
-                pixel_values=np.empty((int(grids.prod(axis=1).sum()), 0), np.float32),  # shapes only
-                image_grid_thw=grids,
-                image_runs=runs,
+                media=payload,
             )
         )
         t, i = t + n, k
-    row = build_multimodal_row(samples, row_width=ds.max_seq_len, pad_multiple=ds.pad_multiple, pad_id=ds.pad_id)
+    row = PackedBatch.from_samples(samples, row_width=ds.max_seq_len, pad_multiple=ds.pad_multiple, pad_id=ds.pad_id)
     a, b = int(media.row_images[r]), int(media.row_images[r + 1])
     # the one copy a reader makes of the mapped patches, as the stored format's reader patchifies once
-    return dataclasses.replace(row, pixel_values=torch.from_numpy(np.array(f32[off[a] : off[b]])))
+    pixels = torch.from_numpy(np.array(f32[off[a] : off[b]]))
+    return dataclasses.replace(row, media=dataclasses.replace(row.media, pixel_values=pixels))
 
 
 def read_table(ds: Any, tx: Any, f32: np.ndarray, off: np.ndarray, rounds: int) -> tuple[list[dict], dict]:
@@ -157,7 +167,7 @@ def read_table(ds: Any, tx: Any, f32: np.ndarray, off: np.ndarray, rounds: int) 
     per_round: dict[str, list[float]] = {k: [] for k in readers}
     rope_share: list[float] = []
     loads = []
-    from sftpack.multimodal import rope_index
+    from sftpack.multimodal.families.qwen2_vl import mrope_positions
 
     for k in range(rounds):
         tot = dict.fromkeys(readers, 0.0)
@@ -172,8 +182,9 @@ def read_table(ds: Any, tx: Any, f32: np.ndarray, off: np.ndarray, rounds: int) 
             ids, mask, seqs = ds.row_arrays(r)
             samples = media.samples(r, int(ds.rows[r]["sequence"]), ids, mask, seqs, ["x"] * len(seqs))
             t0 = time.perf_counter()
-            for s in samples:
-                rope_index(s)
+            for s in samples:  # the multimodal positions, as the stored format's reader computes them
+                m = s.media
+                mrope_positions(len(s), m.slots.numpy(), m.grid_thw.numpy(), m.merge_size)
             rope_t += time.perf_counter() - t0
         for name, v in tot.items():
             per_round[name].append(v)
@@ -226,19 +237,20 @@ DISK_COLUMNS = [
 
 
 def cost_table(convs: list[dict], rounds: int) -> list[dict]:
-    from sftpack.multimodal import image_processor, load_image, qwen2vl_tokenizer
+    from sftpack.multimodal import family_for, load_image
     from sftpack.multimodal._images import patchify_pixels, resize_image
-    from sftpack.multimodal._sample import _render
+    from sftpack.multimodal._tokenize import _render
 
-    tok, proc = qwen2vl_tokenizer(), image_processor()
-    rendered = [_render(c["messages"], c["id"]) for c in convs]
-    n_img = sum(len(parts) for _, _, parts in rendered)
+    family = family_for()
+    tok, proc = family.tokenizer(), family.image_processor()
+    rendered = [(r.text, r.images) for r in (_render(c["messages"], c["id"], family.image_block) for c in convs)]
+    n_img = sum(len(parts) for _, parts in rendered)
     stages = ("decode", "resize", "patchify", "processor", "tokenize")
     per_round: dict[str, list[float]] = {k: [] for k in stages}
     loads = []
     for _ in range(rounds):
         tot = dict.fromkeys(stages, 0.0)
-        for text, _, parts in rendered:
+        for text, parts in rendered:
             t0 = time.perf_counter()
             imgs = [load_image(p) for p, _ in parts]
             t1 = time.perf_counter()

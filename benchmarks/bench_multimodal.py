@@ -16,11 +16,11 @@ image processor (placeholders expanded: a sample's length counts its vision toke
     PIL/numpy processor), and its ChatML text tokenized; the four stages alternate
     conversation by conversation (one interleaved run). Medians over ``--rounds`` of the
     per-image and per-conversation costs, and each stage's ratio to tokenizing.
-(c) **Training real tokens/s, packed vs padded** on a tiny Qwen2-VL (``tiny_qwen2vl``,
+(c) **Training real tokens/s, packed vs padded** on a tiny Qwen2-VL (``Family.tiny_model``,
     float32, CPU, its vocabulary renumbered to the ids the corpus uses so that the output
     head is not the whole cost): the same ``--batch`` samples per step either packed in
     one row (sftpack's varlen attention, boundaries from ``cu_seqlens``, the vision tower
-    over ``vision_cu_seqlens``) or padded to the longest in a ``[B, S]`` batch (Hugging
+    over ``media.vision_cu_seqlens``) or padded to the longest in a ``[B, S]`` batch (Hugging
     Face's own path: ``sdpa`` with an attention mask, the model runs its vision tower and
     computes its MRoPE positions); forward + backward + SGD step; A and B alternate
     every step, medians over ``--train-steps`` steps.
@@ -66,7 +66,7 @@ def fill_table(samples: list, max_seq_len: int, max_patches: int, pad_multiple: 
 
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     patches = np.array([s.num_patches for s in samples], dtype=np.int64)
-    vision = np.array([int(s.image_runs[:, 1].sum()) if s.num_images else 0 for s in samples], dtype=np.int64)
+    vision = np.array([0 if s.media is None else s.media.num_placeholders for s in samples], dtype=np.int64)
     rows = compare_multimodal_layouts(
         lengths, patches, vision, max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple
     )
@@ -103,16 +103,18 @@ FILL_COLUMNS = [
 def stage_costs(convs: list[dict], tok: Any, proc: Any, rounds: int) -> list[dict[str, Any]]:
     from PIL import Image
 
-    from sftpack.multimodal import process_images
-    from sftpack.multimodal._sample import _render
+    from sftpack.multimodal import family_for
+    from sftpack.multimodal._images import process_images
+    from sftpack.multimodal._tokenize import _render
 
-    rendered = [_render(c["messages"], c["id"]) for c in convs]
-    n_img = sum(len(parts) for _, _, parts in rendered)
+    block = family_for().image_block
+    rendered = [(r.text, r.images) for r in (_render(c["messages"], c["id"], block) for c in convs)]
+    n_img = sum(len(parts) for _, parts in rendered)
     per_round: dict[str, list[float]] = {k: [] for k in ("decode", "resize", "patch", "tokenize")}
     loads = []
     for _ in range(rounds):
         tot = dict.fromkeys(per_round, 0.0)
-        for text, _, parts in rendered:
+        for text, parts in rendered:
             t0 = time.perf_counter()
             imgs = []
             for part, _ in parts:
@@ -175,16 +177,15 @@ COST_COLUMNS = [
 def train_speed(samples: list, batch: int, steps: int, threads: int) -> list[dict[str, Any]]:
     import torch
 
-    from sftpack.loop._media import compact_media_vocabulary, media_ids
-    from sftpack.multimodal import tiny_qwen2vl
-    from sftpack.report._demo_multimodal import step_times
+    from sftpack.report.demo import _Compact, step_times
 
     torch.set_num_threads(threads)
-    items, vocab = compact_media_vocabulary(samples)
-    ids = media_ids(vocab)
+    c = _Compact(samples)  # the samples over the ids they use, and the tiny Qwen2-VL for them
+    items, ids = c.samples, dict(c.ids)
     pad = ids.pop("pad_id")
-    packed_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64)
-    padded_model = tiny_qwen2vl(len(vocab), **ids, dim=64, heads=4, kv_heads=2, vision_dim=64, text_attention="sdpa")
+    sizes = dict(dim=64, heads=4, kv_heads=2, vision_dim=64)
+    packed_model = c.model(dtype=torch.float32, seed=0, **sizes)
+    padded_model = c.model(dtype=torch.float32, seed=0, **sizes, text_attention="sdpa")
     padded_model.load_state_dict(packed_model.state_dict())
     groups = [items[i : i + batch] for i in range(0, batch * steps, batch)]
     t_a, t_b = step_times(
@@ -289,14 +290,15 @@ def main() -> None:
     add_flag(ap)
     args = ap.parse_args()
 
-    from sftpack.multimodal import image_processor, qwen2vl_tokenizer, tokenize_multimodal_conversations, vqa_corpus
+    from sftpack.multimodal import family_for, tokenize_multimodal_conversations, vqa_corpus
 
     where = machine()
     print(f"machine: {where}")
-    tok, proc = qwen2vl_tokenizer(), image_processor()
+    family = family_for()
+    tok, proc = family.tokenizer(), family.image_processor()
     convs = list(vqa_corpus(seed=args.seed, limit=args.conversations))
     samples = list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc))
-    n_img = sum(s.num_images for s in samples)
+    n_img = sum(s.media.num_items for s in samples if s.media is not None)
     lens = np.array([len(s) for s in samples])
     corpus = (
         f"{len(convs)} easy-vqa conversations (seed {args.seed}), {len(samples)} samples, {n_img} images; "

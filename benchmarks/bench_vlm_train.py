@@ -3,7 +3,7 @@
 What ``sftpack train --corpus vqa --packing trainer`` and ``--packing none`` run, step for
 step: the same easy-vqa conversations per step (one seeded order), the trainer path
 binning them into micro-batches of at most ``--max-seq-len`` tokens and packing each
-(``sftpack.trainer.pack_media_step``: per-sample MRoPE positions, the vision tower over
+(``sftpack.trainer.pack_step`` with the samples' media: per-sample MRoPE positions, the vision tower over
 each image, sftpack's varlen attention), the baseline padding them into one ``[B, S]``
 batch (the model's own path with the same positions). Forward, backward (through the
 fused head on the supervised slots) and the AdamW step of two copies of the same model,
@@ -53,8 +53,9 @@ class Runner:
     ) -> None:
         import torch
 
-        from sftpack.loop import TrainConfig
-        from sftpack.loop._media import MediaLossModule, make_media_source, media_ids, tiny_vqa_model
+        from sftpack.loop import TrainConfig, make_source
+        from sftpack.loop._model import LossModule, build_media_model
+        from sftpack.multimodal import family_for
 
         self.cfg = TrainConfig(
             packing=packing,
@@ -65,9 +66,12 @@ class Runner:
             layers=layers,
             device="cpu",
         )
-        self.model = tiny_vqa_model(vocab, dim=dim, layers=layers, seed=0)
-        self.source = make_media_source(self.cfg, samples, pad_id=media_ids(vocab)["pad_id"])
-        self.loss = MediaLossModule(self.model, pad_between_seqs=self.cfg.pad_between_seqs)
+        family = family_for()
+        tok = family.tokenizer()
+        self.model = build_media_model(family, tok, vocab=vocab, dim=dim, layers=layers, seed=0)
+        pad_id = int(vocab.searchsorted(tok.pad_token_id))
+        self.source = make_source(self.cfg, samples=samples, pad_id=pad_id)
+        self.loss = LossModule(self.model, pad_between_seqs=self.cfg.pad_between_seqs)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.lr)
         self.rows: list[dict[str, float]] = []
 
@@ -94,7 +98,7 @@ class Runner:
                 "tok_s": real / dt,
                 "real": real,
                 "padding": 1 - real / slots,
-                "images": sum(mb.num_images for mb in mbs),
+                "images": sum(mb.num_media_items for mb in mbs),
                 "mbs": len(mbs),
                 "loss": total,
                 "load": load_average(),
@@ -136,17 +140,24 @@ def main() -> None:
 
     import torch
 
-    from sftpack.loop._media import compact_media_vocabulary, vqa_samples
+    from sftpack.loop import compact_vocabulary
+    from sftpack.loop._model import media_token_ids
+    from sftpack.loop._setup import media_samples
+    from sftpack.multimodal import family_for, vqa_corpus
 
     torch.set_num_threads(args.threads)
     where = machine()
     print(f"machine: {where}")
     lo, hi = args.image_sides
-    samples, _ = vqa_samples(limit=args.limit, seed=args.seed, max_seq_len=args.max_seq_len, min_side=lo, max_side=hi)
-    samples, vocab = compact_media_vocabulary(samples)
+    convs = vqa_corpus(seed=args.seed, limit=args.limit, min_side=lo, max_side=hi)
+    samples, _ = media_samples(convs, max_seq_len=args.max_seq_len)
+    family = family_for()
+    tok = family.tokenizer()
+    samples, vocab = compact_vocabulary(samples, keep=[tok.pad_token_id, *media_token_ids(family, tok).values()])
     corpus = (
         f"{len(samples)} easy-vqa samples (seed {args.seed}, images {lo}-{hi} px a side, "
-        f"{sum(s.num_images for s in samples)} images), {args.batch_size} per step; tiny Qwen2-VL, "
+        f"{sum(s.media.num_items for s in samples if s.media is not None)} images), {args.batch_size} per step; "
+        "tiny Qwen2-VL, "
         f"float32, its vocabulary the {len(vocab)} ids the data uses; {args.threads} torch thread(s)"
     )
     print(corpus)
@@ -181,7 +192,7 @@ def main() -> None:
     if not args.no_results:
         body = (
             f"{corpus}. Forward + backward + AdamW step through the loop's pieces "
-            "(sftpack.loop._media: MediaTrainerSource / MediaPaddedSource, MediaLossModule), the two modes "
+            "(sftpack.loop: make_source's TrainerSource / PaddedSource, LossModule), the two modes "
             f"alternating every step, medians over {args.steps} steps each (after one warm-up step each); "
             "both see the same conversations and images every step (checked).\n\n"
             f"{table}\n"

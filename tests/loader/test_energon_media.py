@@ -1,6 +1,7 @@
 """Megatron-Energon end to end with images: a real WebDataset shard of easy-vqa conversations (PNG and
 JPEG files beside each conversation's JSON), prepared with Energon's own preparation, packed by
-MultimodalPackingTaskEncoder. The rows are the planner's rows for Energon's buffers, bit for bit;
+PackingTaskEncoder (the one encoder, for samples with and without images). The rows are the loader's
+planner's rows (under the patch budget) for Energon's buffers, bit for bit;
 one of them, run through a tiny float64 Qwen2-VL, equals each of its samples run alone; save/restore
 gives the remaining rows exactly (0 and 2 workers); restore_sample rebuilds a row from its key;
 every sample is in a row or counted as dropped."""
@@ -24,16 +25,13 @@ from megatron.energon.epathlib import EPath  # noqa: E402
 from megatron.energon.flavors import BaseWebdatasetFactory  # noqa: E402
 
 from sftpack import PackedBatch  # noqa: E402
-from sftpack.loader import MultimodalPackingDataset  # noqa: E402
-from sftpack.loader.energon import EnergonMultimodalBatch, MultimodalPackingTaskEncoder  # noqa: E402
+from sftpack.loader import PackingDataset  # noqa: E402
+from sftpack.loader._hold import plan_media  # noqa: E402
+from sftpack.loader.energon import EnergonPackedBatch, PackingTaskEncoder, TokenizedSample  # noqa: E402
 from sftpack.multimodal import (  # noqa: E402
     BadImageError,
-    alone_logits,
-    build_multimodal_row,
     check_packed,
     load_image,
-    packed_logits,
-    plan_rows,
     tokenize_multimodal,
     vqa_corpus,
 )
@@ -117,8 +115,14 @@ def prepared(tmp_path_factory):
 
 def _loader(path, num_workers, batch_size=1, **kw):
     wc = WorkerConfig(rank=0, world_size=1, num_workers=num_workers, global_error_handler=reraise_exception)
-    enc = MultimodalPackingTaskEncoder(
-        **{"max_seq_len": WIDTH, "max_patches": PATCHES, "pad_multiple": MULT, **kw},
+    enc = PackingTaskEncoder(
+        **{
+            "max_seq_len": WIDTH,
+            "max_patches_per_row": PATCHES,
+            "pad_multiple": MULT,
+            "pad_id": _QWEN2VL_PAD,
+            **kw,
+        },
     )
     ds = get_train_dataset(
         path,
@@ -133,16 +137,18 @@ def _loader(path, num_workers, batch_size=1, **kw):
     return get_savable_loader(ds)
 
 
-_MEDIA = ("mrope_position_ids", "pixel_values", "image_grid_thw", "vision_cu_seqlens", "image_slots", "image_sequence")
+_MEDIA = ("positions", "pixel_values", "grid_thw", "vision_cu_seqlens", "slots", "sequence")
+_QWEN2VL_PAD = 151643  # <|endoftext|>: the pad_id these tests give the encoder
 
 
 def sig(b: PackedBatch) -> tuple:
-    """Every field of a batch, bytes for tensors (dtype included)."""
+    """Every field of a batch and of its media, bytes for tensors (dtype included)."""
     out = []
-    for f in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded", *_MEDIA):
-        t = getattr(b, f)
+    fields = [(b, f) for f in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded")]
+    for owner, f in fields + [(b.media, f) for f in _MEDIA]:
+        t = getattr(owner, f)
         out.append((f, str(t.dtype), tuple(t.shape), t.numpy().tobytes()))
-    return (*out, b.max_seqlen, tuple(b.sequence_ids), b.image_token_id, b.spatial_merge_size)
+    return (*out, b.max_seqlen, tuple(b.sequence_ids), b.media.token_id, b.media.merge_size)
 
 
 def _run(path, num_workers, k):
@@ -163,45 +169,55 @@ def runs(prepared):
 
 def test_rows_are_the_planners_rows_with_media_in_row_order(prepared, runs):
     """0 workers: Energon's buffers are the dataset in order, BUFFER at a time; each row is
-    build_multimodal_row of the samples plan_rows put together, every field bit for bit."""
+    PackedBatch.from_samples of the samples the loader's planner put together (best-fit decreasing
+    under both budgets), every field bit for bit."""
     _, convs, samples = prepared
     _, batches, _ = runs[0]
     ids = [c["id"] for c in convs]
     want = []
     for a in range(0, N, BUFFER):
         chunk = [samples[i] for i in ids[a : a + BUFFER]]
-        for row in plan_rows(
-            [len(s) for s in chunk],
-            [s.num_patches for s in chunk],
+        for row in plan_media(
+            np.array([len(s) for s in chunk]),
+            np.array([s.num_patches for s in chunk]),
             max_seq_len=WIDTH,
             max_patches=PATCHES,
             pad_multiple=MULT,
+            algorithm="bfd",
+            seed=0,
         ):
-            want.append(build_multimodal_row([chunk[i] for i in row], row_width=WIDTH, pad_multiple=MULT))
+            want.append(
+                PackedBatch.from_samples(
+                    [chunk[i] for i in row], row_width=WIDTH, pad_multiple=MULT, pad_id=_QWEN2VL_PAD
+                )
+            )
     assert [sig(b.validate()) for b in batches] == [sig(w) for w in want]
     # The loader path's rule with max_wait=0 (each buffer packed whole) lays the same rows.
-    ours = MultimodalPackingDataset(
+    ours = PackingDataset(
         [samples[i] for i in ids],
         max_seq_len=WIDTH,
         buffer_size=BUFFER,
-        max_patches=PATCHES,
+        max_patches_per_row=PATCHES,
         pad_multiple=MULT,
         max_wait=0,
+        pad_id=_QWEN2VL_PAD,
     )
     assert [sig(r) for r in ours] == [sig(w) for w in want]
     assert sorted(i for b in batches for i in b.sequence_ids) == sorted(ids)  # each sample exactly once
-    assert sum(b.num_images for b in batches) == sum(s.num_images for s in samples.values()) == 31  # 7 with two
+    images = sum(s.media.num_items for s in samples.values())
+    assert sum(b.num_media_items for b in batches) == images == 31  # 7 with two
     for b in batches:
-        assert isinstance(b, EnergonMultimodalBatch) and b.dropped == ()
-        assert b.num_tokens == WIDTH and int(b.pixel_values.shape[0]) <= PATCHES  # both budgets hold
+        assert isinstance(b, EnergonPackedBatch) and b.dropped == ()
+        m = b.media
+        assert b.num_tokens == WIDTH and int(m.pixel_values.shape[0]) <= PATCHES  # both budgets hold
         # Media in row order: the samples' patches in sequence_ids order, each image's run at its slot.
         mine = [samples[i] for i in b.sequence_ids]
-        assert torch.equal(b.pixel_values, torch.from_numpy(np.concatenate([s.pixel_values for s in mine])))
-        assert b.image_sequence.tolist() == [j for j, s in enumerate(mine) for _ in range(s.num_images)]
-        starts = [int(b.cu_seqlens_padded[j]) + r for j, s in enumerate(mine) for r in s.image_runs[:, 0].tolist()]
-        assert b.image_slots[:, 0].tolist() == starts == sorted(starts)
-        for (s0, n), _ in zip(b.image_slots.tolist(), range(b.num_images)):
-            assert bool((b.input_ids[s0 : s0 + n] == b.image_token_id).all())
+        assert torch.equal(m.pixel_values, torch.cat([s.media.pixel_values for s in mine]))
+        assert m.sequence.tolist() == [j for j, s in enumerate(mine) for _ in range(s.media.num_items)]
+        starts = [int(b.cu_seqlens_padded[j]) + r for j, s in enumerate(mine) for r in s.media.slots[:, 0].tolist()]
+        assert m.slots[:, 0].tolist() == starts == sorted(starts)
+        for (s0, n), _ in zip(m.slots.tolist(), range(b.num_media_items)):
+            assert bool((b.input_ids[s0 : s0 + n] == m.token_id).all())
     assert len(batches) < N / 2  # packed: fewer rows than half the samples
 
 
@@ -211,8 +227,8 @@ def _renumber(b: PackedBatch, rn: Renumbered) -> PackedBatch:
     lab = b.labels.numpy()
     labels = torch.from_numpy(np.where(lab == IGNORE_INDEX, IGNORE_INDEX, np.searchsorted(rn.vocab, lab)))
     base = {f.name: getattr(b, f.name) for f in dataclasses.fields(PackedBatch)}
-    swap = {"input_ids": ids, "labels": labels, "pixel_values": b.pixel_values.double()}
-    return PackedBatch(**{**base, **swap, "image_token_id": rn.id(int(b.image_token_id))})
+    media = dataclasses.replace(b.media, pixel_values=b.media.pixel_values.double(), token_id=rn.id(b.media.token_id))
+    return PackedBatch(**{**base, "input_ids": ids, "labels": labels, "media": media})
 
 
 def test_a_packed_row_equals_each_sample_alone(prepared, runs):
@@ -226,20 +242,21 @@ def test_a_packed_row_equals_each_sample_alone(prepared, runs):
     row with its images in reverse order moves some sample's logits by more than BUG."""
     _, _, samples = prepared
     _, batches, _ = runs[0]
-    row = max(batches, key=lambda b: (len(b.sequence_ids), b.num_images))
-    assert len(row.sequence_ids) >= 3 and row.num_images >= 4
+    row = max(batches, key=lambda b: (len(b.sequence_ids), b.num_media_items))
+    assert len(row.sequence_ids) >= 3 and row.num_media_items >= 4
     assert max(len(s) for s in samples.values()) <= 160
-    assert max(int(s.image_grid_thw.prod(axis=1).max()) for s in samples.values()) <= 64
+    assert max(int(s.media.grid_thw.prod(dim=1).max()) for s in samples.values()) <= 64
     rn = Renumbered(list(samples.values()))
     model = rn.model()
+    fam = rn.family
     mine = [rn.sample(samples[i]) for i in row.sequence_ids]
     with torch.no_grad():
-        logits = packed_logits(model, _renumber(row, rn))
-        shuffled = packed_logits(model, _media_reversed(_renumber(row, rn)))  # negative control
+        logits = fam.packed_logits(model, _renumber(row, rn))
+        shuffled = fam.packed_logits(model, _media_reversed(_renumber(row, rn)))  # negative control
         cu, cup = row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
         worst = 0.0
         for j, s in enumerate(mine):
-            alone = alone_logits(model, s)
+            alone = fam.alone_logits(model, s)
             assert float(alone.abs().max()) < 10
             seg = slice(cup[j], cup[j] + cu[j + 1] - cu[j])
             assert float((logits[seg] - alone).abs().max()) <= TOL
@@ -267,7 +284,7 @@ def test_restore_sample_rebuilds_each_row(runs, num_workers):
     assert loader.can_restore_sample()
     for b in batches:
         again = loader.restore_sample(b.__restore_key__)
-        assert isinstance(again, EnergonMultimodalBatch)
+        assert isinstance(again, EnergonPackedBatch)
         assert sig(again.validate()) == sig(b) and again.__key__ == b.__key__ and again.dropped == b.dropped
     assert sig(loader.restore_sample(batches[1].__restore_key__)) != sig(batches[0])
 
@@ -319,40 +336,78 @@ def test_overlong_is_refused_by_name_unless_dropped(damaged):
     with pytest.raises(OverlongError, match=r"Energon sample '000005' .* has 126 tokens .* cannot split it"):
         list(_loader(path, 0, max_seq_len=124, on_bad_row="skip"))
     with pytest.raises(OverlongError, match=r"vision patches, more than max_patches=40"):
-        list(_loader(path, 0, max_patches=40, on_bad_row="skip", overlong="error"))
+        list(_loader(path, 0, max_patches_per_row=40, on_bad_row="skip", overlong="error"))
 
 
 def test_over_the_patch_budget_is_dropped_and_counted_as_on_every_path(damaged):
     """Issue 26 item 3: the loader and the image prepack drop and count a sample over the patch
     budget under the default overlong='split'; the Energon encoder raised instead."""
     path, _ = damaged
-    batches = list(_loader(path, 0, max_seq_len=256, max_patches=40, on_bad_row="skip"))
+    batches = list(_loader(path, 0, max_seq_len=256, max_patches_per_row=40, on_bad_row="skip"))
     reasons = dict(d for b in batches for d in b.dropped)
     assert "over_patch_budget" in reasons.values()
-    assert all(b.pixel_values is None or b.pixel_values.shape[0] <= 40 for b in batches)
+    assert all(b.media is None or b.media.pixel_values.shape[0] <= 40 for b in batches)
 
 
-def test_encoder_refuses_what_it_cannot_do():
+def test_encoder_refuses_what_it_cannot_do(damaged):
     with pytest.raises(ValueError, match="overlong='truncate' is not offered"):
-        MultimodalPackingTaskEncoder(max_seq_len=64, overlong="truncate")
+        PackingTaskEncoder(max_seq_len=64, overlong="truncate", max_patches_per_row=100)
+    with pytest.raises(ValueError, match="overlong='truncate' is not offered for a conversation tokenized with"):
+        list(_loader(damaged[0], 0, max_patches_per_row=None, overlong="truncate"))
     with pytest.raises(ValueError, match="on_bad_row must be 'error' or 'skip'"):
-        MultimodalPackingTaskEncoder(max_seq_len=64, on_bad_row="ignore")
+        PackingTaskEncoder(max_seq_len=64, on_bad_row="ignore")
     with pytest.raises(ValueError, match="max_seq_len=30 is not a multiple of pad_multiple=4"):
-        MultimodalPackingTaskEncoder(max_seq_len=30, pad_multiple=4)
-    with pytest.raises(ValueError, match="MultimodalPackingTaskEncoder: pad_id must be a non-negative integer"):
-        MultimodalPackingTaskEncoder(max_seq_len=64, pad_id=-1)
+        PackingTaskEncoder(max_seq_len=30, pad_multiple=4)
+    with pytest.raises(ValueError, match="PackingTaskEncoder: pad_id must be a non-negative integer"):
+        PackingTaskEncoder(max_seq_len=64, pad_id=-1)
 
 
 def test_a_buffer_of_only_left_out_samples_is_skipped_with_a_warning(caplog):
     """No row to carry their count: Energon skips the buffer (SkipSample) and the ids are logged."""
     from megatron.energon import SkipSample
 
-    from sftpack.loader.energon import EncodedMultimodalSample
-
+    empty = np.zeros(0, np.int64)
     left = [
-        EncodedMultimodalSample(__key__=k, __restore_key__=(), sample=None, conversation_id=k, dropped="overlong")
+        TokenizedSample(
+            __key__=k,
+            __restore_key__=(),
+            input_ids=empty,
+            loss_mask=empty.astype(bool),
+            conversation_id=k,
+            dropped="overlong",
+        )
         for k in ("x", "y")
     ]
     with caplog.at_level("WARNING"), pytest.raises(SkipSample):
-        MultimodalPackingTaskEncoder(max_seq_len=64).select_samples_to_pack(left)
+        PackingTaskEncoder(max_seq_len=64).select_samples_to_pack(left)
     assert "('x', 'overlong'), ('y', 'overlong')" in caplog.text
+
+
+def test_conversations_with_and_without_images_share_the_one_encoder(tmp_path):
+    """Text-only conversations beside ones with images: tokenized for the same family, packed into the
+    same rows (a text-only sample's media None), every sample once, each row from_samples of its samples."""
+    convs = list(vqa_corpus(seed=5, limit=8, min_side=56, max_side=112))
+    text = {1, 4, 6}
+    for k in text:
+        convs[k] = {
+            "id": convs[k]["id"],
+            "messages": [
+                {**m, "content": [p for p in m["content"] if p["type"] != "image"]}
+                if isinstance(m["content"], list)
+                else m
+                for m in convs[k]["messages"]
+            ],
+        }
+    refs = _prepare(tmp_path / "mixed", convs)
+    samples = {cid: tokenize_multimodal(msgs, conversation_id=cid)[0] for cid, msgs in refs.items()}
+    batches = list(_loader(str(tmp_path / "mixed"), 0))
+    assert sorted(i for b in batches for i in b.sequence_ids) == sorted(samples)
+    assert sum(b.num_media_items for b in batches) == sum(
+        s.media.num_items for s in samples.values() if s.media is not None
+    )
+    assert any(samples[c].media is None or samples[c].media.num_items == 0 for b in batches for c in b.sequence_ids)
+    for b in batches:
+        want = PackedBatch.from_samples(
+            [samples[c] for c in b.sequence_ids], row_width=WIDTH, pad_multiple=MULT, pad_id=_QWEN2VL_PAD
+        )
+        assert b.dropped == () and sig(b) == sig(want)

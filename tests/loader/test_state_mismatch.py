@@ -1,7 +1,7 @@
 """A loader state is refused over other data of the same length, and with counts that do not add up
 (issue 26, item 8).
 
-Before: a ``PackingDataset`` / ``MultimodalPackingDataset`` state loaded over the same number of
+Before: a ``PackingDataset`` state (of text samples, or of samples with media) loaded over the same number of
 samples in another order (or with samples replaced) resumed silently whenever the re-read samples
 had the lengths the state recorded, edited ``stats`` were taken as they were, an Energon
 ``restore_state_rank`` over reversed data or a changed shard resumed silently, and invalid JSON in
@@ -17,14 +17,8 @@ import json
 import numpy as np
 import pytest
 
-from sftpack.loader import (
-    LoaderStats,
-    MultimodalLoaderStats,
-    MultimodalPackingDataset,
-    PackingDataset,
-    StateError,
-)
-from sftpack.multimodal import MultimodalSample
+from sftpack.handoff.payload import PatchMedia
+from sftpack.loader import LoaderStats, PackingDataset, StateError
 from sftpack.sample import Sample
 
 # ------------------------------------------------------------------ text: equal lengths, other data
@@ -129,65 +123,105 @@ def test_edited_stats_are_refused_naming_the_field(edit, message):
         PackingDataset(text_samples(), **KW).load_state_dict(bad)
 
 
-def test_an_old_state_version_is_refused_with_what_to_do():
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_old_state_version_is_refused_with_what_to_do(version):
     st = state_after(PackingDataset(text_samples(), **KW), 2)
-    st["version"] = 1
-    with pytest.raises(StateError, match=r"state version 1, saved by an older sftpack.*this sftpack reads version 2"):
+    assert st["version"] == 3
+    st["version"] = version
+    with pytest.raises(
+        StateError,
+        match=rf"state version {version}, saved by an older sftpack.*this sftpack reads version 3.*start the epoch over",
+    ):
         PackingDataset(text_samples(), **KW).load_state_dict(st)
 
 
 # ------------------------------------------------------------------ multimodal: the same checks
-def mm_samples(order=None) -> list[MultimodalSample]:
+def mm_samples(order=None) -> list[Sample]:
     """24 samples with one 4x4-patch image each and equal lengths (26 tokens); text tokens tell them apart."""
     out = []
     for i in range(24):
         ids = np.array([10 + i] * 5 + [151652] + [151655] * 4 + [151653] + [10 + i] * 15)
         out.append(
-            MultimodalSample(
+            Sample(
                 ids,
                 ids == 10 + i,
                 f"c{i}",
-                pixel_values=np.full((16, 1176), i, np.float32),
-                image_grid_thw=[(1, 4, 4)],
-                image_runs=[(6, 4)],
+                media=PatchMedia(
+                    np.full((16, 1176), i, np.float32),
+                    slots=[(6, 4)],
+                    sequence=[0],
+                    token_id=151655,
+                    grid_thw=[(1, 4, 4)],
+                    merge_size=2,
+                ),
             )
         )
     return [out[i] for i in order] if order is not None else out
 
 
-MM = {"max_seq_len": 64, "buffer_size": 6, "max_patches": 48, "pad_multiple": 4}
+MM = {"max_seq_len": 64, "buffer_size": 6, "max_patches_per_row": 48, "pad_multiple": 4}
 
 
 def mm_sig(row) -> tuple:
-    return (row.input_ids.numpy().tobytes(), row.pixel_values.numpy().tobytes(), tuple(row.sequence_ids))
+    return (row.input_ids.numpy().tobytes(), row.media.pixel_values.numpy().tobytes(), tuple(row.sequence_ids))
 
 
 def test_a_multimodal_state_over_reversed_or_replaced_items_is_refused():
-    full = [mm_sig(r) for r in MultimodalPackingDataset(mm_samples(), **MM)]
-    st = state_after(MultimodalPackingDataset(mm_samples(), **MM), 3)
+    full = [mm_sig(r) for r in PackingDataset(mm_samples(), **MM)]
+    st = state_after(PackingDataset(mm_samples(), **MM), 3)
     assert st["buffer"] or st["pending"]
-    again = MultimodalPackingDataset(mm_samples(), **MM)
+    again = PackingDataset(mm_samples(), **MM)
     again.load_state_dict(st)
     assert [mm_sig(r) for r in again] == full[3:]
     for other in (mm_samples(range(23, -1, -1)), mm_samples(swapped(st, 24))):
-        ds = MultimodalPackingDataset(other, **MM)
+        ds = PackingDataset(other, **MM)
         ds.load_state_dict(st)
         with pytest.raises(StateError, match=r"state\['(digests|last)'\].*other tokens or another id here"):
             next(iter(ds))
 
 
 def test_multimodal_stats_that_do_not_add_up_are_refused():
-    st = state_after(MultimodalPackingDataset(mm_samples(), **MM), 3)
-    assert MultimodalLoaderStats.from_state(st).rows_out == 3
+    st = state_after(PackingDataset(mm_samples(), **MM), 3)
+    assert LoaderStats.from_state(st).rows_out == 3
     bad = copy.deepcopy(st)
     bad["stats"]["dropped:bad_record"] = 2
+    bad["stats"]["dropped"] = 2
     with pytest.raises(StateError, match=r"samples_in - dropped \+ extra_pieces = \d+ - 2 \+ 0"):
-        MultimodalPackingDataset(mm_samples(), **MM).load_state_dict(bad)
+        PackingDataset(mm_samples(), **MM).load_state_dict(bad)
+    bad = copy.deepcopy(st)
+    bad["stats"]["dropped:bad_record"] = 2  # a reason without the drop it counts
+    with pytest.raises(StateError, match=r"dropped:bad_record: 2\) are more than dropped = 0"):
+        PackingDataset(mm_samples(), **MM).load_state_dict(bad)
     bad = copy.deepcopy(st)
     bad["stats"]["patches_out"] = 1000
-    with pytest.raises(StateError, match=r"state\['stats'\]\['patches_out'\] = 1000, more than rows_out x max_patches"):
-        MultimodalPackingDataset(mm_samples(), **MM).load_state_dict(bad)
+    with pytest.raises(
+        StateError, match=r"state\['stats'\]\['patches_out'\] = 1000, more than rows_out x max_patches_per_row"
+    ):
+        PackingDataset(mm_samples(), **MM).load_state_dict(bad)
     assert LoaderStats.from_state(state_after(PackingDataset(text_samples(), **KW), 1)).rows_out == 1
+
+
+def test_a_state_of_the_old_multimodal_loader_is_refused_with_what_to_do():
+    """What ``MultimodalPackingDataset`` (merged into ``PackingDataset``) saved: version 2, its own config."""
+    st = state_after(PackingDataset(mm_samples(), **MM), 3)
+    st["version"] = 2
+    st["config"] = {"kind": "multimodal", **{k: v for k, v in st["config"].items() if k != "max_patches_per_row"}}
+    st["config"]["max_patches"] = 48
+    with pytest.raises(StateError, match=r"state version 2, saved by an older sftpack.*start the epoch over"):
+        PackingDataset(mm_samples(), **MM).load_state_dict(st)
+
+
+def test_a_media_argument_is_compared_when_only_one_side_sets_it():
+    """The media arguments join a state's config only when set: a state saved without a patch budget
+    is refused by a dataset with one, and the other way round."""
+    st = state_after(PackingDataset(mm_samples(), **MM), 1)
+    with pytest.raises(StateError, match=r"max_patches_per_row: saved 48, here None"):
+        PackingDataset(mm_samples(), **(MM | {"max_patches_per_row": None})).load_state_dict(st)
+    free = {k: v for k, v in MM.items() if k != "max_patches_per_row"}
+    st = state_after(PackingDataset(mm_samples(), **free), 1)
+    assert "max_patches_per_row" not in st["config"]
+    with pytest.raises(StateError, match=r"max_patches_per_row: saved None, here 48"):
+        PackingDataset(mm_samples(), **MM).load_state_dict(st)
 
 
 # ------------------------------------------------------------------ Energon: bad JSON, and states over other data

@@ -1,5 +1,7 @@
-"""Multimodal training: the trainer path (padded batches with images packed at the step) and the
-padded baseline train the same tiny Qwen2-VL the same way, 20 AdamW steps in float64.
+"""Training on samples with images through the one loop: the trainer path (padded batches with
+their media packed at the step) and the padded baseline train the same tiny Qwen2-VL the same
+way, 20 AdamW steps in float64; the loader's and a prepack's rows against a replay of their
+steps; exact resume from a checkpoint; 2 DDP ranks (gloo) against 1.
 
 Both runs take the same conversations every step (one seeded order), so they see the
 same samples and the same images; the trainer path bins them into micro-batches of at
@@ -27,34 +29,48 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("easy_vqa")
 pytest.importorskip("PIL")
 
-from sftpack.loop import TrainConfig  # noqa: E402
-from sftpack.loop._media import (  # noqa: E402
-    MediaTrainerSource,
-    compact_media_vocabulary,
-    make_media_source,
-    media_ids,
-    tiny_vqa_model,
-    train_media,
-    vqa_samples,
-)
+from sftpack.loop import ReplaySource, TrainConfig, compact_vocabulary, make_source, train  # noqa: E402
+from sftpack.loop._model import build_media_model, media_token_ids  # noqa: E402
+from sftpack.loop._setup import media_samples  # noqa: E402
+from sftpack.loop._sources import TrainerSource  # noqa: E402
+from sftpack.multimodal import family_for, vqa_corpus  # noqa: E402
 
 TOL = 1e-10  # float64; see the docstring
 BUG = 1e-6  # what the negative control must move the first step's loss by, at least (1e4 x TOL)
 STEPS = 20
 
 
+class Data:
+    """16 easy-vqa samples over the ids they use (plus the pad and the ids the model's config
+    names), and the tiny float64 Qwen2-VL for that vocabulary."""
+
+    def __init__(self) -> None:
+        self.family = family_for()
+        self.tok = self.family.tokenizer()
+        convs = vqa_corpus(seed=0, limit=16, min_side=56, max_side=112)
+        samples, _ = media_samples(convs, max_seq_len=256)
+        keep = [self.tok.pad_token_id, *media_token_ids(self.family, self.tok).values()]
+        self.samples, self.vocab = compact_vocabulary(samples, keep=keep)
+        self.pad_id = int(np.searchsorted(self.vocab, self.tok.pad_token_id))
+
+    def model(self):
+        return build_media_model(
+            self.family, self.tok, vocab=self.vocab, dim=32, layers=2, heads=4, kv_heads=2, dtype=torch.float64
+        )
+
+
 @pytest.fixture(scope="module")
 def data():
-    samples, _ = vqa_samples(limit=16, seed=0, max_seq_len=256, min_side=56, max_side=112)
-    samples, vocab = compact_media_vocabulary(samples)
-    return samples, vocab
+    return Data()
 
 
 def _config(packing: str, **kw) -> TrainConfig:
@@ -63,10 +79,8 @@ def _config(packing: str, **kw) -> TrainConfig:
 
 
 def _run(data, cfg: TrainConfig, source=None, **kw):
-    samples, vocab = data
-    model = tiny_vqa_model(vocab, dim=32, layers=2, heads=4, kv_heads=2, seed=0, dtype=torch.float64)
-    src = source or make_media_source(cfg, samples, pad_id=media_ids(vocab)["pad_id"])
-    return train_media(cfg, source=src, model=model, **kw)
+    src = source or make_source(cfg, samples=data.samples, pad_id=data.pad_id)
+    return train(cfg, source=src, model=data.model(), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +90,7 @@ def padded_run(data):
 
 @pytest.mark.parametrize("boundaries, pad_multiple", [("real", 1), ("padded", 4)])
 def test_trainer_path_trains_as_padded_for_20_steps(data, padded_run, boundaries, pad_multiple):
-    samples, _ = data
+    samples = data.samples
     packed = _run(data, _config("trainer", boundaries=boundaries, pad_multiple=pad_multiple))
     # the same samples and images per step
     assert [sorted(map(str, c)) for c in packed.conversations] == [
@@ -84,7 +98,7 @@ def test_trainer_path_trains_as_padded_for_20_steps(data, padded_run, boundaries
     ]
     by_id = {s.conversation_id: s for s in samples}
     assert len(by_id) == len(samples)  # none split at this max_seq_len: an id names one sample
-    images = [sum(by_id[c].num_images for c in step) for step in padded_run.conversations]
+    images = [sum(by_id[c].media.num_items for c in step) for step in padded_run.conversations]
     assert [r.images for r in packed.logs] == [r.images for r in padded_run.logs] == images
     assert sum(images) >= STEPS  # images in (almost) every step
     assert max(r.micro_batches for r in packed.logs) > 1  # the trainer path accumulates several rows
@@ -99,19 +113,38 @@ def test_trainer_path_trains_as_padded_for_20_steps(data, padded_run, boundaries
     assert drift <= TOL
 
 
-class _OneDPositions(MediaTrainerSource):
+def test_the_patch_budget_bounds_every_micro_batch_and_changes_no_loss(data, padded_run):
+    """--max-patches-per-row on the trainer path: micro-batches of at most that many vision patches
+    (more of them), the same losses as without the budget (the grouping changes only summation orders)."""
+    budget = max(s.num_patches for s in data.samples)
+    free_cfg = _config("trainer", steps=4, micro_batch_tokens=1024)  # the whole step in one micro-batch by tokens
+    cfg = _config("trainer", steps=4, micro_batch_tokens=1024, max_patches_per_row=budget)
+    rows = {}
+    for name, c in (("free", free_cfg), ("budget", cfg)):
+        src = make_source(c, samples=data.samples, pad_id=data.pad_id)
+        rows[name] = [mb for _ in range(4) for mb in src.next_step()]
+    assert max(r.media.num_patches for r in rows["free"]) > budget  # the premise: the budget binds
+    assert max(r.media.num_patches for r in rows["budget"]) <= budget
+    run = _run(data, cfg)
+    free = _run(data, free_cfg)
+    assert sum(r.micro_batches for r in run.logs) > sum(r.micro_batches for r in free.logs)
+    assert max(abs(a - b) for a, b in zip(run.losses, free.losses)) <= TOL
+    assert abs(run.losses[0] - padded_run.losses[0]) <= TOL  # the same first step as the padded run
+
+
+class _OneDPositions(TrainerSource):
     """The bug: rows whose MRoPE rows are the plain 1-D text positions (the grids ignored)."""
 
     def next_step(self):
         return [
-            dataclasses.replace(b, mrope_position_ids=b.position_ids.expand(3, -1).clone()) for b in super().next_step()
+            dataclasses.replace(b, media=dataclasses.replace(b.media, positions=b.position_ids.expand(3, -1).clone()))
+            for b in super().next_step()
         ]
 
 
 def test_negative_control_1d_positions_moves_the_loss(data, padded_run):
-    samples, vocab = data
     cfg = _config("trainer", steps=1)
-    bad = _OneDPositions(samples, token_budget=256, batch_size=4, seed=0, pad_id=media_ids(vocab)["pad_id"])
+    bad = _OneDPositions(data.samples, token_budget=256, batch_size=4, seed=0, pad_id=data.pad_id)
     run = _run(data, cfg, source=bad)
     assert abs(run.losses[0] - padded_run.losses[0]) > BUG
 
@@ -126,38 +159,37 @@ def test_the_log_adds_images(data, tmp_path):
 
 
 def test_bad_settings_are_refused_with_a_clear_error(data):
-    samples, _ = data
-    with pytest.raises(ValueError, match="needs a prepack with images"):
-        make_media_source(_config("offline"), samples)
+    with pytest.raises(ValueError, match="needs a prepacked directory"):
+        make_source(_config("offline"), samples=data.samples)
     with pytest.raises(ValueError, match="more than max_seq_len=16"):
-        make_media_source(_config("trainer", max_seq_len=16), samples)
+        make_source(_config("trainer", max_seq_len=16), samples=data.samples)
+    with pytest.raises(ValueError, match="pad_id .* is the media placeholder id"):
+        make_source(_config("none"), samples=data.samples, pad_id=data.samples[0].media.token_id).next_step()
+    with pytest.raises(ValueError, match="vision patches, more than max_patches_per_microbatch=1"):
+        make_source(_config("trainer", max_patches_per_row=1), samples=data.samples, pad_id=data.pad_id).next_step()
 
 
 @pytest.fixture(scope="module")
 def prepacked(tmp_path_factory):
-    from sftpack.multimodal import vqa_corpus
-    from sftpack.offline import prepack_multimodal
+    from sftpack.offline import prepack
 
     out = tmp_path_factory.mktemp("vqa") / "rows"
     convs = vqa_corpus(seed=0, limit=16, min_side=56, max_side=112)
-    return prepack_multimodal(convs, out, max_seq_len=256, on_bad_row="error").path
+    return prepack(convs, out, max_seq_len=256, on_bad_row="error", images=True).path
 
 
 @pytest.mark.parametrize("packing", ["loader", "offline"])
 def test_loader_and_offline_paths_train_as_padded_for_20_steps(data, prepacked, packing):
     """The rows of the loader (packed while streaming) and of a prepack with images (read back,
     its ids renumbered into the data's vocabulary) against the same conversations per step as
-    right-padded batches (MediaReplaySource): the same losses and parameters, 20 float64 steps."""
-    from sftpack.loop._media import MediaReplaySource
-
-    samples, vocab = data
+    right-padded batches (ReplaySource): the same losses and parameters, 20 float64 steps."""
     cfg = _config(packing, batch_size=2)
-    src = make_media_source(cfg, samples, pad_id=media_ids(vocab)["pad_id"], prepacked=prepacked, vocab=vocab)
+    src = make_source(cfg, samples=data.samples, pad_id=data.pad_id, prepacked=prepacked, vocab=data.vocab)
     packed = _run(data, cfg, source=src)
-    by_id = {s.conversation_id: s for s in samples}
+    by_id = {s.conversation_id: s for s in data.samples}
     steps = [[by_id[c] for c in step] for step in packed.conversations]
-    assert all(steps) and sum(r.images for r in packed.logs) == sum(s.num_images for st in steps for s in st)
-    replay = MediaReplaySource(steps, pad_id=media_ids(vocab)["pad_id"])
+    assert all(steps) and sum(r.images for r in packed.logs) == sum(s.media.num_items for st in steps for s in st)
+    replay = ReplaySource(steps, pad_id=data.pad_id)
     padded = _run(data, _config("none"), source=replay)
     assert [r.images for r in packed.logs] == [r.images for r in padded.logs]
     assert max(abs(a - b) for a, b in zip(packed.losses, padded.losses)) <= TOL, (packed.losses, padded.losses)
@@ -167,7 +199,149 @@ def test_loader_and_offline_paths_train_as_padded_for_20_steps(data, prepacked, 
     assert drift <= TOL
 
 
-# ------------------------------------------------------------------ sftpack train --corpus vqa
+@pytest.mark.parametrize("packing", ["trainer", "loader", "none"])
+def test_resume_continues_the_same_image_run(data, packing, tmp_path):
+    """Stopped after step 5, resumed from its step-4 checkpoint: the uninterrupted run's losses, bit for bit."""
+    cfg = _config(packing, steps=8, batch_size=4 if packing != "loader" else 2, checkpoint_every=2, buffer_size=8)
+    full = _run(data, cfg)
+    ckpt = tmp_path / "ckpt"
+    first = _run(data, cfg, checkpoint_dir=ckpt, stop_after=5)
+    second = _run(data, cfg, checkpoint_dir=ckpt, resume=True)
+    assert second.resumed_from == 4 and [r.step for r in second.logs] == [5, 6, 7, 8]
+    assert first.losses == full.losses[:5]
+    assert second.losses == full.losses[4:]  # bit for bit: same data, images, RNG and arithmetic
+    assert [r.images for r in second.logs] == [r.images for r in full.logs[4:]]
+    assert all(torch.equal(p, q) for p, q in zip(second.model.parameters(), full.model.parameters()))
+
+
+def test_a_checkpoint_of_other_images_is_refused(data, tmp_path):
+    from sftpack.loop import CheckpointError
+
+    cfg = _config("trainer", steps=2, checkpoint_every=2)
+    ckpt = tmp_path / "ckpt"
+    _run(data, cfg, checkpoint_dir=ckpt)
+    other = [
+        dataclasses.replace(s, media=dataclasses.replace(s.media, pixel_values=s.media.pixel_values + 1))
+        for s in data.samples
+    ]
+    longer = _config("trainer", steps=4, checkpoint_every=2)
+    with pytest.raises(CheckpointError, match="other data"):
+        train(
+            longer,
+            source=make_source(longer, samples=other, pad_id=data.pad_id),
+            model=data.model(),
+            checkpoint_dir=ckpt,
+            resume=True,
+        )
+
+
+def test_a_llava_run_trains_packed_as_padded(tmp_path):
+    """Another family through the same loop: LLaVA (one fixed-size image per tower entry, 1-D
+    positions; its tower runs inside its model, so the loss module hands it the pixels). The
+    trainer path and the padded baseline, 3 float64 steps: the same losses to TOL (the docstring's
+    derivation; LLaVA's chains are shorter: 32 px images, 8 px patches, width 32)."""
+    family = family_for("llava")
+    tok = family.tokenizer()
+    samples, _ = media_samples(vqa_corpus(seed=0, limit=8, min_side=56, max_side=112), max_seq_len=256, family=family)
+    samples, vocab = compact_vocabulary(samples, keep=[tok.pad_token_id, *media_token_ids(family, tok).values()])
+    pad = int(np.searchsorted(vocab, tok.pad_token_id))
+    runs = {}
+    for packing in ("trainer", "none"):
+        cfg = _config(packing, steps=3)
+        model = build_media_model(family, tok, vocab=vocab, dim=32, dtype=torch.float64)
+        runs[packing] = train(cfg, source=make_source(cfg, samples=samples, pad_id=pad), model=model)
+    packed, padded = runs["trainer"], runs["none"]
+    assert [r.images for r in packed.logs] == [r.images for r in padded.logs] and packed.logs[0].images >= 1
+    assert max(abs(a - b) for a, b in zip(packed.losses, padded.losses)) <= TOL
+
+
+# ------------------------------------------------------------------ data parallel, 2 ranks (gloo)
+#: float64; 2 DDP ranks against 1 on the same global batches. The same function in another
+#: summation order: each rank sums its micro-batches' token losses over the *global* target count,
+#: DDP all-reduces the gradients (a sum of 2 terms, one rounding) and divides by the world size
+#: (a power of two: exact), undone by the loss module's average_over_ranks (exact). One step is
+#: then off by the rounding chain of the docstring (n <= 4,000, 2 * n * u = 8.9e-13 relative on a
+#: loss of about 4 and gradients <= 10: <= 8.9e-12) plus one rounding of the all-reduce; AdamW's
+#: lr/eps amplification over 6 steps is bounded as in tests/loop/test_equality.py (a factor
+#: 2,000 below 1e-10 for 20 steps). 1e-10 is 11x the per-step bound. The negative control (both
+#: ranks train on rank 0's share) moves the loss by more than BUG_DDP = 1e-3.
+DDP_TOL = 1e-10
+BUG_DDP = 1e-3
+_DDP_DATA = {}
+
+
+def _ddp_config():
+    return _config("trainer", steps=6, batch_size=8, pad_multiple=2)
+
+
+def _ddp_worker(rank: int, init_file: str, out_file: str, unsharded: bool) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
+    )
+    try:
+        data, cfg = _DDP_DATA["data"], _ddp_config()
+        shard = 0 if unsharded else rank
+        source = make_source(cfg, samples=data.samples, pad_id=data.pad_id, rank=shard, world=2)
+        result = train(cfg, source=source, model=data.model())
+        torch.save(
+            {
+                "params": [p.detach() for p in result.model.parameters()],
+                "losses": result.losses,
+                "images": [r.images for r in result.logs],
+                "conversations": result.conversations,
+            },
+            f"{out_file}.{rank}",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_two_ranks(tmp_path, unsharded=False):
+    import os
+    import time
+
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "rank")
+    ctx = mp.start_processes(
+        _ddp_worker, args=(str(tmp_path / "init"), out, unsharded), nprocs=2, join=False, start_method="fork"
+    )
+    deadline = time.monotonic() + 600  # bounds a hang only: the run takes seconds
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    os.kill(p.pid, 9)
+            pytest.fail("the 2-rank run did not finish in 600 s")
+    return torch.load(out + ".0"), torch.load(out + ".1")
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
+def test_two_ranks_train_an_image_run_like_one(data, tmp_path):
+    cfg = _ddp_config()
+    one = _run(data, cfg)  # first: the forked ranks inherit what it loaded
+    _DDP_DATA["data"] = data
+    a, b = _ddp_two_ranks(tmp_path)
+    for step, (x, y, both) in enumerate(zip(a["conversations"], b["conversations"], one.conversations)):
+        assert x and y, f"step {step}: a rank got no conversation"
+        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the global batch"
+    assert a["images"] == [r.images for r in one.logs] and all(n >= 1 for n in a["images"])  # global counts
+    loss_diff = max(abs(x - y) for x, y in zip(a["losses"], one.losses))
+    param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(a["params"], one.model.parameters()))
+    assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
+    (tmp_path / "bad").mkdir()
+    bad, _ = _ddp_two_ranks(tmp_path / "bad", unsharded=True)
+    assert max(abs(x - y) for x, y in zip(bad["losses"], one.losses)) > BUG_DDP
+
+
+# ------------------------------------------------------------------ sftpack train with images
 #: float32, first step (the loss of the same initial parameters): rounding errors grow like
 #: lambda*sqrt(n)*u (Higham & Mary 2019; lambda = 10: exceeded with probability <= 4e-22), n <= 4,000
 #: (the chain above), u = 2**-24 = 6.0e-8: 10 * sqrt(4000) * 6e-8 = 3.8e-5 relative per run, 7.6e-5 for
@@ -176,23 +350,15 @@ def test_loader_and_offline_paths_train_as_padded_for_20_steps(data, prepacked, 
 LOSS_TOL_32 = 4e-4
 
 
-def _cli(tmp_path, packing: str, dtype: str, steps: int):
-    import argparse
-
-    from sftpack.cli._train import register
-    from sftpack.cli._train_vqa import add_vqa_arguments
-
-    parser = argparse.ArgumentParser()
-    register(parser.add_subparsers(dest="command"))
-    train = parser._subparsers._group_actions[0].choices["train"]  # type: ignore[union-attr]
-    if "--corpus" not in train._option_string_actions:  # until cli/_train.py registers it itself
-        add_vqa_arguments(train)
+def _cli(tmp_path, packing: str, dtype: str, steps: int, *extra: str, data: tuple[str, ...] = ("--corpus", "vqa")):
     log = tmp_path / f"{packing}-{dtype}.jsonl"
-    args = parser.parse_args(
-        ["train", "--corpus", "vqa", "--packing", packing, "--steps", str(steps), "--batch-size", "4"]
-        + ["--limit", "12", "--image-sides", "56", "112", "--max-seq-len", "256", "--vocab", "data"]
-        + ["--dim", "32", "--device", "cpu", "--dtype", dtype, "--log", str(log)]
+    args = (
+        ["train", *data, "--packing", packing, "--steps", str(steps), "--batch-size", "4"]
+        + ["--max-seq-len", "256", "--vocab", "data", "--dim", "32", "--device", "cpu", "--dtype", dtype]
+        + ["--log", str(log), *extra]
     )
+    if data[:2] == ("--corpus", "vqa"):
+        args += ["--limit", "12", "--image-sides", "56", "112"]
     return args, log
 
 
@@ -202,12 +368,12 @@ def _log(path) -> list[dict]:
 
 @pytest.mark.parametrize("dtype, steps", [("float64", 5), ("float32", 2)])  # 20 steps: above
 def test_sftpack_train_corpus_vqa_trainer_equals_none(tmp_path, capsys, dtype, steps):
-    from sftpack.cli._train_vqa import run_vqa
+    from sftpack.cli import main
 
     logs = {}
     for packing in ("trainer", "none"):
         args, log = _cli(tmp_path, packing, dtype, steps)
-        assert run_vqa(args) == 0
+        assert main(args) == 0
         logs[packing] = _log(log)
     out = capsys.readouterr().out
     assert "easy-vqa conversations" in out and "images over" in out
@@ -222,23 +388,72 @@ def test_sftpack_train_corpus_vqa_trainer_equals_none(tmp_path, capsys, dtype, s
         assert abs(packed[0]["loss"] - padded[0]["loss"]) <= LOSS_TOL_32
 
 
-def test_sftpack_train_corpus_vqa_refuses_what_it_does_not_take(tmp_path):
-    from sftpack.cli._common import UsageError
-    from sftpack.cli._train_vqa import run_vqa
+def test_sftpack_train_refuses_what_an_image_run_does_not_take(tmp_path, capsys):
+    from sftpack.cli import main
 
     args, _ = _cli(tmp_path, "trainer", "float32", 1)
-    args.checkpoint_dir = str(tmp_path)
-    with pytest.raises(UsageError, match="--checkpoint-dir"):
-        run_vqa(args)
+    assert main([*args, "--vocab", "tokenizer", "--model", str(tmp_path)]) == 2
+    assert "--model with data with images" in capsys.readouterr().err
+    assert main([*args, "--model-impl", "torch"]) == 2
+    assert "not with --corpus vqa" in capsys.readouterr().err
+    assert main(["train", "--max-patches-per-row", "64", "--steps", "1"]) == 2
+    assert "--max-patches-per-row is the vision-patch budget of data with images" in capsys.readouterr().err
+    assert main([*args, "--image-sides", "112", "56"]) == 2
+    assert "MIN must not exceed MAX" in capsys.readouterr().err
+    assert main([*args, "--max-patches-per-row", "8"]) == 1  # an image of more patches: no micro-batch holds it
+    assert "raise the patch budget" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("packing", ["loader", "offline"])
 def test_sftpack_train_corpus_vqa_on_the_loader_and_offline_paths(tmp_path, capsys, packing):
-    from sftpack.cli._train_vqa import run_vqa
+    from sftpack.cli import main
 
-    args, log = _cli(tmp_path, packing, "float32", 2)
-    args.batch_size = 2  # rows: 12 conversations make 3 rows of 256
-    assert run_vqa(args) == 0
+    args, log = _cli(tmp_path, packing, "float32", 2, "--batch-size", "2")  # rows: 12 conversations, 3 rows
+    assert main(args) == 0
     lines = _log(log)
     assert len(lines) == 2 and all(r["images"] >= 1 and r["padding"] < 0.5 for r in lines)
     assert "images over 2 steps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("packing", ["trainer", "loader"])
+def test_sftpack_train_images_resume_is_exact(tmp_path, capsys, packing):
+    """--checkpoint-dir, SIGTERM-free: a 4-step run with a checkpoint at step 2, its log cut there and
+    resumed with --resume: steps 3 and 4 have the uninterrupted run's losses, bit for bit (float32)."""
+    from sftpack.cli import main
+
+    batch = ["--batch-size", "2"] if packing == "loader" else []
+    full_args, full_log = _cli(tmp_path / "full", packing, "float32", 4, *batch)
+    (tmp_path / "full").mkdir()
+    assert main(full_args) == 0
+    ckpt = str(tmp_path / "ckpt")
+    args, log = _cli(tmp_path, packing, "float32", 4, *batch, "--checkpoint-dir", ckpt, "--checkpoint-every", "2")
+    assert main(args) == 0
+    import shutil
+
+    shutil.rmtree(Path(ckpt) / "step_000004")  # as if killed after step 3: the latest is step 2
+    (Path(ckpt) / "latest").write_text("step_000002")
+    assert main([*args, "--resume"]) == 0
+    assert "resumed from step 2" in capsys.readouterr().out
+    full, resumed = _log(full_log), _log(log)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in full]
+    assert [r["images"] for r in resumed] == [r["images"] for r in full]
+
+
+def test_sftpack_train_a_file_with_image_parts(tmp_path, capsys):
+    """``sftpack train FILE`` where FILE's conversations hold image parts: found from the data, and
+    the same run as ``--corpus vqa`` on the same conversations (their JSONL), loss for loss."""
+    from sftpack.cli import main
+
+    convs = list(vqa_corpus(seed=0, limit=12, min_side=56, max_side=112))
+    path = tmp_path / "my_images.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    (tmp_path / "vqa").mkdir()
+    args, log = _cli(tmp_path, "trainer", "float32", 3, data=(str(path),))
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "12 conversations -> 12 samples with" in out and "tiny qwen2_vl" in out
+    vqa_args, vqa_log = _cli(tmp_path / "vqa", "trainer", "float32", 3)
+    assert main(vqa_args) == 0
+    assert [r["loss"] for r in _log(log)] == [r["loss"] for r in _log(vqa_log)]
+    assert all(r["images"] >= 1 for r in _log(log))

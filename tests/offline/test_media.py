@@ -1,12 +1,14 @@
-"""Prepacks with images: rows read back equal the rows built in memory, byte for byte.
+"""Prepacks with images (``prepack(..., images=True)``): rows read back equal the rows built in
+memory, byte for byte.
 
 One small easy-vqa corpus (images 56-140 px a side, one or two per conversation) plus a
 conversation whose image file is missing (counted, never packed) and one long enough to
 be split at a text boundary, prepacked with a token and a patch budget. Checked: every
-field of every row read back against :func:`build_multimodal_row` of the same samples
-tokenized in memory (``pixel_values`` byte-identical, from the stored uint8 pixels), the
+field of every row read back (its ``media`` too) against :meth:`PackedBatch.from_samples`
+of the same samples tokenized in memory (``pixel_values`` byte-identical, from the stored uint8 pixels), the
 same files for ``num_proc`` 1 and 2, a flipped media byte caught by the checksums, every
-conversation accounted for, and one read row through a tiny float64 Qwen2-VL equal to
+conversation accounted for, a prepack as the first format-3 writer wrote it (no family
+named) still read, and one read row through a tiny float64 Qwen2-VL equal to
 each of its samples run alone, in both boundary modes.
 """
 
@@ -24,13 +26,12 @@ import torch
 pytest.importorskip("easy_vqa")
 pytest.importorskip("PIL")
 
+from sftpack import PackedBatch, Sample  # noqa: E402
+from sftpack.handoff.payload import PatchMedia  # noqa: E402
 from sftpack.multimodal import (  # noqa: E402
-    MultimodalBatch,
-    build_multimodal_row,
     check_packed,
-    image_processor,
+    family_for,
     load_image,
-    qwen2vl_tokenizer,
     tokenize_multimodal_conversations,
     vqa_corpus,
 )
@@ -41,10 +42,9 @@ from sftpack.multimodal._images import (  # noqa: E402
     pixels_from_patches,
     resize_image,
 )
-from sftpack.offline import PrepackedDataset, PrepackError, prepack_multimodal  # noqa: E402
-from sftpack.offline._format import MEDIA_FILES  # noqa: E402
+from sftpack.offline import PrepackedDataset, PrepackError, prepack, prepack_samples  # noqa: E402
+from sftpack.offline._format import MEDIA_FILES, digest, seal_manifest  # noqa: E402
 from sftpack.sample import IGNORE_INDEX  # noqa: E402
-from tests.multimodal.conftest import Renumbered  # noqa: E402
 
 MAX_SEQ_LEN = 256
 PAD_MULTIPLE = 4
@@ -58,6 +58,39 @@ MAX_PATCHES = 400
 # so each run is off by <= 4.4e-13 relative, the two by <= 8.9e-13, on logits and gradients
 # of magnitude <= 10 (asserted): <= 8.9e-12; 1e-10 is 11x that.
 TOL = 1e-10
+#: <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
+PAD, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = SPECIAL_IDS = (151643, 151652, 151653, 151655, 151656)
+
+
+class Renumbered:
+    """Samples over a compact vocabulary (the ids they use, renumbered in sorted order, so the
+    order and the special tokens' roles are kept), and a tiny float64 Qwen2-VL for it: a
+    151,657-row embedding would make a float64 pass cost seconds instead of milliseconds."""
+
+    def __init__(self, samples):
+        self.vocab = np.unique(np.concatenate([s.input_ids for s in samples] + [np.array(SPECIAL_IDS)]))
+        self.samples = [self.sample(s) for s in samples]
+
+    def id(self, token_id):
+        return int(np.searchsorted(self.vocab, token_id))
+
+    def sample(self, s):
+        # pixels stay float32: the float64 model's tower casts them, exactly
+        media = dataclasses.replace(s.media, token_id=self.id(IMAGE_PAD))
+        return Sample(np.searchsorted(self.vocab, s.input_ids), s.loss_mask, s.conversation_id, media=media)
+
+    @property
+    def pad_id(self):
+        return self.id(PAD)
+
+    def model(self, seed=0):
+        ids = dict(
+            image_token_id=self.id(IMAGE_PAD),
+            vision_start_token_id=self.id(VISION_START),
+            vision_end_token_id=self.id(VISION_END),
+            video_token_id=self.id(VIDEO_PAD),
+        )
+        return family_for().tiny_model(vocab_size=len(self.vocab), token_ids=ids, seed=seed, dtype=torch.float64)
 
 
 def _conversations(tmp_dir):
@@ -85,15 +118,16 @@ def corpus(tmp_path_factory):
 @pytest.fixture(scope="module")
 def written(tmp_path_factory, corpus):
     """The corpus prepacked with num_proc 1 and 2: ``{1: path, 2: path}``."""
-    qwen2vl_tokenizer()  # loaded once, before the fork, so the workers inherit it
+    family_for().tokenizer()  # loaded once, before the fork, so the workers inherit it
     out = {}
     for n in (1, 2):
-        r = prepack_multimodal(
+        r = prepack(
             corpus,
             tmp_path_factory.mktemp("media") / f"p{n}",
+            images=True,
             max_seq_len=MAX_SEQ_LEN,
             pad_multiple=PAD_MULTIPLE,
-            max_patches=MAX_PATCHES,
+            max_patches_per_row=MAX_PATCHES,
             num_proc=n,
         )
         out[n] = r.path
@@ -107,15 +141,25 @@ def in_memory(corpus):
     return {(s.conversation_id, int(s.meta.get("piece", 0)) if s.meta else 0): s for s in samples}
 
 
+def _same_value(x, y, name):
+    if isinstance(x, torch.Tensor):
+        assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, name
+        assert x.numpy().tobytes() == y.numpy().tobytes(), name
+    else:
+        assert x == y, name
+
+
 def _same(a, b):
-    assert type(a) is type(b) is MultimodalBatch
+    assert type(a) is type(b) is PackedBatch
     for f in dataclasses.fields(a):
         x, y = getattr(a, f.name), getattr(b, f.name)
-        if isinstance(x, torch.Tensor):
-            assert isinstance(y, torch.Tensor) and x.dtype == y.dtype and x.shape == y.shape, f.name
-            assert x.numpy().tobytes() == y.numpy().tobytes(), f.name
+        if f.name == "media":
+            assert type(x) is type(y) is PatchMedia and x.positions is not None
+            for g in dataclasses.fields(x):
+                _same_value(getattr(x, g.name), getattr(y, g.name), f"media.{g.name}")
+            _same_value(x.vision_cu_seqlens, y.vision_cu_seqlens, "media.vision_cu_seqlens")
         else:
-            assert x == y, f.name
+            _same_value(x, y, f.name)
 
 
 def _row_samples(ds, r, in_memory):
@@ -130,16 +174,17 @@ def test_rows_read_back_equal_rows_built_in_memory(written, in_memory):
     for r in range(len(ds)):
         row = ds[r].validate()
         samples = _row_samples(ds, r, in_memory)
-        _same(row, build_multimodal_row(samples, row_width=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE))
-        assert row.num_tokens == MAX_SEQ_LEN and int(row.image_grid_thw.prod(dim=1).sum()) <= MAX_PATCHES
+        built = PackedBatch.from_samples(samples, row_width=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE, pad_id=PAD)
+        _same(row, built)
+        assert row.num_tokens == MAX_SEQ_LEN and int(row.media.grid_thw.prod(dim=1).sum()) <= MAX_PATCHES
         imgs = ds.row_images(r)
-        assert [tuple(x.shape) for x in imgs] == [(14 * h, 14 * w, 3) for _, h, w in row.image_grid_thw.tolist()]
+        assert [tuple(x.shape) for x in imgs] == [(14 * h, 14 * w, 3) for _, h, w in row.media.grid_thw.tolist()]
         seen += len(samples)
     assert seen == len(in_memory) == ds.manifest["counts"]["sequences"]
     # several rows at once: the rows laid end to end, and what a DataLoader's batched fetch collates
-    _same(ds.batch([2, 0, 1]), MultimodalBatch.concat([ds[2], ds[0], ds[1]]))
+    _same(ds.batch([2, 0, 1]), PackedBatch.concat([ds[2], ds[0], ds[1]]))
     fetched = ds.__getitems__([1, 2])
-    _same(ds.collate(fetched), MultimodalBatch.concat([ds[1], ds[2]]))
+    _same(ds.collate(fetched), PackedBatch.concat([ds[1], ds[2]]))
     _same(fetched[1], ds[2])
 
 
@@ -161,11 +206,13 @@ def test_every_conversation_is_accounted_for(written, corpus, in_memory):
     assert c["packed_conversations"] == c["kept"] and c["sequences"] == len(in_memory) > c["kept"]
     assert c["tokens"] == sum(len(s) for s in in_memory.values())
     media = m["media"]
-    assert media["images"] == sum(s.num_images for s in in_memory.values())
+    assert media["images"] == sum(s.media.num_items for s in in_memory.values())
     assert media["patches"] == sum(s.num_patches for s in in_memory.values())
     # the stored pixels are 3 bytes a pixel; the float32 patches would be 24 (8x)
-    assert media["pixel_bytes"] * 8 == sum(s.pixel_values.nbytes for s in in_memory.values())
+    assert media["pixel_bytes"] * 8 == sum(s.media.pixel_values.numpy().nbytes for s in in_memory.values())
     assert m["format_version"] == 3 and m["fingerprint"]["media"]["kind"] == media["kind"]
+    assert media["family"] == m["fingerprint"]["media"]["family"] == "qwen2_vl"
+    assert m["fingerprint"]["max_patches_per_row"] == MAX_PATCHES and m["source"] == "multimodal conversations"
 
 
 def _flip(path, offset_from_end=1):
@@ -199,7 +246,7 @@ def test_patchify_on_read_is_the_processors_output_byte_for_byte(corpus):
     rescale/normalise table gives its pixel_values bit for bit, on every image of the corpus
     (sizes 56-140 px, aspect ratios from 0.4 to 2.5) and two large ones; the inverse recovers
     the pixels exactly and refuses patches that no uint8 image gives."""
-    proc = image_processor()
+    proc = family_for().image_processor()
     table = pixel_table(proc)
     assert table.dtype == np.float32 and np.all(np.diff(table, axis=1) > 0)  # injective: the inverse exists
     parts = [p for c in corpus for m in c["messages"] if isinstance(m["content"], list) for p in m["content"]]
@@ -226,8 +273,9 @@ def test_patchify_on_read_is_the_processors_output_byte_for_byte(corpus):
         pixels_from_patches(bad, grid, proc)
 
 
-def _renumber_row(rn: Renumbered, row: MultimodalBatch) -> MultimodalBatch:
-    """A read row over the compact vocabulary of the tiny model, patches in float64."""
+def _renumber_row(rn: Renumbered, row: PackedBatch) -> PackedBatch:
+    """A read row over the compact vocabulary of the tiny model (its float32 patches: the float64
+    tower casts them, exactly)."""
     labels = row.labels.clone()
     keep = labels != IGNORE_INDEX
     labels[keep] = torch.from_numpy(np.searchsorted(rn.vocab, labels[keep].numpy()))
@@ -235,15 +283,14 @@ def _renumber_row(rn: Renumbered, row: MultimodalBatch) -> MultimodalBatch:
         row,
         input_ids=torch.from_numpy(np.searchsorted(rn.vocab, row.input_ids.numpy())),
         labels=labels,
-        pixel_values=row.pixel_values.to(torch.float64),
-        image_token_id=rn.id(151655),
+        media=dataclasses.replace(row.media, token_id=rn.id(IMAGE_PAD)),
     )
 
 
 @pytest.fixture(scope="module")
 def exact_row(written, in_memory):
     ds = PrepackedDataset(written[1])
-    r = max(range(len(ds)), key=lambda i: (ds[i].num_images, ds[i].num_sequences))
+    r = max(range(len(ds)), key=lambda i: (ds[i].num_media_items, ds[i].num_sequences))
     row = ds[r]
     rn = Renumbered(_row_samples(ds, r, in_memory))
     torch.set_num_threads(1)
@@ -255,7 +302,7 @@ def test_a_read_row_through_qwen2vl_equals_each_sample_alone(exact_row, pad_betw
     """The row as read from disk (check_packed's own row swapped for it) against each in-memory
     sample run alone: logits, loss, gradients of the language model and the vision tower."""
     rn, row, model = exact_row
-    assert row.num_sequences >= 3 and row.num_images >= 3 and int(row.cu_seqlens_padded[-1]) == MAX_SEQ_LEN
+    assert row.num_sequences >= 3 and row.num_media_items >= 3 and int(row.cu_seqlens_padded[-1]) == MAX_SEQ_LEN
     r = check_packed(
         model,
         rn.samples,
@@ -269,7 +316,9 @@ def test_a_read_row_through_qwen2vl_equals_each_sample_alone(exact_row, pad_betw
     assert r.within(TOL), r
     # the control: the same row with 1-D positions in the MRoPE rows (the grids ignored) fails by
     # far more (tests/multimodal/test_exactness.py's BUG, 1e6 x TOL)
-    one_d = dataclasses.replace(row, mrope_position_ids=row.position_ids.expand(3, -1).clone())
+    one_d = dataclasses.replace(
+        row, media=dataclasses.replace(row.media, positions=row.position_ids.expand(3, -1).clone())
+    )
     bad = check_packed(
         model,
         rn.samples,
@@ -292,7 +341,7 @@ def test_the_cli_prepacks_the_vqa_corpus_and_inspect_shows_the_images(tmp_path, 
     assert re.search(r"images\s+\d+ \([\d.]+ a row\), [\d,]+ vision patches; stored as resized uint8 pixels", text)
     ds = PrepackedDataset(out, verify="full")
     assert ds.manifest["counts"]["read"] == 6 and ds.manifest["fingerprint"]["corpus"]["name"] == "easy-vqa"
-    assert all(int(ds[i].image_grid_thw.prod(dim=1).sum()) <= 2500 for i in range(len(ds)))
+    assert all(int(ds[i].media.grid_thw.prod(dim=1).sum()) <= 2500 for i in range(len(ds)))
     assert main(["inspect", str(out), "--row", "0"]) == 0
     shown = capsys.readouterr().out
     assert "stored as resized uint8 pixels" in shown and re.search(r"images \d+x\d+ px at slot \d+", shown)
@@ -305,5 +354,45 @@ def test_a_bad_image_in_error_mode_names_the_record_and_field_and_leaves_nothing
 
     out = tmp_path / "never"
     with pytest.raises(BadImageError, match=r"'bad-image', messages\[0\]\.content\[0\]\.path: no file"):
-        prepack_multimodal(corpus[:5], out, max_seq_len=MAX_SEQ_LEN, on_bad_row="error")
+        prepack(corpus[:5], out, images=True, max_seq_len=MAX_SEQ_LEN, on_bad_row="error")
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_a_prepack_written_before_the_family_was_recorded_still_reads(written, tmp_path):
+    """Format 3 as sftpack first wrote it: the same files, a manifest naming no family (read by
+    Qwen2-VL's rule, the one it was written with) and the budget under ``max_patches``."""
+    copy = tmp_path / "first-format-3"
+    shutil.copytree(written[1], copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    del m["media"]["family"]
+    fp = m["fingerprint"]
+    del fp["media"]["family"]
+    fp["max_patches"] = fp.pop("max_patches_per_row")
+    fp["sha256"] = digest({k: v for k, v in fp.items() if k != "sha256"})
+    (copy / "manifest.json").write_text(json.dumps(seal_manifest(m)))
+    old, new = PrepackedDataset(copy, verify="full"), PrepackedDataset(written[1])
+    assert old.media.family.name == "qwen2_vl" and len(old) == len(new)
+    for r in range(len(new)):
+        _same(old[r], new[r])
+
+
+def test_the_options_of_images_are_checked_before_anything_is_read(corpus, tmp_path):
+    out = tmp_path / "never"
+    with pytest.raises(ValueError, match="max_patches_per_row is a budget for images"):
+        prepack(corpus, out, max_patches_per_row=10)
+    with pytest.raises(ValueError, match="overlong='truncate' is not offered with images"):
+        prepack(corpus, out, images=True, overlong="truncate")
+    with pytest.raises(ValueError, match="train_on='last_assistant' is not offered with images"):
+        prepack(corpus, out, images=True, train_on="last_assistant")
+    with pytest.raises(ValueError, match="'gemma3'.* is not a vision-language family"):
+        prepack(corpus, out, images=True, family="gemma3")
+    with pytest.raises(ValueError, match="takes an iterable of conversations, got paths"):
+        prepack(str(tmp_path / "inputs"), out, images=True)
+    assert not out.exists()
+
+
+def test_a_sample_with_media_is_never_written_without_its_images(in_memory, tmp_path):
+    s = next(s for s in in_memory.values() if s.media is not None)
+    with pytest.raises(ValueError, match="carries media, which a text prepack would lose"):
+        prepack_samples([s], tmp_path / "never", max_seq_len=MAX_SEQ_LEN)
+    assert not (tmp_path / "never").exists()

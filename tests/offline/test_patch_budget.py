@@ -20,8 +20,10 @@ import pytest
 pytest.importorskip("easy_vqa")
 pytest.importorskip("PIL")
 
+from sftpack import Sample  # noqa: E402
 from sftpack.cli import main  # noqa: E402
-from sftpack.multimodal import MultimodalSample, vqa_corpus  # noqa: E402
+from sftpack.handoff.payload import PatchMedia  # noqa: E402
+from sftpack.multimodal import vqa_corpus  # noqa: E402
 from sftpack.multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError, check_patch_budget  # noqa: E402
 from sftpack.offline import PrepackedDataset  # noqa: E402
 
@@ -79,29 +81,30 @@ def test_over_the_patch_budget_under_overlong_error_is_a_data_error_naming_the_c
 
 
 def test_the_loader_counts_and_refuses_the_same_conversation():
-    from sftpack.loader import MultimodalPackingDataset
+    from sftpack.loader import PackingDataset
 
     convs = list(vqa_corpus(seed=0, limit=int(LIMIT)))
-    kw = {"max_seq_len": 512, "buffer_size": 8, "max_patches": BUDGET}
-    ds = MultimodalPackingDataset(convs, overlong="drop", **kw)
+    kw = {"max_seq_len": 512, "buffer_size": 8, "max_patches_per_row": BUDGET, "pad_id": 151643}
+    ds = PackingDataset(convs, overlong="drop", **kw)
     rows = list(ds)
-    assert ds.stats.dropped == {OVER_PATCH_BUDGET: 1} and ds.stats.samples_in == 3
+    assert ds.stats.dropped_by == {OVER_PATCH_BUDGET: 1} and ds.stats.samples_in == 3
     assert sorted(c for r in rows for c in r.sequence_ids) == ["easy-vqa:train:0", "easy-vqa:train:2"]
     with pytest.raises(ValueError, match=rf"conversation {HEAVY!r}\) has {HEAVY_PATCHES} vision patches, more than "):
-        list(MultimodalPackingDataset(convs, overlong="error", **kw))
+        list(PackingDataset(convs, overlong="error", **kw))
 
 
 def _sample(cid, patches):
     n = patches // 4
     ids = np.array([1, 151652] + [151655] * n + [151653])
-    return MultimodalSample(
-        ids,
-        ids == 1,
-        cid,
+    media = PatchMedia(
         pixel_values=np.zeros((patches, 1176), np.float32),
-        image_grid_thw=[(1, 2, patches // 2)],
-        image_runs=[(2, n)],
+        slots=[(2, n)],
+        sequence=[0],
+        token_id=151655,
+        grid_thw=[(1, 2, patches // 2)],
+        merge_size=2,
     )
+    return Sample(ids, ids == 1, cid, media=media)
 
 
 def test_the_rule_every_path_shares():

@@ -18,7 +18,6 @@ def test_the_package_exports_the_user_facing_names():
         "import_megatron_bridge",
         "import_packed_jsonl",
         "prepack",
-        "prepack_multimodal",
         "prepack_ray",
         "prepack_samples",
         "read_manifest",
@@ -31,6 +30,7 @@ def test_the_extension_module_exports_the_engine_parts():
     assert sorted(engine.__all__) == [
         "Conversations",
         "LocalEngine",
+        "MediaLayout",
         "PrepackEngine",
         "RayEngine",
         "RayPrepackResult",

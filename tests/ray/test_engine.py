@@ -1,6 +1,7 @@
 """The Ray engine on a real local Ray: byte-identical to the local engine with 1 and 2
-workers (one of them killed mid-run), and a worker that cannot load the tokenizer
-leaves nothing that opens as a prepack.
+workers (one of them killed mid-run), for conversations with images too (every file,
+the media columns and the manifest, the same as the local engine's for num_proc 1 and 2),
+and a worker that cannot load the tokenizer leaves nothing that opens as a prepack.
 
 Each Ray run costs 8-20 s here (actor start, tokenizer load, a worker for the write
 tasks), so these are few and share one Ray (``ray_cluster``)."""
@@ -66,6 +67,28 @@ def test_local_and_ray_1_and_2_workers_write_the_same_bytes(ray_cluster, chat_di
     ds = PrepackedDataset(two.path, verify="full")
     assert len(ds) == c["rows"]
     ds[len(ds) - 1].validate()
+
+
+def test_images_local_num_proc_1_and_2_and_ray_write_the_same_bytes(ray_cluster, tmp_path):
+    pytest.importorskip("easy_vqa")
+    pytest.importorskip("PIL")
+    from sftpack.multimodal import family_for, vqa_corpus
+
+    convs = list(vqa_corpus(seed=4, limit=10, min_side=56, max_side=140))
+    del convs[2]["id"]  # numbered by its place in the input, on every engine
+    family_for().tokenizer()  # loaded once, before the local engine forks
+    kw = {"images": True, "max_seq_len": 256, "pad_multiple": 4, "max_patches_per_row": 400, "overlong": "split"}
+    one = prepack(convs, tmp_path / "local1", num_proc=1, **kw)
+    two = prepack(convs, tmp_path / "local2", num_proc=2, **kw)
+    ray = prepack(convs, tmp_path / "ray", engine=RayEngine(workers=2, unit_size=3, write_tasks=2), **kw)
+    names = sorted(p.name for p in one.path.iterdir())
+    assert "pixels.npy" in names and len(ray.writers) == 2
+    for other in (two, ray):
+        assert sorted(p.name for p in other.path.iterdir()) == names
+        assert [n for n in names if (other.path / n).read_bytes() != (one.path / n).read_bytes()] == []
+    ds = PrepackedDataset(ray.path, verify="full")
+    assert ds.manifest["media"]["family"] == "qwen2_vl" and ds.manifest["counts"]["overlong"]["split"] >= 0
+    assert sum(ds[i].validate().num_media_items for i in range(len(ds))) == ds.manifest["media"]["images"]
 
 
 def test_a_tokenizer_missing_on_the_workers_fails_clearly_and_leaves_nothing(ray_cluster, chat_dir, tmp_path):

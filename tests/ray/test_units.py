@@ -1,7 +1,7 @@
 """The Ray engine's driver-side pieces, without starting Ray: units and their merge
-give exactly the local engine's staging, the multi-unit token source gathers exactly
-what one staging folder does, the write ranges cover every row, and importing the
-engine loads no Ray."""
+give exactly the local engine's staging (text, and conversations with images with their
+media columns), the multi-unit token source gathers exactly what one staging folder does
+(tokens and pixels), the write ranges cover every row, and importing the engine loads no Ray."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import pytest
 
 from sftpack.chat import BadRowError, tokenize_conversations
 from sftpack.data import default_corpus
-from sftpack.offline._inputs import open_inputs
+from sftpack.offline._encode import ImageCounts, encoded, image_settings
+from sftpack.offline._inputs import open_image_inputs, open_inputs
 from sftpack.offline._ray_units import TokenizeActor, UnitsSource, make_units, merge, split_rows
 from sftpack.offline.engine import plan_rows, stage_samples
 from sftpack.testing import samples_from_lengths, tiny_chat_tokenizer
@@ -23,9 +24,9 @@ from sftpack.testing import samples_from_lengths, tiny_chat_tokenizer
 OPTIONS = {"max_seq_len": 256, "overlong": "split", "train_on": "all_assistant"}
 
 
-def _run_units(units, tok):
+def _run_units(units, tok, images=None):
     """The actor's work, in this process, one unit per call as Ray Data hands them over."""
-    actor = TokenizeActor(tok, OPTIONS)
+    actor = TokenizeActor(tok, OPTIONS, images=images)
     out = []
     for u in units:
         batch = actor({"key": np.array([u.key]), "unit": np.array([pickle.dumps(u)], dtype=object)})
@@ -103,6 +104,47 @@ def test_the_multi_unit_source_gathers_what_one_staging_folder_does(tmp_path):
         got, want = multi.gather(request), whole.source().gather(request)
         np.testing.assert_array_equal(got[0], want[0])
         np.testing.assert_array_equal(got[1], want[1])
+
+
+def test_units_of_conversations_with_images_merge_into_the_local_staging(tmp_path):
+    pytest.importorskip("easy_vqa")
+    pytest.importorskip("PIL")
+    from sftpack.multimodal import vqa_corpus
+
+    convs = list(vqa_corpus(seed=1, limit=7, min_side=56, max_side=112))
+    for c in convs[::3]:
+        del c["id"]  # numbered by their place in the input, whatever unit they land in
+    settings = image_settings(
+        "qwen2_vl", None, None, max_seq_len=128, overlong="split", on_bad_row="skip", max_patches_per_row=None
+    )
+    counts = ImageCounts()
+    local = stage_samples(counts.pairs(encoded(convs, settings)), tmp_path / "local", media=True)
+    units, workers_read = make_units(open_image_inputs(convs, limit=None), tmp_path / "ray", unit_size=3, raw=True)
+    assert not workers_read and [u.start for u in units] == [0, 3, 6]
+    results = _run_units(units, None, images=settings)
+    assert all(r["ok"] for r in results), [r.get("message") for r in results]
+    staged, unit_samples = merge(results, tmp_path / "ray")
+    for name in ("lengths", "conversation", "piece", "conversation_offsets"):
+        np.testing.assert_array_equal(getattr(staged, name), getattr(local, name), err_msg=name)
+    a, b = staged.media, local.media
+    assert a.num_images == b.num_images > 7 and (a.token_id, a.merge_size) == (b.token_id, b.merge_size)
+    for name in ("first_image", "patches", "pixel_offsets"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    for field in ("height", "width", "grid_t", "grid_h", "grid_w", "sequence", "start"):
+        np.testing.assert_array_equal(a.records[field], b.records[field], err_msg=field)
+    merged = ImageCounts()
+    for r in results:
+        merged.merge(r["images"])
+    assert merged.manifest() == counts.manifest() and merged.read == 7
+    ids = b"".join((tmp_path / "ray" / f"u{k:06d}" / "ids.json8").read_bytes() for k in range(len(units)))
+    assert ids == (tmp_path / "local" / "ids.json8").read_bytes() and b"3" in ids
+    source = UnitsSource(
+        [u.staging for u in units], staged.lengths, unit_samples, [r["media"].pixel_offsets for r in results]
+    )
+    rng = np.random.default_rng(0)
+    n = staged.num_samples
+    for request in (np.arange(n), rng.permutation(n), np.array([n - 1, 0, 3, 3])):
+        np.testing.assert_array_equal(source.gather_pixels(request), local.source().gather_pixels(request))
 
 
 @pytest.mark.parametrize("parts", [1, 2, 3, 7, 100])

@@ -52,22 +52,28 @@ def _image_row():
     """docs/multimodal.md's row: A (8 slots, a 4-slot image run at 2) and B (7, a 2-slot run at 2), pad 4."""
     import numpy as np
 
-    from sftpack.multimodal import MultimodalSample, build_multimodal_row
+    from sftpack import Sample
+    from sftpack.handoff.payload import PatchMedia
+    from sftpack.multimodal.families.qwen2_vl import mrope_positions
 
     def sample(ids, grid):
         ids = np.array(ids)
         n = int(np.prod(grid))
-        return MultimodalSample(
-            ids,
-            ids > 200000,
+        runs, grids = np.array([(int(np.argmax(ids == 151655)), n // 4)]), np.array([grid])
+        media = PatchMedia(
             pixel_values=np.zeros((n, 1176), np.float32),
-            image_grid_thw=[grid],
-            image_runs=[(int(np.argmax(ids == 151655)), n // 4)],
+            slots=runs,
+            sequence=[0],
+            token_id=151655,
+            grid_thw=grids,
+            merge_size=2,
+            positions=mrope_positions(len(ids), runs, grids, 2),
         )
+        return Sample(ids, ids > 200000, media=media)
 
     a = sample([1, 151652] + [151655] * 4 + [151653, 5], (1, 4, 4))
     b = sample([1, 151652] + [151655] * 2 + [151653, 6, 7], (1, 2, 4))
-    return build_multimodal_row([a, b], pad_multiple=4).validate()
+    return PackedBatch.from_samples([a, b], pad_multiple=4, pad_id=151643).validate()
 
 
 def test_draw_row_to_scale_marks_image_runs_and_keeps_proportions():

@@ -1,16 +1,17 @@
 """``sftpack bench``: what packing saves on your conversations, per algorithm.
 
-``--corpus vqa`` benches multimodal conversations instead (the embedded easy-vqa
-corpus, or multimodal JSONL files): each packer's rows and fill for text + vision
-tokens, without and with a vision-patch budget per row."""
+Conversations with images (PATHS whose conversations hold image parts, found in
+their first records, or ``--corpus vqa``: the embedded easy-vqa corpus) are
+benched as such: each packer's rows and fill for text + vision tokens, without
+and with a vision-patch budget per row."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._common import UsageError, load_tokenizer, positive, render_read_stats, render_tokenize_stats
+from ._common import UsageError, has_images, load_tokenizer, positive, render_read_stats, render_tokenize_stats
 
 if TYPE_CHECKING:
     from ..chat import Conversation
@@ -24,23 +25,22 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "paths",
         nargs="*",
-        help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus); "
-        "with --corpus vqa, multimodal conversations: JSONL, Parquet or saved datasets (image paths relative to each file)",
+        help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus); conversations with image "
+        "parts are benched as such (image paths relative to each file)",
     )
     b.add_argument(
         "--corpus",
         choices=["chat", "vqa"],
         default="chat",
-        help="chat: text conversations (default; embedded chitchat corpus without PATHS); "
-        "vqa: conversations with images (embedded easy-vqa corpus without PATHS), packed under "
-        "a token and a vision-patch budget",
+        help="the embedded data without PATHS: chat conversations (default) or easy-vqa conversations with "
+        "images, packed under a token and a vision-patch budget",
     )
     b.add_argument(
         "--max-patches-per-row",
         "--max-patches",
         dest="max_patches",
         type=positive,
-        help="with --corpus vqa: vision patches per row for the patch budget (default 2 x --max-seq-len)",
+        help="data with images: vision patches per row for the patch budget (default 2 x --max-seq-len)",
     )
     b.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
     b.add_argument("--pad-multiple", type=positive, default=1, help="pad each sequence to a multiple of this (2*CP)")
@@ -48,7 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--on-bad-row", default="skip", choices=["error", "skip"])
     b.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
     b.add_argument("--limit", type=positive, help="first N conversations only")
-    b.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes (--corpus chat)")
+    b.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes (text data)")
     b.add_argument("--seed", type=int, default=0)
     b.set_defaults(func=run)
 
@@ -67,10 +67,13 @@ def run(args: argparse.Namespace) -> int:
             f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple} "
             f"(use {args.max_seq_len // args.pad_multiple * args.pad_multiple})"
         )
-    if args.corpus == "vqa":
-        return _run_vqa(args)
+    if args.corpus == "vqa" or (args.paths and has_images(args.paths)):
+        return _run_images(args)
     if args.max_patches is not None:
-        raise UsageError("--max-patches-per-row is the vision-patch budget of --corpus vqa; text rows have no patches")
+        raise UsageError(
+            "--max-patches-per-row is the vision-patch budget of --corpus vqa or data with image parts; text rows "
+            "have no patches"
+        )
     tok = load_tokenizer(args.tokenizer)
     conversations: Iterable[Conversation]
     if args.paths:
@@ -112,27 +115,35 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_vqa(args: argparse.Namespace) -> int:
+def _run_images(args: argparse.Namespace) -> int:
+    """Conversations with images: PATHS (read by :func:`sftpack.chat.read_conversations`) or easy-vqa."""
     from itertools import islice
 
     import numpy as np
 
-    from ..multimodal import MultimodalReadStats, read_multimodal, vqa_corpus
+    from ..chat import read_conversations
+    from ..multimodal import vqa_corpus
     from ..report.savings import bench_multimodal, format_multimodal_layouts
 
+    what = "--corpus vqa" if args.corpus == "vqa" else "data with images"
     if args.tokenizer is not None:
         raise UsageError(
-            "--corpus vqa tokenizes with Qwen2-VL's tokenizer and image processor (embedded); drop --tokenizer"
+            f"--tokenizer: not offered with {what}, which is tokenized with Qwen2-VL's tokenizer and image "
+            "processor (embedded); drop --tokenizer"
         )
     if args.overlong == "truncate":
         raise UsageError(
-            "--corpus vqa never cuts inside an image: use --overlong split (cut at text boundaries), drop or error"
+            f"--overlong truncate: not offered with {what} (sftpack never cuts inside an image): use --overlong "
+            "split (cut at text boundaries), drop or error"
         )
+    if args.num_proc != 1:
+        raise UsageError(f"--num-proc: not offered with {what} (tokenized and its images processed in this process)")
     max_patches = args.max_patches if args.max_patches is not None else 2 * args.max_seq_len
     read_stats = None
+    conversations: Iterable[Any]
     if args.paths:
-        read_stats = MultimodalReadStats()
-        conversations: Iterable[dict] = read_multimodal(args.paths, args.on_bad_row, stats=read_stats)
+        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row)
+        conversations, read_stats = reader, reader.stats
         source = ", ".join(args.paths)
     else:
         conversations = vqa_corpus(seed=args.seed)
@@ -152,8 +163,9 @@ def _run_vqa(args: argparse.Namespace) -> int:
         progress=True,
     )
     if read_stats is not None:
-        dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(read_stats.dropped.items())) or "none"
-        print(f"  read {read_stats.read:,} rows: {read_stats.kept:,} kept, dropped: {dropped}")
+        lines = render_read_stats(read_stats).split("\n")
+        lines[0] += f"; {read_stats.images:,} image parts"
+        print("\n".join(lines))
     st = r.stats
     dropped = ", ".join(f"{k} {v:,}" for k, v in sorted(st.dropped.items())) or "none"
     print(

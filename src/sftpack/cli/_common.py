@@ -1,13 +1,18 @@
 """Shared by the commands: option types that refuse bad values up front, the
-usage error, SIGTERM handled like Ctrl-C, and the tokenizer loader."""
+usage error, SIGTERM handled like Ctrl-C, the tokenizer loader, and whether
+input files hold conversations with images (:func:`has_images`)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
+import itertools
+import json
 import os
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = [
     "Terminated",
     "UsageError",
+    "has_images",
     "load_tokenizer",
     "non_negative",
     "positive",
@@ -145,6 +151,62 @@ def load_tokenizer(path: str | None) -> Any:
             f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder written "
             "by tokenizer.save_pretrained(), or leave --tokenizer out for the embedded Qwen tokenizer"
         ) from None
+
+
+def _record_has_images(obj: Any) -> bool:
+    """A conversation (a JSON object, or a read ``Conversation``) with an image part or a non-empty
+    ``images`` list."""
+    if isinstance(obj, dict):
+        if obj.get("images"):
+            return True
+        messages = obj.get("messages") or obj.get("conversations") or ()
+    else:
+        messages = getattr(obj, "messages", None) or ()
+    for m in messages if isinstance(messages, list) else ():
+        content = m.get("content", m.get("value")) if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+            return True
+    return False
+
+
+def _files_of(given: str) -> list[Path]:
+    """The first files a path, folder or glob names (a saved dataset's folder: itself)."""
+    if glob.has_magic(given):
+        return [Path(f) for f in sorted(glob.glob(given, recursive=True)) if os.path.isfile(f)][:8]
+    p = Path(given)
+    if p.is_dir() and not (p / "dataset_info.json").is_file() and not (p / "dataset_dict.json").is_file():
+        return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".jsonl", ".json", ".parquet"))[:8]
+    return [p]
+
+
+def has_images(paths: Sequence[str], records: int = 64) -> bool:
+    """Whether the inputs hold conversations with images: image parts (``{"type": "image", ...}``)
+    or an ``images`` list in the first ``records`` records of their first files (what ``sftpack
+    train``, ``prepack`` and ``bench`` decide the data's kind by). JSONL is read here line by line
+    (a text run imports nothing more); other sources (``.gz``, Parquet, saved datasets) through
+    :func:`sftpack.chat.read_conversations`' first records."""
+    for given in paths:
+        for f in _files_of(str(given)):
+            if f.suffix in (".jsonl", ".json", ".ndjson") and f.is_file():
+                with open(f, encoding="utf-8", errors="replace") as fh:
+                    for line in itertools.islice(fh, records):
+                        if '"image' not in line:  # most text lines stop here, unparsed
+                            continue
+                        try:
+                            if _record_has_images(json.loads(line)):
+                                return True
+                        except ValueError:
+                            continue
+            elif f.exists():
+                from ..chat import read_conversations
+
+                try:
+                    for conv in itertools.islice(read_conversations([str(f)], on_bad_row="skip"), records):
+                        if _record_has_images(conv):
+                            return True
+                except Exception:  # not readable as conversations: the command's reader will say why
+                    return False
+    return False
 
 
 def _reasons(counts: dict[str, int]) -> str:

@@ -58,8 +58,12 @@ def describe_lines(ds: PrepackedDataset) -> list[str]:
             f"train_on {fp.get('train_on', '-')}"
         ),
     ]
-    for inp in fp.get("inputs", []):
-        size = f"{inp['size']:,} bytes" if isinstance(inp.get("size"), int) else "?"
+    # input_files: the data files of a prepack with images (its "inputs" is then the conversations read)
+    for inp in [*fp.get("input_files", []), *fp.get("inputs", [])]:
+        iterable = inp.get("name") == "<iterable>"  # conversations hashed as they streamed: size counts them
+        size = (
+            f"{inp['size']:,} {'conversations' if iterable else 'bytes'}" if isinstance(inp.get("size"), int) else "?"
+        )
         out.append(f"  input {inp.get('name', '?')}  {size}  sha256 {str(inp.get('sha256'))[:16]}")
     dropped = ", ".join(f"{k} {v:,}" for k, v in c["dropped"].items()) or "none dropped"
     out.append(
@@ -78,10 +82,11 @@ def describe_lines(ds: PrepackedDataset) -> list[str]:
     media = m.get("media")
     if media:
         proc = media["processor"]
-        budget = fp.get("max_patches")
+        budget = fp.get("max_patches_per_row", fp.get("max_patches"))  # max_patches: the first format-3 prepacks
         out.append(
-            f"  images: {media['images']:,} ({media['patches']:,} vision patches"
-            f"{f', at most {budget:,} a row' if budget else ''}), stored as resized uint8 pixels "
+            f"  images for {media.get('family', 'qwen2_vl')}: {media['images']:,} ({media['patches']:,} vision "
+            f"patches, {f'at most {budget:,} a row' if budget else 'no patch budget per row'}), stored as resized "
+            "uint8 pixels "
             f"({media['pixel_bytes']:,} bytes; patch {proc['patch_size']}, merge {proc['merge_size']}, "
             f"{proc['min_pixels']:,}-{proc['max_pixels']:,} pixels an image), patchified on read"
         )

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ._common import UsageError, load_tokenizer, non_negative, positive
+from ._common import UsageError, has_images, load_tokenizer, non_negative, positive, render_read_stats
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..offline import PrepackResult
@@ -73,23 +73,34 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--ray-address",
         metavar="ADDR",
         help="--engine ray: join this running Ray cluster ('auto', "
-        "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs and the "
-        "parent of --out must be at the same paths on every node",
+        "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs (and their "
+        "images) and the parent of --out must be at the same paths on every node",
     )
     p.add_argument(
         "--corpus",
         default="chat",
         choices=["chat", "vqa"],
-        help="chat (default): text conversations (the inputs, or the embedded chitchat corpus); vqa: the embedded "
-        "easy-vqa conversations with images (Qwen2-VL tokenizer and image processor; no inputs), stored with "
-        "their resized pixels",
+        help="chat (default): the inputs (or the embedded chitchat corpus); vqa: the embedded easy-vqa "
+        "conversations with images (no inputs)",
     )
-    p.add_argument(
+    img = p.add_argument_group(
+        "images",
+        'Inputs whose conversations hold image parts ({"type": "image", "path": ...}, paths relative to '
+        "the data file's folder; found in their first records), or --corpus vqa: tokenized with the family's "
+        "tokenizer and image processor and stored with their resized pixels. Not with --tokenizer, --train-on "
+        "(assistant turns are trained) or --overlong truncate (never a cut inside an image).",
+    )
+    img.add_argument(
+        "--family",
+        choices=["qwen2_vl", "qwen2_5_vl"],
+        help="the vision-language model family the rows are for (default qwen2_vl)",
+    )
+    img.add_argument(
         "--max-patches-per-row",
         type=positive,
         metavar="N",
-        help="--corpus vqa: vision patches per row, a second budget beside --max-seq-len (default: none); a "
-        "conversation over it alone is dropped and counted as over_patch_budget (--overlong error: refused, exit 1)",
+        help="vision patches per row, a second budget beside --max-seq-len (default: none); a conversation over "
+        "it alone is dropped and counted as over_patch_budget (--overlong error: refused, exit 1)",
     )
     p.add_argument("--limit", type=positive, help="first N conversations only")
     p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
@@ -171,15 +182,23 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--pad-multiple {args.pad_multiple} is not a multiple of {align.seq_multiple}, which --cp/--tp need"
         )
-    if args.corpus == "vqa":
-        return _run_vqa(args, pad_multiple)
-    if args.max_patches_per_row is not None:
-        raise UsageError("--max-patches-per-row is a budget for images: use it with --corpus vqa")
+    if args.corpus == "vqa" and args.inputs:
+        raise UsageError("--corpus vqa reads the embedded easy-vqa corpus: give no inputs (or use --corpus chat)")
     if args.engine == "ray":
         if args.num_proc != 1:
             raise UsageError("--num-proc is the local engine's; with --engine ray use --workers")
     elif args.workers is not None or args.ray_address is not None:
         raise UsageError("--workers and --ray-address need --engine ray (the local engine uses --num-proc)")
+    if args.corpus == "vqa" or (args.inputs and has_images(args.inputs)):
+        return _run_images(args, pad_multiple)
+    if args.max_patches_per_row is not None:
+        raise UsageError(
+            "--max-patches-per-row is a budget for images: use it with data with image parts or --corpus vqa"
+        )
+    if args.family is not None:
+        raise UsageError(
+            f"--family {args.family} names the model of data with images: these inputs have no image parts"
+        )
     try:  # every option checked once, before the tokenizer loads or an input is read
         options = PrepackOptions(
             max_seq_len=args.max_seq_len,
@@ -208,18 +227,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_vqa(args: argparse.Namespace, pad_multiple: int) -> int:
-    """``--corpus vqa``: the easy-vqa conversations, with their images, through ``prepack_multimodal``."""
-    if args.inputs:
-        raise UsageError("--corpus vqa reads the embedded easy-vqa corpus: give no inputs (or use --corpus chat)")
+def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
+    """Data with images through ``prepack(..., images=True)``: INPUT files whose conversations hold
+    image parts (read by :func:`sftpack.chat.read_conversations`, image paths relative to each
+    file), or ``--corpus vqa`` (the embedded easy-vqa conversations)."""
+    vqa = args.corpus == "vqa"
+    what = "--corpus vqa" if vqa else "data with images"
     unused = [
         flag
         for flag, given in (
             ("--tokenizer", args.tokenizer is not None),
-            ("--engine ray", args.engine != "local"),
-            ("--workers", args.workers is not None),
-            ("--ray-address", args.ray_address is not None),
-            ("--algorithm", args.algorithm != "bfd"),
             ("--train-on", args.train_on != "all_assistant"),
             ("--overlong truncate", args.overlong == "truncate"),
         )
@@ -227,39 +244,61 @@ def _run_vqa(args: argparse.Namespace, pad_multiple: int) -> int:
     ]
     if unused:
         raise UsageError(
-            f"{', '.join(unused)}: not offered with --corpus vqa (Qwen2-VL's tokenizer, the local engine, rows "
-            "planned first-fit decreasing under two budgets, assistant turns trained, never a cut inside an image)"
+            f"{', '.join(unused)}: not offered with {what} (the family's tokenizer and image processor, "
+            "--family; assistant turns trained; over-long conversations split at text boundaries, dropped or "
+            "refused, never cut inside an image)"
         )
     from .. import _optional
 
     try:
-        _optional._need("easy_vqa", "multimodal", "the easy-vqa corpus")
+        if vqa:
+            _optional._need("easy_vqa", "multimodal", "the easy-vqa corpus")
         _optional._need("PIL.Image", "multimodal", "reading images")
     except ImportError as e:
         raise UsageError(str(e)) from None
-    from ..multimodal import vqa_corpus
     from ..multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError
-    from ..offline import prepack_multimodal
-    from ..offline._media import MediaPack
+    from ..offline import PrepackOptions, prepack
 
     try:  # the options, checked before an image is read; what fails after that is the data's (exit 1)
-        MediaPack(args.max_seq_len, pad_multiple, args.max_patches_per_row)
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:
-        result = prepack_multimodal(
-            vqa_corpus(seed=args.seed, limit=args.limit),
-            args.out,
+        options = PrepackOptions(
+            images=True,
+            family=args.family or "qwen2_vl",
             max_seq_len=args.max_seq_len,
             pad_multiple=pad_multiple,
-            max_patches=args.max_patches_per_row,
+            max_patches_per_row=args.max_patches_per_row,
+            algorithm=args.algorithm,
+            seed=args.seed,
             overlong=args.overlong,
             on_bad_row=args.on_bad_row,
             num_proc=args.num_proc,
-            fingerprint={"corpus": {"name": "easy-vqa", "split": "train", "seed": args.seed, "limit": args.limit}},
+            engine=args.engine,
+            workers=args.workers or 2,
+            ray_address=args.ray_address,
+            limit=None if vqa else args.limit,
             overwrite=args.overwrite,
             progress=not args.no_progress,
         )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    reader = None
+    if vqa:
+        from ..multimodal import vqa_corpus
+
+        conversations: Any = vqa_corpus(seed=args.seed, limit=args.limit)
+        extra: dict[str, Any] = {
+            "corpus": {"name": "easy-vqa", "split": "train", "seed": args.seed, "limit": args.limit}
+        }
+    else:
+        from ..chat import read_conversations
+        from ..offline._fingerprint import input_fingerprints
+        from ..offline._inputs import check_out_outside_inputs
+
+        check_out_outside_inputs(args.inputs, args.out)  # before a file is read, as for text
+        reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+        conversations = iter(reader)  # an iterable of conversations: hashed as it streams (ids, messages)
+        extra = {"input_files": input_fingerprints(reader)}  # and the data files by their bytes
+    try:
+        result = prepack(conversations, args.out, options=options, fingerprint=extra)
     except PatchBudgetError as e:  # the library names its arguments; say it in the command's flags
         raise ValueError(
             f"{e.who} has {e.patches:,} vision patches, more than --max-patches-per-row {e.max_patches:,}: no row "
@@ -267,6 +306,8 @@ def _run_vqa(args: argparse.Namespace, pad_multiple: int) -> int:
             f"it as {OVER_PATCH_BUDGET}"
         ) from None
     print(f"wrote {result.path}")
+    if reader is not None and (reader.stats.dropped or reader.stats.files_skipped):
+        print(render_read_stats(reader.stats))  # rows the reader dropped never reach the manifest's counts
     for line in summary_lines(result):
         print("  " + line)
     return 0

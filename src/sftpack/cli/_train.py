@@ -2,6 +2,17 @@
 
 sftpack train --packing trainer --steps 50 --batch-size 8 --max-seq-len 1024 --log run.jsonl --plot run.png
 torchrun --nproc-per-node 2 -m sftpack.cli train --packing loader ...      # data parallel (gloo on CPU)
+sftpack train my_images.jsonl --steps 20 --log vlm.jsonl     # conversations with image parts: a tiny Qwen2-VL
+sftpack train --corpus vqa --packing none --steps 20         # the embedded easy-vqa conversations with images
+
+Data with images (INPUT files whose conversations hold image parts, found by reading
+their first records, or ``--corpus vqa``) takes the same command and the same loop:
+its samples carry their images (``sample.media``), the model is the vision-language
+family's tiny model built from a config (Qwen2-VL; ``--dim``/``--layers``/``--heads``/
+``--kv-heads``, over the tokenizer's ids or, with ``--vocab data``, the data's), every
+packing path, checkpoints and ``--resume``, ``torchrun``, and ``--max-patches-per-row``
+(the vision-patch budget of a packed row or micro-batch). The JSONL log adds ``images``
+per step.
 
 The command runs :mod:`sftpack.loop` (the training loop). The loop, the chat
 and the offline path load torch, so they are imported in one place,
@@ -22,8 +33,21 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
 
-from ._common import Terminated, UsageError, load_tokenizer, non_negative, positive, sigterm_deferred
-from ._train_vqa import add_vqa_arguments
+from ._common import (
+    Terminated,
+    UsageError,
+    has_images,
+    load_tokenizer,
+    non_negative,
+    positive,
+    sigterm_deferred,
+)
+
+#: conversations of a default ``--corpus vqa`` run (``--limit``): a 20-step CPU run takes seconds
+VQA_LIMIT = 64
+#: the default seeded image sizes of ``--corpus vqa``, px a side (up to 256 patches an image: the vision
+#: tower's attention grows with the square of an image's patches, so 448 px images cost 16x as much on CPU)
+IMAGE_SIDES = (56, 224)
 
 #: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
 #: :func:`run` (``benchmarks/bench_startup.py`` reads it; nothing is printed)
@@ -125,6 +149,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=256,
         help="loader packing buffer (sequences)",
     )
+    p.add_argument(
+        "--max-patches-per-row",
+        type=positive,
+        metavar="P",
+        help="data with images: at most P vision patches per packed row (loader, offline) or micro-batch "
+        "(trainer), the bin packer's second budget (default: tokens alone)",
+    )
     m = t.add_argument_group("model")
     m.add_argument(
         "--model",
@@ -218,7 +249,22 @@ def register(sub: argparse._SubParsersAction) -> None:
         "2-billion-token data set at 5 bytes a token): the entries used least recently make room for a new one",
     )
     t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
-    add_vqa_arguments(t)  # --corpus {chat,vqa}, --image-sides
+    t.add_argument(
+        "--corpus",
+        choices=["chat", "vqa"],
+        default="chat",
+        help="the embedded data when no INPUT is given: chat conversations (default) or easy-vqa conversations "
+        "with images, which trains a tiny Qwen2-VL",
+    )
+    v = t.add_argument_group("images (INPUT files with image parts, or --corpus vqa)")
+    v.add_argument(
+        "--image-sides",
+        nargs=2,
+        type=positive,
+        metavar=("MIN", "MAX"),
+        help=f"--corpus vqa: each image is resized to a seeded size within MIN..MAX px a side (default "
+        f"{IMAGE_SIDES[0]} {IMAGE_SIDES[1]}); --limit caps the conversations (default {VQA_LIMIT})",
+    )
     t.set_defaults(func=run, exit_at_once=True)  # as the command: no interpreter teardown (sftpack.cli.main)
 
 
@@ -285,6 +331,7 @@ def _config(args: argparse.Namespace) -> dict:
         pad_multiple=args.pad_multiple,
         boundaries=args.boundaries,
         buffer_size=args.buffer_size,
+        max_patches_per_row=getattr(args, "max_patches_per_row", None),
         seed=args.seed,
         dim=args.dim,
         layers=args.layers,
@@ -386,16 +433,28 @@ def _lower_priority_of_children(niceness: int = 5) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model_impl is not None and (args.model or args.corpus == "vqa"):
+    if args.corpus == "vqa" and args.inputs:
+        raise UsageError("--corpus picks the embedded data used when no INPUT is given: not with INPUT files")
+    images = args.corpus == "vqa" or bool(args.inputs and has_images(args.inputs))
+    if args.model_impl is not None and (args.model or images):
         raise UsageError(
             "--model-impl picks the code of the default text model: not with "
-            + ("--model (a model folder always loads with transformers)" if args.model else "--corpus vqa")
+            + (
+                "--model (a model folder always loads with transformers)"
+                if args.model
+                else "--corpus vqa"
+                if args.corpus == "vqa"
+                else "data with images (it trains a vision-language model)"
+            )
         )
     args.model_impl = args.model_impl or "torch"
-    if args.corpus == "vqa":  # easy-vqa conversations with images on a tiny Qwen2-VL
-        from ._train_vqa import run_vqa
-
-        return run_vqa(args)
+    if not images and args.image_sides is not None:
+        raise UsageError("--image-sides sizes the images of --corpus vqa: give --corpus vqa")
+    if not images and args.max_patches_per_row is not None:
+        raise UsageError(
+            "--max-patches-per-row is the vision-patch budget of data with images (INPUT files with image parts, "
+            "or --corpus vqa); this data has none"
+        )
     if args.resume and args.resume_if_any:
         raise UsageError("give --resume or --resume-if-any, not both")
     resume: bool | Literal["auto"] = True if args.resume else ("auto" if args.resume_if_any else False)
@@ -420,6 +479,15 @@ def run(args: argparse.Namespace) -> int:
     if args.no_cache and (args.cache_dir or args.cache_max_size is not None):
         given = "--cache-dir" if args.cache_dir else "--cache-max-size"
         raise UsageError(f"give {given} or --no-cache, not both")
+    if images:
+        if args.prepacked:
+            raise UsageError("--prepacked is a text prepack's folder: data with images is prepacked by the run itself")
+        if args.model:
+            raise UsageError(
+                "--model with data with images: a vision-language model folder is not loaded yet; leave --model out "
+                "for the family's tiny model built from a config"
+            )
+        return _run_images(args, resume)
     if args.num_proc is None:
         args.num_proc = _default_num_proc()
     MARKS.clear()
@@ -468,13 +536,11 @@ def _run_training(
         compact_vocabulary,
         load_model,
         make_source,
-        plot_training,
         train,
     )
     from ..loop._checkpoint import check_new_run
     from ..loop._loop import init_distributed, resolve_device
     from ..loop._options import Packing
-    from ..loop._plot import read_log
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
     from ..offline import prepack_samples
 
@@ -649,6 +715,17 @@ def _run_training(
     if streaming and pending is not None:  # the rest of the data, and its cache entry for the next run
         say_data(pending.result())
         _mark("cache")
+    _report(args, cfg, result, resume, rank, say)
+    return 0
+
+
+def _report(
+    args: argparse.Namespace, cfg: Any, result: Any, resume: bool | Literal["auto"], rank: int, say: Any
+) -> None:
+    """The lines after a run (resumed, skipped steps, the losses and speed; the log and the plot)."""
+    from ..loop import plot_training
+    from ..loop._plot import read_log
+
     logs = result.logs
     if result.resumed_from:
         say(
@@ -669,9 +746,12 @@ def _run_training(
         real = sum(r.real_tokens for r in logs)
         slots = sum(r.slots for r in logs)
         secs = sum(r.step_time for r in logs)
+        images = sum(r.images or 0 for r in logs)
         say(
             f"loss {applied[0].loss:.4f} (step {applied[0].step}) -> {applied[-1].loss:.4f} (step {applied[-1].step}); "
-            f"{real / secs:,.0f} real tokens/s, {1 - real / max(slots, 1):.1%} padding over {len(logs)} steps"
+            f"{real / secs:,.0f} real tokens/s, {1 - real / max(slots, 1):.1%} padding"
+            + (f", {images:,} images" if logs[0].images is not None else "")
+            + f" over {len(logs)} steps"
         )
     if rank == 0 and logs:
         if args.log:
@@ -683,4 +763,133 @@ def _run_training(
         raise ValueError(
             f"not one of the {len(logs):,} steps was applied (all skipped, see above): nothing was learned"
         )
+
+
+def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int:
+    """:func:`run` for data with images: INPUT files whose conversations hold image parts, or
+    ``--corpus vqa`` (the embedded easy-vqa conversations, images resized to seeded sizes
+    within ``--image-sides``). The samples carry their images; the model is the family's tiny
+    model built from a config (Qwen2-VL); then the text run's source, loop and report."""
+    import torch
+
+    from ..chat import read_conversations
+    from ..chat._cache_key import tokenizer_info
+    from ..loop import TrainConfig, compact_vocabulary, make_source, train
+    from ..loop._checkpoint import check_new_run
+    from ..loop._loop import init_distributed, resolve_device
+    from ..loop._model import build_media_model, media_token_ids
+    from ..loop._options import Packing
+    from ..loop._setup import check_targets, media_samples
+    from ..multimodal import family_for, vqa_corpus
+    from ..offline import prepack
+
+    _layout(args, None)
+    try:
+        cfg = TrainConfig(**_config(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        resolve_device(cfg.device)
+    except ValueError as e:
+        raise UsageError(f"--device {e}") from None
+    vqa = args.corpus == "vqa"
+    lo, hi = args.image_sides or IMAGE_SIDES
+    if lo > hi:
+        raise UsageError(f"--image-sides {lo} {hi}: MIN must not exceed MAX")
+    if args.checkpoint_dir and not resume and not args.overwrite_checkpoints:
+        check_new_run(args.checkpoint_dir)
+    rank, world = init_distributed()
+    say = print if rank == 0 else (lambda *a, **k: None)
+    family = family_for()
+    tok = family.tokenizer(args.tokenizer) if args.tokenizer else family.tokenizer()
+    limit = args.limit or (VQA_LIMIT if vqa else None)
+
+    def conversations() -> Iterable[Any]:
+        if vqa:
+            return vqa_corpus(seed=cfg.seed, limit=limit, min_side=lo, max_side=hi)
+        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+        return itertools.islice(read, limit) if limit else iter(read)
+
+    samples, stats = media_samples(
+        conversations(), max_seq_len=cfg.max_seq_len, family=family, tokenizer=tok, on_bad_row=args.on_bad_row
+    )
+    images = sum(s.media.num_items for s in samples if s.media is not None)
+    vision = sum(s.media.num_placeholders for s in samples if s.media is not None)
+    dropped = sum(stats.dropped.values())
+    say(
+        f"data: {stats.read:,} {'easy-vqa ' if vqa else ''}conversations -> {len(samples):,} samples with "
+        f"{images:,} images" + (f" ({lo}-{hi} px a side)" if vqa else "") + f", {sum(len(s) for s in samples):,} "
+        f"tokens of which {vision:,} image placeholders" + (f"; {dropped:,} dropped" if dropped else "")
+    )
+    check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
+    pad_id = tokenizer_info(tok)["pad_id"]
+    vocab = None
+    if args.vocab == "data":
+        keep = [pad_id, *media_token_ids(family, tok).values()]
+        samples, vocab = compact_vocabulary(samples, keep=keep)
+        pad_id = int(vocab.searchsorted(pad_id))
+        say(f"vocabulary: the {len(vocab):,} ids that occur in the data, renumbered (of {len(tok):,})")
+    dtype = getattr(torch, args.dtype or "float32")
+    model = build_media_model(
+        family,
+        tok,
+        vocab=vocab,
+        dim=cfg.dim,
+        layers=cfg.layers,
+        heads=cfg.heads,
+        kv_heads=cfg.kv_heads,
+        seed=cfg.seed,
+        dtype=dtype,
+    )
+    workdir = None
+    prepacked = None
+    try:
+        if cfg.packing is Packing.OFFLINE:  # a temporary prepack with images of the same conversations
+            workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
+            prepacked = prepack(
+                conversations(),
+                Path(workdir.name) / "rows",
+                tokenizer=tok,
+                max_seq_len=cfg.max_seq_len,
+                pad_multiple=cfg.pad_multiple,
+                on_bad_row=args.on_bad_row,
+                images=True,
+                family=family.name,
+                max_patches_per_row=cfg.max_patches_per_row,
+                processor=family.image_processor(),
+            ).path
+            say(f"prepacked into {prepacked} (temporary)")
+        source = make_source(
+            cfg,
+            samples=samples,
+            prepacked=prepacked,
+            rank=rank,
+            world=world,
+            pad_id=pad_id,
+            vocab=vocab,
+        )
+        n_params = sum(p.numel() for p in model.parameters())
+        say(
+            f"model: tiny {family.name} ({type(model).__name__}), {n_params / 1e6:.2f} M parameters, vocabulary "
+            f"{model.config.get_text_config().vocab_size:,}, {str(dtype).removeprefix('torch.')}; packing "
+            f"{cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
+        )
+        with sigterm_deferred() as sigterm:
+            result = train(
+                cfg,
+                source=source,
+                model=model,
+                log=args.log,
+                checkpoint_dir=args.checkpoint_dir,
+                resume=resume,
+                overwrite=args.overwrite_checkpoints,
+                stop=sigterm,
+                progress=rank == 0,
+            )
+        if sigterm():
+            raise Terminated(_stopped_line(result))
+    finally:
+        if workdir is not None:
+            workdir.cleanup()
+    _report(args, cfg, result, resume, rank, say)
     return 0

@@ -18,18 +18,19 @@ One concept per module:
 - ``_hold``: ``hold_back``, which under-filled rows wait; the rows themselves
   come from the one row planner, :func:`sftpack.handoff.pack_rows` (BFD on
   ``padded_lengths``, the cost the builder lays).
-- ``_dataset``: :class:`PackingDataset`: shares, buffer rounds, rows, exact resume.
+- ``_dataset``: :class:`PackingDataset`: shares, buffer rounds, rows, exact resume; samples
+  with or without media (any mix), or conversations tokenized in the worker
+  (rows with ``media`` planned under a token and a patch budget, ``max_patches_per_row``).
 - ``_state``: the index-only state and its checks (:class:`StateError`).
-- ``_stats``: :class:`LoaderStats` (samples in, rows out, fill, split / truncated / dropped).
+- ``_stats``: :class:`LoaderStats` (samples in, rows out, fill, images and patches out,
+  split / truncated / dropped by reason).
 - ``resume``: :class:`StatefulLoader`, torchdata's ``StatefulDataLoader`` with a
   clear error for a state of another ``num_workers`` (needs ``torchdata``).
 - ``energon``: :class:`PackingTaskEncoder`, the same rule in Megatron-Energon's
-  packing hooks; its batches are :class:`EnergonPackedBatch` (a ``PackedBatch``
-  with Energon's restore key) (needs ``megatron-energon``; both load on first use).
+  packing hooks, for conversations with or without images; its batches are
+  :class:`EnergonPackedBatch` (a ``PackedBatch`` with Energon's restore key and the
+  samples left out) (needs ``megatron-energon``; both load on first use).
 - ``_example``: :func:`worked_example_row`, the contract's worked example.
-- ``_media``: :class:`MultimodalPackingDataset`, the same rule for conversations with images
-  (rows of :class:`~sftpack.multimodal.MultimodalBatch`, planned under a token and a patch
-  budget); its counts are :class:`MultimodalLoaderStats` (loads on first use).
 
 >>> row = worked_example_row()
 >>> row.num_tokens, row.cu_seqlens.tolist(), row.cu_seqlens_padded.tolist()
@@ -52,20 +53,12 @@ _LAZY = {
     "saved_num_workers": "resume",
     "PackingTaskEncoder": "energon",
     "EnergonPackedBatch": "energon",
-    "MultimodalPackingDataset": "_media",
-    "MultimodalPackingTaskEncoder": "energon",
-    "EnergonMultimodalBatch": "energon",
-    "MultimodalLoaderStats": "_media",
 }
 
 __all__ = [
     "PAD_BETWEEN_SEQS",
-    "EnergonMultimodalBatch",
     "EnergonPackedBatch",
     "LoaderStats",
-    "MultimodalLoaderStats",
-    "MultimodalPackingDataset",
-    "MultimodalPackingTaskEncoder",
     "PackingDataset",
     "PackingTaskEncoder",
     "StateError",

@@ -22,15 +22,30 @@ a share the buffer is flushed, so each epoch emits every sample exactly once
 that would emit no row at all (no sample, or all dropped) raises a
 ``ValueError`` naming the rank, worker, counts and fix, instead of spinning.
 
-Fill against offline BFD on the whole set, per buffer size and with or without
-waiting, and the cost per row against a one-conversation padded row, are measured
-by ``benchmarks/bench_loader.py`` (numbers in ``benchmarks/RESULTS.md``).
+Fill (against offline BFD, per buffer size, with or without waiting) and the cost
+per row are measured by ``benchmarks/bench_loader.py``.
+
+Samples with media (a :class:`~sftpack.Sample` whose ``media`` holds its images,
+in any mix with text-only ones) take the same road: each is costed at its padded
+length (vision placeholders count), planned under the optional second budget
+``max_patches_per_row`` (the vision tower's memory grows with a row's patches,
+not its tokens: ``_hold.plan_media``, and a row's fill is the larger of its token
+and patch fill), split over-long at text boundaries only (never inside an image
+block; each piece carries its own media, :meth:`~sftpack.handoff.payload.Media.piece`),
+and a row holding media gets their payload laid in row order
+(:meth:`~sftpack.handoff.payload.Media.lay`: the row equals
+:meth:`sftpack.PackedBatch.from_samples` of its samples). A conversation item
+(``{"messages": [...], "id": ...}``) is tokenized in the worker with
+:func:`sftpack.multimodal.tokenize_multimodal` for the dataset's model family, so
+image decoding runs in the DataLoader's workers; a bad image or record is counted
+under its reason or raises naming it (``on_bad_row``). Without media (or without
+a patch budget) a buffer is planned exactly as text.
 
 Exact resume: the state is indices only (epoch, cursor into the share, the
 buffer as ``(source index, piece, rounds waited)``, the decided but not yet
 emitted rows as ``(source index, piece)`` lists, the counts), updated before
-every ``yield``. A restored dataset re-reads those samples and replays the
-decided rows as decided: it never re-packs them.
+every ``yield``. A restored dataset re-reads those samples (re-tokenizing a
+conversation) and replays the decided rows as decided: it never re-packs them.
 """
 
 from __future__ import annotations
@@ -40,17 +55,23 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from .._base import check_width, choose, non_negative_int, positive_int
 from ..binpack import Algorithm
 from ..handoff import PackedBatch, pack_rows, padded_lengths
 from ..handoff.build import wrap_parts
+from ..handoff.errors import PackedBatchError
 from ..handoff.layout import check_pad_id, fit_parts, join_parts
-from ..sample import DEFAULT_OVERLONG, Overlong, Sample
-from ._hold import hold_back
-from ._source import Item, Lookahead, Source, cut_overlong, first_negative
+
+# The multimodal core's modules (the package's own names would also load its exactness harness)
+from ..multimodal._family import Family, family_for
+from ..multimodal._plan import check_patch_budget
+from ..multimodal._tokenize import split_sample, tokenize_record
+from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample
+from ._hold import hold_back, plan_media
+from ._shares import dist_rank_world, no_row, share_name, too_few
+from ._source import Item, Lookahead, Source, cut_overlong, first_negative, is_conversation
 from ._state import (
     STATE_VERSION,
     StateError,
@@ -65,7 +86,7 @@ from ._state import (
     restore_items,
     unemitted,
 )
-from ._stats import LoaderStats
+from ._stats import OVERLONG, LoaderStats
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -77,30 +98,29 @@ __all__ = ["PAD_BETWEEN_SEQS", "PackingDataset", "StateError"]
 PAD_BETWEEN_SEQS = False
 
 
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return 0, 1
-
-
 class PackingDataset(IterableDataset):
     """A torch ``IterableDataset`` of :class:`~sftpack.PackedBatch` rows, each exactly ``max_seq_len`` wide.
 
     Args:
-        samples: tokenized samples: a map-style dataset (``len()`` and ``[i]``)
-            or a re-iterable; each item a :class:`~sftpack.Sample`, a dict with
-            ``input_ids`` (and ``loss_mask``, ``conversation_id``) or a bare id
-            sequence. ``sequence_ids`` of a row are the ``conversation_id`` s
-            (the source index when there is none).
-        max_seq_len: row width ``T``, a multiple of ``pad_multiple``.
+        samples: a map-style dataset (``len()`` and ``[i]``), a re-iterable, or a
+            callable returning a fresh iterable on each call (``lambda: vqa_corpus(seed=0)``);
+            each item a :class:`~sftpack.Sample` (with or without ``media``), a dict with
+            ``input_ids`` (and ``loss_mask``, ``conversation_id``), a bare id sequence,
+            or a conversation (``{"messages": [...], "id": ...}`` or an object with
+            ``.messages``) in the Hugging Face multimodal chat format, tokenized in the
+            worker. ``sequence_ids`` of a row are the ``conversation_id`` s (the source
+            index when there is none).
+        max_seq_len: row width ``T`` (vision placeholders count), a multiple of ``pad_multiple``.
         buffer_size: sequences packed together per round (per worker).
         pad_multiple: pad each sequence to a multiple of this (``2 * CP``).
         algorithm: a :func:`sftpack.binpack.pack` algorithm (``"bfd"``).
         pad_between_seqs: what :meth:`packed_seq_params` hands the kernel:
             ``False`` (default) the padded boundaries for both (Transformer
             Engine keeps FlashAttention-2), ``True`` real + padded.
-        overlong: samples longer than a row: ``"split"`` (default), ``"truncate"``,
-            ``"drop"`` or ``"error"``; all counted in :attr:`stats`.
+        overlong: samples longer than a row: ``"split"`` (default; a sample with media at
+            text boundaries, never inside an image block), ``"truncate"`` (refused for a
+            sample with media: it would cut a turn and possibly an image), ``"drop"`` or
+            ``"error"``; all counted in :attr:`stats`.
         seed: permutation seed (``shuffle=True``) and ``first_fit_shuffle`` seed.
         shuffle: visit a map-style source in a seeded permutation per epoch
             (default: in order, so rows keep the source's order).
@@ -109,7 +129,20 @@ class PackingDataset(IterableDataset):
         min_fill: rows whose padded cost fills less than this fraction may wait.
         num_epochs: epochs one ``iter()`` runs (``None``: endless).
         rank, world_size: data-parallel coordinates (default: ``torch.distributed``'s, else 0 and 1).
-        pad_id: token id of padding slots.
+        pad_id: token id of padding slots (never a media placeholder).
+        max_patches_per_row: vision patches per row, the second budget (``None``: tokens
+            only). A sample over it fits no row: dropped and counted as
+            ``over_patch_budget``, or :class:`~sftpack.multimodal.PatchBudgetError` under
+            ``overlong="error"``.
+        on_bad_row: for conversation items: ``"error"`` (default; a bad image or record
+            raises, naming the record and the field) or ``"skip"`` (counted under its reason
+            in ``stats.dropped_by``).
+        family: the model family of the samples with media (anything
+            :func:`~sftpack.multimodal.family_for` takes: ``"qwen2_5_vl"``, a config, a model;
+            default Qwen2-VL): how conversations are tokenized and where an over-long sample
+            with media may be cut.
+        tokenizer, processor: for conversation items (default the family's ``tokenizer()``
+            and ``image_processor()``, built on first use).
 
     Raises:
         ValueError: when iteration starts, a map-style source with fewer samples than
@@ -153,6 +186,11 @@ class PackingDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         pad_id: int = 0,
+        max_patches_per_row: int | None = None,
+        on_bad_row: str = "error",
+        family: Any = None,
+        tokenizer: Any = None,
+        processor: Any = None,
     ) -> None:
         super().__init__()
         who = "PackingDataset"
@@ -172,14 +210,36 @@ class PackingDataset(IterableDataset):
         if isinstance(pad_id, bool) or not isinstance(pad_id, numbers.Integral):
             raise TypeError(f"{who}: pad_id must be an integer token id, got {pad_id!r}")
         self.pad_id: int = check_pad_id(pad_id, who, ValueError)
-        dist_rank, dist_world = _dist_rank_world()
+        dist_rank, dist_world = dist_rank_world()
         self.world_size: int = positive_int("world_size", world_size if world_size is not None else dist_world, who=who)
         self.rank: int = non_negative_int("rank", rank if rank is not None else dist_rank, who="PackingDataset")
         if self.rank >= self.world_size:
             raise ValueError(f"{who}: rank={self.rank} must be below world_size={self.world_size}")
+        self.max_patches_per_row: int | None = positive_int(
+            "max_patches_per_row", max_patches_per_row, allow_none=True, who=who
+        )
+        if self.max_patches_per_row is not None and self.overlong is Overlong.TRUNCATE:
+            raise ValueError(
+                f"{who}: overlong='truncate' is not offered with max_patches_per_row (samples with media: it would "
+                "cut a turn and possibly an image): use 'split', 'drop' or 'error'"
+            )
+        if on_bad_row not in ("error", "skip"):
+            raise ValueError(f"{who}: on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+        self.on_bad_row: str = on_bad_row
+        self._family: Family | None = None if family is None else family_for(family)
+        self._named_family: bool = family is not None
+        self._tokenizer: Any = tokenizer
+        self._processor: Any = processor
         self.source: Source = Source(samples, shuffle=bool(shuffle), seed=self.seed)
         self.shuffle: bool = bool(shuffle)
         self._reset(epoch=0)
+
+    @property
+    def family(self) -> Family:
+        """The model family of the samples with media (Qwen2-VL unless given; resolved on first use)."""
+        if self._family is None:
+            self._family = family_for(None)
+        return self._family
 
     # ----------------------------------------------------------------- state
     def _reset(self, epoch: int) -> None:
@@ -230,7 +290,18 @@ class PackingDataset(IterableDataset):
             "max_wait": self.max_wait,
             "min_fill": self.min_fill,
             "num_epochs": self.num_epochs,
-        }
+        } | self._media_config()
+
+    def _media_config(self) -> dict[str, Any]:
+        """The media arguments a state records, each only when set (a text dataset's config is as before)."""
+        out: dict[str, Any] = {}
+        if self.max_patches_per_row is not None:
+            out["max_patches_per_row"] = self.max_patches_per_row
+        if self.on_bad_row != "error":
+            out["on_bad_row"] = self.on_bad_row
+        if self._named_family:
+            out["family"] = self.family.name
+        return out
 
     def _shard(self) -> tuple[int, int, int]:
         """``(share, number of shares, num_workers)`` of the calling (rank, worker)."""
@@ -279,7 +350,14 @@ class PackingDataset(IterableDataset):
             order = self.source.order(state["epoch"], state["shard"], state["num_shards"])
         check_refs(state, order, len(self.source.samples) if self.source.map_style else None)
         stats = LoaderStats.from_dict(state["stats"])
-        check_stats(state, stats, who="PackingDataset", max_seq_len=self.max_seq_len, max_wait=self.max_wait)
+        check_stats(
+            state,
+            stats,
+            who="PackingDataset",
+            max_seq_len=self.max_seq_len,
+            max_wait=self.max_wait,
+            max_patches=self.max_patches_per_row,
+        )
         self._reset(epoch=int(state["epoch"]))
         self._restore = state
         self._stats = stats
@@ -298,8 +376,9 @@ class PackingDataset(IterableDataset):
         """Buffer and decided rows of a restored state, from the re-read samples."""
         assert self._restore is not None
         self._buffer, self._ages, self._pending, self._last = restore_items(
-            self._restore, got, lambda i, obj: cut_overlong(i, obj, self.max_seq_len, self.overlong)[0]
+            self._restore, got, lambda i, obj: self._cut(i, obj)[0]
         )
+        cap = self.max_patches_per_row
         for r, row in enumerate(self._pending):
             cost = int(padded_lengths([it.length for it in row], self.pad_multiple).sum())
             if cost > self.max_seq_len:
@@ -307,6 +386,13 @@ class PackingDataset(IterableDataset):
                     f"state['pending'][{r}] holds {len(row)} sequences of {cost} padded slots, more than "
                     f"max_seq_len={self.max_seq_len}: the state was saved over other data (or edited); resume "
                     "with the same samples in the same order"
+                )
+            patches = sum(it.patches for it in row)
+            if cap is not None and patches > cap:
+                raise StateError(
+                    f"state['pending'][{r}] holds {len(row)} sequences of {patches} vision patches, more than "
+                    f"max_patches_per_row={cap}: the state was saved over other data (or edited); resume with the "
+                    "same samples in the same order"
                 )
         self._restore = None
 
@@ -318,7 +404,7 @@ class PackingDataset(IterableDataset):
     def _rows(self) -> Iterator[PackedBatch]:
         shard, shards, nw = self._shard()
         if self.source.map_style and len(self.source.samples) < shards:
-            raise ValueError(self._too_few(shard, shards, nw, len(self.source.samples)))
+            raise ValueError(too_few(self._share(shard, nw), shards, nw, self.world_size, len(self.source.samples)))
         need: set[int] = set()
         if self._restore is not None:
             need = self._apply_restore(shard, shards, nw)
@@ -338,51 +424,26 @@ class PackingDataset(IterableDataset):
             yield from self._run_epoch(Lookahead(stream))
             if fresh and self._stats.rows_out == before[0]:
                 read, dropped = self._stats.samples_in - before[1], self._stats.dropped - before[2]
-                raise ValueError(self._no_row(shard, shards, nw, read, dropped))
+                raise ValueError(
+                    no_row(
+                        self._share(shard, nw),
+                        self._epoch - 1,
+                        shard,
+                        shards,
+                        read,
+                        dropped,
+                        self._stats,
+                        self.max_seq_len,
+                    )
+                )
         if self._restore is not None:  # restored at the end of its last epoch: nothing to re-read
             self._rebuild({})
         self._active = False
 
     # ------------------------------------------------------------ empty shares
-    # A share that yields no row is refused, never looped over: endless (num_epochs=None)
-    # it would read its empty share forever without yielding, and with one epoch the
-    # ranks would disagree on the row count (a DDP step waits forever for the rank
-    # that has none). Equal row counts would need every share's rows, which a
-    # streaming packer only knows at the end of the epoch.
-    def _who(self, shard: int, shards: int, nw: int) -> str:
-        return (
-            f"PackingDataset (rank {self.rank} of world_size={self.world_size}, worker {shard - self.rank * nw} "
-            f"of num_workers={nw if get_worker_info() is not None else 0})"
-        )
-
-    _WHY = (
-        "a share with no row would never yield with num_epochs=None, and with a fixed number of epochs the "
-        "ranks would disagree on the row count (a DDP step waits forever)"
-    )
-
-    def _too_few(self, shard: int, shards: int, nw: int, n: int) -> str:
-        if n == 0:
-            return f"{self._who(shard, shards, nw)}: the source holds no sample: give it at least one"
-        fix = f"num_workers <= {n // self.world_size}" if n >= self.world_size else f"at most {n} ranks"
-        return (
-            f"{self._who(shard, shards, nw)}: the source holds {n} samples but they are dealt to {shards} shares "
-            f"(world_size={self.world_size} x {nw} worker(s) per rank), so {shards - n} share(s) get none; "
-            f"{self._WHY}: use {fix}, or more samples"
-        )
-
-    def _no_row(self, shard: int, shards: int, nw: int, read: int, dropped: int) -> str:
-        head = f"{self._who(shard, shards, nw)}: epoch {self._epoch - 1} of share {shard} of {shards} emitted no row"
-        if read and dropped == read:
-            return (
-                f"{head}: all {read} of its samples are longer than max_seq_len={self.max_seq_len} and were "
-                f"dropped (overlong='drop'); {self._WHY}: raise max_seq_len, or pass overlong='split' or 'truncate'"
-            )
-        if read == 0:
-            return (
-                f"{head}: it read no sample (the source is empty, or holds fewer samples than the {shards} shares "
-                f"of world_size x num_workers); {self._WHY}: use fewer ranks x workers, or more samples"
-            )
-        return f"{head}: it read {read} samples, {dropped} dropped; {self._WHY}"
+    def _share(self, shard: int, nw: int) -> str:
+        """How the refusals of an empty share name it (``_shares``)."""
+        return share_name(self.rank, self.world_size, shard, nw, get_worker_info() is not None)
 
     def _run_epoch(self, stream: Lookahead) -> Iterator[PackedBatch]:
         """Rows of the rest of this epoch; the epoch advances *before* its last row is
@@ -413,7 +474,7 @@ class PackingDataset(IterableDataset):
     def _fill(self, stream: Lookahead) -> None:
         """Read samples until the buffer holds ``buffer_size`` sequences or the share ends.
 
-        Samples are taken from the stream a buffer's worth at a time; a :class:`Sample` that
+        Samples are taken from the stream a buffer's worth at a time; a text :class:`Sample` that
         fits (the common case) is buffered inline, anything else goes through :meth:`_read`,
         and when a split sample fills the buffer early the samples taken after it go back to
         the stream unread, so exactly the samples one-by-one reading reads are read.
@@ -428,7 +489,7 @@ class PackingDataset(IterableDataset):
                 if len(buf) >= size:  # a split sample filled the buffer early: the rest go back unread
                     stream.unread(taken[j:])
                     break
-                if isinstance(obj, Sample):
+                if isinstance(obj, Sample) and obj.media is None:
                     ids = obj.input_ids
                     n = ids.shape[0]
                     if n <= width:
@@ -449,8 +510,73 @@ class PackingDataset(IterableDataset):
         if last is not None:
             self._last = (li, [last])
 
-    def _read(self, index: int, obj: Any) -> None:
+    def _cut(self, index: int, obj: Any) -> tuple[list[Item], int, str | None]:
+        """The items of source sample ``index`` under the over-long policy, the tokens it loses,
+        and the reason it is left out (``None``: kept)."""
+        if is_conversation(obj):
+            return self._cut_media(index, obj)
+        if isinstance(obj, Sample) and obj.media is not None:
+            return self._cut_media(index, obj)
         items, lost = cut_overlong(index, obj, self.max_seq_len, self.overlong)
+        return items, lost, None if items else OVERLONG
+
+    def _cut_media(self, index: int, obj: Any) -> tuple[list[Item], int, str | None]:
+        """:meth:`_cut` of a sample with media or a conversation (tokenized here, accounted as
+        ``tokenize_multimodal_conversations`` accounts it): the multimodal split rule
+        (``split_sample``: at text boundaries, never inside an image block), then the patch budget."""
+        if self.overlong is Overlong.TRUNCATE:
+            raise ValueError(
+                f"PackingDataset: item {index} is a sample with media or a conversation, and overlong='truncate' is "
+                "not offered for those (it would cut a turn and possibly an image): use 'split', 'drop' or 'error'"
+            )
+        if isinstance(obj, Sample):
+            cid = obj.conversation_id
+            try:
+                pieces = split_sample(
+                    obj, self.max_seq_len, self.overlong, self.family, who=f"item {index} (conversation {cid!r})"
+                )
+            except OverlongError:  # under split: an image block alone is longer than a row
+                if self.overlong is Overlong.ERROR:
+                    raise
+                pieces = []
+            if not pieces:
+                return [], len(obj), OVERLONG
+        else:
+            if self._tokenizer is None:
+                self._tokenizer = self.family.tokenizer()
+            if self._processor is None:
+                self._processor = self.family.image_processor()
+            pieces, reason = tokenize_record(
+                obj,
+                index,
+                tokenizer=self._tokenizer,
+                processor=self._processor,
+                family=self.family,
+                max_seq_len=self.max_seq_len,
+                overlong=self.overlong,
+                on_bad_row=self.on_bad_row,
+            )
+            if reason is not None:
+                return [], 0, reason
+            cid = pieces[0].conversation_id
+        reason = check_patch_budget(
+            pieces, self.max_patches_per_row, self.overlong, who=f"item {index} (conversation {cid!r})"
+        )
+        if reason is not None:
+            return [], sum(len(p) for p in pieces), reason
+        sid = index if cid is None else cid
+        starts = np.cumsum([0] + [len(p) for p in pieces[:-1]]).tolist()
+        return (
+            [
+                Item((index, k), p.input_ids, p.loss_mask, sid, len(p), start, p.media)
+                for k, (p, start) in enumerate(zip(pieces, starts))
+            ],
+            0,
+            None,
+        )
+
+    def _read(self, index: int, obj: Any) -> None:
+        items, lost, reason = self._cut(index, obj)
         s = self._stats
         s.samples_in += 1
         self._cursor += 1
@@ -466,8 +592,7 @@ class PackingDataset(IterableDataset):
             s.truncated += 1
             s.tokens_truncated += lost
         elif not items:
-            s.dropped += 1
-            s.tokens_dropped += lost
+            s.drop(reason or OVERLONG, lost)
         self._buffer.extend(items)
         self._ages.extend([0] * len(items))
 
@@ -476,13 +601,27 @@ class PackingDataset(IterableDataset):
         wait (``hold_back``) keep their samples in the buffer, one round older."""
         buf = self._buffer
         lengths = np.fromiter((it.length for it in buf), dtype=np.int64, count=len(buf))
-        bins = pack_rows(
-            lengths,
-            max_seq_len=self.max_seq_len,
-            pad_multiple=self.pad_multiple,
-            algorithm=self.algorithm,
-            seed=self.seed,
-        )
+        cap = self.max_patches_per_row
+        patches = None
+        if cap is not None and any(it.media is not None for it in buf):  # the second budget
+            patches = np.fromiter((it.patches for it in buf), dtype=np.int64, count=len(buf))
+            bins = plan_media(
+                lengths,
+                patches,
+                max_seq_len=self.max_seq_len,
+                max_patches=cap,
+                pad_multiple=self.pad_multiple,
+                algorithm=self.algorithm,
+                seed=self.seed,
+            )
+        else:
+            bins = pack_rows(
+                lengths,
+                max_seq_len=self.max_seq_len,
+                pad_multiple=self.pad_multiple,
+                algorithm=self.algorithm,
+                seed=self.seed,
+            )
         order, offsets = bins.order, bins.offsets
         n_rows = offsets.shape[0] - 1
         bounds = offsets.tolist()
@@ -499,6 +638,8 @@ class PackingDataset(IterableDataset):
                 min_fill=self.min_fill,
                 max_wait=self.max_wait,
                 max_items=self.buffer_size // 2,
+                patches=patches,
+                max_patches=cap,
             )
         if held is None or not held.any():  # every row decided (the last rounds, max_wait=0, full rows)
             self._pending.extend(planned[bounds[i] : bounds[i + 1]] for i in range(n_rows))
@@ -529,7 +670,19 @@ class PackingDataset(IterableDataset):
         )
         if np.minimum.reduce(ids) < 0:
             raise first_negative(row)
-        return wrap_parts(ids, labels, positions, lengths, padded, [it.sequence_id for it in row])
+        batch = wrap_parts(ids, labels, positions, lengths, padded, [it.sequence_id for it in row])
+        parts = [it.media for it in row]
+        first = next((m for m in parts if m is not None), None)
+        if first is not None:  # the media in row order, as PackedBatch.from_samples lays them
+            if self.pad_id == first.token_id:
+                raise PackedBatchError(
+                    f"PackingDataset: pad_id {self.pad_id} is the media placeholder id; pad with another token"
+                )
+            cup = batch.cu_seqlens_padded.tolist()
+            batch.media = type(first).lay(
+                parts, lengths=lengths, offsets=cup[:-1], widths=padded, segments=[1] * len(row)
+            )
+        return batch
 
     def _emit(self, row: list[Item]) -> None:
         s = self._stats
@@ -537,3 +690,7 @@ class PackingDataset(IterableDataset):
         s.sequences_out += len(row)
         s.real_tokens += sum([it.length for it in row])
         s.slots += self.max_seq_len
+        for it in row:
+            if it.media is not None:
+                s.images_out += it.media.num_items
+                s.patches_out += it.media.num_patches

@@ -1,8 +1,8 @@
-"""What both Energon task encoders share: reading a crude sample's JSON, and the check that an
+"""What the Energon task encoder builds on: reading a crude sample's JSON, and the check that an
 Energon state is restored over the data it was saved over.
 
-:class:`CheckedTaskEncoder` (the base of :class:`~sftpack.loader.PackingTaskEncoder` and
-``MultimodalPackingTaskEncoder``) puts one more level into Energon's pipeline, right after the
+:class:`CheckedTaskEncoder` (the base of :class:`~sftpack.loader.PackingTaskEncoder`) puts one
+more level into Energon's pipeline, right after the
 batcher: :class:`StateCheck`, a pass-through that remembers the restore key of the last batch it
 emitted and a fingerprint of that batch (its ids, real lengths and tokens). Energon saves that
 with the rest of ``loader.save_state_rank()``; after ``loader.restore_state_rank(state)`` the

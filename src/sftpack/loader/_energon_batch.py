@@ -1,5 +1,5 @@
-"""The batch both Energon task encoders return (text: :mod:`sftpack.loader.energon`; with
-images: ``sftpack.loader._energon_media``), apart so that neither module imports the other."""
+"""The batch the Energon task encoder (:mod:`sftpack.loader.energon`) returns, apart so that
+the package names it without importing Megatron-Energon."""
 
 from __future__ import annotations
 
@@ -19,8 +19,12 @@ class EnergonPackedBatch(PackedBatch):
         __key__: the Energon ``__key__`` of each row's first sample, one per row.
         __restore_key__: set by Energon's batcher and loader as the batch passes through them;
             ``loader.restore_sample(batch.__restore_key__)`` re-reads the row's samples and
-            re-packs them into an equal batch (same tokens, labels, boundaries and ids).
+            re-packs them into an equal batch (same tokens, labels, boundaries, ids and media).
+        dropped: ``(id, reason)`` of each sample left out and counted in the buffers of these rows
+            (``on_bad_row="skip"``, a sample with media over-long under ``overlong="drop"`` or over
+            the patch budget); empty for text.
     """
 
     __key__: tuple = ()
     __restore_key__: tuple = field(default=())
+    dropped: tuple = ()

@@ -23,27 +23,38 @@ row they are laid in, before it is emitted (:func:`first_negative` names the sam
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from itertools import islice
 from typing import Any
 
 import numpy as np
 
+from ..handoff.payload import Media
 from ..sample import Overlong, Sample, as_sample, overlong_spans
 from ._state import StateError, digest
 
-__all__ = ["Item", "Lookahead", "Source", "cut_overlong", "first_negative"]
+__all__ = [
+    "Calls",
+    "Item",
+    "Lookahead",
+    "Source",
+    "cut_overlong",
+    "first_negative",
+    "is_conversation",
+    "media_layout",
+]
 
 
 class Item:
     """One sequence in a loader's buffer: a sample, or one piece of a split sample.
 
     ``ref`` is ``(source index, piece)``; the state stores only refs. ``start`` is
-    the piece's first token in its sample (0 for a whole sample). (A slotted class:
+    the piece's first token in its sample (0 for a whole sample); ``media`` its
+    :class:`~sftpack.handoff.payload.Media` (``None``: text only). (A slotted class:
     the loader makes one per sample, so a dataclass's overhead shows.)
     """
 
-    __slots__ = ("_digest", "input_ids", "length", "loss_mask", "ref", "sequence_id", "start")
+    __slots__ = ("_digest", "input_ids", "length", "loss_mask", "media", "ref", "sequence_id", "start")
 
     def __init__(
         self,
@@ -53,6 +64,7 @@ class Item:
         sequence_id: Any,
         length: int,
         start: int = 0,
+        media: Media | None = None,
     ) -> None:
         self.ref = ref
         self.input_ids = input_ids
@@ -60,13 +72,36 @@ class Item:
         self.sequence_id = sequence_id
         self.length = length
         self.start = start
+        self.media = media
         self._digest: str | None = None
 
+    @property
+    def patches(self) -> int:
+        """Vision patches of its media (0 without)."""
+        return 0 if self.media is None else self.media.num_patches
+
     def digest(self) -> str:
-        """The fingerprint a state records of this sequence (its tokens and id), computed once."""
+        """The fingerprint a state records of this sequence (its tokens, id and media layout), computed once."""
         if self._digest is None:
-            self._digest = digest(self.input_ids, self.sequence_id)
+            self._digest = digest(self.input_ids, self.sequence_id, *media_layout(self.media))
         return self._digest
+
+
+def media_layout(media: Media | None) -> tuple[np.ndarray, ...]:
+    """What a fingerprint covers of a sample's media: each item's patch grid (a patch kind), else
+    each item's placeholder run; nothing without media (so a text sample's is the text one)."""
+    if media is None:
+        return ()
+    grid = getattr(media, "grid_thw", None)
+    return (grid.cpu().numpy(),) if grid is not None else (media.slots.cpu().numpy(),)
+
+
+def is_conversation(obj: Any) -> bool:
+    """A conversation to tokenize (``{"messages": [...], "id": ...}`` or an object with
+    ``.messages``), not a tokenized sample."""
+    if isinstance(obj, Mapping):
+        return "messages" in obj and "input_ids" not in obj
+    return not isinstance(obj, Sample) and hasattr(obj, "messages")
 
 
 def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> tuple[list[Item], int]:
@@ -107,16 +142,29 @@ def first_negative(row: list[Item]) -> ValueError:
     raise AssertionError("first_negative: no item of the row holds a negative id")  # pragma: no cover
 
 
+class Calls:
+    """A re-iterable over a callable that returns a fresh iterable of items on each call."""
+
+    def __init__(self, fn: Callable[[], Iterable[Any]]) -> None:
+        self.fn = fn
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.fn())
+
+
 class Source:
-    """Index-addressed access to the samples of a map-style or re-iterable source."""
+    """Index-addressed access to the samples of a map-style or re-iterable source, or a callable
+    returning a fresh iterable of them on each call."""
 
     def __init__(self, samples: Any, *, shuffle: bool, seed: int) -> None:
+        if callable(samples) and not hasattr(samples, "__iter__") and not hasattr(samples, "__getitem__"):
+            samples = Calls(samples)
         self.samples = samples
         self.map_style = hasattr(samples, "__getitem__") and hasattr(samples, "__len__")
         if not self.map_style and not isinstance(samples, Iterable):
             raise TypeError(
-                f"samples must be a map-style dataset (len() and [i]) or an iterable of samples, "
-                f"got {type(samples).__name__}"
+                f"samples must be a map-style dataset (len() and [i]), an iterable of samples or a callable "
+                f"returning one, got {type(samples).__name__}"
             )
         if shuffle and not self.map_style:
             raise ValueError(

@@ -2,7 +2,7 @@
 
 One (rank, worker)'s state, as :meth:`PackingDataset.state_dict` writes it::
 
-    {"version": 1, "config": {max_seq_len, buffer_size, ...},   # the arguments it was built with
+    {"version": 3, "config": {max_seq_len, buffer_size, ...},   # the arguments it was built with
      "rank": 0, "world_size": 2, "num_workers": 2, "shard": 1, "num_shards": 4,
      "epoch": 3, "end_epoch": 4, "active": True, "cursor": 812,  # position in this share's epoch order
      "buffer": [[source index, piece, rounds waited], ...],      # samples read, not yet in a row
@@ -10,7 +10,7 @@ One (rank, worker)'s state, as :meth:`PackingDataset.state_dict` writes it::
      "stats": {...},                                              # LoaderStats counts
      "num_samples": 5000,                                         # len() of a map-style source (else None)
      "lengths": [tokens, ...],                                    # of each buffer entry, then each pending one
-     "digests": ["9f3c...", ...],                                 # of each entry's tokens and id, same order
+     "digests": ["9f3c...", ...],                                 # of each entry's tokens, id and media, same order
      "last": [source index, pieces, digest] or None}              # the last sample the share read this epoch
 
 No token is stored: a restore re-reads the named samples (O(buffer) reads on
@@ -31,7 +31,10 @@ same samples reversed or some replaced) is refused, never replayed into an
 ``IndexError`` or a wrong row. Its counts (:func:`check_stats`) must add up and match
 what the state holds (every sequence read is emitted, buffered, pending or abandoned).
 
-Version 2 added ``digests`` and ``last``; a version-1 state is refused with what to do.
+Version 2 added ``digests`` and ``last``; version 3 is the one loader of samples with and
+without media (a fingerprint also covers a sample's media: each item's patch grid, or each
+item's placeholder run; the media arguments join ``config`` when set). A state of an older
+version (a version-2 ``MultimodalPackingDataset`` state too) is refused with what to do.
 
 ``active`` False with an ``end_epoch`` marks a share whose ``iter()`` had ended when the
 state was taken (:func:`first_iter`): inside a DataLoader worker that is a worker that
@@ -89,12 +92,12 @@ _KEYS = (
     "last",
 )
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 
 
 def digest(input_ids: np.ndarray, sequence_id: Any, *extra: np.ndarray) -> str:
     """A short fingerprint of one buffered sequence: its token ids, its id and ``extra`` arrays
-    (a multimodal sample's image grid). Computed only when a state is taken."""
+    (the layout of a sample's media). Computed only when a state is taken."""
     h = hashlib.blake2b(np.ascontiguousarray(input_ids, dtype=np.int64).tobytes(), digest_size=8)
     h.update(repr(sequence_id).encode())
     for a in extra:
@@ -117,9 +120,9 @@ def check_loadable(state: Any, config: dict[str, Any], rank: int, world_size: in
     if isinstance(state, dict) and isinstance(state.get("version"), int) and state["version"] < STATE_VERSION:
         raise StateError(
             f"the state is state version {state['version']}, saved by an older sftpack; this sftpack reads version "
-            f"{STATE_VERSION} (which also records a fingerprint of the buffered samples to check the data on "
-            "resume): resume with the sftpack that saved it, or start the epoch over (set_epoch(epoch) on a "
-            "fresh dataset instead of load_state_dict)"
+            f"{STATE_VERSION} (one loader for samples with and without media, whose fingerprints of the buffered "
+            "samples cover their media too): resume with the sftpack that saved it, or start the epoch over "
+            "(set_epoch(epoch) on a fresh dataset instead of load_state_dict)"
         )
     if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
         keys = sorted(state)[:8] if isinstance(state, dict) else "-"
@@ -133,7 +136,8 @@ def check_loadable(state: Any, config: dict[str, Any], rank: int, world_size: in
         )
     if not isinstance(state["config"], dict):
         raise StateError(f"state['config'] must be a dict of the dataset's arguments, got {state['config']!r}")
-    diff = {k: (v, config.get(k)) for k, v in state["config"].items() if config.get(k) != v}
+    saved = state["config"]
+    diff = {k: (saved.get(k), config.get(k)) for k in saved.keys() | config.keys() if config.get(k) != saved.get(k)}
     if diff:
         what = ", ".join(f"{k}: saved {a!r}, here {b!r}" for k, (a, b) in sorted(diff.items()))
         raise StateError(
@@ -274,10 +278,11 @@ def check_stats(
     max_patches: int | None = None,
 ) -> None:
     """Raise :class:`StateError` unless ``state['stats']`` (read into ``stats``, a
-    :class:`LoaderStats` or ``MultimodalLoaderStats``) holds exactly the counts such a state
-    writes, and they add up: ``slots = rows_out x max_seq_len``, no more real tokens than
-    slots, and every sequence read (``samples_in - dropped + extra_pieces``) emitted,
-    buffered, pending or abandoned (by ``set_epoch`` mid-epoch)."""
+    :class:`LoaderStats`) holds exactly the counts such a state writes, and they add up:
+    ``slots = rows_out x max_seq_len``, no more real tokens than slots, no more samples
+    dropped under a reason than dropped, no more patches than the patch budget allows, and
+    every sequence read (``samples_in - dropped + extra_pieces``) emitted, buffered,
+    pending or abandoned (by ``set_epoch`` mid-epoch)."""
     given, again = state["stats"], stats.as_dict()
     for k in sorted(set(given) - set(again)):
         raise StateError(
@@ -311,10 +316,15 @@ def check_stats(
         raise bad(f"['split'] = {s.split}, more than extra_pieces = {s.extra_pieces} (a split sample adds a piece)")
     if s.max_waited > max_wait:
         raise bad(f"['max_waited'] = {s.max_waited}, more than max_wait={max_wait}")
-    patches = getattr(s, "patches_out", None)
-    if patches is not None and max_patches is not None and patches > s.rows_out * max_patches:
+    if sum(s.reasons.values()) > s.dropped:
         raise bad(
-            f"['patches_out'] = {patches}, more than rows_out x max_patches = {s.rows_out} x {max_patches} = "
+            f": the samples dropped under a reason ({', '.join(f'dropped:{k}' for k in sorted(s.reasons))}: "
+            f"{sum(s.reasons.values())}) are more than dropped = {s.dropped}"
+        )
+    patches = s.patches_out
+    if max_patches is not None and patches > s.rows_out * max_patches:
+        raise bad(
+            f"['patches_out'] = {patches}, more than rows_out x max_patches_per_row = {s.rows_out} x {max_patches} = "
             f"{s.rows_out * max_patches}"
         )
     held = len(state["buffer"])
@@ -392,8 +402,8 @@ def first_iter(restore: dict[str, Any] | None, in_worker: bool, skipped: bool) -
 
 
 def enter_iter(ds: Any, in_worker: bool) -> bool:
-    """What an ``iter()`` of a loader dataset (``PackingDataset``, ``MultimodalPackingDataset``:
-    ``_restore``, ``_skipped``, ``_active``, ``_end_epoch``) settles before it reads: ``True``
+    """What an ``iter()`` of a loader dataset (a ``PackingDataset``: ``_restore``, ``_skipped``,
+    ``_active``, ``_end_epoch``) settles before it reads: ``True``
     when it must yield nothing (:func:`first_iter`); else, with nothing to restore and no pass
     running, the last ``iter()`` ended (or none ran), so this one starts the next epoch."""
     skip, ds._restore = first_iter(ds._restore, in_worker, ds._skipped)

@@ -12,14 +12,25 @@ state). Nothing is silently lost::
 and in any state, every sequence read is emitted, still buffered or pending, or abandoned::
 
     samples_in - dropped + extra_pieces == sequences_out + buffered + pending + abandoned
+
+A loader of samples with media counts their images and vision patches too, and each
+sample left out under its reason (:attr:`LoaderStats.dropped_by`). The counts of a
+loader that never saw media are exactly a text loader's (:meth:`LoaderStats.as_dict`
+writes a media count or reason only once it is non-zero).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
-__all__ = ["LoaderStats"]
+__all__ = ["OVERLONG", "LoaderStats"]
+
+#: the reason of a sample left out for its length (``overlong="drop"``)
+OVERLONG = "overlong"
+#: the counts that are not plain integers of the text loader (written only when non-zero)
+_MEDIA = ("images_out", "patches_out")
 
 
 @dataclass
@@ -30,17 +41,22 @@ class LoaderStats:
         samples_in: source samples read.
         rows_out: rows emitted (each ``max_seq_len`` slots).
         sequences_out: sequences (samples, or pieces of split samples) in those rows.
-        real_tokens: real tokens in those rows.
+        real_tokens: real tokens (vision placeholders included) in those rows.
         slots: token slots in those rows (``rows_out * max_seq_len``).
         split: samples longer than a row that were cut into pieces.
         extra_pieces: pieces beyond the first, over all split samples.
         truncated: samples cut to ``max_seq_len``; ``tokens_truncated`` tokens lost.
-        dropped: over-long samples left out (``overlong="drop"``); ``tokens_dropped`` tokens.
+        dropped: samples left out, for any reason (:attr:`dropped_by`); ``tokens_dropped``
+            their tokens (where known: a record that could not be read has none).
         rounds: buffers packed.
         held_rows: under-filled rows kept back for the next round.
         max_waited: the most rounds any emitted sequence waited in the buffer.
         epochs: epochs completed.
         abandoned: sequences read but never emitted because ``set_epoch`` dropped a partial epoch.
+        images_out, patches_out: media items (images) and vision patches in the emitted rows.
+        reasons: samples left out for a reason other than their length, by reason (a bad image
+            under its :class:`~sftpack.multimodal.BadImageReason` value, ``bad_record``,
+            ``over_patch_budget``); :attr:`dropped_by` adds the over-long ones.
     """
 
     samples_in: int = 0
@@ -59,11 +75,24 @@ class LoaderStats:
     max_waited: int = 0
     epochs: int = 0
     abandoned: int = 0
+    images_out: int = 0
+    patches_out: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
 
     @property
     def dropped_total(self) -> int:
-        """Samples left out (``dropped``; as ``MultimodalLoaderStats.dropped_total``)."""
+        """Samples left out (``dropped``, every reason)."""
         return self.dropped
+
+    @property
+    def dropped_by(self) -> dict[str, int]:
+        """Samples left out by reason: ``overlong`` (longer than a row under ``overlong="drop"``, or
+        an image block longer than a row) and :attr:`reasons`; the values sum to ``dropped``."""
+        out = dict(self.reasons)
+        length = self.dropped - sum(out.values())
+        if length:
+            out[OVERLONG] = length
+        return dict(sorted(out.items()))
 
     @property
     def fill(self) -> float:
@@ -75,12 +104,29 @@ class LoaderStats:
         """Source samples whose tokens went into rows (whole, truncated or as pieces)."""
         return self.sequences_out - self.extra_pieces
 
+    def drop(self, reason: str, tokens: int = 0) -> None:
+        """Count one sample left out under ``reason`` (with ``tokens`` tokens)."""
+        self.dropped += 1
+        self.tokens_dropped += tokens
+        if reason != OVERLONG:
+            self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self) | {"fill": self.fill}
+        """The counts as flat numbers (what a state stores): every count, a media count only when
+        non-zero, each reason ``r`` of :attr:`reasons` as ``dropped:r``, and ``fill``."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "reasons"}
+        for k in _MEDIA:
+            if not out[k]:
+                del out[k]
+        out |= {f"dropped:{k}": v for k, v in sorted(self.reasons.items())}
+        return out | {"fill": self.fill}
 
     def __add__(self, other: LoaderStats) -> LoaderStats:
-        out = LoaderStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        out = LoaderStats(
+            **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "reasons"}
+        )
         out.max_waited = max(self.max_waited, other.max_waited)
+        out.reasons = {k: self.reasons.get(k, 0) + other.reasons.get(k, 0) for k in self.reasons.keys() | other.reasons}
         return out
 
     @classmethod
@@ -100,13 +146,16 @@ class LoaderStats:
         return total
 
     @classmethod
-    def from_dict(cls, counts: dict[str, Any]) -> LoaderStats:
+    def from_dict(cls, counts: Mapping[str, Any]) -> LoaderStats:
         """Inverse of :meth:`as_dict` (derived entries such as ``fill`` are ignored)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: int(v) for k, v in counts.items() if k in names})
+        names = {f.name for f in fields(cls)} - {"reasons"}
+        known: dict[str, Any] = {k: int(v) for k, v in counts.items() if k in names}
+        out = cls(**known)
+        out.reasons = {k[len("dropped:") :]: int(v) for k, v in counts.items() if k.startswith("dropped:")}
+        return out
 
 
-def _dataset_states(state: Any):
+def _dataset_states(state: Any) -> Iterator[dict[str, Any]]:
     """Every PackingDataset state (a dict with a 'stats' entry) nested in ``state``."""
     if isinstance(state, dict):
         if "stats" in state and isinstance(state["stats"], dict):

@@ -13,6 +13,14 @@ exact resume, and a JSONL log per step. A step whose loss or gradient is not
 finite stops the run (or is skipped and counted), data with no supervised target
 is refused, and a step with none is skipped and counted.
 
+Samples with images (``sample.media``) take the same loop on every path: the
+sources hand their media along (the trainer path to ``pack_step``, the padded
+baseline in its micro-batch, the loader and offline rows laid by their builders),
+the model is a vision-language family's tiny model built from a config
+(``_model.build_media_model``), and the one :class:`~sftpack.loop._model.LossModule`
+runs the family's vision tower before the same head and loss; checkpoints,
+resume and DDP are the text run's. The log adds ``images`` per step.
+
 The public names (``__all__``):
 
 - run: :class:`TrainConfig` (every option, validated), :func:`train`;
@@ -33,10 +41,13 @@ The parts behind them, importable from their modules (no second public path):
 - ``_options``: the enums of :class:`TrainConfig`'s choices (``Packing``,
   ``Boundaries``, ``Schedule``, ``NonFinite``);
 - ``_sources``: the per-path sources of micro-batches with resumable positions
-  (``Source`` and one class per path), ``PaddedMicroBatch``;
+  (``Source`` and one class per path); ``_micro_batch``: the baseline's right-padded
+  ``PaddedMicroBatch``;
 - ``_setup``: from options and data to a source; the supervised-target checks;
+  ``media_samples`` (conversations with images to samples);
 - ``_model``: the attention registered with transformers, ``LossModule`` (model +
-  loss, one module for DDP); ``_llama``: ``SmallLlama``, ``build_model(impl="torch")``;
+  loss, one module for DDP, text and images), ``build_media_model``; ``_llama``:
+  ``SmallLlama``, ``build_model(impl="torch")``;
 - ``_loop``: :func:`train`, its log record ``StepLog`` and result ``TrainResult``,
   the device and ``torch.distributed`` helpers;
 - ``_checkpoint``: atomic save, checksum- and fingerprint-checked load;

@@ -55,6 +55,7 @@ import torch
 from ..handoff import PackedBatch
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from ..trainer import pack_step, padded_batch
+from ._micro_batch import media_of
 
 __all__ = ["PackingCollator", "PaddedCollator", "RowsCollator", "hf_row_kwargs"]
 
@@ -161,7 +162,9 @@ class PackingCollator:
     def __call__(self, features: Sequence[Any]) -> dict[str, Any]:
         samples = [_sample(f, i) for i, f in enumerate(features)]
         ids, lengths, mask = padded_batch(samples, pad_id=self.pad_id)
-        packed = pack_step(ids, lengths, mask, pad_multiple=self.pad_multiple, pad_id=self.pad_id)
+        packed = pack_step(
+            ids, lengths, mask, pad_multiple=self.pad_multiple, pad_id=self.pad_id, media=media_of(samples)
+        )
         return hf_row_kwargs(packed, pad_between_seqs=self.pad_between_seqs)
 
 

@@ -302,9 +302,9 @@ def train(
         on_step: called with each :class:`StepLog`.
         loss_module: builds the module whose ``forward(micro_batch, num_label_tokens)``
             returns the micro-batch's share of the global loss, called as
-            ``loss_module(model, pad_between_seqs=..., average_over_ranks=...)``: the text
-            :class:`LossModule` by default; ``sftpack.loop._media.MediaLossModule`` for a
-            Qwen2-VL-style model on rows with images (the log then adds ``images``).
+            ``loss_module(model, pad_between_seqs=..., average_over_ranks=...)``: the
+            :class:`LossModule` by default, for text and for a vision-language model on
+            micro-batches with images alike (for such a model the log adds ``images``).
 
     Returns:
         :class:`TrainResult`.
@@ -330,7 +330,9 @@ def train(
     module = loss_module(model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world)
     runner: torch.nn.Module = module
     if world > 1:
-        runner = torch.nn.parallel.DistributedDataParallel(module)
+        # a vision-language model's tower gets no gradient from a micro-batch without images
+        unused = bool(getattr(module, "counts_images", False))
+        runner = torch.nn.parallel.DistributedDataParallel(module, find_unused_parameters=unused)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def make_optimizer() -> tuple[torch.optim.Optimizer, Any]:
@@ -489,7 +491,7 @@ def train(
                     sum(mb.num_real_tokens for mb in mbs),
                     sum(mb.num_tokens for mb in mbs),
                     sum(len(mb.sequence_ids or ()) for mb in mbs),
-                    sum(getattr(mb, "num_images", 0) for mb in mbs),
+                    sum(getattr(mb, "num_media_items", 0) for mb in mbs),
                     float(stop is not None and stop()),  # any rank asked to stop: every rank stops
                 ],
                 dtype=torch.float64,

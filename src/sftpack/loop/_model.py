@@ -30,6 +30,15 @@ budget (:data:`sftpack.head.DEFAULT_CHUNK_BYTES`), one reused buffer, the gradie
 formed in the same pass (nothing recomputed in the backward pass); on CUDA a fused
 kernel (Liger-Kernel, cut-cross-entropy) where one is installed. A tied head
 (weight shared with the input embedding) and a frozen one work as they are.
+
+Data with images trains a vision-language model of a family
+(:func:`sftpack.multimodal.family_for`): :func:`build_media_model` builds the
+family's tiny model from a config (:meth:`~sftpack.multimodal.Family.tiny_model`,
+nothing downloaded), and the same :class:`LossModule` takes its micro-batches: a
+packed row runs the family's :meth:`~sftpack.multimodal.Family.packed_hidden` (the
+vision tower over the row's per-image boundaries, its features into the image slots,
+and the language model over the row's boundaries and the media's positions), a padded
+batch runs the model's own path; then the same head and loss.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ __all__ = [
     "TRAIN_ATTENTION",
     "LossModule",
     "ModelImpl",
+    "build_media_model",
     "build_model",
     "load_model",
     "register_train_attention",
@@ -106,31 +116,25 @@ def build_model(
     >>> type(t).__name__, all(torch.equal(a, b) for a, b in zip(m.parameters(), t.parameters()))
     ('SmallLlama', True)
     """
+    sizes: dict[str, Any] = {
+        "hidden_size": dim,
+        "intermediate_size": 4 * dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+    }
     if choose(ModelImpl, impl, "impl") is ModelImpl.TORCH:
         if attn_implementation not in (None, TRAIN_ATTENTION):
             raise ValueError(
                 f"impl='torch' runs sftpack's training attention only, not attn_implementation="
                 f"{attn_implementation!r}: leave it out, or use impl='transformers'"
             )
-        cfg = SmallLlamaConfig(
-            vocab_size,
-            hidden_size=dim,
-            intermediate_size=4 * dim,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=max_positions,
-        )
-        return build_small_llama(cfg, seed=seed, dtype=dtype)
+        return build_small_llama(SmallLlamaConfig(vocab_size, **sizes), seed=seed, dtype=dtype)
     hf = transformers()
     cfg = hf.LlamaConfig(
         vocab_size=vocab_size,
-        hidden_size=dim,
-        intermediate_size=4 * dim,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_positions,
+        **sizes,
         attention_dropout=0.0,
         tie_word_embeddings=False,
         pad_token_id=None,
@@ -168,6 +172,56 @@ def load_model(
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
+def media_token_ids(family: Any, tokenizer: Any) -> dict[str, int]:
+    """The token ids a model config of ``family`` names, by config key (``Family.token_ids``)."""
+    return {k: int(v) for k, v in family.token_ids(tokenizer).items()}
+
+
+def build_media_model(
+    family: Any,
+    tokenizer: Any,
+    *,
+    vocab: Any = None,
+    dim: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """The tiny model of a vision-language ``family`` (:meth:`Family.tiny_model
+    <sftpack.multimodal.Family.tiny_model>`, from a config, seeded, nothing downloaded):
+    text ``dim`` / ``layers`` / ``heads`` / ``kv_heads``, a vision tower ``dim`` wide with
+    ``heads`` heads, over the tokenizer's vocabulary or, given ``vocab`` (the original id of
+    each of the model's ids, sorted: :func:`~sftpack.loop.compact_vocabulary` kept
+    :func:`media_token_ids`), over those ids plus one unused last id (what a config names
+    without a token here, e.g. Qwen2-VL's video placeholder, defaults to it)."""
+    import numpy as np
+
+    ids = media_token_ids(family, tokenizer)
+    size: dict[str, Any] = {}
+    if vocab is not None:
+        vocab = np.asarray(vocab)
+        missing = [k for k, v in ids.items() if not np.isin(v, vocab)]
+        if missing:
+            raise ValueError(f"build_media_model: the vocabulary lacks the ids of {missing}: keep them when compacting")
+        ids = {k: int(np.searchsorted(vocab, v)) for k, v in ids.items()}
+        size["vocab_size"] = len(vocab) + 1
+    return family.tiny_model(
+        tokenizer,
+        token_ids=ids,
+        dim=dim,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        vision_dim=dim,
+        vision_heads=heads,
+        seed=seed,
+        dtype=dtype,
+        **size,
+    )
+
+
 def _body_and_head(model: Any) -> tuple[nn.Module, nn.Linear]:
     head = model.get_output_embeddings()
     body = model.base_model
@@ -181,7 +235,8 @@ class LossModule(nn.Module):
 
     ``forward(mb, n)`` returns the micro-batch's share of the global token-mean loss:
     ``sum of token losses / n * average_over_ranks`` (a 0-dim float32 tensor;
-    float64 for a float64 model).
+    float64 for a float64 model). A micro-batch with media (``mb.media``) runs a
+    vision-language model's family forward first (see the module text).
     """
 
     def __init__(self, model: Any, *, pad_between_seqs: bool, average_over_ranks: int = 1) -> None:
@@ -189,10 +244,42 @@ class LossModule(nn.Module):
         self.model = model
         self.pad_between_seqs = pad_between_seqs
         self.average_over_ranks = average_over_ranks
+        #: a vision-language model: :func:`sftpack.loop.train` logs each step's ``images``
+        self.counts_images = getattr(getattr(model, "config", None), "vision_config", None) is not None
+        self._family: Any = None
+
+    def family(self) -> Any:
+        """The model's vision-language family (:func:`sftpack.multimodal.family_for`), found once."""
+        if self._family is None:
+            from ..multimodal import family_for
+
+            self._family = family_for(self.model)
+        return self._family
+
+    def _media_hidden(self, body: nn.Module, mb: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states and labels of a micro-batch with media: a packed row (the family's
+        :meth:`~sftpack.multimodal.Family.packed_hidden`: the vision tower over the row's
+        per-image boundaries, the language model over the row's boundaries and the media's
+        positions) or a right-padded batch (the model's own path)."""
+        if hasattr(mb, "cu_seqlens_padded"):
+            return self.family().packed_hidden(self.model, mb, pad_between_seqs=self.pad_between_seqs), mb.labels
+        # right-padded rows: causal attention never looks right
+        media = mb.media
+        pixels = {k: v for k, v in media.hf_kwargs(mb.input_ids.reshape(-1)).items() if k != "position_ids"}
+        if "pixel_values" in pixels:
+            pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
+        b, S = mb.input_ids.shape
+        kw: dict[str, Any] = {"input_ids": mb.input_ids, "use_cache": False, **pixels}
+        positions = getattr(media, "positions", None)
+        if positions is not None:
+            kw["position_ids"] = positions.reshape(3, b, S)
+        return body(**kw).last_hidden_state.flatten(0, 1), mb.labels.reshape(-1)
 
     def forward(self, mb: Any, num_label_tokens: torch.Tensor) -> torch.Tensor:
         body, head = _body_and_head(self.model)
-        if hasattr(mb, "cu_seqlens_padded"):  # a packed run
+        if getattr(mb, "media", None) is not None:
+            hidden, labels = self._media_hidden(body, mb)
+        elif hasattr(mb, "cu_seqlens_padded"):  # a packed run
             kw = mb.to_hf_kwargs()
             kw.pop("labels")
             if self.pad_between_seqs and getattr(self.model.config, "_attn_implementation", None) == TRAIN_ATTENTION:

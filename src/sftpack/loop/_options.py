@@ -69,6 +69,9 @@ class TrainConfig:
         micro_batch_tokens: the trainer path's token budget of one packed
             micro-batch (default ``max_seq_len``). Larger budgets mean fewer, wider
             forward passes (less per-call overhead, more activation memory).
+        max_patches_per_row: data with images: the vision patches one packed row or
+            micro-batch may hold (the bin packer's second budget, on the trainer and
+            loader paths; ``None``: tokens alone decide).
         lr, weight_decay, betas, eps: AdamW.
         warmup_steps, schedule, min_lr_ratio: the learning-rate schedule.
         clip_norm: gradient-norm clipping (``None``: off).
@@ -89,6 +92,7 @@ class TrainConfig:
     max_seq_len: int = 1024
     grad_accum: int = 1
     micro_batch_tokens: int | None = None
+    max_patches_per_row: int | None = None
     lr: float = 1e-3
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
@@ -135,6 +139,8 @@ class TrainConfig:
                     f"TrainConfig: micro_batch_tokens={self.micro_batch_tokens} is below max_seq_len="
                     f"{self.max_seq_len}: a conversation of max_seq_len tokens must fit one micro-batch"
                 )
+        if self.max_patches_per_row is not None:
+            self.max_patches_per_row = positive_int("max_patches_per_row", self.max_patches_per_row, who="TrainConfig")
         for name in ("dim", "layers", "heads", "kv_heads"):
             setattr(self, name, positive_int(name, getattr(self, name), who="TrainConfig"))
         if self.max_seq_len % self.pad_multiple:
@@ -167,6 +173,8 @@ class TrainConfig:
         for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
+        if d["max_patches_per_row"] is None:  # a text run's saved config stays what it was
+            del d["max_patches_per_row"]
         return d
 
     def lr_factor(self, step: int) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from ._sources import (
     LoaderSource,
     OfflineSource,
     PaddedSource,
+    RenumberedSource,
     Source,
     TrainerSource,
     _no_targets,
@@ -33,6 +35,7 @@ __all__ = [
     "check_targets",
     "compact_vocabulary",
     "make_source",
+    "media_samples",
     "model_vocab_size",
     "supervised_targets",
     "tokenized_samples",
@@ -96,6 +99,38 @@ def tokenized_samples(
     return checked_samples(got.samples), got.stats
 
 
+def media_samples(
+    conversations: Iterable[Any],
+    *,
+    max_seq_len: int,
+    family: Any = None,
+    tokenizer: Any = None,
+    processor: Any = None,
+    on_bad_row: str = "error",
+) -> tuple[list[Sample], Any]:
+    """Tokenize conversations with image parts (the Hugging Face multimodal chat format) for a
+    vision-language ``family`` (:func:`sftpack.multimodal.family_for`; default Qwen2-VL, its
+    tokenizer and image processor unless given): samples whose ``media`` holds their images,
+    conversations longer than ``max_seq_len`` split at text boundaries. Returns ``(samples,
+    stats)`` (``stats``: :class:`~sftpack.multimodal.MultimodalStats`)."""
+    from ..multimodal import MultimodalStats, family_for, tokenize_multimodal_conversations
+
+    fam = family_for(family)
+    stats = MultimodalStats()
+    got = list(
+        tokenize_multimodal_conversations(
+            conversations,
+            tokenizer=tokenizer if tokenizer is not None else fam.tokenizer(),
+            processor=processor if processor is not None else fam.image_processor(),
+            max_seq_len=max_seq_len,
+            on_bad_row=on_bad_row,
+            stats=stats,
+            family=fam,
+        )
+    )
+    return checked_samples(got), stats
+
+
 def resolve_cache(cache: bool | str | os.PathLike[str] | None) -> Path | None:
     """The cache folder ``cache`` names: ``False``/``None``: none, ``True``: the default one."""
     if cache is None or cache is False:
@@ -119,8 +154,13 @@ def make_source(
     world: int = 1,
     pad_id: int = 0,
     tokenizer: Tokenizer | str | None = None,
+    vocab: np.ndarray | None = None,
 ) -> Source:
     """The data source of ``config.packing`` for this rank.
+
+    Samples with images (``sample.media``) take every path as they are; with
+    ``config.max_patches_per_row`` the trainer and loader paths plan under that
+    vision-patch budget too.
 
     Args:
         config: the run's :class:`TrainConfig`.
@@ -133,6 +173,8 @@ def make_source(
         pad_id: token id of padding slots.
         tokenizer: the model's tokenizer (or its fingerprint's ``sha256``): a prepacked
             directory written with another one is refused (``PrepackedDataset(expect=)``).
+        vocab: ``offline`` with a model over the data's ids (:func:`compact_vocabulary`):
+            the original id of each; the prepack's rows are renumbered as they are read.
 
     Raises:
         ValueError: data with no supervised target at all (nothing to learn), or that
@@ -168,7 +210,8 @@ def make_source(
                 int(ds.sequences["length"].max()) if len(getattr(ds, "sequences", ())) else 0,
                 config.max_seq_len,
             )
-        return OfflineSource(ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum)
+        offline: Source = OfflineSource(ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum)
+        return offline if vocab is None else RenumberedSource(offline, vocab, pad_id=pad_id)
     if samples is None:
         raise ValueError(f"--packing {p} needs tokenized samples")
     grouped = samples if isinstance(samples, ConversationSamples) else None
@@ -201,11 +244,15 @@ def make_source(
                 samples,
                 token_budget=config.micro_batch_tokens or config.max_seq_len,
                 pad_multiple=config.pad_multiple,
+                max_patches=config.max_patches_per_row,
                 **common,
             )
         source.max_seq_len = config.max_seq_len
         return source
     assert not isinstance(samples, ConversationSamples)
+    patches: dict[str, Any] = {}
+    if config.max_patches_per_row is not None:
+        patches["max_patches_per_row"] = config.max_patches_per_row
     loader = PackingDataset(
         samples,
         max_seq_len=config.max_seq_len,
@@ -218,6 +265,7 @@ def make_source(
         world_size=world,
         pad_id=pad_id,
         pad_between_seqs=config.pad_between_seqs,
+        **patches,
     )
     return LoaderSource(
         loader,
@@ -229,14 +277,17 @@ def make_source(
     )
 
 
-def compact_vocabulary(samples: Sequence[Sample]) -> tuple[list[Sample], np.ndarray]:
-    """Renumber the token ids that occur in ``samples`` as ``0..U-1`` (in id order).
+def compact_vocabulary(samples: Sequence[Sample], keep: Iterable[int] = ()) -> tuple[list[Sample], np.ndarray]:
+    """Renumber the token ids that occur in ``samples`` (and the ids in ``keep``) as
+    ``0..U-1`` (in id order, so special tokens keep their order).
 
     A model over the ``U`` ids of the data has a ``U``-row embedding and head instead
     of the tokenizer's (the embedded corpus uses 34,460 of the Qwen BPE's 151,646 ids),
     which makes a tiny CPU model's head 4.4x cheaper. It is a different model (the
     softmax runs over ``U`` classes), so use it to measure and demonstrate, not to
     ship. Returns the renumbered samples and the ``(U,)`` int64 original id of each new id.
+    A sample's media keeps its pixels; its placeholder id is renumbered (``keep`` the ids
+    a model's config names, used or not: the pad, the vision block's tokens).
 
     >>> from sftpack.testing import samples_from_lengths
     >>> new, ids = compact_vocabulary(samples_from_lengths([2, 1]))
@@ -245,13 +296,17 @@ def compact_vocabulary(samples: Sequence[Sample]) -> tuple[list[Sample], np.ndar
     """
     if not samples:
         raise ValueError("compact_vocabulary needs at least one sample")
-    ids = np.unique(np.concatenate([s.input_ids for s in samples]))
+    extra = np.fromiter((int(i) for i in keep), dtype=np.int64)
+    ids = np.unique(np.concatenate([s.input_ids for s in samples] + ([extra] if extra.size else [])))
     out = [
         Sample(
             np.searchsorted(ids, s.input_ids),
             s.loss_mask,
             s.conversation_id,
             dict(s.meta),
+            media=None
+            if s.media is None
+            else dataclasses.replace(s.media, token_id=int(np.searchsorted(ids, s.media.token_id))),
         )
         for s in samples
     ]

@@ -24,15 +24,23 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
 - ``loader``: the next rows of a :class:`sftpack.loader.PackingDataset`, which
   shards the *samples* over ranks itself.
 - ``replay``: given conversations per step (the unpacked reference of a packed run).
+
+Samples with images (``sample.media``) go through the same sources: the trainer
+path hands each micro-batch's media to :func:`~sftpack.trainer.pack_step` (and, with
+``max_patches``, plans under a vision-patch budget too), the baseline's padded
+micro-batch carries its rows' media laid over the ``[b, S]`` slots
+(:attr:`PaddedMicroBatch.media`), and the loader and offline paths hand rows whose
+``media`` their own builders laid. :class:`RenumberedSource` maps a prepack's ids
+into a model's smaller vocabulary.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +52,7 @@ from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import IGNORE_INDEX, Sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
+from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
 __all__ = [
     "ConversationOrder",
@@ -52,6 +61,7 @@ __all__ = [
     "OfflineSource",
     "PaddedMicroBatch",
     "PaddedSource",
+    "RenumberedSource",
     "ReplaySource",
     "SampleOrder",
     "Source",
@@ -61,76 +71,23 @@ __all__ = [
 ]
 
 
-@dataclass
-class PaddedMicroBatch:
-    """A right-padded ``[b, S]`` batch, the unpacked baseline's micro-batch.
-
-    Attributes:
-        input_ids: ``(b, S)`` int64, padding holds ``pad_id``.
-        labels: ``(b, S)`` int64, already shifted like :attr:`PackedBatch.labels`:
-            ``labels[i, t] = input_ids[i, t+1]`` when token ``t+1`` is real and
-            trainable, else -100.
-        lengths: ``(b,)`` int64 real lengths.
-        sequence_ids: the conversation id of each row.
-    """
-
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    lengths: torch.Tensor
-    sequence_ids: tuple
-
-    @property
-    def num_real_tokens(self) -> int:
-        return int(self.lengths.sum())
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    @property
-    def num_label_tokens(self) -> int:
-        return int((self.labels != IGNORE_INDEX).sum())
-
-    def to(self, device: torch.device | str) -> PaddedMicroBatch:
-        return PaddedMicroBatch(
-            self.input_ids.to(device),
-            self.labels.to(device),
-            self.lengths,
-            self.sequence_ids,
-        )
-
-
-#: what a source hands the loop: a packed row (the three paths) or a padded batch (the baseline)
-MicroBatch = PackedBatch | PaddedMicroBatch
-
-
-def padded_micro_batch(samples: Sequence[Sample], *, pad_id: int = 0) -> PaddedMicroBatch:
-    """Right-pad ``samples`` to their longest and shift the labels within each row.
-
-    >>> from sftpack.testing import samples_from_lengths
-    >>> mb = padded_micro_batch(samples_from_lengths([2, 3]))
-    >>> mb.labels.tolist()
-    [[1001, -100, -100], [2001, 2002, -100]]
-    """
-    ids, lengths, mask = padded_batch(samples, pad_id=pad_id)
-    S = ids.shape[1]
-    nxt_real = torch.arange(1, S + 1)[None, :] < lengths[:, None]  # token t+1 exists
-    nxt_mask = torch.zeros_like(mask)
-    nxt_mask[:, :-1] = mask[:, 1:]
-    nxt_ids = torch.full_like(ids, IGNORE_INDEX)
-    nxt_ids[:, :-1] = ids[:, 1:]
-    labels = torch.where(nxt_real & nxt_mask, nxt_ids, torch.full_like(ids, IGNORE_INDEX))
-    return PaddedMicroBatch(ids, labels, lengths, tuple(s.conversation_id for s in samples))
-
-
 def samples_fingerprint(samples: Sequence[Sample]) -> str:
-    """sha256 over every sample's ids and loss mask, in order."""
+    """sha256 over every sample's ids and loss mask, in order, and the media of a sample
+    with media (its runs, its grids where it has them, its pixels)."""
     h = hashlib.sha256()
     for s in samples:
         h.update(np.int64(len(s)).tobytes())
         h.update(s.input_ids.tobytes())
         h.update(np.packbits(s.loss_mask).tobytes())
+        if s.media is not None:
+            for t in (s.media.slots, getattr(s.media, "grid_thw", None), s.media.pixel_values):
+                if t is not None:
+                    h.update(_tensor_bytes(t))
     return h.hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _hash(obj: object) -> str:
@@ -276,15 +233,19 @@ def _too_few(batch_size: int, n: int) -> ValueError:
 
 
 class _SampleSource(Source):
+    """The step's ``batch_size`` conversations drawn in a seeded order, for ``world`` ranks of
+    ``grad_accum`` micro-batches each (the trainer path and the baseline)."""
+
     def __init__(
         self,
         samples: Sequence[Sample] | ConversationSamples,
         *,
         batch_size: int,
         seed: int,
-        rank: int,
-        world: int,
-        grad_accum: int,
+        rank: int = 0,
+        world: int = 1,
+        grad_accum: int = 1,
+        pad_id: int = 0,
     ) -> None:
         if batch_size < world * grad_accum:
             raise ValueError(
@@ -297,7 +258,7 @@ class _SampleSource(Source):
             self.order = ConversationOrder(samples, batch_size=batch_size, seed=seed)
         else:
             self.order = SampleOrder(len(samples), batch_size=batch_size, seed=seed)
-        self.rank, self.world, self.grad_accum = rank, world, grad_accum
+        self.rank, self.world, self.grad_accum, self.pad_id = rank, world, grad_accum, pad_id
         self._fp: str | None = None
         self._checked = False
         self._ahead: list[Sample] | None = None  # drawn by wait_first, handed over by the next step
@@ -363,27 +324,6 @@ class PaddedSource(_SampleSource):
     """The baseline: the step's conversations dealt round-robin to the ranks, each
     rank's share cut into ``grad_accum`` right-padded micro-batches (in order)."""
 
-    def __init__(
-        self,
-        samples: Sequence[Sample] | ConversationSamples,
-        *,
-        batch_size: int,
-        seed: int,
-        rank: int = 0,
-        world: int = 1,
-        grad_accum: int = 1,
-        pad_id: int = 0,
-    ) -> None:
-        super().__init__(
-            samples,
-            batch_size=batch_size,
-            seed=seed,
-            rank=rank,
-            world=world,
-            grad_accum=grad_accum,
-        )
-        self.pad_id = pad_id
-
     def next_step(self) -> list[MicroBatch]:
         chosen = self._take()
         mine = np.arange(len(chosen))[self.rank :: self.world]
@@ -394,8 +334,9 @@ class PaddedSource(_SampleSource):
 class TrainerSource(_SampleSource):
     """The trainer path: the step's conversations binned into micro-batches of at
     most ``token_budget`` padded tokens, the same number per rank
-    (:func:`~sftpack.trainer.plan_microbatches`), each packed at the step from
-    its right-padded batch (:func:`~sftpack.trainer.pack_step`)."""
+    (:func:`~sftpack.trainer.plan_microbatches`; with ``max_patches``, at most that
+    many vision patches each too), each packed at the step from its right-padded
+    batch and its samples' media (:func:`~sftpack.trainer.pack_step`)."""
 
     def __init__(
         self,
@@ -409,30 +350,30 @@ class TrainerSource(_SampleSource):
         grad_accum: int = 1,
         pad_multiple: int = 1,
         pad_id: int = 0,
+        max_patches: int | None = None,
     ) -> None:
         super().__init__(
-            samples,
-            batch_size=batch_size,
-            seed=seed,
-            rank=rank,
-            world=world,
-            grad_accum=grad_accum,
+            samples, batch_size=batch_size, seed=seed, rank=rank, world=world, grad_accum=grad_accum, pad_id=pad_id
         )
-        self.token_budget, self.pad_multiple, self.pad_id = (
-            token_budget,
-            pad_multiple,
-            pad_id,
-        )
+        self.token_budget, self.pad_multiple = token_budget, pad_multiple
+        self.max_patches = max_patches
 
     def next_step(self) -> list[MicroBatch]:
         chosen = self._take()
         lengths = np.fromiter((len(s) for s in chosen), dtype=np.int64, count=len(chosen))
+        patches: dict[str, Any] = {}
+        if self.max_patches is not None:
+            patches = {
+                "patches": np.fromiter((s.num_patches for s in chosen), dtype=np.int64, count=len(chosen)),
+                "max_patches_per_microbatch": self.max_patches,
+            }
         plan = plan_microbatches(
             lengths,
             self.token_budget,
             dp_size=self.world,
             pad_multiple=self.pad_multiple,
             min_microbatches=self.grad_accum,
+            **patches,
         )
         out: list[MicroBatch] = []
         for mb in plan[self.rank]:
@@ -446,18 +387,20 @@ class TrainerSource(_SampleSource):
                     pad_multiple=self.pad_multiple,
                     pad_id=self.pad_id,
                     sequence_ids=[s.conversation_id for s in picked],
+                    media=media_of(picked),
                 )
             )
         return out
 
     def fingerprint(self) -> str:
-        return _hash(
-            {
-                "base": super().fingerprint(),
-                "budget": self.token_budget,
-                "pad_multiple": self.pad_multiple,
-            }
-        )
+        key: dict[str, Any] = {
+            "base": super().fingerprint(),
+            "budget": self.token_budget,
+            "pad_multiple": self.pad_multiple,
+        }
+        if self.max_patches is not None:  # a text run's fingerprint stays what it was
+            key["max_patches"] = self.max_patches
+        return _hash(key)
 
 
 class ReplaySource(Source):
@@ -608,3 +551,47 @@ class LoaderSource(Source):
     def fingerprint(self) -> str:
         cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
         return _hash({"loader": self._fp, "config": cfg, "batch_size": self.batch_size})
+
+
+class RenumberedSource(Source):
+    """Another source's packed rows with their token ids renumbered into ``vocab`` (the
+    original id of each of the model's ids, sorted: :func:`~sftpack.loop.compact_vocabulary`):
+    a prepack stores the tokenizer's ids, a model over the data's vocabulary reads them
+    renumbered (the media's placeholder id too). An id outside ``vocab`` is an error."""
+
+    def __init__(self, inner: Source, vocab: np.ndarray, *, pad_id: int) -> None:
+        self.inner, self.pad_id = inner, pad_id
+        self.lut = torch.full((int(vocab.max()) + 2,), -1, dtype=torch.int64)
+        self.lut[torch.from_numpy(np.asarray(vocab, dtype=np.int64))] = torch.arange(len(vocab))
+
+    def _map(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        out = torch.where(where, self.lut[ids.clamp(0, len(self.lut) - 1)], self.pad_id)
+        if bool((out < 0).any()):
+            bad = int(ids[out < 0][0])
+            raise ValueError(f"token id {bad} of the rows is not in the model's vocabulary (the data's ids)")
+        return out
+
+    def next_step(self) -> list[MicroBatch]:
+        out: list[MicroBatch] = []
+        for b in self.inner.next_step():
+            if not isinstance(b, PackedBatch):
+                raise TypeError(f"RenumberedSource renumbers packed rows, not {type(b).__name__}")
+            keep = b.labels != IGNORE_INDEX
+            labels = torch.where(keep, self._map(b.labels, keep), IGNORE_INDEX)
+            ids = self._map(b.input_ids, b.real_token_mask)  # padding slots: the model's pad id
+            media = b.media
+            if media is not None:
+                media = dataclasses.replace(media, token_id=int(self.lut[int(media.token_id)]))
+            out.append(dataclasses.replace(b, input_ids=ids, labels=labels, media=media))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+    def fingerprint(self) -> str:
+        return _hash(
+            {"renumbered": self.inner.fingerprint(), "vocab": hashlib.sha256(self.lut.numpy().tobytes()).hexdigest()}
+        )

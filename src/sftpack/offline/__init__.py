@@ -3,25 +3,28 @@
 ``sftpack prepack`` (:func:`prepack`) turns conversations into a prepack
 directory in three separable stages, then publishes it atomically:
 
-1. read + tokenize (``_inputs``, ``_stage``): samples stream into flat staging files; only
-   the lengths (and conversation numbers) stay in memory;
+1. read + tokenize (``_inputs``, ``_stage``; conversations with images: ``_encode``): samples
+   stream into flat staging files (with their images' resized uint8 pixels); only the lengths
+   (and conversation numbers, and each image's 40-byte record) stay in memory;
 2. pack (``_plan``): :func:`sftpack.binpack.pack` on the padded lengths
    (:func:`sftpack.handoff.padded_lengths`, the row builder's own cost) gives
-   a :class:`RowPlan` that fixes every sequence's place on disk;
+   a :class:`RowPlan` that fixes every sequence's place on disk (with images, their vision
+   patches are the packer's weights under ``max_patches_per_row``);
 3. write (``_write``): any range of rows from any token source, at the
-   offsets the plan fixed; then the index, checksums and manifest (``_format``,
-   ``_fingerprint``) and the rename (``_publish``).
+   offsets the plan fixed, the images' media columns beside the tokens; then the index,
+   checksums and manifest (``_format``, ``_fingerprint``) and the rename (``_publish``).
 
 :class:`PrepackedDataset` (``_dataset``) reads a row back as the contract's
 :class:`~sftpack.PackedBatch` (width ``max_seq_len``, tail folded into the last
-segment, real and padded boundaries both kept), with epoch-seeded order and
-data-parallel shards balanced by tokens (``_shard``). ``_describe`` summarises a
+segment, real and padded boundaries both kept; a prepack's images through
+``_row_images``), with epoch-seeded order and data-parallel shards balanced by tokens (``_shard``). ``_describe`` summarises a
 prepack for ``sftpack inspect``; ``_bridge`` and ``_packed_jsonl`` convert to
 and from Megatron-Bridge's packed Parquet and the upstream packed JSONL.
 
-:func:`prepack_multimodal` (``_media``) writes conversations with images through the same
-driver: their tokens as above, their images as resized uint8 pixels in row order (three
-more files), read back by :class:`PrepackedDataset` as ``MultimodalBatch`` rows.
+``prepack(..., images=True)`` writes conversations with images through the same stages:
+their tokens as above, their images as resized uint8 pixels in row order (three more
+files), read back by :class:`PrepackedDataset` as :class:`~sftpack.PackedBatch` rows with
+``media``, the same bytes for any engine and ``num_proc``.
 
 One driver (``_driver``) runs every prepack over an engine that runs stages 1
 and 3: the local one (``_local``) or Ray's (``_ray``), the same bytes either
@@ -57,7 +60,7 @@ from ._format import PrepackError, read_manifest
 from ._options import PrepackOptions
 from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl
 from ._plan import plan_rows as plan_rows  # not in __all__: benchmarks/bench_ray.py imports it here
-from ._prepack import prepack, prepack_multimodal, prepack_samples
+from ._prepack import prepack, prepack_samples
 from ._ray import prepack_ray
 from ._result import PrepackResult
 
@@ -72,7 +75,6 @@ __all__ = [
     "import_megatron_bridge",
     "import_packed_jsonl",
     "prepack",
-    "prepack_multimodal",
     "prepack_ray",
     "prepack_samples",
     "read_manifest",

@@ -12,7 +12,9 @@ pad id of the manifest::
 Reading the stored slices (:meth:`~PrepackedDataset.row_arrays`) costs what
 copying the same bytes out of a raw ``np.memmap`` costs; building the
 ``PackedBatch`` (five ``(max_seq_len,)`` tensors) adds the row builder's cost
-(``benchmarks/bench_offline.py`` measures both). Several rows are read
+(``benchmarks/bench_offline.py`` measures both). A prepack with images reads its media
+columns too (:class:`MediaReader`, ``_row_images``): each row is :meth:`~sftpack.PackedBatch.from_samples`
+of its samples, each sample's media rebuilt by the family the manifest names. Several rows are read
 together by :meth:`~PrepackedDataset.batch` (epoch positions) or
 :meth:`~PrepackedDataset.read_rows` (global rows): one compiled pass
 (:mod:`._collate`, numba) lays them end to end straight from the mappings,
@@ -58,8 +60,10 @@ from . import _collate
 from ._fingerprint import tokenizer_fingerprint
 from ._format import (
     FILES,
+    IMAGE_DTYPE,
     INDEX_FILES,
     MEDIA_FILES,
+    MEDIA_INDEX_FILES,
     ROW_DTYPE,
     SEQUENCE_DTYPE,
     PrepackError,
@@ -67,10 +71,10 @@ from ._format import (
     open_npy,
     read_manifest,
 )
-from ._media import IMAGE_DTYPE, MEDIA_INDEX_FILES, MediaReader
+from ._row_images import MediaReader
 from ._shard import Balance, epoch_rows
 
-__all__ = ["BatchedRows", "PrepackedDataset", "Verify"]
+__all__ = ["BatchedRows", "MediaReader", "PrepackedDataset", "Verify"]
 
 _RELEASE_BYTES = 16 << 20
 #: attributes that view the mappings: never pickled, opened again by a DataLoader worker
@@ -519,22 +523,22 @@ class PrepackedDataset(torch.utils.data.Dataset):
             ) from None
 
     def _media_row(self, r: int, ids: np.ndarray, mask: np.ndarray, seqs: np.ndarray) -> PackedBatch:
-        """A row with its images: :func:`sftpack.multimodal.build_multimodal_row` of its samples (the
-        in-memory row builder), the pixels patchified as the processor does, in row order."""
-        from ..multimodal import build_multimodal_row
-
+        """A row with its images: :meth:`PackedBatch.from_samples` of its samples (the in-memory row
+        builder), the pixels patchified as the processor does, in row order."""
         assert self.media is not None
         r %= self.num_rows
         conv_ids = [self.conversation_id(int(c)) for c in seqs["conversation"]]
         try:
             first = int(self.rows[r]["sequence"])
             samples = self.media.samples(r, first, ids, mask, seqs, conv_ids, with_pixels=False)
-            row = build_multimodal_row(
+            row = PackedBatch.from_samples(
                 samples, row_width=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
             )
             # the patches straight into the row's one buffer (the builder would copy them once more):
             # the same bytes as the samples' patches concatenated in row order
-            return dataclasses.replace(row, pixel_values=torch.from_numpy(self.media.pixel_values(r)))
+            assert row.media is not None  # every sample of a prepack with media carries media
+            row.media = dataclasses.replace(row.media, pixel_values=torch.from_numpy(self.media.pixel_values(r)))
+            return row
         except (PackedBatchError, IndexError, ValueError) as e:  # a damaged index (verify=None skips its checks)
             if isinstance(e, PrepackError):
                 raise
@@ -546,14 +550,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
     def row_images(self, r: int) -> list[np.ndarray]:
         """Global row ``r``'s images as stored: resized ``(H, W, 3)`` uint8 arrays, in row order
         (empty for a prepack without media)."""
-        if self.media is None:
-            return []
-        m = self.media
-        out = []
-        for rec in m.images[int(m.row_images[r]) : int(m.row_images[r + 1])]:
-            a, h, w = int(rec["pixels"]), int(rec["height"]), int(rec["width"])
-            out.append(m.pixels[a : a + h * w * 3].reshape(h, w, 3))
-        return out
+        return [] if self.media is None else self.media.stored_images(r)
 
     # ------------------------------------------------------------------ batched reading
 
@@ -577,10 +574,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
         seqs = self.rows["sequence"]
         counts = (seqs[rows + 1] - seqs[rows]).tolist()
         if self.media is not None:  # rows with images: read one by one, laid end to end
-            from ..multimodal import MultimodalBatch
-
             each = [self.row(int(x)) for x in rows]
-            return BatchedRows(MultimodalBatch.concat(each), [self.max_seq_len] * len(counts), counts, rows=each)
+            return BatchedRows(PackedBatch.concat(each), [self.max_seq_len] * len(counts), counts, rows=each)
         return BatchedRows(self.read_rows(rows), [self.max_seq_len] * len(counts), counts)
 
     def read_rows(self, rows: Iterable[int] | np.ndarray) -> PackedBatch:
@@ -594,10 +589,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
         if bad.any():
             raise IndexError(f"row {int(r[np.flatnonzero(bad)[0]])} is out of range for {n} rows")
         r = r % n
-        if self.media is not None:  # rows with images: each through the multimodal row builder
-            from ..multimodal import MultimodalBatch
-
-            return MultimodalBatch.concat([self.row(int(x)) for x in r])
+        if self.media is not None:  # rows with images: each through the row builder
+            return PackedBatch.concat([self.row(int(x)) for x in r])
         if r.shape[0] * self.max_seq_len >= 1 << 31:  # int32 boundaries: leave the overflow to concat's own rules
             return PackedBatch.concat([self.row(int(x)) for x in r])
         a = self._arrays

@@ -7,10 +7,12 @@ the fingerprint entries the caller knows, the output) and an engine
     engine.session()                     start what the engine needs (Ray: the cluster)
       writing(out)                       a hidden partial folder next to ``out``
         engine.stage(work)               1. read + tokenize + stage -> Staged
-        planner.plan(lengths)            2. the RowPlan (the same for every engine)
+        planner.plan(lengths)            2. the RowPlan (the same for every engine; with images,
+                                            their vision patches as the second budget's weights)
         vocabulary and token dtype       from the tokenizer's fingerprint, else the largest id
-        allocate; engine.write(plan)     3. the rows, at the offsets the plan fixed
-        write_index                      sequences, rows, conversation ids
+        allocate; engine.write(plan)     3. the rows, at the offsets the plan fixed (and with
+                                            images, the media columns: media_layout)
+        write_index                      sequences, rows, conversation ids (row_images)
         checksums, manifest              counts checked against the accounting identities
         publish                          the atomic rename (``_publish``)
 
@@ -29,19 +31,20 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from .. import __version__
 from .._types import TokenizerSpec
-from ._engine import Conversations, MultimodalConversations, PrepackEngine, Samples, Staged, progress_bar
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import (
     FILES,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    MEDIA_FILES,
     MEDIA_FORMAT_VERSION,
     PrepackError,
     digest,
@@ -51,13 +54,12 @@ from ._format import (
     write_json,
 )
 from ._inputs import check_out_outside_inputs
-from ._media import MEDIA_FILES
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._publish import writing
 from ._result import PrepackResult
 from ._stage import StagedSamples
-from ._write import allocate, write_index
+from ._write import allocate, media_layout, write_index
 
 __all__ = ["Job", "Planner", "build_manifest", "run", "run_conversations"]
 
@@ -65,7 +67,9 @@ __all__ = ["Job", "Planner", "build_manifest", "run", "run_conversations"]
 class Planner(Protocol):
     """Stage 2: :class:`~sftpack.offline._plan.BinPack` or :class:`~sftpack.offline._plan.KeepRows`."""
 
-    def plan(self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None) -> RowPlan: ...
+    def plan(
+        self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None, weights: ArrayLike | None = None
+    ) -> RowPlan: ...
 
     def fingerprint(self) -> dict[str, Any]: ...
 
@@ -89,7 +93,7 @@ class Job:
     """
 
     out: Path
-    work: Conversations | Samples | MultimodalConversations
+    work: Conversations | Samples
     planner: Planner
     fingerprint: dict[str, Any]
     source: str = "conversations"
@@ -176,12 +180,13 @@ def build_manifest(
     """The manifest of a finished prepack: the counts, checked against the accounting
     identities, and the fingerprint, sealed with its own digest, and the whole manifest
     sealed with ``manifest_sha256``. With ``media`` (a prepack with images): format version
-    3 and the ``media`` entry (what is stored per image, the processor's settings, totals)."""
+    3 and the ``media`` entry (what is stored per image, the family, the processor's settings, totals)."""
     counts = _counts(staged, plan, reading)
     _check_identity(counts)
     extra: dict[str, Any] = {}
     if media is not None:
-        fingerprint = dict(fingerprint, media={k: media[k] for k in ("kind", "processor", "image_token_id")})
+        keys = ("kind", "family", "processor", "image_token_id")
+        fingerprint = dict(fingerprint, media={k: media[k] for k in keys if k in media})
         extra["media"] = media
     # the layout the rows were built with, as the reader checks it against the manifest's own entries
     fingerprint = dict(
@@ -254,10 +259,9 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     raise PrepackError(f"nothing to pack: no sample came out of the input (counts: {staged.counts})")
                 t0 = time.perf_counter()
                 with progress_bar(job.progress, total=1, desc="pack", unit="step") as bar:
-                    if staged.media is not None:  # the second budget: vision patches per row
-                        plan = cast(Any, job.planner).plan(s.lengths, staged.row_sizes, patches=staged.media.patches)
-                    else:
-                        plan = job.planner.plan(s.lengths, staged.row_sizes)
+                    # with images, their vision patches: the second budget's weights
+                    patches = None if s.media is None else s.media.patches
+                    plan = job.planner.plan(s.lengths, staged.row_sizes, weights=patches)
                     bar.update(1)
                 seconds["pack"] = time.perf_counter() - t0
                 tok = staged.tokenizer or {}
@@ -268,8 +272,12 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                 dtype = token_dtype(max(vocab, pad_id + 1))
                 step = "writing the rows (stage 3)"
                 t0 = time.perf_counter()
-                allocate(tmp, plan, dtype)
-                engine.write(tmp, plan, staged, dtype)
+                layout = None if s.media is None else media_layout(plan, s.media)
+                allocate(tmp, plan, dtype, layout)
+                if layout is None:  # an engine written for text takes no media
+                    engine.write(tmp, plan, staged, dtype)
+                else:
+                    engine.write(tmp, plan, staged, dtype, media=layout)
                 write_index(
                     tmp,
                     plan,
@@ -277,6 +285,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     piece=s.piece,
                     conversation_offsets=s.conversation_offsets,
                     conversation_ids=staged.conversation_ids,
+                    media=layout,
                 )
                 seconds["write"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
@@ -295,7 +304,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     dtype=dtype,
                     vocab=vocab,
                     files=files,
-                    media=None if staged.media is None else staged.media.manifest_entry(),
+                    media=staged.media,
                 )
                 write_json(tmp / MANIFEST, manifest)
                 step = "publishing the prepack"
@@ -317,17 +326,25 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
 
 
 def run_conversations(
-    inputs: Any, out: str | os.PathLike[str], tokenizer: TokenizerSpec, options: PrepackOptions, engine: PrepackEngine
+    inputs: Any,
+    out: str | os.PathLike[str],
+    tokenizer: TokenizerSpec,
+    options: PrepackOptions,
+    engine: PrepackEngine,
+    *,
+    processor: Any = None,
+    fingerprint: dict[str, Any] | None = None,
 ) -> PrepackResult:
-    """:func:`run` for conversations (what :func:`~sftpack.offline.prepack` and
-    :func:`~sftpack.offline.prepack_ray` write): the output checked against the inputs
-    first, then the options' planner and fingerprint."""
+    """:func:`run` for conversations, with or without images (what :func:`~sftpack.offline.prepack`
+    and :func:`~sftpack.offline.prepack_ray` write): the output checked against the inputs
+    first, then the options' planner and fingerprint (``fingerprint``: the caller's extra entries)."""
     check_out_outside_inputs(inputs, out)
     job = Job(
         Path(out),
-        Conversations(inputs, tokenizer, options),
+        Conversations(inputs, tokenizer, options, processor),
         options.packing(),
-        options.fingerprint(),
+        {**options.fingerprint(), **(fingerprint or {})},
+        source="multimodal conversations" if options.images else "conversations",
         overwrite=options.overwrite,
         progress=options.progress,
     )

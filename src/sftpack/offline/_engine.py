@@ -16,13 +16,14 @@ from tqdm.auto import tqdm
 
 from .._types import TokenizerSpec
 from ..sample import Sample
+from ._encode import ImageSettings, image_settings
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._result import PrepackResult
 from ._stage import StagedSamples
-from ._write import TokenSource
+from ._write import MediaLayout, TokenSource
 
-__all__ = ["Conversations", "MultimodalConversations", "PrepackEngine", "Samples", "Staged", "progress_bar"]
+__all__ = ["Conversations", "PrepackEngine", "Samples", "Staged", "progress_bar"]
 
 
 @dataclass(frozen=True)
@@ -31,15 +32,32 @@ class Conversations:
 
     Attributes:
         inputs: as :func:`~sftpack.offline.prepack` takes them (paths, a reader, an
-            iterable, or ``None`` for the embedded corpus).
+            iterable, or ``None`` for the embedded corpus; with images, an iterable).
         tokenizer: a tokenizer object, the path of a tokenizer folder (engines that
-            load it elsewhere), or ``None`` for the embedded default.
-        options: the validated options.
+            load it elsewhere), or ``None`` for the embedded default (with images: the family's).
+        options: the validated options (``options.images``: conversations with images,
+            tokenized for ``options.family``).
+        processor: with images, the image processor (``None``: the family's).
     """
 
     inputs: Any
     tokenizer: TokenizerSpec
     options: PrepackOptions
+    processor: Any = None
+
+    def image_settings(self) -> ImageSettings:
+        """The :class:`~sftpack.offline._encode.ImageSettings` of conversations with images: these
+        options, the tokenizer and processor given (the family's where ``None``)."""
+        o = self.options
+        return image_settings(
+            o.family,
+            self.tokenizer,
+            self.processor,
+            max_seq_len=o.max_seq_len,
+            overlong=str(o.overlong),
+            on_bad_row=str(o.on_bad_row),
+            max_patches_per_row=o.max_patches_per_row,
+        )
 
 
 @dataclass(frozen=True)
@@ -58,36 +76,12 @@ class Samples:
 
 
 @dataclass(frozen=True)
-class MultimodalConversations:
-    """Stage 1's work for :func:`~sftpack.offline.prepack_multimodal`.
-
-    Attributes:
-        inputs: conversations (Hugging Face multimodal chat format), an iterable of mappings
-            with ``messages`` (and ``id``).
-        tokenizer, processor: ``None``: :func:`sftpack.multimodal.qwen2vl_tokenizer` and
-            :func:`sftpack.multimodal.image_processor`.
-        max_seq_len, max_patches, overlong, on_bad_row, num_proc, limit: as
-            :func:`~sftpack.offline.prepack_multimodal`.
-    """
-
-    inputs: Iterable[Any]
-    tokenizer: Any
-    processor: Any
-    max_seq_len: int
-    overlong: str = "split"
-    on_bad_row: str = "skip"
-    num_proc: int = 1
-    limit: int | None = None
-    max_patches: int | None = None
-
-
-@dataclass(frozen=True)
 class Staged:
     """What stage 1 hands the driver.
 
     Attributes:
         samples: lengths, conversation numbers, pieces, id offsets and totals
-            (:class:`StagedSamples`), in input order.
+            (:class:`StagedSamples`), in input order, and the media columns of samples with images.
         source: the token source stage 3 gathers the rows' sequences from.
         conversation_ids: the file of the conversation ids' UTF-8 JSON, end to end.
         counts: the manifest counts reading gives (``read``, ``kept``,
@@ -95,8 +89,8 @@ class Staged:
         inputs: the manifest's ``fingerprint["inputs"]`` (``None``: not an input of this engine's).
         tokenizer: the tokenizer's fingerprint (``None``: no tokenizer ran).
         row_sizes: samples per row of an input given in rows (:class:`Samples` ``in_rows``), else ``None``.
-        media: the staged images of multimodal samples
-            (:class:`~sftpack.offline._media.StagedMedia`), else ``None``.
+        media: with images, the manifest's ``media`` entry (what is stored, the family, the
+            image processor's settings, totals), else ``None``.
     """
 
     samples: StagedSamples
@@ -106,7 +100,7 @@ class Staged:
     inputs: list[dict[str, Any]] | None = None
     tokenizer: dict[str, Any] | None = None
     row_sizes: np.ndarray | None = None
-    media: Any = None
+    media: dict[str, Any] | None = None
 
 
 def progress_bar(progress: bool, **kw: Any) -> Any:
@@ -126,13 +120,17 @@ class PrepackEngine(ABC):
         yield
 
     @abstractmethod
-    def stage(self, work: Conversations | Samples | MultimodalConversations, staging: Path) -> Staged:
-        """Stage 1: stage the samples of ``work`` under ``staging`` (an empty folder). Multimodal
-        conversations (:func:`~sftpack.offline.prepack_multimodal`) are the local engine's only."""
+    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
+        """Stage 1: stage the samples of ``work`` under ``staging`` (an empty folder), with the media
+        columns when the conversations have images (``work.options.images``)."""
 
     @abstractmethod
-    def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
-        """Stage 3: fill every row of ``plan`` into the files :func:`~sftpack.offline.engine.allocate` created in ``directory``."""
+    def write(
+        self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype, media: MediaLayout | None = None
+    ) -> None:
+        """Stage 3: fill every row of ``plan`` into the files :func:`~sftpack.offline.engine.allocate` created in
+        ``directory``. The driver passes ``media`` only for conversations with images: the rows' images are
+        then written too (:func:`~sftpack.offline.engine.write_rows` takes it)."""
 
     def result(self, path: Path, manifest: dict[str, Any], seconds: dict[str, float]) -> PrepackResult:
         """The run's result (an engine may add what it measured)."""

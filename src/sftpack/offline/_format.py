@@ -20,11 +20,13 @@ reading row ``r`` is two index look-ups and two slices of ``(len,)``, about
 5 bytes per token. Plain ``.npy`` files open with ``np.load(mmap_mode="r")``
 in any numpy, so a prepack is readable without sftpack.
 
-A prepack with images (format version 3, written by ``prepack_multimodal``) adds
-``pixels.npy`` (every image's resized uint8 pixels, in row order), ``images.npy`` (one
-record per image: pixel offset, size, grid, sequence, placeholder start) and
-``row_images.npy`` (each row's first image), and the manifest's ``media`` entry; see
-``_media``. Text prepacks stay version 2.
+A prepack with images (format version 3, written by ``prepack(..., images=True)``) adds
+the media columns: ``pixels.npy`` (every image's resized uint8 pixels, in row order),
+``images.npy`` (one record per image, :data:`IMAGE_DTYPE`: pixel offset, size, grid,
+sequence, placeholder start) and ``row_images.npy`` (each row's first image), written by
+the same stage-3 writer as the tokens at offsets the plan fixes, and the manifest's
+``media`` entry (what is stored, the image processor's settings, the model family whose
+position rule rebuilds each sample's media on read, totals). Text prepacks stay version 2.
 
 Every byte is covered by a checksum: the six files by the SHA-256 the manifest
 records for each, the manifest by ``manifest_sha256``, the SHA-256 of its own
@@ -50,14 +52,18 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 __all__ = [
+    "DEFAULT_FAMILY",
     "FILES",
     "FORMAT",
     "FORMAT_VERSION",
+    "IMAGE_DTYPE",
     "INDEX_FILES",
     "MANIFEST",
     "MAX_ROW_WIDTH",
     "MEDIA_FILES",
     "MEDIA_FORMAT_VERSION",
+    "MEDIA_INDEX_FILES",
+    "MEDIA_KIND",
     "ROW_DTYPE",
     "SEQUENCE_DTYPE",
     "PrepackError",
@@ -75,11 +81,31 @@ __all__ = [
 FORMAT = "sftpack.prepack"
 #: 2: the manifest carries ``manifest_sha256`` and the fingerprint ``pad_id``; 1 is refused (no manifest checksum).
 FORMAT_VERSION = 2
-#: 3: a prepack with images (``manifest["media"]`` and three more files, see ``_media``); an older
+#: 3: a prepack with images (``manifest["media"]`` and the three media files); an older
 #: sftpack refuses it ("written by a newer sftpack") instead of reading its rows without their images.
 MEDIA_FORMAT_VERSION = 3
 #: The media files, checked like the others when the manifest has ``media``.
 MEDIA_FILES = ("pixels.npy", "images.npy", "row_images.npy")
+#: The small media index files: checked (SHA-256 and structure) on every default open.
+MEDIA_INDEX_FILES = MEDIA_FILES[1:]
+#: What is stored per image: the patch processor's resized uint8 pixels, ``(H, W, 3)`` row-major.
+MEDIA_KIND = "qwen2vl-resized-uint8-hwc"
+#: The family a prepack's media entry names when it names none (format 3 as sftpack first wrote it).
+DEFAULT_FAMILY = "qwen2_vl"
+#: One record per image, in row order (``sequence``: the output sequence it belongs to; ``start``:
+#: its placeholder run's start in that sequence; ``pixels``: its first byte in ``pixels.npy``).
+IMAGE_DTYPE = np.dtype(
+    [
+        ("pixels", "<i8"),
+        ("height", "<i4"),
+        ("width", "<i4"),
+        ("grid_t", "<i4"),
+        ("grid_h", "<i4"),
+        ("grid_w", "<i4"),
+        ("sequence", "<i8"),
+        ("start", "<i4"),
+    ]
+)
 MANIFEST = "manifest.json"
 #: The widest row a prepack may have (16 Mi slots). A row is built as five int64
 #: tensors of its width (40 bytes a slot: 640 MB at this width), the boundaries are
@@ -384,7 +410,9 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
         get(m, "media", "media", is_dict, "an object")
         for key in ("images", "patches", "pixel_bytes", "image_token_id", "merge_size"):
             get(media, key, f"media.{key}", lambda v: _int(v) and v >= 0, "an integer >= 0")
-        get(media, "kind", "media.kind", lambda v: v == "qwen2vl-resized-uint8-hwc", "'qwen2vl-resized-uint8-hwc'")
+        get(media, "kind", "media.kind", lambda v: v == MEDIA_KIND, repr(MEDIA_KIND))
+        if "family" in media:  # absent: written before the family was recorded, by Qwen2-VL's rule
+            get(media, "family", "media.family", lambda v: isinstance(v, str) and v != "", "a model family's name")
         proc = get(media, "processor", "media.processor", is_dict, "an object")
         for key in ("patch_size", "temporal_patch_size", "merge_size"):
             get(proc, key, f"media.processor.{key}", lambda v: _int(v) and v >= 1, "a positive integer")

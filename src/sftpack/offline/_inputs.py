@@ -36,7 +36,7 @@ from ..data import default_corpus
 from ._fingerprint import input_fingerprints
 from ._format import PrepackError
 
-__all__ = ["Inputs", "check_out_outside_inputs", "is_paths", "open_inputs", "reading_counts"]
+__all__ = ["Inputs", "check_out_outside_inputs", "is_paths", "open_image_inputs", "open_inputs", "reading_counts"]
 
 #: The tokenizer statistics the counts read (missing ones count 0: an engine that read nothing).
 _TOKENIZE_KEYS = (
@@ -114,6 +114,20 @@ def open_inputs(inputs: Any, *, on_bad_row: OnBadRow | str, limit: int | None) -
         reader = inputs if isinstance(inputs, ConversationReader) else read_conversations(inputs, on_bad_row=on_bad_row)
         conversations: Iterable[Any] = reader if limit is None else islice(reader, limit)
         return Inputs(conversations, reader, limit, input_fingerprints(reader))
+    hashing = Hashing(inputs if limit is None else islice(inputs, limit))
+    return Inputs(hashing, None, limit, [], hashing)
+
+
+def open_image_inputs(inputs: Any, *, limit: int | None) -> Inputs:
+    """The inputs of a prepack with images: an iterable of conversations (Hugging Face's multimodal
+    chat format, e.g. :func:`sftpack.multimodal.vqa_corpus` or :func:`sftpack.chat.read_conversations`),
+    hashed as it streams."""
+    if inputs is None or isinstance(inputs, ConversationReader) or is_paths(inputs):
+        what = "no inputs (the embedded corpus is text)" if inputs is None else "paths"
+        raise ValueError(
+            f"a prepack with images takes an iterable of conversations, got {what}: read files with "
+            "sftpack.chat.read_conversations(paths) and pass the conversations it yields"
+        )
     hashing = Hashing(inputs if limit is None else islice(inputs, limit))
     return Inputs(hashing, None, limit, [], hashing)
 

@@ -1,7 +1,8 @@
 """The local engine: stages 1 and 3 in this process (and ``num_proc`` tokenizer workers).
 
 Stage 1 streams the tokenizer's samples (:func:`sftpack.chat.tokenize_conversations`,
-whose output order does not depend on ``num_proc``) into one staging folder
+or for conversations with images :func:`~sftpack.offline._encode.encoded`, whose output
+order does not depend on ``num_proc`` either) into one staging folder
 (:func:`~sftpack.offline.engine.stage_samples`). The tokenizer's fingerprint (a
 serialisation of the whole vocabulary: a fixed cost, not a per-token one) is
 computed on a helper thread once the first samples are out, so it runs while the
@@ -25,13 +26,13 @@ from .._base import positive_int
 from ..chat import tokenize_conversations
 from ..data import default_tokenizer
 from ..sample import Sample
-from ._engine import Conversations, MultimodalConversations, PrepackEngine, Samples, Staged, progress_bar
+from ._encode import ImageCounts, encoded
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
-from ._inputs import open_inputs, reading_counts
-from ._media import stage_multimodal, write_media
+from ._inputs import open_image_inputs, open_inputs, reading_counts
 from ._plan import RowPlan
 from ._stage import stage_samples
-from ._write import CHUNK_TOKENS, write_rows
+from ._write import CHUNK_TOKENS, MediaLayout, write_rows
 
 __all__ = ["LocalEngine"]
 
@@ -107,9 +108,7 @@ class LocalEngine(PrepackEngine):
         self.progress = bool(progress)
         self.chunk_tokens = positive_int("chunk_tokens", chunk_tokens)
 
-    def stage(self, work: Conversations | Samples | MultimodalConversations, staging: Path) -> Staged:
-        if isinstance(work, MultimodalConversations):
-            return stage_multimodal(work, staging, self.progress)
+    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
         if isinstance(work, Samples):
             counted = _Counted(work)
             staged = stage_samples(counted, staging)
@@ -117,6 +116,8 @@ class LocalEngine(PrepackEngine):
             sizes = np.asarray(counted.sizes, np.int64) if work.in_rows else None
             return Staged(staged, staged.source(), staged.source().conversation_ids_path(), counts, row_sizes=sizes)
         o = work.options
+        if o.images:
+            return self._stage_images(work, staging)
         tokenizer = default_tokenizer() if work.tokenizer is None else work.tokenizer
         if isinstance(tokenizer, (str, os.PathLike)):
             raise TypeError(
@@ -148,8 +149,48 @@ class LocalEngine(PrepackEngine):
             tokenizer=tok_fp,
         )
 
-    def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
+    def _stage_images(self, work: Conversations, staging: Path) -> Staged:
+        """Stage 1 for conversations with images: :func:`~sftpack.offline._encode.encoded` in
+        ``num_proc`` forked workers, staged with their media columns."""
+        o = work.options
+        tokenizer = work.tokenizer
+        if isinstance(tokenizer, (str, os.PathLike)):
+            raise TypeError(
+                f"the local engine takes a tokenizer object, not the path {os.fspath(tokenizer)!r}: load it with "
+                "transformers.AutoTokenizer.from_pretrained(path)"
+            )
+        settings = work.image_settings()
+        inputs = open_image_inputs(work.inputs, limit=o.limit)
+        counts = ImageCounts()
+        with progress_bar(self.progress, desc="tokenize", unit="conv") as bar:
+
+            def counted() -> Iterator[Any]:
+                for item in encoded(inputs.conversations, settings, self.num_proc):
+                    bar.update(1)
+                    yield item
+
+            staged = stage_samples(counts.pairs(counted()), staging, media=True)
+        assert staged.media is not None
+        return Staged(
+            staged,
+            staged.source(),
+            staged.source().conversation_ids_path(),
+            counts.manifest(),
+            inputs=inputs.fingerprint(),
+            tokenizer=tokenizer_fingerprint(settings.tokenizer),
+            media=settings.manifest_entry(staged.media),
+        )
+
+    def write(
+        self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype, media: MediaLayout | None = None
+    ) -> None:
         with progress_bar(self.progress, total=plan.num_rows, desc="write", unit="row") as bar:
-            write_rows(directory, plan, staged.source, dtype, chunk_tokens=self.chunk_tokens, on_chunk=bar.update)
-        if staged.media is not None:
-            write_media(directory, plan, staged.media)
+            write_rows(
+                directory,
+                plan,
+                staged.source,
+                dtype,
+                chunk_tokens=self.chunk_tokens,
+                on_chunk=bar.update,
+                media=media,
+            )

@@ -50,6 +50,12 @@ class PrepackOptions:
     The Ray engine's settings (``workers``, ``ray_address``, ``unit_size``,
     ``write_tasks``, ``actor_cpus``) and the local one's (``num_proc``) are
     checked whatever the engine; only the chosen engine reads its own.
+
+    ``images``: the conversations have images (Hugging Face's multimodal chat format),
+    tokenized for the model ``family`` (a :func:`sftpack.multimodal.family_for` name;
+    Qwen2-VL by default) and planned under ``max_patches_per_row`` vision patches per row
+    too (``None``: tokens only); ``overlong`` is then ``split``, ``drop`` or ``error`` and
+    the assistant turns are trained.
     """
 
     max_seq_len: int = 4096
@@ -69,14 +75,17 @@ class PrepackOptions:
     actor_cpus: float = 1.0
     overwrite: bool = False
     progress: bool = False
+    images: bool = False
+    family: str = "qwen2_vl"
+    max_patches_per_row: int | None = None
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
         put("engine", choose(Engine, self.engine, "engine"))
-        packing = BinPack(self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)  # the packing's checks
-        for name in ("max_seq_len", "pad_multiple", "algorithm", "seed"):
+        packing = BinPack(self.max_seq_len, self.pad_multiple, self.algorithm, self.seed, self.max_patches_per_row)
+        for name in ("max_seq_len", "pad_multiple", "algorithm", "seed", "max_patches_per_row"):  # its checks
             put(name, getattr(packing, name))
         put("overlong", choose(Overlong, self.overlong, "overlong"))
         put("train_on", choose(TrainOn, self.train_on, "train_on"))
@@ -94,10 +103,38 @@ class PrepackOptions:
             raise ValueError(f"ray_address must be a string such as 'auto' or 'host:6379', got {self.ray_address!r}")
         put("overwrite", bool(self.overwrite))
         put("progress", bool(self.progress))
+        if not isinstance(self.images, bool):
+            raise ValueError(f"images must be True or False, got {self.images!r}")
+        if not isinstance(self.family, str) or not self.family:
+            raise ValueError(f"family must be a model family's name such as 'qwen2_vl', got {self.family!r}")
+        if not self.images:
+            if self.max_patches_per_row is not None:
+                raise ValueError("max_patches_per_row is a budget for images: prepack conversations with images=True")
+            if self.family != "qwen2_vl":
+                raise ValueError(
+                    f"family={self.family!r} names the model of conversations with images: pass images=True"
+                )
+            return
+        from ..multimodal import UnsupportedModelError, family_for
+
+        try:
+            put("family", family_for(self.family).name)
+        except UnsupportedModelError as e:
+            raise ValueError(str(e)) from None
+        if self.overlong is Overlong.TRUNCATE:
+            raise ValueError(
+                "overlong='truncate' is not offered with images (it would cut a turn and possibly an image): use "
+                "'split', 'drop' or 'error'"
+            )
+        if self.train_on is not TrainOn.ALL_ASSISTANT:
+            raise ValueError(
+                f"train_on={str(self.train_on)!r} is not offered with images: their assistant turns are trained "
+                "(train_on='all_assistant')"
+            )
 
     def packing(self) -> BinPack:
         """Stage 2 for these options."""
-        return BinPack(self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)
+        return BinPack(self.max_seq_len, self.pad_multiple, self.algorithm, self.seed, self.max_patches_per_row)
 
     def fingerprint(self) -> dict[str, Any]:
         """The manifest fingerprint's entries for these options (the rows depend on each)."""

@@ -18,6 +18,11 @@ order) and still produce the same bytes::
     row_offsets    [0, 2, 5]
     starts         [0, 10, 16, 21, 24]                (output token offset of each sequence)
 
+Samples with images bring a second size, their vision patches: :class:`BinPack` with
+``max_patches_per_row`` hands them to the packer as weights
+(:func:`sftpack.binpack.pack`'s ``weights`` / ``max_weight_per_bin``), so a row's
+patches never exceed the budget either.
+
 Memory: about 24 bytes per sample (the order, the output lengths and starts).
 """
 
@@ -32,7 +37,7 @@ from numpy.typing import ArrayLike
 
 from .._base import check_width as multiple_of
 from .._base import choose, positive_int, round_up
-from ..binpack import Algorithm, lower_bounds
+from ..binpack import Algorithm, lower_bounds, pack
 from ..handoff import pack_rows, padded_lengths
 from ._format import PrepackError, check_row_width
 
@@ -128,13 +133,34 @@ def plan_rows(
     return BinPack(max_seq_len, pad_multiple, choose(Algorithm, algorithm, "algorithm"), seed).plan(lengths)
 
 
-def _bin_pack(lengths: ArrayLike, width: int, m: int, algorithm: Algorithm, seed: int) -> RowPlan:
-    """:func:`plan_rows` on settings already checked."""
+def _bin_pack(
+    lengths: ArrayLike,
+    width: int,
+    m: int,
+    algorithm: Algorithm,
+    seed: int,
+    weights: ArrayLike | None = None,
+    max_weight: int | None = None,
+) -> RowPlan:
+    """:func:`plan_rows` on settings already checked; with ``max_weight``, each row's ``weights``
+    (vision patches) also sum to at most it."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
-    bins = pack_rows(lengths_in, max_seq_len=width, pad_multiple=m, algorithm=algorithm, seed=seed)  # the one planner
-    order = np.asarray(bins.order, dtype=np.int64).copy()
+    if max_weight is None:
+        bins = pack_rows(
+            lengths_in, max_seq_len=width, pad_multiple=m, algorithm=algorithm, seed=seed
+        )  # the one planner
+        order = np.asarray(bins.order, dtype=np.int64).copy()
+        offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
+        return _finish(lengths_in, order, offsets, width, m)
+    w = np.zeros_like(lengths_in) if weights is None else np.asarray(weights, np.int64)
+    bins = pack(padded_lengths(lengths_in, m), width, algorithm, seed=seed, weights=w, max_weight_per_bin=max_weight)
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
-    return _finish(lengths_in, order, offsets, width, m)
+    n = lengths_in.shape[0]
+    # each row's items ascending (input order), rows in the packer's order: pack_rows' rule
+    row_base = np.repeat(np.arange(offsets.shape[0] - 1, dtype=np.int64) * n, np.diff(offsets))
+    key = np.asarray(bins.order, dtype=np.int64) + row_base
+    key.sort()
+    return _finish(lengths_in, key - row_base, offsets, width, m)
 
 
 def plan_from_membership(
@@ -157,12 +183,15 @@ def _membership(lengths: ArrayLike, row_offsets: ArrayLike, width: int, m: int) 
 
 @dataclass(frozen=True)
 class BinPack:
-    """Stage 2 by bin packing: :func:`plan_rows` with these settings (validated here, once)."""
+    """Stage 2 by bin packing: :func:`plan_rows` with these settings (validated here, once).
+    ``max_patches_per_row``: the second budget of samples with images (their vision patches,
+    the ``weights`` :meth:`plan` takes); ``None``: tokens only."""
 
     max_seq_len: int
     pad_multiple: int = 1
     algorithm: Algorithm = Algorithm.BFD
     seed: int = 0
+    max_patches_per_row: int | None = None
 
     def __post_init__(self) -> None:
         width, m = check_width(self.max_seq_len, self.pad_multiple)
@@ -172,15 +201,24 @@ class BinPack:
         if isinstance(self.seed, bool) or not isinstance(self.seed, (int, np.integer)) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         object.__setattr__(self, "seed", int(self.seed))
+        budget = positive_int("max_patches_per_row", self.max_patches_per_row, allow_none=True)
+        object.__setattr__(self, "max_patches_per_row", budget)
 
-    def plan(self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None) -> RowPlan:
+    def plan(
+        self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None, weights: ArrayLike | None = None
+    ) -> RowPlan:
         if row_sizes is not None:
             raise ValueError("bin packing plans its own rows, but the samples came in rows: keep them with KeepRows")
-        return _bin_pack(lengths, self.max_seq_len, self.pad_multiple, self.algorithm, self.seed)
+        return _bin_pack(
+            lengths, self.max_seq_len, self.pad_multiple, self.algorithm, self.seed, weights, self.max_patches_per_row
+        )
 
     def fingerprint(self) -> dict[str, Any]:
         """The manifest fingerprint's entries for the packing."""
-        return {"algorithm": str(self.algorithm), "seed": self.seed}
+        fp: dict[str, Any] = {"algorithm": str(self.algorithm), "seed": self.seed}
+        if self.max_patches_per_row is not None:
+            fp["max_patches_per_row"] = self.max_patches_per_row
+        return fp
 
 
 @dataclass(frozen=True)
@@ -199,7 +237,9 @@ class KeepRows:
         if self.max_seq_len is not None:
             object.__setattr__(self, "max_seq_len", check_width(self.max_seq_len, self.pad_multiple)[0])
 
-    def plan(self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None) -> RowPlan:
+    def plan(
+        self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None, weights: ArrayLike | None = None
+    ) -> RowPlan:
         sizes = row_sizes if row_sizes is not None else self.row_sizes
         if sizes is None:
             raise ValueError("KeepRows needs the row sizes: samples given in rows, or row_sizes")

@@ -3,7 +3,7 @@ the importers').
 
 Each builds a job for the one driver (:mod:`~sftpack.offline._driver`): validated
 options (:class:`~sftpack.offline.PrepackOptions`), the work of stage 1
-(conversations to tokenize, or samples), the planner of stage 2, and an engine
+(conversations to tokenize, with or without images, or samples), the planner of stage 2, and an engine
 (:mod:`sftpack.offline.engine`) that runs stages 1 and 3: the local engine, or
 Ray's. Given the same samples in the same order, every engine writes the same
 bytes. The time each stage took is in the result's ``seconds``
@@ -18,22 +18,21 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from .._base import choose, positive_int
+from .._base import choose
 from .._types import Tokenizer
 from ..binpack import Algorithm
 from ..chat import OnBadRow, TrainOn
 from ..sample import Overlong, Sample
 from ._driver import Job, run, run_conversations
-from ._engine import MultimodalConversations, PrepackEngine, Samples
+from ._engine import PrepackEngine, Samples
 from ._fingerprint import input_fingerprints, tokenizer_fingerprint
 from ._local import LocalEngine
-from ._media import MediaPack
 from ._options import Engine, PrepackOptions
 from ._plan import BinPack, KeepRows
 from ._ray import RayEngine
 from ._result import PrepackResult
 
-__all__ = ["prepack", "prepack_multimodal", "prepack_rows", "prepack_samples"]
+__all__ = ["prepack", "prepack_rows", "prepack_samples"]
 
 
 def _engine_for(options: PrepackOptions) -> PrepackEngine:
@@ -61,9 +60,14 @@ def prepack(
     limit: int | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    images: bool = False,
+    family: str = "qwen2_vl",
+    max_patches_per_row: int | None = None,
+    processor: Any = None,
+    fingerprint: dict[str, Any] | None = None,
     options: PrepackOptions | None = None,
 ) -> PrepackResult:
-    """Read, tokenize, bin-pack and write conversations as a prepack directory.
+    """Read, tokenize, bin-pack and write conversations (with or without images) as a prepack directory.
 
     Args:
         inputs: paths as :func:`sftpack.chat.read_conversations` takes them (JSONL /
@@ -72,7 +76,7 @@ def prepack(
             the embedded corpus (:func:`sftpack.data.default_corpus`).
         out: the directory to create (refused if it exists, unless ``overwrite``).
         tokenizer: a Hugging Face fast tokenizer with a chat template (default:
-            :func:`sftpack.data.default_tokenizer`).
+            :func:`sftpack.data.default_tokenizer`; with images, the family's tokenizer).
         max_seq_len: row width ``T``; also the over-long limit for one conversation.
         pad_multiple: pad each sequence to a multiple of this (``2*CP``; see
             :func:`sftpack.handoff.pad_multiple_for`); ``max_seq_len`` must be a multiple.
@@ -86,8 +90,25 @@ def prepack(
         limit: first ``limit`` conversations only.
         overwrite: replace an existing prepack at ``out``.
         progress: tqdm bars per stage on stderr.
-        options: all of the above but ``inputs``, ``out``, ``tokenizer`` and an engine
-            object, as one :class:`PrepackOptions`; the keywords must then keep their defaults.
+        images: the conversations have images (Hugging Face's multimodal chat format, an
+            iterable such as :func:`sftpack.multimodal.vqa_corpus` or
+            :func:`sftpack.chat.read_conversations`): each is tokenized by
+            :func:`sftpack.multimodal.tokenize_multimodal_conversations` for ``family``, and its
+            images are stored as resized uint8 pixels beside the tokens (the media columns);
+            :class:`PrepackedDataset` reads each row back as :meth:`sftpack.PackedBatch.from_samples`
+            of its samples. ``overlong`` is then ``split`` (at text boundaries, never inside an
+            image), ``drop`` or ``error``; ``on_bad_row="skip"`` counts bad images under their reasons.
+        family: with images, the model family (a :func:`sftpack.multimodal.family_for` name:
+            ``"qwen2_vl"``, the default, or ``"qwen2_5_vl"``); recorded in the manifest.
+        max_patches_per_row: with images, vision patches per row, a second budget beside
+            ``max_seq_len`` (``None``: none). A conversation with a sample (or a piece) over it is
+            dropped and counted as ``over_patch_budget``, or under ``overlong="error"`` raises
+            :class:`~sftpack.multimodal.PatchBudgetError`, as the loader does.
+        processor: with images, the image processor (default: the family's).
+        fingerprint: extra entries for the manifest's fingerprint (e.g. the corpus a caller names).
+        options: all of the above but ``inputs``, ``out``, ``tokenizer``, ``processor``,
+            ``fingerprint`` and an engine object, as one :class:`PrepackOptions`; the keywords
+            must then keep their defaults.
 
     Returns:
         :class:`PrepackResult` (``.path``, ``.manifest``, ``.counts``, ``.seconds``).
@@ -106,6 +127,9 @@ def prepack(
         "limit": limit,
         "overwrite": overwrite,
         "progress": progress,
+        "images": images,
+        "family": family,
+        "max_patches_per_row": max_patches_per_row,
     }
     engine_object = engine if isinstance(engine, PrepackEngine) else None
     if options is None:
@@ -118,7 +142,8 @@ def prepack(
             raise ValueError(
                 f"prepack got options= and also {', '.join(changed) or 'engine'}: set them in the PrepackOptions"
             )
-    return run_conversations(inputs, out, tokenizer, options, engine_object or _engine_for(options))
+    engine_run = engine_object or _engine_for(options)
+    return run_conversations(inputs, out, tokenizer, options, engine_run, processor=processor, fingerprint=fingerprint)
 
 
 def prepack_samples(
@@ -244,71 +269,4 @@ def _write_samples(
         overwrite=overwrite,
         progress=progress,
     )
-    return run(job, LocalEngine(progress=progress))
-
-
-def prepack_multimodal(
-    conversations: Iterable[Any],
-    out: str | os.PathLike[str],
-    *,
-    max_seq_len: int = 4096,
-    pad_multiple: int = 1,
-    max_patches: int | None = None,
-    overlong: str = "split",
-    on_bad_row: str = "skip",
-    num_proc: int = 1,
-    limit: int | None = None,
-    tokenizer: Any = None,
-    processor: Any = None,
-    fingerprint: dict[str, Any] | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-) -> PrepackResult:
-    """Tokenize, plan and write multimodal conversations (images included) as a prepack.
-
-    The one driver writes it (stage 1: :func:`sftpack.multimodal.tokenize_multimodal_conversations`;
-    stage 2: :func:`sftpack.multimodal.plan_rows`; stage 3: tokens and images at the plan's
-    offsets), with the local engine; the files are the same for any ``num_proc``.
-    :class:`PrepackedDataset` reads each row back as a ``MultimodalBatch`` equal to
-    :func:`sftpack.multimodal.build_multimodal_row` of the same samples.
-
-    Args:
-        conversations: Hugging Face multimodal chat conversations (mappings with ``messages``
-            and ``id``), e.g. :func:`sftpack.multimodal.vqa_corpus` or
-            :func:`sftpack.multimodal.read_multimodal_jsonl`.
-        out, max_seq_len, pad_multiple, num_proc, limit, overwrite, progress: as :func:`prepack`.
-        max_patches: vision patches per row (the second budget); ``None``: no patch budget. A
-            conversation with a sample (or a piece) over it is dropped and counted as
-            ``over_patch_budget``, or under ``overlong="error"`` raises
-            :class:`~sftpack.multimodal._plan.PatchBudgetError`, as the loader does.
-        overlong: ``split`` (at text boundaries, never inside an image), ``drop`` or ``error``.
-        on_bad_row: ``skip`` (bad images and records counted under their reasons) or ``error``.
-        tokenizer, processor: default :func:`sftpack.multimodal.qwen2vl_tokenizer` and
-            :func:`sftpack.multimodal.image_processor`.
-        fingerprint: extra entries for the manifest's fingerprint (the CLI names its corpus).
-    """
-    if str(overlong) not in ("split", "drop", "error"):
-        raise ValueError(f"overlong must be split, drop or error for multimodal samples, got {overlong!r}")
-    rule = choose(OnBadRow, on_bad_row, "on_bad_row")
-    planner = MediaPack(max_seq_len, pad_multiple, max_patches)
-    work = MultimodalConversations(
-        conversations,
-        tokenizer,
-        processor,
-        planner.max_seq_len,
-        overlong=str(overlong),
-        on_bad_row=str(rule),
-        num_proc=positive_int("num_proc", num_proc),
-        limit=limit,
-        max_patches=planner.max_patches,
-    )
-    fp = {
-        "max_seq_len": planner.max_seq_len,
-        "pad_multiple": planner.pad_multiple,
-        "overlong": str(overlong),
-        "on_bad_row": str(rule),
-        "limit": limit,
-        **(fingerprint or {}),
-    }
-    job = Job(Path(out), work, planner, fp, source="multimodal conversations", overwrite=overwrite, progress=progress)
     return run(job, LocalEngine(progress=progress))

@@ -49,9 +49,10 @@ import numpy as np
 
 from .._types import TokenizerSpec
 from ._driver import run_conversations
-from ._engine import Conversations, MultimodalConversations, PrepackEngine, Samples, Staged, progress_bar
+from ._encode import ImageCounts, ImageSettings
+from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
-from ._inputs import open_inputs, reading_counts
+from ._inputs import open_image_inputs, open_inputs, reading_counts
 from ._options import UNIT_CONVERSATIONS, PrepackOptions
 from ._plan import RowPlan
 from ._ray_session import import_ray, ray_session
@@ -68,6 +69,7 @@ from ._ray_units import (
     writer_pool,
 )
 from ._result import PrepackResult
+from ._write import MediaLayout
 
 # split_rows is named here too: benchmarks/bench_ray.py imports it from this module
 __all__ = ["RayEngine", "RayPrepackResult", "prepack_ray", "split_rows"]
@@ -190,19 +192,26 @@ class RayEngine(PrepackEngine):
             raise RuntimeError("RayEngine.stage/write run inside RayEngine.session() (the driver enters it)")
         return self._run
 
-    def stage(self, work: Conversations | Samples | MultimodalConversations, staging: Path) -> Staged:
+    def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
         if not isinstance(work, Conversations):
-            raise TypeError(
-                "the Ray engine tokenizes text conversations; write samples or multimodal conversations with the "
-                "local engine"
-            )
+            raise TypeError("the Ray engine tokenizes conversations; write samples with the local engine")
         state = self._state()
         o = work.options
         staging.mkdir(parents=True, exist_ok=True)
-        inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
-        units, workers_read = make_units(inputs, staging, unit_size=self.unit_size)
+        images: ImageSettings | None = None
+        if o.images:  # settings made here, once: the actors get the tokenizer and processor objects
+            if isinstance(work.tokenizer, (str, os.PathLike)):
+                raise TypeError(
+                    f"a prepack with images takes a tokenizer object (or None: the family's), not the path "
+                    f"{os.fspath(work.tokenizer)!r}"
+                )
+            images = work.image_settings()
+            inputs = open_image_inputs(work.inputs, limit=o.limit)
+        else:
+            inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
+        units, workers_read = make_units(inputs, staging, unit_size=self.unit_size, raw=images is not None)
         options = {"max_seq_len": o.max_seq_len, "overlong": str(o.overlong), "train_on": str(o.train_on)}
-        results = self._tokenize(units, work.tokenizer, options) if units else []
+        results = self._tokenize(units, work.tokenizer, options, images) if units else []
         raise_first_error(results)
         # start the writers now: their imports overlap merging and packing. One range of rows is
         # written by the driver itself: a writer actor would only add its start to it.
@@ -211,11 +220,18 @@ class RayEngine(PrepackEngine):
         if n_writers > 1 or self.write_tasks:
             state.writers = state.stack.enter_context(writer_pool(n_writers))
         staged, unit_samples = merge(results, staging)
-        if workers_read:
-            read: dict[str, Any] | None = sum_stats([r["read"] for r in results])
+        if images is not None:
+            image_counts = ImageCounts()
+            for r in results:
+                image_counts.merge(r["images"])
+            counts = image_counts.manifest()
+        elif workers_read:
+            counts = reading_counts(
+                sum_stats([r["read"] for r in results]), sum_stats([r["tokenize"] for r in results])
+            )
         else:
             read = inputs.reader.stats.as_dict() if inputs.reader is not None else None
-        counts = reading_counts(read, sum_stats([r["tokenize"] for r in results]))
+            counts = reading_counts(read, sum_stats([r["tokenize"] for r in results]))
         fps = {digest(r["fingerprint"]): r["fingerprint"] for r in results}
         if len(fps) > 1:
             nodes = sorted({(r["node"], r["fingerprint"]["sha256"][:12]) for r in results})
@@ -229,16 +245,24 @@ class RayEngine(PrepackEngine):
                 with open(Path(u.staging) / "ids.json8", "rb") as src:
                     shutil.copyfileobj(src, f, 1 << 22)
         state.results = results
+        pixel_offsets = None if staged.media is None else [r["media"].pixel_offsets for r in results]
         return Staged(
             staged,
-            UnitsSource([u.staging for u in units], staged.lengths, unit_samples),
+            UnitsSource([u.staging for u in units], staged.lengths, unit_samples, pixel_offsets),
             ids_file,
             counts,
             inputs=inputs.fingerprint(),
             tokenizer=next(iter(fps.values()), None),
+            media=None if images is None or staged.media is None else images.manifest_entry(staged.media),
         )
 
-    def _tokenize(self, units: list[Any], tokenizer: TokenizerSpec, options: dict[str, Any]) -> list[dict[str, Any]]:
+    def _tokenize(
+        self,
+        units: list[Any],
+        tokenizer: TokenizerSpec,
+        options: dict[str, Any],
+        images: ImageSettings | None = None,
+    ) -> list[dict[str, Any]]:
         ray = import_ray()
         ctx = ray.data.DataContext.get_current()
         ctx.enable_progress_bars = False
@@ -250,7 +274,12 @@ class RayEngine(PrepackEngine):
             batch_size=1,
             batch_format="numpy",
             compute=ray.data.ActorPoolStrategy(size=min(self.workers, max(1, len(units)))),
-            fn_constructor_kwargs={"tokenizer": tokenizer, "options": options, "after_unit": self.after_unit},
+            fn_constructor_kwargs={
+                "tokenizer": tokenizer,
+                "options": options,
+                "after_unit": self.after_unit,
+                "images": images,
+            },
             num_cpus=self.actor_cpus,
         )
         if len(units) < self.workers:
@@ -283,17 +312,19 @@ class RayEngine(PrepackEngine):
             raise RuntimeError(f"the Ray tokenize stage lost units {missing[:10]}: nothing was written; run again")
         return [results[k] for k in range(len(units))]
 
-    def write(self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype) -> None:
+    def write(
+        self, directory: Path, plan: RowPlan, staged: Staged, dtype: np.dtype, media: MediaLayout | None = None
+    ) -> None:
         state = self._state()
         source = staged.source
         if not state.writers:
-            state.written = [write_part(str(directory), plan, source, dtype.str, (0, plan.num_rows))]
+            state.written = [write_part(str(directory), plan, source, dtype.str, (0, plan.num_rows), media)]
             return
         ray = import_ray()
-        plan_ref, source_ref = ray.put(plan), ray.put(source)
+        plan_ref, source_ref, media_ref = ray.put(plan), ray.put(source), ray.put(media)
         ranges = split_rows(plan, len(state.writers))
         pending = [
-            state.writers[i].write.remote(str(directory), plan_ref, source_ref, dtype.str, rows)
+            state.writers[i].write.remote(str(directory), plan_ref, source_ref, dtype.str, rows, media_ref)
             for i, rows in enumerate(ranges)
         ]
         done: list[dict[str, Any]] = []

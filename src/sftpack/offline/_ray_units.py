@@ -6,8 +6,11 @@ reads, tokenizes and stages one unit per call into its own staging folder with
 the local :func:`~sftpack.offline.engine.stage_samples` (so the same bytes), and
 sends back only the lengths, conversation numbers, pieces, id offsets and
 statistics. :func:`merge` lays the units' results end to end in unit order, as
-the local engine stages them; :class:`UnitsSource` gathers any samples back
-from the units' staging folders for stage 3, which :class:`Writer` actors (or
+the local engine stages them; conversations with images are tokenized by the
+local engine's own :func:`~sftpack.offline._encode.encoded` (numbered from the
+unit's first conversation, so the same samples) and staged with their media
+columns, which :func:`merge` lays end to end too. :class:`UnitsSource` gathers any
+samples (and their pixels) back from the units' staging folders for stage 3, which :class:`Writer` actors (or
 the driver, :func:`write_part`) run on ranges of rows (:func:`split_rows`).
 
 Every outcome of a unit, an error included, comes back as a result row: a raised
@@ -41,12 +44,14 @@ from .._types import Tokenizer, TokenizerSpec
 from ..chat import Conversation, ConversationReader, OnBadRow, tokenize_conversations
 from ..chat._tokenize import _as_item
 from ..data import default_tokenizer
+from ._encode import ImageCounts, ImageSettings, encoded
 from ._fingerprint import tokenizer_fingerprint
+from ._format import IMAGE_DTYPE
 from ._inputs import Inputs
 from ._plan import RowPlan
 from ._ray_session import import_ray, node_label
-from ._stage import StagedSamples, StagingSource, stage_samples
-from ._write import TokenSource, write_rows
+from ._stage import StagedMedia, StagedSamples, StagingSource, stage_samples
+from ._write import MediaLayout, TokenSource, write_rows
 
 __all__ = [
     "TokenizeActor",
@@ -75,6 +80,7 @@ class Unit:
     on_bad_row: str = "skip"
     role_map: dict[str, str] | None = None
     batch_size: int = 1024
+    start: int = 0  # the number of its first conversation in the input (conversations with images)
 
 
 def _as_conversations(items: Iterable[Any], start: int) -> list[Conversation]:
@@ -88,14 +94,15 @@ def _chunks(conversations: Iterable[Any], size: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def make_units(inputs: Inputs, staging: Path, *, unit_size: int) -> tuple[list[Unit], bool]:
+def make_units(inputs: Inputs, staging: Path, *, unit_size: int, raw: bool = False) -> tuple[list[Unit], bool]:
     """The units of ``inputs``, and whether the workers read the files (then the reading
     counts come from the units; else the driver read and its reader counted).
 
     Files are read on the workers, one unit per file (and per saved dataset); the
     embedded corpus, an iterable, or any input with ``limit`` (only a single reader
     knows where the first ``limit`` conversations end) is read here and shipped in
-    units of ``unit_size`` conversations."""
+    units of ``unit_size`` conversations (``raw``: as given, each unit knowing the number
+    of its first one: conversations with images)."""
     reader = inputs.reader
     if reader is not None and inputs.limit is None:
         units = [
@@ -112,7 +119,8 @@ def make_units(inputs: Inputs, staging: Path, *, unit_size: int) -> tuple[list[U
         return units, True
     out, start = [], 0
     for k, chunk in enumerate(_chunks(inputs.conversations, unit_size)):
-        out.append(Unit(k, str(staging / f"u{k:06d}"), conversations=_as_conversations(chunk, start)))
+        convs = chunk if raw else _as_conversations(chunk, start)
+        out.append(Unit(k, str(staging / f"u{k:06d}"), conversations=convs, start=start))
         start += len(chunk)
     return out, False
 
@@ -136,15 +144,22 @@ class TokenizeActor:
         options: ``max_seq_len``, ``overlong`` and ``train_on``.
         after_unit: called with a unit's key once it is staged, before its result is
             sent (tests pass one that kills the actor there, as ``kill -9`` would).
+        images: for conversations with images, their settings (the tokenizer and image
+            processor included; ``tokenizer`` is then unused).
     """
 
     def __init__(
-        self, tokenizer: TokenizerSpec, options: dict[str, Any], after_unit: Callable[[int], None] | None = None
+        self,
+        tokenizer: TokenizerSpec,
+        options: dict[str, Any],
+        after_unit: Callable[[int], None] | None = None,
+        images: ImageSettings | None = None,
     ):
         os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per actor: the actors fill the cores
-        self.spec = tokenizer
+        self.spec = tokenizer if images is None else images.tokenizer
         self.options = options
         self.after_unit = after_unit
+        self.images = images
         self.tokenizer: Tokenizer | None = None
         self.fingerprint: dict[str, Any] | None = None
 
@@ -181,6 +196,8 @@ class TokenizeActor:
             t_load = time.perf_counter() - t0  # the actor's first unit loads its tokenizer
             t0 = time.perf_counter()
             reader = None
+            if self.images is not None:
+                return self._run_images(unit, base, t_load, t0)
             if unit.source is not None:
                 reader = ConversationReader([unit.source], OnBadRow(unit.on_bad_row), unit.role_map, unit.batch_size)
                 convs: Iterable[Any] = reader
@@ -201,22 +218,52 @@ class TokenizeActor:
             return {**base, "ok": False, "error": portable, "message": f"{type(e).__name__}: {e}"}
         return {
             **base,
+            **_staged_result(staged),
             "ok": True,
             "fingerprint": self.fingerprint,
-            "lengths": staged.lengths,
-            "conversation": staged.conversation,
-            "piece": staged.piece,
-            "id_offsets": staged.conversation_offsets,
-            "max_id": staged.max_id,
-            "tokens": staged.tokens,
-            "trainable": staged.trainable,
-            "labels": staged.labels,
-            "first_trainable": staged.first_trainable,
             "read": None if reader is None else reader.stats.as_dict(),
             "tokenize": tokenized.stats.as_dict(),
             "seconds": time.perf_counter() - t0,
             "load_seconds": t_load,
         }
+
+    def _run_images(self, unit: Unit, base: dict[str, Any], t_load: float, t0: float) -> dict[str, Any]:
+        """A unit of conversations with images: encoded as the local engine encodes them, staged
+        with their media columns; the media index comes back with the lengths."""
+        assert self.images is not None
+        counts = ImageCounts()
+        pairs = counts.pairs(encoded(unit.conversations or [], self.images, 1, unit.start))
+        staged = stage_samples(pairs, Path(unit.staging), media=True)
+        if self.after_unit is not None:
+            self.after_unit(unit.key)
+        return {
+            **base,
+            **_staged_result(staged),
+            "ok": True,
+            "fingerprint": self.fingerprint,
+            "read": None,
+            "images": counts,
+            "tokenize": {"conversations": counts.read},
+            "seconds": time.perf_counter() - t0,
+            "load_seconds": t_load,
+        }
+
+
+def _staged_result(staged: StagedSamples) -> dict[str, Any]:
+    """What a unit sends back of its staging: the per-sample index, totals and media index
+    (``None`` for a text unit)."""
+    return {
+        "lengths": staged.lengths,
+        "conversation": staged.conversation,
+        "piece": staged.piece,
+        "id_offsets": staged.conversation_offsets,
+        "max_id": staged.max_id,
+        "tokens": staged.tokens,
+        "trainable": staged.trainable,
+        "labels": staged.labels,
+        "first_trainable": staged.first_trainable,
+        "media": staged.media,
+    }
 
 
 def raise_first_error(results: list[dict[str, Any]]) -> None:
@@ -244,6 +291,7 @@ def merge(results: list[dict[str, Any]], staging: Path) -> tuple[StagedSamples, 
     unit_samples = np.zeros(len(results) + 1, np.int64)
     np.cumsum([x.shape[0] for x in lengths], out=unit_samples[1:])
     empty64 = np.zeros(0, np.int64)
+    media = _merge_media([r["media"] for r in results]) if results and results[0].get("media") is not None else None
     staged = StagedSamples(
         directory=staging,
         lengths=np.concatenate(lengths) if lengths else empty64,
@@ -255,8 +303,45 @@ def merge(results: list[dict[str, Any]], staging: Path) -> tuple[StagedSamples, 
         trainable=sum(r["trainable"] for r in results),
         labels=sum(r["labels"] for r in results),
         first_trainable=sum(r["first_trainable"] for r in results),
+        media=media,
     )
     return staged, unit_samples
+
+
+def _merge_media(units: list[StagedMedia]) -> StagedMedia:
+    """The units' media columns laid end to end, in unit order (each record's ``pixels`` stays the
+    offset in its own unit's pixel file, ``sequence`` becomes the global sample)."""
+    first, offsets, records, n_img, n_seq = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [], 0, 0
+    for m in units:
+        first.append(m.first_image[1:] + n_img)
+        offsets.append(m.pixel_offsets[1:])  # per unit: UnitsSource keeps each unit's own offsets
+        rec = m.records.copy()
+        rec["sequence"] += n_seq
+        records.append(rec)
+        n_img += m.num_images
+        n_seq += m.patches.shape[0]
+    ids = [(m.token_id, m.merge_size) for m in units if m.token_id is not None]
+    if len(set(ids)) > 1:
+        raise RuntimeError(
+            f"the Ray workers staged images with different image tokens or merge sizes: {sorted(set(ids))}"
+        )
+    token_id, merge_size = ids[0] if ids else (None, None)
+    return StagedMedia(
+        np.concatenate(first),
+        np.concatenate(records) if records else np.zeros(0, IMAGE_DTYPE),
+        np.concatenate([m.patches for m in units]),
+        _global_offsets(units),
+        token_id,
+        merge_size,
+    )
+
+
+def _global_offsets(units: list[StagedMedia]) -> np.ndarray:
+    """``(S+1,)`` each sample's pixel bytes laid end to end over the units (their sizes, for the layout)."""
+    sizes = np.concatenate([np.diff(m.pixel_offsets) for m in units]) if units else np.zeros(0, np.int64)
+    out = np.zeros(sizes.shape[0] + 1, np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
 
 
 def sum_stats(dicts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -311,17 +396,51 @@ class UnitsSource:
     it back into request order.
     """
 
-    def __init__(self, directories: list[str], lengths: np.ndarray, unit_samples: np.ndarray):
+    def __init__(
+        self,
+        directories: list[str],
+        lengths: np.ndarray,
+        unit_samples: np.ndarray,
+        pixel_offsets: list[np.ndarray] | None = None,
+    ):
         self.lengths = np.asarray(lengths, np.int64)
         self.unit_samples = np.asarray(unit_samples, np.int64)
         self.directories = directories
+        self.pixel_offsets = pixel_offsets  # each unit's own (samples+1,) offsets into its pixel file
         self._sources: dict[int, StagingSource] = {}
 
     def _source(self, u: int) -> StagingSource:
         if u not in self._sources:
             a, b = self.unit_samples[u], self.unit_samples[u + 1]
-            self._sources[u] = StagingSource(Path(self.directories[u]), self.lengths[a:b])
+            po = None if self.pixel_offsets is None else self.pixel_offsets[u]
+            self._sources[u] = StagingSource(Path(self.directories[u]), self.lengths[a:b], po)
         return self._sources[u]
+
+    def _by_unit(self, samples: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
+        """``(unit, positions in samples)`` of each unit the samples come from."""
+        unit = np.searchsorted(self.unit_samples, samples, side="right") - 1
+        by_unit = np.argsort(unit, kind="stable")
+        for group in np.split(by_unit, np.flatnonzero(np.diff(unit[by_unit])) + 1):
+            if group.shape[0]:
+                yield int(unit[group[0]]), group
+
+    def gather_pixels(self, samples: np.ndarray) -> np.ndarray:
+        """The samples' images' pixels end to end, in the given order (each from its unit)."""
+        if self.pixel_offsets is None:
+            raise ValueError("these staged samples hold no images")
+        samples = np.asarray(samples, np.int64)
+        sizes = np.zeros(samples.shape[0], np.int64)
+        for u, group in self._by_unit(samples):
+            po = self.pixel_offsets[u]
+            local = samples[group] - self.unit_samples[u]
+            sizes[group] = po[local + 1] - po[local]
+        out = np.empty(int(sizes.sum()), np.uint8)
+        out_starts = np.zeros(samples.shape[0], np.int64)
+        np.cumsum(sizes[:-1], out=out_starts[1:])
+        for u, group in self._by_unit(samples):
+            got = self._source(u).gather_pixels(samples[group] - self.unit_samples[u])
+            out[_scatter(got.shape[0], out_starts[group], sizes[group])] = got
+        return out
 
     def gather(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         samples = np.asarray(samples, np.int64)
@@ -331,27 +450,34 @@ class UnitsSource:
         mask = np.empty(total, np.uint8)
         out_starts = np.zeros(samples.shape[0], np.int64)
         np.cumsum(lens[:-1], out=out_starts[1:])
-        unit = np.searchsorted(self.unit_samples, samples, side="right") - 1
-        by_unit = np.argsort(unit, kind="stable")
-        cuts = np.flatnonzero(np.diff(unit[by_unit])) + 1
-        for group in np.split(by_unit, cuts):
-            if group.shape[0] == 0:
-                continue
-            u = int(unit[group[0]])
+        for u, group in self._by_unit(samples):
             got_ids, got_mask = self._source(u).gather(samples[group] - self.unit_samples[u])
-            glens = lens[group]
-            inner = np.zeros(group.shape[0], np.int64)
-            np.cumsum(glens[:-1], out=inner[1:])
-            pos = np.arange(got_ids.shape[0], dtype=np.int64) + np.repeat(out_starts[group] - inner, glens)
+            pos = _scatter(got_ids.shape[0], out_starts[group], lens[group])
             ids[pos] = got_ids
             mask[pos] = got_mask
         return ids, mask
 
 
-def write_part(directory: str, plan: RowPlan, source: TokenSource, dtype: str, rows: tuple[int, int]) -> dict[str, Any]:
-    """Write rows ``[a, b)``: in a writer actor on any node that sees ``directory``, or in the driver."""
+def _scatter(n: int, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """``(n,)`` int64: where each of ``n`` values gathered end to end (pieces of ``sizes``) goes in
+    an output whose piece ``k`` starts at ``starts[k]``."""
+    inner = np.zeros(sizes.shape[0], np.int64)
+    np.cumsum(sizes[:-1], out=inner[1:])
+    return np.arange(n, dtype=np.int64) + np.repeat(starts - inner, sizes)
+
+
+def write_part(
+    directory: str,
+    plan: RowPlan,
+    source: TokenSource,
+    dtype: str,
+    rows: tuple[int, int],
+    media: MediaLayout | None = None,
+) -> dict[str, Any]:
+    """Write rows ``[a, b)`` (and their images): in a writer actor on any node that sees ``directory``,
+    or in the driver."""
     t0 = time.perf_counter()
-    write_rows(Path(directory), plan, source, np.dtype(dtype), rows=rows)
+    write_rows(Path(directory), plan, source, np.dtype(dtype), rows=rows, media=media)
     return {"rows": rows, "seconds": time.perf_counter() - t0, "pid": os.getpid(), "node": node_label()}
 
 
@@ -361,9 +487,15 @@ class Writer:
     pwrite-bound, and no tokenize actor waits for it."""
 
     def write(
-        self, directory: str, plan: RowPlan, source: TokenSource, dtype: str, rows: tuple[int, int]
+        self,
+        directory: str,
+        plan: RowPlan,
+        source: TokenSource,
+        dtype: str,
+        rows: tuple[int, int],
+        media: MediaLayout | None = None,
     ) -> dict[str, Any]:
-        return write_part(directory, plan, source, dtype, rows)
+        return write_part(directory, plan, source, dtype, rows, media)
 
 
 @contextlib.contextmanager

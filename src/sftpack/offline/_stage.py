@@ -9,6 +9,14 @@ in memory, because bin packing needs every length before any row is known::
     staging/mask.u8        the same for the loss mask
     staging/ids.json8      each conversation's id as UTF-8 JSON, end to end
 
+Samples with images (``media=True``) come as ``(sample, images)`` pairs (:class:`Images`: each
+image's placeholder start, grid and resized uint8 pixels) and add the media columns::
+
+    staging/pixels.u8      sample 0's images' pixels, sample 1's, ...   (uint8, input order)
+
+with one 40-byte record per image (:data:`~sftpack.offline._format.IMAGE_DTYPE`) and the
+sample's vision patches kept in memory (:class:`StagedMedia`).
+
 Peak memory is the index plus one flush buffer (``flush_tokens`` tokens, 1M
 by default: 5 MB), whatever the number of tokens. The sample order is the
 tokenizer's output order, which does not depend on its ``num_proc``, so the
@@ -22,23 +30,74 @@ number.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ..sample import Sample
+from ._format import IMAGE_DTYPE, PrepackError
 
-__all__ = ["StagedSamples", "StagingSource", "stage_samples"]
+__all__ = ["Images", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
 
 _TOKENS = "tokens.u32"
 _MASK = "mask.u8"
 _IDS = "ids.json8"
+_PIXELS = "pixels.u8"
+
+
+@dataclass
+class Images:
+    """One sample's images as a prepack stores them (its media columns).
+
+    Attributes:
+        starts: ``(I,)`` each image's placeholder run start in the sample.
+        grids: ``(I, 3)`` each image's patch grid ``(t, h, w)``.
+        pixels: each image's resized ``(H, W, 3)`` uint8 pixels.
+        token_id, merge_size: the placeholder id and the merge window (``None`` without images).
+    """
+
+    starts: np.ndarray
+    grids: np.ndarray
+    pixels: list[np.ndarray]
+    token_id: int | None = None
+    merge_size: int | None = None
+
+
+@dataclass
+class StagedMedia:
+    """The media columns of stage 1, in input order (the samples' order).
+
+    Attributes:
+        first_image: ``(S+1,)`` int64: sample ``s`` holds images ``first_image[s]:first_image[s+1]``.
+        records: ``(I,)`` :data:`~sftpack.offline._format.IMAGE_DTYPE` in input order (``pixels``: the
+            offset in the staging pixel file; ``sequence``: the input sample).
+        patches: ``(S,)`` int64 vision patches of each sample (the planner's second budget).
+        pixel_offsets: ``(S+1,)`` int64: sample ``s``'s pixels are bytes
+            ``pixel_offsets[s]:pixel_offsets[s+1]`` of the staging pixel file.
+        token_id, merge_size: the samples' placeholder id and merge window (``None``: no image).
+    """
+
+    first_image: np.ndarray
+    records: np.ndarray
+    patches: np.ndarray
+    pixel_offsets: np.ndarray
+    token_id: int | None
+    merge_size: int | None
+
+    @property
+    def num_images(self) -> int:
+        return int(self.records.shape[0])
+
+    @property
+    def pixel_bytes(self) -> int:
+        return int(self.pixel_offsets[-1])
 
 
 @dataclass
@@ -55,6 +114,7 @@ class StagedSamples:
         tokens / trainable / labels / first_trainable: totals over the samples;
             ``labels == trainable - first_trainable`` (a sequence's first token
             is never a target).
+        media: the media columns of samples with images, else ``None``.
     """
 
     directory: Path
@@ -67,6 +127,7 @@ class StagedSamples:
     trainable: int
     labels: int
     first_trainable: int
+    media: StagedMedia | None = None
 
     @property
     def num_samples(self) -> int:
@@ -78,7 +139,7 @@ class StagedSamples:
 
     def source(self) -> StagingSource:
         """The token source stage 3 reads the rows' sequences from."""
-        return StagingSource(self.directory, self.lengths)
+        return StagingSource(self.directory, self.lengths, None if self.media is None else self.media.pixel_offsets)
 
 
 def _id_json(cid: Any) -> bytes:
@@ -88,20 +149,72 @@ def _id_json(cid: Any) -> bytes:
         return json.dumps(str(cid), ensure_ascii=False).encode("utf-8")
 
 
-def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: int = 1 << 20) -> StagedSamples:
+class _MediaStager:
+    """Appends each sample's images to the staging pixel file and keeps their records."""
+
+    def __init__(self, f: Any):
+        self.f = f
+        self.records: list[tuple] = []
+        self.first_image = array("q", [0])
+        self.pixel_offsets = array("q", [0])
+        self.patches = array("q")
+        self.token_id: int | None = None
+        self.merge_size: int | None = None
+
+    def add(self, n: int, s: Sample, im: Images) -> None:
+        if im.token_id is not None:
+            self.token_id = int(im.token_id) if self.token_id is None else self.token_id
+            self.merge_size = int(im.merge_size or 1) if self.merge_size is None else self.merge_size
+            if (int(im.token_id), int(im.merge_size or 1)) != (self.token_id, self.merge_size):
+                raise PrepackError(
+                    f"conversation {s.conversation_id!r}: another image token or merge size than the others"
+                )
+        offset = self.pixel_offsets[-1]
+        grids = np.asarray(im.grids, np.int64).reshape(-1, 3)
+        for start, g, px in zip(np.asarray(im.starts).tolist(), grids.tolist(), im.pixels):
+            h, w, _c = px.shape
+            self.records.append((offset, h, w, g[0], g[1], g[2], n, start))
+            self.f.write(np.ascontiguousarray(px, dtype=np.uint8).data.cast("B"))
+            offset += px.nbytes
+        self.first_image.append(len(self.records))
+        self.pixel_offsets.append(offset)
+        self.patches.append(int(grids.prod(axis=1).sum()))
+
+    def result(self) -> StagedMedia:
+        records = np.array(self.records, dtype=IMAGE_DTYPE) if self.records else np.zeros(0, IMAGE_DTYPE)
+        return StagedMedia(
+            np.frombuffer(self.first_image, np.int64).copy(),
+            records,
+            np.frombuffer(self.patches, np.int64).copy() if len(self.patches) else np.zeros(0, np.int64),
+            np.frombuffer(self.pixel_offsets, np.int64).copy(),
+            self.token_id,
+            self.merge_size,
+        )
+
+
+def stage_samples(
+    samples: Iterable[Sample] | Iterable[tuple[Sample, Images]],
+    directory: Path,
+    *,
+    flush_tokens: int = 1 << 20,
+    media: bool = False,
+) -> StagedSamples:
     """Append every sample's tokens and mask to staging files in ``directory``.
 
     Args:
         samples: :class:`~sftpack.Sample` objects in input order (each ``len >= 1``;
-            ids in ``[0, 2**32)``).
+            ids in ``[0, 2**32)``); with ``media``, ``(sample, images)`` pairs
+            (:class:`Images`: the sample's media columns).
         directory: an empty or new folder (created).
         flush_tokens: tokens buffered between writes.
+        media: the samples come with their images.
 
     Returns:
-        :class:`StagedSamples`.
+        :class:`StagedSamples` (with ``media`` when ``media``).
 
     Raises:
-        ValueError: a token id that is negative or does not fit 32 bits (naming the sample).
+        ValueError: a token id that is negative or does not fit 32 bits (naming the sample),
+            or a sample with ``media`` given without its :class:`Images` (its images would be lost).
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
@@ -114,7 +227,13 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
     trainable = labels = first_trainable = 0
     n_conv = -1
     prev_blob = b""
-    with open(directory / _TOKENS, "wb") as ft, open(directory / _MASK, "wb") as fm, open(directory / _IDS, "wb") as fi:
+    with (
+        open(directory / _TOKENS, "wb") as ft,
+        open(directory / _MASK, "wb") as fm,
+        open(directory / _IDS, "wb") as fi,
+        open(directory / _PIXELS, "wb") if media else contextlib.nullcontext() as fp,
+    ):
+        stager = _MediaStager(fp) if media else None
 
         def flush() -> None:
             nonlocal buffered
@@ -126,7 +245,17 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
                 mask_buf.clear()
             buffered = 0
 
-        for s in samples:
+        for item in samples:
+            if stager is not None:
+                s, images = cast("tuple[Sample, Images]", item)
+                stager.add(len(lengths), s, images)
+            else:
+                s = cast(Sample, item)
+                if s.media is not None:
+                    raise ValueError(
+                        f"sample {len(lengths)} (conversation {s.conversation_id!r}) carries media, which a text "
+                        "prepack would lose: prepack conversations with images with prepack(..., images=True)"
+                    )
             ids = s.input_ids
             n = ids.shape[0]
             lo, hi = int(ids.min()), int(ids.max())
@@ -161,7 +290,7 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
             if buffered >= flush_tokens:
                 flush()
         flush()
-        for f in (ft, fm, fi):
+        for f in (ft, fm, fi) if fp is None else (ft, fm, fi, fp):
             f.flush()
             os.fsync(f.fileno())
     lens = np.frombuffer(lengths, dtype=np.int64).copy() if len(lengths) else np.zeros(0, np.int64)
@@ -176,6 +305,7 @@ def stage_samples(samples: Iterable[Sample], directory: Path, *, flush_tokens: i
         trainable=trainable,
         labels=labels,
         first_trainable=first_trainable,
+        media=None if stager is None else stager.result(),
     )
 
 
@@ -200,13 +330,16 @@ class StagingSource:
     :meth:`gather` returns the tokens and masks of the given samples laid end to
     end, in the given order, with one positioned read per sample (``os.preadv``)
     into the output arrays: nothing is mapped, so nothing piles up in RSS.
+    :meth:`gather_pixels` does the same for the samples' images (``pixel_offsets``:
+    the staged media's, ``None`` for samples without images).
     """
 
-    def __init__(self, directory: Path, lengths: np.ndarray):
+    def __init__(self, directory: Path, lengths: np.ndarray, pixel_offsets: np.ndarray | None = None):
         self.directory = Path(directory)
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.starts = np.zeros(self.lengths.shape[0] + 1, np.int64)
         np.cumsum(self.lengths, out=self.starts[1:])
+        self.pixel_offsets = None if pixel_offsets is None else np.asarray(pixel_offsets, np.int64)
 
     def gather(self, samples: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(ids uint32, mask uint8)``, each ``(sum(lengths[samples]),)``."""
@@ -230,6 +363,24 @@ class StagingSource:
                 _read_into(fm, mask[o : o + k].data.cast("B"), a)
                 o += k
         return ids, mask
+
+    def gather_pixels(self, samples: np.ndarray) -> np.ndarray:
+        """``(sum of the samples' pixel bytes,)`` uint8: their images' pixels, in the given order."""
+        if self.pixel_offsets is None:
+            raise ValueError("these staged samples hold no images")
+        samples = np.asarray(samples, dtype=np.int64)
+        po = self.pixel_offsets
+        sizes = (po[samples + 1] - po[samples]).tolist()
+        out = np.empty(int(sum(sizes)), np.uint8)
+        if not out.shape[0]:
+            return out
+        with open(self.directory / _PIXELS, "rb", buffering=0) as f:
+            o = 0
+            for a, k in zip(po[samples].tolist(), sizes):
+                if k:
+                    _read_into(f, out[o : o + k].data.cast("B"), a)
+                o += k
+        return out
 
     def conversation_ids_path(self) -> Path:
         return self.directory / _IDS

@@ -14,7 +14,9 @@ owns only where the two heavy stages run:
    tokenizer and input fingerprints;
 2. :meth:`PrepackEngine.write`: fill the allocated ``tokens.npy`` /
    ``loss_mask.npy`` with the rows of the driver's :class:`RowPlan`, from the
-   staged token source (:func:`write_rows` on any split of the rows).
+   staged token source (:func:`write_rows` on any split of the rows), and for
+   conversations with images the media columns the driver's :class:`MediaLayout`
+   places (the same :func:`write_rows` call).
 
 Given the same samples in the same order, any engine writes the same bytes:
 every byte's position comes from the plan. Two engines ship:
@@ -42,11 +44,12 @@ from ._plan import RowPlan, plan_from_membership, plan_rows
 from ._ray import RayEngine, RayPrepackResult
 from ._ray_session import ray_session
 from ._stage import StagedSamples, StagingSource, stage_samples
-from ._write import TokenSource, allocate, write_index, write_rows
+from ._write import MediaLayout, TokenSource, allocate, write_index, write_rows
 
 __all__ = [
     "Conversations",
     "LocalEngine",
+    "MediaLayout",
     "PrepackEngine",
     "RayEngine",
     "RayPrepackResult",

@@ -18,7 +18,7 @@
    runs are replayed unpacked; the losses agree within a fixed tolerance
    (derived below), tokens/s compared;
 6. multimodal: easy-vqa conversations with images on a tiny Qwen2-VL
-   (:mod:`._demo_multimodal`): rows under a token and a vision-patch budget
+   (:func:`~sftpack.report._demo_images.multimodal_section`): rows under a token and a vision-patch budget
    drawn to scale with their image runs marked, every image and patch accounted
    for, the packed loss, logits and gradients equal to each sample alone in
    float64, and real tokens/s of packed rows against padded batches;
@@ -58,7 +58,9 @@ from ..loader import PackingDataset
 from ..loop import ReplaySource, TrainConfig, build_model, compact_vocabulary, make_source, train
 from ..offline import PrepackedDataset, prepack_samples
 from ..trainer import pack_step, padded_batch
-from ._demo_multimodal import EXACT_MM_64, MultimodalSummary, multimodal_section
+from ._demo_images import EXACT_MM_64, MultimodalSummary, multimodal_section
+from ._demo_images import _Compact as _Compact  # re-exported: benchmarks/bench_multimodal.py times with it
+from ._demo_images import step_times as step_times
 from .layout import render_map, save_demo_png
 from .savings import format_table
 
@@ -462,29 +464,36 @@ def _training(
             f"conversations of <= {max_seq_len} tokens; {conversations} conversations (trainer, none) or {rows} rows (offline, loader) per step"
         )
         results: dict[str, Any] = {}
+
+        def config(packing: str, batch_size: int, **more: Any) -> TrainConfig:
+            return TrainConfig(
+                packing=packing,
+                steps=steps,
+                batch_size=batch_size,
+                max_seq_len=max_seq_len,
+                seed=seed,
+                lr=3e-3,
+                dim=64,
+                layers=2,
+                heads=4,
+                kv_heads=2,
+                **more,
+            )
+
+        def model() -> Any:
+            return build_model(len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64)
+
         with tempfile.TemporaryDirectory(prefix="sftpack-demo-train-") as tmp:
             prepacked = prepack_samples(short, Path(tmp) / "rows", max_seq_len=max_seq_len, seed=seed).path
             for path in ("none", "trainer", "loader", "offline"):
                 per_rows = path in ("loader", "offline")
-                cfg = TrainConfig(
-                    packing=path,
-                    steps=steps,
-                    batch_size=rows if per_rows else conversations,
-                    max_seq_len=max_seq_len,
-                    seed=seed,
-                    lr=3e-3,
-                    dim=64,
-                    layers=2,
-                    heads=4,
-                    kv_heads=2,
+                cfg = config(
+                    path,
+                    rows if per_rows else conversations,
                     buffer_size=64,
                     micro_batch_tokens=rows * max_seq_len,
                 )
-                res = train(
-                    cfg,
-                    source=make_source(cfg, samples=short, prepacked=prepacked),
-                    model=build_model(len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64),
-                )
+                res = train(cfg, source=make_source(cfg, samples=short, prepacked=prepacked), model=model())
                 results[path] = res
                 s = summary[path]
                 s.losses = res.losses
@@ -496,26 +505,8 @@ def _training(
                     checks["trainer: same conversations as padded"] = same
                     ref_diff = f"; same conversations as padded: {same}, max|dloss| {s.loss_diff:.1e}"
                 elif per_rows:
-                    ref_cfg = TrainConfig(
-                        packing="none",
-                        steps=steps,
-                        batch_size=conversations,
-                        max_seq_len=max_seq_len,
-                        seed=seed,
-                        lr=3e-3,
-                        dim=64,
-                        layers=2,
-                        heads=4,
-                        kv_heads=2,
-                    )
                     replay = ReplaySource([[by_id[c] for c in step] for step in res.conversations])
-                    ref = train(
-                        ref_cfg,
-                        source=replay,
-                        model=build_model(
-                            len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64
-                        ),
-                    )
+                    ref = train(config("none", conversations), source=replay, model=model())
                     s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
                     ref_diff = f"; unpacked replay of the same conversations: max|dloss| {s.loss_diff:.1e}"
                 if path != "none":

@@ -92,8 +92,8 @@ def draw_row(batch: PackedBatch, width: int = 64) -> str:
 def _slot_cells(batch: PackedBatch) -> list[str]:
     """One character per slot: the segment's letter on text, '#' on image placeholders, '.' on padding."""
     cells = _segment_letters(batch)
-    if batch.image_slots is not None:
-        for start, n in batch.image_slots.tolist():
+    if batch.media is not None:
+        for start, n in batch.media.slots.tolist():
             cells[start : start + n] = ["#"] * n
     return cells
 
@@ -213,7 +213,7 @@ def save_demo_png(
         for i, (s, n) in enumerate(zip(starts[:-1], r.seqlens.tolist())):
             ax_rows.add_patch(Rectangle((s, y), n, 0.8, facecolor=colours[i % len(colours)], edgecolor="white"))
             ax_rows.add_patch(Rectangle((s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"))
-        for start, n in r.image_slots.tolist() if r.image_slots is not None else []:
+        for start, n in r.media.slots.tolist() if r.media is not None else []:
             ax_rows.add_patch(Rectangle((start, y), n, 0.8, facecolor="none", edgecolor="black", hatch="////", lw=0))
         labels.append((y + 0.4, "vqa (images hatched)"))
         y += 1

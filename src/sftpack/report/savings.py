@@ -298,14 +298,16 @@ def bench_multimodal(
     tqdm bar over the conversations, for the CLI)."""
     from tqdm.auto import tqdm
 
-    from ..multimodal import MultimodalStats, image_processor, qwen2vl_tokenizer, tokenize_multimodal_conversations
+    from ..multimodal import MultimodalStats, family_for, tokenize_multimodal_conversations
 
     t0 = time.perf_counter()
     stats = MultimodalStats()
+    family = family_for()
     samples = tokenize_multimodal_conversations(
         conversations,
-        tokenizer=qwen2vl_tokenizer(),
-        processor=image_processor(),
+        tokenizer=family.tokenizer(),
+        processor=family.image_processor(),
+        family=family,
         max_seq_len=max_seq_len,
         overlong=overlong,
         on_bad_row=on_bad_row,
@@ -315,7 +317,7 @@ def bench_multimodal(
     heavy: list[tuple[int, str]] = []  # samples no row can hold under the patch budget
     with tqdm(unit="conv", desc="tokenize + images", disable=not progress, delay=1.0, dynamic_ncols=True) as bar:
         for s in samples:
-            sizes.append((len(s), s.num_patches, int(s.image_runs[:, 1].sum()) if s.num_images else 0))
+            sizes.append((len(s), s.num_patches, 0 if s.media is None else s.media.num_placeholders))
             bar.update(stats.read - bar.n)
             if s.num_patches > max_patches:
                 heavy.append((s.num_patches, str(s.conversation_id)))

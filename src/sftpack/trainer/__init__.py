@@ -24,10 +24,14 @@ The path itself is three modules:
   over data-parallel ranks (bins from :mod:`sftpack.binpack`).
 - ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``
   batch an unpacked loader hands over (the input of :func:`pack_step`).
-- ``_media``: the same with images (issue 19): :func:`collate_media` (multimodal
-  samples to a padded batch with their MRoPE positions and patches,
-  :class:`PaddedMediaBatch`) and :func:`pack_media_step` (that batch packed into
-  one row with its media, a ``sftpack.multimodal.MultimodalBatch``).
+
+Samples with images are the same samples (``sample.media``): :func:`padded_batch`
+pads their tokens like any others, and :func:`pack_step` takes their media with
+``media=[s.media for s in samples]`` (one entry per padded row, ``None`` for a row
+without) and lays it at the packed offsets, so the row is field for field what
+:meth:`PackedBatch.from_samples <sftpack.PackedBatch.from_samples>` builds;
+:func:`plan_microbatches` takes their vision patches as a second budget
+(``patches=``, ``max_patches_per_microbatch=``).
 
 What every path shares lives in :mod:`sftpack.handoff` and is imported from
 there (:func:`~sftpack.handoff.pad_multiple_for`, :func:`~sftpack.handoff.shard_for_cp`,
@@ -41,7 +45,6 @@ from __future__ import annotations
 
 from ..handoff import shard_for_cp as shard_for_cp  # the contract's names (sftpack._ALIASES)
 from ..handoff import unpack as unpack
-from ._media import PaddedMediaBatch, collate_media, pack_media_step
 from ._padded import padded_batch
 from ._plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
 from ._step import pack_step
@@ -49,10 +52,7 @@ from ._step import pack_step
 __all__ = [
     "CostModel",
     "MicrobatchPlan",
-    "PaddedMediaBatch",
     "PlanError",
-    "collate_media",
-    "pack_media_step",
     "pack_step",
     "padded_batch",
     "plan_microbatches",

@@ -15,6 +15,12 @@ then dealt longest-processing-time first: heaviest bin to the least loaded rank
 that still has room, which keeps the slowest rank within one bin of the mean.
 ``cost="attention"`` weighs a bin by the sum of its squared lengths (causal
 attention FLOPs) instead of its tokens.
+
+Samples with images bring a second size, their vision patches (what the vision
+tower's activations grow with): given ``patches`` and ``max_patches_per_microbatch``
+(``sftpack train --max-patches-per-row``), every micro-batch holds at most that many
+(the bin packer's second budget), so one image-heavy micro-batch cannot exhaust the
+tower's memory while its neighbours hold none.
 """
 
 from __future__ import annotations
@@ -55,6 +61,8 @@ class MicrobatchPlan:
         tokens: ``(dp_size, M)`` int64 padded tokens of each micro-batch
             (``<= token_budget``).
         token_budget, pad_multiple, cost: the settings it was planned with.
+        patches: ``(dp_size, M)`` vision patches of each micro-batch, when planned with
+            ``patches`` (else ``None``).
     """
 
     microbatches: list[list[np.ndarray]]
@@ -64,6 +72,8 @@ class MicrobatchPlan:
     pad_multiple: int
     cost: CostModel
     meta: dict[str, Any] = field(default_factory=dict)
+    #: ``(dp_size, M)`` vision patches of each micro-batch (``None``: planned without ``patches``)
+    patches: np.ndarray | None = None
 
     @property
     def dp_size(self) -> int:
@@ -100,6 +110,8 @@ def plan_microbatches(
     min_microbatches: int | None = None,
     max_sequences_per_microbatch: int | None = None,
     seed: int = 0,
+    patches: ArrayLike | None = None,
+    max_patches_per_microbatch: int | None = None,
 ) -> MicrobatchPlan:
     """Split a global batch into token-budget micro-batches, balanced over ranks.
 
@@ -116,13 +128,18 @@ def plan_microbatches(
             pipeline-parallel depth).
         max_sequences_per_microbatch: cap on sequences per micro-batch.
         seed: for shuffling algorithms.
+        patches: ``(n,)`` vision patches of each sequence (``sample.num_patches``: 0
+            for one without images), the second size of multimodal samples.
+        max_patches_per_microbatch: the second budget: a micro-batch's patches sum to
+            at most this (needs ``patches``). ``None``: patches only counted.
 
     Returns:
         :class:`MicrobatchPlan`.
 
     Raises:
         PlanError: fewer sequences than ``dp_size * min_microbatches`` (some rank
-            would get nothing), a sequence over the budget once padded, bad options.
+            would get nothing), a sequence over the budget once padded (or over the
+            patch budget), bad options.
 
     >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7], token_budget=16, dp_size=2, pad_multiple=4)
     >>> [[mb.tolist() for mb in rank] for rank in plan.microbatches]
@@ -162,6 +179,7 @@ def plan_microbatches(
             f"{int(padded[i])}"
         )
 
+    patch_w, cap = _patches(patches, max_patches_per_microbatch, n)
     try:
         bins = binpack.pack(
             arr,
@@ -172,6 +190,8 @@ def plan_microbatches(
             min_bins=need,
             bins_multiple_of=dp_size,
             seed=seed,
+            weights=patch_w,
+            max_weight_per_bin=cap,
         )
     except ValueError as e:
         # Typically: the sequences need more micro-batches than can be dealt evenly
@@ -206,4 +226,31 @@ def plan_microbatches(
         pad_multiple=int(pad_multiple),
         cost=cost,
         meta={"algorithm": str(algorithm), "bins": nb},
+        patches=None
+        if patch_w is None
+        else np.array([[int(patch_w[bins[b]].sum()) for b in rank] for rank in assigned], dtype=np.int64),
     )
+
+
+def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.ndarray | None, int | None]:
+    """``patches`` as ``(n,)`` int64 and the budget, checked (every sequence within it)."""
+    if patches is None:
+        if cap is not None:
+            raise PlanError("max_patches_per_microbatch needs patches: the vision patches of each sequence")
+        return None, None
+    budget = None if cap is None else positive_int("max_patches_per_microbatch", cap, error=PlanError)
+    w = np.asarray(patches.detach().cpu().numpy() if hasattr(patches, "detach") else patches)
+    if w.shape != (n,) or w.dtype.kind not in "iu":
+        raise PlanError(f"patches must be a 1-D integer array of {n} entries, got shape {w.shape} dtype {w.dtype}")
+    w = w.astype(np.int64)
+    if n and w.min() < 0:
+        i = int(np.flatnonzero(w < 0)[0])
+        raise PlanError(f"patches[{i}] = {int(w[i])}: a sequence holds 0 or more vision patches")
+    if budget is not None and n and w.max() > budget:
+        i = int(np.argmax(w))
+        raise PlanError(
+            f"sequence {i} has {int(w[i]):,} vision patches, more than max_patches_per_microbatch={budget:,}: no "
+            f"micro-batch can hold it; raise the patch budget to at least {int(w[i]):,} (--max-patches-per-row) "
+            "or make its images smaller"
+        )
+    return w, budget

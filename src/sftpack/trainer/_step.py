@@ -1,7 +1,11 @@
 """``pack_step``: a right-padded ``[B, S]`` batch packed into one flat row at the step.
 
 Vectorised tensor operations over the ``T`` output slots, the same code on CPU
-and CUDA; one small host transfer for the output shape and the checks.
+and CUDA; one small host transfer for the output shape and the checks. Rows with
+media (images) hand their samples' :class:`~sftpack.handoff.payload.Media` along
+(``media=``): laid at the packed offsets by :meth:`Media.lay
+<sftpack.handoff.payload.Media.lay>`, as :meth:`PackedBatch.from_samples
+<sftpack.PackedBatch.from_samples>` lays them.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 from .._base import check_width, positive_int, round_up
 from ..handoff import PackedBatch, PackedBatchError
 from ..handoff.layout import check_pad_id
+from ..handoff.payload import Media
 from ..sample import IGNORE_INDEX
 
 __all__ = ["pack_step"]
@@ -48,6 +53,7 @@ def pack_step(
     sequence_ids: Sequence[Any] | None = None,
     attention_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
+    media: Sequence[Media | None] | None = None,
 ) -> PackedBatch:
     """Pack a right-padded ``[B, S]`` batch into one flat row.
 
@@ -78,13 +84,21 @@ def pack_step(
         labels: ``(B, S)`` int, Hugging Face convention (unshifted, -100 = ignore):
             ``labels[b, t] != -100`` marks token ``t`` trainable and is its target
             value (normally ``input_ids[b, t]``). Alternative to ``loss_mask``.
+        media: optional ``B`` entries, one per batch row: the
+            :class:`~sftpack.handoff.payload.Media` of the sample the row holds
+            (``sample.media``: slots relative to the sample, multimodal positions of its
+            own tokens) or ``None`` for a row without media. The row's media
+            (``batch.media``) is theirs laid at the packed offsets
+            (:meth:`Media.lay <sftpack.handoff.payload.Media.lay>`), on ``input_ids.device``.
+            Cheap checks only (counts, kinds, widths, ``pad_id``); :meth:`PackedBatch.validate
+            <sftpack.PackedBatch.validate>` checks every run against the tokens.
 
     Returns:
         A :class:`~sftpack.PackedBatch` on ``input_ids.device``: the ``N`` non-empty
         rows in batch order, each padded to ``pad_multiple``, the row's tail folded
         into the last segment. ``source_rows`` holds each segment's batch row
         and ``source_batch_size`` is ``B`` (what :func:`unpack_padded` reads).
-        Identical to ``PackedBatch.from_samples`` on the same sequences.
+        Identical to ``PackedBatch.from_samples`` on the same sequences (their media included).
 
     Rows of length 0 are skipped (they hold no tokens and no targets; a data-parallel
     rank that pads its batch with empty rows keeps working): ``N`` is the number of
@@ -121,6 +135,7 @@ def pack_step(
     check_pad_id(pad_id, "pack_step")
     if sequence_ids is not None and len(sequence_ids) != B:
         raise PackedBatchError(f"pack_step: sequence_ids has {len(sequence_ids)} entries for a batch of B={B} rows")
+    parts = _media_parts(media, B, pad_id)
     m = _positive_int("pad_multiple", pad_multiple)
     row_mult = _positive_int("pad_to_multiple_of", pad_to_multiple_of, allow_none=True)
     width = _positive_int("pad_to", pad_to, allow_none=True)
@@ -254,7 +269,7 @@ def pack_step(
             ok[:-1] &= lm[1:].bool()
     out_labels = torch.where(ok, target, IGNORE_INDEX)
 
-    return PackedBatch(
+    batch = PackedBatch(
         input_ids=out_ids,
         labels=out_labels,
         position_ids=pos,
@@ -265,3 +280,69 @@ def pack_step(
         source_rows=source_rows,
         source_batch_size=B,
     )
+    if parts is not None:
+        batch.media = _lay(parts, batch, dev)
+    return batch
+
+
+def _media_parts(media: Sequence[Media | None] | None, B: int, pad_id: int) -> list[Media | None] | None:
+    """``media`` checked against the batch: ``B`` entries of one kind and placeholder id
+    (never ``pad_id``); ``None`` when no row has media."""
+    if media is None:
+        return None
+    if isinstance(media, Media) or not isinstance(media, Sequence):
+        raise PackedBatchError(
+            f"pack_step: media must be a sequence of B={B} entries (a Media or None per row), got "
+            f"{type(media).__name__}"
+        )
+    parts = list(media)
+    if len(parts) != B:
+        raise PackedBatchError(f"pack_step: media has {len(parts)} entries for a batch of B={B} rows; give one per row")
+    real = [(b, m) for b, m in enumerate(parts) if m is not None]
+    for b, m in real:
+        if not isinstance(m, Media):
+            raise PackedBatchError(f"pack_step: media[{b}] is a {type(m).__name__}, not a Media or None")
+    if not real:
+        return None
+    b0, first = real[0]
+    for b, m in real:
+        if type(m) is not type(first) or int(m.token_id) != int(first.token_id):
+            raise PackedBatchError(
+                f"pack_step: media[{b0}] is a {type(first).__name__} with placeholder {first.token_id} but "
+                f"media[{b}] a {type(m).__name__} with placeholder {m.token_id}: one row feeds one vision tower"
+            )
+    if int(pad_id) == int(first.token_id):
+        raise PackedBatchError(
+            f"pack_step: pad_id {pad_id} is the media placeholder id; pad with another token (the tokenizer's pad)"
+        )
+    return parts
+
+
+def _lay(parts: list[Media | None], batch: PackedBatch, dev: torch.device) -> Media | None:
+    """The rows' media laid at their packed offsets (on the host, where the samples' media
+    live; one transfer of the boundaries), then moved to ``dev``."""
+    assert batch.source_rows is not None
+    cup = batch.cu_seqlens_padded.tolist()
+    lens = batch.seqlens.tolist()
+    kept = [parts[r] for r in batch.source_rows]
+    kept_rows = set(batch.source_rows)
+    dropped = [r for r, m in enumerate(parts) if m is not None and m.num_items and r not in kept_rows]
+    if dropped:
+        raise PackedBatchError(f"pack_step: row {dropped[0]} is empty (length 0) but media[{dropped[0]}] has items")
+    for r, m, L in zip(batch.source_rows, kept, lens):
+        pos = getattr(m, "positions", None)
+        if pos is not None and tuple(pos.shape) != (3, L):
+            raise PackedBatchError(
+                f"pack_step: media[{r}].positions has shape {tuple(pos.shape)} but row {r} holds {L} tokens: "
+                f"give each row its own sample's media, (3, {L}) positions"
+            )
+    if all(m is None for m in kept):  # media only on empty rows, without items
+        return None
+    out = Media.lay(
+        kept,
+        lengths=lens,
+        offsets=cup[:-1],
+        widths=[b - a for a, b in zip(cup[:-1], cup[1:])],
+        segments=[1] * len(kept),
+    )
+    return out.to(dev) if out.device != dev else out

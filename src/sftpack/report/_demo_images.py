@@ -1,14 +1,11 @@
-"""The multimodal section of ``sftpack demo``: conversations with images on a tiny Qwen2-VL.
+"""The demo's image section (:func:`multimodal_section`, section 5 of :func:`sftpack.report.demo.run_demo`).
 
-On the embedded easy-vqa corpus (:func:`sftpack.multimodal.vqa_corpus`, seeded image
-sizes): the samples' rows under a token and a vision-patch budget (``plan_rows``, the
-bin packer's second budget), every token, image and patch accounted for, the first
-rows drawn to scale with their image runs marked; the loss (and logits and gradients,
-language model and vision tower) of a packed row equal to each sample run alone, in
-float64 (``check_packed``); and real tokens/s of packed rows against padded batches on
-the same tiny model (forward + backward + SGD step, float32, alternating step by step).
-
-Nothing is printed here: the section is a stream of lines, as the rest of the demo.
+easy-vqa conversations with images on a tiny Qwen2-VL: rows under a token and a
+vision-patch budget drawn to scale with their image runs marked, every image and patch
+accounted for, the packed loss, logits and gradients equal to each sample alone in
+float64, and real tokens/s of packed rows against padded batches (:func:`step_times`,
+which ``benchmarks/bench_multimodal.py`` measures at length). Its numbers go to a
+:class:`MultimodalSummary`.
 """
 
 from __future__ import annotations
@@ -23,9 +20,15 @@ import numpy as np
 import torch
 
 from ..binpack import pack
+from ..handoff import PackedBatch
+from ..handoff.payload import PatchMedia
+from ..loop import compact_vocabulary
 from ..loss import token_mean_loss
 from ..sample import IGNORE_INDEX
 from .layout import draw_row_to_scale
+
+__all__ = ["EXACT_MM_64", "PAD_ID", "MultimodalSummary", "multimodal_section", "step_times"]
+
 
 #: Loss, logits and gradients packed vs alone, float64. The derivation is that of
 #: tests/multimodal/test_exactness.py for the same model and image sizes (56-112 px a side, so
@@ -35,6 +38,8 @@ from .layout import draw_row_to_scale
 #: section 3.1), the two by <= 8.9e-13, on values of magnitude <= 10 (checked as a premise):
 #: <= 8.9e-12; 1e-10 is 11x that. A boundary bug moves logits by 1e-3 or more.
 EXACT_MM_64 = 1e-10
+#: Qwen2-VL's pad (``<|endoftext|>``): the rows' padding over the tokenizer's ids
+PAD_ID = 151643
 
 
 @dataclass
@@ -68,23 +73,31 @@ class MultimodalSummary:
 
 
 class _Compact:
-    """Samples over the ids they use (:func:`~sftpack.loop._media.compact_media_vocabulary`:
-    renumbered in sorted order, so the special tokens keep their roles), and a tiny Qwen2-VL
-    for that vocabulary: a 151,657-row output head would cost more than everything packing
-    changes. The pixels stay float32 (what the processor makes): a float64 model's tower casts
-    them exactly."""
+    """Samples over the ids they use (:func:`~sftpack.loop.compact_vocabulary`, keeping the pad
+    and the ids the model's config names: renumbered in sorted order, so the special tokens keep
+    their roles), and a tiny Qwen2-VL for that vocabulary (plus one unused last id, what the
+    config's video placeholder defaults to): a 151,657-row output head would cost more than
+    everything packing changes. The pixels stay float32 (what the processor makes): a float64
+    model's tower casts them exactly."""
 
     def __init__(self, samples: list[Any]) -> None:
-        from ..loop._media import compact_media_vocabulary, media_ids
+        from ..loop._model import media_token_ids
+        from ..multimodal import family_for
 
-        self.samples, self.vocab = compact_media_vocabulary(samples)
-        self.ids = media_ids(self.vocab)
+        self.family = family_for()
+        tok = self.family.tokenizer()
+        named = media_token_ids(self.family, tok)
+        self.samples, self.vocab = compact_vocabulary(samples, keep=[PAD_ID, *named.values()])
+        self.ids = {"pad_id": self.id(PAD_ID), **{k: self.id(v) for k, v in named.items()}}
+
+    def id(self, token_id: int) -> int:
+        return int(np.searchsorted(self.vocab, token_id))
 
     def model(self, *, dtype: torch.dtype, seed: int, text_attention: str | None = None, **kw: Any) -> Any:
-        from ..multimodal import tiny_qwen2vl
-
         media = {k: v for k, v in self.ids.items() if k != "pad_id"}
-        return tiny_qwen2vl(len(self.vocab), **media, seed=seed, dtype=dtype, text_attention=text_attention, **kw)
+        return self.family.tiny_model(
+            vocab_size=len(self.vocab) + 1, token_ids=media, seed=seed, dtype=dtype, text_attention=text_attention, **kw
+        )
 
 
 def _settings(quick: bool) -> dict[str, int]:
@@ -99,18 +112,12 @@ def _settings(quick: bool) -> dict[str, int]:
 
 def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, seed: int, quick: bool) -> Iterator[str]:
     """The section's lines; records its checks in ``checks`` and its numbers in ``summary``."""
-    from ..multimodal import (
-        build_multimodal_row,
-        image_processor,
-        plan_rows,
-        qwen2vl_tokenizer,
-        tokenize_multimodal_conversations,
-        vqa_corpus,
-    )
+    from ..multimodal import family_for, plan_rows, tokenize_multimodal_conversations, vqa_corpus
 
     cfg = _settings(quick)
     t0 = time.perf_counter()
-    tok, proc = qwen2vl_tokenizer(), image_processor()
+    family = family_for()
+    tok, proc = family.tokenizer(), family.image_processor()
     yield (
         f"  Qwen2-VL's tokenizer (the embedded Qwen BPE + its special tokens) and image processor "
         f"(PIL/numpy) ({time.perf_counter() - t0:.1f} s)"
@@ -122,9 +129,10 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
     )
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     patches = np.array([s.num_patches for s in samples], dtype=np.int64)
-    vision = np.array([int(s.image_runs[:, 1].sum()) if s.num_images else 0 for s in samples], dtype=np.int64)
+    vision = np.array([0 if s.media is None else s.media.num_placeholders for s in samples], dtype=np.int64)
     m = summary
-    m.conversations, m.samples, m.images = len(convs), len(samples), sum(s.num_images for s in samples)
+    m.conversations, m.samples = len(convs), len(samples)
+    m.images = sum(0 if s.media is None else s.media.num_items for s in samples)
     m.tokens, m.vision_tokens, m.patches = int(lengths.sum()), int(vision.sum()), int(patches.sum())
     m.max_seq_len, m.max_patches = cfg["max_seq_len"], cfg["max_patches"]
     yield (
@@ -138,8 +146,8 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
     width, budget = cfg["max_seq_len"], cfg["max_patches"]
     free = pack(lengths, width, "ffd")
     rows = plan_rows(lengths, patches, max_seq_len=width, max_patches=budget)
-    built = [build_multimodal_row([samples[i] for i in r], row_width=width).validate() for r in rows]
-    row_patches = [int(b.pixel_values.shape[0]) if b.pixel_values is not None else 0 for b in built]
+    built = [PackedBatch.from_samples([samples[i] for i in r], row_width=width, pad_id=PAD_ID).validate() for r in rows]
+    row_patches = [0 if b.media is None else b.media.num_patches for b in built]
     free_patches = [int(patches[np.asarray(r)].sum()) for r in free]
     m.rows, m.rows_tokens_only = len(built), len(free)
     m.fill, m.fill_tokens_only = m.tokens / (len(built) * width), m.tokens / (len(free) * width)
@@ -147,7 +155,7 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
     accounted = (
         sum(b.num_sequences for b in built) == len(samples)
         and sum(b.num_real_tokens for b in built) == m.tokens
-        and sum(b.num_images for b in built) == m.images
+        and sum(b.num_media_items for b in built) == m.images
         and sum(row_patches) == m.patches
         and sum(b.num_label_tokens for b in built) == sum(int(s.loss_mask[1:].sum()) for s in samples)
     )
@@ -163,7 +171,7 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
     scale = -(-width // 64)
     yield f"  the first rows to scale (one character = {scale} slots; a letter: a sample's text, #: its image):"
     for i, b in enumerate(built[:3]):
-        yield f"    row {i}  {draw_row_to_scale(b, width=64)}  ({b.num_sequences} samples, {b.num_images} images)"
+        yield f"    row {i}  {draw_row_to_scale(b, width=64)}  ({b.num_sequences} samples, {b.num_media_items} images)"
     m.first_rows = built[:3]
 
     # Exactness: a packed row against each sample alone, float64.
@@ -174,16 +182,13 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
 
 
 def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> Iterator[str]:
-    from ..multimodal import (
-        check_packed,
-        image_processor,
-        qwen2vl_tokenizer,
-        tokenize_multimodal_conversations,
-        vqa_corpus,
-    )
+    from ..multimodal import check_packed, family_for, tokenize_multimodal_conversations, vqa_corpus
 
+    family = family_for()
     convs = list(vqa_corpus(seed=seed, limit=6, min_side=56, max_side=112))
-    small = list(tokenize_multimodal_conversations(convs, tokenizer=qwen2vl_tokenizer(), processor=image_processor()))
+    small = list(
+        tokenize_multimodal_conversations(convs, tokenizer=family.tokenizer(), processor=family.image_processor())
+    )
     c = _Compact(small)
     t0 = time.perf_counter()
     model = c.model(dtype=torch.float64, seed=seed)
@@ -194,15 +199,15 @@ def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> I
         m.exact[name] = {
             "logits": r.logits,
             "loss": r.loss,
-            "grads_language": r.grads_language,
-            "grads_vision": r.grads_vision,
+            "grads_language": r.grads["language"],
+            "grads_vision": r.grads["vision"],
         }
         yield (
             f"  {len(small)} samples packed vs each alone (tiny Qwen2-VL, float64, {name}): max|dlogit| "
-            f"{r.logits:.1e}, |dloss| {r.loss:.1e}, max|dgrad| language {r.grads_language:.1e}, vision "
-            f"{r.grads_vision:.1e} -> {'equal' if good else 'NOT EQUAL'} (<= {EXACT_MM_64:.0e})"
+            f"{r.logits:.1e}, |dloss| {r.loss:.1e}, max|dgrad| language {r.grads['language']:.1e}, vision "
+            f"{r.grads['vision']:.1e} -> {'equal' if good else 'NOT EQUAL'} (<= {EXACT_MM_64:.0e})"
         )
-    yield f"  ({time.perf_counter() - t0:.1f} s; the vision tower attends within each image: vision_cu_seqlens)"
+    yield (f"  ({time.perf_counter() - t0:.1f} s; the vision tower attends within each image: media.vision_cu_seqlens)")
 
 
 def step_times(
@@ -219,32 +224,36 @@ def step_times(
     attention) and as a right-padded ``[B, S]`` batch through ``padded_model`` (Hugging
     Face sdpa and a mask), the two alternating step by step after one untimed step of each
     on ``warm_up``. Batch building is not timed."""
-    from ..multimodal import build_multimodal_row, packed_logits
-    from ..trainer import collate_media
+    from ..loop._micro_batch import padded_micro_batch
+    from ..multimodal import family_for
+
+    family = family_for(packed_model)
 
     opt_a = torch.optim.SGD(packed_model.parameters(), lr=1e-3)
     opt_b = torch.optim.SGD(padded_model.parameters(), lr=1e-3)
 
     def packed_step(group: list[Any]) -> float:
-        row = build_multimodal_row(group, pad_id=pad_id)
+        row = PackedBatch.from_samples(group, pad_id=pad_id)
         n = int(row.loss_mask.sum())
         t0 = time.perf_counter()
         opt_a.zero_grad()
-        token_mean_loss(packed_logits(packed_model, row), row.labels, n).backward()
+        token_mean_loss(family.packed_logits(packed_model, row), row.labels, n).backward()
         opt_a.step()
         return time.perf_counter() - t0
 
     def padded_step(group: list[Any]) -> float:
-        b = collate_media(group, pad_id=pad_id)
-        lab = torch.nn.functional.pad(b.labels[:, 1:], (0, 1), value=IGNORE_INDEX)  # next-token targets
+        b = padded_micro_batch(group, pad_id=pad_id)  # labels: next-token targets within each row
+        lab = b.labels
         n = int((lab != IGNORE_INDEX).sum())
+        mask = (torch.arange(b.input_ids.shape[1])[None, :] < b.lengths[:, None]).long()
+        assert isinstance(b.media, PatchMedia)  # a patch-sequence family's (Qwen2-VL's) media
         t0 = time.perf_counter()
         opt_b.zero_grad()
         out = padded_model(
             input_ids=b.input_ids,
-            attention_mask=b.attention_mask,
-            pixel_values=b.pixel_values,
-            image_grid_thw=b.image_grid_thw,
+            attention_mask=mask,
+            pixel_values=b.media.pixel_values,
+            image_grid_thw=b.media.grid_thw,
             mm_token_type_ids=(b.input_ids == image_token_id).to(torch.int32),
             use_cache=False,
         )

@@ -1,0 +1,269 @@
+"""Stage 1's tokenizer for conversations with images: each conversation to samples and their
+media columns, for :func:`~sftpack.offline.engine.stage_samples` (``media=True``).
+
+Each conversation is tokenized by :func:`sftpack.multimodal.tokenize_multimodal_conversations`
+for the model family the prepack names (its tokenizer and image processor unless given), then
+the patch budget's rule (:func:`sftpack.multimodal._plan.check_patch_budget`: a conversation
+with a sample over ``max_patches_per_row`` is dropped and counted as ``over_patch_budget``, or
+refused under ``overlong="error"``, as the loader does). What is stored per image is the
+**resized uint8 pixels** (the processor's ``smart_resize`` output, 3 bytes a pixel) and its
+grid, not the float32 patches (24 bytes a pixel): the sample's own patches are turned back into
+its pixels (:func:`~sftpack.multimodal._images.pixels_from_patches`, the exact inverse, refused
+when the patches are not a uint8 image's), so what is stored is exactly what the in-memory
+sample carries; the reader re-patchifies them byte for byte as the processor does.
+
+The local engine runs :func:`encoded` in ``num_proc`` forked workers (results in input order);
+the Ray engine's actors run it in-process on their units. Either way a conversation without an
+id gets its position in the input, as the in-memory tokenizer gives it, so the samples (and the
+files) do not depend on how the input was cut.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..sample import Sample
+from ._format import MEDIA_KIND, PrepackError
+from ._stage import Images, StagedMedia
+
+__all__ = ["ImageCounts", "ImageSettings", "encode", "encoded", "image_settings"]
+
+#: conversations per task of the worker pool
+_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class ImageSettings:
+    """What tokenizing a conversation with images takes (plain values and the two HF objects)."""
+
+    tokenizer: Any
+    processor: Any
+    family: str
+    max_seq_len: int
+    overlong: str
+    on_bad_row: str
+    max_patches_per_row: int | None
+
+    def manifest_entry(self, media: StagedMedia) -> dict[str, Any]:
+        """The manifest's ``media`` entry for the staged ``media``."""
+        from ..multimodal._images import processor_settings
+
+        return {
+            "kind": MEDIA_KIND,
+            "family": self.family,
+            "images": media.num_images,
+            "patches": int(media.patches.sum()),
+            "pixel_bytes": media.pixel_bytes,
+            "image_token_id": int(media.token_id if media.token_id is not None else self._token_id()),
+            "merge_size": int(media.merge_size if media.merge_size is not None else self.processor.merge_size),
+            "processor": processor_settings(self.processor),
+        }
+
+    def _token_id(self) -> int:
+        from ..multimodal import family_for
+
+        return family_for(self.family).placeholder_id(self.tokenizer)
+
+
+def image_settings(
+    family: str,
+    tokenizer: Any,
+    processor: Any,
+    *,
+    max_seq_len: int,
+    overlong: str,
+    on_bad_row: str,
+    max_patches_per_row: int | None,
+) -> ImageSettings:
+    """The settings, the family's tokenizer and image processor filled in where not given.
+
+    Raises:
+        ValueError: an image processor whose output the stored pixels cannot reproduce (the
+            reader re-patchifies them the way transformers' ``Qwen2VLImageProcessorPil`` does).
+    """
+    from ..multimodal import family_for
+    from ..multimodal._images import reproduces
+
+    fam = family_for(family)
+    proc = processor if processor is not None else fam.image_processor()
+    if not reproduces(proc):
+        raise ValueError(
+            f"a prepack with images stores each image's resized uint8 pixels and re-makes the patches the way "
+            f"transformers' Qwen2VLImageProcessorPil does, which {type(proc).__name__} with these settings (family "
+            f"{fam.name!r}) does not reproduce exactly: pass sftpack.multimodal.family_for().image_processor(), or "
+            "a transformers.Qwen2VLImageProcessorPil(min_pixels=..., max_pixels=...) that resizes, rescales, "
+            "normalises and converts to RGB"
+        )
+    tok = tokenizer if tokenizer is not None else fam.tokenizer()
+    return ImageSettings(tok, proc, fam.name, max_seq_len, overlong, on_bad_row, max_patches_per_row)
+
+
+def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], list[tuple[Sample, Images]]]:
+    """Conversation number ``index`` to ``(stats delta, [(sample, images), ...])`` (plain arrays:
+    cheap to send between processes)."""
+    from ..multimodal import MultimodalStats, tokenize_multimodal_conversations
+    from ..multimodal._images import pixels_from_patches
+    from ..multimodal._plan import check_patch_budget
+
+    if isinstance(conv, dict):
+        messages, cid = conv.get("messages"), conv.get("id")
+    else:
+        messages, cid = getattr(conv, "messages", conv), getattr(conv, "id", None)
+    stats = MultimodalStats()
+    samples = list(
+        tokenize_multimodal_conversations(
+            [{"id": cid or index, "messages": messages}],
+            tokenizer=st.tokenizer,
+            processor=st.processor,
+            max_seq_len=st.max_seq_len,
+            overlong=st.overlong,
+            on_bad_row=st.on_bad_row,
+            stats=stats,
+            family=st.family,
+        )
+    )
+    reason = check_patch_budget(samples, st.max_patches_per_row, st.overlong)
+    if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
+        stats, samples = MultimodalStats(read=stats.read, dropped={reason: 1}), []
+    pieces = []
+    for s in samples:
+        media = s.media
+        if media is None:  # a conversation without images
+            pieces.append((Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _NO_IMAGES))
+            continue
+        if getattr(media, "grid_thw", None) is None:
+            raise PrepackError(
+                f"conversation {s.conversation_id!r}: family {st.family!r} gives {type(media).__name__} media; a "
+                "prepack stores a patch family's images (Qwen2-VL, Qwen2.5-VL)"
+            )
+        grids = media.grid_thw.numpy()
+        pv = media.pixel_values.numpy()
+        offs = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])
+        pixels = []
+        for i, g in enumerate(grids):
+            try:
+                pixels.append(pixels_from_patches(pv[offs[i] : offs[i + 1]], g, st.processor))
+            except ValueError as e:
+                raise PrepackError(
+                    f"conversation {s.conversation_id!r}, image {i}: {e}; the prepack stores resized uint8 pixels"
+                ) from None
+        images = Images(media.slots.numpy()[:, 0].copy(), grids, pixels, int(media.token_id), int(media.merge_size))
+        pieces.append((Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), images))
+    delta = {"read": stats.read, "kept": stats.kept, "dropped": dict(stats.dropped)}
+    return delta, pieces
+
+
+_NO_IMAGES = Images(np.zeros(0, np.int64), np.zeros((0, 3), np.int64), [])
+
+_worker_settings: list[ImageSettings] = []
+
+
+def _init_worker(settings: ImageSettings) -> None:
+    # A sample's media are torch tensors (validated with torch reductions). A forked child whose
+    # parent has run an OpenMP parallel region hangs in its first one (libgomp is not fork-safe):
+    # one intra-op thread per worker never opens one (what torch's DataLoader workers do too).
+    import torch
+
+    torch.set_num_threads(1)
+    _worker_settings[:] = [settings]
+
+
+def _work(items: list[tuple[int, Any]]) -> list[tuple[dict[str, Any], list[tuple[Sample, Images]]]]:
+    return [encode(c, i, _worker_settings[0]) for i, c in items]
+
+
+def _chunks(items: Iterable[tuple[int, Any]], n: int) -> Iterator[list[tuple[int, Any]]]:
+    buf: list[tuple[int, Any]] = []
+    for x in items:
+        buf.append(x)
+        if len(buf) >= n:
+            yield buf
+            buf = []
+    if buf:
+        yield buf
+
+
+def encoded(
+    conversations: Iterable[Any], settings: ImageSettings, num_proc: int = 1, start: int = 0
+) -> Iterator[tuple[dict[str, Any], list[tuple[Sample, Images]]]]:
+    """:func:`encode` of every conversation (numbered from ``start``), in input order, in this
+    process or ``num_proc`` forked ones."""
+    numbered = enumerate(conversations, start)
+    if num_proc == 1:
+        for i, c in numbered:
+            yield encode(c, i, settings)
+        return
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = ctx.Pool(num_proc, initializer=_init_worker, initargs=(settings,))
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    try:
+        pending: deque[Any] = deque()
+        for items in _chunks(numbered, _CHUNK):
+            pending.append(pool.apply_async(_work, (items,)))
+            if len(pending) >= 2 * num_proc:
+                yield from pending.popleft().get()
+        while pending:
+            yield from pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+@dataclass
+class ImageCounts:
+    """What stage 1 counted over conversations with images (summed over workers or units)."""
+
+    read: int = 0
+    kept: int = 0
+    split: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def add(self, delta: dict[str, Any], pieces: int) -> None:
+        self.read += int(delta["read"])
+        self.kept += int(delta["kept"])
+        for k, v in delta["dropped"].items():
+            self.dropped[k] = self.dropped.get(k, 0) + int(v)
+        self.split += pieces > 1
+
+    def merge(self, other: ImageCounts) -> None:
+        self.read, self.kept, self.split = self.read + other.read, self.kept + other.kept, self.split + other.split
+        for k, v in other.dropped.items():
+            self.dropped[k] = self.dropped.get(k, 0) + v
+
+    def pairs(self, encoded: Iterable[tuple[dict[str, Any], list[tuple[Sample, Images]]]]) -> Iterator[Any]:
+        """The ``(sample, images)`` pairs of ``encoded``, counted as they pass."""
+        for delta, pieces in encoded:
+            self.add(delta, len(pieces))
+            yield from pieces
+
+    def manifest(self) -> dict[str, Any]:
+        """The manifest's reading counts."""
+        over = self.dropped.get("overlong", 0)
+        return {
+            "read": self.read,
+            "kept": self.kept,
+            "dropped": dict(sorted(self.dropped.items())),
+            "overlong": {
+                "tokenized": self.kept + over,
+                "fit": self.kept - self.split,
+                "truncated": 0,
+                "split": self.split,
+                "dropped": over,
+            },
+        }
