@@ -1,0 +1,231 @@
+"""The options of ``sftpack train``: its argument parser, declared here, read by :mod:`._train`.
+
+Kept apart from the command's run so that both stay readable (the options are most of
+the command's length); nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import non_negative, positive
+
+__all__ = ["IMAGE_SIDES", "VQA_LIMIT", "add_arguments"]
+
+#: conversations of a default ``--corpus vqa`` run (``--limit``): a 20-step CPU run takes seconds
+VQA_LIMIT = 64
+#: the default seeded image sizes of ``--corpus vqa``, px a side (up to 256 patches an image: the vision
+#: tower's attention grows with the square of an image's patches, so 448 px images cost 16x as much on CPU)
+IMAGE_SIDES = (56, 224)
+
+
+def add_arguments(t: argparse.ArgumentParser) -> None:
+    """Every option of ``sftpack train`` on its parser ``t``."""
+    t.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUT",
+        help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
+    )
+    t.add_argument(
+        "--packing",
+        choices=["offline", "loader", "trainer", "none"],
+        default="trainer",
+        help="when rows are packed; none = padded batches, the baseline (default trainer)",
+    )
+    t.add_argument(
+        "--prepacked",
+        metavar="DIR",
+        help="--packing offline: a directory from sftpack prepack (default: prepack the data into a temporary "
+        "directory first); its row width, pad multiple and tokenizer come from its manifest",
+    )
+    t.add_argument("--steps", type=positive, default=50, help="optimizer steps (default 50)")
+    t.add_argument(
+        "--batch-size",
+        type=positive,
+        default=8,
+        help="per step, over all ranks: conversations (trainer, none) or rows (offline, loader); default 8",
+    )
+    t.add_argument(
+        "--max-seq-len",
+        type=positive,
+        help="row width / micro-batch token budget; longer conversations are split (default 1024; with "
+        "--prepacked: the prepack's)",
+    )
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--log", metavar="FILE.jsonl", help="write one JSON object per step")
+    t.add_argument("--plot", metavar="FILE.png", help="draw the loss and tokens/s curves")
+    t.add_argument("--limit", type=positive, help="use the first N conversations only")
+    g = t.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
+    g.add_argument("--warmup-steps", type=non_negative, default=0)
+    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument(
+        "--min-lr-ratio",
+        type=float,
+        default=0.1,
+        help="final LR as a fraction of --lr (default 0.1)",
+    )
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument(
+        "--grad-accum",
+        type=positive,
+        default=1,
+        help="micro-batches per rank per step, at least",
+    )
+    g.add_argument(
+        "--clip-norm",
+        type=float,
+        default=1.0,
+        help="gradient-norm clipping; 0 = off (default 1.0)",
+    )
+    g.add_argument(
+        "--on-nonfinite",
+        choices=["error", "skip"],
+        default="error",
+        help="a step whose loss or gradient norm is NaN/inf: stop with an error naming the step (default), or "
+        "skip its update (counted in the log and the summary)",
+    )
+    p = t.add_argument_group("packing")
+    p.add_argument(
+        "--pad-multiple",
+        type=positive,
+        help="pad each sequence to a multiple (2*CP; default 1; with --prepacked: the prepack's)",
+    )
+    p.add_argument(
+        "--boundaries",
+        choices=["real", "padded"],
+        help="kernel boundaries: real+padded or padded for both (default: the path's own)",
+    )
+    p.add_argument(
+        "--buffer-size",
+        type=positive,
+        default=256,
+        help="loader packing buffer (sequences)",
+    )
+    p.add_argument(
+        "--max-patches-per-row",
+        type=positive,
+        metavar="P",
+        help="data with images: at most P vision patches per packed row (loader, offline) or micro-batch "
+        "(trainer), the bin packer's second budget (default: tokens alone)",
+    )
+    m = t.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local model folder (default: a small Llama from a config)",
+    )
+    m.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="a local tokenizer folder (default: the embedded Qwen BPE)",
+    )
+    m.add_argument(
+        "--vocab",
+        choices=["tokenizer", "data"],
+        default="tokenizer",
+        help="the default model's vocabulary: the tokenizer's (151,646 ids for the embedded one) or only the "
+        "ids that occur in the data, renumbered (a much cheaper head on CPU; a different model)",
+    )
+    m.add_argument(
+        "--model-impl",
+        choices=["torch", "transformers"],
+        help="the default model's code: torch (SmallLlama: transformers' LlamaForCausalLM op for op in plain "
+        "torch, the same weights for the same seed, about 4 s quicker to start; the default) or transformers "
+        "(LlamaForCausalLM itself); not with --model, which always loads with transformers",
+    )
+    m.add_argument("--dim", type=positive, default=64)
+    m.add_argument("--layers", type=positive, default=2)
+    m.add_argument("--heads", type=positive, default=4)
+    m.add_argument("--kv-heads", type=positive, default=2)
+    m.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    m.add_argument(
+        "--dtype",
+        choices=["float32", "float64"],
+        help="the model's dtype (default float32; float64 makes packed and padded runs agree to 1e-10); a "
+        "checkpoint resumes only in the dtype it was written in",
+    )
+    c = t.add_argument_group("checkpoints")
+    c.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where checkpoints go (one run per folder: a fresh run refuses a folder that holds another run's "
+        "checkpoints); with it, SIGTERM saves one at the end of the current step before the run stops",
+    )
+    c.add_argument(
+        "--checkpoint-every",
+        type=non_negative,
+        default=0,
+        help="save every K steps (0: never)",
+    )
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in --checkpoint-dir (there must be one; it is verified "
+        "against its checksums, and the optimisation options must be the checkpoint's)",
+    )
+    c.add_argument(
+        "--resume-if-any",
+        action="store_true",
+        help="like --resume, but start at step 1 when --checkpoint-dir holds no checkpoint yet "
+        "(re-running the same command after a preemption)",
+    )
+    c.add_argument(
+        "--overwrite-checkpoints",
+        action="store_true",
+        help="start a fresh run (step 1) in a --checkpoint-dir that holds another run's checkpoints: they are "
+        "deleted once this run has written its first checkpoint",
+    )
+    t.add_argument(
+        "--num-proc",
+        type=positive,
+        help="tokenizer worker processes (default: the CPUs this process may use, at most 4; the samples do not "
+        "depend on it)",
+    )
+    k = t.add_argument_group("tokenized-data cache")
+    k.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where tokenized samples are kept between runs, keyed by the tokenizer, options, input bytes and "
+        "sftpack's code (default: $SFTPACK_CACHE_DIR, else $XDG_CACHE_HOME/sftpack, else ~/.cache/sftpack)",
+    )
+    k.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="tokenize again and write nothing to the cache",
+    )
+    k.add_argument(
+        "--cache-max-size",
+        metavar="SIZE",
+        type=_cache_size,
+        help="the cache's size limit, e.g. 10G, 500M (binary units; 0: no limit; default: 10G, the entry of a "
+        "2-billion-token data set at 5 bytes a token): the entries used least recently make room for a new one",
+    )
+    t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
+    t.add_argument(
+        "--corpus",
+        choices=["chat", "vqa"],
+        default="chat",
+        help="the embedded data when no INPUT is given: chat conversations (default) or easy-vqa conversations "
+        "with images, which trains a tiny Qwen2-VL",
+    )
+    v = t.add_argument_group("images (INPUT files with image parts, or --corpus vqa)")
+    v.add_argument(
+        "--image-sides",
+        nargs=2,
+        type=positive,
+        metavar=("MIN", "MAX"),
+        help=f"--corpus vqa: each image is resized to a seeded size within MIN..MAX px a side (default "
+        f"{IMAGE_SIDES[0]} {IMAGE_SIDES[1]}); --limit caps the conversations (default {VQA_LIMIT})",
+    )
+
+
+def _cache_size(text: str) -> int:
+    """``--cache-max-size``: bytes (:func:`~sftpack.chat._cache_entry.parse_size`)."""
+    from ..chat._cache_entry import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
