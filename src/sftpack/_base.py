@@ -198,3 +198,16 @@ def check_width(
             f"absorbs the row's tail and would lose its alignment; use {use}"
         )
     return width
+
+
+def pool_context() -> Any:
+    """The multiprocessing context of the worker pools that tokenize (text and images): fork on
+    Linux, so workers inherit the tokenizer instead of unpickling it; spawn elsewhere (fork is
+    unsafe or missing), and spawn in a process where Ray runs: its threads (gRPC, the core
+    worker) hold locks a forked child inherits and may never see released, so a forked worker
+    can die or hang and the pool with it."""
+    import multiprocessing
+
+    ray = sys.modules.get("ray")
+    in_ray = ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
+    return multiprocessing.get_context("fork" if sys.platform.startswith("linux") and not in_ray else "spawn")

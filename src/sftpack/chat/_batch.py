@@ -23,7 +23,6 @@ process, so the error names it whatever ``num_proc`` is.
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import sys
 from collections import deque
@@ -34,7 +33,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .._base import positive_int
+from .._base import pool_context, positive_int
 from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
@@ -235,7 +234,7 @@ class TokenizedConversations:
             return
         # fork on Linux: workers inherit the tokenizer instead of unpickling it (seconds for
         # a large vocabulary); elsewhere fork is unsafe or missing, so spawn.
-        ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+        ctx = pool_context()
         # Each worker runs the tokenizer single-threaded; setting this before the fork also
         # keeps tokenizers from warning that it disables its thread pool in the children.
         saved = os.environ.get("TOKENIZERS_PARALLELISM")

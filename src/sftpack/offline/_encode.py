@@ -21,7 +21,6 @@ files) do not depend on how the input was cut.
 from __future__ import annotations
 
 import os
-import sys
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base import pool_context
 from ..sample import Sample
 from ._format import MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
@@ -200,9 +200,7 @@ def encoded(
         for i, c in numbered:
             yield encode(c, i, settings)
         return
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    ctx = pool_context()
     saved = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     try:
