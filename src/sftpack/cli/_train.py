@@ -64,6 +64,36 @@ def register(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=run, exit_at_once=True)  # as the command: no interpreter teardown (sftpack.cli.main)
 
 
+def _train_until_stopped(
+    train: Any,
+    args: argparse.Namespace,
+    cfg: Any,
+    source: Any,
+    model: Any,
+    resume: Any,
+    rank: int,
+    on_step: Any = None,
+) -> Any:
+    """The loop (``train``, :func:`sftpack.loop.train`, imported by the caller) under the command's
+    options, SIGTERM stopping it at the end of a step: then :class:`Terminated` says what was saved."""
+    with sigterm_deferred() as sigterm:
+        result = train(
+            cfg,
+            source=source,
+            model=model,
+            log=args.log,
+            checkpoint_dir=args.checkpoint_dir,
+            resume=resume,
+            overwrite=args.overwrite_checkpoints,
+            stop=sigterm,
+            progress=rank == 0,
+            on_step=on_step,
+        )
+    if sigterm():
+        raise Terminated(_stopped_line(result))
+    return result
+
+
 def _stopped_line(result: Any) -> str:
     """What a run that SIGTERM stopped says (its loop ended after the step it was in)."""
     steps = result.logs[-1].step if result.logs else result.resumed_from
@@ -475,21 +505,16 @@ def _run_training(
             f"packing {cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
         )
         _mark("train")  # start-up is over: from here SIGTERM stops the loop at the end of a step
-        with sigterm_deferred() as sigterm:
-            result = train(
-                cfg,
-                source=source,
-                model=model,
-                log=args.log,
-                checkpoint_dir=args.checkpoint_dir,
-                resume=resume,
-                overwrite=args.overwrite_checkpoints,
-                stop=sigterm,
-                progress=rank == 0,
-                on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
-            )
-        if sigterm():
-            raise Terminated(_stopped_line(result))
+        result = _train_until_stopped(
+            train,
+            args,
+            cfg,
+            source,
+            model,
+            resume,
+            rank,
+            on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
+        )
     except Exception:
         if streaming and pending is not None and samples.done:  # e.g. no target at all: the data line says so
             say_data(pending.result())
@@ -660,20 +685,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
             f"{model.config.get_text_config().vocab_size:,}, {str(dtype).removeprefix('torch.')}; packing "
             f"{cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
         )
-        with sigterm_deferred() as sigterm:
-            result = train(
-                cfg,
-                source=source,
-                model=model,
-                log=args.log,
-                checkpoint_dir=args.checkpoint_dir,
-                resume=resume,
-                overwrite=args.overwrite_checkpoints,
-                stop=sigterm,
-                progress=rank == 0,
-            )
-        if sigterm():
-            raise Terminated(_stopped_line(result))
+        result = _train_until_stopped(train, args, cfg, source, model, resume, rank)
     finally:
         if workdir is not None:
             workdir.cleanup()
