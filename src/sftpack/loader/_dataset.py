@@ -71,7 +71,7 @@ from ..multimodal._tokenize import split_sample, tokenize_record
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample
 from ._hold import hold_back, plan_media
 from ._shares import dist_rank_world, no_row, share_name, too_few
-from ._source import Item, Lookahead, Source, cut_overlong, first_negative, is_conversation
+from ._source import Item, Lookahead, Source, cut_overlong, first_negative, is_conversation, media_options
 from ._state import (
     STATE_VERSION,
     StateError,
@@ -215,17 +215,9 @@ class PackingDataset(IterableDataset):
         self.rank: int = non_negative_int("rank", rank if rank is not None else dist_rank, who="PackingDataset")
         if self.rank >= self.world_size:
             raise ValueError(f"{who}: rank={self.rank} must be below world_size={self.world_size}")
-        self.max_patches_per_row: int | None = positive_int(
-            "max_patches_per_row", max_patches_per_row, allow_none=True, who=who
-        )
-        if self.max_patches_per_row is not None and self.overlong is Overlong.TRUNCATE:
-            raise ValueError(
-                f"{who}: overlong='truncate' is not offered with max_patches_per_row (samples with media: it would "
-                "cut a turn and possibly an image): use 'split', 'drop' or 'error'"
-            )
-        if on_bad_row not in ("error", "skip"):
-            raise ValueError(f"{who}: on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-        self.on_bad_row: str = on_bad_row
+        self.max_patches_per_row: int | None
+        self.on_bad_row: str
+        self.max_patches_per_row, self.on_bad_row = media_options(who, max_patches_per_row, self.overlong, on_bad_row)
         self._family: Family | None = None if family is None else family_for(family)
         self._named_family: bool = family is not None
         self._tokenizer: Any = tokenizer

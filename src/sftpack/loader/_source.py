@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base import positive_int
 from ..handoff.payload import Media
 from ..sample import Overlong, Sample, as_sample, overlong_spans
 from ._state import StateError, digest
@@ -102,6 +103,21 @@ def is_conversation(obj: Any) -> bool:
     if isinstance(obj, Mapping):
         return "messages" in obj and "input_ids" not in obj
     return not isinstance(obj, Sample) and hasattr(obj, "messages")
+
+
+def media_options(who: str, max_patches_per_row: Any, overlong: Overlong, on_bad_row: Any) -> tuple[int | None, str]:
+    """The media options every loader class takes, checked: the patch budget (``None`` or a
+    positive int; not with ``overlong="truncate"``, which could cut a turn and an image) and
+    ``on_bad_row`` (``"error"`` or ``"skip"``)."""
+    budget = positive_int("max_patches_per_row", max_patches_per_row, allow_none=True, who=who)
+    if budget is not None and overlong is Overlong.TRUNCATE:
+        raise ValueError(
+            f"{who}: overlong='truncate' is not offered with max_patches_per_row (samples with media: it would "
+            "cut a turn and possibly an image): use 'split', 'drop' or 'error'"
+        )
+    if on_bad_row not in ("error", "skip"):
+        raise ValueError(f"{who}: on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
+    return budget, str(on_bad_row)
 
 
 def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> tuple[list[Item], int]:

@@ -89,6 +89,7 @@ from ..sample import Sample as SftSample
 from ._energon_base import CheckedTaskEncoder, crude_json, sample_where
 from ._energon_batch import EnergonPackedBatch
 from ._hold import plan_media
+from ._source import media_options
 from ._stats import OVERLONG
 
 __all__ = [
@@ -266,15 +267,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
         self.algorithm = algorithm
         self.train_on = train_on
         self.pad_id = check_pad_id(pad_id, "PackingTaskEncoder", ValueError)
-        self.max_patches_per_row = positive_int("max_patches_per_row", max_patches_per_row, allow_none=True, who=who)
-        if self.max_patches_per_row is not None and self.overlong is Overlong.TRUNCATE:
-            raise ValueError(
-                f"{who}: overlong='truncate' is not offered with max_patches_per_row (samples with media: it could "
-                "cut an image): use 'split', 'drop' or 'error'"
-            )
-        if on_bad_row not in ("error", "skip"):
-            raise ValueError(f"{who}: on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-        self.on_bad_row = on_bad_row
+        self.max_patches_per_row, self.on_bad_row = media_options(who, max_patches_per_row, self.overlong, on_bad_row)
         self.family: Family = family_for(family)
         self.processor = processor
         self._for_family = family is not None or processor is not None
