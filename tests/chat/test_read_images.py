@@ -41,9 +41,9 @@ def proc() -> Any:
 
 
 def _tokenize(convs: Any, tok: Any, proc: Any, **kw: Any) -> list[Any]:
-    from sftpack.multimodal import tokenize_multimodal_conversations
+    from sftpack.multimodal import tokenize_media_conversations
 
-    return list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc, **kw))
+    return list(tokenize_media_conversations(convs, tokenizer=tok, processor=proc, **kw))
 
 
 # ============================================================================ tests/multimodal/test_read.py
@@ -159,14 +159,14 @@ def test_bad_lines_are_counted_or_named_by_file_line_and_field(tmp_path: Path) -
 
 
 def test_a_missing_image_is_named_by_file_line_and_field_or_counted(tmp_path: Path, tok: Any, proc: Any) -> None:
-    from sftpack.multimodal import BadImageError, MultimodalStats
+    from sftpack.multimodal import BadImageError, MediaTokenizeStats
 
     _png(tmp_path / "imgs" / "a.png", (56, 56))
     missing = {"messages": _turns({"type": "text", "text": "Look:"}, {"type": "image", "path": "imgs/gone.png"})}
     path = _write(tmp_path / "chat.jsonl", [GOOD[0], missing])
     with pytest.raises(BadImageError, match=r"chat.jsonl:2', messages\[0\]\.content\[1\]\.path: no file"):
         _tokenize(read_conversations(path), tok, proc)
-    st = MultimodalStats()
+    st = MediaTokenizeStats()
     out = _tokenize(read_conversations(path), tok, proc, on_bad_row="skip", stats=st)
     assert len(out) == 1 and st.dropped == {"image_missing_file": 1} and st.read == st.kept + 1
 
@@ -308,7 +308,7 @@ def test_an_images_column_and_image_bytes_give_the_same_samples(tmp_path: Path, 
 
 
 def test_bad_rows_are_counted_or_named_by_file_row_and_field(tmp_path: Path, tok: Any, proc: Any) -> None:
-    from sftpack.multimodal import MultimodalStats
+    from sftpack.multimodal import MediaTokenizeStats
 
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
@@ -333,7 +333,7 @@ def test_bad_rows_are_counted_or_named_by_file_row_and_field(tmp_path: Path, tok
     msg = str(e.value)
     assert "bad.parquet, row 3" in msg and "'messages'" in msg and "[missing_messages]" in msg and "Fix:" in msg
     # the images the reader cannot check are the tokenizer's: counted under their reasons, named by file and row
-    ts = MultimodalStats()
+    ts = MediaTokenizeStats()
     out = _tokenize(convs, tok, proc, on_bad_row="skip", stats=ts)
     assert len(out) == 1 and ts.dropped == {"image_missing_file": 1, "image_undecodable": 1}
     with pytest.raises(ValueError, match=r"bad.parquet\[1\].*messages\[0\]\.content\[0\]\.path: no file"):
@@ -551,7 +551,7 @@ def test_the_text_path_refuses_image_conversations_by_name(tmp_path: Path) -> No
     tok = tok_of("chatml")
     out = tokenize_conversations(convs, tok, on_bad_row="skip")
     assert len(out.to_list()) == 1 and out.stats.skipped == {"non_string_content": 1}
-    with pytest.raises(BadRowError, match=r"holds image parts.*tokenize_multimodal_conversations"):
+    with pytest.raises(BadRowError, match=r"holds image parts.*tokenize_media_conversations"):
         tokenize_conversations(convs, tok).to_list()
     # the text checks (no data file to resolve paths against) still take strings only
     with pytest.raises(ValueError, match=r"message 0 \(user\) has a list content, expected a string"):

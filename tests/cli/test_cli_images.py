@@ -123,7 +123,7 @@ def test_has_images_finds_image_parts_in_files_folders_and_globs(data, tmp_path)
 def test_prepack_of_a_file_with_image_parts_reads_back_as_tokenizing_it(data, prepacked, capsys):
     from sftpack.chat import read_conversations
     from sftpack.handoff import PackedBatch
-    from sftpack.multimodal import tokenize_multimodal_conversations
+    from sftpack.multimodal import tokenize_media_conversations
     from sftpack.offline import PrepackedDataset
 
     ds = PrepackedDataset(prepacked, verify="full")
@@ -134,7 +134,7 @@ def test_prepack_of_a_file_with_image_parts_reads_back_as_tokenizing_it(data, pr
     assert [f["name"] for f in fp["input_files"]] == [str(data)]
     assert fp["input_files"][0]["size"] == data.stat().st_size
     # the same conversations tokenized in memory, by conversation id and piece
-    samples = tokenize_multimodal_conversations(read_conversations([str(data)]), max_seq_len=MAX_SEQ_LEN)
+    samples = tokenize_media_conversations(read_conversations([str(data)]), max_seq_len=MAX_SEQ_LEN)
     in_memory = {(s.conversation_id, int((s.meta or {}).get("piece", 0))): s for s in samples}
     assert len(in_memory) == 4 and sum(s.num_patches > 0 for s in in_memory.values()) == 3
     assert len(ds) == 2  # the patch budget splits what one row of 512 tokens would hold

@@ -38,7 +38,7 @@ from sftpack.loader._source import Item  # noqa: E402
 from sftpack.multimodal import (  # noqa: E402
     BadImageError,
     check_packed,
-    tokenize_multimodal_conversations,
+    tokenize_media_conversations,
     vqa_corpus,
 )
 from tests.multimodal.conftest import Renumbered  # noqa: E402
@@ -56,7 +56,7 @@ def convs():
 
 @pytest.fixture(scope="module")
 def renumbered(convs):
-    return Renumbered(list(tokenize_multimodal_conversations(convs)))
+    return Renumbered(list(tokenize_media_conversations(convs)))
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from sftpack.multimodal import (  # noqa: E402
     BadImageError,
     check_packed,
     load_image,
-    tokenize_multimodal,
+    tokenize_media_conversation,
     vqa_corpus,
 )
 from sftpack.sample import IGNORE_INDEX, OverlongError  # noqa: E402
@@ -109,7 +109,7 @@ def prepared(tmp_path_factory):
     convs = list(vqa_corpus(seed=2, limit=N, min_side=56, max_side=112))
     root = tmp_path_factory.mktemp("energon_media") / "vqa"
     refs = _prepare(root, convs)
-    samples = {cid: tokenize_multimodal(msgs, conversation_id=cid)[0] for cid, msgs in refs.items()}
+    samples = {cid: tokenize_media_conversation(msgs, conversation_id=cid)[0] for cid, msgs in refs.items()}
     return str(root), convs, samples
 
 
@@ -399,7 +399,7 @@ def test_conversations_with_and_without_images_share_the_one_encoder(tmp_path):
             ],
         }
     refs = _prepare(tmp_path / "mixed", convs)
-    samples = {cid: tokenize_multimodal(msgs, conversation_id=cid)[0] for cid, msgs in refs.items()}
+    samples = {cid: tokenize_media_conversation(msgs, conversation_id=cid)[0] for cid, msgs in refs.items()}
     batches = list(_loader(str(tmp_path / "mixed"), 0))
     assert sorted(i for b in batches for i in b.sequence_ids) == sorted(samples)
     assert sum(b.num_media_items for b in batches) == sum(

@@ -17,7 +17,7 @@ pytest.importorskip("easy_vqa")
 pytest.importorskip("PIL")
 
 from sftpack import Sample  # noqa: E402
-from sftpack.multimodal import family_for, tokenize_multimodal_conversations, vqa_corpus  # noqa: E402
+from sftpack.multimodal import family_for, tokenize_media_conversations, vqa_corpus  # noqa: E402
 
 #: <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
 SPECIAL_IDS = (151643, 151652, 151653, 151655, 151656)
@@ -76,7 +76,7 @@ def proc():
 def vqa_samples(tok, proc):
     """Six easy-vqa conversations (three with two images under seed 2), images 56-112 px a side."""
     convs = list(vqa_corpus(seed=2, limit=6, min_side=56, max_side=112))
-    return list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc))
+    return list(tokenize_media_conversations(convs, tokenizer=tok, processor=proc))
 
 
 @pytest.fixture(scope="session")

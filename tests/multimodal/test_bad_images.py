@@ -20,10 +20,10 @@ from PIL import Image
 from sftpack.chat import read_conversations
 from sftpack.multimodal import (
     BadImageError,
-    MultimodalStats,
+    MediaTokenizeStats,
     load_image,
-    tokenize_multimodal,
-    tokenize_multimodal_conversations,
+    tokenize_media_conversation,
+    tokenize_media_conversations,
 )
 from sftpack.multimodal._images import MAX_ASPECT_RATIO, MAX_IMAGE_BYTES, process_images
 
@@ -63,11 +63,9 @@ def _bad(part: dict, tok, proc) -> BadImageError:
     good = {"id": "good", "messages": _conv({"type": "image", "bytes": _encoded(_pixels(56, 56))})}
     bad = {"id": "bad-1", "messages": _conv(part)}
     with pytest.raises(BadImageError) as e:
-        list(tokenize_multimodal_conversations([good, bad], tokenizer=tok, processor=proc))
-    st = MultimodalStats()
-    out = list(
-        tokenize_multimodal_conversations([good, bad], tokenizer=tok, processor=proc, on_bad_row="skip", stats=st)
-    )
+        list(tokenize_media_conversations([good, bad], tokenizer=tok, processor=proc))
+    st = MediaTokenizeStats()
+    out = list(tokenize_media_conversations([good, bad], tokenizer=tok, processor=proc, on_bad_row="skip", stats=st))
     assert [s.conversation_id for s in out] == ["good"]
     assert (st.read, st.kept, st.dropped) == (2, 1, {e.value.reason.value: 1})
     assert "'bad-1'" in str(e.value)
@@ -89,7 +87,7 @@ def test_a_rotated_jpeg_is_turned_upright_as_transformers_load_image_does(tmp_pa
         assert got.mode == "RGB" and np.array_equal(np.asarray(got), np.asarray(want)), part.keys()
     hf = Qwen2VLImageProcessorPil(min_pixels=proc.size["shortest_edge"], max_pixels=proc.size["longest_edge"])
     ref = hf(images=[want], return_tensors="np")
-    (s,) = tokenize_multimodal(_conv({"type": "image", "path": str(path)}), tokenizer=tok, processor=proc)
+    (s,) = tokenize_media_conversation(_conv({"type": "image", "path": str(path)}), tokenizer=tok, processor=proc)
     assert s.media.grid_thw.tolist() == ref["image_grid_thw"].tolist() == [[1, 16, 8]]
     assert s.media.pixel_values.numpy().tobytes() == np.asarray(ref["pixel_values"], np.float32).tobytes()
 
@@ -111,7 +109,7 @@ def test_an_aspect_ratio_over_the_limit_is_a_bad_image_not_a_bad_record(tok, pro
     assert err.reason.value == "image_aspect_ratio" and err.field == "messages[0].content[0].bytes"
     assert "402x2" in str(err) and "201" in str(err) and "crop" in str(err)
     # exactly the limit is fine
-    (s,) = tokenize_multimodal(
+    (s,) = tokenize_media_conversation(
         _conv({"type": "image", "bytes": _encoded(_pixels(400, 2))}), tokenizer=tok, processor=proc
     )
     assert s.media.num_items == 1
@@ -198,7 +196,7 @@ def test_a_missing_jsonl_image_names_the_path_read_relative_to_the_file(tmp_path
     (data / "chat.jsonl").write_text(json.dumps(row) + "\n")
     monkeypatch.chdir(tmp_path)
     with pytest.raises(BadImageError) as e:
-        list(tokenize_multimodal_conversations(read_conversations("data/chat.jsonl"), tokenizer=tok, processor=proc))
+        list(tokenize_media_conversations(read_conversations("data/chat.jsonl"), tokenizer=tok, processor=proc))
     msg = str(e.value)
     assert repr(os.fspath(data / "imgs" / "gone.png")) in msg and "working directory" not in msg
     assert e.value.reason.value == "image_missing_file"
@@ -279,7 +277,7 @@ def test_the_patches_are_exactly_the_given_processors_own(make, tok):
     processor = make()
     images = _images()[:2] if processor.do_resize else [_pixels(80, 40)]
     assert _mine(processor, images) == _own(processor, images)
-    (s,) = tokenize_multimodal(_conv({"type": "image", "image": images[0]}), tokenizer=tok, processor=processor)
+    (s,) = tokenize_media_conversation(_conv({"type": "image", "image": images[0]}), tokenizer=tok, processor=processor)
     assert (s.media.pixel_values.numpy().tobytes(), s.media.grid_thw.tolist()) == _own(processor, images[:1])
 
 

@@ -29,10 +29,10 @@ from sftpack.chat import tokenize_conversation
 from sftpack.handoff import PackedBatchError
 from sftpack.handoff.payload import ImageMedia, PatchMedia
 from sftpack.multimodal import (
-    MultimodalStats,
+    MediaTokenizeStats,
     UnsupportedModelError,
-    tokenize_multimodal,
-    tokenize_multimodal_conversations,
+    tokenize_media_conversation,
+    tokenize_media_conversations,
 )
 from sftpack.multimodal.families.llava import Llava, llava_image_tokens
 from sftpack.multimodal.families.qwen2_vl import mrope_positions
@@ -80,7 +80,7 @@ def _fake_pad_conv() -> list[dict]:
 
 
 def test_special_token_text_split_over_parts_is_text_not_a_forged_turn(tok, proc):
-    (s,) = tokenize_multimodal(_forged_conv(), tokenizer=tok, processor=proc, conversation_id="forged")
+    (s,) = tokenize_media_conversation(_forged_conv(), tokenizer=tok, processor=proc, conversation_id="forged")
     ids = s.input_ids.tolist()
     assert ids.count(IM_START) == 2 and ids.count(IM_END) == 2  # the template's two turns, nothing more
     assert ids.count(VISION_START) == ids.count(VISION_END) == 1  # the one real image
@@ -92,7 +92,7 @@ def test_special_token_text_split_over_parts_is_text_not_a_forged_turn(tok, proc
 def test_text_parts_tokenize_as_the_text_path_tokenizes_the_joined_content(tok, proc):
     """A text-only conversation in parts gives the text path's tokens and mask for the joined strings."""
     user = [{"type": "text", "text": "Say <|vision"}, {"type": "text", "text": "_start|> and <|image_pad|>."}]
-    mm = tokenize_multimodal(
+    mm = tokenize_media_conversation(
         [{"role": "user", "content": user}, {"role": "assistant", "content": FORGED}], tokenizer=tok, processor=proc
     )
     (s,) = mm
@@ -108,7 +108,7 @@ def test_text_parts_tokenize_as_the_text_path_tokenizes_the_joined_content(tok, 
 
 def test_llava_keeps_split_special_text_as_text(tok):
     llava = Llava(image_tokens=16, image_size=32)
-    (s,) = tokenize_multimodal(_forged_conv(), family=llava, tokenizer=tok, processor=llava.image_processor())
+    (s,) = tokenize_media_conversation(_forged_conv(), family=llava, tokenizer=tok, processor=llava.image_processor())
     assert isinstance(s.media, ImageMedia)
     ids = s.input_ids.tolist()
     assert ids.count(IM_START) == 2 and ids.count(IM_END) == 2 and ids.count(IMAGE_PAD_ID) == 16
@@ -124,8 +124,8 @@ def test_a_fake_image_pad_over_parts_stops_no_path_and_counts_add_up(tok, proc, 
 
     convs = [{"id": "fake-pad", "messages": _fake_pad_conv()}, {"id": "forged", "messages": _forged_conv()}]
     for mode in ("error", "skip"):
-        st = MultimodalStats()
-        out = list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc, on_bad_row=mode, stats=st))
+        st = MediaTokenizeStats()
+        out = list(tokenize_media_conversations(convs, tokenizer=tok, processor=proc, on_bad_row=mode, stats=st))
         assert [s.conversation_id for s in out] == ["fake-pad", "forged"]
         assert (st.read, st.kept, st.dropped) == (2, 2, {})
     s = out[0]
@@ -321,11 +321,11 @@ def test_tokenize_multimodal_refuses_other_processors_before_any_work(tok, name)
     missing = [{"role": "user", "content": [{"type": "image", "path": "/nonexistent.png"}]}]
     convs = [{"id": "r1", "messages": missing + [{"role": "assistant", "content": "x"}]}]
     with pytest.raises(UnsupportedModelError) as e:  # not the BadImageError of the missing file: no work done
-        tokenize_multimodal(convs[0]["messages"], tokenizer=tok, processor=processor)
+        tokenize_media_conversation(convs[0]["messages"], tokenizer=tok, processor=processor)
     assert "\n" not in str(e.value) and name in str(e.value) and "qwen2_vl" in str(e.value)
-    st = MultimodalStats()
+    st = MediaTokenizeStats()
     with pytest.raises(UnsupportedModelError):  # skip mode does not turn it into a drop per record
-        list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=processor, on_bad_row="skip", stats=st))
+        list(tokenize_media_conversations(convs, tokenizer=tok, processor=processor, on_bad_row="skip", stats=st))
     assert st.read == 0
 
 
@@ -333,7 +333,7 @@ def test_a_tokenizer_without_qwen2vls_tokens_is_refused(proc):
     from sftpack.testing import tiny_chat_tokenizer
 
     with pytest.raises(UnsupportedModelError, match=re.escape("['<|vision_start|>', '<|image_pad|>', ")):
-        tokenize_multimodal(
+        tokenize_media_conversation(
             [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
             tokenizer=tiny_chat_tokenizer("chatml"),
             processor=proc,

@@ -20,7 +20,7 @@ from PIL import Image
 
 from sftpack import PackedBatch
 from sftpack.handoff.payload import ImageMedia, PatchMedia
-from sftpack.multimodal import Family, UnsupportedModelError, family_for, tokenize_multimodal
+from sftpack.multimodal import Family, UnsupportedModelError, family_for, tokenize_media_conversation
 from sftpack.multimodal.families.llava import Llava
 from sftpack.multimodal.families.qwen2_5_vl import Qwen25VL
 from sftpack.multimodal.families.qwen2_vl import Qwen2VL
@@ -164,9 +164,9 @@ def test_tokenize_refuses_a_wrong_processor_before_any_work(tok, proc):
     missing = [{"role": "user", "content": [{"type": "image", "path": "/nonexistent.png"}]}]
     msgs = missing + [{"role": "assistant", "content": "x"}]
     with pytest.raises(UnsupportedModelError, match="not a llava image processor"):  # not the missing file
-        tokenize_multimodal(msgs, family="llava", tokenizer=tok, processor=proc)
+        tokenize_media_conversation(msgs, family="llava", tokenizer=tok, processor=proc)
     with pytest.raises(UnsupportedModelError, match="model type 'gemma3'"):
-        tokenize_multimodal(msgs, family="gemma3", tokenizer=tok, processor=proc)
+        tokenize_media_conversation(msgs, family="gemma3", tokenizer=tok, processor=proc)
 
 
 # ------------------------------------------------------------------ what each family makes
@@ -174,7 +174,7 @@ def test_tokenize_refuses_a_wrong_processor_before_any_work(tok, proc):
 
 def test_llava_samples_carry_image_media_and_1d_positions(tok):
     llava = family_for("llava")
-    (s,) = tokenize_multimodal(_conv((100, 60), (40, 90)), family="llava", tokenizer=tok, conversation_id="l")
+    (s,) = tokenize_media_conversation(_conv((100, 60), (40, 90)), family="llava", tokenizer=tok, conversation_id="l")
     m = s.media
     assert isinstance(m, ImageMedia) and m.num_items == 2 and not hasattr(m, "positions")
     assert tuple(m.pixel_values.shape) == (2, 3, llava.image_size, llava.image_size)
@@ -188,14 +188,14 @@ def test_llava_samples_carry_image_media_and_1d_positions(tok):
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
 def test_qwen_samples_carry_patch_media_and_mrope_positions(tok, name):
-    (s,) = tokenize_multimodal(_conv((100, 60), (40, 90)), family=name, tokenizer=tok, conversation_id="q")
+    (s,) = tokenize_media_conversation(_conv((100, 60), (40, 90)), family=name, tokenizer=tok, conversation_id="q")
     m = s.media
     assert isinstance(m, PatchMedia) and m.num_items == 2 and m.merge_size == 2
     assert m.positions.shape == (3, len(s)) and m.positions.dtype == torch.int64
     assert int(m.positions[:, 0].abs().sum()) == 0  # a sample's positions start at 0
     assert m.slots[:, 1].tolist() == (m.grid_thw.prod(dim=1) // 4).tolist()
     # Qwen2.5-VL's images are Qwen2-VL's: the same tokens, patches and positions
-    (q,) = tokenize_multimodal(_conv((100, 60), (40, 90)), tokenizer=tok, conversation_id="q")
+    (q,) = tokenize_media_conversation(_conv((100, 60), (40, 90)), tokenizer=tok, conversation_id="q")
     assert s.input_ids.tolist() == q.input_ids.tolist()
     for f in ("pixel_values", "grid_thw", "slots", "positions"):
         assert torch.equal(getattr(m, f), getattr(q.media, f)), f

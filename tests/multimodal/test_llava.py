@@ -36,7 +36,7 @@ import torch
 from sftpack import PackedBatch, Sample
 from sftpack.handoff import PackedBatchError
 from sftpack.handoff.payload import ImageMedia
-from sftpack.multimodal import check_packed, family_for, tokenize_multimodal, vqa_corpus
+from sftpack.multimodal import check_packed, family_for, tokenize_media_conversation, vqa_corpus
 from sftpack.multimodal.families.llava import Llava, llava_image_tokens, tiny_llava
 from sftpack.sample import IGNORE_INDEX
 
@@ -86,7 +86,9 @@ def llava_samples():
     tok, proc = family.tokenizer(), family.image_processor()
     out = []
     for c in convs:
-        (s,) = tokenize_multimodal(c["messages"], family=family, tokenizer=tok, processor=proc, conversation_id=c["id"])
+        (s,) = tokenize_media_conversation(
+            c["messages"], family=family, tokenizer=tok, processor=proc, conversation_id=c["id"]
+        )
         out.append(s)
     return out
 

@@ -39,7 +39,7 @@ from PIL import Image
 
 from sftpack import PackedBatch
 from sftpack.handoff.payload import PatchMedia
-from sftpack.multimodal import check_packed, family_for, tokenize_multimodal_conversations, vqa_corpus
+from sftpack.multimodal import check_packed, family_for, tokenize_media_conversations, vqa_corpus
 from tests.multimodal.conftest import Renumbered
 
 TOL = 1e-10  # float64; see the docstring
@@ -80,7 +80,7 @@ def _noise_conversations() -> list[dict]:
 def qwen25():
     fam = family_for("qwen2_5_vl")
     convs = [*_noise_conversations(), *vqa_corpus(seed=2, limit=6, min_side=56, max_side=112)]
-    samples = list(tokenize_multimodal_conversations(convs, family=fam))
+    samples = list(tokenize_media_conversations(convs, family=fam))
     return Renumbered(samples, family="qwen2_5_vl")
 
 

@@ -13,10 +13,10 @@ from sftpack import Sample
 from sftpack.handoff.payload import PatchMedia
 from sftpack.multimodal import (
     BadImageError,
-    MultimodalStats,
+    MediaTokenizeStats,
     load_image,
-    tokenize_multimodal,
-    tokenize_multimodal_conversations,
+    tokenize_media_conversation,
+    tokenize_media_conversations,
 )
 from sftpack.multimodal.families.qwen2_vl import IMAGE_PAD, QWEN2VL_SPECIALS
 from sftpack.sample import OverlongError
@@ -49,7 +49,7 @@ def test_placeholders_expand_as_the_processor_does(tok, proc):
     """Qwen2VLProcessor replaces each <|image_pad|> in the text by grid.prod() // merge**2 copies and
     tokenizes the result (it cannot be built here without torchvision); the same on our side."""
     parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
-    (s,) = tokenize_multimodal(_conv(*parts), tokenizer=tok, processor=proc, conversation_id="c")
+    (s,) = tokenize_media_conversation(_conv(*parts), tokenizer=tok, processor=proc, conversation_id="c")
     assert isinstance(s, Sample) and isinstance(s.media, PatchMedia)
     grids = s.media.grid_thw.tolist()
     n = [t * h * w // 4 for t, h, w in grids]
@@ -86,7 +86,7 @@ def test_loss_mask_is_the_assistants_answers_only(tok, vqa_samples):
 
 def test_resize_gives_images_their_own_sizes(tok, proc):
     part = {"type": "image", "bytes": _png(64, 64), "resize": [112, 56]}
-    (s,) = tokenize_multimodal(_conv(part), tokenizer=tok, processor=proc)
+    (s,) = tokenize_media_conversation(_conv(part), tokenizer=tok, processor=proc)
     assert s.media.grid_thw.tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
 
 
@@ -104,19 +104,17 @@ def test_a_bad_image_is_an_error_naming_record_and_field_or_a_count(tok, proc, p
     good = {"id": "good", "messages": _conv({"type": "image", "bytes": _png(56, 56)})}
     bad = {"id": "bad-7", "messages": _conv(part)}
     with pytest.raises(BadImageError) as e:
-        list(tokenize_multimodal_conversations([good, bad], tokenizer=tok, processor=proc))
+        list(tokenize_media_conversations([good, bad], tokenizer=tok, processor=proc))
     assert "'bad-7'" in str(e.value) and field in str(e.value) and e.value.reason.value == reason
-    st = MultimodalStats()
-    out = list(
-        tokenize_multimodal_conversations([good, bad], tokenizer=tok, processor=proc, on_bad_row="skip", stats=st)
-    )
+    st = MediaTokenizeStats()
+    out = list(tokenize_media_conversations([good, bad], tokenizer=tok, processor=proc, on_bad_row="skip", stats=st))
     assert [s.conversation_id for s in out] == ["good"]
     assert (st.read, st.kept, st.dropped) == (2, 1, {reason: 1}) and st.read == st.kept + sum(st.dropped.values())
 
 
 def test_a_malformed_record_names_its_field(tok, proc):
     with pytest.raises(ValueError, match=r"'r1', messages\[1\]\.role"):
-        tokenize_multimodal(
+        tokenize_media_conversation(
             [{"role": "user", "content": "hi"}, {"role": "bot", "content": "x"}],
             conversation_id="r1",
             tokenizer=tok,
@@ -135,10 +133,12 @@ def test_overlong_splits_only_at_text_boundaries(tok, proc):
         },
         {"role": "assistant", "content": "seven."},
     ]
-    (whole,) = tokenize_multimodal(msgs, tokenizer=tok, processor=proc, conversation_id="w")
+    (whole,) = tokenize_media_conversation(msgs, tokenizer=tok, processor=proc, conversation_id="w")
     vs, ve = tok.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>"])
     for max_len in (24, 30, 41):
-        pieces = tokenize_multimodal(msgs, tokenizer=tok, processor=proc, conversation_id="w", max_seq_len=max_len)
+        pieces = tokenize_media_conversation(
+            msgs, tokenizer=tok, processor=proc, conversation_id="w", max_seq_len=max_len
+        )
         assert len(pieces) > 1 and all(len(p) <= max_len for p in pieces)
         assert np.concatenate([p.input_ids for p in pieces]).tolist() == whole.input_ids.tolist()
         assert np.concatenate([p.loss_mask for p in pieces]).tolist() == whole.loss_mask.tolist()
@@ -151,18 +151,18 @@ def test_overlong_splits_only_at_text_boundaries(tok, proc):
             assert ids.count(vs) == ids.count(ve) == p.media.num_items
             for s, n in p.media.slots.tolist():
                 assert ids[s - 1] == vs and ids[s + n] == ve
-    assert tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="drop") == []
+    assert tokenize_media_conversation(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="drop") == []
     with pytest.raises(OverlongError, match="image block is longer"):
-        tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=12)
+        tokenize_media_conversation(msgs, tokenizer=tok, processor=proc, max_seq_len=12)
     with pytest.raises(OverlongError, match="more than max_seq_len=24"):
-        tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="error")
+        tokenize_media_conversation(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="error")
     with pytest.raises(ValueError, match="truncate"):
-        tokenize_multimodal(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="truncate")
-    st = MultimodalStats()
+        tokenize_media_conversation(msgs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="truncate")
+    st = MediaTokenizeStats()
     convs = [{"id": "a", "messages": msgs}]
     assert (
         list(
-            tokenize_multimodal_conversations(
+            tokenize_media_conversations(
                 convs, tokenizer=tok, processor=proc, max_seq_len=24, overlong="drop", stats=st
             )
         )
@@ -191,7 +191,7 @@ def test_ids_and_patches_equal_the_real_qwen2vl_processor(tok, proc, monkeypatch
     monkeypatch.setattr(processing_utils.ProcessorMixin, "check_argument_for_proper_class", lambda *a, **k: None)
     hf_proc = transformers.Qwen2VLProcessor(image_processor=proc, tokenizer=tok, video_processor=None)
     parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
-    (s,) = tokenize_multimodal(_conv(*parts), tokenizer=tok, processor=proc)
+    (s,) = tokenize_media_conversation(_conv(*parts), tokenizer=tok, processor=proc)
     text = (
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>"
         "What is it?<|im_end|>\n<|im_start|>assistant\nA red square.<|im_end|>\n"

@@ -32,7 +32,7 @@ from sftpack.multimodal import (  # noqa: E402
     check_packed,
     family_for,
     load_image,
-    tokenize_multimodal_conversations,
+    tokenize_media_conversations,
     vqa_corpus,
 )
 from sftpack.multimodal._images import (  # noqa: E402
@@ -137,7 +137,7 @@ def written(tmp_path_factory, corpus):
 @pytest.fixture(scope="module")
 def in_memory(corpus):
     """The same conversations tokenized in memory (bad ones skipped), by conversation id and piece."""
-    samples = tokenize_multimodal_conversations(corpus, max_seq_len=MAX_SEQ_LEN, on_bad_row="skip")
+    samples = tokenize_media_conversations(corpus, max_seq_len=MAX_SEQ_LEN, on_bad_row="skip")
     return {(s.conversation_id, int(s.meta.get("piece", 0)) if s.meta else 0): s for s in samples}
 
 

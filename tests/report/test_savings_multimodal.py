@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from sftpack.binpack import Algorithm, pack
-from sftpack.report.savings import compare_multimodal_layouts, format_multimodal_layouts
+from sftpack.report.savings import compare_media_layouts, format_media_layouts
 
 
 def test_each_packer_with_and_without_the_patch_budget():
@@ -14,7 +14,7 @@ def test_each_packer_with_and_without_the_patch_budget():
     vision = rng.integers(16, 300, size=400)
     lengths = vision + rng.integers(10, 120, size=400)
     patches = 4 * vision  # Qwen2-VL: 4 patches per placeholder token after the 2x2 merge
-    rows = compare_multimodal_layouts(lengths, patches, vision, 1024, max_patches=2048, cost_multiple=4)
+    rows = compare_media_layouts(lengths, patches, vision, 1024, max_patches=2048, cost_multiple=4)
     assert [(r.layout, r.patch_budget) for r in rows] == [
         *((a.value, b) for a in Algorithm for b in (None, 2048)),
         ("one per row", None),
@@ -41,5 +41,5 @@ def test_each_packer_with_and_without_the_patch_budget():
     by = {(r.layout, r.patch_budget): r for r in rows}
     assert by[("ffd", None)].over_budget > 0  # the budget binds on these samples ...
     assert by[("ffd", 2048)].rows > by[("ffd", None)].rows  # ... and costs rows
-    text = format_multimodal_layouts(rows, 1024)
+    text = format_media_layouts(rows, 1024)
     assert text.count("\n") == len(rows) + 1 and "one per row" in text

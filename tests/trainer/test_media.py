@@ -29,7 +29,7 @@ pytest.importorskip("easy_vqa")
 pytest.importorskip("PIL")
 
 from sftpack.handoff import PackedBatch, PackedBatchError  # noqa: E402
-from sftpack.multimodal import check_packed, family_for, tokenize_multimodal_conversations, vqa_corpus  # noqa: E402
+from sftpack.multimodal import check_packed, family_for, tokenize_media_conversations, vqa_corpus  # noqa: E402
 from sftpack.trainer import pack_step, padded_batch  # noqa: E402
 from tests.multimodal.conftest import Renumbered  # noqa: E402
 
@@ -41,9 +41,7 @@ BUG = 1e-4  # a wrong position or image moves something by at least this (1e6 x 
 def renumbered():
     convs = list(vqa_corpus(seed=2, limit=6, min_side=56, max_side=112))
     family = family_for()
-    got = list(
-        tokenize_multimodal_conversations(convs, tokenizer=family.tokenizer(), processor=family.image_processor())
-    )
+    got = list(tokenize_media_conversations(convs, tokenizer=family.tokenizer(), processor=family.image_processor()))
     return Renumbered(got)
 
 

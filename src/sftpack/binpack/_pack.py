@@ -240,7 +240,7 @@ def _pack_two(
     stay near ``O(n log n)``. Best fit indexes the rows by their token room while the
     capacity is small (:func:`_kernels.best_fit_two`, ``O(log U + log rows)`` a sequence);
     above that it is a branch and bound over the rows that may visit many of them per
-    sequence when the second budget binds (same rows, ``benchmarks/bench_multimodal.py``
+    sequence when the second budget binds (same rows, ``benchmarks/bench_media.py``
     measures the dense route). Plain kernels (``k is _kernels.PLAIN``) take the branch and
     bound: over a few rows it is cheaper than walking a tree over ``0..U`` in Python.
     """

@@ -242,7 +242,7 @@ def _read_row(
             raise _Bad(
                 BadRowReason.NON_STRING_CONTENT,
                 f"message {i} ({role}) holds image parts: this is the text path, which reads text only",
-                "tokenize conversations with images with sftpack.multimodal.tokenize_multimodal_conversations",
+                "tokenize conversations with images with sftpack.multimodal.tokenize_media_conversations",
             )
         if n_images:
             for j, p in enumerate(parts or ()):

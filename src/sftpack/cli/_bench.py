@@ -123,7 +123,7 @@ def _run_images(args: argparse.Namespace) -> int:
 
     from ..chat import read_conversations
     from ..multimodal import vqa_corpus
-    from ..report.savings import bench_multimodal, format_multimodal_layouts
+    from ..report.savings import bench_media, format_media_layouts
 
     what = "--corpus vqa" if args.corpus == "vqa" else "data with images"
     if args.tokenizer is not None:
@@ -151,7 +151,7 @@ def _run_images(args: argparse.Namespace) -> int:
     if args.limit is not None:
         conversations = islice(conversations, args.limit)
     print(f"source: {source}", flush=True)
-    r = bench_multimodal(
+    r = bench_media(
         conversations,
         source=source,
         max_seq_len=args.max_seq_len,
@@ -185,7 +185,7 @@ def _run_images(args: argparse.Namespace) -> int:
         f"\nrows of {args.max_seq_len} tokens, each sample padded to a multiple of {args.pad_multiple}; "
         f"patch budget {max_patches:,} vision patches per row (the vision tower's load):"
     )
-    print(format_multimodal_layouts(r.layouts, args.max_seq_len))
+    print(format_media_layouts(r.layouts, args.max_seq_len))
     print(
         "  fill = real tokens (text + vision placeholders) / row slots; a row over the patch budget is one "
         "the vision tower would have to take whole"

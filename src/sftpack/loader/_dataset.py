@@ -36,7 +36,7 @@ and a row holding media gets their payload laid in row order
 (:meth:`~sftpack.handoff.payload.Media.lay`: the row equals
 :meth:`sftpack.PackedBatch.from_samples` of its samples). A conversation item
 (``{"messages": [...], "id": ...}``) is tokenized in the worker with
-:func:`sftpack.multimodal.tokenize_multimodal` for the dataset's model family, so
+:func:`sftpack.multimodal.tokenize_media_conversation` for the dataset's model family, so
 image decoding runs in the DataLoader's workers; a bad image or record is counted
 under its reason or raises naming it (``on_bad_row``). Without media (or without
 a patch budget) a buffer is planned exactly as text.
@@ -514,7 +514,7 @@ class PackingDataset(IterableDataset):
 
     def _cut_media(self, index: int, obj: Any) -> tuple[list[Item], int, str | None]:
         """:meth:`_cut` of a sample with media or a conversation (tokenized here, accounted as
-        ``tokenize_multimodal_conversations`` accounts it): the multimodal split rule
+        ``tokenize_media_conversations`` accounts it): the multimodal split rule
         (``split_sample``: at text boundaries, never inside an image block), then the patch budget."""
         if self.overlong is Overlong.TRUNCATE:
             raise ValueError(

@@ -48,7 +48,7 @@ multimodal chat format with its image files beside it (an image part names one b
 part of its name after the key: ``{"type": "image", "path": "img0.png"}``; the encoder
 sets ``decoder = None``, so the files arrive as bytes and sftpack decodes them). Such a
 conversation is tokenized for a model family (``family=``, default Qwen2-VL) with
-:func:`sftpack.multimodal.tokenize_multimodal`, each buffer is planned under the token
+:func:`sftpack.multimodal.tokenize_media_conversation`, each buffer is planned under the token
 and the optional patch budget (``max_patches_per_row``), and a row holding media is laid
 by :meth:`sftpack.PackedBatch.from_samples`. A sample with media (or a conversation
 tokenized for the family) that is left out (a bad image or record under
@@ -83,7 +83,7 @@ from ..handoff.layout import check_pad_id
 from ..multimodal._family import Family, family_for
 from ..multimodal._images import BadImageError, BadImageReason, load_image
 from ..multimodal._plan import check_patch_budget
-from ..multimodal._tokenize import tokenize_multimodal
+from ..multimodal._tokenize import tokenize_media_conversation
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
 from ..sample import Sample as SftSample
 from ._energon_base import CheckedTaskEncoder, crude_json, sample_where
@@ -228,7 +228,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
         family: the model family of conversations with images (anything
             :func:`~sftpack.multimodal.family_for` takes; default Qwen2-VL). Given (or with a
             ``processor``), every conversation is tokenized for it with
-            :func:`~sftpack.multimodal.tokenize_multimodal`; else only those with an image part
+            :func:`~sftpack.multimodal.tokenize_media_conversation`; else only those with an image part
             (and all of them without a ``tokenizer``), the others with the tokenizer's chat template.
         processor: the family's image processor (default its ``image_processor()``).
         on_bad_row: ``"error"`` (default; a bad image or record raises by name) or ``"skip"``
@@ -334,7 +334,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
             )
         try:
             messages = _resolve(sample.messages, getattr(sample, "media", None) or {}, record)
-            (s,) = tokenize_multimodal(
+            (s,) = tokenize_media_conversation(
                 messages, tokenizer=self.tokenizer, processor=self.processor, conversation_id=cid, family=self.family
             )
         except BadImageError as e:

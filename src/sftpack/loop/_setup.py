@@ -112,13 +112,13 @@ def media_samples(
     vision-language ``family`` (:func:`sftpack.multimodal.family_for`; default Qwen2-VL, its
     tokenizer and image processor unless given): samples whose ``media`` holds their images,
     conversations longer than ``max_seq_len`` split at text boundaries. Returns ``(samples,
-    stats)`` (``stats``: :class:`~sftpack.multimodal.MultimodalStats`)."""
-    from ..multimodal import MultimodalStats, family_for, tokenize_multimodal_conversations
+    stats)`` (``stats``: :class:`~sftpack.multimodal.MediaTokenizeStats`)."""
+    from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 
     fam = family_for(family)
-    stats = MultimodalStats()
+    stats = MediaTokenizeStats()
     got = list(
-        tokenize_multimodal_conversations(
+        tokenize_media_conversations(
             conversations,
             tokenizer=tokenizer if tokenizer is not None else fam.tokenizer(),
             processor=processor if processor is not None else fam.image_processor(),

@@ -19,9 +19,9 @@ The pieces, in pipeline order:
 * Files: the one conversation reader, :func:`sftpack.chat.read_conversations`, reads
   conversations with image parts from JSONL, Parquet or saved Hugging Face datasets (image
   paths relative to the file; image bytes; an ``images`` column; bad rows counted or named).
-* :func:`tokenize_multimodal` / :func:`tokenize_multimodal_conversations`: conversations in
+* :func:`tokenize_media_conversation` / :func:`tokenize_media_conversations`: conversations in
   the Hugging Face multimodal chat format to samples with media (counted in
-  :class:`MultimodalStats`). Over-long samples split at text boundaries only; special-token
+  :class:`MediaTokenizeStats`). Over-long samples split at text boundaries only; special-token
   text in a content stays text (as on the text path).
 * :func:`plan_rows`: which samples share a row, under a token and a patch budget
   (:class:`PatchBudgetError` for a sample no row can hold).
@@ -38,14 +38,14 @@ from ._exactness import PackedCheck, check_packed
 from ._family import Family, UnsupportedModelError, family_for
 from ._images import BadImageError, BadImageReason, load_image
 from ._plan import PatchBudgetError, plan_rows
-from ._tokenize import MultimodalStats, tokenize_multimodal, tokenize_multimodal_conversations
+from ._tokenize import MediaTokenizeStats, tokenize_media_conversation, tokenize_media_conversations
 from ._vqa import vqa_corpus
 
 __all__ = [
     "BadImageError",
     "BadImageReason",
     "Family",
-    "MultimodalStats",
+    "MediaTokenizeStats",
     "PackedCheck",
     "PatchBudgetError",
     "UnsupportedModelError",
@@ -53,7 +53,7 @@ __all__ = [
     "family_for",
     "load_image",
     "plan_rows",
-    "tokenize_multimodal",
-    "tokenize_multimodal_conversations",
+    "tokenize_media_conversation",
+    "tokenize_media_conversations",
     "vqa_corpus",
 ]

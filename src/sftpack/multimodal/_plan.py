@@ -97,7 +97,7 @@ def plan_rows(
 
     Args:
         lengths: ``(n,)`` sample lengths (vision tokens included), each ``>= 1``.
-        patches: ``(n,)`` vision patches of each sample (``MultimodalSample.num_patches``).
+        patches: ``(n,)`` vision patches of each sample (``Sample.num_patches``).
         max_seq_len: tokens per row (of cost: lengths rounded up to ``pad_multiple``).
         max_patches: patches per row; ``None``: no patch budget.
         pad_multiple: the row builder's per-sample pad multiple.

@@ -41,7 +41,7 @@ from ..sample import Overlong, OverlongError, Sample
 from ._family import CHATML, EncodedImages, Family, family_for
 from ._images import BadImageError, load_image
 
-__all__ = ["MultimodalStats", "tokenize_multimodal", "tokenize_multimodal_conversations"]
+__all__ = ["MediaTokenizeStats", "tokenize_media_conversation", "tokenize_media_conversations"]
 
 
 # ------------------------------------------------------------------ rendering
@@ -215,7 +215,7 @@ def split_sample(
     ]
 
 
-def tokenize_multimodal(
+def tokenize_media_conversation(
     messages: list[dict],
     *,
     tokenizer: Any = None,
@@ -264,8 +264,8 @@ def tokenize_multimodal(
 
 
 @dataclass
-class MultimodalStats:
-    """Counts of :func:`tokenize_multimodal_conversations`: ``read == kept + sum(dropped.values())``;
+class MediaTokenizeStats:
+    """Counts of :func:`tokenize_media_conversations`: ``read == kept + sum(dropped.values())``;
     ``samples`` counts the samples made (a split conversation makes several)."""
 
     read: int = 0
@@ -278,7 +278,7 @@ class MultimodalStats:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
 
 
-def tokenize_multimodal_conversations(
+def tokenize_media_conversations(
     conversations: Iterable[Any],
     *,
     tokenizer: Any = None,
@@ -286,7 +286,7 @@ def tokenize_multimodal_conversations(
     max_seq_len: int | None = None,
     overlong: Overlong | str = Overlong.SPLIT,
     on_bad_row: str = "error",
-    stats: MultimodalStats | None = None,
+    stats: MediaTokenizeStats | None = None,
     family: Any = None,
 ) -> Iterator[Sample]:
     """Samples of many conversations, in order. Each item is a mapping with ``messages``
@@ -301,7 +301,7 @@ def tokenize_multimodal_conversations(
     tokenizer = tokenizer if tokenizer is not None else fam.tokenizer()
     processor = processor if processor is not None else fam.image_processor()
     fam.check(tokenizer, processor)  # before the first record: a wrong setup is no bad record
-    st = stats if stats is not None else MultimodalStats()
+    st = stats if stats is not None else MediaTokenizeStats()
     for n, conv in enumerate(conversations):
         st.read += 1
         out, reason = tokenize_record(
@@ -346,7 +346,7 @@ def tokenize_record(
     else:
         messages, cid = conv.messages, getattr(conv, "id", None)
     try:
-        out = tokenize_multimodal(
+        out = tokenize_media_conversation(
             messages,
             tokenizer=tokenizer,
             processor=processor,

@@ -1,7 +1,7 @@
 """Stage 1's tokenizer for conversations with images: each conversation to samples and their
 media columns, for :func:`~sftpack.offline.engine.stage_samples` (``media=True``).
 
-Each conversation is tokenized by :func:`sftpack.multimodal.tokenize_multimodal_conversations`
+Each conversation is tokenized by :func:`sftpack.multimodal.tokenize_media_conversations`
 for the model family the prepack names (its tokenizer and image processor unless given), then
 the patch budget's rule (:func:`sftpack.multimodal._plan.check_patch_budget`: a conversation
 with a sample over ``max_patches_per_row`` is dropped and counted as ``over_patch_budget``, or
@@ -108,7 +108,7 @@ def image_settings(
 def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], list[tuple[Sample, Images]]]:
     """Conversation number ``index`` to ``(stats delta, [(sample, images), ...])`` (plain arrays:
     cheap to send between processes)."""
-    from ..multimodal import MultimodalStats, tokenize_multimodal_conversations
+    from ..multimodal import MediaTokenizeStats, tokenize_media_conversations
     from ..multimodal._images import pixels_from_patches
     from ..multimodal._plan import check_patch_budget
 
@@ -116,9 +116,9 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
         messages, cid = conv.get("messages"), conv.get("id")
     else:
         messages, cid = getattr(conv, "messages", conv), getattr(conv, "id", None)
-    stats = MultimodalStats()
+    stats = MediaTokenizeStats()
     samples = list(
-        tokenize_multimodal_conversations(
+        tokenize_media_conversations(
             [{"id": cid or index, "messages": messages}],
             tokenizer=st.tokenizer,
             processor=st.processor,
@@ -131,7 +131,7 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     )
     reason = check_patch_budget(samples, st.max_patches_per_row, st.overlong)
     if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
-        stats, samples = MultimodalStats(read=stats.read, dropped={reason: 1}), []
+        stats, samples = MediaTokenizeStats(read=stats.read, dropped={reason: 1}), []
     pieces = []
     for s in samples:
         media = s.media

@@ -93,7 +93,7 @@ def prepack(
         images: the conversations have images (Hugging Face's multimodal chat format, an
             iterable such as :func:`sftpack.multimodal.vqa_corpus` or
             :func:`sftpack.chat.read_conversations`): each is tokenized by
-            :func:`sftpack.multimodal.tokenize_multimodal_conversations` for ``family``, and its
+            :func:`sftpack.multimodal.tokenize_media_conversations` for ``family``, and its
             images are stored as resized uint8 pixels beside the tokens (the media columns);
             :class:`PrepackedDataset` reads each row back as :meth:`sftpack.PackedBatch.from_samples`
             of its samples. ``overlong`` is then ``split`` (at text boundaries, never inside an

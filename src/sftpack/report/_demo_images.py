@@ -1,11 +1,11 @@
-"""The demo's image section (:func:`multimodal_section`, section 5 of :func:`sftpack.report.demo.run_demo`).
+"""The demo's image section (:func:`media_section`, section 5 of :func:`sftpack.report.demo.run_demo`).
 
 easy-vqa conversations with images on a tiny Qwen2-VL: rows under a token and a
 vision-patch budget drawn to scale with their image runs marked, every image and patch
 accounted for, the packed loss, logits and gradients equal to each sample alone in
 float64, and real tokens/s of packed rows against padded batches (:func:`step_times`,
-which ``benchmarks/bench_multimodal.py`` measures at length). Its numbers go to a
-:class:`MultimodalSummary`.
+which ``benchmarks/bench_media.py`` measures at length). Its numbers go to a
+:class:`MediaSummary`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from ..loss import token_mean_loss
 from ..sample import IGNORE_INDEX
 from .layout import draw_row_to_scale
 
-__all__ = ["EXACT_MM_64", "PAD_ID", "MultimodalSummary", "multimodal_section", "step_times"]
+__all__ = ["EXACT_MM_64", "PAD_ID", "MediaSummary", "media_section", "step_times"]
 
 
 #: Loss, logits and gradients packed vs alone, float64. The derivation is that of
@@ -43,7 +43,7 @@ PAD_ID = 151643
 
 
 @dataclass
-class MultimodalSummary:
+class MediaSummary:
     """What the multimodal section found (``sftpack_demo.json``'s ``multimodal``)."""
 
     conversations: int = 0
@@ -110,9 +110,9 @@ def _settings(quick: bool) -> dict[str, int]:
     }
 
 
-def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, seed: int, quick: bool) -> Iterator[str]:
+def media_section(checks: dict[str, bool], summary: MediaSummary, *, seed: int, quick: bool) -> Iterator[str]:
     """The section's lines; records its checks in ``checks`` and its numbers in ``summary``."""
-    from ..multimodal import family_for, plan_rows, tokenize_multimodal_conversations, vqa_corpus
+    from ..multimodal import family_for, plan_rows, tokenize_media_conversations, vqa_corpus
 
     cfg = _settings(quick)
     t0 = time.perf_counter()
@@ -124,9 +124,7 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
     )
     t0 = time.perf_counter()
     convs = list(vqa_corpus(seed=seed, limit=cfg["conversations"]))
-    samples = list(
-        tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc, max_seq_len=cfg["max_seq_len"])
-    )
+    samples = list(tokenize_media_conversations(convs, tokenizer=tok, processor=proc, max_seq_len=cfg["max_seq_len"]))
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     patches = np.array([s.num_patches for s in samples], dtype=np.int64)
     vision = np.array([0 if s.media is None else s.media.num_placeholders for s in samples], dtype=np.int64)
@@ -181,14 +179,12 @@ def multimodal_section(checks: dict[str, bool], summary: MultimodalSummary, *, s
     yield from _speed(samples, m, seed=seed, batch=cfg["batch"], steps=cfg["steps"])
 
 
-def _exactness(checks: dict[str, bool], m: MultimodalSummary, *, seed: int) -> Iterator[str]:
-    from ..multimodal import check_packed, family_for, tokenize_multimodal_conversations, vqa_corpus
+def _exactness(checks: dict[str, bool], m: MediaSummary, *, seed: int) -> Iterator[str]:
+    from ..multimodal import check_packed, family_for, tokenize_media_conversations, vqa_corpus
 
     family = family_for()
     convs = list(vqa_corpus(seed=seed, limit=6, min_side=56, max_side=112))
-    small = list(
-        tokenize_multimodal_conversations(convs, tokenizer=family.tokenizer(), processor=family.image_processor())
-    )
+    small = list(tokenize_media_conversations(convs, tokenizer=family.tokenizer(), processor=family.image_processor()))
     c = _Compact(small)
     t0 = time.perf_counter()
     model = c.model(dtype=torch.float64, seed=seed)
@@ -270,7 +266,7 @@ def step_times(
     return t_a, t_b
 
 
-def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, steps: int) -> Iterator[str]:
+def _speed(samples: list[Any], m: MediaSummary, *, seed: int, batch: int, steps: int) -> Iterator[str]:
     c = _Compact(samples)
     pad = c.ids["pad_id"]
     packed_model = c.model(dtype=torch.float32, seed=seed, dim=64, vision_dim=64)
@@ -292,5 +288,5 @@ def _speed(samples: list[Any], m: MultimodalSummary, *, seed: int, batch: int, s
         f"alternating): packed in one row (varlen attention, boundaries from cu_seqlens) "
         f"{m.packed_tokens_per_s:,.0f} real tokens/s, padded [B, S] (Hugging Face sdpa + mask; "
         f"{sum(real) / sum(slots):.0%} of its slots real) {m.padded_tokens_per_s:,.0f}: "
-        f"{m.speedup:.2f}x (benchmarks/bench_multimodal.py measures it at length)"
+        f"{m.speedup:.2f}x (benchmarks/bench_media.py measures it at length)"
     )

@@ -18,7 +18,7 @@
    runs are replayed unpacked; the losses agree within a fixed tolerance
    (derived below), tokens/s compared;
 6. multimodal: easy-vqa conversations with images on a tiny Qwen2-VL
-   (:func:`~sftpack.report._demo_images.multimodal_section`): rows under a token and a vision-patch budget
+   (:func:`~sftpack.report._demo_images.media_section`): rows under a token and a vision-patch budget
    drawn to scale with their image runs marked, every image and patch accounted
    for, the packed loss, logits and gradients equal to each sample alone in
    float64, and real tokens/s of packed rows against padded batches;
@@ -58,8 +58,8 @@ from ..loader import PackingDataset
 from ..loop import ReplaySource, TrainConfig, build_model, compact_vocabulary, make_source, train
 from ..offline import PrepackedDataset, prepack_samples
 from ..trainer import pack_step, padded_batch
-from ._demo_images import EXACT_MM_64, MultimodalSummary, multimodal_section
-from ._demo_images import _Compact as _Compact  # re-exported: benchmarks/bench_multimodal.py times with it
+from ._demo_images import EXACT_MM_64, MediaSummary, media_section
+from ._demo_images import _Compact as _Compact  # re-exported: benchmarks/bench_media.py times with it
 from ._demo_images import step_times as step_times
 from .layout import render_map, save_demo_png
 from .savings import format_table
@@ -104,7 +104,7 @@ class DemoDone:
     #: ``"offline"``, ``"loader"``, ``"trainer"``, ``"none"`` -> that path's line of the summary table
     paths: dict[str, PathSummary] = field(default_factory=dict)
     #: the multimodal section's numbers (None when it did not run)
-    multimodal: MultimodalSummary | None = None
+    multimodal: MediaSummary | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """The results as JSON-ready data (``report_dir/sftpack_demo.json``); rows are left out."""
@@ -203,14 +203,14 @@ def _demo(
     t_start = time.perf_counter()
     checks: dict[str, bool] = {}
     summary: dict[str, PathSummary] = {}
-    mm: MultimodalSummary | None = None
+    mm: MediaSummary | None = None
     if corpus != "vqa":
         summary = {p: PathSummary(p) for p in ("offline", "loader", "trainer", "none")}
         yield from _text_story(summary, checks, quick=quick, seed=seed, max_seq_len=max_seq_len, num_proc=num_proc)
     if corpus != "chat":
-        mm = MultimodalSummary()
+        mm = MediaSummary()
         yield Section("5. Multimodal: easy-vqa conversations with images, a tiny Qwen2-VL (no downloads)")
-        yield from multimodal_section(checks, mm, seed=seed, quick=quick)
+        yield from media_section(checks, mm, seed=seed, quick=quick)
     if summary:
         yield Section("6. Summary")
         yield from _summary_table(summary)

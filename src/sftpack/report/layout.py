@@ -169,13 +169,13 @@ def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
 def save_demo_png(
     directory: str | Path,
     summary: Mapping[str, Any],
-    multimodal_rows: Sequence[PackedBatch] = (),
-    multimodal_bars: Mapping[str, Mapping[str, float]] | None = None,
+    media_rows: Sequence[PackedBatch] = (),
+    media_bars: Mapping[str, Mapping[str, float]] | None = None,
 ) -> Path:
     """The demo's PNG report, ``directory/sftpack_demo.png``: rows to scale, fill per
     path, loss curves, tokens/s bars (``summary``: path name -> the demo's ``PathSummary``;
-    ``multimodal_rows``: rows with images, drawn under the others with their image runs
-    hatched; ``multimodal_bars``: ``{"fill": {label: fraction}, "tokens_per_s": {label: value}}``,
+    ``media_rows``: rows with images, drawn under the others with their image runs
+    hatched; ``media_bars``: ``{"fill": {label: fraction}, "tokens_per_s": {label: value}}``,
     bars added (in green) to the fill and throughput panels)."""
     plt = pyplot("sftpack demo --report")
     Rectangle = plt.Rectangle
@@ -207,7 +207,7 @@ def save_demo_png(
             labels.append((y + 0.4, p.path))
             y += 1
         y += 0.5
-    for r in multimodal_rows:
+    for r in media_rows:
         width = max(width, r.num_tokens)
         starts = r.cu_seqlens_padded.tolist()
         for i, (s, n) in enumerate(zip(starts[:-1], r.seqlens.tolist())):
@@ -223,7 +223,7 @@ def save_demo_png(
     ax_rows.set_xlabel("token slots (colour: a conversation; grey: padding)")
     ax_rows.set_title("first rows of each path, to scale")
     names = list(summary)
-    extra = multimodal_bars or {}
+    extra = media_bars or {}
     mm_fill, mm_speed = dict(extra.get("fill", {})), dict(extra.get("tokens_per_s", {}))
     ax_fill = fig.add_subplot(grid[1, 0])
     ax_fill.bar(names, [summary[n].fill * 100 for n in names], color="#4C72B0")

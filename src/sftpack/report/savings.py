@@ -25,14 +25,14 @@ from ..chat import ReadStats, TokenizeStats, tokenize_conversations
 __all__ = [
     "BenchReport",
     "LayoutRow",
-    "MultimodalBenchReport",
-    "MultimodalLayoutRow",
+    "MediaBenchReport",
+    "MediaLayoutRow",
     "bench_lengths",
-    "bench_multimodal",
+    "bench_media",
     "compare_layouts",
-    "compare_multimodal_layouts",
+    "compare_media_layouts",
     "format_layouts",
-    "format_multimodal_layouts",
+    "format_media_layouts",
     "format_table",
 ]
 
@@ -166,7 +166,7 @@ def bench_lengths(
 
 
 @dataclass
-class MultimodalLayoutRow:
+class MediaLayoutRow:
     """One packer (or the unpacked layout) on multimodal samples, with or without a patch budget."""
 
     layout: str
@@ -180,7 +180,7 @@ class MultimodalLayoutRow:
     seconds: float | None = None  #: packing time (None for the unpacked layout)
 
 
-def compare_multimodal_layouts(
+def compare_media_layouts(
     lengths: Sequence[int] | np.ndarray,
     patches: Sequence[int] | np.ndarray,
     vision_tokens: Sequence[int] | np.ndarray,
@@ -190,13 +190,13 @@ def compare_multimodal_layouts(
     algorithms: Sequence[str] = tuple(Algorithm),
     cost_multiple: int = 1,
     seed: int = 0,
-) -> list[MultimodalLayoutRow]:
+) -> list[MediaLayoutRow]:
     """Each packer without and with the patch budget ``max_patches``, then one sample per row.
 
     ``lengths``: sample lengths (vision placeholders included); ``patches``: each sample's
     vision patches (the second budget's weights); ``vision_tokens``: its placeholder tokens.
 
-    >>> rows = compare_multimodal_layouts([5, 10, 3, 8, 6], [1, 3, 0, 2, 2], [1, 3, 0, 2, 2], 16,
+    >>> rows = compare_media_layouts([5, 10, 3, 8, 6], [1, 3, 0, 2, 2], [1, 3, 0, 2, 2], 16,
     ...                                   max_patches=3, algorithms=["ffd"])
     >>> [(r.layout, r.patch_budget, r.rows, r.patches_max, r.over_budget) for r in rows]
     [('ffd', None, 2, 5, 1), ('ffd', 3, 3, 3, 0), ('one per row', None, 5, 3, 0)]
@@ -209,7 +209,7 @@ def compare_multimodal_layouts(
     def row(name: str, budget: int | None, order: np.ndarray, offsets: np.ndarray, dt: float | None) -> Any:
         per_row = np.add.reduceat(pt[order], offsets[:-1]) if len(order) else np.zeros(0, np.int64)
         slots = (len(offsets) - 1) * capacity
-        return MultimodalLayoutRow(
+        return MediaLayoutRow(
             name,
             budget,
             len(offsets) - 1,
@@ -236,8 +236,8 @@ def compare_multimodal_layouts(
     return out
 
 
-def format_multimodal_layouts(rows: Sequence[MultimodalLayoutRow], capacity: int) -> str:
-    """The :func:`compare_multimodal_layouts` table as text."""
+def format_media_layouts(rows: Sequence[MediaLayoutRow], capacity: int) -> str:
+    """The :func:`compare_media_layouts` table as text."""
     return format_table(
         (
             "layout",
@@ -268,19 +268,19 @@ def format_multimodal_layouts(rows: Sequence[MultimodalLayoutRow], capacity: int
 
 
 @dataclass
-class MultimodalBenchReport:
+class MediaBenchReport:
     """What ``sftpack bench --corpus vqa`` found: the samples' sizes and the layouts compared."""
 
     source: str
-    stats: Any  #: the multimodal tokenizer's :class:`~sftpack.multimodal.MultimodalStats`
+    stats: Any  #: the multimodal tokenizer's :class:`~sftpack.multimodal.MediaTokenizeStats`
     lengths: np.ndarray  #: sample lengths, vision placeholders included
     patches: np.ndarray  #: vision patches per sample
     vision_tokens: np.ndarray  #: vision placeholder tokens per sample
     seconds: float  #: tokenizing and image processing
-    layouts: list[MultimodalLayoutRow]
+    layouts: list[MediaLayoutRow]
 
 
-def bench_multimodal(
+def bench_media(
     conversations: Iterable[Any],
     *,
     source: str,
@@ -291,19 +291,19 @@ def bench_multimodal(
     on_bad_row: str = "error",
     seed: int = 0,
     progress: bool = False,
-) -> MultimodalBenchReport:
+) -> MediaBenchReport:
     """Tokenize multimodal ``conversations`` (Qwen2-VL: images to patches, placeholders
     expanded; over-long ones split at text boundaries) and compare the packers'
     layouts with and without ``max_patches`` vision patches per row (``progress``: a
     tqdm bar over the conversations, for the CLI)."""
     from tqdm.auto import tqdm
 
-    from ..multimodal import MultimodalStats, family_for, tokenize_multimodal_conversations
+    from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 
     t0 = time.perf_counter()
-    stats = MultimodalStats()
+    stats = MediaTokenizeStats()
     family = family_for()
-    samples = tokenize_multimodal_conversations(
+    samples = tokenize_media_conversations(
         conversations,
         tokenizer=family.tokenizer(),
         processor=family.image_processor(),
@@ -330,9 +330,9 @@ def bench_multimodal(
             f"to at least {most:,}, or use smaller images"
         )
     arr = np.asarray(sizes, dtype=np.int64).reshape(-1, 3)
-    layouts: list[MultimodalLayoutRow] = []
+    layouts: list[MediaLayoutRow] = []
     if len(arr):
-        layouts = compare_multimodal_layouts(
+        layouts = compare_media_layouts(
             arr[:, 0], arr[:, 1], arr[:, 2], max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple, seed=seed
         )
-    return MultimodalBenchReport(source, stats, arr[:, 0], arr[:, 1], arr[:, 2], dt, layouts)
+    return MediaBenchReport(source, stats, arr[:, 0], arr[:, 1], arr[:, 2], dt, layouts)

@@ -74,7 +74,7 @@ def llava_image_tokens(config: Any) -> int:
     supported = (
         "supported: model_type 'llava' with a CLIP or SigLIP vision tower ('clip_vision_model', "
         "'siglip_vision_model') and vision_feature_select_strategy 'default' or 'full'; Qwen2-VL-style "
-        "models go through tokenize_multimodal"
+        "models go through tokenize_media_conversation"
     )
     if kind != "llava":
         raise UnsupportedModelError(

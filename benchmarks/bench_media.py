@@ -30,8 +30,8 @@ image processor (placeholders expanded: a sample's length counts its vision toke
 
 Usage::
 
-    python benchmarks/bench_multimodal.py                 # all four, writes RESULTS.md
-    python benchmarks/bench_multimodal.py --conversations 60 --rounds 2 --train-steps 2 --pack-items 10000 --no-results
+    python benchmarks/bench_media.py                 # all four, writes RESULTS.md
+    python benchmarks/bench_media.py --conversations 60 --rounds 2 --train-steps 2 --pack-items 10000 --no-results
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ def machine() -> str:
 
 # ------------------------------------------------------------------------- (a)
 def fill_table(samples: list, max_seq_len: int, max_patches: int, pad_multiple: int) -> list[dict[str, Any]]:
-    from sftpack.report.savings import compare_multimodal_layouts
+    from sftpack.report.savings import compare_media_layouts
 
     lengths = np.array([len(s) for s in samples], dtype=np.int64)
     patches = np.array([s.num_patches for s in samples], dtype=np.int64)
     vision = np.array([0 if s.media is None else s.media.num_placeholders for s in samples], dtype=np.int64)
-    rows = compare_multimodal_layouts(
+    rows = compare_media_layouts(
         lengths, patches, vision, max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple
     )
     return [
@@ -290,14 +290,14 @@ def main() -> None:
     add_flag(ap)
     args = ap.parse_args()
 
-    from sftpack.multimodal import family_for, tokenize_multimodal_conversations, vqa_corpus
+    from sftpack.multimodal import family_for, tokenize_media_conversations, vqa_corpus
 
     where = machine()
     print(f"machine: {where}")
     family = family_for()
     tok, proc = family.tokenizer(), family.image_processor()
     convs = list(vqa_corpus(seed=args.seed, limit=args.conversations))
-    samples = list(tokenize_multimodal_conversations(convs, tokenizer=tok, processor=proc))
+    samples = list(tokenize_media_conversations(convs, tokenizer=tok, processor=proc))
     n_img = sum(s.media.num_items for s in samples if s.media is not None)
     lens = np.array([len(s) for s in samples])
     corpus = (
@@ -357,7 +357,7 @@ def main() -> None:
                 "interchangeable and every packer goes item by item.\n\n"
                 f"{t_time}\n"
             )
-        write_section(__file__, body, where, title="bench_multimodal.py: multimodal packing on easy-vqa")
+        write_section(__file__, body, where, title="bench_media.py: multimodal packing on easy-vqa")
 
 
 if __name__ == "__main__":
