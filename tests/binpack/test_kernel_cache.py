@@ -49,10 +49,10 @@ PROBE = textwrap.dedent(
     """
 )
 
-# greedy_records (in _kernels_next) ends by calling _plus_one (in _kernels_common)
-HELPER = '''    """``a[:n] + 1`` as a loop (an array expression costs seconds more to compile)."""
+# greedy_records (in _kernels_next) writes its records with _record (in _kernels_common)
+HELPER = '''    """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size rank ``s`` after ``f``."""
 '''
-EDITED = HELPER + '    if n >= 0:\n        raise ValueError("edited _plus_one")\n'
+EDITED = HELPER + '    if nr >= 0:\n        raise ValueError("edited _record")\n'
 
 
 def run_probe(src: Path, cache_dir: Path) -> dict:
@@ -91,7 +91,7 @@ def test_editing_a_helper_recompiles_the_kernels_of_other_files(tmp_path: Path) 
     common.write_text(text.replace(HELPER, EDITED))
 
     edited = run_probe(src, cache)  # the stale cached greedy_records would still return the bins
-    assert edited["result"] == "ValueError: edited _plus_one"
+    assert edited["result"] == "ValueError: edited _record"
     assert (edited["hits"], edited["misses"]) == (0, 1)
 
     common.write_text(text)  # back to the first sources: their cache entry is valid again

@@ -4,15 +4,15 @@ registry that hands the packers the kernels, compiled or as plain Python.
 The kernels live in one module per algorithm family, each registering its
 kernels with :func:`._kernels_common._kernel`:
 
-- :mod:`._kernels_common`: the max segment tree, grouping the items by cost
-  (:func:`scan_units`, :func:`bucket_by_units`, :func:`sort_by_units`), and
-  records to bins (:func:`records_to_order`, :func:`records_to_runs`);
+- :mod:`._kernels_common`: the max (or min) segment tree, grouping the items
+  by cost (:func:`scan_units`, :func:`bucket_by_units`, :func:`sort_by_units`),
+  and records to bins (:func:`records_to_order`, :func:`records_to_runs`);
 - :mod:`._kernels_fit`: best fit and first fit (:func:`bfd_records`,
   :func:`ffd_records`, :func:`first_fit_items`);
-- :mod:`._kernels_next`: next fit and greedy knapsack
-  (:func:`next_fit_offsets`, :func:`greedy_records`);
+- :mod:`._kernels_next`: next fit, under one budget or two, and greedy
+  knapsack (:func:`next_fit_offsets`, :func:`greedy_records`);
 - :mod:`._kernels_two`: two budgets (:func:`any_fit_two`,
-  :func:`best_fit_two`, :func:`greedy_two`, :func:`next_fit_two`).
+  :func:`best_fit_two`, :func:`greedy_two`).
 
 This module binds every kernel by name (:data:`_KERNELS`, private helpers
 included) and is the compiled table: :func:`kernels` returns it once
@@ -64,7 +64,7 @@ shapes the code: explicit loops instead of array expressions or slice
 assignments (a single ``out[:] = x`` multiplied the compile time of
 :func:`sort_by_units`), and typed values (``np.int64(0)``) instead of bare
 constants as helper arguments (a literal argument compiles the helper once
-more: ``_open_segment`` was compiled four times per BFD).
+more: BFD's segment helper was compiled four times per BFD).
 
 Numba's on-disk cache checks a kernel only against the file that defines it
 (its index is stamped with that file), not the files of the helpers it calls,

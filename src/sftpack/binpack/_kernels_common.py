@@ -7,16 +7,17 @@ both tables from the kernels these modules register). Here:
 
 - :func:`_kernel`, which registers a kernel (it stays plain Python until
   :func:`._kernels.load`), and :data:`Records`, what the histogram kernels return;
-- a max segment tree over bins or size ranks (:func:`_tree_set`,
+- a max (or min) segment tree over bins or size ranks (:func:`_tree_set`,
   :func:`_tree_leftmost_ge`, :func:`_tree_prefix_max`), used by FFD, first fit,
   greedy and the two-budget kernels;
 - grouping the items by cost: the dense route (:func:`scan_units` +
   :func:`bucket_by_units`, arrays over ``0..U``) and the sparse one
   (:func:`sort_by_units`, a radix sort), the same groups either way;
 - histogram sums and the any-fit bin bound (:func:`_totals`, :func:`_max_bins`);
-- records to bins: :func:`records_to_order` (item indices) and
-  :func:`records_to_runs` (per-bin histograms), and :func:`_grouped_by_bin`
-  for the kernels that place item by item.
+- records: made in the arrays of :func:`_new_records` by :func:`_record`,
+  turned into bins by :func:`records_to_order` (item indices) and
+  :func:`records_to_runs` (per-bin histograms); and
+  :func:`_grouped_by_bin` for the kernels that place item by item.
 
 The family modules: :mod:`._kernels_fit` (best fit and first fit: BFD, FFD,
 shuffled first fit), :mod:`._kernels_next` (next fit, greedy knapsack) and
@@ -59,17 +60,24 @@ def _kernel(fn: _F) -> _F:
 
 # ----------------------------------------------------------------------------
 # a max segment tree: ``tree[leaves + i]`` is leaf ``i``, ``leaves`` a power of two
+# (a min tree where a helper takes ``sign``: :data:`_MIN`)
+
+#: ``sign`` of a max tree and of a min tree (typed: a literal argument would compile the helper once more)
+_MAX = np.int64(1)
+_MIN = np.int64(-1)
 
 
 @_kernel
-def _tree_set(tree: np.ndarray, leaves: int, i: int, value: int) -> None:
+def _tree_set(tree: np.ndarray, leaves: int, i: int, value: int, sign: int) -> None:
+    """Set leaf ``i`` of a max tree (``sign`` :data:`_MAX`) or a min tree (:data:`_MIN`)."""
+    larger = sign > 0
     i += leaves
     tree[i] = value
     i >>= 1
     while i >= 1:
         left = tree[2 * i]
         right = tree[2 * i + 1]
-        tree[i] = left if left >= right else right
+        tree[i] = left if (left >= right) == larger else right
         i >>= 1
 
 
@@ -304,17 +312,36 @@ def _max_bins(n_items: int, n_units: int, cap_units: int, max_items: int) -> int
     return n_items if n_items < bound else bound
 
 
-@_kernel
-def _plus_one(a: np.ndarray, n: int) -> np.ndarray:
-    """``a[:n] + 1`` as a loop (an array expression costs seconds more to compile)."""
-    out = np.empty(n, np.int64)
-    for i in range(n):
-        out[i] = a[i] + 1
-    return out
-
-
 # ----------------------------------------------------------------------------
-# records -> bins
+# records: made by the histogram kernels, turned into bins
+
+#: the record arrays while a kernel makes them: ``(first bin, end bin, size rank, count, before)``
+RecordArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+@_kernel
+def _new_records(n: int) -> RecordArrays:
+    """Room for ``n`` records; a kernel's records each place at least one item, so its
+    items bound them (pages never written cost no memory)."""
+    return (
+        np.empty(n, np.int64),
+        np.empty(n, np.int64),
+        np.empty(n, np.int32),
+        np.empty(n, np.int32),
+        np.empty(n, np.int64),
+    )
+
+
+@_kernel
+def _record(recs: RecordArrays, nr: int, a: int, b: int, s: int, j: int, f: int) -> int:
+    """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size rank ``s`` after ``f``."""
+    rec_a, rec_b, rec_s, rec_j, rec_f = recs
+    rec_a[nr] = a
+    rec_b[nr] = b
+    rec_s[nr] = s
+    rec_j[nr] = j
+    rec_f[nr] = f
+    return nr + 1
 
 
 @_kernel
@@ -334,18 +361,8 @@ def _bin_offsets(rec_a: np.ndarray, rec_b: np.ndarray, per: np.ndarray, nr: int,
 
 
 @_kernel
-def records_to_order(
-    rec_a: np.ndarray,
-    rec_b: np.ndarray,
-    rec_s: np.ndarray,
-    rec_j: np.ndarray,
-    rec_f: np.ndarray,
-    nr: int,
-    n_bins: int,
-    bucket: np.ndarray,
-    start: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Deal the items of ``bucket`` to the bins, replaying the records in their order.
+def records_to_order(records: Records, bucket: np.ndarray, start: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Deal the items of ``bucket`` to the bins, replaying the ``records`` in their order.
 
     ``bucket`` ``(n,)`` holds the item indices grouped by size, largest first
     (input order within a size); the items of size rank ``k`` start at
@@ -356,6 +373,7 @@ def records_to_order(
     in record order. A record's bins are consecutive, so the writes stream.
     Returns ``(order (n,) int64, offsets (n_bins + 1,) int64)``.
     """
+    rec_a, rec_b, rec_s, rec_j, rec_f, nr, n_bins = records
     offsets = _bin_offsets(rec_a, rec_b, rec_j, nr, n_bins)
     ptr = start.copy()
     order = np.empty(bucket.shape[0], np.int64)
@@ -380,16 +398,7 @@ def records_to_order(
 
 @_kernel
 def records_to_runs(
-    rec_a: np.ndarray,
-    rec_b: np.ndarray,
-    rec_s: np.ndarray,
-    rec_j: np.ndarray,
-    rec_f: np.ndarray,
-    nr: int,
-    n_bins: int,
-    run_len: np.ndarray,
-    run_cnt: np.ndarray,
-    run_start: np.ndarray,
+    records: Records, run_len: np.ndarray, run_cnt: np.ndarray, run_start: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Like :func:`records_to_order` for a histogram: the items of size rank
     ``k`` are the runs ``run_start[k]:run_start[k + 1]`` (``run_cnt`` items of
@@ -397,44 +406,38 @@ def records_to_runs(
     (n_bins + 1,), length (m,), count (m,))``: bin ``b`` holds ``count[j]``
     items of ``length[j]`` for ``j`` in ``offsets[b]:offsets[b + 1]``.
     """
-    # first pass: how many (length, count) pieces each bin gets (one per run it draws from)
+    rec_a, rec_b, rec_s, rec_j, rec_f, nr, n_bins = records
     per_bin = np.zeros(n_bins + 1, np.int64)
-    ptr = run_start[:-1].copy()
-    left = run_cnt.copy()
-    for i in range(nr):
-        s = rec_s[i]
-        for b in range(rec_a[i], rec_b[i]):
-            c = rec_j[i]
-            while c > 0:
-                p = ptr[s]
-                take = left[p] if left[p] < c else c
-                left[p] -= take
-                c -= take
-                per_bin[b + 1] += 1
-                if left[p] == 0:
-                    ptr[s] = p + 1
-    for b in range(n_bins):
-        per_bin[b + 1] += per_bin[b]
-    m = per_bin[n_bins]  # second pass: write them
-    out_len = np.empty(m, np.int64)
-    out_cnt = np.empty(m, np.int64)
-    cursor = per_bin[:n_bins].copy()
-    ptr = run_start[:-1].copy()
-    left = run_cnt.copy()
-    for i in range(nr):
-        s = rec_s[i]
-        for b in range(rec_a[i], rec_b[i]):
-            c = rec_j[i]
-            while c > 0:
-                p = ptr[s]
-                take = left[p] if left[p] < c else c
-                left[p] -= take
-                c -= take
-                out_len[cursor[b]] = run_len[p]
-                out_cnt[cursor[b]] = take
-                cursor[b] += 1
-                if left[p] == 0:
-                    ptr[s] = p + 1
+    out_len = np.empty(0, np.int64)
+    out_cnt = np.empty(0, np.int64)
+    cursor = per_bin[1:]
+    # two passes over the records, each bin drawing one (length, count) piece per run it
+    # draws from: the first counts each bin's pieces (at per_bin[b + 1]), the second writes them
+    for write in range(2):
+        if write:
+            for b in range(n_bins):
+                per_bin[b + 1] += per_bin[b]
+            m = per_bin[n_bins]
+            out_len = np.empty(m, np.int64)
+            out_cnt = np.empty(m, np.int64)
+            cursor = per_bin[:n_bins].copy()
+        ptr = run_start[:-1].copy()
+        left = run_cnt.copy()
+        for i in range(nr):
+            s = rec_s[i]
+            for b in range(rec_a[i], rec_b[i]):
+                c = rec_j[i]
+                while c > 0:
+                    p = ptr[s]
+                    take = left[p] if left[p] < c else c
+                    left[p] -= take
+                    c -= take
+                    if write:
+                        out_len[cursor[b]] = run_len[p]
+                        out_cnt[cursor[b]] = take
+                    cursor[b] += 1
+                    if left[p] == 0:
+                        ptr[s] = p + 1
     return per_bin, out_len, out_cnt
 
 

@@ -23,12 +23,15 @@ from __future__ import annotations
 import numpy as np
 
 from ._kernels_common import (
+    _MAX,
+    RecordArrays,
     Records,
     _grouped_by_bin,
     _kernel,
     _max_bins,
-    _plus_one,
+    _new_records,
     _pow2_at_least,
+    _record,
     _totals,
     _tree_leftmost_ge,
     _tree_set,
@@ -46,6 +49,27 @@ _ROOT, _FREE, _USED = 0, 1, 2
 
 
 @_kernel
+def _high_bit(diff: int) -> int:
+    """The highest set bit of ``diff > 0``: where two keys ``x ^ y = diff`` first differ."""
+    p = 0
+    while diff > 1:
+        diff >>= 1
+        p += 1
+    return p
+
+
+@_kernel
+def _cb_relink(nodes: np.ndarray, meta: np.ndarray, parent: int, old: int, new: int) -> None:
+    """Hang node ``new`` where ``old`` hangs: under fork ``parent``, or as the root (``parent`` -1)."""
+    if parent < 0:
+        meta[_ROOT] = new
+    elif nodes[4 * parent + _C0] == old:
+        nodes[4 * parent + _C0] = new
+    else:
+        nodes[4 * parent + _C1] = new
+
+
+@_kernel
 def _cb_insert(nodes: np.ndarray, meta: np.ndarray, head: np.ndarray, x: int) -> int:
     """The leaf of key ``x``, created (with an empty stack, ``head = -1``) if absent."""
     node = meta[_ROOT]
@@ -55,7 +79,7 @@ def _cb_insert(nodes: np.ndarray, meta: np.ndarray, head: np.ndarray, x: int) ->
         if nodes[4 * node + _KEY] == x:
             return node
     leaf = -1  # a new leaf, and (unless the tree is empty) a new fork above it
-    fork = -1
+    fork = np.int64(-1)  # typed: a literal argument would compile _cb_relink once more (see bfd_records)
     for t in range(2 if node >= 0 else 1):
         i = meta[_FREE]
         if i >= 0:
@@ -73,12 +97,8 @@ def _cb_insert(nodes: np.ndarray, meta: np.ndarray, head: np.ndarray, x: int) ->
     if node < 0:
         meta[_ROOT] = leaf
         return leaf
-    diff = nodes[4 * node + _KEY] ^ x
-    p = 0  # the highest bit on which x and its nearest key differ
-    while diff > 1:
-        diff >>= 1
-        p += 1
-    parent = -1
+    p = _high_bit(nodes[4 * node + _KEY] ^ x)  # where x and its nearest key differ
+    parent = np.int64(-1)
     node = meta[_ROOT]
     while nodes[4 * node + _CRIT] > p:
         parent = node
@@ -87,20 +107,15 @@ def _cb_insert(nodes: np.ndarray, meta: np.ndarray, head: np.ndarray, x: int) ->
     side = (x >> p) & 1
     nodes[4 * fork + _C0 + side] = leaf
     nodes[4 * fork + _C1 - side] = node
-    if parent < 0:
-        meta[_ROOT] = fork
-    elif nodes[4 * parent + _C0] == node:
-        nodes[4 * parent + _C0] = fork
-    else:
-        nodes[4 * parent + _C1] = fork
+    _cb_relink(nodes, meta, parent, node, fork)
     return leaf
 
 
 @_kernel
 def _cb_delete(nodes: np.ndarray, meta: np.ndarray, x: int) -> None:
     """Remove key ``x`` (present); its leaf and its parent fork go to the free list."""
-    grand = -1
-    parent = -1
+    grand = np.int64(-1)  # typed, as in _cb_insert
+    parent = np.int64(-1)
     node = meta[_ROOT]
     while nodes[4 * node + _CRIT] >= 0:
         grand = parent
@@ -112,12 +127,7 @@ def _cb_delete(nodes: np.ndarray, meta: np.ndarray, x: int) -> None:
         meta[_ROOT] = -1
         return
     sibling = nodes[4 * parent + _C0] if nodes[4 * parent + _C1] == node else nodes[4 * parent + _C1]
-    if grand < 0:
-        meta[_ROOT] = sibling
-    elif nodes[4 * grand + _C0] == parent:
-        nodes[4 * grand + _C0] = sibling
-    else:
-        nodes[4 * grand + _C1] = sibling
+    _cb_relink(nodes, meta, grand, parent, sibling)
     nodes[4 * parent + _C0] = meta[_FREE]
     meta[_FREE] = parent
 
@@ -140,10 +150,7 @@ def _cb_find_ge(nodes: np.ndarray, meta: np.ndarray, x: int) -> int:
     diff = nodes[4 * node + _KEY] ^ x
     if diff == 0:
         return node
-    p = 0
-    while diff > 1:
-        diff >>= 1
-        p += 1
+    p = _high_bit(diff)
     right = -1
     node = meta[_ROOT]
     while nodes[4 * node + _CRIT] > p:
@@ -172,14 +179,13 @@ def _shelve(
     fill: int,
     smallest: int,
     max_items: int,
-    head: np.ndarray,
-    nodes: np.ndarray,
-    meta: np.ndarray,
+    rooms: Rooms,
     seg_next: np.ndarray,
     free: int,
 ) -> int:
     """Put segment ``g`` (room ``room``, ``fill`` items per bin) on its room's stack,
     or on the free list when its bins can take nothing more. Returns the free list."""
+    nodes, meta, head = rooms
     if room >= smallest and fill < max_items:
         h = _cb_insert(nodes, meta, head, room)
         seg_next[g] = head[h]
@@ -189,70 +195,55 @@ def _shelve(
     return g
 
 
-@_kernel
-def _record(
-    rec_a: np.ndarray,
-    rec_b: np.ndarray,
-    rec_s: np.ndarray,
-    rec_j: np.ndarray,
-    rec_f: np.ndarray,
-    nr: int,
-    a: int,
-    b: int,
-    s: int,
-    j: int,
-    f: int,
-) -> int:
-    """Append record ``nr``: bins ``a..b-1`` each take ``j`` items of size rank ``s`` after ``f``."""
-    rec_a[nr] = a
-    rec_b[nr] = b
-    rec_s[nr] = s
-    rec_j[nr] = j
-    rec_f[nr] = f
-    return nr + 1
+#: the room index: the crit-bit tree's ``(nodes, meta)`` and the stack of each room, by its leaf
+Rooms = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+#: the segments' arrays: ``(first bin, end bin, items in each bin, next on the stack / free list)``
+Segments = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 @_kernel
-def _open_segment(
+def _open_segments(
     a: int,
-    width: int,
+    k: int,
+    per: int,
     rank: int,
-    take: int,
+    s: int,
     fill: int,
     room: int,
     smallest: int,
     max_items: int,
-    head: np.ndarray,
-    nodes: np.ndarray,
-    meta: np.ndarray,
-    seg_a: np.ndarray,
-    seg_b: np.ndarray,
-    seg_fill: np.ndarray,
-    seg_next: np.ndarray,
+    rooms: Rooms,
+    segs: Segments,
     n_seg: int,
     free: int,
-    rec_a: np.ndarray,
-    rec_b: np.ndarray,
-    rec_s: np.ndarray,
-    rec_j: np.ndarray,
-    rec_f: np.ndarray,
+    recs: RecordArrays,
     nr: int,
-) -> tuple[int, int, int]:
-    """A new segment of bins ``a..a+width-1`` that each held ``fill`` items and take
-    ``take`` more of size rank ``rank``: recorded, then shelved at ``room``.
-    Returns the updated ``(nr, n_seg, free)``."""
-    if free >= 0:
-        h = free
-        free = seg_next[free]
-    else:
-        h = n_seg
-        n_seg += 1
-    seg_a[h] = a
-    seg_b[h] = a + width
-    seg_fill[h] = fill + take
-    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, a + width, rank, take, fill)
-    free = _shelve(h, room, fill + take, smallest, max_items, head, nodes, meta, seg_next, free)
-    return nr, n_seg, free
+) -> tuple[int, int, int, int]:
+    """The bins from ``a`` on, each holding ``fill`` items in ``room`` left, take ``k``
+    items of size rank ``rank`` (``s`` units each), ``per`` a bin: ``k // per`` bins
+    take ``per``, then one takes the rest. Each group is a new segment, recorded, then
+    shelved at its new room. Returns the updated ``(a, nr, n_seg, free)``: ``a`` past
+    the last bin taken."""
+    seg_a, seg_b, seg_fill, seg_next = segs
+    full = k // per
+    rest = k - full * per
+    for take, width in ((per, full), (rest, 1 if rest > 0 else 0)):
+        if width == 0:
+            continue
+        if free >= 0:
+            h = free
+            free = seg_next[free]
+        else:
+            h = n_seg
+            n_seg += 1
+        seg_a[h] = a
+        seg_b[h] = a + width
+        seg_fill[h] = fill + take
+        nr = _record(recs, nr, a, a + width, rank, take, fill)
+        free = _shelve(h, room - take * s, fill + take, smallest, max_items, rooms, seg_next, free)
+        a += width
+    return a, nr, n_seg, free
 
 
 @_kernel
@@ -291,20 +282,15 @@ def bfd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items
     meta[_ROOT] = -1
     meta[_FREE] = -1
     meta[_USED] = 0
-    seg_a = np.empty(pool, np.int64)  # first bin
-    seg_b = np.empty(pool, np.int64)  # one past the last bin
-    seg_fill = np.empty(pool, np.int64)  # items in each of its bins
-    seg_next = np.empty(pool, np.int64)  # next segment on the stack / free list
+    rooms = (nodes, meta, head)
+    segs = (np.empty(pool, np.int64), np.empty(pool, np.int64), np.empty(pool, np.int64), np.empty(pool, np.int64))
+    seg_a, seg_b, seg_fill, seg_next = segs
     # np.int64(...) and not bare constants: a literal argument would make numba
-    # compile the helpers again for it (4 versions of _open_segment instead of 1)
+    # compile the helpers again for it (4 versions of one helper here instead of 1)
     free = np.int64(-1)
     n_seg = np.int64(0)
 
-    rec_a = np.empty(n_items, np.int64)  # each record places >= 1 item
-    rec_b = np.empty(n_items, np.int64)
-    rec_s = np.empty(n_items, np.int32)
-    rec_j = np.empty(n_items, np.int32)
-    rec_f = np.empty(n_items, np.int64)
+    recs = _new_records(n_items)
     nr = np.int64(0)
     n_bins = np.int64(0)
 
@@ -325,46 +311,18 @@ def bfd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items
                 f = seg_fill[g]
                 j = q if q <= max_items - f else max_items - f
                 if (b - a) * j <= k:  # the whole segment
-                    nr = _record(rec_a, rec_b, rec_s, rec_j, rec_f, nr, a, b, rank, j, f)
+                    nr = _record(recs, nr, a, b, rank, j, f)
                     k -= (b - a) * j
                     seg_fill[g] = f + j
-                    free = _shelve(g, r - j * s, f + j, smallest, max_items, head, nodes, meta, seg_next, free)
+                    free = _shelve(g, r - j * s, f + j, smallest, max_items, rooms, seg_next, free)
                     g = after
                     if k == 0:
                         break
                     continue
-                # part of it: t bins take j items each, then maybe one bin takes the rest
-                t = k // j
-                rest = k - t * j
-                for take, width in ((j, t), (rest, 1 if rest > 0 else 0)):
-                    if width == 0:
-                        continue
-                    nr, n_seg, free = _open_segment(
-                        a,
-                        width,
-                        rank,
-                        take,
-                        f,
-                        r - take * s,
-                        smallest,
-                        max_items,
-                        head,
-                        nodes,
-                        meta,
-                        seg_a,
-                        seg_b,
-                        seg_fill,
-                        seg_next,
-                        n_seg,
-                        free,
-                        rec_a,
-                        rec_b,
-                        rec_s,
-                        rec_j,
-                        rec_f,
-                        nr,
-                    )
-                    a += width
+                # part of it: its first bins take the k items left, j a bin
+                a, nr, n_seg, free = _open_segments(
+                    a, k, j, rank, s, f, r, smallest, max_items, rooms, segs, n_seg, free, recs, nr
+                )
                 k = 0
                 if a < b:
                     seg_a[g] = a  # g keeps its untouched bins, still first on this stack
@@ -380,42 +338,26 @@ def bfd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items
             per_bin = cap_units // s
             if max_items < per_bin:
                 per_bin = max_items
-            full = k // per_bin
-            rest = k - full * per_bin
-            for take, width in ((per_bin, full), (rest, 1 if rest > 0 else 0)):
-                if width == 0:
-                    continue
-                nr, n_seg, free = _open_segment(
-                    n_bins,
-                    width,
-                    rank,
-                    take,
-                    np.int64(0),
-                    cap_units - take * s,
-                    smallest,
-                    max_items,
-                    head,
-                    nodes,
-                    meta,
-                    seg_a,
-                    seg_b,
-                    seg_fill,
-                    seg_next,
-                    n_seg,
-                    free,
-                    rec_a,
-                    rec_b,
-                    rec_s,
-                    rec_j,
-                    rec_f,
-                    nr,
-                )
-                n_bins += width
+            held = np.int64(0)  # the items a new bin holds (typed, as free)
+            n_bins, nr, n_seg, free = _open_segments(
+                n_bins, k, per_bin, rank, s, held, cap_units, smallest, max_items, rooms, segs, n_seg, free, recs, nr
+            )
+    rec_a, rec_b, rec_s, rec_j, rec_f = recs
     return rec_a[:nr], rec_b[:nr], rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
 
 # ----------------------------------------------------------------------------
 # first-fit decreasing over (sizes, counts), and first fit item by item
+
+
+@_kernel
+def _first_fit(tree: np.ndarray, leaves: int, size: int, n_bins: int, cap_units: int) -> tuple[int, int]:
+    """``(bin, room)``: the leftmost of the ``n_bins`` open bins with room ``>= size`` in
+    the max tree over their rooms, else a new bin ``n_bins`` with all its room."""
+    b = _tree_leftmost_ge(tree, leaves, size)
+    if b < 0:
+        return n_bins, cap_units
+    return b, tree[leaves + b]
 
 
 @_kernel
@@ -431,38 +373,28 @@ def ffd_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_items
     leaves = _pow2_at_least(_max_bins(n_items, n_units, cap_units, max_items))
     tree = np.zeros(2 * leaves, np.int64)
     fill = np.zeros(leaves, np.int64)
-    rec_a = np.empty(n_items, np.int64)
-    rec_s = np.empty(n_items, np.int32)
-    rec_j = np.empty(n_items, np.int32)
-    rec_f = np.empty(n_items, np.int64)
-    nr = 0
-    n_bins = 0
+    recs = _new_records(n_items)
+    nr = np.int64(0)  # typed, as in bfd_records
+    n_bins = np.int64(0)
     for rank in range(sizes.shape[0] - 1, -1, -1):
         s = sizes[rank]
         k = counts[rank]
         while k > 0:
-            b = _tree_leftmost_ge(tree, leaves, s)
-            if b < 0:
-                b = n_bins
+            b, room = _first_fit(tree, leaves, s, n_bins, cap_units)
+            if b == n_bins:
                 n_bins += 1
-                room = cap_units
-            else:
-                room = tree[leaves + b]
             j = room // s
             if max_items - fill[b] < j:
                 j = max_items - fill[b]
             if k < j:
                 j = k
-            rec_a[nr] = b
-            rec_s[nr] = rank
-            rec_j[nr] = j
-            rec_f[nr] = fill[b]
-            nr += 1
+            nr = _record(recs, nr, b, b + 1, rank, j, fill[b])
             k -= j
             fill[b] += j
             room -= j * s
-            _tree_set(tree, leaves, b, room if fill[b] < max_items else 0)
-    return rec_a[:nr], _plus_one(rec_a, nr), rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
+            _tree_set(tree, leaves, b, room if fill[b] < max_items else 0, _MAX)
+    rec_a, rec_b, rec_s, rec_j, rec_f = recs
+    return rec_a[:nr], rec_b[:nr], rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
 
 @_kernel
@@ -481,18 +413,14 @@ def first_fit_items(
     tree = np.zeros(2 * leaves, np.int64)
     fill = np.zeros(leaves, np.int64)
     bin_of = np.empty(n, np.int64)
-    n_bins = 0
+    n_bins = np.int64(0)  # typed, as in bfd_records
     for t in range(n):
         u = (lengths[visit[t]] + multiple - 1) // multiple
-        b = _tree_leftmost_ge(tree, leaves, u)
-        if b < 0:
-            b = n_bins
+        b, room = _first_fit(tree, leaves, u, n_bins, cap_units)
+        if b == n_bins:
             n_bins += 1
-            room = cap_units
-        else:
-            room = tree[leaves + b]
         room -= u
         fill[b] += 1
-        _tree_set(tree, leaves, b, room if fill[b] < max_items else 0)
+        _tree_set(tree, leaves, b, room if fill[b] < max_items else 0, _MAX)
         bin_of[t] = b
     return _grouped_by_bin(bin_of, fill, n_bins, visit)

@@ -1,6 +1,6 @@
 """Next fit and greedy knapsack: the kernels that fill one bin at a time
-(:func:`next_fit_offsets` in input order, :func:`greedy_records` with the
-largest size that fits, over the size histogram).
+(:func:`next_fit_offsets` in input order, under one budget or two,
+:func:`greedy_records` with the largest size that fits, over the size histogram).
 
 Part of the loops behind :mod:`sftpack.binpack` (units, size ranks, records,
 compiling and the plain copies: :mod:`._kernels`; the shared helpers:
@@ -11,7 +11,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._kernels_common import Records, _kernel, _plus_one, _pow2_at_least, _totals, _tree_prefix_max, _tree_set
+from ._kernels_common import (
+    _MAX,
+    Records,
+    _kernel,
+    _new_records,
+    _pow2_at_least,
+    _record,
+    _totals,
+    _tree_prefix_max,
+    _tree_set,
+)
 
 
 @_kernel
@@ -32,18 +42,16 @@ def greedy_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_it
     tree = np.zeros(2 * leaves, np.int64)
     for k in range(n_sizes):
         if left[k] > 0:
-            _tree_set(tree, leaves, k, k + 1)
-    rec_a = np.empty(remaining, np.int64)
-    rec_s = np.empty(remaining, np.int32)
-    rec_j = np.empty(remaining, np.int32)
-    rec_f = np.empty(remaining, np.int64)
-    nr = 0
-    n_bins = 0
+            _tree_set(tree, leaves, k, k + 1, _MAX)
+    recs = _new_records(remaining)
+    # np.int64(...) and not bare constants: a literal argument would compile a helper once more
+    nr = np.int64(0)
+    n_bins = np.int64(0)
     while remaining > 0:
         b = n_bins
         n_bins += 1
         room = cap_units
-        fill = 0
+        fill = np.int64(0)
         while fill < max_items and room > 0:
             last = np.searchsorted(sizes, room, side="right") - 1
             if last < 0:
@@ -57,37 +65,45 @@ def greedy_records(sizes: np.ndarray, counts: np.ndarray, cap_units: int, max_it
                 j = left[rank]
             if max_items - fill < j:
                 j = max_items - fill
-            rec_a[nr] = b
-            rec_s[nr] = rank
-            rec_j[nr] = j
-            rec_f[nr] = fill
-            nr += 1
+            nr = _record(recs, nr, b, b + 1, rank, j, fill)
             left[rank] -= j
             if left[rank] == 0:
-                _tree_set(tree, leaves, rank, np.int64(0))
+                _tree_set(tree, leaves, rank, np.int64(0), _MAX)
             room -= j * s
             fill += j
             remaining -= j
-    return rec_a[:nr], _plus_one(rec_a, nr), rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
+    rec_a, rec_b, rec_s, rec_j, rec_f = recs
+    return rec_a[:nr], rec_b[:nr], rec_s[:nr], rec_j[:nr], rec_f[:nr], nr, n_bins
 
 
 @_kernel
-def next_fit_offsets(lengths: np.ndarray, multiple: int, cap_units: int, max_items: int) -> np.ndarray:
-    """Next fit in input order: bin offsets ``(n_bins + 1,)`` int64 (the order is ``arange(n)``)."""
+def next_fit_offsets(
+    lengths: np.ndarray, multiple: int, cap_units: int, max_items: int, weights: np.ndarray, cap_weight: int
+) -> np.ndarray:
+    """Next fit in input order: bin offsets ``(n_bins + 1,)`` int64 (the order is ``arange(n)``).
+
+    Under two budgets when ``weights`` holds a weight per item (each bin's sum at most
+    ``cap_weight``); empty ``weights`` (and ``cap_weight`` 0): units and items only."""
     n = lengths.shape[0]
+    two = weights.shape[0] > 0
     offsets = np.empty(n + 1, np.int64)
     offsets[0] = 0
     n_bins = 0
     load = 0
+    load_w = 0
     fill = 0
     for i in range(n):
         u = (lengths[i] + multiple - 1) // multiple
-        if fill > 0 and (load + u > cap_units or fill == max_items):
+        w = weights[i] if two else 0
+        # ``w > cap_weight - load_w`` and not ``load_w + w > cap_weight``: both may be 2**62
+        if fill > 0 and (load + u > cap_units or w > cap_weight - load_w or fill == max_items):
             n_bins += 1
             offsets[n_bins] = i
             load = 0
+            load_w = 0
             fill = 0
         load += u
+        load_w += w
         fill += 1
     if n > 0:
         n_bins += 1

@@ -9,18 +9,33 @@ cost descending for the decreasing algorithms, a seeded shuffle for first
 fit). A bin takes an item only if both its units and its weight fit:
 :func:`any_fit_two` (first fit, or best fit as a branch and bound),
 :func:`best_fit_two` (best fit with rooms indexed by value, while ``U`` is
-small), :func:`greedy_two` and :func:`next_fit_two`.
+small) and :func:`greedy_two` (next fit under two budgets is
+:func:`._kernels_next.next_fit_offsets`).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._kernels_common import _grouped_by_bin, _kernel, _pow2_at_least, _tree_set
+from ._kernels_common import _MAX, _MIN, _grouped_by_bin, _kernel, _pow2_at_least, _tree_set
 
 _BIG = np.int64(1) << np.int64(62)
 #: above every weight (a weight may be ``_BIG`` itself): a taken item in :func:`greedy_two`
 _TAKEN = np.int64(np.iinfo(np.int64).max)
+
+#: what each kernel of this module packs: ``(lengths, multiple, cap_units, max_items,
+#: weights, cap_weight, visit)``, the items (``u = ceil(length / multiple)`` units and a
+#: weight each), visited in the order ``visit``, into bins of at most ``cap_units`` units,
+#: ``cap_weight`` weight and ``max_items`` items
+TwoBudgets = tuple[np.ndarray, int, int, int, np.ndarray, int, np.ndarray]
+
+
+@_kernel
+def _item(problem: TwoBudgets, t: int) -> tuple[int, int]:
+    """``(units, weight)`` of the ``t``-th visited item of ``problem``."""
+    lengths, multiple, cap_units, max_items, weights, cap_weight, visit = problem
+    i = visit[t]
+    return (lengths[i] + multiple - 1) // multiple, weights[i]
 
 
 @_kernel
@@ -38,18 +53,6 @@ def _max_bins_two(n_items: int, n_units: int, cap_units: int, per_weight: int, m
         return 0
     bound = n_items // max_items + 2 * (n_units // cap_units + per_weight) + 2
     return n_items if n_items < bound else bound
-
-
-@_kernel
-def _tree_set_min(tree: np.ndarray, leaves: int, i: int, value: int) -> None:
-    i += leaves
-    tree[i] = value
-    i >>= 1
-    while i >= 1:
-        left = tree[2 * i]
-        right = tree[2 * i + 1]
-        tree[i] = left if left <= right else right
-        i >>= 1
 
 
 @_kernel
@@ -117,20 +120,11 @@ def _best_both(
 
 
 @_kernel
-def any_fit_two(
-    lengths: np.ndarray,
-    multiple: int,
-    cap_units: int,
-    max_items: int,
-    weights: np.ndarray,
-    cap_weight: int,
-    visit: np.ndarray,
-    best_fit: bool,
-) -> tuple[np.ndarray, np.ndarray]:
-    """First fit (``best_fit=False``) or best fit on units (``True``) of the items in
-    the order ``visit``, each bin within ``cap_units`` units, ``cap_weight`` weight
-    and ``max_items`` items. Returns ``(order, offsets)``; each bin lists its items
-    in visiting order."""
+def any_fit_two(problem: TwoBudgets, best_fit: bool) -> tuple[np.ndarray, np.ndarray]:
+    """First fit (``best_fit=False``) or best fit on units (``True``) of the items of
+    ``problem`` in their visiting order. Returns ``(order, offsets)``; each bin lists
+    its items in visiting order."""
+    lengths, multiple, cap_units, max_items, weights, cap_weight, visit = problem
     n = visit.shape[0]
     n_units = np.int64(0)
     # floor(total weight / cap_weight) without the total, which may pass 2**63
@@ -138,8 +132,9 @@ def any_fit_two(
     per_weight = np.int64(0)
     rest = np.int64(0)
     for t in range(n):
-        n_units += (lengths[visit[t]] + multiple - 1) // multiple
-        rest += weights[visit[t]]
+        u, w = _item(problem, t)
+        n_units += u
+        rest += w
         if cap_weight > 0 and rest >= cap_weight:
             per_weight += rest // cap_weight
             rest = rest % cap_weight
@@ -151,11 +146,9 @@ def any_fit_two(
     fill = np.zeros(leaves, np.int64)
     stack = np.empty(2 * 64 + 2, np.int64)
     bin_of = np.empty(n, np.int64)
-    n_bins = 0
+    n_bins = np.int64(0)  # typed: a literal argument would compile _grouped_by_bin once more
     for t in range(n):
-        i = visit[t]
-        u = (lengths[i] + multiple - 1) // multiple
-        w = weights[i]
+        u, w = _item(problem, t)
         if best_fit:
             b = _best_both(tree_u, tree_w, tree_min, leaves, u, w, stack)
         else:
@@ -172,18 +165,18 @@ def any_fit_two(
         room_w -= w
         fill[b] += 1
         still_open = fill[b] < max_items and room > 0
-        _tree_set(tree_u, leaves, b, room if still_open else 0)
-        _tree_set(tree_w, leaves, b, room_w)
+        _tree_set(tree_u, leaves, b, room if still_open else 0, _MAX)
+        _tree_set(tree_w, leaves, b, room_w, _MAX)
         if best_fit:
-            _tree_set_min(tree_min, leaves, b, room if still_open else _BIG)
+            _tree_set(tree_min, leaves, b, room if still_open else _BIG, _MIN)
         bin_of[t] = b
     return _grouped_by_bin(bin_of, fill, n_bins, visit)
 
 
 @_kernel
 def _leftmost_from(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.ndarray, sign: int) -> int:
-    """The leftmost leaf ``>= lo`` holding ``>= x`` in a max tree (``sign`` 1), or ``<= x``
-    in a min tree (``sign`` -1), or -1 (depth first; the stack carries each node's first
+    """The leftmost leaf ``>= lo`` holding ``>= x`` in a max tree (``sign`` :data:`_MAX`), or
+    ``<= x`` in a min tree (:data:`_MIN`), or -1 (depth first; the stack carries each node's first
     leaf and width). Values stay within ``+-(2**63 - 1)``, so negating never overflows."""
     stack[0] = 1
     stack[1] = 0
@@ -210,15 +203,7 @@ def _leftmost_from(tree: np.ndarray, leaves: int, lo: int, x: int, stack: np.nda
 
 
 @_kernel
-def greedy_two(
-    lengths: np.ndarray,
-    multiple: int,
-    cap_units: int,
-    max_items: int,
-    weights: np.ndarray,
-    cap_weight: int,
-    visit: np.ndarray,
-) -> np.ndarray:
+def greedy_two(problem: TwoBudgets) -> np.ndarray:
     """Greedy knapsack under two budgets: fill one bin at a time with the first item
     of ``visit`` (cost descending) whose units and weight both fit.
 
@@ -226,6 +211,7 @@ def greedy_two(
     them a min tree over the weights left (taken items hold a huge value) gives
     the first whose weight fits. Returns the bins' offsets into ``visit`` reordered
     in place: bin after bin, each in the order filled."""
+    lengths, multiple, cap_units, max_items, weights, cap_weight, visit = problem
     n = visit.shape[0]
     us = np.empty(n, np.int64)
     for t in range(n):
@@ -233,7 +219,7 @@ def greedy_two(
     leaves = _pow2_at_least(n if n > 0 else 1)
     tree = np.full(2 * leaves, _TAKEN, np.int64)
     for t in range(n):
-        _tree_set_min(tree, leaves, t, weights[visit[t]])
+        _tree_set(tree, leaves, t, weights[visit[t]], _MIN)
     stack = np.empty(3 * (2 * 64 + 2), np.int64)
     taken = np.empty(n, np.int64)
     offsets = np.empty(n + 1, np.int64)
@@ -255,7 +241,7 @@ def greedy_two(
                     lo = mid + 1
             if lo >= n:
                 break
-            q = _leftmost_from(tree, leaves, lo, room_w, stack, np.int64(-1))
+            q = _leftmost_from(tree, leaves, lo, room_w, stack, _MIN)
             if q < 0:
                 break
             taken[done] = visit[q]
@@ -263,42 +249,11 @@ def greedy_two(
             fill += 1
             room -= us[q]
             room_w -= weights[visit[q]]
-            _tree_set_min(tree, leaves, q, _TAKEN)
+            _tree_set(tree, leaves, q, _TAKEN, _MIN)
         n_bins += 1
         offsets[n_bins] = done
     for t in range(n):
         visit[t] = taken[t]
-    return offsets[: n_bins + 1].copy()
-
-
-@_kernel
-def next_fit_two(
-    lengths: np.ndarray, multiple: int, cap_units: int, max_items: int, weights: np.ndarray, cap_weight: int
-) -> np.ndarray:
-    """Next fit in input order under two budgets: bin offsets ``(n_bins + 1,)``."""
-    n = lengths.shape[0]
-    offsets = np.empty(n + 1, np.int64)
-    offsets[0] = 0
-    n_bins = 0
-    load = 0
-    load_w = 0
-    fill = 0
-    for i in range(n):
-        u = (lengths[i] + multiple - 1) // multiple
-        w = weights[i]
-        # ``w > cap_weight - load_w`` and not ``load_w + w > cap_weight``: both may be 2**62
-        if fill > 0 and (load + u > cap_units or w > cap_weight - load_w or fill == max_items):
-            n_bins += 1
-            offsets[n_bins] = i
-            load = 0
-            load_w = 0
-            fill = 0
-        load += u
-        load_w += w
-        fill += 1
-    if n > 0:
-        n_bins += 1
-        offsets[n_bins] = n
     return offsets[: n_bins + 1].copy()
 
 
@@ -351,15 +306,7 @@ def _lh_merge(
 
 
 @_kernel
-def best_fit_two(
-    lengths: np.ndarray,
-    multiple: int,
-    cap_units: int,
-    max_items: int,
-    weights: np.ndarray,
-    cap_weight: int,
-    visit: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
+def best_fit_two(problem: TwoBudgets) -> tuple[np.ndarray, np.ndarray]:
     """Best fit under two budgets with rooms indexed by value (the dense route: arrays over
     ``0..U``): the open bins of each token room ``r`` form a leftist max-heap by weight
     room (then lowest index), and a max tree over ``r`` holds each heap's top weight room.
@@ -367,6 +314,7 @@ def best_fit_two(
     whose top has ``>= w``: the least token room that fits both, the most weight room among
     those, then the lowest bin, as :func:`_best_both` chooses. ``O(log U + log bins)`` a
     sequence. Returns ``(order, offsets)`` like :func:`any_fit_two`."""
+    lengths, multiple, cap_units, max_items, weights, cap_weight, visit = problem
     n = visit.shape[0]
     leaves = _pow2_at_least(cap_units + 1)
     tree = np.full(2 * leaves, np.int64(-1), np.int64)  # top weight room per token room, -1: none
@@ -379,12 +327,10 @@ def best_fit_two(
     stack = np.empty(3 * (2 * 64 + 2), np.int64)
     spine = np.empty(256, np.int64)
     bin_of = np.empty(n, np.int64)
-    n_bins = 0
+    n_bins = np.int64(0)  # typed: a literal argument would compile _grouped_by_bin once more
     for t in range(n):
-        i = visit[t]
-        u = (lengths[i] + multiple - 1) // multiple
-        w = weights[i]
-        r = _leftmost_from(tree, leaves, u, w, stack, np.int64(1))
+        u, w = _item(problem, t)
+        r = _leftmost_from(tree, leaves, u, w, stack, _MAX)
         if r < 0:
             b = n_bins
             n_bins += 1
@@ -394,7 +340,7 @@ def best_fit_two(
             b = heap[r]
             top = _lh_merge(left[b], right[b], left, right, rank, room_w, spine)
             heap[r] = top
-            _tree_set(tree, leaves, r, room_w[top] if top >= 0 else np.int64(-1))
+            _tree_set(tree, leaves, r, room_w[top] if top >= 0 else np.int64(-1), _MAX)
             left[b] = -1
             right[b] = -1
             rank[b] = 1
@@ -405,6 +351,6 @@ def best_fit_two(
         if fill[b] < max_items and room > 0:
             top = _lh_merge(heap[room], b, left, right, rank, room_w, spine)
             heap[room] = top
-            _tree_set(tree, leaves, room, room_w[top])
+            _tree_set(tree, leaves, room, room_w[top], _MAX)
         bin_of[t] = b
     return _grouped_by_bin(bin_of, fill, n_bins, visit)

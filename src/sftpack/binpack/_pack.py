@@ -148,7 +148,7 @@ def pack(
     elif algo in _HISTOGRAM_ALGORITHMS:
         sizes, counts, bucket, start = _group_by_size(k, arr, capacity, cost_multiple)
         records = _records(k, algo, sizes, counts, cap_units, item_cap)
-        order, offsets = k.records_to_order(*records, bucket, start)
+        order, offsets = k.records_to_order(records, bucket, start)
         del bucket
     elif algo is Algorithm.FIRST_FIT_SHUFFLE:
         _check_fits(arr, capacity, cost_multiple)
@@ -156,7 +156,7 @@ def pack(
         order, offsets = k.first_fit_items(arr, cost_multiple, cap_units, item_cap, visit)
     else:  # next_fit
         _check_fits(arr, capacity, cost_multiple)
-        offsets = k.next_fit_offsets(arr, cost_multiple, cap_units, item_cap)
+        offsets = k.next_fit_offsets(arr, cost_multiple, cap_units, item_cap, np.zeros(0, np.int64), 0)
         order = np.arange(n, dtype=np.int64)
 
     rows = offsets.shape[0] - 1
@@ -246,19 +246,20 @@ def _pack_two(
     """
     n = arr.shape[0]
     if algo is Algorithm.NEXT_FIT:
-        return np.arange(n, dtype=np.int64), k.next_fit_two(
+        return np.arange(n, dtype=np.int64), k.next_fit_offsets(
             arr, cost_multiple, cap_units, item_cap, weights, cap_weight
         )
     if algo is Algorithm.FIRST_FIT_SHUFFLE:
         visit = np.random.default_rng(seed).permutation(n).astype(np.int64)
     else:
         visit = np.argsort(-_units(arr, cost_multiple), kind="stable").astype(np.int64)
+    problem = (arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
     if algo is Algorithm.GREEDY_KNAPSACK:
-        offsets = k.greedy_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
+        offsets = k.greedy_two(problem)
         return visit, offsets
     if algo is Algorithm.BFD and k is not _k.PLAIN and _inputs._dense_route(cap_units, n):
-        return k.best_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit)
-    return k.any_fit_two(arr, cost_multiple, cap_units, item_cap, weights, cap_weight, visit, algo is Algorithm.BFD)
+        return k.best_fit_two(problem)
+    return k.any_fit_two(problem, algo is Algorithm.BFD)
 
 
 def _group_by_size(
@@ -395,5 +396,5 @@ def pack_histogram(
     k = _k.kernels(n)
     cap_units = capacity // cost_multiple
     records = _records(k, algo, sizes, per_size, cap_units, _item_cap(max_items, n))
-    offsets, out_len, out_cnt = k.records_to_runs(*records, run_len, run_cnt, run_start)
+    offsets, out_len, out_cnt = k.records_to_runs(records, run_len, run_cnt, run_start)
     return HistogramBins(offsets, out_len, out_cnt)
