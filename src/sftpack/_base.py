@@ -9,6 +9,8 @@
   and strings refused).
 - :func:`check_width`: the one check that a row width is a multiple of the
   per-sequence pad multiple (the last sequence absorbs a row's tail).
+- :func:`pool_results`: the worker pool that tokenizes (text and images), results in
+  input order (:func:`_pool_context`: how its workers start).
 
 No torch here: :mod:`sftpack.binpack` imports this module.
 """
@@ -18,9 +20,18 @@ from __future__ import annotations
 import enum
 import numbers
 import sys
-from typing import Any, Literal, TypeVar, overload
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol, TypeVar, cast, overload
 
-__all__ = ["StrEnum", "check_width", "choose", "non_negative_int", "positive_int", "round_up"]
+__all__ = [
+    "StrEnum",
+    "check_width",
+    "choose",
+    "non_negative_int",
+    "pool_results",
+    "positive_int",
+    "round_up",
+]
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -63,51 +74,56 @@ def round_up(n: Any, multiple: int) -> Any:
     return -(-n // multiple) * multiple
 
 
-def _int_at_least(
-    lo: int, kind: str, name: str, value: object, error: type[ValueError], allow_none: bool, who: str, why: str
-) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < lo:
-        prefix = f"{who}: " if who else ""
-        suffix = f"; {why}" if why else ""
-        raise error(f"{prefix}{name} must be a {kind} integer, got {value!r}{suffix}")
-    return int(value)
+class _IntCheck(Protocol):
+    """The signature of :func:`positive_int` and :func:`non_negative_int`: an ``int``, or where
+    ``allow_none`` is given (``True`` passes ``None`` through) an ``int`` or ``None``."""
+
+    @overload
+    def __call__(
+        self, name: str, value: object, *, error: type[ValueError] = ..., who: str = ..., why: str = ...
+    ) -> int: ...
+
+    @overload
+    def __call__(
+        self,
+        name: str,
+        value: object,
+        *,
+        error: type[ValueError] = ...,
+        allow_none: bool,
+        who: str = ...,
+        why: str = ...,
+    ) -> int | None: ...
 
 
-@overload
-def positive_int(
-    name: str,
-    value: object,
-    *,
-    error: type[ValueError] = ...,
-    allow_none: Literal[False] = ...,
-    who: str = ...,
-    why: str = ...,
-) -> int: ...
+def _int_at_least(lo: int, kind: str, doc: str) -> _IntCheck:
+    """The check that a value is a Python or numpy integer ``>= lo`` (a ``kind`` integer)."""
+
+    def check(
+        name: str,
+        value: object,
+        *,
+        error: type[ValueError] = ValueError,
+        allow_none: bool = False,
+        who: str = "",
+        why: str = "",
+    ) -> int | None:
+        if value is None and allow_none:
+            return None
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or int(value) < lo:
+            prefix = f"{who}: " if who else ""
+            suffix = f"; {why}" if why else ""
+            raise error(f"{prefix}{name} must be a {kind} integer, got {value!r}{suffix}")
+        return int(value)
+
+    check.__name__ = check.__qualname__ = f"{kind.replace('-', '_')}_int"
+    check.__doc__ = doc
+    return cast(_IntCheck, check)
 
 
-@overload
-def positive_int(
-    name: str,
-    value: object,
-    *,
-    error: type[ValueError] = ...,
-    allow_none: bool,
-    who: str = ...,
-    why: str = ...,
-) -> int | None: ...
-
-
-def positive_int(
-    name: str,
-    value: object,
-    *,
-    error: type[ValueError] = ValueError,
-    allow_none: bool = False,
-    who: str = "",
-    why: str = "",
-) -> int | None:
+positive_int = _int_at_least(
+    1,
+    "positive",
     """``value`` as a Python ``int >= 1``, or ``error`` naming the option.
 
     Python and numpy integers are accepted; ``bool``, floats (even ``4.0``) and
@@ -120,43 +136,12 @@ def positive_int(
     Traceback (most recent call last):
     ...
     ValueError: pack_step: pad_multiple must be a positive integer, got 0
-    """
-    return _int_at_least(1, "positive", name, value, error, allow_none, who, why)
+    """,
+)
 
-
-@overload
-def non_negative_int(
-    name: str,
-    value: object,
-    *,
-    error: type[ValueError] = ...,
-    allow_none: Literal[False] = ...,
-    who: str = ...,
-    why: str = ...,
-) -> int: ...
-
-
-@overload
-def non_negative_int(
-    name: str,
-    value: object,
-    *,
-    error: type[ValueError] = ...,
-    allow_none: bool,
-    who: str = ...,
-    why: str = ...,
-) -> int | None: ...
-
-
-def non_negative_int(
-    name: str,
-    value: object,
-    *,
-    error: type[ValueError] = ValueError,
-    allow_none: bool = False,
-    who: str = "",
-    why: str = "",
-) -> int | None:
+non_negative_int = _int_at_least(
+    0,
+    "non-negative",
     """``value`` as a Python ``int >= 0``, or ``error`` naming the option (and ``why``, when given).
 
     >>> non_negative_int("seed", 0)
@@ -165,8 +150,8 @@ def non_negative_int(
     Traceback (most recent call last):
     ...
     ValueError: PackingDataset: max_wait must be a non-negative integer, got -1
-    """
-    return _int_at_least(0, "non-negative", name, value, error, allow_none, who, why)
+    """,
+)
 
 
 def check_width(
@@ -200,7 +185,7 @@ def check_width(
     return width
 
 
-def pool_context() -> Any:
+def _pool_context() -> Any:
     """The multiprocessing context of the worker pools that tokenize (text and images): fork on
     Linux, so workers inherit the tokenizer instead of unpickling it; spawn elsewhere (fork is
     unsafe or missing), and spawn in a process where Ray runs: its threads (gRPC, the core
@@ -211,3 +196,44 @@ def pool_context() -> Any:
     ray = sys.modules.get("ray")
     in_ray = ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
     return multiprocessing.get_context("fork" if sys.platform.startswith("linux") and not in_ray else "spawn")
+
+
+def pool_results(
+    work: Callable[[Any], Any],
+    tasks: Iterable[Any],
+    num_proc: int,
+    *,
+    initializer: Callable[..., None],
+    initargs: tuple[Any, ...],
+) -> Iterator[Any]:
+    """``work(task)`` of each task, in task order, run in a pool of ``num_proc`` worker processes
+    (:func:`_pool_context`'s, each set up by ``initializer(*initargs)``) with at most ``2 * num_proc``
+    tasks in flight; the pool is terminated on leaving (also on an error, or when the caller stops).
+
+    Each worker runs the tokenizer single-threaded: ``TOKENIZERS_PARALLELISM`` is ``"false"`` while
+    the pool starts (so the workers inherit it, and tokenizers does not warn in them that it
+    disables its thread pool), and as it was afterwards."""
+    import os
+    from collections import deque
+
+    ctx = _pool_context()
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        pool = ctx.Pool(num_proc, initializer=initializer, initargs=initargs)
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+    try:
+        pending: deque[Any] = deque()
+        for task in tasks:
+            pending.append(pool.apply_async(work, (task,)))
+            if len(pending) >= 2 * num_proc:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+    finally:
+        pool.terminate()
+        pool.join()

@@ -186,6 +186,24 @@ def norms_in_model_dtype(model: nn.Module, classes: tuple[str, ...] = ("LlamaRMS
     return model
 
 
+def small_text_config(
+    vocab_size: int, *, dim: int, layers: int, heads: int, kv_heads: int, max_positions: int = 32768
+) -> dict[str, Any]:
+    """The keys of a small Llama-shaped language model's Hugging Face config: ``vocab_size`` ids,
+    ``dim`` wide with an MLP twice that, ``layers`` layers of ``heads`` attention heads
+    (``kv_heads`` key/value heads), ``max_positions`` positions, no attention dropout."""
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": dim,
+        "intermediate_size": 2 * dim,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "max_position_embeddings": max_positions,
+        "attention_dropout": 0.0,
+    }
+
+
 def tiny_llama(
     vocab_size: int = 97, attn_implementation: str = "sdpa", seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> Any:
@@ -196,14 +214,7 @@ def tiny_llama(
     Hugging Face computes in float32."""
     transformers = _optional.transformers()
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=4096,
-        attention_dropout=0.0,
+        **small_text_config(vocab_size, dim=32, layers=2, heads=4, kv_heads=2, max_positions=4096),
         attn_implementation=attn_implementation,
     )
     torch.manual_seed(seed)

@@ -2,7 +2,7 @@
 
 ``lay_row`` now lays a row of few sequences by slice copies into preallocated
 arrays (one block when no sequence but the last is padded), and the loader lays
-its rows from each sample's own arrays with ``lay_parts`` / ``build_parts``
+its rows from each sample's own arrays by the steps of ``build_parts``
 (nothing concatenated first, nothing validated twice; each array one
 ``np.concatenate`` of the sequences and padding runs). ``_previous_lay_row`` below
 is the builder as it was before (its layout code verbatim, after the checks that
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from sftpack import IGNORE_INDEX, PackedBatch
 from sftpack.handoff import build_row, shard_for_cp
 from sftpack.handoff.build import build_parts
-from sftpack.handoff.layout import RowArrays, lay_parts, lay_row
+from sftpack.handoff.layout import RowArrays, lay_row
 
 _PREVIOUS_SLICE_COPY_MAX = 32
 
@@ -124,7 +124,7 @@ def test_lay_row_lays_the_previous_bytes(case):
 
 @settings(max_examples=250, deadline=None)
 @given(rows())
-def test_lay_parts_lays_the_previous_bytes(case):
+def test_build_parts_lays_the_previous_bytes(case):
     """The loader's path: each sequence's own arrays (int64 ids, bool mask, as a Sample holds them)."""
     ids, mask, lengths, width, m, pad_id = case
     ids, mask = ids.astype(np.int64), mask.astype(bool)
@@ -133,7 +133,6 @@ def test_lay_parts_lays_the_previous_bytes(case):
     mask_parts = [mask[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])]
     kw = {"row_width": width, "pad_multiple": m, "pad_id": pad_id}
     want = _previous_lay_row(ids, mask, lengths, **kw)
-    assert_same_arrays(lay_parts(id_parts, mask_parts, lengths, **kw), want)
     sids = list(range(len(lengths)))
     got = build_parts(id_parts, mask_parts, lengths, sequence_ids=sids, **kw)
     assert_same_batch(got, PackedBatch.from_row(want, sequence_ids=sids))
@@ -143,15 +142,15 @@ def test_lay_parts_lays_the_previous_bytes(case):
 
 @settings(max_examples=100, deadline=None)
 @given(rows())
-def test_lay_parts_takes_any_integer_ids_and_0_1_masks(case):
+def test_build_parts_takes_any_integer_ids_and_0_1_masks(case):
     """Parts of other integer dtypes (ids) and 0/1 masks lay the bytes of int64 / bool parts."""
     ids, mask, lengths, width, m, pad_id = case
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     cut = list(zip(bounds[:-1], bounds[1:]))
     kw = {"row_width": width, "pad_multiple": m, "pad_id": pad_id}
     want = _previous_lay_row(ids.astype(np.int64), mask.astype(bool), lengths, **kw)
-    got = lay_parts([ids[a:b] for a, b in cut], [mask[a:b] for a, b in cut], lengths, **kw)
-    assert_same_arrays(got, want)
+    got = build_parts([ids[a:b] for a, b in cut], [mask[a:b] for a, b in cut], lengths, **kw)
+    assert_same_batch(got, PackedBatch.from_row(want))
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])
@@ -178,8 +177,8 @@ def test_cp_shards_and_kernel_boundaries_are_the_previous_ones(cp, pad_between_s
         assert pg.max_seqlen_q == pw.max_seqlen_q
 
 
-def test_lay_parts_refuses_a_row_that_does_not_fit():
+def test_build_parts_refuses_a_row_that_does_not_fit():
     with pytest.raises(ValueError, match="take 16 slots after padding each to a multiple of 4, more than row_width=12"):
-        lay_parts(
+        build_parts(
             [np.arange(5), np.arange(7)], [np.ones(5, bool), np.ones(7, bool)], [5, 7], row_width=12, pad_multiple=4
         )

@@ -25,8 +25,8 @@ from megatron.energon.epathlib import EPath  # noqa: E402
 from megatron.energon.flavors import BaseWebdatasetFactory  # noqa: E402
 
 from sftpack import PackedBatch  # noqa: E402
+from sftpack.handoff import pack_rows  # noqa: E402
 from sftpack.loader import PackingDataset  # noqa: E402
-from sftpack.loader._hold import plan_media  # noqa: E402
 from sftpack.loader.energon import EnergonPackedBatch, PackingTaskEncoder, TokenizedSample  # noqa: E402
 from sftpack.multimodal import (  # noqa: E402
     BadImageError,
@@ -177,14 +177,13 @@ def test_rows_are_the_planners_rows_with_media_in_row_order(prepared, runs):
     want = []
     for a in range(0, N, BUFFER):
         chunk = [samples[i] for i in ids[a : a + BUFFER]]
-        for row in plan_media(
+        for row in pack_rows(
             np.array([len(s) for s in chunk]),
-            np.array([s.num_patches for s in chunk]),
             max_seq_len=WIDTH,
-            max_patches=PATCHES,
             pad_multiple=MULT,
             algorithm="bfd",
-            seed=0,
+            patches=np.array([s.num_patches for s in chunk]),
+            max_patches=PATCHES,
         ):
             want.append(
                 PackedBatch.from_samples(

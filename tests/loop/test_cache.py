@@ -19,7 +19,7 @@ import torch
 from sftpack.chat._batch import TokenizeStats
 from sftpack.chat._cache_entry import EntryWriter, read_entry
 from sftpack.chat._cache_key import cache_key, source_identity, tokenizer_identity
-from sftpack.chat._training_samples import training_samples
+from sftpack.chat._training_samples import start_training_samples
 from sftpack.cli import main
 from sftpack.loop import TrainConfig, make_source, tokenized_samples
 from sftpack.sample import Sample
@@ -60,8 +60,8 @@ def test_second_call_reads_the_cache_and_gives_the_same_samples(tok, tmp_path):
     # max_seq_len 24 splits the longer conversations: pieces and their meta go through the cache too
     eager, eager_stats = tokenized_samples(tok, convs, max_seq_len=24)
     assert any(s.meta.get("piece") for s in eager)
-    first = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
-    second = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+    first = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
+    second = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert not first.hit and second.hit and first.entry == second.entry
     assert _entries(tmp_path) == [first.entry]
     _same(eager, first.samples)
@@ -101,7 +101,7 @@ def test_file_inputs_are_keyed_by_their_bytes(tmp_path):
 @pytest.mark.parametrize("damage", ["flip", "cut", "manifest"])
 def test_a_damaged_entry_is_rebuilt_with_a_warning(tok, tmp_path, caplog, damage):
     convs = _convs()
-    first = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+    first = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert first.entry is not None
     if damage == "flip":
         path = first.entry / "tokens.u32"
@@ -114,11 +114,11 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(tok, tmp_path, caplog, damage
     else:
         (first.entry / "manifest.json").write_text("{")
     with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
-        again = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+        again = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert not again.hit
     assert any("damaged" in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records)
     _same(first.samples, again.samples)
-    third = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+    third = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert third.hit  # the rebuilt entry is whole again
     _same(first.samples, third.samples)
 
@@ -146,7 +146,7 @@ def test_folders_of_runs_killed_long_ago_are_swept(tok, tmp_path):
         (d / "tokens.u32").write_bytes(b"1234")
     day_and_more = time.time() - 25 * 3600
     os.utime(old, (day_and_more, day_and_more))
-    training_samples(tok, _convs(), max_seq_len=24, cache_dir=tmp_path)
+    start_training_samples(tok, _convs(), max_seq_len=24, cache_dir=tmp_path).finish()
     assert not old.exists() and fresh.exists()  # a run writing now is left alone
 
 
@@ -163,8 +163,8 @@ def test_ids_that_do_not_survive_json_are_not_cached(tok, tmp_path, caplog):
 def test_cached_samples_give_the_eager_batches(tok, tmp_path):
     convs = _convs(40)
     eager, _ = tokenized_samples(tok, convs, max_seq_len=32)
-    training_samples(tok, convs, max_seq_len=32, cache_dir=tmp_path)
-    cached = training_samples(tok, convs, max_seq_len=32, cache_dir=tmp_path)
+    start_training_samples(tok, convs, max_seq_len=32, cache_dir=tmp_path).finish()
+    cached = start_training_samples(tok, convs, max_seq_len=32, cache_dir=tmp_path).finish()
     assert cached.hit
     for packing in ("trainer", "loader", "none"):
         cfg = TrainConfig(packing=packing, steps=3, batch_size=4, max_seq_len=32)

@@ -30,7 +30,7 @@ import pytest
 import sftpack
 from sftpack import data
 from sftpack.chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir, parse_size
-from sftpack.chat._training_samples import training_samples
+from sftpack.chat._training_samples import start_training_samples
 from sftpack.cli import main
 from sftpack.loop import tokenized_samples
 from sftpack.testing import tiny_chat_tokenizer
@@ -79,7 +79,7 @@ def _mount(*args: str) -> bool:
 def test_a_change_to_the_masking_code_is_a_new_entry(tok, tmp_path):
     """The issue's case: after a change to the mask rule the cache served the old masks."""
     convs = _convs()
-    first = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path / "cache")
+    first = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path / "cache").finish()
     assert first.entry is not None and not first.hit
     # the same sftpack with one mask rule changed (each assistant span loses its first token)
     copy = tmp_path / "src" / "sftpack"
@@ -90,11 +90,11 @@ def test_a_change_to_the_masking_code_is_a_new_entry(tok, tmp_path):
     script = textwrap.dedent(
         f"""
         import json, sys, sftpack
-        from sftpack.chat._training_samples import training_samples
+        from sftpack.chat._training_samples import start_training_samples
         from sftpack.testing import tiny_chat_tokenizer
         assert sftpack.__file__.startswith({str(copy)!r}), sftpack.__file__
-        got = training_samples(tiny_chat_tokenizer("chatml"), json.loads(sys.stdin.read()), max_seq_len=24,
-                               cache_dir={str(tmp_path / "cache")!r})
+        got = start_training_samples(tiny_chat_tokenizer("chatml"), json.loads(sys.stdin.read()), max_seq_len=24,
+                                     cache_dir={str(tmp_path / "cache")!r}).finish()
         print(json.dumps([got.hit, got.stats.trainable_tokens]))
         """
     )
@@ -106,7 +106,7 @@ def test_a_change_to_the_masking_code_is_a_new_entry(tok, tmp_path):
     assert not hit  # tokenized again by the changed code, not read from the entry of the old one
     assert trainable < first.stats.trainable_tokens
     assert len(_entries(tmp_path / "cache")) == 2
-    again = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path / "cache")
+    again = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path / "cache").finish()
     assert again.hit and again.stats.trainable_tokens == first.stats.trainable_tokens  # the old code's entry
 
 
@@ -165,14 +165,14 @@ def test_a_failed_write_warns_and_leaves_nothing(tok, tmp_path, caplog):
     convs = _convs()
     eager, _ = tokenized_samples(tok, convs, max_seq_len=24)
     with caplog.at_level(logging.WARNING, logger="sftpack.cache"), _file_size_limit(512):
-        got = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+        got = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     _same(eager, got.samples)
     assert not got.hit and got.entry is None
     assert [r.getMessage() for r in caplog.records] == [
         f"cannot write the tokenized-data cache in {tmp_path}: [Errno 27] File too large; going on without the cache"
     ]
     assert _entries(tmp_path) == [] and _leftovers(tmp_path) == []
-    again = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+    again = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert not again.hit and again.entry is not None and _entries(tmp_path) == [again.entry]
 
 
@@ -205,12 +205,12 @@ def read_only(tmp_path):
 def test_a_read_only_cache_is_read_and_not_written(tok, read_only, caplog):
     where, make = read_only
     convs = _convs()
-    stored = training_samples(tok, convs, max_seq_len=24, cache_dir=where)
+    stored = start_training_samples(tok, convs, max_seq_len=24, cache_dir=where).finish()
     why = make()
     with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
-        hit = training_samples(tok, convs, max_seq_len=24, cache_dir=where)
+        hit = start_training_samples(tok, convs, max_seq_len=24, cache_dir=where).finish()
         assert hit.hit and hit.entry == stored.entry and caplog.records == []  # its last use cannot be noted: fine
-        other = training_samples(tok, convs, max_seq_len=32, cache_dir=where)
+        other = start_training_samples(tok, convs, max_seq_len=32, cache_dir=where).finish()
     assert not other.hit and other.entry is None
     assert [r.getMessage() for r in caplog.records] == [
         f"cannot write the tokenized-data cache in {where}: {why}; going on without the cache"
@@ -220,24 +220,24 @@ def test_a_read_only_cache_is_read_and_not_written(tok, read_only, caplog):
 
 def test_a_file_where_an_entry_folder_should_be_is_replaced(tok, tmp_path, caplog):
     convs = _convs()
-    entry = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).entry
+    entry = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish().entry
     assert entry is not None
     shutil.rmtree(entry)
     entry.write_text("not an entry")
     with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
-        got = training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path)
+        got = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert [r.getMessage() for r in caplog.records] == [
         f"tokenized-data cache entry {entry} is damaged (a file, not a folder): rebuilding it"
     ]
     assert not got.hit and got.entry == entry and entry.is_dir()  # "cached in ENTRY" is true
-    assert training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).hit
+    assert start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish().hit
     assert _leftovers(tmp_path) == []
 
 
 def test_a_file_where_the_cache_folder_should_be_is_said(tok, tmp_path, caplog):
     (tmp_path / "tokenized").write_text("in the way")
     with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
-        got = training_samples(tok, _convs(), max_seq_len=24, cache_dir=tmp_path)
+        got = start_training_samples(tok, _convs(), max_seq_len=24, cache_dir=tmp_path).finish()
     assert got.entry is None  # the CLI says "not cached"
     assert [r.getMessage() for r in caplog.records] == [
         f"cannot write the tokenized-data cache in {tmp_path}: [Errno 17] File exists: "
@@ -252,7 +252,7 @@ def test_least_recently_used_entries_go_past_the_limit(tok, tmp_path, caplog):
     convs = _convs()
 
     def run(n: int, limit: int = 0, where: Path = tmp_path):
-        return training_samples(tok, convs, max_seq_len=n, cache_dir=where, cache_max_size=limit)
+        return start_training_samples(tok, convs, max_seq_len=n, cache_dir=where, cache_max_size=limit).finish()
 
     a, b, c = run(24).entry, run(28).entry, run(32).entry
     assert a and b and c

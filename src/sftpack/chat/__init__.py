@@ -36,8 +36,8 @@ Private modules, one concept each:
 * ``_cache_entry``: one entry on disk: layout, atomic write, checked read,
   least-recently-used eviction, the cache's root and size limit.
 * ``_producer``: the forked tokenizer process and its pipe protocol.
-* ``_training_samples``: :func:`~._training_samples.training_samples` and its two
-  halves, samples handed over conversation by conversation, the background thread.
+* ``_training_samples``: :func:`~._training_samples.start_training_samples` and the
+  job it starts, samples handed over conversation by conversation, the background thread.
 
 :class:`Conversation` lives in :mod:`sftpack.sample` (below both this package and
 :mod:`sftpack.data`, which makes the embedded corpus of them); it is public here.

@@ -23,9 +23,7 @@ process, so the error names it whatever ``num_proc`` is.
 from __future__ import annotations
 
 import logging
-import os
 import sys
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from itertools import islice
@@ -33,7 +31,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from .._base import pool_context, positive_int
+from .._base import pool_results, positive_int
 from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
@@ -171,6 +169,7 @@ def _batches(conversations: Iterable[Any], size: int) -> Iterator[list[Item]]:
         yield [_as_item(obj, i) for i, obj in chunk]
 
 
+@dataclass(eq=False, repr=False)
 class TokenizedConversations:
     """Iterable of :class:`~sftpack.Sample` in input order, with :attr:`stats` (:class:`TokenizeStats`).
 
@@ -178,22 +177,13 @@ class TokenizedConversations:
     fresh pass over ``conversations`` and resets ``stats`` in place.
     """
 
-    def __init__(
-        self,
-        conversations: Iterable[Any],
-        tokenizer: Tokenizer,
-        opts: _Options,
-        batch_size: int,
-        num_proc: int,
-        progress: bool | None = False,
-    ):
-        self.conversations = conversations
-        self.tokenizer = tokenizer
-        self.opts = opts
-        self.batch_size = batch_size
-        self.num_proc = num_proc
-        self.progress = progress
-        self.stats = TokenizeStats()
+    conversations: Iterable[Any]
+    tokenizer: Tokenizer
+    opts: _Options
+    batch_size: int
+    num_proc: int
+    progress: bool | None = False
+    stats: TokenizeStats = field(default_factory=TokenizeStats, init=False)
 
     def __repr__(self) -> str:
         return f"TokenizedConversations(num_proc={self.num_proc}, stats={self.stats})"
@@ -234,29 +224,9 @@ class TokenizedConversations:
             return
         # fork on Linux: workers inherit the tokenizer instead of unpickling it (seconds for
         # a large vocabulary); elsewhere fork is unsafe or missing, so spawn.
-        ctx = pool_context()
-        # Each worker runs the tokenizer single-threaded; setting this before the fork also
-        # keeps tokenizers from warning that it disables its thread pool in the children.
-        saved = os.environ.get("TOKENIZERS_PARALLELISM")
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        try:
-            pool = ctx.Pool(self.num_proc, initializer=_init_worker, initargs=(self.tokenizer, self.opts))
-        finally:
-            if saved is None:
-                os.environ.pop("TOKENIZERS_PARALLELISM", None)
-            else:
-                os.environ["TOKENIZERS_PARALLELISM"] = saved
-        try:
-            pending: deque[Any] = deque()
-            for items in batches:
-                pending.append(pool.apply_async(_work, (items,)))
-                if len(pending) >= 2 * self.num_proc:
-                    yield pending.popleft().get()
-            while pending:
-                yield pending.popleft().get()
-        finally:
-            pool.terminate()
-            pool.join()
+        yield from pool_results(
+            _work, batches, self.num_proc, initializer=_init_worker, initargs=(self.tokenizer, self.opts)
+        )
 
     def to_list(self) -> list[Sample]:
         """All samples in a list (one full pass)."""

@@ -488,6 +488,12 @@ def encode_conversation(
         several (split), with the outcome and the tokens and labels lost.
     """
     opts = _options(train_on, max_seq_len, overlong, on_bad_row, special_tokens_in_content)
+    return _encode_one(messages, tokenizer, opts, conversation_id)
+
+
+def _encode_one(messages: Any, tokenizer: Tokenizer, opts: _Options, conversation_id: Any) -> Encoded:
+    """One conversation under ``opts``, named ``conversation_id`` (default: its own id or 0);
+    a skipped one raised under ``on_bad_row='error'``."""
     cid, payload, checked = _as_item(messages, 0)
     cid = cid if conversation_id is None else conversation_id
     enc = _encode_many([(cid, payload, checked)], tokenizer, opts)[0]
@@ -552,15 +558,7 @@ def tokenize_conversation(
             "(the default: one piece, or an error), 'truncate' or 'error', or call encode_conversation "
             "(zero or several samples) or tokenize_conversations"
         )
-    enc = encode_conversation(
-        messages,
-        tokenizer,
-        train_on=opts.train_on,
-        max_seq_len=opts.max_seq_len,
-        overlong=opts.overlong,
-        conversation_id=conversation_id,
-        special_tokens_in_content=opts.special_tokens,
-    )
+    enc = _encode_one(messages, tokenizer, opts, conversation_id)
     if len(enc.samples) > 1:
         cid = enc.samples[0].conversation_id
         raise OverlongError(

@@ -1,7 +1,7 @@
-"""Tokenizing for training through the cache: :func:`training_samples` and its two
-halves (:func:`start_training_samples`, :class:`TokenizeJob`), the samples handed
-over conversation by conversation as they come (:class:`ConversationSamples`),
-and :class:`Pending`, the background thread the CLI tokenizes in.
+"""Tokenizing for training through the cache: :func:`start_training_samples` and the
+job it starts (:class:`TokenizeJob`), the samples handed over conversation by
+conversation as they come (:class:`ConversationSamples`), and :class:`Pending`,
+the background thread the CLI tokenizes in.
 
 A job first looks up its entry (:mod:`._cache_key` names it, :mod:`._cache_entry`
 reads and writes it); on a miss it tokenizes here or in a forked producer process
@@ -35,7 +35,6 @@ __all__ = [
     "cached_tokenize",
     "conversation_order",
     "start_training_samples",
-    "training_samples",
 ]
 
 
@@ -340,42 +339,6 @@ def cached_tokenize(
     return run.finish()
 
 
-def training_samples(
-    tokenizer: Any,
-    conversations: Iterable[Any] | None = None,
-    *,
-    max_seq_len: int,
-    limit: int | None = None,
-    num_proc: int = 1,
-    progress: bool = False,
-    cache_dir: str | os.PathLike[str] | None = None,
-    source: dict[str, Any] | None = None,
-    tokenizer_files: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
-    cache_max_size: int = DEFAULT_MAX_SIZE,
-) -> CachedSamples:
-    """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
-    training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache).
-
-    ``source`` names the input for the key (:func:`source_identity`; by default it
-    is worked out from ``conversations``: the embedded corpus or a list); input it
-    cannot name is tokenized without the cache. ``tokenizer_files``: see
-    :func:`tokenizer_identity`. ``cache_max_size``: the cache's size limit in bytes
-    (``0``: none); the entries used least recently make room for a new one.
-    """
-    return start_training_samples(
-        tokenizer,
-        conversations,
-        max_seq_len=max_seq_len,
-        limit=limit,
-        num_proc=num_proc,
-        progress=progress,
-        cache_dir=cache_dir,
-        source=source,
-        tokenizer_files=tokenizer_files,
-        cache_max_size=cache_max_size,
-    ).finish()
-
-
 def start_training_samples(
     tokenizer: Any,
     conversations: Iterable[Any] | None = None,
@@ -393,12 +356,18 @@ def start_training_samples(
     load_tokenizer: tuple[str, Callable[[], Any]] | None = None,
     cache_max_size: int = DEFAULT_MAX_SIZE,
 ) -> TokenizeJob:
-    """:func:`training_samples` in two halves (:class:`TokenizeJob`): the cache is
-    looked up now (and with ``ready=True`` the input read and the tokenizer loaded;
-    with ``in_child=True`` a producer process forked that does all of that and
-    tokenizes), the rest is done by the job's ``finish()``.
+    """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
+    training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache),
+    in two halves (:class:`TokenizeJob`): the cache is looked up now (and with
+    ``ready=True`` the input read and the tokenizer loaded; with ``in_child=True`` a
+    producer process forked that does all of that and tokenizes), the rest is done by
+    the job's ``finish()``, which returns the :class:`CachedSamples`.
 
     Args:
+        source: names the input for the key (:func:`source_identity`; by default it
+            is worked out from ``conversations``: the embedded corpus or a list); input
+            it cannot name is tokenized without the cache.
+        tokenizer_files: see :func:`tokenizer_identity`.
         seed: tokenize the conversations in the order of
             ``conversation_order(n, seed=seed, epoch=0)``, the order training reads
             them in (the job's ``sink`` hands them over as they come); ``None``: in
@@ -413,7 +382,8 @@ def start_training_samples(
             ``load()`` builds from ``tokenizer_files`` alone, named ``name`` in the key
             (:func:`tokenizer_files_identity`); it is loaded only if there is
             something to tokenize (not on a cache hit).
-        cache_max_size: the cache's size limit in bytes (``0``: none); see :class:`EntryWriter`.
+        cache_max_size: the cache's size limit in bytes (``0``: none): the entries used
+            least recently make room for a new one; see :class:`EntryWriter`.
     """
     from ..data import default_corpus
     from ._batch import tokenize_conversations

@@ -68,10 +68,17 @@ def build_parts(
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
 ) -> PackedBatch:
-    """The row :func:`build_row` builds, from each sequence's own arrays, for a caller that
-    has already checked them (see :func:`~sftpack.handoff.layout.lay_parts`: nothing is
-    validated here but the fit). The loader builds its rows with it, without first
-    laying its samples end to end; the boundaries are made ``int32`` directly.
+    """The row :func:`build_row` builds, from each sequence's own arrays (not laid end to end
+    first), for a caller that has already checked them: nothing is validated here but the fit
+    of the padded sequences (:func:`~sftpack.handoff.layout.fit_parts`). The loader builds its
+    rows by its steps; the boundaries are made ``int32`` directly.
+
+    Args:
+        id_parts: ``N`` 1-D integer arrays, the token ids of each sequence, all ``>= 0``.
+        mask_parts: ``N`` 1-D bool (or 0/1) arrays, the loss mask of each sequence.
+        lengths: ``N`` Python ints ``>= 1``, each the length of its parts.
+        row_width, pad_multiple, pad_id, sequence_ids: as for :func:`build_row`; the padded
+            sequences must fit ``row_width``.
 
     >>> b = build_parts([np.arange(1, 6), np.arange(6, 16)], [np.ones(5, bool), np.ones(10, bool)], [5, 10],
     ...                 row_width=36, pad_multiple=4)

@@ -20,9 +20,10 @@ row can never overflow ("expanded size 517 vs 502" is what happens otherwise).
 :func:`pack_rows` is the one row planner on that cost (bins from
 :mod:`sftpack.binpack`, input order kept within a row).
 
-:func:`lay_parts` lays the same row from each sequence's own arrays, unchecked,
-for a caller that checked them already (the loader, which never concatenates
-its samples first): :func:`join_parts` makes each of the row's three arrays
+:func:`fit_parts` and :func:`join_parts` lay the same row from each sequence's
+own arrays, unchecked, for a caller that checked them already (the loader, which
+never concatenates its samples first; :func:`sftpack.handoff.build.build_parts`
+wraps them as a batch): :func:`join_parts` makes each of the row's three arrays
 with one ``np.concatenate`` of views (the sequences and read-only padding runs;
 the labels one ``np.where`` over the ids one slot on), so a row costs a few
 numpy calls whatever its sequences.
@@ -54,7 +55,6 @@ __all__ = [
     "check_pad_id",
     "fit_parts",
     "join_parts",
-    "lay_parts",
     "lay_row",
     "pack_rows",
     "padded_lengths",
@@ -96,11 +96,13 @@ def pack_rows(
     pad_multiple: int = 1,
     algorithm: str = "bfd",
     seed: int = 0,
+    patches: ArrayLike | None = None,
+    max_patches: int | None = None,
 ) -> Bins:
     """The one row planner: bin-pack sequences into rows of ``max_seq_len`` slots, each
     costed at :func:`padded_lengths` (what :func:`lay_row` lays, so a planned row
     never overflows), each row listing its sequences in input order, rows in the
-    packer's order.
+    packer's order; with ``max_patches``, under a second budget too.
 
     Args:
         lengths: ``(n,)`` real lengths, each ``>= 1`` with
@@ -109,6 +111,9 @@ def pack_rows(
         pad_multiple: per-sequence pad multiple (``2 * CP``).
         algorithm: a :func:`sftpack.binpack.pack` algorithm.
         seed: for ``first_fit_shuffle``.
+        patches: ``(n,)`` the vision patches of each sequence, with ``max_patches`` (the
+            weights of :func:`sftpack.binpack.pack`'s second budget).
+        max_patches: a row's ``patches`` sum to at most this (``max_weight_per_bin``).
 
     Returns:
         :class:`sftpack.binpack.Bins` of indices into ``lengths`` (``.order`` and
@@ -116,8 +121,17 @@ def pack_rows(
 
     >>> [r.tolist() for r in pack_rows([5, 10, 30, 20], max_seq_len=36, pad_multiple=4)]
     [[2], [1, 3], [0]]
+    >>> pack_rows([8, 8, 8], max_seq_len=32, pad_multiple=4, patches=[16, 16, 4], max_patches=20).to_lists()
+    [[0, 2], [1]]
     """
-    bins = pack(padded_lengths(lengths, pad_multiple), max_seq_len, algorithm, seed=seed)
+    bins = pack(
+        padded_lengths(lengths, pad_multiple),
+        max_seq_len,
+        algorithm,
+        seed=seed,
+        weights=patches,
+        max_weight_per_bin=max_patches,
+    )
     n = bins.order.shape[0]
     if n == 0:
         return bins
@@ -239,38 +253,6 @@ def lay_row(
         return _lay_scatter(ids, mask_b, real, padded, row_width, pad_id)
     lens = real.tolist()
     return _lay_segments(None, None, lens, padded.tolist(), row_width, pad_id, ids, mask_b)
-
-
-def lay_parts(
-    id_parts: Sequence[np.ndarray],
-    mask_parts: Sequence[np.ndarray],
-    lengths: Sequence[int],
-    *,
-    row_width: int | None = None,
-    pad_multiple: int = 1,
-    pad_id: int = 0,
-) -> RowArrays:
-    """The row :func:`lay_row` lays, from each sequence's own arrays (not laid end to end
-    first), for a caller that has already checked them (the loader). Nothing is
-    validated here but the fit of the padded sequences.
-
-    Args:
-        id_parts: ``N`` 1-D integer arrays, the token ids of each sequence, all ``>= 0``.
-        mask_parts: ``N`` 1-D bool arrays, the loss mask of each sequence.
-        lengths: ``N`` Python ints ``>= 1``, each the length of its parts.
-        row_width, pad_multiple, pad_id: as for :func:`lay_row`; the padded sequences
-            must fit ``row_width``.
-
-    >>> r = lay_parts([np.arange(1, 6), np.arange(6, 16)], [np.ones(5, bool), np.ones(10, bool)], [5, 10],
-    ...               row_width=36, pad_multiple=4)
-    >>> r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.max_seqlen
-    ([0, 5, 15], [0, 8, 36], 28)
-    """
-    padded = fit_parts(lengths, row_width, pad_multiple)
-    ids, labels, positions = join_parts(id_parts, mask_parts, lengths, padded, pad_id)
-    cu = np.array([0, *accumulate(lengths)], dtype=np.int64)
-    cup = np.array([0, *accumulate(padded)], dtype=np.int64)
-    return RowArrays(ids, labels, positions, cu, cup, max(padded))
 
 
 def fit_parts(lengths: Sequence[int], row_width: int | None, pad_multiple: int) -> list[int]:

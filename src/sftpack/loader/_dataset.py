@@ -29,8 +29,8 @@ Samples with media (a :class:`~sftpack.Sample` whose ``media`` holds its images,
 in any mix with text-only ones) take the same road: each is costed at its padded
 length (vision placeholders count), planned under the optional second budget
 ``max_patches_per_row`` (the vision tower's memory grows with a row's patches,
-not its tokens: ``_hold.plan_media``, and a row's fill is the larger of its token
-and patch fill), split over-long at text boundaries only (never inside an image
+not its tokens: ``pack_rows(max_patches=...)``, and a row's fill is the larger of
+its token and patch fill), split over-long at text boundaries only (never inside an image
 block; each piece carries its own media, :meth:`~sftpack.handoff.payload.Media.piece`),
 and a row holding media gets their payload laid in row order
 (:meth:`~sftpack.handoff.payload.Media.lay`: the row equals
@@ -69,7 +69,7 @@ from ..multimodal._family import Family, family_for
 from ..multimodal._plan import check_patch_budget
 from ..multimodal._tokenize import split_sample, tokenize_record
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, Sample
-from ._hold import hold_back, plan_media
+from ._hold import hold_back
 from ._shares import dist_rank_world, no_row, share_name, too_few
 from ._source import Item, Lookahead, Source, cut_overlong, first_negative, is_conversation, media_options
 from ._state import (
@@ -597,23 +597,15 @@ class PackingDataset(IterableDataset):
         patches = None
         if cap is not None and any(it.media is not None for it in buf):  # the second budget
             patches = np.fromiter((it.patches for it in buf), dtype=np.int64, count=len(buf))
-            bins = plan_media(
-                lengths,
-                patches,
-                max_seq_len=self.max_seq_len,
-                max_patches=cap,
-                pad_multiple=self.pad_multiple,
-                algorithm=self.algorithm,
-                seed=self.seed,
-            )
-        else:
-            bins = pack_rows(
-                lengths,
-                max_seq_len=self.max_seq_len,
-                pad_multiple=self.pad_multiple,
-                algorithm=self.algorithm,
-                seed=self.seed,
-            )
+        bins = pack_rows(
+            lengths,
+            max_seq_len=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            algorithm=self.algorithm,
+            seed=self.seed,
+            patches=patches,
+            max_patches=None if patches is None else cap,
+        )
         order, offsets = bins.order, bins.offsets
         n_rows = offsets.shape[0] - 1
         bounds = offsets.tolist()

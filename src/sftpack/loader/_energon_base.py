@@ -79,15 +79,29 @@ def _mark(batch: Any) -> dict[str, Any]:
     return {"ids": ids, "lengths": lengths, "tokens": digest(row.input_ids.numpy(), dropped)}
 
 
-class StateCheck(BaseWrapperDataset):
-    """A pass-through level after Energon's batcher whose saved state lets a restore check its data
-    (see the module docstring)."""
-
-    _savable_fields = ("_version", "_count", "_last_key", "_last_mark")
+class _PassThrough(BaseWrapperDataset):
+    """An Energon level that yields its dataset's samples unchanged (the sizes and config are its
+    dataset's); what it saves is its subclass's."""
 
     def __init__(self, dataset: Any, *, worker_config: Any) -> None:
         super().__init__(dataset, worker_config=worker_config)
         self.reset_state_own()
+
+    def len_worker(self, worker_idx: int | None = None) -> int:
+        return self.dataset.len_worker(worker_idx)
+
+    def config(self) -> dict[str, Any]:
+        return self.dataset.config()  # transparent: it changes no sample
+
+    def __str__(self) -> str:
+        return f"{type(self).__name__}(dataset={self.dataset})"
+
+
+class StateCheck(_PassThrough):
+    """A pass-through level after Energon's batcher whose saved state lets a restore check its data
+    (see the module docstring)."""
+
+    _savable_fields = ("_version", "_count", "_last_key", "_last_mark")
 
     def reset_state_own(self) -> None:
         self._version = CHECK_VERSION
@@ -95,12 +109,6 @@ class StateCheck(BaseWrapperDataset):
         self._last_key: Any = None
         self._last_mark: dict[str, Any] | None = None
         self._verify = False
-
-    def len_worker(self, worker_idx: int | None = None) -> int:
-        return self.dataset.len_worker(worker_idx)
-
-    def config(self) -> dict[str, Any]:
-        return self.dataset.config()  # transparent: it changes no sample
 
     def restore_state(self, state: Any) -> None:
         name = type(self).__name__
@@ -153,30 +161,17 @@ class StateCheck(BaseWrapperDataset):
             self._last_mark = _mark(batch)
             yield batch
 
-    def __str__(self) -> str:
-        return f"StateCheck(dataset={self.dataset})"
 
-
-class EndOfData(BaseWrapperDataset):
+class EndOfData(_PassThrough):
     """A pass-through level whose saved state says whether its source was read to its end in this pass
     (see the module docstring): restored from a state where it was, it yields nothing, instead of
     letting Energon's reader, already rolled over to its next epoch, emit that epoch again."""
 
     _savable_fields = ("_ended",)
 
-    def __init__(self, dataset: Any, *, worker_config: Any) -> None:
-        super().__init__(dataset, worker_config=worker_config)
-        self.reset_state_own()
-
     def reset_state_own(self) -> None:
         self._ended = False
         self._restored = False
-
-    def len_worker(self, worker_idx: int | None = None) -> int:
-        return self.dataset.len_worker(worker_idx)
-
-    def config(self) -> dict[str, Any]:
-        return self.dataset.config()  # transparent: it changes no sample
 
     def restore_state(self, state: Any) -> None:
         super().restore_state(state)
@@ -189,9 +184,6 @@ class EndOfData(BaseWrapperDataset):
         self._ended = False  # a new pass (a RepeatDataset's next one, or the loader iterated again)
         yield from self.dataset
         self._ended = True
-
-    def __str__(self) -> str:
-        return f"EndOfData(dataset={self.dataset})"
 
 
 class CheckedTaskEncoder(TaskEncoder):

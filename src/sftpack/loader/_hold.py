@@ -5,7 +5,7 @@ Megatron-Energon :class:`~sftpack.loader.PackingTaskEncoder`) decide a buffer's
 rows with the one row planner, :func:`sftpack.handoff.pack_rows` (every
 sequence costed at the padded length the row builder lays, input order kept
 within a row), so for the same buffer they lay the same rows; with samples with
-media and a patch budget, :func:`plan_media` adds the budget to the same plan.
+media and a patch budget, its ``max_patches`` adds the budget to the same plan.
 
 :func:`hold_back` then picks the under-filled rows whose
 sequences may wait for the next buffer (BFD leaves its few poorly filled rows
@@ -17,48 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..binpack import Bins, pack
-from ..handoff import padded_lengths
+from ..binpack import Bins
 
-__all__ = ["hold_back", "plan_media"]
-
-
-def plan_media(
-    lengths: np.ndarray,
-    patches: np.ndarray,
-    *,
-    max_seq_len: int,
-    max_patches: int,
-    pad_multiple: int,
-    algorithm: str,
-    seed: int,
-) -> Bins:
-    """A buffer's rows under two budgets: :func:`sftpack.handoff.pack_rows` (each sequence
-    costed at its padded length, each row in input order) with the second budget of
-    :func:`sftpack.binpack.pack`: a row's vision ``patches`` sum to at most ``max_patches``
-    (what :func:`sftpack.multimodal.plan_rows` plans).
-
-    >>> plan_media(np.array([8, 8, 8]), np.array([16, 16, 4]), max_seq_len=32, max_patches=20,
-    ...            pad_multiple=4, algorithm="bfd", seed=0).to_lists()
-    [[0, 2], [1]]
-    """
-    bins = pack(
-        padded_lengths(lengths, pad_multiple),
-        max_seq_len,
-        algorithm,
-        seed=seed,
-        weights=patches,
-        max_weight_per_bin=max_patches,
-    )
-    n = bins.order.shape[0]
-    if n == 0:
-        return bins
-    offsets = bins.offsets
-    row_base = np.repeat(np.arange(0, n * (offsets.shape[0] - 1), n, dtype=np.int64), np.diff(offsets))
-    key = bins.order + row_base  # row r's items as r * n + index: one sort puts each row's items ascending
-    key.sort()
-    key -= row_base
-    return Bins(key, offsets)
+__all__ = ["hold_back"]
 
 
 def hold_back(
@@ -75,7 +36,7 @@ def hold_back(
 ) -> np.ndarray:
     """``(rows,)`` bool: True for the rows to keep in the buffer for another round.
 
-    ``rows`` is a buffer's plan (:func:`sftpack.handoff.pack_rows`, or :func:`plan_media`).
+    ``rows`` is a buffer's plan (:func:`sftpack.handoff.pack_rows`).
     A row may wait when its fill is below ``min_fill`` and none of its
     sequences has waited ``max_wait`` rounds already. The emptiest candidates
     wait first, up to ``max_items`` sequences in all (so each round reads at

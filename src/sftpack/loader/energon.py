@@ -88,7 +88,6 @@ from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
 from ..sample import Sample as SftSample
 from ._energon_base import CheckedTaskEncoder, crude_json, sample_where
 from ._energon_batch import EnergonPackedBatch
-from ._hold import plan_media
 from ._source import media_options
 from ._stats import OVERLONG
 
@@ -390,21 +389,17 @@ class PackingTaskEncoder(CheckedTaskEncoder):
             raise SkipSample()
         lengths = np.fromiter((s.input_ids.shape[0] for s in kept), dtype=np.int64, count=len(kept))
         cap = self.max_patches_per_row
-        if cap is not None and any(getattr(s, "media", None) is not None for s in kept):
+        patches = None
+        if cap is not None and any(getattr(s, "media", None) is not None for s in kept):  # the second budget
             patches = np.array([0 if s.media is None else s.media.num_patches for s in kept], dtype=np.int64)
-            rows = plan_media(
-                lengths,
-                patches,
-                max_seq_len=self.max_seq_len,
-                max_patches=cap,
-                pad_multiple=self.pad_multiple,
-                algorithm=self.algorithm,
-                seed=0,
-            )
-        else:
-            rows = pack_rows(
-                lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, algorithm=self.algorithm
-            )
+        rows = pack_rows(
+            lengths,
+            max_seq_len=self.max_seq_len,
+            pad_multiple=self.pad_multiple,
+            algorithm=self.algorithm,
+            patches=patches,
+            max_patches=None if patches is None else cap,
+        )
         groups = [[kept[i] for i in row.tolist()] for row in rows]
         groups[0].extend(left)
         return groups

@@ -12,8 +12,8 @@ import numpy as np
 
 from .._optional import transformers
 from .._types import Tokenizer
-from ..chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir
-from ..chat._training_samples import ConversationSamples, training_samples
+from ..chat._cache_entry import default_cache_dir
+from ..chat._training_samples import ConversationSamples, start_training_samples
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample
@@ -62,12 +62,8 @@ def tokenized_samples(
     tokenizer: Tokenizer,
     conversations: Iterable[Any] | None = None,
     *,
-    max_seq_len: int,
-    limit: int | None = None,
-    num_proc: int = 1,
-    progress: bool = False,
     cache: bool | str | os.PathLike[str] = False,
-    cache_max_size: int = DEFAULT_MAX_SIZE,
+    **options: Any,
 ) -> tuple[list[Sample], Any]:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``);
     conversations longer than ``max_seq_len`` are split, every piece kept.
@@ -80,22 +76,17 @@ def tokenized_samples(
             conversations (the embedded corpus, or a list) and sftpack code reads the
             samples back instead of tokenizing; a one-pass iterator is never cached.
             A cache that cannot be written is warned about and done without.
-        cache_max_size: the cache's size limit in bytes (default 10 GiB; ``0``: none):
-            the entries used least recently are removed to make room for a new one.
+        options: the keywords of
+            :func:`~sftpack.chat._training_samples.start_training_samples`, among
+            them ``max_seq_len`` (required), ``limit``, ``num_proc`` (worker
+            processes, default 1), ``progress`` (a bar) and ``cache_max_size`` (the
+            cache's size limit in bytes, default 10 GiB, ``0`` for none; the entries
+            used least recently are removed to make room for a new one).
 
     Returns:
         ``(samples, stats)``: the samples in corpus order and the tokenizer's counts.
     """
-    got = training_samples(
-        tokenizer,
-        conversations,
-        max_seq_len=max_seq_len,
-        limit=limit,
-        num_proc=num_proc,
-        progress=progress,
-        cache_dir=resolve_cache(cache),
-        cache_max_size=cache_max_size,
-    )
+    got = start_training_samples(tokenizer, conversations, cache_dir=resolve_cache(cache), **options).finish()
     return checked_samples(got.samples), got.stats
 
 
@@ -250,22 +241,16 @@ def make_source(
         source.max_seq_len = config.max_seq_len
         return source
     assert not isinstance(samples, ConversationSamples)
-    patches: dict[str, Any] = {}
-    if config.max_patches_per_row is not None:
-        patches["max_patches_per_row"] = config.max_patches_per_row
+    # the run's settings the loader takes under the same names
+    same = ("max_seq_len", "buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
     loader = PackingDataset(
         samples,
-        max_seq_len=config.max_seq_len,
-        buffer_size=config.buffer_size,
-        pad_multiple=config.pad_multiple,
-        seed=config.seed,
         shuffle=True,
         num_epochs=None,
         rank=rank,
         world_size=world,
         pad_id=pad_id,
-        pad_between_seqs=config.pad_between_seqs,
-        **patches,
+        **{name: getattr(config, name) for name in same},
     )
     return LoaderSource(
         loader,

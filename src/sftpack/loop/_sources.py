@@ -336,25 +336,20 @@ class TrainerSource(_SampleSource):
     most ``token_budget`` padded tokens, the same number per rank
     (:func:`~sftpack.trainer.plan_microbatches`; with ``max_patches``, at most that
     many vision patches each too), each packed at the step from its right-padded
-    batch and its samples' media (:func:`~sftpack.trainer.pack_step`)."""
+    batch and its samples' media (:func:`~sftpack.trainer.pack_step`). ``draw``: how the
+    step's conversations are drawn and dealt, as for :class:`PaddedSource` (``batch_size``,
+    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``)."""
 
     def __init__(
         self,
         samples: Sequence[Sample] | ConversationSamples,
         *,
-        batch_size: int,
-        seed: int,
         token_budget: int,
-        rank: int = 0,
-        world: int = 1,
-        grad_accum: int = 1,
         pad_multiple: int = 1,
-        pad_id: int = 0,
         max_patches: int | None = None,
+        **draw: Any,
     ) -> None:
-        super().__init__(
-            samples, batch_size=batch_size, seed=seed, rank=rank, world=world, grad_accum=grad_accum, pad_id=pad_id
-        )
+        super().__init__(samples, **draw)
         self.token_budget, self.pad_multiple = token_budget, pad_multiple
         self.max_patches = max_patches
 

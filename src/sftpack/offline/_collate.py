@@ -40,19 +40,9 @@ _lock = threading.Lock()
 _compiled: Any = None
 
 
-def _check(
-    n_tok: int,
-    row_seq: Any,
-    row_tok: Any,
-    seq_len: Any,
-    seq_conv: Any,
-    conv_offs: Any,
-    conv_blob: Any,
-    rows: Any,
-    width: int,
-    m: int,
-) -> tuple[int, int, int]:
+def _check(n_tok: int, index: tuple[Any, ...], rows: Any, width: int, m: int) -> tuple[int, int, int]:
     """``(status, sequences, id bytes)`` of the batch; status 0 when every row reads cleanly."""
+    row_seq, row_tok, seq_len, seq_conv, conv_offs, conv_blob = index
     n_rows = row_seq.shape[0] - 1
     n_seq = seq_len.shape[0]
     n_conv = conv_offs.shape[0] - 1
@@ -96,23 +86,10 @@ def _check(
 
 
 def _collate_rows(
-    tokens: Any,
-    isz: int,
-    mask: Any,
-    row_seq: Any,
-    row_tok: Any,
-    seq_len: Any,
-    seq_conv: Any,
-    conv_offs: Any,
-    conv_blob: Any,
-    rows: Any,
-    width: int,
-    m: int,
-    pad_id: int,
+    tokens: Any, isz: int, mask: Any, index: tuple[Any, ...], rows: Any, width: int, m: int, pad_id: int
 ) -> tuple[int, Any, Any, Any, Any, Any, int, Any, Any, Any, Any]:
-    status, n_out, id_bytes = _check(
-        mask.shape[0], row_seq, row_tok, seq_len, seq_conv, conv_offs, conv_blob, rows, width, m
-    )
+    status, n_out, id_bytes = _check(mask.shape[0], index, rows, width, m)
+    row_seq, row_tok, seq_len, seq_conv, conv_offs, conv_blob = index
     n_slots = rows.shape[0] * width
     if status != OK:
         n_slots = 0
@@ -220,8 +197,9 @@ def load() -> Any:
 
 def collate_rows(*args: Any) -> tuple[int, Any, Any, Any, Any, Any, int, Any, Any, Any, Any]:
     """Lay global ``rows`` end to end (see the module docstring); arguments as :func:`_collate_rows`:
-    ``tokens`` (the token file's bytes, ``uint8``), ``isz`` (bytes per id: 1, 2 or 4), ``mask, row_seq,
-    row_tok, seq_len, seq_conv, conv_offs, conv_blob, rows, width, m, pad_id``.
+    ``tokens`` (the token file's bytes, ``uint8``), ``isz`` (bytes per id: 1, 2 or 4), ``mask``, the
+    index ``(row_seq, row_tok, seq_len, seq_conv, conv_offs, conv_blob)`` as one tuple, ``rows, width,
+    m, pad_id``.
 
     Returns ``(status, input_ids, labels, position_ids, cu_seqlens (int32), cu_seqlens_padded (int32),
     max_seqlen, conversation numbers, id bytes, id bounds, plain-string flags)``; on a nonzero status

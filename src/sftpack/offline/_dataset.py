@@ -85,10 +85,7 @@ _MAPPED = (
     "loss_mask",
     "sequences",
     "rows",
-    "_row_seq",
-    "_row_tok",
-    "_seq_len",
-    "_seq_conv",
+    "_index",
     "_token_bytes",
     "media",
 )
@@ -292,9 +289,15 @@ class PrepackedDataset(torch.utils.data.Dataset):
         self.loss_mask = self._arrays["loss_mask"]
         self.sequences = self._arrays["sequences"]
         self.rows = self._arrays["rows"]
-        # the index fields as plain strided views, what the compiled batch reader takes
-        self._row_seq, self._row_tok = self.rows["sequence"], self.rows["token"]
-        self._seq_len, self._seq_conv = self.sequences["length"], self.sequences["conversation"]
+        # the index fields as plain strided views, what the compiled batch reader takes (in its order)
+        self._index = (
+            self.rows["sequence"],
+            self.rows["token"],
+            self.sequences["length"],
+            self.sequences["conversation"],
+            self._arrays["conversation_offsets"],
+            self._arrays["conversation_ids"],
+        )
         self._token_bytes = self.tokens.view(np.uint8)
         self.media: MediaReader | None = None
         if media is not None:
@@ -593,17 +596,11 @@ class PrepackedDataset(torch.utils.data.Dataset):
             return PackedBatch.concat([self.row(int(x)) for x in r])
         if r.shape[0] * self.max_seq_len >= 1 << 31:  # int32 boundaries: leave the overflow to concat's own rules
             return PackedBatch.concat([self.row(int(x)) for x in r])
-        a = self._arrays
         out = _collate.collate_rows(
             self._token_bytes,
             self.tokens.itemsize,
             self.loss_mask,
-            self._row_seq,
-            self._row_tok,
-            self._seq_len,
-            self._seq_conv,
-            a["conversation_offsets"],
-            a["conversation_ids"],
+            self._index,
             r,
             self.max_seq_len,
             self.pad_multiple,

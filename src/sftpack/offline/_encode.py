@@ -20,15 +20,13 @@ files) do not depend on how the input was cut.
 
 from __future__ import annotations
 
-import os
-from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from .._base import pool_context
+from .._base import pool_results
 from ..sample import Sample
 from ._format import MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
@@ -200,27 +198,10 @@ def encoded(
         for i, c in numbered:
             yield encode(c, i, settings)
         return
-    ctx = pool_context()
-    saved = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        pool = ctx.Pool(num_proc, initializer=_init_worker, initargs=(settings,))
-    finally:
-        if saved is None:
-            os.environ.pop("TOKENIZERS_PARALLELISM", None)
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = saved
-    try:
-        pending: deque[Any] = deque()
-        for items in _chunks(numbered, _CHUNK):
-            pending.append(pool.apply_async(_work, (items,)))
-            if len(pending) >= 2 * num_proc:
-                yield from pending.popleft().get()
-        while pending:
-            yield from pending.popleft().get()
-    finally:
-        pool.terminate()
-        pool.join()
+    for results in pool_results(
+        _work, _chunks(numbered, _CHUNK), num_proc, initializer=_init_worker, initargs=(settings,)
+    ):
+        yield from results
 
 
 @dataclass

@@ -482,20 +482,11 @@ def write_part(
 
 
 class Writer:
-    """A Ray actor that writes row ranges. The pool starts as soon as the lengths are in, so
-    its imports (torch included) overlap merging and packing; ``num_cpus=0``: writing is
-    pwrite-bound, and no tokenize actor waits for it."""
+    """A Ray actor that writes row ranges (its ``write`` is :func:`write_part`). The pool starts as
+    soon as the lengths are in, so its imports (torch included) overlap merging and packing;
+    ``num_cpus=0``: writing is pwrite-bound, and no tokenize actor waits for it."""
 
-    def write(
-        self,
-        directory: str,
-        plan: RowPlan,
-        source: TokenSource,
-        dtype: str,
-        rows: tuple[int, int],
-        media: MediaLayout | None = None,
-    ) -> dict[str, Any]:
-        return write_part(directory, plan, source, dtype, rows, media)
+    write = staticmethod(write_part)
 
 
 @contextlib.contextmanager
