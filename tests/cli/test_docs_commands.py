@@ -57,13 +57,20 @@ def _commands() -> set[str]:
     raise AssertionError("sftpack has no subcommands")
 
 
-def _known_flags() -> set[str]:
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    """Each command's parser with its options (a command whose options import a library adds
+    them when it is first used: showing its usage does)."""
     parser = build_parser()
-    known = set(parser._option_string_actions)
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                known |= set(sub._option_string_actions)
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for sub in subs.values():
+        sub.format_usage()
+    return subs
+
+
+def _known_flags() -> set[str]:
+    known = set(build_parser()._option_string_actions)
+    for sub in _command_parsers().values():
+        known |= set(sub._option_string_actions)
     return known
 
 
@@ -160,8 +167,7 @@ def test_documented_command_parses(where, argv):
 
 
 def test_inline_mentions_use_real_flags():
-    parser = build_parser()
-    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    subs = _command_parsers()
     wrong = [
         f"{where}: sftpack {command} {flag}"
         for where, command, flags in INLINE

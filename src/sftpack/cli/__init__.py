@@ -22,15 +22,15 @@ import importlib
 import pkgutil
 import signal
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 from ._common import Terminated, UsageError, sigterm_handled
 
 __all__ = ["build_parser", "main"]
 
 #: the order ``sftpack --help`` lists commands in (others follow alphabetically)
-_ORDER = ("prepack", "inspect", "train", "map", "demo", "bench")
+_ORDER = ("prepack", "inspect", "train", "verify", "map", "demo", "bench")
 
 
 def _command_modules() -> list[str]:
@@ -44,7 +44,34 @@ def _command_modules() -> list[str]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors as one line, ``sftpack <command>: <what> (see --help)``, exit 2."""
+    """Usage errors as one line, ``sftpack <command>: <what> (see --help)``, exit 2.
+
+    A command whose options are built from a library's settings (importing it: torch, for
+    ``train`` and ``prepack``) gives them as ``add_parser(..., arguments=add)``: ``add(parser)``
+    runs the first time the command parses or shows its help, so that ``sftpack --help`` and
+    the other commands do not import that library.
+    """
+
+    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._arguments = arguments
+
+    def _add_arguments(self) -> None:
+        add, self._arguments = self._arguments, None
+        if add is not None:
+            add(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._add_arguments()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._add_arguments()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._add_arguments()
+        return super().format_help()
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")

@@ -53,6 +53,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(func=run)
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The packing settings the flags give, the same for text and for data with images."""
+    return {name: getattr(args, name) for name in ("max_seq_len", "pad_multiple", "overlong", "on_bad_row", "seed")}
+
+
 def run(args: argparse.Namespace) -> int:
     from itertools import islice
 
@@ -89,12 +94,8 @@ def run(args: argparse.Namespace) -> int:
         tok,
         source=source,
         read_stats=read_stats,
-        max_seq_len=args.max_seq_len,
-        pad_multiple=args.pad_multiple,
-        overlong=args.overlong,
-        on_bad_row=args.on_bad_row,
+        **_settings(args),
         num_proc=args.num_proc,
-        seed=args.seed,
         progress=True,
     )
     st = r.tokenize_stats
@@ -154,12 +155,8 @@ def _run_images(args: argparse.Namespace) -> int:
     r = bench_media(
         conversations,
         source=source,
-        max_seq_len=args.max_seq_len,
+        **_settings(args),
         max_patches=max_patches,
-        pad_multiple=args.pad_multiple,
-        overlong=args.overlong,
-        on_bad_row=args.on_bad_row,
-        seed=args.seed,
         progress=True,
     )
     if read_stats is not None:

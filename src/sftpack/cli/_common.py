@@ -1,4 +1,5 @@
-"""Shared by the commands: option types that refuse bad values up front, the
+"""Shared by the commands: option types that refuse bad values up front, the options
+of a dataclass's settings (:func:`add_settings`, :func:`given_settings`), the
 usage error, SIGTERM handled like Ctrl-C, the tokenizer loader, and whether
 input files hold conversations with images (:func:`has_images`)."""
 
@@ -6,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import enum
 import glob
 import itertools
 import json
 import os
 import signal
+import typing
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,6 +25,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Terminated",
     "UsageError",
+    "add_settings",
+    "given_settings",
     "has_images",
     "load_tokenizer",
     "non_negative",
@@ -136,6 +142,53 @@ def non_negative(text: str) -> int:
     return _int_at_least(text, 0, ">= 0")
 
 
+def add_settings(parser: Any, options: type, *names: str) -> None:
+    """An option of ``parser`` (or of an argument group) for each of the settings ``names``,
+    fields of the dataclass ``options``, as the field declares it: a setting's default and
+    its flag are declared once, on its field. A field with ``"help"`` in its metadata is a
+    flag; the metadata may also give ``"flag"`` (else ``--`` and the name with dashes),
+    ``"cli_default"`` (where the command's default differs from the field's; ``None``: unset,
+    the field's default or one the command derives), ``"min"`` (an ``int`` of at least 1 or
+    0: :func:`positive` / :func:`non_negative`), ``"choices"`` (an enum field's are its
+    values) and ``"metavar"``. ``{default}`` in the help is the default a run gets (the
+    command's, else the field's); a ``bool`` is a switch away from the command's default.
+    """
+    fields = {f.name: f for f in dataclasses.fields(options)}
+    hints = typing.get_type_hints(options)
+    for name in names:
+        f = fields[name]
+        meta = f.metadata
+        default = meta.get("cli_default", f.default)
+        shown = f.default if default is None else default
+        kwargs: dict[str, Any] = {
+            "dest": name,
+            "default": default.value if isinstance(default, enum.Enum) else default,
+            "help": meta["help"].format(default=shown.value if isinstance(shown, enum.Enum) else shown),
+        }
+        kinds = typing.get_args(hints[name]) or (hints[name],)
+        enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
+        if enums:
+            kwargs["choices"] = [m.value for m in enums[0]]
+        elif "choices" in meta:
+            kwargs["choices"] = list(meta["choices"])
+        elif bool in kinds:
+            kwargs["action"] = "store_false" if default else "store_true"
+        elif int in kinds:
+            kwargs["type"] = {1: positive, 0: non_negative, None: int}[meta.get("min")]
+        elif float in kinds:
+            kwargs["type"] = float
+        if "metavar" in meta:
+            kwargs["metavar"] = meta["metavar"]
+        parser.add_argument(meta.get("flag", "--" + name.replace("_", "-")), **kwargs)
+
+
+def given_settings(args: argparse.Namespace, options: type) -> dict[str, Any]:
+    """The settings of the dataclass ``options`` that its flags (:func:`add_settings`) give,
+    by field name; a flag left unset (``None``) leaves the field's default."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(options) if "help" in f.metadata}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def load_tokenizer(path: str | None) -> Any:
     """The tokenizer in a local folder, or the embedded Qwen one."""
     from ..data import default_tokenizer
@@ -151,6 +204,24 @@ def load_tokenizer(path: str | None) -> Any:
             f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder written "
             "by tokenizer.save_pretrained(), or leave --tokenizer out for the embedded Qwen tokenizer"
         ) from None
+
+
+def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
+    """``(family, tokenizer, image processor)`` of a run with images: those of the vision-language
+    model folder ``model`` (its family from ``config.model_type``), else of ``family``'s tiny model
+    (default Qwen2-VL; its tokenizer from ``tokenizer`` when given). A folder of another model type
+    is a usage error in one line, before any work."""
+    from ..multimodal import UnsupportedModelError, family_for
+
+    if model is not None and tokenizer is not None:
+        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
+    if model is not None and family is not None:
+        raise UsageError("--family: the family of a --model folder is its config.model_type; drop --family")
+    try:
+        fam = family_for(model if model is not None else family)
+        return fam, fam.tokenizer(model or tokenizer), fam.image_processor(model)
+    except UnsupportedModelError as e:
+        raise UsageError(str(e)) from None
 
 
 def _record_has_images(obj: Any) -> bool:

@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from ._common import UsageError, has_images, load_tokenizer, non_negative, positive, render_read_stats
+from ._common import (
+    UsageError,
+    add_settings,
+    given_settings,
+    has_images,
+    load_tokenizer,
+    positive,
+    render_read_stats,
+    vlm_setup,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..offline import PrepackResult
@@ -14,10 +23,19 @@ if TYPE_CHECKING:  # pragma: no cover
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "prepack",
+        arguments=_add_arguments,
         help="tokenize and bin-pack conversations once, write the rows to a directory (the offline path)",
         description="Read + tokenize, bin-pack, and write rows of --max-seq-len tokens to --out, with a manifest "
         "(fingerprint, counts, checksums). The directory appears complete or not at all.",
     )
+    p.set_defaults(func=run)
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``sftpack prepack``: :class:`~sftpack.offline.PrepackOptions`' fields, each
+    declared there once (:func:`~._common.add_settings`), and the command's own."""
+    from ..offline._options import PrepackOptions  # loads torch: added when the command is used
+
     p.add_argument(
         "inputs",
         nargs="*",
@@ -29,18 +47,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="the directory to write (must not exist, unless --overwrite; never inside an input folder)",
     )
-    p.add_argument(
-        "--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096, at most 16,777,216)"
-    )
+    add_settings(p, PrepackOptions, "max_seq_len")
     p.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
     p.add_argument(
-        "--algorithm",
-        default="bfd",
-        help="bin packer: bfd (default), ffd, first_fit_shuffle, next_fit, greedy_knapsack",
+        "--model",
+        metavar="DIR",
+        help="a local Hugging Face model folder: its tokenizer and chat template; for data with images its family "
+        "(config.model_type), tokenizer and image processor (preprocessor_config.json)",
     )
-    p.add_argument(
-        "--pad-multiple", type=positive, help="pad each sequence to a multiple of this (default: from --cp/--tp)"
-    )
+    add_settings(p, PrepackOptions, "algorithm", "pad_multiple")
     p.add_argument("--cp", type=positive, default=1, help="context-parallel size: sequences padded to 2*CP")
     p.add_argument("--tp", type=positive, default=1, help="tensor-parallel size (matters with --sequence-parallel)")
     p.add_argument("--sequence-parallel", action="store_true", help="Megatron sequence parallelism (pad x TP)")
@@ -49,32 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
         help="FP8 recipe: --max-seq-len must then be a multiple of the row multiple it needs",
     )
-    p.add_argument(
-        "--overlong",
-        default="split",
-        choices=["truncate", "drop", "split", "error"],
-        help="a conversation longer than --max-seq-len (default split: nothing lost)",
-    )
-    p.add_argument(
-        "--on-bad-row", default="skip", choices=["error", "skip"], help="bad input rows (default skip, counted)"
-    )
-    p.add_argument("--train-on", default="all_assistant", choices=["all_assistant", "last_assistant", "everything"])
-    p.add_argument("--seed", type=non_negative, default=0)
-    p.add_argument("--num-proc", type=positive, default=1, help="tokenizer processes (the files do not depend on it)")
-    p.add_argument(
-        "--engine",
-        default="local",
-        choices=["local", "ray"],
-        help="where tokenizing and writing run: local (this machine, --num-proc) or ray (Ray Data "
-        "actors; the same files byte for byte)",
-    )
-    p.add_argument("--workers", type=positive, help="--engine ray: tokenize actors (default 2)")
-    p.add_argument(
-        "--ray-address",
-        metavar="ADDR",
-        help="--engine ray: join this running Ray cluster ('auto', "
-        "'HOST:6379'); default: a private local Ray, stopped after. --tokenizer, the inputs (and their "
-        "images) and the parent of --out must be at the same paths on every node",
+    add_settings(
+        p,
+        PrepackOptions,
+        *("overlong", "on_bad_row", "train_on", "seed", "num_proc", "engine", "workers", "ray_address"),
     )
     p.add_argument(
         "--corpus",
@@ -90,22 +83,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "tokenizer and image processor and stored with their resized pixels. Not with --tokenizer, --train-on "
         "(assistant turns are trained) or --overlong truncate (never a cut inside an image).",
     )
-    img.add_argument(
-        "--family",
-        choices=["qwen2_vl", "qwen2_5_vl"],
-        help="the vision-language model family the rows are for (default qwen2_vl)",
-    )
-    img.add_argument(
-        "--max-patches-per-row",
-        type=positive,
-        metavar="N",
-        help="vision patches per row, a second budget beside --max-seq-len (default: none); a conversation over "
-        "it alone is dropped and counted as over_patch_budget (--overlong error: refused, exit 1)",
-    )
-    p.add_argument("--limit", type=positive, help="first N conversations only")
-    p.add_argument("--overwrite", action="store_true", help="replace --out if it is a prepack")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.set_defaults(func=run)
+    add_settings(img, PrepackOptions, "family", "max_patches_per_row")
+    add_settings(p, PrepackOptions, "limit", "overwrite", "progress")
 
 
 def _fmt(n: float) -> str:
@@ -162,7 +141,7 @@ def summary_lines(result: PrepackResult) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs: the offline path loads torch, and `sftpack --help` should not
     from ..handoff import pad_multiple_for
-    from ..offline import PrepackOptions, prepack
+    from ..offline import prepack
     from ..offline._format import check_row_width
 
     try:
@@ -199,32 +178,28 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--family {args.family} names the model of data with images: these inputs have no image parts"
         )
-    try:  # every option checked once, before the tokenizer loads or an input is read
-        options = PrepackOptions(
-            max_seq_len=args.max_seq_len,
-            pad_multiple=pad_multiple,
-            algorithm=args.algorithm,
-            seed=args.seed,
-            overlong=args.overlong,
-            train_on=args.train_on,
-            on_bad_row=args.on_bad_row,
-            num_proc=args.num_proc,
-            engine=args.engine,
-            workers=args.workers or 2,
-            ray_address=args.ray_address,
-            limit=args.limit,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    if args.model is not None and args.tokenizer is not None:
+        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
+    options = _options(args, pad_multiple)  # every option checked once, before the tokenizer loads or an input is read
     # Ray: a path (or None: the embedded one) that each actor loads; the driver never does
-    tok = args.tokenizer if args.engine == "ray" else load_tokenizer(args.tokenizer)
+    where = args.model or args.tokenizer
+    tok = where if args.engine == "ray" else load_tokenizer(where)
     result = prepack(args.inputs or None, args.out, tokenizer=tok, options=options)
     print(f"wrote {result.path}")
     for line in summary_lines(result):
         print("  " + line)
     return 0
+
+
+def _options(args: argparse.Namespace, pad_multiple: int, **more: Any) -> Any:
+    """The run's :class:`~sftpack.offline.PrepackOptions`: the settings the flags give, ``pad_multiple``
+    (from --pad-multiple or --cp/--tp) and ``more``; a bad value is a usage error."""
+    from ..offline import PrepackOptions
+
+    try:
+        return PrepackOptions(**{**given_settings(args, PrepackOptions), "pad_multiple": pad_multiple, **more})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
@@ -257,29 +232,15 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     except ImportError as e:
         raise UsageError(str(e)) from None
     from ..multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError
-    from ..offline import PrepackOptions, prepack
+    from ..offline import prepack
 
-    try:  # the options, checked before an image is read; what fails after that is the data's (exit 1)
-        options = PrepackOptions(
-            images=True,
-            family=args.family or "qwen2_vl",
-            max_seq_len=args.max_seq_len,
-            pad_multiple=pad_multiple,
-            max_patches_per_row=args.max_patches_per_row,
-            algorithm=args.algorithm,
-            seed=args.seed,
-            overlong=args.overlong,
-            on_bad_row=args.on_bad_row,
-            num_proc=args.num_proc,
-            engine=args.engine,
-            workers=args.workers or 2,
-            ray_address=args.ray_address,
-            limit=None if vqa else args.limit,
-            overwrite=args.overwrite,
-            progress=not args.no_progress,
-        )
-    except ValueError as e:
-        raise UsageError(str(e)) from None
+    # the family (a --model folder's), then the options, checked before an image is read; what fails
+    # after that is the data's (exit 1)
+    family, tok, processor = vlm_setup(args.model, None, args.family)
+    if args.model is not None and args.engine == "ray":
+        raise UsageError("--model with --engine ray and data with images: not offered yet; use the local engine")
+    more: dict[str, Any] = {"family": family.name} if args.model is not None else {}
+    options = _options(args, pad_multiple, images=True, limit=None if vqa else args.limit, **more)
     reader = None
     if vqa:
         from ..multimodal import vqa_corpus
@@ -298,7 +259,8 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         conversations = iter(reader)  # an iterable of conversations: hashed as it streams (ids, messages)
         extra = {"input_files": input_fingerprints(reader)}  # and the data files by their bytes
     try:
-        result = prepack(conversations, args.out, options=options, fingerprint=extra)
+        mine = {"tokenizer": tok, "processor": processor} if args.model is not None else {}
+        result = prepack(conversations, args.out, options=options, fingerprint=extra, **mine)
     except PatchBudgetError as e:  # the library names its arguments; say it in the command's flags
         raise ValueError(
             f"{e.who} has {e.patches:,} vision patches, more than --max-patches-per-row {e.max_patches:,}: no row "

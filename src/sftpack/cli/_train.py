@@ -36,9 +36,11 @@ from typing import Any, Literal
 from ._common import (
     Terminated,
     UsageError,
+    given_settings,
     has_images,
     load_tokenizer,
     sigterm_deferred,
+    vlm_setup,
 )
 from ._train_options import IMAGE_SIDES, VQA_LIMIT, add_arguments
 
@@ -54,13 +56,13 @@ def _mark(phase: str) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser(
         "train",
+        arguments=add_arguments,
         help="train a causal LM on packed rows (offline, loader, trainer) or padded batches (none)",
         description="A small training loop (AdamW, LR schedule, gradient accumulation, clipping, the global "
         "token-mean loss, DDP under torchrun, checkpoints with exact resume). Data: the embedded corpus by default, "
         "chat files, or a prepacked directory. Model: a small Llama built from a config (nothing downloaded) or "
         "--model DIR.",
     )
-    add_arguments(t)
     t.set_defaults(func=run, exit_at_once=True)  # as the command: no interpreter teardown (sftpack.cli.main)
 
 
@@ -107,7 +109,10 @@ def _stopped_line(result: Any) -> str:
 
 def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
     """With ``--prepacked`` (its ``manifest``): ``--max-seq-len`` / ``--pad-multiple``
-    taken from it (an explicit different value is refused, naming both); else the defaults."""
+    taken from it (an explicit different value is refused, naming both); else
+    :class:`~sftpack.loop.TrainConfig`'s defaults."""
+    from ..loop._options import TrainConfig  # loaded with the options (add_arguments)
+
     if manifest is not None:
         for key in ("max_seq_len", "pad_multiple"):
             have = manifest.get(key)
@@ -124,39 +129,32 @@ def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
                 )
             setattr(args, key, have)
     else:
-        if args.max_seq_len is None:
-            args.max_seq_len = 1024
-        if args.pad_multiple is None:
-            args.pad_multiple = 1
+        for key in ("max_seq_len", "pad_multiple"):
+            if getattr(args, key) is None:
+                setattr(args, key, getattr(TrainConfig, key))
 
 
-def _config(args: argparse.Namespace) -> dict:
-    """The :class:`~sftpack.loop.TrainConfig` keywords the flags give."""
-    return dict(
-        packing=args.packing,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        max_seq_len=args.max_seq_len,
-        grad_accum=args.grad_accum,
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        warmup_steps=args.warmup_steps,
-        schedule=args.schedule,
-        min_lr_ratio=args.min_lr_ratio,
-        clip_norm=args.clip_norm or None,
-        pad_multiple=args.pad_multiple,
-        boundaries=args.boundaries,
-        buffer_size=args.buffer_size,
-        max_patches_per_row=getattr(args, "max_patches_per_row", None),
-        seed=args.seed,
-        dim=args.dim,
-        layers=args.layers,
-        heads=args.heads,
-        kv_heads=args.kv_heads,
-        checkpoint_every=args.checkpoint_every,
-        device=args.device,
-        on_nonfinite=args.on_nonfinite,
-    )
+def _config(args: argparse.Namespace) -> Any:
+    """The run's :class:`~sftpack.loop.TrainConfig`: the settings the flags give (``--clip-norm 0``:
+    off); a bad value, or a device this machine does not have, is a usage error."""
+    from ..loop import TrainConfig
+    from ..loop._loop import resolve_device
+
+    try:
+        cfg = TrainConfig(**{**given_settings(args, TrainConfig), "clip_norm": args.clip_norm or None})
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    try:
+        resolve_device(cfg.device)
+    except ValueError as e:
+        raise UsageError(f"--device {e}") from None
+    return cfg
+
+
+def _model_settings(cfg: Any) -> dict[str, Any]:
+    """What the default model (text or vision-language) is built with from the run's config:
+    its shape and the seed of its weights."""
+    return {name: getattr(cfg, name) for name in ("dim", "layers", "heads", "kv_heads", "seed")}
 
 
 def _default_num_proc() -> int:
@@ -298,11 +296,6 @@ def run(args: argparse.Namespace) -> int:
     if images:
         if args.prepacked:
             raise UsageError("--prepacked is a text prepack's folder: data with images is prepacked by the run itself")
-        if args.model:
-            raise UsageError(
-                "--model with data with images: a vision-language model folder is not loaded yet; leave --model out "
-                "for the family's tiny model built from a config"
-            )
         return _run_images(args, resume)
     if args.num_proc is None:
         args.num_proc = _default_num_proc()
@@ -347,7 +340,6 @@ def _run_training(
 
     from ..chat._cache_key import tokenizer_info
     from ..loop import (
-        TrainConfig,
         build_model,
         compact_vocabulary,
         load_model,
@@ -355,20 +347,13 @@ def _run_training(
         train,
     )
     from ..loop._checkpoint import check_new_run
-    from ..loop._loop import init_distributed, resolve_device
+    from ..loop._loop import init_distributed
     from ..loop._options import Packing
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
     from ..offline import prepack_samples
 
     _mark("imports")
-    try:
-        cfg = TrainConfig(**_config(args))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:  # before anything slow: a device this machine does not have is a usage error
-        resolve_device(cfg.device)
-    except ValueError as e:
-        raise UsageError(f"--device {e}") from None
+    cfg = _config(args)  # before anything slow: a device this machine does not have is a usage error
     if args.checkpoint_dir and not resume and not args.overwrite_checkpoints:
         check_new_run(args.checkpoint_dir)  # another run's checkpoints: refused before the data is waited for
     rank, world = init_distributed()
@@ -408,16 +393,7 @@ def _run_training(
             say(f"note: {args.prepacked} records no tokenizer: its ids are taken to be this tokenizer's")
 
     def default_model(vocab: int) -> Any:
-        return build_model(
-            vocab,
-            dim=cfg.dim,
-            layers=cfg.layers,
-            heads=cfg.heads,
-            kv_heads=cfg.kv_heads,
-            seed=cfg.seed,
-            impl=args.model_impl,
-            dtype=dtype,
-        )
+        return build_model(vocab, **_model_settings(cfg), impl=args.model_impl, dtype=dtype)
 
     dtype = getattr(torch, args.dtype or "float32")
     model = None
@@ -585,24 +561,17 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
 
     from ..chat import read_conversations
     from ..chat._cache_key import tokenizer_info
-    from ..loop import TrainConfig, compact_vocabulary, make_source, train
+    from ..loop import compact_vocabulary, make_source, train
     from ..loop._checkpoint import check_new_run
-    from ..loop._loop import init_distributed, resolve_device
+    from ..loop._loop import init_distributed
     from ..loop._model import build_media_model, media_token_ids
     from ..loop._options import Packing
     from ..loop._setup import check_targets, media_samples
-    from ..multimodal import family_for, vqa_corpus
+    from ..multimodal import vqa_corpus
     from ..offline import prepack
 
     _layout(args, None)
-    try:
-        cfg = TrainConfig(**_config(args))
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    try:
-        resolve_device(cfg.device)
-    except ValueError as e:
-        raise UsageError(f"--device {e}") from None
+    cfg = _config(args)
     vqa = args.corpus == "vqa"
     lo, hi = args.image_sides or IMAGE_SIDES
     if lo > hi:
@@ -611,8 +580,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         check_new_run(args.checkpoint_dir)
     rank, world = init_distributed()
     say = print if rank == 0 else (lambda *a, **k: None)
-    family = family_for()
-    tok = family.tokenizer(args.tokenizer) if args.tokenizer else family.tokenizer()
+    family, tok, processor = vlm_setup(args.model, args.tokenizer)
     limit = args.limit or (VQA_LIMIT if vqa else None)
 
     def conversations() -> Iterable[Any]:
@@ -622,7 +590,12 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         return itertools.islice(read, limit) if limit else iter(read)
 
     samples, stats = media_samples(
-        conversations(), max_seq_len=cfg.max_seq_len, family=family, tokenizer=tok, on_bad_row=args.on_bad_row
+        conversations(),
+        max_seq_len=cfg.max_seq_len,
+        family=family,
+        tokenizer=tok,
+        processor=processor,
+        on_bad_row=args.on_bad_row,
     )
     images = sum(s.media.num_items for s in samples if s.media is not None)
     vision = sum(s.media.num_placeholders for s in samples if s.media is not None)
@@ -641,17 +614,11 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         pad_id = int(vocab.searchsorted(pad_id))
         say(f"vocabulary: the {len(vocab):,} ids that occur in the data, renumbered (of {len(tok):,})")
     dtype = getattr(torch, args.dtype or "float32")
-    model = build_media_model(
-        family,
-        tok,
-        vocab=vocab,
-        dim=cfg.dim,
-        layers=cfg.layers,
-        heads=cfg.heads,
-        kv_heads=cfg.kv_heads,
-        seed=cfg.seed,
-        dtype=dtype,
-    )
+    if args.model:
+        model = family.pretrained(args.model, dtype=dtype)
+        say(f"model: {args.model} ({family.name})")
+    else:
+        model = build_media_model(family, tok, vocab=vocab, **_model_settings(cfg), dtype=dtype)
     workdir = None
     prepacked = None
     try:
@@ -667,7 +634,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
                 images=True,
                 family=family.name,
                 max_patches_per_row=cfg.max_patches_per_row,
-                processor=family.image_processor(),
+                processor=processor,
             ).path
             say(f"prepacked into {prepacked} (temporary)")
         source = make_source(

@@ -1,14 +1,17 @@
 """The options of ``sftpack train``: its argument parser, declared here, read by :mod:`._train`.
 
 Kept apart from the command's run so that both stay readable (the options are most of
-the command's length); nothing here imports torch.
+the command's length). The run's settings are :class:`~sftpack.loop.TrainConfig`'s
+fields, each declared there once (:func:`~._common.add_settings`); the options here
+that are not a field are the command's own. :func:`add_arguments` imports the loop
+(torch), so the command adds them when it is first used (:class:`sftpack.cli._Parser`).
 """
 
 from __future__ import annotations
 
 import argparse
 
-from ._common import non_negative, positive
+from ._common import add_settings, positive
 
 __all__ = ["IMAGE_SIDES", "VQA_LIMIT", "add_arguments"]
 
@@ -21,94 +24,32 @@ IMAGE_SIDES = (56, 224)
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
+    from ..loop._options import TrainConfig
+
     t.add_argument(
         "inputs",
         nargs="*",
         metavar="INPUT",
         help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
     )
-    t.add_argument(
-        "--packing",
-        choices=["offline", "loader", "trainer", "none"],
-        default="trainer",
-        help="when rows are packed; none = padded batches, the baseline (default trainer)",
-    )
+    add_settings(t, TrainConfig, "packing")
     t.add_argument(
         "--prepacked",
         metavar="DIR",
         help="--packing offline: a directory from sftpack prepack (default: prepack the data into a temporary "
         "directory first); its row width, pad multiple and tokenizer come from its manifest",
     )
-    t.add_argument("--steps", type=positive, default=50, help="optimizer steps (default 50)")
-    t.add_argument(
-        "--batch-size",
-        type=positive,
-        default=8,
-        help="per step, over all ranks: conversations (trainer, none) or rows (offline, loader); default 8",
-    )
-    t.add_argument(
-        "--max-seq-len",
-        type=positive,
-        help="row width / micro-batch token budget; longer conversations are split (default 1024; with "
-        "--prepacked: the prepack's)",
-    )
-    t.add_argument("--seed", type=int, default=0)
+    add_settings(t, TrainConfig, "steps", "batch_size", "max_seq_len", "seed")
     t.add_argument("--log", metavar="FILE.jsonl", help="write one JSON object per step")
     t.add_argument("--plot", metavar="FILE.png", help="draw the loss and tokens/s curves")
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
-    g = t.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3)")
-    g.add_argument("--warmup-steps", type=non_negative, default=0)
-    g.add_argument("--schedule", choices=["cosine", "linear", "constant"], default="cosine")
-    g.add_argument(
-        "--min-lr-ratio",
-        type=float,
-        default=0.1,
-        help="final LR as a fraction of --lr (default 0.1)",
+    add_settings(
+        t.add_argument_group("optimisation"),
+        TrainConfig,
+        *("lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "on_nonfinite"),
     )
-    g.add_argument("--weight-decay", type=float, default=0.0)
-    g.add_argument(
-        "--grad-accum",
-        type=positive,
-        default=1,
-        help="micro-batches per rank per step, at least",
-    )
-    g.add_argument(
-        "--clip-norm",
-        type=float,
-        default=1.0,
-        help="gradient-norm clipping; 0 = off (default 1.0)",
-    )
-    g.add_argument(
-        "--on-nonfinite",
-        choices=["error", "skip"],
-        default="error",
-        help="a step whose loss or gradient norm is NaN/inf: stop with an error naming the step (default), or "
-        "skip its update (counted in the log and the summary)",
-    )
-    p = t.add_argument_group("packing")
-    p.add_argument(
-        "--pad-multiple",
-        type=positive,
-        help="pad each sequence to a multiple (2*CP; default 1; with --prepacked: the prepack's)",
-    )
-    p.add_argument(
-        "--boundaries",
-        choices=["real", "padded"],
-        help="kernel boundaries: real+padded or padded for both (default: the path's own)",
-    )
-    p.add_argument(
-        "--buffer-size",
-        type=positive,
-        default=256,
-        help="loader packing buffer (sequences)",
-    )
-    p.add_argument(
-        "--max-patches-per-row",
-        type=positive,
-        metavar="P",
-        help="data with images: at most P vision patches per packed row (loader, offline) or micro-batch "
-        "(trainer), the bin packer's second budget (default: tokens alone)",
+    add_settings(
+        t.add_argument_group("packing"), TrainConfig, "pad_multiple", "boundaries", "buffer_size", "max_patches_per_row"
     )
     m = t.add_argument_group("model")
     m.add_argument(
@@ -135,11 +76,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         "torch, the same weights for the same seed, about 4 s quicker to start; the default) or transformers "
         "(LlamaForCausalLM itself); not with --model, which always loads with transformers",
     )
-    m.add_argument("--dim", type=positive, default=64)
-    m.add_argument("--layers", type=positive, default=2)
-    m.add_argument("--heads", type=positive, default=4)
-    m.add_argument("--kv-heads", type=positive, default=2)
-    m.add_argument("--device", help="cpu or cuda (default: cuda when present)")
+    add_settings(m, TrainConfig, "dim", "layers", "heads", "kv_heads", "device")
     m.add_argument(
         "--dtype",
         choices=["float32", "float64"],
@@ -153,12 +90,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         help="where checkpoints go (one run per folder: a fresh run refuses a folder that holds another run's "
         "checkpoints); with it, SIGTERM saves one at the end of the current step before the run stops",
     )
-    c.add_argument(
-        "--checkpoint-every",
-        type=non_negative,
-        default=0,
-        help="save every K steps (0: never)",
-    )
+    add_settings(c, TrainConfig, "checkpoint_every")
     c.add_argument(
         "--resume",
         action="store_true",

@@ -84,34 +84,88 @@ class TrainConfig:
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when present).
         on_nonfinite: :class:`NonFinite`: stop (default) or skip a step whose loss
             or gradient norm is not finite.
+
+    A field with ``"help"`` in its metadata is a flag of ``sftpack train``, declared
+    there once (:func:`sftpack.cli._common.add_settings` reads it: the help, and
+    ``"cli_default"`` where the command's default differs, ``"min"``, ``"metavar"``).
     """
 
-    packing: Packing | str = Packing.TRAINER
-    steps: int = 20
-    batch_size: int = 8
-    max_seq_len: int = 1024
-    grad_accum: int = 1
+    packing: Packing | str = field(
+        default=Packing.TRAINER,
+        metadata={"help": "when rows are packed; none = padded batches, the baseline (default {default})"},
+    )
+    steps: int = field(
+        default=20, metadata={"help": "optimizer steps (default {default})", "cli_default": 50, "min": 1}
+    )
+    batch_size: int = field(
+        default=8,
+        metadata={
+            "help": "per step, over all ranks: conversations (trainer, none) or rows (offline, loader); "
+            "default {default}",
+            "min": 1,
+        },
+    )
+    max_seq_len: int = field(
+        default=1024,
+        metadata={
+            "help": "row width / micro-batch token budget; longer conversations are split (default {default}; with "
+            "--prepacked: the prepack's)",
+            "cli_default": None,
+            "min": 1,
+        },
+    )
+    grad_accum: int = field(default=1, metadata={"help": "micro-batches per rank per step, at least", "min": 1})
     micro_batch_tokens: int | None = None
-    max_patches_per_row: int | None = None
-    lr: float = 1e-3
-    weight_decay: float = 0.0
+    max_patches_per_row: int | None = field(
+        default=None,
+        metadata={
+            "help": "data with images: at most P vision patches per packed row (loader, offline) or micro-batch "
+            "(trainer), the bin packer's second budget (default: tokens alone)",
+            "min": 1,
+            "metavar": "P",
+        },
+    )
+    lr: float = field(default=1e-3, metadata={"help": "peak learning rate (default {default})"})
+    weight_decay: float = field(default=0.0, metadata={"help": "AdamW's weight decay (default {default})"})
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: Schedule | str = Schedule.COSINE
-    min_lr_ratio: float = 0.1
-    clip_norm: float | None = 1.0
-    pad_multiple: int = 1
-    boundaries: Boundaries | str | None = None
-    buffer_size: int = 256
-    seed: int = 0
-    dim: int = 64
-    layers: int = 2
-    heads: int = 4
-    kv_heads: int = 2
-    checkpoint_every: int | None = None
-    device: str | None = None
-    on_nonfinite: NonFinite | str = NonFinite.ERROR
+    warmup_steps: int = field(default=0, metadata={"help": "linear warm-up steps (default {default})", "min": 0})
+    schedule: Schedule | str = field(
+        default=Schedule.COSINE, metadata={"help": "the learning rate after the warm-up (default {default})"}
+    )
+    min_lr_ratio: float = field(default=0.1, metadata={"help": "final LR as a fraction of --lr (default {default})"})
+    clip_norm: float | None = field(
+        default=1.0, metadata={"help": "gradient-norm clipping; 0 = off (default {default})"}
+    )
+    pad_multiple: int = field(
+        default=1,
+        metadata={
+            "help": "pad each sequence to a multiple (2*CP; default {default}; with --prepacked: the prepack's)",
+            "cli_default": None,
+            "min": 1,
+        },
+    )
+    boundaries: Boundaries | str | None = field(
+        default=None,
+        metadata={"help": "kernel boundaries: real+padded or padded for both (default: the path's own)"},
+    )
+    buffer_size: int = field(default=256, metadata={"help": "loader packing buffer (sequences)", "min": 1})
+    seed: int = field(default=0, metadata={"help": "model init, data order, everything (default {default})"})
+    dim: int = field(default=64, metadata={"help": "the default model's hidden size", "min": 1})
+    layers: int = field(default=2, metadata={"help": "the default model's layers", "min": 1})
+    heads: int = field(default=4, metadata={"help": "the default model's attention heads", "min": 1})
+    kv_heads: int = field(default=2, metadata={"help": "the default model's key/value heads", "min": 1})
+    checkpoint_every: int | None = field(
+        default=None, metadata={"help": "save every K steps (0: never)", "cli_default": 0, "min": 0}
+    )
+    device: str | None = field(default=None, metadata={"help": "cpu or cuda (default: cuda when present)"})
+    on_nonfinite: NonFinite | str = field(
+        default=NonFinite.ERROR,
+        metadata={
+            "help": "a step whose loss or gradient norm is NaN/inf: stop with an error naming the step (default), or "
+            "skip its update (counted in the log and the summary)"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -11,8 +11,8 @@ methods and know no family. A family says:
 - its media payload and position rule (:meth:`Family.media`: a
   :class:`~sftpack.handoff.payload.PatchMedia` with MRoPE positions, or an
   :class:`~sftpack.handoff.payload.ImageMedia` with the text's 1-D ones);
-- what its tokenizer must hold (:meth:`Family.check`) and which tokenizer to use by
-  default (:meth:`Family.tokenizer`);
+- what its tokenizer must hold and which image processors it takes (:meth:`Family.check`)
+  and which tokenizer to use by default (:meth:`Family.tokenizer`);
 - how its model runs a packed row and one sample alone (:meth:`Family.packed_hidden`, the
   language model's hidden states of the row, which :meth:`Family.packed_logits` and the
   training loop's loss put the head over; :meth:`Family.alone_logits`: what the vision
@@ -40,6 +40,7 @@ import torch
 from .. import _optional
 from ..chat._tokenize import _backend
 from ..exactness import norms_in_model_dtype
+from ..handoff.payload import ImageMedia, Media
 
 __all__ = ["FAMILIES", "EncodedImages", "Family", "UnsupportedModelError", "family_for"]
 
@@ -84,6 +85,15 @@ class Family:
     image_block: ClassVar[tuple[str, ...]] = ("<|image_pad|>",)
     #: the placeholder token (one of :attr:`image_block`)
     placeholder: ClassVar[str] = "<|image_pad|>"
+    #: what :meth:`takes_processor` asks of an image processor, and which one each family
+    #: takes: the end of :meth:`check`'s error, ``(what it asks): the fix``
+    processor_wanted: ClassVar[str] = ""
+    #: the class of the family's media payload (:meth:`media`): by default one pixel tensor per image
+    media_class: ClassVar[type[Media]] = ImageMedia
+    #: the Hugging Face class of its models (a name in ``transformers``)
+    model_class: ClassVar[str] = ""
+    #: its RMSNorm classes, computed in float64 in a float64 model (``None``: Llama's)
+    norm_classes: ClassVar[tuple[str, ...] | None] = None
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -104,6 +114,30 @@ class Family:
             return self._default_image_processor()
         return _optional.transformers().AutoImageProcessor.from_pretrained(os.fspath(model_dir), use_fast=False)
 
+    def pretrained(
+        self, model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, vision_attention: str = "sdpa"
+    ) -> Any:
+        """The family's model in the local folder ``model_dir`` (``save_pretrained``; never
+        downloads), as :func:`seeded_model` prepares a tiny one: the language model on sftpack's
+        training attention, the vision tower on ``vision_attention``, in training mode and ``dtype``."""
+        from .._train_attention import register_train_attention
+
+        name = register_train_attention()
+        model_class = getattr(_optional.transformers(), self.model_class)
+        try:
+            model = model_class.from_pretrained(
+                os.fspath(model_dir),
+                local_files_only=True,
+                dtype=dtype,
+                attn_implementation={"": name, "text_config": name, "vision_config": vision_attention},
+            )
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"cannot load a {self.model_class} from {os.fspath(model_dir)!r} ({' '.join(str(e).split())[:200]}); "
+                "give a local folder written by model.save_pretrained()"
+            ) from None
+        return _prepared(model, dtype, self.norm_classes)
+
     def _default_tokenizer(self) -> Any:  # pragma: no cover - per family
         raise NotImplementedError
 
@@ -112,8 +146,13 @@ class Family:
 
     # ---------------------------------------------------------- tokenizing
     def check(self, tokenizer: Any, processor: Any) -> None:
-        """Raise :class:`UnsupportedModelError` unless ``tokenizer`` holds every token the
-        renderer writes for this family (a family adds its processor's check)."""
+        """Raise :class:`UnsupportedModelError` unless ``processor`` is one of this family's image
+        processors (:meth:`takes_processor`) and ``tokenizer`` holds every token the renderer
+        writes for this family."""
+        if not self.takes_processor(processor):
+            raise UnsupportedModelError(
+                f"{type(processor).__name__} is not a {self.name} image processor {self.processor_wanted}"
+            )
         backend = _backend(tokenizer)
         missing = [t for t in (*CHATML, *self.image_block) if backend.token_to_id(t) is None]
         if missing:
@@ -121,6 +160,10 @@ class Family:
                 f"{type(tokenizer).__name__} lacks the tokens {missing} of {self.name}'s ChatML and image block: "
                 f"use {self.name}'s own tokenizer (Family.tokenizer(model_dir))"
             )
+
+    def takes_processor(self, processor: Any) -> bool:
+        """Whether ``processor`` is an image processor of this family (:attr:`processor_wanted`)."""
+        return True
 
     def placeholder_id(self, tokenizer: Any) -> int:
         return int(tokenizer.convert_tokens_to_ids(self.placeholder))
@@ -134,10 +177,21 @@ class Family:
         """Pixels and placeholder counts of one conversation's images (PIL, in order)."""
         raise NotImplementedError
 
-    def media(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, token_id: int) -> Any:
-        """The media payload of one sample: its images (``runs[i]`` = image ``i``'s placeholder
-        run ``(start, length)`` in ``input_ids``) and the family's position rule."""
-        raise NotImplementedError  # pragma: no cover
+    def media(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, token_id: int) -> Media:
+        """The media payload of one sample (a :attr:`media_class`): its images (``runs[i]`` =
+        image ``i``'s placeholder run ``(start, length)`` in ``input_ids``, all in sequence 0)
+        and what the family adds (:meth:`_media_fields`: its grid and position rule)."""
+        return self.media_class(
+            pixel_values=torch.from_numpy(images.pixel_values),
+            slots=torch.from_numpy(runs),
+            sequence=torch.zeros(len(runs), dtype=torch.int64),
+            token_id=token_id,
+            **self._media_fields(input_ids, runs, images),
+        )
+
+    def _media_fields(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages) -> dict[str, Any]:
+        """The fields of :attr:`media_class` beyond the base :class:`~sftpack.handoff.payload.Media`'s."""
+        return {}
 
     # ------------------------------------------------------------- the model
     def tiny_model(
@@ -187,8 +241,18 @@ class Family:
         """``(T, V)`` logits of a packed row: the model's output head over :meth:`packed_hidden`."""
         return model.get_output_embeddings()(self.packed_hidden(model, batch, pad_between_seqs=pad_between_seqs))
 
-    def alone_logits(self, model: Any, sample: Any) -> Any:  # pragma: no cover
-        """``(L, V)`` logits of one sample run alone, the model's own way."""
+    def alone_logits(self, model: Any, sample: Any) -> Any:
+        """``(L, V)`` logits of one sample run alone, the model's own way: ``model(input_ids,
+        ...)`` with what its vision tower takes of the sample's images (:meth:`_alone_media`)."""
+        ids = torch.from_numpy(sample.input_ids).unsqueeze(0)
+        kw: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        media = sample.media
+        if media is not None and media.num_items:
+            kw.update(self._alone_media(model, ids, media))
+        return model(**kw).logits[0]
+
+    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: Any) -> dict[str, Any]:  # pragma: no cover
+        """The keyword arguments of a sample's images for the model's own forward (``input_ids`` ``(1, L)``)."""
         raise NotImplementedError
 
     def part_of(self, parameter: str) -> str:
@@ -239,6 +303,12 @@ def seeded_model(
         model = model_class._from_config(
             config, attn_implementation={"": name, "text_config": name, "vision_config": vision_attention}
         )
+    return _prepared(model, dtype, norm_classes)
+
+
+def _prepared(model: Any, dtype: torch.dtype, norm_classes: tuple[str, ...] | None) -> Any:
+    """``model`` in training mode and ``dtype``; in float64 its ``norm_classes`` (default
+    Llama's) compute in float64 too."""
     model = model.to(dtype).train()
     if dtype != torch.float64:
         return model

@@ -19,7 +19,8 @@ ValueError: max_seq_len=1000 is not a multiple of pad_multiple=16: the last sequ
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .._base import StrEnum, choose, positive_int
@@ -56,28 +57,91 @@ class PrepackOptions:
     Qwen2-VL by default) and planned under ``max_patches_per_row`` vision patches per row
     too (``None``: tokens only); ``overlong`` is then ``split``, ``drop`` or ``error`` and
     the assistant turns are trained.
+
+    A field with ``"help"`` in its metadata is a flag of ``sftpack prepack``, declared
+    here once (:func:`sftpack.cli._common.add_settings` reads it).
     """
 
-    max_seq_len: int = 4096
-    pad_multiple: int = 1
-    algorithm: Algorithm = Algorithm.BFD
-    seed: int = 0
-    overlong: Overlong = Overlong.SPLIT
-    train_on: TrainOn = TrainOn.ALL_ASSISTANT
-    on_bad_row: OnBadRow = OnBadRow.SKIP
-    limit: int | None = None
-    engine: Engine = Engine.LOCAL
-    num_proc: int = 1
-    workers: int = 2
-    ray_address: str | None = None
+    max_seq_len: int = field(
+        default=4096, metadata={"help": "row width in tokens (default {default}, at most 16,777,216)", "min": 1}
+    )
+    pad_multiple: int = field(
+        default=1,
+        metadata={
+            "help": "pad each sequence to a multiple of this (default: from --cp/--tp)",
+            "cli_default": None,
+            "min": 1,
+        },
+    )
+    algorithm: Algorithm = field(default=Algorithm.BFD, metadata={"help": "bin packer (default {default})"})
+    seed: int = field(default=0, metadata={"help": "the bin packer's seed (default {default})", "min": 0})
+    overlong: Overlong = field(
+        default=Overlong.SPLIT,
+        metadata={"help": "a conversation longer than --max-seq-len (default {default}: nothing lost)"},
+    )
+    train_on: TrainOn = field(
+        default=TrainOn.ALL_ASSISTANT, metadata={"help": "the tokens trained on (default {default})"}
+    )
+    on_bad_row: OnBadRow = field(
+        default=OnBadRow.SKIP, metadata={"help": "bad input rows (default {default}, counted)"}
+    )
+    limit: int | None = field(default=None, metadata={"help": "first N conversations only", "min": 1})
+    engine: Engine = field(
+        default=Engine.LOCAL,
+        metadata={
+            "help": "where tokenizing and writing run: local (this machine, --num-proc) or ray (Ray Data "
+            "actors; the same files byte for byte)"
+        },
+    )
+    num_proc: int = field(default=1, metadata={"help": "tokenizer processes (the files do not depend on it)", "min": 1})
+    workers: int = field(
+        default=2,
+        metadata={"help": "--engine ray: tokenize actors (default {default})", "cli_default": None, "min": 1},
+    )
+    ray_address: str | None = field(
+        default=None,
+        metadata={
+            "help": "--engine ray: join this running Ray cluster ('auto', 'HOST:6379'); default: a private local "
+            "Ray, stopped after. --tokenizer, the inputs (and their images) and the parent of --out must be at "
+            "the same paths on every node",
+            "metavar": "ADDR",
+        },
+    )
     unit_size: int = UNIT_CONVERSATIONS
     write_tasks: int | None = None
     actor_cpus: float = 1.0
-    overwrite: bool = False
-    progress: bool = False
+    overwrite: bool = field(default=False, metadata={"help": "replace --out if it is a prepack"})
+    progress: bool = field(
+        default=False, metadata={"help": "no progress bars", "flag": "--no-progress", "cli_default": True}
+    )
     images: bool = False
-    family: str = "qwen2_vl"
-    max_patches_per_row: int | None = None
+    family: str = field(
+        default="qwen2_vl",
+        metadata={
+            "help": "the vision-language model family the rows are for (default {default})",
+            "cli_default": None,
+            "choices": ("qwen2_vl", "qwen2_5_vl"),
+        },
+    )
+    max_patches_per_row: int | None = field(
+        default=None,
+        metadata={
+            "help": "vision patches per row, a second budget beside --max-seq-len (default: none); a conversation "
+            "over it alone is dropped and counted as over_patch_budget (--overlong error: refused, exit 1)",
+            "min": 1,
+            "metavar": "N",
+        },
+    )
+
+    @classmethod
+    def from_settings(cls, who: str, settings: dict[str, Any], names: Sequence[str] = ()) -> PrepackOptions:
+        """``cls(**settings)``; a keyword that is not one of ``names`` (default: every field) is a
+        ``TypeError`` naming it and them (``who``: the function or class that took them)."""
+        names = names or [f.name for f in fields(cls)]
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise TypeError(f"{who} got {', '.join(unknown)}, not a setting: the settings are {', '.join(names)}")
+        return cls(**settings)
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:

@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from .._base import choose
 from .._types import Tokenizer
 from ..binpack import Algorithm
-from ..chat import OnBadRow, TrainOn
-from ..sample import Overlong, Sample
+from ..sample import Sample
 from ._driver import Job, run, run_conversations
 from ._engine import PrepackEngine, Samples
 from ._fingerprint import input_fingerprints, tokenizer_fingerprint
@@ -46,26 +44,10 @@ def prepack(
     out: str | os.PathLike[str] = "prepack",
     *,
     tokenizer: Tokenizer | None = None,
-    max_seq_len: int = 4096,
-    pad_multiple: int = 1,
-    algorithm: str | Algorithm = "bfd",
-    seed: int = 0,
-    overlong: str | Overlong = "split",
-    train_on: str | TrainOn = "all_assistant",
-    on_bad_row: str | OnBadRow = "skip",
-    num_proc: int = 1,
-    engine: str | Engine | PrepackEngine = "local",
-    workers: int = 2,
-    ray_address: str | None = None,
-    limit: int | None = None,
-    overwrite: bool = False,
-    progress: bool = False,
-    images: bool = False,
-    family: str = "qwen2_vl",
-    max_patches_per_row: int | None = None,
     processor: Any = None,
     fingerprint: dict[str, Any] | None = None,
     options: PrepackOptions | None = None,
+    **settings: Any,
 ) -> PrepackResult:
     """Read, tokenize, bin-pack and write conversations (with or without images) as a prepack directory.
 
@@ -77,6 +59,13 @@ def prepack(
         out: the directory to create (refused if it exists, unless ``overwrite``).
         tokenizer: a Hugging Face fast tokenizer with a chat template (default:
             :func:`sftpack.data.default_tokenizer`; with images, the family's tokenizer).
+        processor: with images, the image processor (default: the family's).
+        fingerprint: extra entries for the manifest's fingerprint (e.g. the corpus a caller names).
+        options: the settings as one :class:`PrepackOptions` (then no setting is given by keyword
+            but an engine object).
+        settings: any field of :class:`PrepackOptions` by keyword, its default the field's (another
+            keyword is a ``TypeError`` naming the settings). They are:
+
         max_seq_len: row width ``T``; also the over-long limit for one conversation.
         pad_multiple: pad each sequence to a multiple of this (``2*CP``; see
             :func:`sftpack.handoff.pad_multiple_for`); ``max_seq_len`` must be a multiple.
@@ -104,44 +93,16 @@ def prepack(
             ``max_seq_len`` (``None``: none). A conversation with a sample (or a piece) over it is
             dropped and counted as ``over_patch_budget``, or under ``overlong="error"`` raises
             :class:`~sftpack.multimodal.PatchBudgetError`, as the loader does.
-        processor: with images, the image processor (default: the family's).
-        fingerprint: extra entries for the manifest's fingerprint (e.g. the corpus a caller names).
-        options: all of the above but ``inputs``, ``out``, ``tokenizer``, ``processor``,
-            ``fingerprint`` and an engine object, as one :class:`PrepackOptions`; the keywords
-            must then keep their defaults.
+        unit_size, write_tasks, actor_cpus: the Ray engine's, as :class:`RayEngine`.
 
     Returns:
         :class:`PrepackResult` (``.path``, ``.manifest``, ``.counts``, ``.seconds``).
     """
-    given: dict[str, Any] = {
-        "max_seq_len": max_seq_len,
-        "pad_multiple": pad_multiple,
-        "algorithm": algorithm,
-        "seed": seed,
-        "overlong": overlong,
-        "train_on": train_on,
-        "on_bad_row": on_bad_row,
-        "num_proc": num_proc,
-        "workers": workers,
-        "ray_address": ray_address,
-        "limit": limit,
-        "overwrite": overwrite,
-        "progress": progress,
-        "images": images,
-        "family": family,
-        "max_patches_per_row": max_patches_per_row,
-    }
-    engine_object = engine if isinstance(engine, PrepackEngine) else None
+    engine_object = settings.pop("engine") if isinstance(settings.get("engine"), PrepackEngine) else None
     if options is None:
-        name = Engine.LOCAL if engine_object is not None else choose(Engine, engine, "engine")
-        options = PrepackOptions(engine=name, **given)
-    else:
-        defaults = {f.name: f.default for f in fields(PrepackOptions)}
-        changed = sorted(k for k, v in given.items() if v != defaults[k])
-        if changed or (engine_object is None and choose(Engine, engine, "engine") is not Engine.LOCAL):
-            raise ValueError(
-                f"prepack got options= and also {', '.join(changed) or 'engine'}: set them in the PrepackOptions"
-            )
+        options = PrepackOptions.from_settings("prepack", settings)
+    elif settings:
+        raise ValueError(f"prepack got options= and also {', '.join(sorted(settings))}: set them in the PrepackOptions")
     engine_run = engine_object or _engine_for(options)
     return run_conversations(inputs, out, tokenizer, options, engine_run, processor=processor, fingerprint=fingerprint)
 

@@ -53,7 +53,7 @@ from ._encode import ImageCounts, ImageSettings
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import digest
 from ._inputs import open_image_inputs, open_inputs, reading_counts
-from ._options import UNIT_CONVERSATIONS, PrepackOptions
+from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._ray_session import import_ray, ray_session
 from ._ray_units import (
@@ -117,6 +117,9 @@ class _Run:
 class RayEngine(PrepackEngine):
     """Stages 1 and 3 on Ray (see the module docstring).
 
+    All but ``progress`` and ``after_unit`` are fields of :class:`~sftpack.offline.PrepackOptions`,
+    with its defaults and checks (:attr:`SETTINGS`).
+
     Args:
         workers: tokenize actors (at most one per unit).
         ray_address: join this running cluster; ``None`` starts a private local Ray
@@ -134,45 +137,31 @@ class RayEngine(PrepackEngine):
     """
 
     start_timer = "ray_start"
+    #: the fields of :class:`~sftpack.offline.PrepackOptions` this engine takes, with their defaults and checks
+    SETTINGS = ("workers", "ray_address", "unit_size", "write_tasks", "actor_cpus")
+    workers: int
+    ray_address: str | None
+    unit_size: int
+    write_tasks: int | None
+    actor_cpus: float
 
     def __init__(
         self,
         *,
-        workers: int = 2,
-        ray_address: str | None = None,
-        unit_size: int = UNIT_CONVERSATIONS,
-        write_tasks: int | None = None,
-        actor_cpus: float = 1.0,
         progress: bool = False,
         after_unit: Callable[[int], None] | None = None,
+        **settings: Any,
     ):
-        # the same checks as PrepackOptions (an engine can be built without one)
-        checked = PrepackOptions(
-            workers=workers,
-            ray_address=ray_address,
-            unit_size=unit_size,
-            write_tasks=write_tasks,
-            actor_cpus=actor_cpus,
-        )
-        self.workers = checked.workers
-        self.ray_address = checked.ray_address
-        self.unit_size = checked.unit_size
-        self.write_tasks = checked.write_tasks
-        self.actor_cpus = checked.actor_cpus
+        checked = PrepackOptions.from_settings("RayEngine", settings, self.SETTINGS)
+        for name in self.SETTINGS:
+            setattr(self, name, getattr(checked, name))
         self.progress = bool(progress)
         self.after_unit = after_unit
         self._run: _Run | None = None
 
     @classmethod
     def from_options(cls, options: PrepackOptions) -> RayEngine:
-        return cls(
-            workers=options.workers,
-            ray_address=options.ray_address,
-            unit_size=options.unit_size,
-            write_tasks=options.write_tasks,
-            actor_cpus=options.actor_cpus,
-            progress=options.progress,
-        )
+        return cls(**{name: getattr(options, name) for name in cls.SETTINGS}, progress=options.progress)
 
     @contextlib.contextmanager
     def session(self) -> Iterator[None]:
@@ -380,7 +369,7 @@ def prepack_ray(
     """
     if options.get("engine", "ray") != "ray":
         raise ValueError(f"prepack_ray runs the Ray engine, not engine={options['engine']!r}: call prepack")
-    settings = PrepackOptions(**{**options, "engine": "ray"})
+    settings = PrepackOptions.from_settings("prepack_ray", {**options, "engine": "ray"})
     result = run_conversations(inputs, out, tokenizer, settings, RayEngine.from_options(settings))
     assert isinstance(result, RayPrepackResult)
     return result

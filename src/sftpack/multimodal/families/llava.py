@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from ... import _optional
+from ...exactness import small_text_config
 from ...handoff import PackedBatch, PackedBatchError
 from ...handoff.payload import ImageMedia
-from ...sample import Sample
 from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model, text_kwargs
 from .qwen2_vl import IMAGE_PAD, qwen2vl_tokenizer
 
@@ -109,6 +109,11 @@ class Llava(Family):
     model_types: ClassVar[tuple[str, ...]] = ("llava",)
     image_block: ClassVar[tuple[str, ...]] = (IMAGE_PAD,)
     placeholder: ClassVar[str] = IMAGE_PAD
+    processor_wanted: ClassVar[str] = (
+        "(a CLIP-style processor with a square crop_size): the llava family takes CLIPImageProcessorPil "
+        "(Family.image_processor()), the qwen2_vl and qwen2_5_vl families Qwen2VLImageProcessorPil"
+    )
+    model_class: ClassVar[str] = "LlavaForConditionalGeneration"
 
     @classmethod
     def from_config(cls, config: Any) -> Llava:
@@ -120,14 +125,8 @@ class Llava(Family):
     def _default_image_processor(self) -> Any:
         return _image_processor(self.image_size)
 
-    def check(self, tokenizer: Any, processor: Any) -> None:
-        if _crop_side(processor) is None:
-            raise UnsupportedModelError(
-                f"{type(processor).__name__} is not a llava image processor (a CLIP-style processor with a square "
-                "crop_size): the llava family takes CLIPImageProcessorPil (Family.image_processor()), the "
-                "qwen2_vl and qwen2_5_vl families Qwen2VLImageProcessorPil"
-            )
-        super().check(tokenizer, processor)
+    def takes_processor(self, processor: Any) -> bool:
+        return _crop_side(processor) is not None
 
     def encode_images(self, images: list[Any], processor: Any) -> EncodedImages:
         if images:
@@ -137,14 +136,6 @@ class Llava(Family):
             pv = np.zeros((0, 3, size, size), np.float32)
         n = pv.shape[0]
         return EncodedImages(pv, np.full(n, self.image_tokens, np.int64))
-
-    def media(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, token_id: int) -> ImageMedia:
-        return ImageMedia(
-            pixel_values=torch.from_numpy(images.pixel_values),
-            slots=torch.from_numpy(runs),
-            sequence=torch.zeros(len(runs), dtype=torch.int64),
-            token_id=token_id,
-        )
 
     # ------------------------------------------------------------- the model
     def _tiny_model(self, vocab_size: int, ids: dict[str, int], build: dict[str, Any], sizes: dict[str, Any]) -> Any:
@@ -194,13 +185,9 @@ class Llava(Family):
         inputs = {"inputs_embeds": embeds.unsqueeze(0), "position_ids": b.position_ids.unsqueeze(0)}
         return model.model(**text_kwargs(model, b, inputs, pad_between_seqs=pad_between_seqs)).last_hidden_state[0]
 
-    def alone_logits(self, model: Any, sample: Sample) -> torch.Tensor:
-        """``(L, V)`` logits of one sample alone, the model's own way: ``model(input_ids,
-        pixel_values)`` (its vision tower, its own feature scatter, its own positions)."""
-        kw: dict[str, Any] = {"input_ids": torch.from_numpy(sample.input_ids).unsqueeze(0), "use_cache": False}
-        if sample.media is not None and sample.media.num_items:
-            kw["pixel_values"] = sample.media.pixel_values.to(model.dtype)
-        return model(**kw).logits[0]
+    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: ImageMedia) -> dict[str, Any]:
+        """``model(input_ids, pixel_values)``: its vision tower, its own feature scatter, its own positions."""
+        return {"pixel_values": media.pixel_values.to(model.dtype)}
 
     def part_of(self, parameter: str) -> str:
         if ".vision_tower." in parameter:
@@ -251,14 +238,7 @@ def tiny_llava(
         ),
         text_config=dict(
             model_type="llama",
-            vocab_size=vocab_size,
-            hidden_size=dim,
-            intermediate_size=2 * dim,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
-            max_position_embeddings=32768,
-            attention_dropout=0.0,
+            **small_text_config(vocab_size, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads),
             bos_token_id=None,
             eos_token_id=None,
             pad_token_id=None,

@@ -28,7 +28,7 @@ class Qwen25VL(Qwen2VL):
     name: ClassVar[str] = "qwen2_5_vl"
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_5_vl",)
     model_class: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
-    norm_classes: ClassVar[tuple[str, ...]] = ("Qwen2_5_VLRMSNorm",)
+    norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2_5_VLRMSNorm",)
 
     def config(self, vocab_size: int, token_ids: dict[str, int], **sizes: Any) -> Any:
         """A small ``Qwen2_5_VLConfig``: Qwen2-VL's sizes; the tower ``vision_dim`` wide (its

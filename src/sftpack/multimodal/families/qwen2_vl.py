@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from ... import _optional
+from ...exactness import small_text_config
 from ...handoff import PackedBatch
 from ...handoff.payload import PatchMedia
-from ...sample import Sample
-from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model, text_kwargs
+from .._family import EncodedImages, Family, seeded_model, text_kwargs
 from .._images import image_processor, process_images
 
 __all__ = ["QWEN2VL_SPECIALS", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
@@ -110,10 +110,14 @@ class Qwen2VL(Family):
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
     image_block: ClassVar[tuple[str, ...]] = (VISION_START, IMAGE_PAD, VISION_END)
     placeholder: ClassVar[str] = IMAGE_PAD
-    #: the Hugging Face model class, in ``transformers``
+    processor_wanted: ClassVar[str] = (
+        "(integer patch_size, temporal_patch_size and merge_size; image_grid_thw out): the qwen2_vl and "
+        "qwen2_5_vl families take Qwen2VLImageProcessorPil (Family.image_processor()), the llava family a "
+        "CLIP processor"
+    )
+    media_class: ClassVar[type[PatchMedia]] = PatchMedia
     model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
-    #: the RMSNorm classes that compute in float32 unless told (see ``norms_in_model_dtype``)
-    norm_classes: ClassVar[tuple[str, ...]] = ("Qwen2VLRMSNorm",)
+    norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2VLRMSNorm",)
 
     def _default_tokenizer(self) -> Any:
         return qwen2vl_tokenizer()
@@ -121,16 +125,10 @@ class Qwen2VL(Family):
     def _default_image_processor(self) -> Any:
         return image_processor()
 
-    def check(self, tokenizer: Any, processor: Any) -> None:
+    def takes_processor(self, processor: Any) -> bool:
         sizes = [getattr(processor, a, None) for a in ("patch_size", "temporal_patch_size", "merge_size")]
         ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)
-        if not ints or "image_grid_thw" not in (getattr(processor, "model_input_names", None) or ()):
-            raise UnsupportedModelError(
-                f"{type(processor).__name__} is not a {self.name} image processor (integer patch_size, "
-                "temporal_patch_size and merge_size; image_grid_thw out): the qwen2_vl and qwen2_5_vl families "
-                "take Qwen2VLImageProcessorPil (Family.image_processor()), the llava family a CLIP processor"
-            )
-        super().check(tokenizer, processor)
+        return ints and "image_grid_thw" in (getattr(processor, "model_input_names", None) or ())
 
     def encode_images(self, images: list[Any], processor: Any) -> EncodedImages:
         patches = process_images(images, processor)
@@ -138,18 +136,14 @@ class Qwen2VL(Family):
         merge = int(processor.merge_size)
         return EncodedImages(patches.pixel_values, patches.tokens_per_image(merge), grid, merge)
 
-    def media(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, token_id: int) -> PatchMedia:
+    def _media_fields(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages) -> dict[str, Any]:
         assert images.grid_thw is not None
         merge = images.merge_size
-        return PatchMedia(
-            pixel_values=torch.from_numpy(images.pixel_values),
-            slots=torch.from_numpy(runs),
-            sequence=torch.zeros(len(runs), dtype=torch.int64),
-            token_id=token_id,
-            grid_thw=torch.from_numpy(images.grid_thw),
-            merge_size=merge,
-            positions=torch.from_numpy(mrope_positions(len(input_ids), runs, images.grid_thw, merge)),
-        )
+        return {
+            "grid_thw": torch.from_numpy(images.grid_thw),
+            "merge_size": merge,
+            "positions": torch.from_numpy(mrope_positions(len(input_ids), runs, images.grid_thw, merge)),
+        }
 
     # ------------------------------------------------------------- the model
     def token_ids(self, tokenizer: Any) -> dict[str, int]:
@@ -202,18 +196,14 @@ class Qwen2VL(Family):
             kw["mm_encoder_outputs"] = {"image": self.vision_outputs(model, media)}
         return model.model(**kw).last_hidden_state[0]
 
-    def alone_logits(self, model: Any, sample: Sample) -> torch.Tensor:
-        """``(L, V)`` logits of one sample run alone, Hugging Face's own way: the model computes
-        the MRoPE positions (``get_rope_index``) and runs its vision tower itself; one causal
-        sequence, no boundaries."""
-        ids = torch.from_numpy(sample.input_ids).unsqueeze(0)
-        kw: dict[str, Any] = {"input_ids": ids, "use_cache": False}
-        media = sample.media
-        if media is not None and media.num_items:
-            kw["pixel_values"] = media.pixel_values
-            kw["image_grid_thw"] = media.grid_thw
-            kw["mm_token_type_ids"] = (ids == media.token_id).to(torch.int32)
-        return model(**kw).logits[0]
+    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
+        """Hugging Face's own way: the model computes the MRoPE positions (``get_rope_index``)
+        and runs its vision tower itself; one causal sequence, no boundaries."""
+        return {
+            "pixel_values": media.pixel_values,
+            "image_grid_thw": media.grid_thw,
+            "mm_token_type_ids": (input_ids == media.token_id).to(torch.int32),
+        }
 
     def part_of(self, parameter: str) -> str:
         return "vision" if ".visual." in f".{parameter}" else "language"
@@ -239,15 +229,8 @@ def _config(
     section = [half - 2 * (half // 4), half // 4, half // 4]
     return config_class(
         text_config=dict(
-            vocab_size=vocab_size,
-            hidden_size=dim,
-            intermediate_size=2 * dim,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv_heads,
+            **small_text_config(vocab_size, dim=dim, layers=layers, heads=heads, kv_heads=kv_heads),
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
-            max_position_embeddings=32768,
-            attention_dropout=0.0,
             bos_token_id=None,
             eos_token_id=None,
             pad_token_id=None,

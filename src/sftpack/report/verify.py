@@ -1,0 +1,463 @@
+"""``sftpack verify``: the project's exactness proof, run on the user's own model and data.
+
+For a sample of the user's conversations (text, or with images for a vision-language
+family), every packing path builds its rows exactly as ``sftpack train`` feeds them
+(:func:`sftpack.loop.make_source`: the trainer's micro-batches, the loader's rows, the
+offline path's prepacked rows re-read), in each boundary mode, and each row goes through the
+model's own Hugging Face class against each of its samples run alone: the logits of every
+real token, the token-mean loss over the row's targets and every parameter gradient
+(:func:`sftpack.multimodal._exactness.compare_packed_alone`). A row whose sequences are not
+samples of the input (tokens changed on the way) fails as well.
+
+The tolerance is fixed by the model's shape, never by the run: packed and alone compute the
+same function in other summation orders, and an ``n``-term sum is off by at most ``n * u``
+of its terms' magnitude sum (Higham, *Accuracy and Stability of Numerical Algorithms*,
+section 3.1). :func:`rounding_chain` bounds ``n`` for one forward and backward pass of the
+model over a row (:func:`tolerance`); in float64 the bound is ``2 * n * u`` (two runs) of
+the compared values' magnitude (at least 1), with ``u = 2**-53``; in float32 the
+``sqrt(n) * u`` growth of Higham & Mary (2019) with ``lambda = 10`` (exceeded with
+probability below 1e-20), ``2 * 10 * sqrt(n) * u`` with ``u = 2**-24``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..handoff import PackedBatch
+from ..handoff.unpack import unpack
+from ..sample import Sample
+
+__all__ = ["PATHS", "PathCheck", "VerifyReport", "rounding_chain", "tolerance", "verify"]
+
+#: the packing paths verify checks, in the table's order
+PATHS = ("trainer", "loader", "offline")
+#: boundary modes (``TrainConfig.boundaries``): real + padded boundaries, or the padded ones for both
+MODES = ("real", "padded")
+#: unit roundoff of each dtype verify runs in
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24}
+
+
+@dataclass(frozen=True)
+class PathCheck:
+    """One line of the table: one path in one boundary mode, over all its rows."""
+
+    path: str
+    boundaries: str
+    rows: int  #: micro-batches run (each one or more packed rows)
+    sequences: int  #: sequences in them
+    covered: int  #: distinct samples of the input among them (a path that lost one fails)
+    logits: float  #: the largest |packed - alone| logit of any real token
+    loss: float  #: the largest |packed - alone| token-mean loss of a micro-batch
+    grads: float  #: the largest |packed - alone| gradient entry
+    tolerance: dict[str, float]  #: per quantity (:func:`tolerance`)
+    first: str | None = None  #: the first sample that differs, and by how much
+    refused: str | None = None  #: why the path does not take this model's data (nothing ran)
+
+    @property
+    def ok(self) -> bool:
+        return self.first is None
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` found."""
+
+    model: str  #: the model folder, or what was built from a config
+    kind: str  #: ``"text"`` or the vision-language family's name
+    dtype: str
+    conversations: int  #: conversations read
+    samples: int  #: samples they gave (over-long ones split)
+    chain: int  #: the rounding chain the tolerances are derived from (:func:`rounding_chain`)
+    checks: list[PathCheck] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return any(c.refused is None for c in self.checks) and all(c.ok for c in self.checks)
+
+    @property
+    def first_failure(self) -> PathCheck | None:
+        return next((c for c in self.checks if not c.ok), None)
+
+
+def rounding_chain(model: Any, row_width: int, patches: int = 0) -> int:
+    """An upper bound of the longest chain of roundings (terms of one sum, summed along one
+    path) in one forward and backward pass of ``model`` over a row of ``row_width`` slots
+    holding ``patches`` vision patches: per language layer the hidden width, the MLP width and
+    the row (attention and the gradients' sums over tokens), per vision layer the same over
+    the patches, twice (forward and backward), plus the vocabulary (the softmax) and the row
+    (the loss)."""
+    cfg = model.config
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    n = int(text.num_hidden_layers) * (int(text.hidden_size) + int(text.intermediate_size) + row_width)
+    vision = getattr(cfg, "vision_config", None)
+    if vision is not None and patches:
+        width = int(getattr(vision, "embed_dim", 0) or getattr(vision, "hidden_size", 0))
+        mlp = int(getattr(vision, "intermediate_size", 0) or width * getattr(vision, "mlp_ratio", 4))
+        depth = int(getattr(vision, "depth", 0) or getattr(vision, "num_hidden_layers", 0))
+        n += depth * (width + mlp + patches)
+    return 2 * n + int(text.vocab_size) + row_width
+
+
+def tolerance(chain: int, dtype: torch.dtype, magnitude: float) -> float:
+    """The largest difference two runs of one function in other summation orders may show on
+    values of ``magnitude`` (floored at 1), over a rounding ``chain`` (module docstring)."""
+    u = UNIT_ROUNDOFF[dtype]
+    scale = max(1.0, magnitude)
+    if dtype == torch.float64:
+        return 2 * chain * u * scale
+    return 2 * 10 * math.sqrt(chain) * u * scale
+
+
+class _Subject:
+    """The model under test: how a packed micro-batch and one sample alone run through it."""
+
+    def __init__(self, model: Any, family: Any = None) -> None:
+        self.model, self.family = model, family
+
+    def packed(self, batch: PackedBatch, pad_between_seqs: bool) -> torch.Tensor:
+        if self.family is not None:
+            return self.family.packed_logits(self.model, batch, pad_between_seqs=pad_between_seqs)
+        from ..multimodal._family import text_kwargs
+
+        inputs = {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None]}
+        kw = text_kwargs(self.model, batch, inputs, pad_between_seqs=pad_between_seqs)
+        return self.model(**kw).logits[0]
+
+    def alone(self, model: Any, sample: Sample) -> torch.Tensor:
+        if self.family is not None:
+            return self.family.alone_logits(model, sample)
+        ids = torch.from_numpy(sample.input_ids)[None]
+        return model(input_ids=ids, use_cache=False).logits[0]
+
+    def part_of(self, name: str) -> str:
+        return "language" if self.family is None else self.family.part_of(name)
+
+
+def _key(ids: torch.Tensor | Any) -> bytes:
+    return torch.as_tensor(ids, dtype=torch.int64).cpu().numpy().tobytes()
+
+
+def _name(sample: Sample) -> str:
+    piece = getattr(sample, "piece", 0) or 0
+    return f"conversation {sample.conversation_id!r}" + (f" (piece {piece})" if piece else "")
+
+
+def _micro_batches(
+    path: str,
+    mode: str,
+    samples: list[Sample],
+    prepacked: Any,
+    settings: dict[str, Any],
+    pad_id: int,
+    vocab: Any,
+) -> list[Any]:
+    """The micro-batches ``sftpack train`` would run for ``samples`` on ``path`` in ``mode``
+    (:func:`sftpack.loop.make_source`), covering every sample: the trainer's one step of all
+    of them, every row of the prepack, the loader's rows until each sample was seen."""
+    from ..loop import TrainConfig, make_source
+
+    per_step = {"trainer": len(samples), "offline": len(prepacked) if prepacked is not None else 1}.get(path, 1)
+    config = TrainConfig(packing=path, steps=1, batch_size=per_step, boundaries=mode, **settings)
+    if path == "offline":
+        return make_source(config, prepacked=prepacked, pad_id=pad_id, vocab=vocab).next_step()
+    source = make_source(config, samples=samples, pad_id=pad_id)
+    if path == "trainer":
+        return source.next_step()
+    want, seen, out = {_key(s.input_ids) for s in samples}, set[bytes](), []
+    for _ in range(4 * len(samples) + 4):  # the loader repeats its epochs: stop once all were seen
+        for mb in source.next_step():
+            assert isinstance(mb, PackedBatch)  # a packing path's micro-batch
+            keys = {_key(x) for x in unpack(mb.input_ids, mb)}
+            if not keys <= seen:
+                out.append(mb)
+                seen |= keys
+        if want <= seen:
+            break
+    return out
+
+
+def verify(
+    conversations: Iterable[Any],
+    *,
+    model: str | os.PathLike[str] | None = None,
+    family: str | None = None,
+    images: bool = False,
+    limit: int = 8,
+    max_seq_len: int = 256,
+    pad_multiple: int = 1,
+    dtype: torch.dtype = torch.float64,
+    paths: Sequence[str] = PATHS,
+    modes: Sequence[str] = MODES,
+    seed: int = 0,
+    tamper: Callable[[PackedBatch], PackedBatch] | None = None,
+) -> VerifyReport:
+    """Run the first ``limit`` of ``conversations`` through every path and compare each packed
+    micro-batch with its samples alone, through the model (module docstring).
+
+    Args:
+        conversations: what :func:`sftpack.chat.read_conversations` gives (or mappings with
+            ``messages``); with ``images``, conversations with image parts.
+        model: a local model folder (``save_pretrained``: config, weights, tokenizer and, for a
+            vision-language model, ``preprocessor_config.json``); its tokenizer, chat template
+            and image processor are used. ``None``: a tiny model built from a config (seeded):
+            a small Llama over the embedded tokenizer for text, ``family``'s tiny model for images.
+        family: with images and no ``model``: the family of the tiny model (default Qwen2-VL);
+            with a ``model`` folder the family is its ``config.model_type`` (refused if unknown).
+        images: the conversations have images (a vision-language model is needed).
+        limit: conversations checked.
+        max_seq_len: row width (and the over-long limit: longer conversations are split).
+        pad_multiple: each sequence's padding multiple (``2 * CP``).
+        dtype: ``torch.float64`` (the default: the tolerances are then tight) or ``torch.float32``.
+        paths, modes: which of :data:`PATHS` and :data:`MODES` to check.
+        seed: the tiny model's weights and the paths' order.
+        tamper: a negative control: edits every micro-batch before it runs (the check must then
+            fail).
+    """
+    from .. import loop
+    from ..loop import _model
+    from ..multimodal import family_for
+
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
+    for p in paths:
+        if p not in PATHS:
+            raise ValueError(f"unknown path {p!r}: choose from {', '.join(PATHS)}")
+    for m in modes:
+        if m not in MODES:
+            raise ValueError(f"unknown boundary mode {m!r}: choose from {', '.join(MODES)}")
+    fam = None
+    if images or (model is not None and family is None and _is_vlm_folder(model)):
+        fam = family_for(model if model is not None else family)
+        images = True
+    elif family is not None:
+        raise ValueError(f"family={family!r} names a vision-language model: pass images=True (data with images)")
+    convs = list(_first(conversations, limit))
+    if not convs:
+        raise ValueError("no conversations to verify")
+    tok, processor = _tokenizer(model, fam)
+    samples = _samples(convs, tok, processor, fam, max_seq_len)
+    if not samples:
+        raise ValueError("the conversations gave no sample to verify")
+    pad_id, vocab = _pad_of(tok), None
+    if model is not None:
+        net = fam.pretrained(model, dtype=dtype) if fam is not None else loop.load_model(os.fspath(model), dtype=dtype)
+        what = os.fspath(model)
+    else:  # a tiny model over the ids of the data, renumbered (its head is then small: a quick check)
+        keep = _model.media_token_ids(fam, tok).values() if fam is not None else ()
+        samples, vocab = loop.compact_vocabulary(samples, keep=keep)
+        pad_id = 0
+        if fam is None:
+            net = loop.build_model(len(vocab), seed=seed, dtype=dtype, impl="transformers")
+            what = f"a tiny Llama built from a config (seed {seed}), over the {len(vocab):,} ids of the data"
+        else:
+            net = _model.build_media_model(fam, tok, vocab=vocab, seed=seed, dtype=dtype)
+            what = f"a tiny {fam.name} built from a config (seed {seed}), over the {len(vocab):,} ids of the data"
+    subject = _Subject(net, fam)
+    settings = {"max_seq_len": max_seq_len, "pad_multiple": pad_multiple, "seed": seed}
+    patches = sum(s.num_patches for s in samples)
+    chain = rounding_chain(net, max_seq_len * len(samples), patches)
+    report = VerifyReport(
+        model=what,
+        kind="text" if fam is None else fam.name,
+        dtype=str(dtype).removeprefix("torch."),
+        conversations=len(convs),
+        samples=len(samples),
+        chain=chain,
+    )
+    with tempfile.TemporaryDirectory(prefix="sftpack-verify-") as tmp:
+        prepacked, refused = None, None
+        if "offline" in paths:
+            try:
+                prepacked = _prepack(convs, tmp, tok, processor, fam, max_seq_len, pad_multiple, seed)
+            except ValueError as e:  # a setup the offline path does not take: said, not a difference
+                refused = " ".join(str(e).split())
+        by_key = {_key(s.input_ids): s for s in samples}
+        for path in paths:
+            for mode in modes:
+                if path == "offline" and refused is not None:
+                    report.checks.append(_refused(path, mode, refused))
+                    continue
+                mbs = _micro_batches(path, mode, samples, prepacked, settings, pad_id, vocab)
+                report.checks.append(_check(subject, path, mode, mbs, by_key, chain, dtype, tamper))
+    return report
+
+
+def _refused(path: str, mode: str, why: str) -> PathCheck:
+    nothing = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
+    return PathCheck(path, mode, 0, 0, 0, 0.0, 0.0, 0.0, nothing, refused=why)
+
+
+def _check(
+    subject: _Subject,
+    path: str,
+    mode: str,
+    micro_batches: list[Any],
+    by_key: dict[bytes, Sample],
+    chain: int,
+    dtype: torch.dtype,
+    tamper: Callable[[PackedBatch], PackedBatch] | None,
+) -> PathCheck:
+    from ..multimodal._exactness import compare_packed_alone
+
+    worst = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
+    tol = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
+    first: str | None = None
+    sequences = 0
+    ran: set[bytes] = set()
+    pad_between = mode == "real"
+    for r, mb in enumerate(micro_batches):
+        keys = [_key(x) for x in unpack(mb.input_ids, mb)]
+        found = [by_key.get(k) for k in keys]
+        sequences += len(found)
+        ran.update(k for k in keys if k in by_key)
+        lost = next((i for i, s in enumerate(found) if s is None), None)
+        if lost is not None:
+            first = first or f"micro-batch {r}, sequence {lost}: its tokens are no sample of the input"
+            continue
+        run: PackedBatch = tamper(mb) if tamper is not None else mb
+        chosen = [s for s in found if s is not None]
+
+        def packed(run: PackedBatch = run) -> torch.Tensor:
+            return subject.packed(run, pad_between)
+
+        logits, loss, grads, max_logit, max_grad = compare_packed_alone(
+            subject.model, chosen, run, alone=subject.alone, packed=packed, part_of=subject.part_of
+        )
+        here = {"logits": logits, "loss": loss, "grads": max(grads.values(), default=0.0)}
+        limit = {
+            "logits": tolerance(chain, dtype, max_logit),
+            "loss": tolerance(chain, dtype, max_logit),
+            "grads": tolerance(chain, dtype, max_grad),
+        }
+        for k in worst:
+            worst[k] = max(worst[k], here[k])
+            tol[k] = max(tol[k], limit[k])
+        bad = [k for k in here if not here[k] <= limit[k]]
+        if bad and first is None:
+            first = _first_differing(subject, run, chosen, pad_between, r, bad, here, limit)
+    missing = [s for k, s in by_key.items() if k not in ran]
+    if missing and first is None:
+        first = f"{_name(missing[0])} was never run: the path lost {len(missing)} of {len(by_key)} samples"
+    return PathCheck(
+        path=path,
+        boundaries=mode,
+        rows=len(micro_batches),
+        sequences=sequences,
+        covered=len(ran),
+        logits=worst["logits"],
+        loss=worst["loss"],
+        grads=worst["grads"],
+        tolerance=tol,
+        first=first,
+    )
+
+
+def _first_differing(
+    subject: _Subject,
+    batch: PackedBatch,
+    samples: list[Sample],
+    pad_between: bool,
+    r: int,
+    bad: list[str],
+    here: dict[str, float],
+    limit: dict[str, float],
+) -> str:
+    """Which sample of a failing micro-batch differs first, by its logits (else the batch)."""
+    with torch.no_grad():
+        packed = subject.packed(batch, pad_between)
+        cu, cup = batch.cu_seqlens.tolist(), batch.cu_seqlens_padded.tolist()
+        for i, s in enumerate(samples):
+            n = cu[i + 1] - cu[i]
+            d = float((packed[cup[i] : cup[i] + n] - subject.alone(subject.model, s)).abs().max())
+            if not d <= limit["logits"]:
+                return f"{_name(s)} (micro-batch {r}): logits differ by {d:.3g} (tolerance {limit['logits']:.3g})"
+    k = bad[0]
+    return f"micro-batch {r} ({_name(samples[0])} first): {k} differ by {here[k]:.3g} (tolerance {limit[k]:.3g})"
+
+
+def _first(conversations: Iterable[Any], limit: int) -> Iterable[Any]:
+    import itertools
+
+    return itertools.islice(iter(conversations), limit)
+
+
+def _is_vlm_folder(model: str | os.PathLike[str]) -> bool:
+    import json
+    from pathlib import Path
+
+    cfg = Path(model) / "config.json"
+    try:
+        data = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return "vision_config" in data
+
+
+def _pad_of(tok: Any) -> int:
+    pad = getattr(tok, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(tok, "eos_token_id", None)
+    return int(pad or 0)
+
+
+def _tokenizer(model: str | os.PathLike[str] | None, fam: Any) -> tuple[Any, Any]:
+    """The tokenizer (and with a family its image processor): the model folder's, else the default."""
+    if fam is not None:
+        return fam.tokenizer(model), fam.image_processor(model)
+    if model is None:
+        from ..data import default_tokenizer
+
+        return default_tokenizer(), None
+    from .._optional import transformers
+
+    return transformers().AutoTokenizer.from_pretrained(os.fspath(model), local_files_only=True), None
+
+
+def _samples(convs: list[Any], tok: Any, processor: Any, fam: Any, max_seq_len: int) -> list[Sample]:
+    if fam is None:
+        from ..chat import tokenize_conversations
+
+        return list(tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split"))
+    from ..multimodal import tokenize_media_conversations
+
+    return list(
+        tokenize_media_conversations(
+            convs, tokenizer=tok, processor=processor, max_seq_len=max_seq_len, overlong="split", family=fam
+        )
+    )
+
+
+def _prepack(
+    convs: list[Any],
+    tmp: str,
+    tok: Any,
+    processor: Any,
+    fam: Any,
+    max_seq_len: int,
+    pad_multiple: int,
+    seed: int,
+) -> Any:
+    from ..offline import PrepackedDataset, prepack
+
+    out = os.path.join(tmp, "prepack")
+    extra: dict[str, Any] = {}
+    if fam is not None:
+        extra = {"images": True, "family": fam.name, "processor": processor}
+    prepack(
+        convs,
+        out,
+        tokenizer=tok,
+        max_seq_len=max_seq_len,
+        pad_multiple=pad_multiple,
+        seed=seed,
+        on_bad_row="error",
+        **extra,
+    )
+    return PrepackedDataset(out)
