@@ -123,9 +123,12 @@ def test_prepack_keywords_are_the_options_fields(tmp_path):
 
 
 def test_the_parser_loads_no_torch_until_a_command_needs_it():
+    """``sftpack train`` parses its TrainConfig-built options without torch (sftpack.loop loads its names
+    lazily), so its tokenizer process starts while torch loads; prepack's options load the offline package."""
     code = (
         "import sys; from sftpack.cli import build_parser; p = build_parser(); p.format_help(); "
-        "p.parse_args(['map']); p.parse_args(['bench']); assert 'torch' not in sys.modules, 'torch'; "
+        "p.parse_args(['map']); p.parse_args(['bench']); p.parse_args(['train', '--steps', '1']); "
+        "assert 'torch' not in sys.modules, 'torch'; "
         "p.parse_args(['prepack', '--out', 'x']); assert 'torch' in sys.modules"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

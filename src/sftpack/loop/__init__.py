@@ -62,8 +62,9 @@ pins it: 20 AdamW steps in float64 agree with the unpacked run on the same
 conversations to a fixed tolerance derived there, for the three paths and both
 boundary modes.
 
-A training step in five lines:
+A training step:
 
+>>> from sftpack.loop import TrainConfig, build_model, make_source, train
 >>> from sftpack.testing import samples_from_lengths
 >>> samples = [s for s in samples_from_lengths([30, 12, 25, 7, 18, 9])]
 >>> for s in samples: s.input_ids %= 97
@@ -75,29 +76,59 @@ A training step in five lines:
 
 from __future__ import annotations
 
-from ._checkpoint import CheckpointError
-from ._hf import PackingCollator, PaddedCollator, RowsCollator
-from ._loop import NonFiniteError, train
-from ._model import build_model, default_attention, load_model
-from ._options import TrainConfig
-from ._plot import plot_training
-from ._setup import compact_vocabulary, make_source, tokenized_samples
-from ._sources import ReplaySource
+import importlib as _importlib
+from typing import TYPE_CHECKING as _TYPE_CHECKING
+from typing import Any as _Any
 
-__all__ = [
-    "CheckpointError",
-    "NonFiniteError",
-    "PackingCollator",
-    "PaddedCollator",
-    "ReplaySource",
-    "RowsCollator",
-    "TrainConfig",
-    "build_model",
-    "compact_vocabulary",
-    "default_attention",
-    "load_model",
-    "make_source",
-    "plot_training",
-    "tokenized_samples",
-    "train",
-]
+if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads them
+    from ._checkpoint import CheckpointError as CheckpointError
+    from ._hf import PackingCollator as PackingCollator
+    from ._hf import PaddedCollator as PaddedCollator
+    from ._hf import RowsCollator as RowsCollator
+    from ._loop import NonFiniteError as NonFiniteError
+    from ._loop import train as train
+    from ._model import build_model as build_model
+    from ._model import default_attention as default_attention
+    from ._model import load_model as load_model
+    from ._options import TrainConfig as TrainConfig
+    from ._plot import plot_training as plot_training
+    from ._setup import compact_vocabulary as compact_vocabulary
+    from ._setup import make_source as make_source
+    from ._setup import tokenized_samples as tokenized_samples
+    from ._sources import ReplaySource as ReplaySource
+
+#: each public name's module: loaded when the name is first used, so that reading the
+#: settings (``TrainConfig``: ``sftpack train``'s options are built from its fields) loads no torch
+_HOMES = {
+    "CheckpointError": "_checkpoint",
+    "NonFiniteError": "_loop",
+    "PackingCollator": "_hf",
+    "PaddedCollator": "_hf",
+    "ReplaySource": "_sources",
+    "RowsCollator": "_hf",
+    "TrainConfig": "_options",
+    "build_model": "_model",
+    "compact_vocabulary": "_setup",
+    "default_attention": "_model",
+    "load_model": "_model",
+    "make_source": "_setup",
+    "plot_training": "_plot",
+    "tokenized_samples": "_setup",
+    "train": "_loop",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> _Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(_importlib.import_module(f".{home}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names (loaded or not) and the private ones; not this module's own imports."""
+    return sorted({*_HOMES, *(k for k in globals() if k.startswith("_"))})
