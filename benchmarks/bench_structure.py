@@ -43,18 +43,24 @@ def package_of(rel: str) -> str:
 
 
 def public_names() -> dict[str, int]:
-    """``len(__all__)`` of every package (its ``__init__``), read from the source."""
+    """``len(__all__)`` of every package (its ``__init__``): a literal list read from the source,
+    else (a computed one, e.g. ``sftpack.loop``'s lazily loaded names) from the imported package."""
     out = {}
     for init in sorted(SRC.rglob("__init__.py")):
         tree = ast.parse(init.read_text())
-        names = next(
+        node = next(
             (
-                ast.literal_eval(node.value)
+                node.value
                 for node in tree.body
                 if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets)
             ),
             None,
         )
+        names = None
+        if isinstance(node, (ast.List, ast.Tuple)):
+            names = ast.literal_eval(node)
+        elif node is not None:
+            names = importlib.import_module(".".join(("sftpack", *init.parent.relative_to(SRC).parts))).__all__
         pkg = ".".join(("sftpack", *init.parent.relative_to(SRC).parts))
         if names is not None:
             out[pkg] = len(names)
