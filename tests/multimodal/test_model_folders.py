@@ -140,7 +140,14 @@ def test_train_runs_on_the_users_folder(data, tmp_path, tmp_path_factory, capsys
     assert [x["step"] for x in lines] == [1, 2] and all(x["images"] >= 0 for x in lines)
 
 
-@pytest.mark.parametrize("command", ["verify", "prepack", "train"])
+def test_bench_takes_the_users_folder(data, tmp_path_factory, capsys):
+    path = _folder(str(tmp_path_factory.mktemp("qwen2_5_vl-bench")), "qwen2_5_vl")
+    assert main(["bench", str(data), "--model", path, "--max-seq-len", "256"]) == 0
+    out = capsys.readouterr().out
+    assert "4 conversations -> 4 samples with 4 images" in out
+
+
+@pytest.mark.parametrize("command", ["verify", "prepack", "train", "bench"])
 def test_an_unsupported_model_folder_is_one_line_and_exit_2(command, data, tmp_path, capsys):
     folder = tmp_path / "gemma"
     folder.mkdir()

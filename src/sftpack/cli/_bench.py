@@ -11,7 +11,15 @@ import argparse
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ._common import UsageError, has_images, load_tokenizer, positive, render_read_stats, render_tokenize_stats
+from ._common import (
+    UsageError,
+    has_images,
+    load_tokenizer,
+    positive,
+    render_read_stats,
+    render_tokenize_stats,
+    vlm_setup,
+)
 
 if TYPE_CHECKING:
     from ..chat import Conversation
@@ -47,6 +55,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--overlong", default="split", choices=["truncate", "drop", "split", "error"])
     b.add_argument("--on-bad-row", default="skip", choices=["error", "skip"])
     b.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
+    b.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a local Hugging Face model folder: its tokenizer; with images its family (config.model_type), "
+        "tokenizer and image processor",
+    )
     b.add_argument("--limit", type=positive, help="first N conversations only")
     b.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes (text data)")
     b.add_argument("--seed", type=int, default=0)
@@ -79,7 +93,9 @@ def run(args: argparse.Namespace) -> int:
             "--max-patches-per-row is the vision-patch budget of --corpus vqa or data with image parts; text rows "
             "have no patches"
         )
-    tok = load_tokenizer(args.tokenizer)
+    if args.model is not None and args.tokenizer is not None:
+        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
+    tok = load_tokenizer(args.model or args.tokenizer)
     conversations: Iterable[Conversation]
     if args.paths:
         reader = read_conversations(args.paths, on_bad_row=args.on_bad_row)
@@ -129,8 +145,8 @@ def _run_images(args: argparse.Namespace) -> int:
     what = "--corpus vqa" if args.corpus == "vqa" else "data with images"
     if args.tokenizer is not None:
         raise UsageError(
-            f"--tokenizer: not offered with {what}, which is tokenized with Qwen2-VL's tokenizer and image "
-            "processor (embedded); drop --tokenizer"
+            f"--tokenizer: not offered with {what}, which is tokenized with the family's tokenizer and image "
+            "processor (a --model folder's, else Qwen2-VL's, embedded); drop --tokenizer"
         )
     if args.overlong == "truncate":
         raise UsageError(
@@ -139,6 +155,8 @@ def _run_images(args: argparse.Namespace) -> int:
         )
     if args.num_proc != 1:
         raise UsageError(f"--num-proc: not offered with {what} (tokenized and its images processed in this process)")
+    if args.model is not None:
+        vlm_setup(args.model)  # a folder of an unsupported model type: one line, before any work
     max_patches = args.max_patches if args.max_patches is not None else 2 * args.max_seq_len
     read_stats = None
     conversations: Iterable[Any]
@@ -158,6 +176,7 @@ def _run_images(args: argparse.Namespace) -> int:
         **_settings(args),
         max_patches=max_patches,
         progress=True,
+        model=args.model,
     )
     if read_stats is not None:
         lines = render_read_stats(read_stats).split("\n")

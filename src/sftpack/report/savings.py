@@ -291,22 +291,24 @@ def bench_media(
     on_bad_row: str = "error",
     seed: int = 0,
     progress: bool = False,
+    model: str | None = None,
 ) -> MediaBenchReport:
-    """Tokenize multimodal ``conversations`` (Qwen2-VL: images to patches, placeholders
-    expanded; over-long ones split at text boundaries) and compare the packers'
-    layouts with and without ``max_patches`` vision patches per row (``progress``: a
-    tqdm bar over the conversations, for the CLI)."""
+    """Tokenize multimodal ``conversations`` (for the family of the model folder ``model``, with
+    its tokenizer and image processor; default Qwen2-VL's: images to patches, placeholders
+    expanded; over-long ones split at text boundaries) and compare the packers' layouts with
+    and without ``max_patches`` vision patches per row (``progress``: a tqdm bar over the
+    conversations, for the CLI)."""
     from tqdm.auto import tqdm
 
     from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 
     t0 = time.perf_counter()
     stats = MediaTokenizeStats()
-    family = family_for()
+    family = family_for(model)
     samples = tokenize_media_conversations(
         conversations,
-        tokenizer=family.tokenizer(),
-        processor=family.image_processor(),
+        tokenizer=family.tokenizer(model),
+        processor=family.image_processor(model),
         family=family,
         max_seq_len=max_seq_len,
         overlong=overlong,
