@@ -105,3 +105,12 @@ def test_bad_options_are_refused_before_any_work(folder):
         verify(CONVERSATIONS, dtype=torch.float16)
     with pytest.raises(ValueError, match="no conversations"):
         verify([])
+
+
+def test_a_split_sample_is_named_with_its_piece():
+    from sftpack.report.verify import _name
+    from sftpack.sample import Sample
+
+    whole = Sample([1, 2], [False, True], "chats.jsonl:3")
+    piece = Sample([1, 2], [False, True], "chats.jsonl:3", {"piece": 2})
+    assert (_name(whole), _name(piece)) == ("conversation 'chats.jsonl:3'", "conversation 'chats.jsonl:3' (piece 2)")

@@ -64,8 +64,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import itertools
-
     import torch
 
     from ..chat import read_conversations
@@ -81,10 +79,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_seq_len % args.pad_multiple:
         raise UsageError(f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple}")
     data = read_conversations(args.inputs, on_bad_row=args.on_bad_row) if args.inputs else default_corpus()
-    dtype = {"float64": torch.float64, "float32": torch.float32}[args.dtype]
+    dtype = getattr(torch, args.dtype)
     try:
         r = verify(
-            itertools.islice(data, args.limit),
+            data,
             model=args.model,
             family=args.family,
             images=images,

@@ -21,6 +21,7 @@ probability below 1e-20), ``2 * 10 * sqrt(n) * u`` with ``u = 2**-24``.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import tempfile
@@ -145,7 +146,7 @@ def _key(ids: torch.Tensor | Any) -> bytes:
 
 
 def _name(sample: Sample) -> str:
-    piece = getattr(sample, "piece", 0) or 0
+    piece = sample.meta.get("piece", 0) if sample.meta else 0
     return f"conversation {sample.conversation_id!r}" + (f" (piece {piece})" if piece else "")
 
 
@@ -221,6 +222,7 @@ def verify(
             fail).
     """
     from .. import loop
+    from ..chat._cache_key import tokenizer_info
     from ..loop import _model
     from ..multimodal import family_for
 
@@ -238,14 +240,14 @@ def verify(
         images = True
     elif family is not None:
         raise ValueError(f"family={family!r} names a vision-language model: pass images=True (data with images)")
-    convs = list(_first(conversations, limit))
+    convs = list(itertools.islice(conversations, limit))
     if not convs:
         raise ValueError("no conversations to verify")
     tok, processor = _tokenizer(model, fam)
     samples = _samples(convs, tok, processor, fam, max_seq_len)
     if not samples:
         raise ValueError("the conversations gave no sample to verify")
-    pad_id, vocab = _pad_of(tok), None
+    pad_id, vocab = tokenizer_info(tok)["pad_id"], None  # as sftpack train pads
     if model is not None:
         net = fam.pretrained(model, dtype=dtype) if fam is not None else loop.load_model(os.fspath(model), dtype=dtype)
         what = os.fspath(model)
@@ -382,12 +384,6 @@ def _first_differing(
     return f"micro-batch {r} ({_name(samples[0])} first): {k} differ by {here[k]:.3g} (tolerance {limit[k]:.3g})"
 
 
-def _first(conversations: Iterable[Any], limit: int) -> Iterable[Any]:
-    import itertools
-
-    return itertools.islice(iter(conversations), limit)
-
-
 def _is_vlm_folder(model: str | os.PathLike[str]) -> bool:
     import json
     from pathlib import Path
@@ -398,13 +394,6 @@ def _is_vlm_folder(model: str | os.PathLike[str]) -> bool:
     except (OSError, ValueError):
         return False
     return "vision_config" in data
-
-
-def _pad_of(tok: Any) -> int:
-    pad = getattr(tok, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(tok, "eos_token_id", None)
-    return int(pad or 0)
 
 
 def _tokenizer(model: str | os.PathLike[str] | None, fam: Any) -> tuple[Any, Any]:
@@ -421,17 +410,14 @@ def _tokenizer(model: str | os.PathLike[str] | None, fam: Any) -> tuple[Any, Any
 
 
 def _samples(convs: list[Any], tok: Any, processor: Any, fam: Any, max_seq_len: int) -> list[Sample]:
+    """The samples ``sftpack train`` tokenizes (over-long conversations split)."""
     if fam is None:
         from ..chat import tokenize_conversations
 
         return list(tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split"))
-    from ..multimodal import tokenize_media_conversations
+    from ..loop._setup import media_samples
 
-    return list(
-        tokenize_media_conversations(
-            convs, tokenizer=tok, processor=processor, max_seq_len=max_seq_len, overlong="split", family=fam
-        )
-    )
+    return media_samples(convs, max_seq_len=max_seq_len, family=fam, tokenizer=tok, processor=processor)[0]
 
 
 def _prepack(
