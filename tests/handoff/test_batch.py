@@ -205,41 +205,13 @@ def test_to_device_moves_every_tensor():
 IMG = 151655  # Qwen2-VL's <|image_pad|>
 
 
-def _mm_sample(cid, pre, grids, post=(7, 8)):
-    """Ids ``pre`` + one placeholder run per grid (t*h*w/4 tokens) + ``post``; zero patches of width 6,
-    as a Sample with Qwen2-VL-shaped media (patches, grids, merge 2, the sample's MRoPE positions)."""
-    from sftpack.handoff.payload import PatchMedia
-    from sftpack.multimodal.families.qwen2_vl import mrope_positions
-
-    ids, runs = list(pre), []
-    for g in grids:
-        n = int(np.prod(g)) // 4
-        runs.append((len(ids), n))
-        ids += [IMG] * n + [3]
-    ids += list(post)
-    ids = np.array(ids)
-    patches = sum(int(np.prod(g)) for g in grids)
-    pv = np.arange(patches * 6, dtype=np.float32).reshape(patches, 6) + 1000 * cid
-    mask = np.zeros(len(ids), bool)
-    mask[-len(post) :] = True
-    runs_a = np.array(runs, dtype=np.int64).reshape(-1, 2)
-    grid_a = np.array(grids, dtype=np.int64).reshape(-1, 3)
-    media = PatchMedia(
-        pixel_values=pv,
-        slots=runs_a,
-        sequence=np.zeros(len(runs), np.int64),
-        token_id=IMG,
-        grid_thw=grid_a,
-        merge_size=2,
-        positions=mrope_positions(len(ids), runs_a, grid_a, 2),
-    )
-    return Sample(ids, mask, conversation_id=cid, media=media)
-
-
 def _mm_rows():
-    a = _mm_sample(0, [1, 2], [(1, 4, 4)])
-    b = _mm_sample(1, [1], [(1, 2, 4), (2, 2, 2)])
-    c = _mm_sample(2, [5, 6, 7], [])
+    """Rows of samples with Qwen2-VL-shaped media (tests/handoff/test_payload.py's ``_patch_sample``)."""
+    from tests.handoff.test_payload import _patch_sample
+
+    a = _patch_sample(0, [1, 2], [(1, 4, 4)])
+    b = _patch_sample(1, [1], [(1, 2, 4), (2, 2, 2)])
+    c = _patch_sample(2, [5, 6, 7], [])
     return (
         PackedBatch.from_samples([a, b], pad_multiple=4, pad_id=151643),
         PackedBatch.from_samples([c], row_width=8, pad_id=151643),

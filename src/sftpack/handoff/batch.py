@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,7 +33,7 @@ import torch
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from .errors import PackedBatchError
 from .layout import RowArrays, lay_row
-from .payload import Media
+from .payload import Media, map_tensors
 from .slots import real_token_mask
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; megatron-core is imported lazily
@@ -436,25 +436,11 @@ class PackedBatch:
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
         """A copy with every tensor (the media's too) on ``device``."""
-        moved: dict[str, Any] = {
-            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        if self.media is not None:
-            moved["media"] = self.media.to(device, non_blocking=non_blocking)
-        return replace(self, **moved)
+        return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
         """Pinned host copies (DataLoader ``pin_memory=True`` calls this)."""
-        pinned: dict[str, Any] = {
-            f.name: getattr(self, f.name).pin_memory()
-            for f in fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        if self.media is not None:
-            pinned["media"] = self.media.pin_memory()
-        return replace(self, **pinned)
+        return map_tensors(self, lambda t: t.pin_memory())
 
     # --------------------------------------------------------------- adapters
     def to_packed_seq_params(self, pad_between_seqs: bool = True) -> PackedSeqParams:

@@ -34,7 +34,7 @@ memory); ``slots`` are relative to the owner (a sample starts at slot 0) and
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, TypeVar
 
@@ -139,6 +139,14 @@ def _check_shape(name: str, t: Any, shape: tuple[int | None, ...], dtype: torch.
         raise error(f"{name} must be {dtype}, got {t.dtype}")
 
 
+def map_tensors(obj: Any, fn: Callable[[Any], Any]) -> Any:
+    """A copy of the dataclass ``obj`` with ``fn`` of each of its fields that is a tensor or a
+    :class:`Media` (which maps its own): how a row and its media move devices or pin."""
+    return replace(
+        obj, **{f.name: fn(v) for f in fields(obj) if isinstance(v := getattr(obj, f.name), (torch.Tensor, Media))}
+    )
+
+
 @dataclass(eq=False)
 class Media:
     """The media of one sample or one row: items in order, each with its run of placeholder tokens.
@@ -194,12 +202,10 @@ class Media:
 
     def to(self: _M, device: torch.device | str, non_blocking: bool = False) -> _M:
         """A copy with every tensor on ``device``."""
-        moved: dict[str, Any] = {k: t.to(device, non_blocking=non_blocking) for k, t in self._tensors().items()}
-        return replace(self, **moved)
+        return map_tensors(self, lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self: _M) -> _M:
-        pinned: dict[str, Any] = {k: t.pin_memory() for k, t in self._tensors().items()}
-        return replace(self, **pinned)
+        return map_tensors(self, lambda t: t.pin_memory())
 
     # ------------------------------------------------------------- checking
     def check(
@@ -314,16 +320,14 @@ class Media:
                 seqs.append(p.sequence + seg_off)
             seg_off += int(nseg)
         return first._join(  # type: ignore[return-value]
-            real,
-            parts,
-            slots=torch.cat(slots),
-            sequence=torch.cat(seqs),
-            lengths=lengths,
-            offsets=offsets,
-            widths=widths,
+            real, parts, (lengths, offsets, widths), slots=torch.cat(slots), sequence=torch.cat(seqs)
         )
 
-    def _join(self, real: Sequence[Any], parts: Sequence[Any], **kw: Any) -> Media:  # pragma: no cover
+    def _join(
+        self, real: Sequence[Any], parts: Sequence[Any], geometry: tuple, **laid: Any
+    ) -> Media:  # pragma: no cover
+        """:meth:`lay` of this kind: the parts' own fields joined (``geometry``: :meth:`lay`'s
+        ``lengths``, ``offsets`` and ``widths``), with the ``laid`` slots and sequence."""
         raise NotImplementedError
 
     def piece(self: _M, start: int, stop: int) -> _M:
@@ -338,9 +342,12 @@ class Media:
         inside = ((sl[:, 0] < stop) & (sl[:, 0] + sl[:, 1] > start)).nonzero().flatten()
         if inside.shape[0] != keep.shape[0]:
             raise ValueError(f"Media.piece({start}, {stop}) cuts through an item's placeholder run")
-        return self._piece(keep, start, stop)
+        own = self._piece(keep, start, stop)
+        shift = torch.tensor([start, 0], dtype=torch.int64, device=sl.device)
+        return replace(self, slots=sl[keep] - shift, sequence=self.sequence[keep], **own)
 
-    def _piece(self: _M, keep: torch.Tensor, start: int, stop: int) -> _M:  # pragma: no cover
+    def _piece(self, keep: torch.Tensor, start: int, stop: int) -> dict[str, Any]:  # pragma: no cover
+        """The kind's own fields of :meth:`piece`'s items ``keep`` (its ``slots`` and ``sequence``: the base's)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------ consumers
@@ -429,7 +436,9 @@ class PatchMedia(Media):
                 )
         return per // (int(merge) ** 2)
 
-    def _join(self, real: Sequence[PatchMedia], parts: Sequence[PatchMedia | None], **kw: Any) -> PatchMedia:
+    def _join(
+        self, real: Sequence[PatchMedia], parts: Sequence[PatchMedia | None], geometry: tuple, **laid: Any
+    ) -> PatchMedia:
         widths = {p.pixel_values.shape[1] for p in real if p.num_patches}
         if len(widths) > 1:
             raise PackedBatchError(
@@ -444,7 +453,7 @@ class PatchMedia(Media):
             raise PackedBatchError("Media.lay: some parts carry multimodal positions and some do not")
         positions = None
         if with_pos.pop():
-            lengths, offsets, widths_ = kw.pop("lengths"), kw.pop("offsets"), kw.pop("widths")
+            lengths, offsets, widths_ = geometry
             total = int(offsets[-1]) + int(widths_[-1])
             positions = torch.empty((3, total), dtype=torch.int64, device=self.slots.device)
             for p, L, off, w in zip(parts, lengths, offsets, widths_):
@@ -456,8 +465,6 @@ class PatchMedia(Media):
                 positions[:, off : off + L] = own
                 top = int(own.max()) + 1 if L else 0
                 positions[:, off + L : off + w] = top + torch.arange(w - L, device=positions.device)
-        for k in ("lengths", "offsets", "widths"):
-            kw.pop(k, None)
         with_pixels = [p.pixel_values for p in real if p.num_patches] or [self.pixel_values]
         return PatchMedia(
             pixel_values=torch.cat(with_pixels),
@@ -465,10 +472,10 @@ class PatchMedia(Media):
             grid_thw=torch.cat([p.grid_thw for p in real]),
             merge_size=self.merge_size,
             positions=positions,
-            **kw,
+            **laid,
         )
 
-    def _piece(self, keep: torch.Tensor, start: int, stop: int) -> PatchMedia:
+    def _piece(self, keep: torch.Tensor, start: int, stop: int) -> dict[str, Any]:
         per = self.grid_thw.prod(dim=1)
         off = torch.cat([per.new_zeros(1), per.cumsum(0)]).tolist()
         rows = [self.pixel_values[off[i] : off[i + 1]] for i in keep.tolist()]
@@ -478,14 +485,11 @@ class PatchMedia(Media):
             if bool((at != at[0]).any()):
                 raise ValueError(f"Media.piece: slot {start} is not a text token (positions {at.tolist()})")
             positions = self.positions[:, start:stop] - at[0]
-        return replace(
-            self,
-            pixel_values=torch.cat(rows) if rows else self.pixel_values[:0],
-            slots=self.slots[keep] - torch.tensor([start, 0], dtype=torch.int64, device=self.slots.device),
-            sequence=self.sequence[keep],
-            grid_thw=self.grid_thw[keep],
-            positions=positions,
-        )
+        return {
+            "pixel_values": torch.cat(rows) if rows else self.pixel_values[:0],
+            "grid_thw": self.grid_thw[keep],
+            "positions": positions,
+        }
 
     def hf_kwargs(self, position_ids: torch.Tensor) -> dict[str, Any]:
         kw: dict[str, Any] = {}
@@ -522,22 +526,17 @@ class ImageMedia(Media):
         first = int(self.slots[0, 1]) if n else 0
         return np.full(n, first, dtype=np.int64)
 
-    def _join(self, real: Sequence[ImageMedia], parts: Sequence[ImageMedia | None], **kw: Any) -> ImageMedia:
+    def _join(
+        self, real: Sequence[ImageMedia], parts: Sequence[ImageMedia | None], geometry: tuple, **laid: Any
+    ) -> ImageMedia:
         shapes = {tuple(p.pixel_values.shape[1:]) for p in real if p.num_items}
         if len(shapes) > 1:
             raise PackedBatchError(f"Media.lay: images of shapes {sorted(shapes)}: one tower takes one image size")
-        for k in ("lengths", "offsets", "widths"):
-            kw.pop(k)
         with_pixels = [p.pixel_values for p in real if p.num_items] or [self.pixel_values]
-        return ImageMedia(pixel_values=torch.cat(with_pixels), token_id=self.token_id, **kw)
+        return ImageMedia(pixel_values=torch.cat(with_pixels), token_id=self.token_id, **laid)
 
-    def _piece(self, keep: torch.Tensor, start: int, stop: int) -> ImageMedia:
-        return replace(
-            self,
-            pixel_values=self.pixel_values[keep],
-            slots=self.slots[keep] - torch.tensor([start, 0], dtype=torch.int64, device=self.slots.device),
-            sequence=self.sequence[keep],
-        )
+    def _piece(self, keep: torch.Tensor, start: int, stop: int) -> dict[str, Any]:
+        return {"pixel_values": self.pixel_values[keep]}
 
     def hf_kwargs(self, position_ids: torch.Tensor) -> dict[str, Any]:
         return {"pixel_values": self.pixel_values} if self.num_items else {}

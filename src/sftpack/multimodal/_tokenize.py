@@ -215,6 +215,16 @@ def split_sample(
     ]
 
 
+def _setup(family: Any, tokenizer: Any, processor: Any) -> tuple[Family, Any, Any]:
+    """The family (:func:`~sftpack.multimodal.family_for`), its tokenizer and image processor (by
+    default the family's), checked: :class:`~sftpack.multimodal.UnsupportedModelError` for a setup of another family."""
+    fam = family_for(family)
+    tokenizer = tokenizer if tokenizer is not None else fam.tokenizer()
+    processor = processor if processor is not None else fam.image_processor()
+    fam.check(tokenizer, processor)
+    return fam, tokenizer, processor
+
+
 def tokenize_media_conversation(
     messages: list[dict],
     *,
@@ -254,10 +264,7 @@ def tokenize_media_conversation(
     policy = Overlong(overlong)
     if policy is Overlong.TRUNCATE:
         raise ValueError("overlong='truncate' is not offered for multimodal samples: use split, drop or error")
-    fam = family_for(family)
-    tokenizer = tokenizer if tokenizer is not None else fam.tokenizer()
-    processor = processor if processor is not None else fam.image_processor()
-    fam.check(tokenizer, processor)
+    fam, tokenizer, processor = _setup(family, tokenizer, processor)
     ids, mask, patches, runs, image_id = _encode(messages, conversation_id, tokenizer, processor, fam)
     whole = Sample(ids, mask, conversation_id, media=fam.media(ids, runs, patches, image_id))
     return split_sample(whole, max_seq_len, policy, fam)
@@ -297,10 +304,7 @@ def tokenize_media_conversations(
     the first record, in either mode."""
     if on_bad_row not in ("error", "skip"):
         raise ValueError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
-    fam = family_for(family)
-    tokenizer = tokenizer if tokenizer is not None else fam.tokenizer()
-    processor = processor if processor is not None else fam.image_processor()
-    fam.check(tokenizer, processor)  # before the first record: a wrong setup is no bad record
+    fam, tokenizer, processor = _setup(family, tokenizer, processor)  # before the first record: no bad record
     st = stats if stats is not None else MediaTokenizeStats()
     for n, conv in enumerate(conversations):
         st.read += 1
