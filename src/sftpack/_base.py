@@ -10,7 +10,8 @@
 - :func:`check_width`: the one check that a row width is a multiple of the
   per-sequence pad multiple (the last sequence absorbs a row's tail).
 - :func:`pool_results`: the worker pool that tokenizes (text and images), results in
-  input order (:func:`_pool_context`: how its workers start).
+  input order (:func:`_pool_context`: how its workers start); :func:`chunks`: its tasks
+  (and any other stream cut into lists).
 
 No torch here: :mod:`sftpack.binpack` imports this module.
 """
@@ -21,12 +22,14 @@ import enum
 import numbers
 import sys
 from collections.abc import Callable, Iterable, Iterator
+from itertools import islice
 from typing import Any, Protocol, TypeVar, cast, overload
 
 __all__ = [
     "StrEnum",
     "check_width",
     "choose",
+    "chunks",
     "non_negative_int",
     "pool_results",
     "positive_int",
@@ -43,6 +46,7 @@ else:  # pragma: no cover - Python 3.10
 
 
 E = TypeVar("E", bound=enum.Enum)
+T = TypeVar("T")
 
 
 def choose(kind: type[E], value: object, name: str, error: type[ValueError] = ValueError) -> E:
@@ -183,6 +187,17 @@ def check_width(
             f"absorbs the row's tail and would lose its alignment; use {use}"
         )
     return width
+
+
+def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:
+    """``items`` in lists of ``size`` (the last one shorter if need be), read as they are needed.
+
+    >>> list(chunks(range(5), 2))
+    [[0, 1], [2, 3], [4]]
+    """
+    it = iter(items)
+    while chunk := list(islice(it, size)):
+        yield chunk
 
 
 def _pool_context() -> Any:

@@ -505,9 +505,7 @@ class PackingDataset(IterableDataset):
     def _cut(self, index: int, obj: Any) -> tuple[list[Item], int, str | None]:
         """The items of source sample ``index`` under the over-long policy, the tokens it loses,
         and the reason it is left out (``None``: kept)."""
-        if is_conversation(obj):
-            return self._cut_media(index, obj)
-        if isinstance(obj, Sample) and obj.media is not None:
+        if is_conversation(obj) or (isinstance(obj, Sample) and obj.media is not None):
             return self._cut_media(index, obj)
         items, lost = cut_overlong(index, obj, self.max_seq_len, self.overlong)
         return items, lost, None if items else OVERLONG

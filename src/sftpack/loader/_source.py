@@ -43,6 +43,7 @@ __all__ = [
     "first_negative",
     "is_conversation",
     "media_layout",
+    "media_options",
 ]
 
 

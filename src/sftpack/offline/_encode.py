@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from .._base import pool_results
+from .._base import chunks, pool_results
 from ..sample import Sample
 from ._format import MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
@@ -107,7 +107,6 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     """Conversation number ``index`` to ``(stats delta, [(sample, images), ...])`` (plain arrays:
     cheap to send between processes)."""
     from ..multimodal import MediaTokenizeStats, tokenize_media_conversations
-    from ..multimodal._images import pixels_from_patches
     from ..multimodal._plan import check_patch_budget
 
     if isinstance(conv, dict):
@@ -130,35 +129,43 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     reason = check_patch_budget(samples, st.max_patches_per_row, st.overlong)
     if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
         stats, samples = MediaTokenizeStats(read=stats.read, dropped={reason: 1}), []
-    pieces = []
-    for s in samples:
-        media = s.media
-        if media is None:  # a conversation without images
-            pieces.append((Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _NO_IMAGES))
-            continue
-        if getattr(media, "grid_thw", None) is None:
-            raise PrepackError(
-                f"conversation {s.conversation_id!r}: family {st.family!r} gives {type(media).__name__} media; a "
-                "prepack stores a patch family's images (Qwen2-VL, Qwen2.5-VL)"
-            )
-        grids = media.grid_thw.numpy()
-        pv = media.pixel_values.numpy()
-        offs = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])
-        pixels = []
-        for i, g in enumerate(grids):
-            try:
-                pixels.append(pixels_from_patches(pv[offs[i] : offs[i + 1]], g, st.processor))
-            except ValueError as e:
-                raise PrepackError(
-                    f"conversation {s.conversation_id!r}, image {i}: {e}; the prepack stores resized uint8 pixels"
-                ) from None
-        images = Images(media.slots.numpy()[:, 0].copy(), grids, pixels, int(media.token_id), int(media.merge_size))
-        pieces.append((Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), images))
+    # each sample without its media, which become its stored images
+    pieces = [
+        (Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _images(s, st)) for s in samples
+    ]
     delta = {"read": stats.read, "kept": stats.kept, "dropped": dict(stats.dropped)}
     return delta, pieces
 
 
 _NO_IMAGES = Images(np.zeros(0, np.int64), np.zeros((0, 3), np.int64), [])
+
+
+def _images(s: Sample, st: ImageSettings) -> Images:
+    """What a prepack stores of sample ``s``'s media: each image's placeholder start, grid and
+    resized uint8 pixels (the exact inverse of its patches); :data:`_NO_IMAGES` without media."""
+    from ..multimodal._images import pixels_from_patches
+
+    media = s.media
+    if media is None:  # a conversation without images
+        return _NO_IMAGES
+    if getattr(media, "grid_thw", None) is None:
+        raise PrepackError(
+            f"conversation {s.conversation_id!r}: family {st.family!r} gives {type(media).__name__} media; a "
+            "prepack stores a patch family's images (Qwen2-VL, Qwen2.5-VL)"
+        )
+    grids = media.grid_thw.numpy()
+    pv = media.pixel_values.numpy()
+    offs = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])
+    pixels = []
+    for i, g in enumerate(grids):
+        try:
+            pixels.append(pixels_from_patches(pv[offs[i] : offs[i + 1]], g, st.processor))
+        except ValueError as e:
+            raise PrepackError(
+                f"conversation {s.conversation_id!r}, image {i}: {e}; the prepack stores resized uint8 pixels"
+            ) from None
+    return Images(media.slots.numpy()[:, 0].copy(), grids, pixels, int(media.token_id), int(media.merge_size))
+
 
 _worker_settings: list[ImageSettings] = []
 
@@ -177,17 +184,6 @@ def _work(items: list[tuple[int, Any]]) -> list[tuple[dict[str, Any], list[tuple
     return [encode(c, i, _worker_settings[0]) for i, c in items]
 
 
-def _chunks(items: Iterable[tuple[int, Any]], n: int) -> Iterator[list[tuple[int, Any]]]:
-    buf: list[tuple[int, Any]] = []
-    for x in items:
-        buf.append(x)
-        if len(buf) >= n:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
-
-
 def encoded(
     conversations: Iterable[Any], settings: ImageSettings, num_proc: int = 1, start: int = 0
 ) -> Iterator[tuple[dict[str, Any], list[tuple[Sample, Images]]]]:
@@ -199,7 +195,7 @@ def encoded(
             yield encode(c, i, settings)
         return
     for results in pool_results(
-        _work, _chunks(numbered, _CHUNK), num_proc, initializer=_init_worker, initargs=(settings,)
+        _work, chunks(numbered, _CHUNK), num_proc, initializer=_init_worker, initargs=(settings,)
     ):
         yield from results
 

@@ -19,9 +19,9 @@ order) and still produce the same bytes::
     starts         [0, 10, 16, 21, 24]                (output token offset of each sequence)
 
 Samples with images bring a second size, their vision patches: :class:`BinPack` with
-``max_patches_per_row`` hands them to the packer as weights
-(:func:`sftpack.binpack.pack`'s ``weights`` / ``max_weight_per_bin``), so a row's
-patches never exceed the budget either.
+``max_patches_per_row`` hands them to the same planner as its second budget
+(:func:`sftpack.handoff.pack_rows`' ``patches`` / ``max_patches``, the packer's weights), so a
+row's patches never exceed the budget either.
 
 Memory: about 24 bytes per sample (the order, the output lengths and starts).
 """
@@ -37,7 +37,7 @@ from numpy.typing import ArrayLike
 
 from .._base import check_width as multiple_of
 from .._base import choose, positive_int, round_up
-from ..binpack import Algorithm, lower_bounds, pack
+from ..binpack import Algorithm, lower_bounds
 from ..handoff import pack_rows, padded_lengths
 from ._format import PrepackError, check_row_width
 
@@ -145,22 +145,21 @@ def _bin_pack(
     """:func:`plan_rows` on settings already checked; with ``max_weight``, each row's ``weights``
     (vision patches) also sum to at most it."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
-    if max_weight is None:
-        bins = pack_rows(
-            lengths_in, max_seq_len=width, pad_multiple=m, algorithm=algorithm, seed=seed
-        )  # the one planner
-        order = np.asarray(bins.order, dtype=np.int64).copy()
-        offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
-        return _finish(lengths_in, order, offsets, width, m)
-    w = np.zeros_like(lengths_in) if weights is None else np.asarray(weights, np.int64)
-    bins = pack(padded_lengths(lengths_in, m), width, algorithm, seed=seed, weights=w, max_weight_per_bin=max_weight)
+    patches = None
+    if max_weight is not None:
+        patches = np.zeros_like(lengths_in) if weights is None else np.asarray(weights, np.int64)
+    bins = pack_rows(  # the one planner
+        lengths_in,
+        max_seq_len=width,
+        pad_multiple=m,
+        algorithm=algorithm,
+        seed=seed,
+        patches=patches,
+        max_patches=max_weight,
+    )
+    order = np.asarray(bins.order, dtype=np.int64).copy()
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
-    n = lengths_in.shape[0]
-    # each row's items ascending (input order), rows in the packer's order: pack_rows' rule
-    row_base = np.repeat(np.arange(offsets.shape[0] - 1, dtype=np.int64) * n, np.diff(offsets))
-    key = np.asarray(bins.order, dtype=np.int64) + row_base
-    key.sort()
-    return _finish(lengths_in, key - row_base, offsets, width, m)
+    return _finish(lengths_in, order, offsets, width, m)
 
 
 def plan_from_membership(

@@ -32,14 +32,14 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from itertools import islice, pairwise
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .. import _optional
-from .._base import positive_int
+from .._base import chunks, positive_int
 from .._types import Tokenizer, TokenizerSpec
 from ..chat import Conversation, ConversationReader, OnBadRow, tokenize_conversations
 from ..chat._tokenize import _as_item
@@ -88,12 +88,6 @@ def _as_conversations(items: Iterable[Any], start: int) -> list[Conversation]:
     return [Conversation(*_as_item(obj, start + i)) for i, obj in enumerate(items)]
 
 
-def _chunks(conversations: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    it = iter(conversations)
-    while chunk := list(islice(it, size)):
-        yield chunk
-
-
 def make_units(inputs: Inputs, staging: Path, *, unit_size: int, raw: bool = False) -> tuple[list[Unit], bool]:
     """The units of ``inputs``, and whether the workers read the files (then the reading
     counts come from the units; else the driver read and its reader counted).
@@ -118,7 +112,7 @@ def make_units(inputs: Inputs, staging: Path, *, unit_size: int, raw: bool = Fal
         ]
         return units, True
     out, start = [], 0
-    for k, chunk in enumerate(_chunks(inputs.conversations, unit_size)):
+    for k, chunk in enumerate(chunks(inputs.conversations, unit_size)):
         convs = chunk if raw else _as_conversations(chunk, start)
         out.append(Unit(k, str(staging / f"u{k:06d}"), conversations=convs, start=start))
         start += len(chunk)

@@ -101,9 +101,8 @@ class MediaReader:
         per = (im["grid_h"].astype(np.int64) * im["grid_w"]).tolist()
         out = np.empty((int(sum(per)), self.patch_dim), np.float32)
         o = 0
-        for rec, n in zip(im, per):
-            a, hh, ww = int(rec["pixels"]), int(rec["height"]), int(rec["width"])
-            patchify_pixels(self.pixels[a : a + hh * ww * 3].reshape(hh, ww, 3), self.processor, out=out[o : o + n])
+        for pixels, n in zip(self.stored_images(r), per):
+            patchify_pixels(pixels, self.processor, out=out[o : o + n])
             o += n
         return out
 
