@@ -272,6 +272,23 @@ def test_image_options_on_text_data_are_refused(tmp_path, capsys):
     assert "--max-patches-per-row is the vision-patch budget" in capsys.readouterr().err
 
 
+def test_a_model_folder_with_another_tokenizer_is_refused(data, tmp_path, capsys):
+    """--model brings its own tokenizer: --tokenizer beside it is a usage error, on text data
+    (bench, prepack) and on data with images (train), before any work."""
+    text = _write(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    both = ["--model", str(tmp_path / "m"), "--tokenizer", str(tmp_path / "t")]
+    for argv in (
+        ["bench", str(text), *both],
+        ["prepack", str(text), "--out", str(tmp_path / "never"), *both],
+        ["train", str(data), "--steps", "1", *both],
+    ):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer" in err, err
+    assert not (tmp_path / "never").exists()
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

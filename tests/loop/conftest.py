@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
 from sftpack.testing import tiny_chat_tokenizer
 from tests.helpers import tiny_samples
@@ -43,3 +46,19 @@ def chat(tmp_path_factory):
             ]
             f.write(json.dumps({"messages": msgs}) + "\n")
     return root
+
+
+def run_ranks(worker, args: tuple, nprocs: int = 2) -> None:
+    """``worker(rank, *args)`` in ``nprocs`` forked processes (the ranks of a gloo run), waited for.
+
+    A collective that waits forever must fail the test, not hang it. Not a timing assertion:
+    the run takes seconds; 600 s only bounds a hang, even on a loaded machine.
+    """
+    ctx = mp.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="fork")
+    deadline = time.monotonic() + 600
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    os.kill(p.pid, 9)
+            pytest.fail(f"the {nprocs}-rank run did not finish in 600 s")

@@ -13,17 +13,15 @@ loss by more than 1e-3, 1e7x the tolerance.
 
 from __future__ import annotations
 
-import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from sftpack.loop import make_source, train
 from tests.helpers import tiny_config, tiny_model, tiny_samples
+from tests.loop.conftest import run_ranks
 
 WORLD = 2
 STEPS = 8
@@ -61,28 +59,16 @@ def _worker(rank: int, init_file: str, out_file: str, unsharded: bool = False) -
             )
         else:
             torch.save({"conversations": result.conversations}, out_file + ".1")
+        # both ranks done before either tears gloo down: a rank that left first once aborted its peer's
+        # teardown under load (SIGABRT, "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def _two_ranks(tmp_path, unsharded=False):
     out = str(tmp_path / "rank0.pt")
-    ctx = mp.start_processes(
-        _worker,
-        args=(str(tmp_path / "init"), out, unsharded),
-        nprocs=WORLD,
-        join=False,
-        start_method="fork",
-    )
-    # A collective that waits forever must fail the test, not hang it. Not a timing
-    # assertion: the run takes seconds; 600 s only bounds a hang, even on a loaded machine.
-    deadline = time.monotonic() + 600
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-            pytest.fail("the 2-rank run did not finish in 600 s")
+    run_ranks(_worker, (str(tmp_path / "init"), out, unsharded), WORLD)
     return torch.load(out), torch.load(out + ".1")
 
 

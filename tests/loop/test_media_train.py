@@ -43,6 +43,7 @@ from sftpack.loop._model import build_media_model, media_token_ids  # noqa: E402
 from sftpack.loop._setup import media_samples  # noqa: E402
 from sftpack.loop._sources import TrainerSource  # noqa: E402
 from sftpack.multimodal import family_for, vqa_corpus  # noqa: E402
+from tests.loop.conftest import run_ranks  # noqa: E402
 
 TOL = 1e-10  # float64; see the docstring
 BUG = 1e-6  # what the negative control must move the first step's loss by, at least (1e4 x TOL)
@@ -297,27 +298,16 @@ def _ddp_worker(rank: int, init_file: str, out_file: str, unsharded: bool) -> No
             },
             f"{out_file}.{rank}",
         )
+        # both ranks done before either tears gloo down: a rank that left first once aborted its peer's
+        # teardown under load (SIGABRT, "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
 
 def _ddp_two_ranks(tmp_path, unsharded=False):
-    import os
-    import time
-
-    import torch.multiprocessing as mp
-
     out = str(tmp_path / "rank")
-    ctx = mp.start_processes(
-        _ddp_worker, args=(str(tmp_path / "init"), out, unsharded), nprocs=2, join=False, start_method="fork"
-    )
-    deadline = time.monotonic() + 600  # bounds a hang only: the run takes seconds
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-            pytest.fail("the 2-rank run did not finish in 600 s")
+    run_ranks(_ddp_worker, (str(tmp_path / "init"), out, unsharded))
     return torch.load(out + ".0"), torch.load(out + ".1")
 
 

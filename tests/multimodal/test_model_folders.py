@@ -135,7 +135,7 @@ def test_train_runs_on_the_users_folder(data, tmp_path, tmp_path_factory, capsys
     rc = main(["train", str(data), "--model", path, "--steps", "2", "--batch-size", "2", "--log", str(log)])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert f"model: {path} (qwen2_vl)" in out
+    assert f"model: {path} (qwen2_vl) (Qwen2VLForConditionalGeneration)" in out and "tiny" not in out
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all(x["images"] >= 0 for x in lines)
 

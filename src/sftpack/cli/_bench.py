@@ -18,6 +18,7 @@ from ._common import (
     positive,
     render_read_stats,
     render_tokenize_stats,
+    tokenizer_folder,
     vlm_setup,
 )
 
@@ -93,9 +94,7 @@ def run(args: argparse.Namespace) -> int:
             "--max-patches-per-row is the vision-patch budget of --corpus vqa or data with image parts; text rows "
             "have no patches"
         )
-    if args.model is not None and args.tokenizer is not None:
-        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
-    tok = load_tokenizer(args.model or args.tokenizer)
+    tok = load_tokenizer(tokenizer_folder(args.model, args.tokenizer))
     conversations: Iterable[Conversation]
     if args.paths:
         reader = read_conversations(args.paths, on_bad_row=args.on_bad_row)

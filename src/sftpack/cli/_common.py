@@ -35,6 +35,7 @@ __all__ = [
     "render_tokenize_stats",
     "sigterm_deferred",
     "sigterm_handled",
+    "tokenizer_folder",
 ]
 
 
@@ -206,6 +207,14 @@ def load_tokenizer(path: str | None) -> Any:
         ) from None
 
 
+def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
+    """The folder a command's tokenizer is loaded from: the ``--model`` folder's own, else
+    ``--tokenizer``'s (``None``: the embedded one); both given is a usage error."""
+    if model is not None and tokenizer is not None:
+        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
+    return model or tokenizer
+
+
 def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
     """``(family, tokenizer, image processor)`` of a run with images: those of the vision-language
     model folder ``model`` (its family from ``config.model_type``), else of ``family``'s tiny model
@@ -213,13 +222,12 @@ def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | Non
     is a usage error in one line, before any work."""
     from ..multimodal import UnsupportedModelError, family_for
 
-    if model is not None and tokenizer is not None:
-        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
+    folder = tokenizer_folder(model, tokenizer)
     if model is not None and family is not None:
         raise UsageError("--family: the family of a --model folder is its config.model_type; drop --family")
     try:
         fam = family_for(model if model is not None else family)
-        return fam, fam.tokenizer(model or tokenizer), fam.image_processor(model)
+        return fam, fam.tokenizer(folder), fam.image_processor(model)
     except UnsupportedModelError as e:
         raise UsageError(str(e)) from None
 

@@ -13,6 +13,7 @@ from ._common import (
     load_tokenizer,
     positive,
     render_read_stats,
+    tokenizer_folder,
     vlm_setup,
 )
 
@@ -178,12 +179,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--family {args.family} names the model of data with images: these inputs have no image parts"
         )
-    if args.model is not None and args.tokenizer is not None:
-        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
+    where = tokenizer_folder(args.model, args.tokenizer)
     options = _options(args, pad_multiple)  # every option checked once, before the tokenizer loads or an input is read
     # Ray: a path (or None: the embedded one) that each actor loads; the driver never does
-    where = args.model or args.tokenizer
-    tok = where if args.engine == "ray" else load_tokenizer(where)
+    tok: Any = where if args.engine == "ray" else load_tokenizer(where)
     result = prepack(args.inputs or None, args.out, tokenizer=tok, options=options)
     print(f"wrote {result.path}")
     for line in summary_lines(result):

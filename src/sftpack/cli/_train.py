@@ -29,7 +29,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -94,6 +94,18 @@ def _train_until_stopped(
     if sigterm():
         raise Terminated(_stopped_line(result))
     return result
+
+
+def _ranks(args: argparse.Namespace, resume: bool | Literal["auto"]) -> tuple[int, int, Callable[..., None]]:
+    """A fresh run's --checkpoint-dir checked (another run's checkpoints: refused before the data is
+    waited for), then ``torch.distributed`` joined: ``(rank, world, say)``, ``say`` printing on rank 0 only."""
+    from ..loop._checkpoint import check_new_run
+    from ..loop._loop import init_distributed
+
+    if args.checkpoint_dir and not resume and not args.overwrite_checkpoints:
+        check_new_run(args.checkpoint_dir)
+    rank, world = init_distributed()
+    return rank, world, print if rank == 0 else (lambda *a, **k: None)
 
 
 def _stopped_line(result: Any) -> str:
@@ -346,18 +358,13 @@ def _run_training(
         make_source,
         train,
     )
-    from ..loop._checkpoint import check_new_run
-    from ..loop._loop import init_distributed
     from ..loop._options import Packing
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
     from ..offline import prepack_samples
 
     _mark("imports")
     cfg = _config(args)  # before anything slow: a device this machine does not have is a usage error
-    if args.checkpoint_dir and not resume and not args.overwrite_checkpoints:
-        check_new_run(args.checkpoint_dir)  # another run's checkpoints: refused before the data is waited for
-    rank, world = init_distributed()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    rank, world, say = _ranks(args, resume)
     if cfg.packing in (Packing.TRAINER, Packing.NONE):
         # Building the optimizer imports torch._dynamo (torch.optim's dynamo-disabling wrappers),
         # over a second of a 2-core CPU: begun here, in a thread, it goes on while the model is
@@ -562,8 +569,6 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     from ..chat import read_conversations
     from ..chat._cache_key import tokenizer_info
     from ..loop import compact_vocabulary, make_source, train
-    from ..loop._checkpoint import check_new_run
-    from ..loop._loop import init_distributed
     from ..loop._model import build_media_model, media_token_ids
     from ..loop._options import Packing
     from ..loop._setup import check_targets, media_samples
@@ -576,10 +581,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     lo, hi = args.image_sides or IMAGE_SIDES
     if lo > hi:
         raise UsageError(f"--image-sides {lo} {hi}: MIN must not exceed MAX")
-    if args.checkpoint_dir and not resume and not args.overwrite_checkpoints:
-        check_new_run(args.checkpoint_dir)
-    rank, world = init_distributed()
-    say = print if rank == 0 else (lambda *a, **k: None)
+    rank, world, say = _ranks(args, resume)
     family, tok, processor = vlm_setup(args.model, args.tokenizer)
     limit = args.limit or (VQA_LIMIT if vqa else None)
 
@@ -615,10 +617,10 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         say(f"vocabulary: the {len(vocab):,} ids that occur in the data, renumbered (of {len(tok):,})")
     dtype = getattr(torch, args.dtype or "float32")
     if args.model:
-        model = family.pretrained(args.model, dtype=dtype)
-        say(f"model: {args.model} ({family.name})")
+        model, what = family.pretrained(args.model, dtype=dtype), f"{args.model} ({family.name})"
     else:
         model = build_media_model(family, tok, vocab=vocab, **_model_settings(cfg), dtype=dtype)
+        what = f"tiny {family.name}"
     workdir = None
     prepacked = None
     try:
@@ -648,7 +650,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         )
         n_params = sum(p.numel() for p in model.parameters())
         say(
-            f"model: tiny {family.name} ({type(model).__name__}), {n_params / 1e6:.2f} M parameters, vocabulary "
+            f"model: {what} ({type(model).__name__}), {n_params / 1e6:.2f} M parameters, vocabulary "
             f"{model.config.get_text_config().vocab_size:,}, {str(dtype).removeprefix('torch.')}; packing "
             f"{cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
         )
