@@ -200,6 +200,9 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
         result.update(_context_parallel(rank))
         if rank == 0:
             Path(out_file).write_text(json.dumps(result))
+        # both ranks done before either tears gloo down: a rank that left first once aborted its peer's
+        # teardown under load (SIGABRT, "terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
