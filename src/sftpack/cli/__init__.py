@@ -26,18 +26,21 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from ._common import Terminated, UsageError, sigterm_handled
+from ._config import CONFIG_HELP, expand_config
 
 __all__ = ["build_parser", "main"]
 
 #: the order ``sftpack --help`` lists commands in (others follow alphabetically)
 _ORDER = ("prepack", "inspect", "train", "verify", "map", "demo", "bench")
+#: the commands that take ``--config FILE.yaml`` (:mod:`._config`)
+_CONFIGURED = ("prepack", "train")
 
 
 def _command_modules() -> list[str]:
     names = [
         m.name
         for m in pkgutil.iter_modules(__path__)
-        if m.name.startswith("_") and not m.name.startswith("__") and m.name != "_common"
+        if m.name.startswith("_") and not m.name.startswith("__") and m.name not in ("_common", "_config")
     ]
     rank = {f"_{n}": i for i, n in enumerate(_ORDER)}
     return sorted(names, key=lambda n: (rank.get(n, len(rank)), n))
@@ -55,6 +58,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._arguments = arguments
+        self._config_file: str | None = None
 
     def _add_arguments(self) -> None:
         add, self._arguments = self._arguments, None
@@ -63,6 +67,11 @@ class _Parser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         self._add_arguments()
+        if args is not None and any(a.dest == "config" for a in self._actions):
+            try:
+                args, self._config_file = expand_config(self, args)
+            except ValueError as e:
+                self.error(str(e))
         return super().parse_known_args(args, namespace)
 
     def format_usage(self) -> str:
@@ -74,6 +83,8 @@ class _Parser(argparse.ArgumentParser):
         return super().format_help()
 
     def error(self, message: str) -> NoReturn:
+        if self._config_file is not None and not message.startswith("--config"):
+            message = f"{message} (on the command line or in --config {self._config_file})"
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
@@ -88,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(f"{__name__}.{name}")
         if hasattr(module, "register"):
             module.register(sub)
+    for name in _CONFIGURED:
+        sub.choices[name].add_argument("--config", metavar="FILE", help=CONFIG_HELP)
     return p
 
 
