@@ -130,7 +130,7 @@ GOOD = {"messages": [U("hi"), A("hello")]}
 BAD_LINES = {
     BadRowReason.INVALID_JSON: ('{"messages": [', "invalid JSON"),
     BadRowReason.NOT_AN_OBJECT: ('["just", "a", "list"]', "not an object"),
-    BadRowReason.MISSING_MESSAGES: ('{"text": "hello"}', "no 'messages' field"),
+    BadRowReason.MISSING_MESSAGES: ('{"body": "hello"}', "no 'messages' field"),
     BadRowReason.EMPTY_MESSAGES: ('{"messages": []}', "'messages' is empty"),
     BadRowReason.MALFORMED_MESSAGE: ('{"messages": ["hi"]}', "message 0 is a str"),
     BadRowReason.UNKNOWN_ROLE: (

@@ -158,7 +158,7 @@ def test_skip_mode_stats_add_up_with_bad_inputs_of_every_kind() -> None:
     tok = tok_of("chatml")
     convs: list[Any] = [
         [U("q"), A("a")],
-        {"id": "no-msgs", "text": "x"},
+        {"id": "no-msgs", "body": "x"},
         [U("q"), {"role": ["assistant"], "content": "a"}],
         "not a conversation",
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},

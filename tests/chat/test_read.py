@@ -18,8 +18,8 @@ from sftpack.chat import (
     read_conversations,
     tokenize_conversations,
 )
+from tests.helpers import BAD_LINES
 from tests.helpers import (
-    BAD_LINES,
     GOOD,
     A,
     U,
@@ -50,6 +50,7 @@ def test_bad_row_error_mode_names_file_line_problem_and_fix(tmp_path: Path, reas
         "read": 2,
         "kept": 1,
         "dropped": {reason.value: 1},
+        "formats": {"messages": 1},
     }
 
 
@@ -63,6 +64,7 @@ def test_bad_row_skip_mode_counts_it(tmp_path: Path, reason: BadRowReason) -> No
         "read": 3,
         "kept": 2,
         "dropped": {reason.value: 1},
+        "formats": {"messages": 2},
     }
     assert reader.stats["read"] == reader.stats["kept"] + sum(reader.stats["dropped"].values())
 
@@ -130,19 +132,21 @@ def test_parquet_streams_batches_and_names_rows(tmp_path: Path) -> None:
         "read": 25,
         "kept": 24,
         "dropped": {"non_string_content": 1},
+        "formats": {"messages": 24},
     }
     with pytest.raises(BadRowError, match=r"row 7: message 1 \(assistant\) has a null content"):
         list(read_conversations(path, batch_size=4))
     # No usable column: every row is counted
     other = tmp_path / "other.parquet"
-    pq.write_table(pa.Table.from_pylist([{"text": "x"}] * 3), other)
+    pq.write_table(pa.Table.from_pylist([{"body": "x"}] * 3), other)
     r2 = read_conversations(other, on_bad_row="skip")
     assert list(r2) == [] and r2.stats.as_dict() == {
         "read": 3,
         "kept": 0,
         "dropped": {"missing_messages": 3},
+        "formats": {},
     }
-    with pytest.raises(BadRowError, match="row 0: no 'messages' or 'conversations' column"):
+    with pytest.raises(BadRowError, match="row 0: no 'messages' column, nor another known format's"):
         list(read_conversations(other))
 
 
@@ -159,6 +163,7 @@ def test_hf_datasets_saved_and_in_memory(tmp_path: Path) -> None:
         "read": 6,
         "kept": 5,
         "dropped": {"no_assistant_turn": 1},
+        "formats": {"messages": 5},
     }
     assert [c.messages for c in read_conversations(ds, on_bad_row="skip")] == [c.messages for c in convs]
     streamed = read_conversations(ds.to_iterable_dataset(), on_bad_row="skip")
@@ -181,14 +186,13 @@ def test_sources_gz_glob_directory_and_refusals(tmp_path: Path) -> None:
     assert len(list(read_conversations(tmp_path))) == 3
     reader = read_conversations([tmp_path / "a.jsonl", tmp_path / "a.jsonl"])
     assert len(list(reader)) == 2 and len(list(reader)) == 2 and reader.stats.read == 2  # each pass starts afresh
-    (tmp_path / "arr.json").write_text(json.dumps([GOOD]))  # one line: the file is one JSON array, refused
-    with pytest.raises(BadFileError, match=r"array of objects \(1\) on one line.*jq -c '\.\[\]'"):
-        list(read_conversations(tmp_path / "arr.json"))
-    (tmp_path / "arr2.json").write_text(json.dumps([GOOD], indent=2))  # indented: the file is refused
-    with pytest.raises(BadFileError, match="looks like one JSON array.*jq -c"):
+    (tmp_path / "arr.json").write_text(json.dumps([GOOD]))  # one line: the file is one JSON array, read
+    assert [c.id for c in read_conversations(tmp_path / "arr.json")] == [f"{tmp_path / 'arr.json'}[0]"]
+    (tmp_path / "arr2.json").write_text(json.dumps([GOOD], indent=2)[:-2])  # an array cut short: refused
+    with pytest.raises(BadFileError, match=r"JSON array that does not parse.*line 1[0-9] column.*malformed_json"):
         list(read_conversations(tmp_path / "arr2.json"))
     skip = read_conversations(tmp_path / "arr2.json", on_bad_row="skip")  # skip mode: a counted file
-    assert list(skip) == [] and skip.stats.files_skipped == {"json_document": 1} and skip.stats.read == 0
+    assert list(skip) == [] and skip.stats.files_skipped == {"malformed_json": 1} and skip.stats.read == 0
     with pytest.raises(FileNotFoundError):
         read_conversations(tmp_path / "nope.jsonl")
     (tmp_path / "x.csv").write_text("a,b\n")
@@ -250,7 +254,7 @@ def test_deeply_nested_json_is_a_bad_row(tmp_path: Path) -> None:
     path.write_bytes(_lines(ROWS[:1]) + deep + b"\n" + _lines(ROWS[1:2]))
     reader = read_conversations(path, on_bad_row="skip")
     assert len(list(reader)) == 2
-    assert reader.stats.as_dict() == {"read": 3, "kept": 2, "dropped": {"invalid_json": 1}}
+    assert reader.stats.as_dict() == {"read": 3, "kept": 2, "dropped": {"invalid_json": 1}, "formats": {"messages": 2}}
     with pytest.raises(BadRowError, match=r"line 2: invalid JSON: nested too deeply.*\[invalid_json\]"):
         list(read_conversations(path))
 
@@ -286,7 +290,7 @@ def test_a_gz_that_is_not_gzip_and_broken_parquet_files_are_named(tmp_path: Path
     reader = read_conversations([fake, good, empty, text], on_bad_row="skip")
     assert len(list(reader)) == 6
     s = reader.stats
-    assert s.as_dict() == {"read": 6, "kept": 6, "dropped": {}}
+    assert s.as_dict() == {"read": 6, "kept": 6, "dropped": {}, "formats": {"messages": 6}}
     assert (s.files_read, s.files_skipped) == (1, {"unreadable": 3})
     assert [p.path for p in s.file_problems] == [str(fake), str(empty), str(text)]
 
@@ -361,8 +365,14 @@ PRETTY_OBJECT = json.dumps(ROWS[0], indent=2)  # 12 lines
     ("name", "payload", "reason", "phrase", "fix"),
     [
         ("obj.json", PRETTY_OBJECT.encode(), "json_document", "JSON object spread over several lines", "jq -c ."),
-        ("arr.json", json.dumps(ROWS, indent=2).encode(), "json_document", "JSON array", "jq -c '.[]'"),
-        ("arr1.jsonl", json.dumps(ROWS).encode() + b"\n", "json_document", "array of objects (6)", "jq -c '.[]'"),
+        ("arr.json", json.dumps(ROWS, indent=2).encode()[:-9], "malformed_json", "JSON array that does", "json.tool"),
+        (  # JSON Lines whose lines are arrays of rows
+            "arr1.jsonl",
+            (json.dumps(ROWS[:3]) + "\n" + json.dumps(ROWS[3:]) + "\n").encode(),
+            "json_document",
+            "array of objects (3)",
+            "jq -c '.[]'",
+        ),
         ("mac.jsonl", b"".join(json.dumps(r).encode() + b"\r" for r in ROWS), "cr_line_endings", "bare CR", "tr"),
         ("u16.jsonl", _lines(ROWS).decode().encode("utf-16"), "utf16", "UTF-16", "iconv -f UTF-16"),
         ("u16le.jsonl", _lines(ROWS).decode().encode("utf-16-le"), "utf16", "UTF-16", "iconv -f UTF-16"),

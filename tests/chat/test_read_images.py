@@ -91,7 +91,8 @@ def test_image_paths_are_relative_to_the_file_and_samples_carry_the_images(
     st = reader.stats
     assert [c["id"] for c in convs] == ["data/chat.jsonl:1", "data/chat.jsonl:3"]  # file:line, whatever the row's id
     assert (st.read, st.kept, st.images, st.dropped) == (2, 2, 3, {})
-    assert st.as_dict() == {"read": 2, "kept": 2, "images": 3, "dropped": {}} and st["images"] == 3
+    assert st.as_dict() == {"read": 2, "kept": 2, "images": 3, "dropped": {}, "formats": {"messages": 2}}
+    assert st["images"] == 3
     assert repr(st) == "ReadStats(read=2, kept=2, dropped={}, images=3)"
     img = convs[1]["messages"][0]["content"][0]
     assert img["path"] == os.fspath(tmp_path / "data" / "imgs" / "a.png") and "image" not in img
@@ -357,11 +358,11 @@ def test_images_column_mismatch_missing_column_and_unreadable_files(tmp_path: Pa
     with pytest.raises(BadRowError, match=r"long.parquet, row 1: 'images' has 3 entries but 2 image parts"):
         list(read_conversations(d / "long.parquet"))
     # no messages column: every row counted at once, or row 0 named (in the chat reader's words)
-    pq.write_table(pa.Table.from_pylist([{"text": "a"}, {"text": "b"}]), d / "plain.parquet")
+    pq.write_table(pa.Table.from_pylist([{"body": "a"}, {"body": "b"}]), d / "plain.parquet")
     reader = read_conversations(d / "plain.parquet", "skip")
     assert list(reader) == []
     assert (reader.stats.read, reader.stats.dropped) == (2, {"missing_messages": 2})
-    with pytest.raises(BadRowError, match=r"plain.parquet, row 0: no 'messages' or 'conversations' column"):
+    with pytest.raises(BadRowError, match=r"plain.parquet, row 0: no 'messages' column, nor another known format's"):
         list(read_conversations(d / "plain.parquet"))
     # a file that is not Parquet: a BadFileError, or counted in files_skipped
     (d / "junk.parquet").write_bytes(b"not parquet at all")
@@ -386,7 +387,7 @@ def test_gzipped_jsonl_with_images_reads_as_the_plain_file(tmp_path: Path, tok: 
     convs = list(reader)
     assert [c.id for c in convs] == [f"{gz}:1", f"{gz}:2"]
     assert [c.messages for c in convs] == [c.messages for c in plain]  # image paths relative to the .gz's folder
-    assert reader.stats.as_dict() == {"read": 2, "kept": 2, "images": 3, "dropped": {}}
+    assert reader.stats.as_dict() == {"read": 2, "kept": 2, "images": 3, "dropped": {}, "formats": {"messages": 2}}
     _same_samples(_tokenize(convs, tok, proc), _tokenize(plain, tok, proc))
 
 
@@ -449,12 +450,15 @@ def test_text_parts_read_exactly_as_the_same_text_in_strings(tmp_path: Path) -> 
             "read": 2,
             "kept": 2,
             "dropped": {},
+            "formats": {"messages": 1, "sharegpt": 1},
             "files_read": 1,
             "files_skipped": {},
             "file_problems": [],
         }
     )
-    assert b.stats.images == 0 and repr(b.stats) == repr(a.stats) == "ReadStats(read=2, kept=2, dropped={})"
+    assert b.stats.images == 0 and repr(b.stats) == repr(a.stats) == (
+        "ReadStats(read=2, kept=2, dropped={}, formats={'messages': 1, 'sharegpt': 1})"
+    )
     # text: checked for the text tokenizer, which gives the same samples
     tok = tok_of("chatml")
     sa, sb = tokenize_conversations(ca, tok).to_list(), tokenize_conversations(cb, tok).to_list()
@@ -523,7 +527,12 @@ def test_bad_parts_name_line_field_and_fix(tmp_path: Path, row: dict[str, Any], 
     msg = str(e.value)
     assert f"{path}, line 1" in msg and phrase in msg and f"[{reason}]" in msg and "Fix:" in msg
     reader = read_conversations(path, "skip")
-    assert list(reader) == [] and reader.stats.as_dict() == {"read": 1, "kept": 0, "dropped": {reason: 1}}
+    assert list(reader) == [] and reader.stats.as_dict() == {
+        "read": 1,
+        "kept": 0,
+        "dropped": {reason: 1},
+        "formats": {},
+    }
 
 
 def test_sharegpt_role_map_and_extra_keys_with_images(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@
 errors). The building blocks stay importable from here but out of ``__all__``:
 ``ConversationReader``, ``TokenizedConversations``, ``Encoded``, ``FileProblem``,
 ``ChatRenderer`` / ``renderer_for``, ``mask_from_offsets``, ``validate_messages``,
+``RowFormat``, ``FormattedMessages``, ``detect_format``,
 ``ROLES`` / ``SHAREGPT_ROLES``, ``FileSkipReason``, ``Outcome``,
 ``SpecialTokensInContent``. The over-long policy (``Overlong``,
 ``OverlongError``) lives in :mod:`sftpack.sample`, shared by every layer, and is
@@ -12,15 +13,17 @@ reachable here too (aliases listed in ``sftpack._ALIASES``).
 Private modules, one concept each:
 
 * ``_options``: the choices (``StrEnum``), validated up front.
-* ``_rows``: a row's schema (OpenAI ``messages`` or ShareGPT
-  ``conversations``; a content a string or a list of text / image parts) and its
+* ``_rows``: a row's schema (OpenAI ``messages``, ShareGPT ``conversations``,
+  Alpaca, TRL prompt/completion or plain ``text``, detected from its fields as a
+  :class:`RowFormat`; a content a string or a list of text / image parts) and its
   checks; :class:`BadRowError`.
 * ``_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
   Face datasets (folders searched recursively) with bounded memory; every bad row
   is either an exception naming file, line and fix, or a count under its reason
   (``stats.read == stats.kept + sum(stats.dropped.values())``), and every file
   not read (other kinds, damaged, not JSON Lines) is an error or a count in
-  ``stats.files_skipped``.
+  ``stats.files_skipped``. A file holding one JSON array of rows is read too
+  (``_json_array``).
 * ``_render``: the chat template's text and its trainable characters, with
   or without ``{% generation %}`` markers (one render per conversation on the
   fast path, the prefix-diff reference otherwise).
@@ -70,6 +73,7 @@ from ._find import FileProblem as FileProblem
 from ._options import BadRowReason, OnBadRow, TrainOn
 from ._options import FileSkipReason as FileSkipReason
 from ._options import Outcome as Outcome
+from ._options import RowFormat as RowFormat
 from ._options import SpecialTokensInContent as SpecialTokensInContent
 from ._read import BadFileError, ReadStats, read_conversations
 from ._read import ConversationReader as ConversationReader
@@ -79,6 +83,8 @@ from ._render import renderer_for as renderer_for
 from ._rows import ROLES as ROLES
 from ._rows import SHAREGPT_ROLES as SHAREGPT_ROLES
 from ._rows import BadRowError
+from ._rows import FormattedMessages as FormattedMessages
+from ._rows import detect_format as detect_format
 from ._rows import validate_messages as validate_messages
 from ._tokenize import ConversationTemplateError, encode_conversation, tokenize_conversation
 from ._tokenize import Encoded as Encoded

@@ -35,7 +35,6 @@ from .._base import pool_results, positive_int
 from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
-from ._render import renderer_for
 from ._tokenize import (
     Encoded,
     Item,
@@ -286,6 +285,6 @@ def tokenize_conversations(
     opts = _options(train_on, max_seq_len, overlong, on_bad_row, special_tokens_in_content)
     batch_size = positive_int("batch_size", batch_size)
     num_proc = positive_int("num_proc", num_proc)
-    _backend(tokenizer)
-    renderer_for(tokenizer)  # fails now, not mid-stream, if there is no chat template
+    _backend(tokenizer)  # fails now, not mid-stream, if it is not a fast tokenizer; a missing chat
+    # template fails at the first row that needs one (plain-text rows need none)
     return TokenizedConversations(conversations, tokenizer, opts, batch_size, num_proc, progress)

@@ -56,7 +56,7 @@ def _kind_of(path: Path) -> str | None:
 
 
 _FORMATS = (
-    f"JSON Lines ({', '.join(_JSONL_SUFFIXES)}), Parquet ({', '.join(_PARQUET_SUFFIXES)}), "
+    f"JSON Lines or a JSON array ({', '.join(_JSONL_SUFFIXES)}), Parquet ({', '.join(_PARQUET_SUFFIXES)}), "
     "or a Hugging Face dataset directory (save_to_disk)"
 )
 

@@ -18,6 +18,7 @@ __all__ = [
     "FileSkipReason",
     "OnBadRow",
     "Outcome",
+    "RowFormat",
     "SpecialTokensInContent",
     "TrainOn",
     "choose",
@@ -38,7 +39,11 @@ class BadRowReason(_StrEnum):
 
     INVALID_JSON = "invalid_json"  #: the line is not valid JSON, not UTF-8, or nested too deeply to parse
     NOT_AN_OBJECT = "not_an_object"  #: valid JSON, but not an object ``{...}``
-    MISSING_MESSAGES = "missing_messages"  #: no ``messages`` (or ShareGPT ``conversations``) field
+    #: no field of a known format (``messages``, ShareGPT ``conversations``, ``prompt``/``completion``,
+    #: Alpaca ``instruction``/``output``, ``text``)
+    MISSING_MESSAGES = "missing_messages"
+    MISSING_FIELD = "missing_field"  #: a row of a known format without a field it needs (Alpaca without ``output``)
+    MIXED_FORMATS = "mixed_formats"  #: a row of another format than the first row of its file
     EMPTY_MESSAGES = "empty_messages"  #: the message list is empty
     MALFORMED_MESSAGE = "malformed_message"  #: not a list of objects with a role and a content
     UNKNOWN_ROLE = "unknown_role"  #: a role outside system/user/assistant/tool (after ``role_map``)
@@ -63,6 +68,30 @@ class FileSkipReason(_StrEnum):
     JSON_DOCUMENT = "json_document"  #: one JSON array/object (pretty-printed or on one line), not JSON Lines
     CR_LINE_ENDINGS = "cr_line_endings"  #: lines end with a bare CR (classic Mac), so the file reads as one line
     UTF16 = "utf16"  #: UTF-16 (or UTF-32) text, not UTF-8
+    MALFORMED_JSON = "malformed_json"  #: a JSON array file (``[{...}, ...]``) that does not parse
+
+
+class RowFormat(_StrEnum):
+    """The format of a row, detected from its fields (the keys of ``ReadStats.formats``).
+
+    Looked for in this order, the first present (not null) field deciding: ``messages``,
+    ``conversations``, ``prompt`` / ``completion``, ``instruction`` / ``output``, ``text``.
+    """
+
+    MESSAGES = "messages"  #: OpenAI-style ``messages``: ``[{"role", "content"}]``, rendered by the chat template
+    SHAREGPT = "sharegpt"  #: ShareGPT ``conversations``: ``[{"from", "value"}]``, rendered by the chat template
+    #: Alpaca ``instruction``, optional ``input``, ``output``, optional ``system``: a system (when given), a
+    #: user turn (the instruction, then a blank line and the input when the input is not empty) and an
+    #: assistant turn (the output), rendered by the chat template
+    ALPACA = "alpaca"
+    #: TRL's standard prompt/completion, both strings: plain text, no chat template; the tokenizer's BOS where
+    #: it adds one, the prompt (not trained), the completion and EOS (trained)
+    PROMPT_COMPLETION = "prompt_completion"
+    #: TRL's conversational prompt/completion, both lists of messages: rendered by the chat template, only the
+    #: completion's assistant turns trained
+    CONVERSATIONAL_PROMPT_COMPLETION = "conversational_prompt_completion"
+    #: plain ``text``: no chat template; the tokenizer's BOS where it adds one, the text and EOS, every token trained
+    TEXT = "text"
 
 
 class SpecialTokensInContent(_StrEnum):

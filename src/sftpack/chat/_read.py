@@ -1,17 +1,17 @@
 """Reading conversations from files, streaming, with every rejected row and file accounted for.
 
-(About 620 lines, on purpose: one reader whose three formats share one set of
+(About 690 lines, on purpose: one reader whose file kinds share one set of
 accounting steps, ``_drop`` / ``_skip_file`` / ``_lose_tail``, which keep
 ``read == kept + sum(dropped)`` true at every moment; split per format, each
 piece would need the reader's counters handed around. Finding the files is
 ``_find``'s part.)
 
-Formats (chosen by file name):
+File kinds (chosen by file name):
 
-* ``*.jsonl``, ``*.json``, ``*.ndjson`` (``.gz`` too): one JSON object per line;
-  id ``"chat.jsonl:17"`` (line, 1-based).
-* ``*.parquet``: a ``messages`` (or ``conversations``) column; id
-  ``"chat.parquet[16]"`` (row, 0-based).
+* ``*.jsonl``, ``*.json``, ``*.ndjson`` (``.gz`` too): one JSON object per line
+  (id ``"chat.jsonl:17"``, the line, 1-based), or one JSON array of them.
+* ``*.parquet``: the rows' columns (``messages``...); id ``"chat.parquet[16]"``
+  (row, 0-based).
 * Hugging Face ``datasets``: the same columns, from a ``save_to_disk`` folder
   or a ``Dataset`` / ``DatasetDict`` / ``IterableDataset`` object; id
   ``"folder[16]"`` or ``"dataset[16]"``.
@@ -25,9 +25,11 @@ and a hidden entry (``.git``, ``.DS_Store``) under ``"hidden"``, each listed in
 ``stats.file_problems``. A file named explicitly must be of a known kind.
 
 Which files a path, folder or glob names, and of which kind, is ``_find``'s
-part. A row holds either OpenAI-style ``messages`` or ShareGPT
-``conversations``; its checks live in ``_rows``.
-
+part. A row holds ``messages``, ShareGPT ``conversations``, Alpaca, TRL
+prompt/completion or ``text`` fields, detected per row (``_rows`` has the checks;
+``stats.formats`` counts the kept rows of each); a row of another format than its
+file's first row is a bad row (``mixed_formats``), ``messages`` and ShareGPT aside.
+A table (Parquet, a dataset) is read from the columns of the first format it has.
 Contents may be lists of ``{"type": "text"}`` / ``{"type": "image"}`` parts
 (``_rows`` has the rules): a conversation of text parts only reads as text (each
 content joined into one string); one with images keeps its parts, each image's
@@ -39,15 +41,14 @@ image parts); the multimodal tokenizer takes it.
 
 Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
-column), a saved dataset through its memory-mapped Arrow files. The trade-off is
-that a file holding one JSON *document* (an array ``[{...}, {...}]`` or an
-indented object) is refused, with the ``jq`` line that converts it: parsing it
-would need the whole file in memory. Files that are not JSON Lines are told
-apart from bad rows by their first 64 KiB and first rows (a UTF-16 byte order
-mark or zero bytes, line ends that are bare CRs, a first row that is a JSON
-array of objects or that breaks off at its line's end like an indented
-document), so a pretty-printed file is one explained file, not 12
-``invalid_json`` rows.
+columns), a saved dataset through its memory-mapped Arrow files. A file holding
+one JSON array (``[{...}, {...}]``) is the exception: read whole (``_json_array``),
+each item a row (id ``"chat.json[3]"``, located by the line it starts on); one
+that does not parse is skipped as ``malformed_json``. Other files that are not
+JSON Lines are told apart from bad rows by their first 64 KiB and first rows (a
+UTF-16 byte order mark or zero bytes, line ends that are bare CRs, an indented
+object), so a pretty-printed object is one explained file (with the ``jq`` line
+that converts it), not 12 ``invalid_json`` rows.
 
 Accounting: every non-blank line (or table row) is ``read``; each then lands in
 ``kept`` or in exactly one ``dropped[reason]`` (the first problem found), so
@@ -79,8 +80,9 @@ from .. import _optional
 from .._base import positive_int
 from ..sample import Conversation
 from ._find import FileProblem, _pick_split, _resolve, _Source
-from ._options import BadRowReason, FileSkipReason, OnBadRow, choose
-from ._rows import ROLES, BadRowError, _Bad, _read_row
+from ._json_array import MalformedArray, array_items
+from ._options import BadRowReason, FileSkipReason, OnBadRow, RowFormat, choose
+from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, BadRowError, _Bad, _read_row, detect_format
 
 __all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
 
@@ -103,7 +105,8 @@ class BadFileError(ValueError):
     def __init__(self, path: str, reason: FileSkipReason | BadRowReason, detail: str, fix: str):
         self.path, self.reason, self.detail, self.fix = path, reason, detail, fix
         super().__init__(
-            f"{path}: {detail} [{reason.value}]. Fix: {fix}; or pass on_bad_row='skip' to count such files "
+            f"{path}: {detail} [{reason.value}]. Fix: {fix}; or pass --on-bad-row skip (on_bad_row='skip' in "
+            "Python) to count such files "
             "(stats.files_skipped, stats.dropped['unreadable_tail']) and read the rest."
         )
 
@@ -120,6 +123,8 @@ class ReadStats:
             file counts as its rows where known, else as one).
         kept: rows yielded as conversations.
         images: image content parts in the kept rows (0 for text data).
+        formats: format (a :class:`RowFormat` value) -> kept rows of it;
+            ``sum(formats.values()) == kept``.
         dropped: reason (a :class:`BadRowReason` value) -> rows left out for it.
         files_read: files (and datasets) opened and read, wholly or up to damage.
         files_skipped: reason (a :class:`FileSkipReason` value) -> files not read.
@@ -131,6 +136,7 @@ class ReadStats:
     kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)
     images: int = 0
+    formats: dict[str, int] = field(default_factory=dict)
     files_read: int = 0
     files_skipped: dict[str, int] = field(default_factory=dict)
     file_problems: list[FileProblem] = field(default_factory=list)
@@ -142,6 +148,8 @@ class ReadStats:
 
     def __repr__(self) -> str:  # the file fields only when a file was skipped or damaged
         text = f"ReadStats(read={self.read}, kept={self.kept}, dropped={self.dropped}"
+        if set(self.formats) - {RowFormat.MESSAGES.value}:
+            text += f", formats={self.formats}"
         if self.images:
             text += f", images={self.images}"
         if self.files_skipped or self.file_problems:
@@ -150,15 +158,17 @@ class ReadStats:
         return text + ")"
 
     def __getitem__(self, key: str) -> Any:
-        if key in ("read", "kept", "dropped", "images", "files_read", "files_skipped", "file_problems"):
+        if key in ("read", "kept", "dropped", "images", "formats", "files_read", "files_skipped", "file_problems"):
             return getattr(self, key)
         raise KeyError(key)
 
     def as_dict(self, *, files: bool = False) -> dict[str, Any]:
-        """``read``, ``kept`` and ``dropped`` (JSON-ready), and ``images`` where an image part
-        was kept; with ``files=True`` also ``files_read``, ``files_skipped`` and
+        """``read``, ``kept``, ``dropped`` and ``formats`` (JSON-ready; a stats dict of each key,
+        so that the dicts of several readers add up key by key), and ``images`` where an image
+        part was kept; with ``files=True`` also ``files_read``, ``files_skipped`` and
         ``file_problems`` (a list of dicts)."""
         out: dict[str, Any] = {"read": self.read, "kept": self.kept, "dropped": dict(self.dropped)}
+        out["formats"] = dict(sorted(self.formats.items()))
         if self.images:
             out["images"] = self.images
         if files:
@@ -170,6 +180,7 @@ class ReadStats:
     def _reset(self) -> None:
         self.read = self.kept = self.images = self.files_read = 0
         self.dropped.clear()
+        self.formats.clear()
         self.files_skipped.clear()
         self.file_problems.clear()
 
@@ -257,6 +268,7 @@ class ConversationReader:
         self.batch_size = batch_size
         self.skipped_in_folders = list(skipped or [])
         self.stats = ReadStats()
+        self._first: tuple[RowFormat, str] | None = None  # the format of the file's first row, and where
         for problem in self.skipped_in_folders:  # known before the first pass
             self.stats._skip_file(problem)
 
@@ -269,6 +281,7 @@ class ConversationReader:
         for problem in self.skipped_in_folders:
             self.stats._skip_file(problem)
         for src in self.sources:
+            self._first = None
             if src.kind == "jsonl":
                 yield from self._read_jsonl(src)
             elif src.kind == "parquet":
@@ -298,7 +311,15 @@ class ConversationReader:
         """One row: a conversation, or counted (raised) as bad. ``base``: the folder image paths are relative to."""
         self.stats.read += 1
         try:
-            messages, images = _read_row(row, self.role_map, base=base)
+            fmt = detect_format(row)
+            first = self._first
+            if fmt is not None and first is not None and fmt is not first[0] and {fmt, first[0]} != _CHAT_LISTS:
+                raise _Bad(
+                    BadRowReason.MIXED_FORMATS,
+                    f"a {fmt.value} row, but the file's first row ({first[1]}) is {first[0].value}",
+                    f"keep one format per file: write this row as {first[0].value} too, or move it to a file of its own",
+                )
+            messages, images, fmt = _read_row(row, self.role_map, base=base)
         except _Bad as bad:
             self._drop(src, location, bad)
             return None
@@ -314,6 +335,9 @@ class ConversationReader:
             )
             return None
         self.stats.kept += 1
+        self.stats.formats[fmt.value] = self.stats.formats.get(fmt.value, 0) + 1
+        if self._first is None:
+            self._first = (fmt, location)
         self.stats.images += images
         # with images, the text tokenizer's checks must run (and refuse it); the multimodal one takes it
         return Conversation(cid, messages, checked=not images)
@@ -354,6 +378,16 @@ class ConversationReader:
         except _NotJsonl as e:
             self._skip_file(src, e.reason, e.detail, e.fix)
             return
+        array = head.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["  # or JSON Lines of arrays
+        if array:
+            try:
+                items = self._array(src, opener)
+            except _NotJsonl as e:
+                self._skip_file(src, e.reason, e.detail, e.fix)
+                return
+            if items is not None:
+                yield from self._array_rows(src, items, path.resolve().parent)
+                return
         self.stats.files_read += 1
         rows_before = self.stats.read
         self._last_line = 0
@@ -369,6 +403,32 @@ class ConversationReader:
                 self._skip_file(src, FileSkipReason.UNREADABLE, _describe(e), _container_fix(gz))
                 return
             self._lose_tail(src, f"line {self._last_line}", e, 1)
+
+    def _array(self, src: _Source, opener: Any) -> list[tuple[int, Any]] | None:
+        """The items of a JSON array file; None: not one array of objects (or damaged: the
+        JSON Lines path reports it); raises :class:`_NotJsonl` for an array that does not parse."""
+        try:
+            with opener(src.target, "rb") as f:
+                data = f.read()
+        except _GZIP_ERRORS:
+            return None
+        try:
+            items = array_items(data)
+        except MalformedArray as e:
+            raise _NotJsonl(
+                FileSkipReason.MALFORMED_JSON,
+                f"is a JSON array that does not parse: {e}",
+                f"fix the JSON there (python -m json.tool {src.name} shows the spot)",
+            ) from None
+        # rows are objects: an array of anything else is a JSON Lines row, bad as before
+        return items if items and isinstance(items[0][1], dict) else None
+
+    def _array_rows(self, src: _Source, items: list[tuple[int, Any]], base: Path) -> Iterator[Conversation]:
+        self.stats.files_read += 1
+        for index, (line, row) in enumerate(items):
+            conv = self._row(src, f"{src.name}[{index}]", f"item {index} (line {line})", row, base)
+            if conv is not None:
+                yield conv
 
     def _jsonl_rows(self, src: _Source, f: Any, base: Path) -> Iterator[Conversation]:
         self._last_line = 0
@@ -449,11 +509,10 @@ class ConversationReader:
             )
             return
         self.stats.files_read += 1
-        columns = [c for c in ("messages", "conversations") if c in names]
+        columns = _columns(names)
         if not columns:
             yield from self._missing_column(src, num_rows, sorted(names))
             return
-        columns += ["images"] if "images" in names else []
         base = Path(src.target).resolve().parent
         index = 0
         batches = pf.iter_batches(batch_size=self.batch_size, columns=columns)
@@ -503,11 +562,10 @@ class ConversationReader:
                     yield conv
             return
         names = list(target.column_names or [])
-        columns = [c for c in ("messages", "conversations") if c in names]
+        columns = _columns(names)
         if not columns:
             yield from self._missing_column(src, len(target), names)
             return
-        columns += ["images"] if "images" in names else []
         # map-style: Arrow batches of only the needed columns from the memory-mapped table (not
         # decoded rows: an Image feature stays its {"bytes", "path"} struct)
         batches: Iterable[Any] = target.select_columns(columns).with_format("arrow").iter(batch_size=self.batch_size)
@@ -524,8 +582,9 @@ class ConversationReader:
             return iter(())
         bad = _Bad(
             BadRowReason.MISSING_MESSAGES,
-            f"no 'messages' or 'conversations' column (columns: {names})",
-            "add a 'messages' column of {'role', 'content'} lists",
+            f"no 'messages' column, nor another known format's (columns: {names})",
+            "add a 'messages' column of {'role', 'content'} lists (or ShareGPT 'conversations', 'prompt' and "
+            "'completion', Alpaca 'instruction' and 'output', or 'text')",
         )
         if self.on_bad_row is OnBadRow.SKIP:  # every row is bad for the same reason: count them at once
             self.stats.read += num_rows
@@ -535,6 +594,22 @@ class ConversationReader:
         self.stats.read += 1
         self._drop(src, "row 0", bad)
         raise AssertionError("unreachable: _drop raises in error mode")
+
+
+def _columns(names: Iterable[str]) -> list[str]:
+    """The columns a table's rows are read from: those of the first format (in
+    :func:`~._rows.detect_format`'s order) whose deciding column the table has."""
+    have = set(names)
+    if have & {"messages", "conversations"}:  # both read: a row takes whichever it fills
+        return [c for c in ("messages", "conversations", "images") if c in have]
+    for fmt, deciding in (
+        (RowFormat.PROMPT_COMPLETION, {"prompt", "completion"}),
+        (RowFormat.ALPACA, {"instruction", "output"}),
+        (RowFormat.TEXT, {"text"}),
+    ):
+        if have & deciding:
+            return [c for c in FORMAT_FIELDS[fmt] if c in have]
+    return []
 
 
 def _parses(raw: bytes) -> bool:
@@ -575,7 +650,11 @@ def read_conversations(
     split: str | None = None,
     batch_size: int = 1024,
 ) -> ConversationReader:
-    """Stream the conversations of JSONL, Parquet or Hugging Face dataset sources.
+    """Stream the conversations of JSONL (or JSON array), Parquet or Hugging Face dataset sources.
+
+    Each row's format is detected from its fields (:class:`~sftpack.chat.RowFormat`:
+    ``messages``, ShareGPT, Alpaca, prompt/completion, ``text``; one per file) and
+    counted in ``stats.formats``.
 
     Args:
         paths: a path, a glob pattern (``**`` matches any depth), a list of them,
@@ -605,7 +684,7 @@ def read_conversations(
     >>> [c.id.rsplit("/", 1)[-1] for c in reader]
     ['chat.jsonl:1']
     >>> reader.stats.as_dict()
-    {'read': 2, 'kept': 1, 'dropped': {'invalid_json': 1}}
+    {'read': 2, 'kept': 1, 'dropped': {'invalid_json': 1}, 'formats': {'messages': 1}}
     """
     mode = choose(OnBadRow, on_bad_row, "on_bad_row")
     batch_size = positive_int("batch_size", batch_size)

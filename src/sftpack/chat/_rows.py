@@ -3,7 +3,13 @@
 A row holds OpenAI-style ``messages`` (``[{"role": ..., "content": ...}]``) or
 ShareGPT ``conversations`` (``[{"from": "human", "value": ...}]``, mapped to roles:
 human/user -> user, gpt/assistant/model/chatgpt/bard/bing -> assistant,
-system -> system, tool/function/observation -> tool). Checks run in a fixed order
+system -> system, tool/function/observation -> tool), or one of the other
+formats SFT data comes in, each detected from its fields (:func:`detect_format`,
+:class:`RowFormat` says how each renders): Alpaca ``instruction`` / ``input`` /
+``output`` / ``system`` (messages for the chat template), TRL's prompt/completion
+(strings: plain text; lists of messages: the chat template, the prompt never
+trained) and plain ``text``. The ones not rendered by the chat template's usual
+rule come as :class:`FormattedMessages`, a list of messages that carries how. Checks run in a fixed order
 and the first failure is the row's one reason (:class:`BadRowReason`), so every
 rejected row is counted exactly once. Every JSON value in every field reaches a
 check (a role that is a list or an object is a bad row, not a ``TypeError``), so
@@ -34,9 +40,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ._options import BadRowReason
+from ._options import BadRowReason, RowFormat
 
-__all__ = ["ROLES", "SHAREGPT_ROLES", "BadRowError", "is_url", "validate_messages"]
+__all__ = [
+    "FORMAT_FIELDS",
+    "ROLES",
+    "SHAREGPT_ROLES",
+    "BadRowError",
+    "FormattedMessages",
+    "detect_format",
+    "is_url",
+    "validate_messages",
+]
 
 #: Roles a message may have once read (after ``role_map`` / the ShareGPT mapping).
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -70,7 +85,10 @@ def is_url(text: str) -> bool:
     return _URL.match(text) is not None
 
 
-_SKIP_HINT = "or pass on_bad_row='skip' to leave such rows out (each counted in stats.dropped)"
+#: Both spellings: the CLI user reads the flag, the library user the argument.
+_SKIP_HINT = (
+    "or pass --on-bad-row skip (on_bad_row='skip' in Python) to leave such rows out (each counted in stats.dropped)"
+)
 
 
 class BadRowError(ValueError):
@@ -101,7 +119,8 @@ class _Bad(Exception):
 def _type_name(value: object) -> str:
     if value is None:
         return "null"
-    return {dict: "object", list: "list", str: "string", bool: "boolean"}.get(type(value), type(value).__name__)
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), type(value).__name__)
 
 
 def _is_text(s: str) -> bool:
@@ -144,36 +163,66 @@ def _messages(row: Any, role_map: Mapping[str, str] | None, allow_list: bool = F
 
 
 def _read_row(
-    row: Any, role_map: Mapping[str, str] | None, allow_list: bool = False, base: Path | None = None
-) -> tuple[list[dict[str, Any]], int]:
-    """The row's checked messages and its number of image parts; raises :class:`_Bad`.
+    row: Any,
+    role_map: Mapping[str, str] | None,
+    allow_list: bool = False,
+    base: Path | None = None,
+) -> tuple[list[dict[str, Any]], int, RowFormat]:
+    """The row's checked messages, its number of image parts and its format; raises :class:`_Bad`.
 
     ``base`` (the reader's: the data file's folder) accepts content parts, image paths
     relative to it; without it (the tokenizer's checks) a content must be a string.
     """
-    sharegpt = False
+    if allow_list and isinstance(row, FormattedMessages):  # checked again as the row it was read from
+        row = row.as_row()
     if allow_list and isinstance(row, list):
-        msgs: Any = row
-    elif not isinstance(row, dict):
+        out, images = _chat_list(row, "messages", False, role_map, base, None)
+        return out, images, RowFormat.MESSAGES
+    if not isinstance(row, dict):
         raise _Bad(
             BadRowReason.NOT_AN_OBJECT,
             f"the row is a JSON {_type_name(row)}, not an object",
             'write one object per line: {"messages": [{"role": "user", "content": "..."}, ...]} '
             "(a file holding one JSON array converts with jq -c '.[]')",
         )
-    elif row.get("messages") is not None:
-        msgs = row["messages"]
-    elif row.get("conversations") is not None:
-        msgs, sharegpt = row["conversations"], True
-    else:
+    fmt = detect_format(row)
+    if fmt is None:
         keys = ", ".join(repr(k) for k in list(row)[:8]) or "none"
         raise _Bad(
             BadRowReason.MISSING_MESSAGES,
-            f"no 'messages' field (the row's keys: {keys})",
-            "give the row a 'messages' list of {'role', 'content'} objects "
-            "(or ShareGPT 'conversations' of {'from', 'value'})",
+            f"no 'messages' field, nor another known format's (the row's keys: {keys})",
+            "give the row a 'messages' list of {'role', 'content'} objects (or ShareGPT 'conversations' of "
+            "{'from', 'value'}, 'prompt' and 'completion', Alpaca 'instruction' and 'output', or 'text')",
         )
-    field_name = "conversations" if sharegpt else "messages"
+    if fmt is RowFormat.ALPACA:
+        return _alpaca(row), 0, fmt
+    if fmt is RowFormat.TEXT:
+        text = _string(row, "text", "the text to train on")
+        return FormattedMessages([{"role": "assistant", "content": text}], fmt, template=False), 0, fmt
+    if fmt is RowFormat.PROMPT_COMPLETION:
+        prompt = _string(row, "prompt", "the prompt (may be empty)", empty=True)
+        completion = _string(row, "completion", "the text to train on")
+        msgs = [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+        return FormattedMessages(msgs, fmt, template=False, prompt_messages=1), 0, fmt
+    if fmt is RowFormat.CONVERSATIONAL_PROMPT_COMPLETION:
+        return _conversational(row, role_map, base), 0, fmt
+    sharegpt = fmt is RowFormat.SHAREGPT
+    msgs = row["conversations"] if sharegpt else row["messages"]
+    out, images = _chat_list(msgs, "conversations" if sharegpt else "messages", sharegpt, role_map, base, row)
+    return out, images, fmt
+
+
+def _chat_list(
+    msgs: Any,
+    field_name: str,
+    sharegpt: bool,
+    role_map: Mapping[str, str] | None,
+    base: Path | None,
+    images_of: dict[str, Any] | None,
+    need_assistant: bool = True,
+) -> tuple[list[dict[str, Any]], int]:
+    """A list of messages (``field_name`` of the row), checked; and its number of image parts.
+    ``images_of``: the row whose ``images`` list feeds image parts without a source."""
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if not isinstance(msgs, list):
         raise _Bad(
@@ -187,7 +236,7 @@ def _read_row(
             f"'{field_name}' is empty",
             "remove the row, or give it at least a user and an assistant message",
         )
-    pool = _images_column(row) if base is not None and isinstance(row, dict) else None
+    pool = _images_column(images_of) if base is not None and images_of is not None else None
     out: list[dict[str, Any]] = []
     parts_of: list[list[dict[str, Any]] | None] = []  # each message's parts, where it gave a list
     images = 0
@@ -230,7 +279,7 @@ def _read_row(
             raise _Bad(
                 BadRowReason.UNKNOWN_ROLE,
                 f"message {i} has role {_short(raw_role)}, which is not one of {known}",
-                f"map it with role_map={{{raw_role!r}: 'assistant'}} (or 'user', ...)",
+                f"rename it in the data to one of {known} (in Python: role_map={{{raw_role!r}: 'assistant'}})",
             )
         parts: list[dict[str, Any]] | None = None
         n_images = 0
@@ -285,7 +334,7 @@ def _read_row(
             out.append({"role": role, "content": content, **extra})
         else:
             out.append({k: v for k, v in m.items() if v is not None} | {"role": role, "content": content})
-    if not has_assistant:
+    if need_assistant and not has_assistant:
         raise _Bad(
             BadRowReason.NO_ASSISTANT_TURN,
             f"none of the {len(out)} messages is from the assistant: nothing to train on",
@@ -301,6 +350,160 @@ def _read_row(
         for msg, parts in zip(out, parts_of):
             msg["content"] = parts if parts is not None else [{"type": "text", "text": msg["content"]}]
     return out, images
+
+
+# ---------------------------------------------------------------------------- the other formats
+
+#: The two formats of chat lists, which may share a file (as they always could).
+_CHAT_LISTS = {RowFormat.MESSAGES, RowFormat.SHAREGPT}
+
+
+class FormattedMessages(list[dict[str, Any]]):
+    """A row's messages that are not rendered by the chat template's usual rule.
+
+    Attributes: ``format`` (:class:`RowFormat`), ``template`` (False: plain text, no
+    chat template: the contents joined, BOS and EOS added as the tokenizer's own) and
+    ``prompt_messages`` (how many leading messages are the prompt, never trained).
+    A list of message dicts all the same, so code reading ``conversation.messages``
+    works unchanged.
+    """
+
+    def __init__(self, messages: Any, fmt: RowFormat, *, template: bool = True, prompt_messages: int = 0):
+        super().__init__(messages)
+        self.format, self.template, self.prompt_messages = fmt, template, prompt_messages
+
+    def __repr__(self) -> str:  # names the format: two rows rendering differently never look alike
+        return f"FormattedMessages({self.format.value}, {list.__repr__(self)})"
+
+    def as_row(self) -> dict[str, Any]:
+        """The row these messages were read from (its fields, as a file would hold them)."""
+        if self.format is RowFormat.TEXT:
+            return {"text": self[0]["content"]}
+        if self.format is RowFormat.PROMPT_COMPLETION:
+            return {"prompt": self[0]["content"], "completion": self[1]["content"]}
+        k = self.prompt_messages
+        return {"prompt": list(self[:k]), "completion": list(self[k:])}
+
+
+def detect_format(row: Any) -> RowFormat | None:
+    """The :class:`RowFormat` of a row (a dict), from its fields (a null field counts as absent), or None.
+
+    >>> detect_format({"instruction": "Add 2 and 3.", "input": "", "output": "5"}).value
+    'alpaca'
+    >>> detect_format({"prompt": [{"role": "user", "content": "hi"}], "completion": []}).value
+    'conversational_prompt_completion'
+    """
+    if not isinstance(row, dict):
+        return None
+    if row.get("messages") is not None:  # the common case first
+        return RowFormat.MESSAGES
+    has = {k for k in _FIELDS if row.get(k) is not None}
+    if "conversations" in has:
+        return RowFormat.SHAREGPT
+    if has & {"prompt", "completion"}:
+        first = row.get("prompt") if "prompt" in has else row.get("completion")
+        return RowFormat.CONVERSATIONAL_PROMPT_COMPLETION if isinstance(first, list) else RowFormat.PROMPT_COMPLETION
+    if has & {"instruction", "output"}:
+        return RowFormat.ALPACA
+    if "text" in has:
+        return RowFormat.TEXT
+    return None
+
+
+#: The fields each format reads (a columnar file reads only these columns).
+FORMAT_FIELDS: Mapping[RowFormat, tuple[str, ...]] = {
+    RowFormat.MESSAGES: ("messages", "images"),
+    RowFormat.SHAREGPT: ("conversations", "images"),
+    RowFormat.PROMPT_COMPLETION: ("prompt", "completion"),
+    RowFormat.CONVERSATIONAL_PROMPT_COMPLETION: ("prompt", "completion"),
+    RowFormat.ALPACA: ("instruction", "input", "output", "system"),
+    RowFormat.TEXT: ("text",),
+}
+_FIELDS = ("conversations", "prompt", "completion", "instruction", "output", "text")
+
+_WHAT = {
+    RowFormat.ALPACA: "an Alpaca row (instruction, optional input, output, optional system)",
+    RowFormat.PROMPT_COMPLETION: "a prompt/completion row (both strings)",
+    RowFormat.CONVERSATIONAL_PROMPT_COMPLETION: "a prompt/completion row (both lists of messages)",
+    RowFormat.TEXT: "a text row",
+}
+
+
+def _string(row: dict[str, Any], key: str, what: str, *, empty: bool = False, optional: bool = False) -> str:
+    """Field ``key`` of a non-chat row, checked to be a (non-empty, unless ``empty``) string of text."""
+    fmt = detect_format(row)
+    where = _WHAT.get(fmt, "the row") if fmt is not None else "the row"
+    value = row.get(key)
+    if value is None:
+        if optional:
+            return ""
+        raise _Bad(
+            BadRowReason.MISSING_FIELD,
+            f"'{key}' is missing in {where}",
+            f"add the string field '{key}' to the row ({what})",
+        )
+    if not isinstance(value, str):
+        raise _Bad(
+            BadRowReason.NON_STRING_CONTENT,
+            f"'{key}' is a {_type_name(value)} in {where}, expected a string",
+            f"write '{key}' as one string: {what}",
+        )
+    if not empty and not optional and not value.strip():
+        raise _Bad(
+            BadRowReason.EMPTY_CONTENT, f"'{key}' is empty in {where}", f"give '{key}' {what}, or remove the row"
+        )
+    if not _is_text(value):
+        raise _Bad(
+            BadRowReason.INVALID_TEXT,
+            f"'{key}' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), not text",
+            "fix the escape (a character outside the BMP is a surrogate *pair*) or remove the row",
+        )
+    return value
+
+
+def _alpaca(row: dict[str, Any]) -> list[dict[str, Any]]:
+    """An Alpaca row as messages: a system message when ``system`` is not empty; the user's
+    turn is ``instruction``, followed by a blank line (``"\\n\\n"``) and ``input`` when
+    ``input`` is not empty or only whitespace; the assistant's turn is ``output``."""
+    instruction = _string(row, "instruction", "the task for the model")
+    extra = _string(row, "input", "the task's input (optional)", optional=True)
+    output = _string(row, "output", "the answer to train on")
+    system = _string(row, "system", "a system prompt (optional)", optional=True)
+    user = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    head = [{"role": "system", "content": system}] if system.strip() else []
+    return [*head, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
+
+
+def _conversational(row: dict[str, Any], role_map: Mapping[str, str] | None, base: Path | None) -> FormattedMessages:
+    """TRL's conversational prompt/completion: both lists of messages; the completion holds the assistant's turns."""
+    lists = {}
+    for key in ("prompt", "completion"):
+        value = row.get(key)
+        if value is None:
+            raise _Bad(
+                BadRowReason.MISSING_FIELD,
+                f"'{key}' is missing in {_WHAT[RowFormat.CONVERSATIONAL_PROMPT_COMPLETION]}",
+                f"give the row a '{key}' list of {{'role', 'content'}} messages",
+            )
+        if not isinstance(value, list):
+            raise _Bad(
+                BadRowReason.MALFORMED_MESSAGE,
+                f"'{key}' is a {_type_name(value)} but the other field a list",
+                "write 'prompt' and 'completion' both as strings (plain text) or both as lists of messages",
+            )
+        try:
+            out, images = _chat_list(value, key, False, role_map, base, None, need_assistant=key == "completion")
+        except _Bad as bad:
+            raise _Bad(bad.reason, f"in '{key}': {bad.detail}", bad.fix) from None
+        if images:
+            raise _Bad(
+                BadRowReason.MALFORMED_MESSAGE,
+                f"'{key}' holds image parts, which prompt/completion rows do not take",
+                "write the row as 'messages' (prompt and completion in one list) to train on images",
+            )
+        lists[key] = out
+    fmt = RowFormat.CONVERSATIONAL_PROMPT_COMPLETION
+    return FormattedMessages(lists["prompt"] + lists["completion"], fmt, prompt_messages=len(lists["prompt"]))
 
 
 # ---------------------------------------------------------------------------- content parts

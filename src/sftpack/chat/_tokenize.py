@@ -1,9 +1,9 @@
 """One conversation to :class:`~sftpack.Sample`: render, tokenize, loss mask, over-long policy.
 
-(About 570 lines, on purpose: the options, the character-to-token mask, the
+(About 630 lines, on purpose: the options, the character-to-token mask, the
 one-conversation path and the batched fast path are one pipeline whose steps
-share the ``_Options`` and ``Encoded`` types; rendering is ``_render``'s part,
-batching over processes ``_batch``'s.)
+share the ``_Options`` and ``Encoded`` types; rendering is ``_render``'s part
+(``_plain``'s for rows without a chat template), batching over processes ``_batch``'s.)
 
 The pipeline per conversation is *render once, tokenize once*::
 
@@ -43,6 +43,13 @@ text take this path (none of the default corpus does); the rest keep the one
 ``encode_batch`` call. ``special_tokens_in_content="control"`` keeps Hugging
 Face's behaviour (they become control tokens), for data that relies on it.
 
+Rows of the other formats (``_rows``' :class:`~sftpack.chat.RowFormat`): Alpaca is
+messages like any other; a conversational prompt/completion row renders by the
+chat template with only the spans after its prompt's own rendering kept (its
+prompt may hold assistant turns, never trained); plain ``text`` and standard
+prompt/completion rows need no chat template (``_plain``), so a tokenizer without
+one serves them, and fails only at the first row that needs it.
+
 Batches of many conversations, stats and worker processes: ``_batch``.
 """
 
@@ -68,8 +75,9 @@ from ._options import (
     TrainOn,
     choose,
 )
+from ._plain import Ends, ends_of, plain_text
 from ._render import ChatRenderer, TemplateError, renderer_for
-from ._rows import BadRowError, _Bad, _messages
+from ._rows import BadRowError, FormattedMessages, _Bad, _messages
 
 __all__ = [
     "ConversationTemplateError",
@@ -168,7 +176,7 @@ def _as_item(obj: Any, index: int) -> Item:
         cid = obj.get("id", obj.get("conversation_id", index))
         return cid, dict(obj), False
     if isinstance(obj, Sequence) and not isinstance(obj, (str, bytes)):
-        return index, list(obj), False
+        return index, obj if isinstance(obj, FormattedMessages) else list(obj), False
     return index, obj, False  # not a row at all: the checks say so (not_an_object)
 
 
@@ -296,26 +304,83 @@ _TEMPLATE_FIX = (
 )
 
 
-def _render_one(item: Item, renderer: ChatRenderer, opts: _Options) -> _Rendered:
+def _render_one(item: Item, ctx: _Context, opts: _Options) -> _Rendered:
     cid = item[0]
     try:
         messages = _checked(item)
     except _Bad as bad:
         return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
+    if isinstance(messages, FormattedMessages) and not messages.template:
+        return _render_plain(cid, messages, ctx, opts)
+    renderer = ctx.renderer  # a tokenizer without a chat template fails here, for every row alike
     n_special = renderer.count_special_text(messages)
     try:
         if n_special and opts.special_tokens is SpecialTokensInContent.TEXT:
             text, spans, specials = renderer.spans_special_text(messages, opts.train_on)
-            return _Rendered(cid, text, spans, specials, n_special)
-        text, spans = renderer.spans(messages, opts.train_on)
+        else:
+            (text, spans), specials = renderer.spans(messages, opts.train_on), None
+        if isinstance(messages, FormattedMessages) and opts.train_on is not TrainOn.EVERYTHING:
+            spans = _completion_spans(renderer, messages, text, spans)
     except Exception as e:  # noqa: BLE001 - TemplateError (raise_exception...) or any failure inside Jinja
         detail = str(e) if isinstance(e, TemplateError) else f"the chat template failed: {type(e).__name__}: {e}"
         return _Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, _TEMPLATE_FIX, n_special))
-    return _Rendered(cid, text, spans, None, n_special)
+    return _Rendered(cid, text, spans, specials, n_special)
 
 
-def _render(items: Sequence[Item], renderer: ChatRenderer, opts: _Options) -> list[_Rendered]:
-    return [_render_one(item, renderer, opts) for item in items]
+def _completion_spans(
+    renderer: ChatRenderer, messages: FormattedMessages, text: str, spans: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """The spans of a conversational prompt/completion row that lie in the completion:
+    those starting at or after the end of the prompt's own rendering (which must be
+    where the whole rendering begins). Only a prompt with assistant turns has any other."""
+    prompt = messages[: messages.prompt_messages]
+    if not any(m.get("role") == "assistant" for m in prompt):
+        return spans
+    head = renderer.render(prompt)
+    if not text.startswith(head):
+        raise TemplateError(
+            "the chat template renders the prompt differently inside the whole conversation, so where the "
+            "completion starts is unknown: use a template that renders earlier turns unchanged"
+        )
+    return [s for s in spans if s[0] >= len(head)]
+
+
+class _Context:
+    """What rendering needs of the tokenizer, found on first need: the chat template's
+    renderer (a tokenizer without one serves plain-text rows all the same) and the
+    plain-text rows' BOS, EOS and special-token strings."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self._renderer: ChatRenderer | None = None
+        self._ends: Ends | None = None
+
+    @property
+    def renderer(self) -> ChatRenderer:
+        if self._renderer is None:
+            self._renderer = renderer_for(self.tokenizer)
+        return self._renderer
+
+    @property
+    def ends(self) -> Ends:
+        if self._ends is None:
+            self._ends = ends_of(self.tokenizer, _backend(self.tokenizer))
+        return self._ends
+
+
+def _render_plain(cid: Any, messages: FormattedMessages, ctx: _Context, opts: _Options) -> _Rendered:
+    """A row of plain text, no chat template (``_plain`` has the rule)."""
+    try:
+        text, spans, specials, n_special = plain_text(
+            messages, ctx.ends, opts.train_on, opts.special_tokens is SpecialTokensInContent.TEXT
+        )
+    except _Bad as bad:
+        return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
+    return _Rendered(cid, text, spans, specials, n_special)
+
+
+def _render(items: Sequence[Item], ctx: _Context, opts: _Options) -> list[_Rendered]:
+    return [_render_one(item, ctx, opts) for item in items]
 
 
 def _plain_texts(rendered: Sequence[_Rendered]) -> list[str]:
@@ -423,7 +488,8 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
                     BadRowReason.NO_TRAINABLE_TOKENS,
                     f"the rendering ({len(ids)} tokens) holds no trainable token for train_on={opts.train_on.value!r}"
                     " (does the chat template drop or hide the assistant turns?)",
-                    "use a template that renders the assistant turns, or train_on='everything'",
+                    "use a template that renders the assistant turns, or --train-on everything "
+                    "(train_on='everything' in Python)",
                     r.special_text,
                 )
             )
@@ -435,7 +501,7 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
 def _encode_many(items: Sequence[Item], tokenizer: Tokenizer, opts: _Options) -> list[Encoded]:
     """Check, render, tokenize (one ``encode_batch`` call) and mask a batch of conversations, in order."""
     backend = _backend(tokenizer)
-    rendered = _render(items, renderer_for(tokenizer), opts)
+    rendered = _render(items, _Context(tokenizer), opts)
     return _finish(rendered, _encode_texts(backend, _plain_texts(rendered)), tokenizer, opts)
 
 
@@ -444,11 +510,11 @@ def _encode_stream(batches: Iterable[Sequence[Item]], tokenizer: Tokenizer, opts
     batch ``k`` (Rust, the GIL released), this thread renders batch ``k + 1`` and
     then masks batch ``k``, so the Python work overlaps the encoding."""
     backend = _backend(tokenizer)
-    renderer = renderer_for(tokenizer)
+    ctx = _Context(tokenizer)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sftpack-encode") as pool:
         pending = None
         for items in batches:
-            rendered = _render(items, renderer, opts)
+            rendered = _render(items, ctx, opts)
             future = pool.submit(_encode_texts, backend, _plain_texts(rendered))
             if pending is not None:
                 yield _finish(pending[0], pending[1].result(), tokenizer, opts)
@@ -516,7 +582,9 @@ def tokenize_conversation(
 
     Args:
         messages: ``[{"role": ..., "content": ...}, ...]`` (or a
-            :class:`Conversation`, or a dict with ``messages``).
+            :class:`Conversation`, or a row: a dict with ``messages``, ShareGPT
+            ``conversations``, Alpaca ``instruction`` / ``output``, ``prompt`` /
+            ``completion`` or ``text``; see :class:`~sftpack.chat.RowFormat`).
         tokenizer: a Hugging Face fast tokenizer with a ``chat_template``.
         train_on: ``"all_assistant"`` (each assistant content and its end-of-turn
             token), ``"last_assistant"`` or ``"everything"``.
@@ -550,6 +618,12 @@ def tokenize_conversation(
     ...                            {"role": "assistant", "content": "yo"}], tok)
     >>> tok.decode(s.input_ids[s.loss_mask])
     'yo<|im_end|>'
+    >>> s = tokenize_conversation({"instruction": "Add 2 and 3.", "input": "", "output": "5"}, tok)  # Alpaca
+    >>> tok.decode(s.input_ids[s.loss_mask])
+    '5<|im_end|>'
+    >>> s = tokenize_conversation({"prompt": "2 + 3 =", "completion": " 5"}, tok)  # plain text, no template
+    >>> tok.decode(s.input_ids), tok.decode(s.input_ids[s.loss_mask])
+    ('2 + 3 = 5<|im_end|>', ' 5<|im_end|>')
     """
     opts = _options(train_on, max_seq_len, overlong, "error", special_tokens_in_content)
     if opts.overlong is Overlong.DROP:

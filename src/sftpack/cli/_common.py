@@ -233,8 +233,8 @@ def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | Non
 
 
 def _record_has_images(obj: Any) -> bool:
-    """A conversation (a JSON object, or a read ``Conversation``) with an image part or a non-empty
-    ``images`` list."""
+    """A conversation (a JSON object, or a read ``Conversation``) with an image or video part or a
+    non-empty ``images`` list."""
     if isinstance(obj, dict):
         if obj.get("images"):
             return True
@@ -243,7 +243,7 @@ def _record_has_images(obj: Any) -> bool:
         messages = getattr(obj, "messages", None) or ()
     for m in messages if isinstance(messages, list) else ():
         content = m.get("content", m.get("value")) if isinstance(m, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image" for p in content):
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image", "video") for p in content):
             return True
     return False
 
@@ -258,6 +258,13 @@ def _files_of(given: str) -> list[Path]:
     return [p]
 
 
+def _json_array(path: Path) -> bool:
+    """Whether the file's first non-blank byte is ``[`` (a JSON array of records, not JSON Lines)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head[:1] == b"["
+
+
 def has_images(paths: Sequence[str], records: int = 64) -> bool:
     """Whether the inputs hold conversations with images: image parts (``{"type": "image", ...}``)
     or an ``images`` list in the first ``records`` records of their first files (what ``sftpack
@@ -266,10 +273,10 @@ def has_images(paths: Sequence[str], records: int = 64) -> bool:
     :func:`sftpack.chat.read_conversations`' first records."""
     for given in paths:
         for f in _files_of(str(given)):
-            if f.suffix in (".jsonl", ".json", ".ndjson") and f.is_file():
+            if f.suffix in (".jsonl", ".json", ".ndjson") and f.is_file() and not _json_array(f):
                 with open(f, encoding="utf-8", errors="replace") as fh:
                     for line in itertools.islice(fh, records):
-                        if '"image' not in line:  # most text lines stop here, unparsed
+                        if '"image' not in line and '"video' not in line:  # most text lines stop here, unparsed
                             continue
                         try:
                             if _record_has_images(json.loads(line)):
@@ -295,7 +302,9 @@ def _reasons(counts: dict[str, int]) -> str:
 def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
     """The reader's accounting in words: rows read/kept/dropped by reason, and every
     file that was not read (or only partly), with its reason."""
-    lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}"]
+    formats = getattr(rs, "formats", None) or {}
+    kinds = f"; formats: {_reasons(formats)}" if set(formats) - {"messages"} else ""
+    lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}{kinds}"]
     skipped = getattr(rs, "files_skipped", {}) or {}
     problems = list(getattr(rs, "file_problems", []) or [])
     if skipped or problems:

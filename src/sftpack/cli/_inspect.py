@@ -69,6 +69,9 @@ def describe_lines(ds: PrepackedDataset) -> list[str]:
     out.append(
         f"  conversations: {c['read']:,} read, {c['kept']:,} kept ({dropped}), {c['packed_conversations']:,} packed"
     )
+    formats = c.get("formats")  # a prepack of plain messages rows carries none
+    if formats:
+        out.append("  formats: " + ", ".join(f"{k} {v:,}" for k, v in formats.items()) + " (rows kept)")
     oc = c.get("overlong")
     if oc:
         out.append(

@@ -147,6 +147,9 @@ def reading_counts(read: dict[str, Any] | None, tokenize: dict[str, Any]) -> dic
             "kept": int(read.get("kept", 0)),
             "dropped": dict(sorted(read.get("dropped", {}).items())),
         }
+        formats = read.get("formats") or {}
+        if set(formats) - {"messages"}:  # messages-only data: the manifest as before
+            head["formats"] = dict(sorted(formats.items()))
     else:
         head = {"read": st["conversations"], "kept": st["conversations"], "dropped": {}}
     return {
