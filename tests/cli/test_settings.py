@@ -58,8 +58,14 @@ def test_every_setting_has_its_flag_and_its_declared_default(command):
 
 def test_the_command_defaults_that_differ_are_the_declared_ones():
     args, _ = _actions(["train"])
-    steps = next(f for f in dataclasses.fields(TrainConfig) if f.name == "steps")
-    assert args.steps == steps.metadata["cli_default"] != TrainConfig.steps
+    # --steps and --epochs are exclusive: both unset in the parser; the command's default steps
+    # (CLI_STEPS) differ from the library's (DEFAULT_STEPS) and are applied when neither is given
+    from sftpack.cli._train_options import check_options
+    from sftpack.loop._options import CLI_STEPS, DEFAULT_STEPS
+
+    assert args.steps is None and args.epochs is None
+    check_options(args)
+    assert args.steps == CLI_STEPS != DEFAULT_STEPS == TrainConfig().steps
     args, _ = _actions(["prepack", "--out", "out"])
     assert args.pad_multiple is None and args.workers is None and args.progress is True
 
@@ -102,11 +108,12 @@ def test_train_flags_make_the_run_config():
 
     argv, expected = ["train"], {}
     for f in dataclasses.fields(TrainConfig):
-        if "help" in f.metadata:
+        if "help" in f.metadata and f.name != "epochs":  # --epochs is the alternative to --steps: below
             text, expected[f.name] = _another(TrainConfig, f)
             argv += ["--" + f.name.replace("_", "-"), *text]
     cfg = _config(build_parser().parse_args(argv))
     assert {name: _value(getattr(cfg, name)) for name in expected} == expected
+    assert _config(build_parser().parse_args(["train", "--epochs", "3"])).epochs == 3
     # the command's own meaning of a value: --clip-norm 0 is off
     assert _config(build_parser().parse_args(["train", "--max-seq-len", "64", "--clip-norm", "0"])).clip_norm is None
 

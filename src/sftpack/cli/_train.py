@@ -42,7 +42,8 @@ from ._common import (
     sigterm_deferred,
     vlm_setup,
 )
-from ._train_options import IMAGE_SIDES, VQA_LIMIT, add_arguments
+from ._train_end import eval_samples_of, report, save, stopped_line
+from ._train_options import IMAGE_SIDES, VQA_LIMIT, add_arguments, check_options
 
 #: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
 #: :func:`run` (``benchmarks/bench_startup.py`` reads it; nothing is printed)
@@ -75,6 +76,7 @@ def _train_until_stopped(
     resume: Any,
     rank: int,
     on_step: Any = None,
+    eval_samples: Any = None,
 ) -> Any:
     """The loop (``train``, :func:`sftpack.loop.train`, imported by the caller) under the command's
     options, SIGTERM stopping it at the end of a step: then :class:`Terminated` says what was saved."""
@@ -90,9 +92,11 @@ def _train_until_stopped(
             stop=sigterm,
             progress=rank == 0,
             on_step=on_step,
+            eval_samples=eval_samples,
+            tensorboard=args.tensorboard,
         )
     if sigterm():
-        raise Terminated(_stopped_line(result))
+        raise Terminated(stopped_line(result))
     return result
 
 
@@ -106,17 +110,6 @@ def _ranks(args: argparse.Namespace, resume: bool | Literal["auto"]) -> tuple[in
         check_new_run(args.checkpoint_dir)
     rank, world = init_distributed()
     return rank, world, print if rank == 0 else (lambda *a, **k: None)
-
-
-def _stopped_line(result: Any) -> str:
-    """What a run that SIGTERM stopped says (its loop ended after the step it was in)."""
-    steps = result.logs[-1].step if result.logs else result.resumed_from
-    line = f"stopped by SIGTERM after step {steps}"
-    if not result.stopped:  # it came in the last step, after the loop had asked
-        return f"{line}, the last one"
-    if result.checkpoint is not None:  # written at the end of that step
-        return f"{line}; checkpoint saved in {result.checkpoint}; rerun with --resume to continue"
-    return f"{line}; nothing saved (no --checkpoint-dir)"
 
 
 def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
@@ -293,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.checkpoint_every and not args.checkpoint_dir:
         raise UsageError("--checkpoint-every needs --checkpoint-dir")
+    check_options(args)
     if args.prepacked and args.packing != "offline":
         raise UsageError("--prepacked is for --packing offline")
     if args.vocab == "data" and (args.model or args.prepacked):
@@ -356,6 +350,7 @@ def _run_training(
         compact_vocabulary,
         load_model,
         make_source,
+        tokenized_samples,
         train,
     )
     from ..loop._options import Packing
@@ -426,10 +421,20 @@ def _run_training(
             f"{supervised_targets(got.samples):,} supervised targets; {where}"
         )
 
+    eval_samples = None
+
+    def tokenize_eval(conversations: Any) -> list[Any]:
+        return tokenized_samples(tokenizer.get(), conversations, max_seq_len=cfg.max_seq_len)[0]
+
     streaming = False  # training starts before the last conversation is tokenized
     if job is not None and pending is not None:
         sink = job.sink
-        if sink is not None and cfg.packing in (Packing.TRAINER, Packing.NONE) and args.vocab == "tokenizer":
+        if (
+            sink is not None
+            and cfg.packing in (Packing.TRAINER, Packing.NONE)
+            and args.vocab == "tokenizer"
+            and not cfg.eval_fraction  # held out from all of them
+        ):
             # conversations in seeded order, each step waiting only for its own
             samples = sink
             streaming = not sink.done
@@ -453,6 +458,8 @@ def _run_training(
                 vocab_size, pad_id = len(kept_ids), 0
                 say(f"vocabulary: the {vocab_size:,} ids that occur in the data, renumbered (of {tokenizer_vocab:,})")
         _mark("data")
+    # the held-out share of the conversations (all tokenized: no streaming with it), or the eval file's
+    samples, eval_samples = eval_samples_of(args, cfg, samples, tokenize_eval, say)
     if model is None:
         model = default_model(vocab_size)
         _mark("model")
@@ -497,6 +504,7 @@ def _run_training(
             resume,
             rank,
             on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
+            eval_samples=eval_samples,
         )
     except Exception:
         if streaming and pending is not None and samples.done:  # e.g. no target at all: the data line says so
@@ -509,54 +517,10 @@ def _run_training(
     if streaming and pending is not None:  # the rest of the data, and its cache entry for the next run
         say_data(pending.result())
         _mark("cache")
-    _report(args, cfg, result, resume, rank, say)
+    report(args, cfg, result, resume, rank, say)
+    if args.save_model is not None:  # the tokenizer is loaded here only for it
+        save(args, result, rank, say, tokenizer=tokenizer.get())
     return 0
-
-
-def _report(
-    args: argparse.Namespace, cfg: Any, result: Any, resume: bool | Literal["auto"], rank: int, say: Any
-) -> None:
-    """The lines after a run (resumed, skipped steps, the losses and speed; the log and the plot)."""
-    from ..loop import plot_training
-    from ..loop._plot import read_log
-
-    logs = result.logs
-    if result.resumed_from:
-        say(
-            f"resumed from step {result.resumed_from}" + ("" if logs else f": nothing left to do (--steps {cfg.steps})")
-        )
-    elif resume == "auto" and args.checkpoint_dir:
-        say(f"no checkpoint in {args.checkpoint_dir} yet: started at step 1")
-    skipped = result.skipped_steps
-    reasons = {
-        "nonfinite": "a non-finite loss or gradient (--on-nonfinite skip)",
-        "no_targets": "no supervised target in the batch",
-    }
-    for why, steps in sorted(skipped.items()):
-        shown = ", ".join(map(str, steps[:10])) + (", ..." if len(steps) > 10 else "")
-        say(f"skipped {len(steps):,} of {len(logs):,} step(s), {reasons.get(why, why)}: step {shown}")
-    applied = [r for r in logs if not r.skipped]
-    if rank == 0 and applied:
-        real = sum(r.real_tokens for r in logs)
-        slots = sum(r.slots for r in logs)
-        secs = sum(r.step_time for r in logs)
-        images = sum(r.images or 0 for r in logs)
-        say(
-            f"loss {applied[0].loss:.4f} (step {applied[0].step}) -> {applied[-1].loss:.4f} (step {applied[-1].step}); "
-            f"{real / secs:,.0f} real tokens/s, {1 - real / max(slots, 1):.1%} padding"
-            + (f", {images:,} images" if logs[0].images is not None else "")
-            + f" over {len(logs)} steps"
-        )
-    if rank == 0 and logs:
-        if args.log:
-            say(f"wrote {args.log}")
-        if args.plot:
-            records = read_log(args.log) if args.log else [r.as_dict() for r in logs]
-            say(f"wrote {plot_training({str(cfg.packing): records}, args.plot)}")
-    if logs and not applied:
-        raise ValueError(
-            f"not one of the {len(logs):,} steps was applied (all skipped, see above): nothing was learned"
-        )
 
 
 def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int:
@@ -581,6 +545,11 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     lo, hi = args.image_sides or IMAGE_SIDES
     if lo > hi:
         raise UsageError(f"--image-sides {lo} {hi}: MIN must not exceed MAX")
+    if cfg.eval_fraction and cfg.packing is Packing.OFFLINE:
+        raise UsageError(
+            "--eval-fraction with --packing offline on data with images: the run prepacks the conversations "
+            "themselves, held-out ones too; give --eval-file PATH, or another --packing"
+        )
     rank, world, say = _ranks(args, resume)
     family, tok, processor = vlm_setup(args.model, args.tokenizer)
     limit = args.limit or (VQA_LIMIT if vqa else None)
@@ -608,6 +577,18 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         f"tokens of which {vision:,} image placeholders" + (f"; {dropped:,} dropped" if dropped else "")
     )
     check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
+
+    def tokenize_eval(conversations: Any) -> list[Any]:
+        got, _ = media_samples(
+            conversations,
+            max_seq_len=cfg.max_seq_len,
+            family=family,
+            tokenizer=tok,
+            processor=processor,
+            on_bad_row=args.on_bad_row,
+        )
+        return got
+
     pad_id = tokenizer_info(tok)["pad_id"]
     vocab = None
     if args.vocab == "data":
@@ -615,6 +596,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         samples, vocab = compact_vocabulary(samples, keep=keep)
         pad_id = int(vocab.searchsorted(pad_id))
         say(f"vocabulary: the {len(vocab):,} ids that occur in the data, renumbered (of {len(tok):,})")
+    samples, eval_samples = eval_samples_of(args, cfg, samples, tokenize_eval, say)
     dtype = getattr(torch, args.dtype or "float32")
     if args.model:
         model, what = family.pretrained(args.model, dtype=dtype), f"{args.model} ({family.name})"
@@ -654,9 +636,10 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
             f"{model.config.get_text_config().vocab_size:,}, {str(dtype).removeprefix('torch.')}; packing "
             f"{cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
         )
-        result = _train_until_stopped(train, args, cfg, source, model, resume, rank)
+        result = _train_until_stopped(train, args, cfg, source, model, resume, rank, eval_samples=eval_samples)
     finally:
         if workdir is not None:
             workdir.cleanup()
-    _report(args, cfg, result, resume, rank, say)
+    report(args, cfg, result, resume, rank, say)
+    save(args, result, rank, say, tokenizer=tok, processor=processor)
     return 0

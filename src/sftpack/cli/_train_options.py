@@ -10,10 +10,11 @@ that are not a field are the command's own. :func:`add_arguments` imports the lo
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-from ._common import add_settings, positive
+from ._common import UsageError, add_settings, positive
 
-__all__ = ["IMAGE_SIDES", "VQA_LIMIT", "add_arguments"]
+__all__ = ["IMAGE_SIDES", "VQA_LIMIT", "add_arguments", "check_options"]
 
 #: conversations of a default ``--corpus vqa`` run (``--limit``): a 20-step CPU run takes seconds
 VQA_LIMIT = 64
@@ -39,15 +40,36 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         help="--packing offline: a directory from sftpack prepack (default: prepack the data into a temporary "
         "directory first); its row width, pad multiple and tokenizer come from its manifest",
     )
-    add_settings(t, TrainConfig, "steps", "batch_size", "max_seq_len", "seed")
+    add_settings(t, TrainConfig, "steps", "epochs", "batch_size", "max_seq_len", "seed")
     t.add_argument("--log", metavar="FILE.jsonl", help="write one JSON object per step")
-    t.add_argument("--plot", metavar="FILE.png", help="draw the loss and tokens/s curves")
+    t.add_argument("--plot", metavar="FILE.png", help="draw the loss (and eval loss) and tokens/s curves")
+    t.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="write the loss, learning rate, grad norm, real tokens/s, fill and eval loss of every step as "
+        "TensorBoard scalars in DIR (needs: pip install 'sftpack[tensorboard]'); the --log file is unchanged",
+    )
+    t.add_argument(
+        "--save-model",
+        metavar="DIR",
+        help="at the end, write the trained model as a Hugging Face folder (config, safetensors weights, tokenizer "
+        "with its chat template): AutoModelForCausalLM.from_pretrained(DIR) loads it",
+    )
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
     add_settings(
         t.add_argument_group("optimisation"),
         TrainConfig,
         *("lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "on_nonfinite"),
     )
+    e = t.add_argument_group("evaluation")
+    add_settings(e, TrainConfig, "eval_fraction")
+    e.add_argument(
+        "--eval-file",
+        metavar="PATH",
+        help="evaluate on the conversations of this chat file (tokenized as the training data) instead of holding "
+        "out --eval-fraction of them",
+    )
+    add_settings(e, TrainConfig, "eval_every")
     add_settings(
         t.add_argument_group("packing"), TrainConfig, "pad_multiple", "boundaries", "buffer_size", "max_patches_per_row"
     )
@@ -151,6 +173,34 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         help=f"--corpus vqa: each image is resized to a seeded size within MIN..MAX px a side (default "
         f"{IMAGE_SIDES[0]} {IMAGE_SIDES[1]}); --limit caps the conversations (default {VQA_LIMIT})",
     )
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The run's length, evaluation and export options, checked before any work (usage errors)."""
+    from ..loop._options import CLI_STEPS
+
+    if args.steps is not None and args.epochs is not None:
+        raise UsageError(f"give --steps or --epochs, not both (--steps {args.steps}, --epochs {args.epochs})")
+    if args.steps is None and args.epochs is None:
+        args.steps = CLI_STEPS
+    if args.eval_fraction and args.eval_file is not None:
+        raise UsageError("give --eval-fraction or --eval-file, not both")
+    if args.eval_every is not None and not args.eval_fraction and args.eval_file is None:
+        raise UsageError("--eval-every needs an eval set: give --eval-fraction F or --eval-file PATH")
+    if args.eval_fraction and args.prepacked:
+        raise UsageError(
+            "--eval-fraction holds out conversations before packing, but a --prepacked folder's rows are already "
+            "packed: give --eval-file PATH, or prepack only the training conversations"
+        )
+    if args.eval_file is not None and not Path(args.eval_file).exists():
+        raise UsageError(f"--eval-file {args.eval_file}: no such file")
+    if args.eval_file is not None and args.vocab == "data":
+        raise UsageError("--eval-file with --vocab data: the eval file's ids are not the data's; use --eval-fraction")
+    if args.save_model is not None and args.vocab == "data":
+        raise UsageError(
+            "--save-model with --vocab data: that model's ids are the data's, renumbered, not the tokenizer's, so "
+            "the saved folder could not be used with its tokenizer; train with --vocab tokenizer (the default)"
+        )
 
 
 def _cache_size(text: str) -> int:

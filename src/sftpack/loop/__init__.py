@@ -9,7 +9,9 @@ A small, readable loop for a Hugging Face causal LM: AdamW, warm-up +
 cosine/linear decay, gradient accumulation, clipping, the global token-mean loss
 of :mod:`sftpack.loss`, seeded everything, DDP over ``torch.distributed``
 (``torchrun``; gloo on CPU, NCCL on GPU), atomic checksummed checkpoints with
-exact resume, and a JSONL log per step. A step whose loss or gradient is not
+exact resume, a JSONL log per step (and TensorBoard scalars), a run given in steps or
+in epochs, the loss of a held-out set every K steps, and the trained model written
+as a Hugging Face folder at the end. A step whose loss or gradient is not
 finite stops the run (or is skipped and counted), data with no supervised target
 is refused, and a step with none is skipped and counted.
 
@@ -51,6 +53,10 @@ The parts behind them, importable from their modules (no second public path):
 - ``_loop``: :func:`train`, its log record ``StepLog`` and result ``TrainResult``,
   the device and ``torch.distributed`` helpers;
 - ``_checkpoint``: atomic save, checksum- and fingerprint-checked load;
+- ``_eval``: ``split_eval`` (hold out a seeded share of the conversations) and ``EvalSet``
+  (their packed micro-batches and token-mean loss); ``_tensorboard``: the per-step scalars;
+  ``_export``: ``save_model`` (the trained model, the default ``SmallLlama`` as a
+  ``LlamaForCausalLM``, and its tokenizer as a Hugging Face folder);
 - ``_hf``: the collators; ``_plot``: the curves. The optional dependencies
   (transformers, matplotlib, flash-attn) are imported through :mod:`sftpack._optional`.
 

@@ -24,7 +24,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 from tqdm.auto import tqdm
 
+from ..sample import Sample
 from ._checkpoint import (
     CheckpointError,
     check_new_run,
@@ -43,6 +44,7 @@ from ._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
+from ._eval import EvalSet
 from ._model import LossModule
 from ._options import NonFinite, TrainConfig
 from ._sources import Source
@@ -106,9 +108,12 @@ class StepLog:
     skipped: str = ""
     #: images in the step (all ranks); ``None`` (and not in the log line) on text data
     images: int | None = None
+    #: the held-out set's token-mean loss after this step; ``None`` (and not in the log line)
+    #: on a step that did not evaluate
+    eval_loss: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not (k == "images" and v is None)}
+        return {k: v for k, v in self.__dict__.items() if not (k in ("images", "eval_loss") and v is None)}
 
 
 @dataclass
@@ -124,6 +129,8 @@ class TrainResult:
     stopped: bool = False
     #: the last checkpoint this run wrote (``None``: none)
     checkpoint: Path | None = None
+    #: the run's optimizer steps (``config.steps``, or what ``config.epochs`` came to)
+    steps: int = 0
 
     @property
     def losses(self) -> list[float]:
@@ -278,8 +285,11 @@ def train(
     progress: bool = False,
     on_step: Callable[[StepLog], None] | None = None,
     loss_module: Callable[..., torch.nn.Module] = LossModule,
+    eval_samples: Sequence[Sample] | None = None,
+    tensorboard: str | os.PathLike[str] | None = None,
 ) -> TrainResult:
-    """Train ``model`` on ``source`` for ``config.steps`` optimizer steps.
+    """Train ``model`` on ``source`` for ``config.steps`` optimizer steps (or ``config.epochs``
+    passes over its data: ``source.epoch_steps()`` each, the fewest of any rank).
 
     Args:
         config: :class:`TrainConfig`.
@@ -305,6 +315,13 @@ def train(
             ``loss_module(model, pad_between_seqs=..., average_over_ranks=...)``: the
             :class:`LossModule` by default, for text and for a vision-language model on
             micro-batches with images alike (for such a model the log adds ``images``).
+        eval_samples: held-out samples (:func:`~sftpack.loop._eval.split_eval`, or another file's):
+            their token-mean loss is the ``eval_loss`` of every ``config.eval_every``-th
+            step and of the last (:class:`~sftpack.loop._eval.EvalSet`). Required with
+            ``config.eval_fraction`` or ``config.eval_every``.
+        tensorboard: a folder for TensorBoard scalars of every step (rank 0;
+            :mod:`~sftpack.loop._tensorboard`): the log's loss, lr, grad_norm,
+            tokens_per_s, fill and eval_loss.
 
     Returns:
         :class:`TrainResult`.
@@ -322,10 +339,23 @@ def train(
     """
     if resume not in (True, False, "auto"):
         raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
+    if eval_samples is None and (config.eval_fraction or config.eval_every is not None):
+        raise ValueError(
+            "config.eval_fraction / eval_every: pass the held-out samples as eval_samples "
+            "(sftpack.loop._eval.split_eval(config, samples))"
+        )
     if checkpoint_dir is not None and not resume and not overwrite:
         check_new_run(checkpoint_dir)  # before anything slow
     rank, world = dist_info()
     device = resolve_device(config.device)
+    if config.epochs is not None:  # the fewest steps of any rank: every rank takes as many
+        per_epoch = torch.tensor(source.epoch_steps(), dtype=torch.int64)
+        if world > 1:
+            per_epoch = per_epoch.to(device)
+            torch.distributed.all_reduce(per_epoch, op=torch.distributed.ReduceOp.MIN)
+        config = config.with_epoch_steps(int(per_epoch))
+    steps = config.total_steps
+    evals = None if eval_samples is None else EvalSet(config, eval_samples, rank=rank, world=world)
     model.to(device)
     module = loss_module(model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world)
     runner: torch.nn.Module = module
@@ -392,6 +422,11 @@ def train(
             start = int(shared["step"])
 
     writer = None
+    scalars = None
+    if tensorboard is not None and rank == 0:
+        from ._tensorboard import TensorBoardScalars
+
+        scalars = TensorBoardScalars(tensorboard, resumed_from=start)
     if log is not None and rank == 0:
         kept = []
         if start and Path(log).is_file():  # keep the lines of the steps up to the checkpoint
@@ -402,7 +437,7 @@ def train(
     bar = None
     if progress and rank == 0:
         bar = tqdm(
-            total=config.steps,
+            total=steps,
             initial=start,
             desc=f"train ({config.packing})",
             unit="step",
@@ -412,7 +447,7 @@ def train(
     logs: list[StepLog] = []
     conversations: list[list[Any]] = []
     t_start = time.perf_counter()
-    last = config.steps if stop_after is None else min(config.steps, stop_after)
+    last = steps if stop_after is None else min(steps, stop_after)
     stopped = False
     saved: Path | None = None
     replace = overwrite and not start  # another run's checkpoints go once this run has one
@@ -533,25 +568,37 @@ def train(
                 skipped=skipped,
                 images=int(counts[4]) if getattr(module, "counts_images", False) else None,
             )
+            every = config.eval_every
+            if evals is not None and (step + 1 == steps or (every and (step + 1) % every == 0)):
+                rec.eval_loss = evals.loss(model, device, loss_module)
             logs.append(rec)
             conversations.append([c for mb in mbs for c in (mb.sequence_ids or ())])
             if writer is not None:
                 writer.write(json.dumps(rec.as_dict()) + "\n")
                 writer.flush()
+            if scalars is not None:
+                scalars.write(rec.as_dict())
             if bar is not None:
-                bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{rec.tokens_per_s:,.0f}")
+                shown = {"loss": f"{rec.loss:.4f}", "tok_s": f"{rec.tokens_per_s:,.0f}"}
+                if evals is not None:
+                    last_eval = next((r.eval_loss for r in reversed(logs) if r.eval_loss is not None), None)
+                    shown["eval_loss"] = "-" if last_eval is None else f"{last_eval:.4f}"
+                bar.set_postfix(**shown)
                 bar.update(1)
             if on_step is not None:
                 on_step(rec)
             stopped = bool(counts[5])
-            every = config.checkpoint_every
-            if checkpoint_dir is not None and (stopped or (every and (step + 1) % every == 0)):
+            if checkpoint_dir is not None and (
+                stopped or (config.checkpoint_every and (step + 1) % config.checkpoint_every == 0)
+            ):
                 saved = checkpoint(step + 1)
             if stopped:
                 break
     finally:
         if writer is not None:
             writer.close()
+        if scalars is not None:
+            scalars.close()
         if bar is not None:
             bar.close()
-    return TrainResult(logs, model, conversations, resumed_from=start, stopped=stopped, checkpoint=saved)
+    return TrainResult(logs, model, conversations, resumed_from=start, stopped=stopped, checkpoint=saved, steps=steps)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -42,6 +43,11 @@ class NonFinite(StrEnum):
     SKIP = "skip"  #: skip the optimizer step (parameters and optimizer state untouched), counted in the log
 
 
+#: optimizer steps of a run given neither ``steps`` nor ``epochs`` (the library's default)
+DEFAULT_STEPS = 20
+#: ... and of ``sftpack train`` given neither ``--steps`` nor ``--epochs``
+CLI_STEPS = 50
+
 #: Each path's own boundary mode (``docs/contract.md``, section 1): offline and trainer hand the
 #: kernel real + padded boundaries, the loader the padded array for both.
 PATH_BOUNDARIES = {
@@ -58,7 +64,10 @@ class TrainConfig:
 
     Attributes:
         packing: :class:`Packing`.
-        steps: optimizer steps.
+        steps: optimizer steps (default :data:`DEFAULT_STEPS` unless ``epochs`` is given).
+        epochs: instead of ``steps``: this many passes over the data, each as many
+            optimizer steps as the source's epoch holds (``Source.epoch_steps``;
+            :meth:`with_epoch_steps`, called by the loop, fixes ``steps``).
         batch_size: per optimizer step, over all ranks: *conversations* for
             ``trainer`` and ``none`` (the same conversations for both, given the
             seed), *rows* of ``max_seq_len`` slots for ``offline`` and ``loader``.
@@ -84,6 +93,9 @@ class TrainConfig:
         device: ``"cpu"``, ``"cuda"`` or ``None`` (CUDA when present).
         on_nonfinite: :class:`NonFinite`: stop (default) or skip a step whose loss
             or gradient norm is not finite.
+        eval_fraction: the share of the conversations held out for evaluation
+            (:func:`~sftpack.loop._eval.split_eval`; 0: none held out).
+        eval_every: evaluate the held-out set every this many steps (and after the last).
 
     A field with ``"help"`` in its metadata is a flag of ``sftpack train``, declared
     there once (:func:`sftpack.cli._common.add_settings` reads it: the help, and
@@ -94,8 +106,23 @@ class TrainConfig:
         default=Packing.TRAINER,
         metadata={"help": "when rows are packed; none = padded batches, the baseline (default {default})"},
     )
-    steps: int = field(
-        default=20, metadata={"help": "optimizer steps (default {default})", "cli_default": 50, "min": 1}
+    steps: int | None = field(
+        default=None,
+        metadata={
+            "help": f"optimizer steps (default {CLI_STEPS}; not with --epochs)",
+            "cli_default": None,
+            "min": 1,
+        },
+    )
+    epochs: int | None = field(
+        default=None,
+        metadata={
+            "help": "train for N passes over the data instead of --steps: N x the optimizer steps of one epoch "
+            "(trainer/none: conversations // --batch-size; offline, loader: this rank's rows of the first epoch "
+            "// rows per step), fixed before the first step",
+            "min": 1,
+            "metavar": "N",
+        },
     )
     batch_size: int = field(
         default=8,
@@ -166,6 +193,24 @@ class TrainConfig:
             "skip its update (counted in the log and the summary)"
         },
     )
+    eval_fraction: float = field(
+        default=0.0,
+        metadata={
+            "help": "hold out this fraction of the conversations (0 <= F < 1, chosen by --seed, never trained on) and "
+            "log their eval_loss: the same token mean as the training loss, over the whole held-out set (default "
+            "{default}: none)",
+            "metavar": "F",
+        },
+    )
+    eval_every: int | None = field(
+        default=None,
+        metadata={
+            "help": "with --eval-fraction or --eval-file: evaluate every K steps (default: after the last step only; "
+            "the last step is always evaluated)",
+            "min": 1,
+            "metavar": "K",
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -177,8 +222,24 @@ class TrainConfig:
             if self.boundaries is None
             else choose(Boundaries, self.boundaries, "boundaries")
         )
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError(
+                f"TrainConfig: steps={self.steps} and epochs={self.epochs} both given: give one (--steps or --epochs)"
+            )
+        if self.steps is None and self.epochs is None:
+            self.steps = DEFAULT_STEPS
+        if self.steps is not None:
+            self.steps = positive_int("steps", self.steps, who="TrainConfig")
+        if self.epochs is not None:
+            self.epochs = positive_int("epochs", self.epochs, who="TrainConfig")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ValueError(
+                f"TrainConfig: eval_fraction must be at least 0 and below 1 (the share of conversations held out; 0: none), "
+                f"got {self.eval_fraction!r}"
+            )
+        if self.eval_every is not None:
+            self.eval_every = positive_int("eval_every", self.eval_every, who="TrainConfig")
         for name in (
-            "steps",
             "batch_size",
             "max_seq_len",
             "grad_accum",
@@ -227,9 +288,31 @@ class TrainConfig:
         for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
-        if d["max_patches_per_row"] is None:  # a text run's saved config stays what it was
-            del d["max_patches_per_row"]
+        for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every"):
+            if not d[name]:  # a run without them: its saved config stays what it was
+                del d[name]
         return d
+
+    def with_epoch_steps(self, per_epoch: int) -> TrainConfig:
+        """This config with ``steps`` fixed: ``epochs`` epochs of ``per_epoch`` optimizer steps
+        (itself when ``steps`` is given). The training loop calls it once its source says how
+        many steps an epoch holds."""
+        if self.epochs is None:
+            return self
+        if per_epoch < 1:
+            raise ValueError(
+                f"an epoch of this data holds no full optimizer step ({per_epoch}): lower --batch-size, or give --steps"
+            )
+        return dataclasses.replace(self, steps=self.epochs * per_epoch, epochs=None)
+
+    @property
+    def total_steps(self) -> int:
+        """``steps`` (set by :meth:`with_epoch_steps` for a run given in ``epochs``)."""
+        if self.steps is None:
+            raise ValueError(
+                f"TrainConfig: epochs={self.epochs}: the steps are known once the data is (with_epoch_steps)"
+            )
+        return self.steps
 
     def lr_factor(self, step: int) -> float:
         """Multiplier of ``lr`` for optimizer step ``step`` (0-based)."""
@@ -237,7 +320,7 @@ class TrainConfig:
             return (step + 1) / self.warmup_steps
         if self.schedule is Schedule.CONSTANT:
             return 1.0
-        span = max(self.steps - self.warmup_steps - 1, 1)
+        span = max(self.total_steps - self.warmup_steps - 1, 1)
         progress = min(max(step - self.warmup_steps, 0) / span, 1.0)
         lo = self.min_lr_ratio
         if self.schedule is Schedule.LINEAR:

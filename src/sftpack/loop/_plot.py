@@ -1,4 +1,4 @@
-"""Loss and real tokens/s curves of one or several runs, as a PNG (matplotlib, Agg)."""
+"""Loss (and eval loss) and real tokens/s curves of one or several runs, as a PNG (matplotlib, Agg)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,16 @@ def plot_training(
     title: str | None = None,
 ) -> Path:
     """Draw ``runs`` (name -> per-step records with ``step``, ``loss``, ``tokens_per_s``)
-    side by side: loss per step (left), real tokens/s per step (right). Returns ``out``."""
+    side by side: loss per step (left, with the ``eval_loss`` of the records that have one),
+    real tokens/s per step (right). Returns ``out``."""
     plt = pyplot("the training curves (--plot)")
     fig, (ax_loss, ax_speed) = plt.subplots(1, 2, figsize=(11, 4))
     for name, recs in runs.items():
         steps = [r["step"] for r in recs]
-        ax_loss.plot(steps, [r["loss"] for r in recs], label=name, linewidth=1.5)
+        (line,) = ax_loss.plot(steps, [r["loss"] for r in recs], label=name, linewidth=1.5)
+        evals = [(r["step"], r["eval_loss"]) for r in recs if r.get("eval_loss") is not None]
+        if evals:  # the held-out loss, in the run's colour, dashed with a dot per evaluation
+            ax_loss.plot(*zip(*evals), label=f"{name} (eval)", color=line.get_color(), linestyle="--", marker="o")
         ax_speed.plot(steps, [r["tokens_per_s"] for r in recs], label=name, linewidth=1.5)
     ax_loss.set(xlabel="step", ylabel="token-mean loss", title="loss")
     ax_speed.set(xlabel="step", ylabel="real tokens / s", title="throughput")

@@ -143,6 +143,11 @@ class Source(ABC):
     def fingerprint(self) -> str:
         """A hash of the data and the batching: a checkpoint of another fingerprint is refused."""
 
+    def epoch_steps(self) -> int:
+        """The optimizer steps of one pass over this rank's data (what ``TrainConfig.epochs``
+        counts in); the position is left where it was."""
+        raise ValueError(f"{type(self).__name__} does not know how many steps an epoch holds: give steps, not epochs")
+
 
 class _EpochPosition:
     """A read position ``(epoch, items read in the epoch)``, saved and restored as a dict."""
@@ -290,6 +295,12 @@ class _SampleSource(Source):
         assert not isinstance(samples, ConversationSamples)
         return [samples[int(i)] for i in self.order.take()]
 
+    def epoch_steps(self) -> int:
+        """The batches of an epoch of the seeded order (the last incomplete one dropped)."""
+        if isinstance(self.samples, ConversationSamples):
+            return len(self.samples.wait().samples) // self.order.batch_size
+        return len(self.samples) // self.order.batch_size
+
     def state_dict(self) -> dict[str, Any]:
         return {"order": self.order.state_dict()}
 
@@ -428,6 +439,9 @@ class ReplaySource(Source):
         parts = [p for p in np.array_split(np.arange(len(mine)), self.grad_accum) if len(p)]
         return [padded_micro_batch([mine[i] for i in p], pad_id=self.pad_id) for p in parts]
 
+    def epoch_steps(self) -> int:
+        return len(self.steps)
+
     def state_dict(self) -> dict[str, Any]:
         return {"position": self.position}
 
@@ -484,6 +498,9 @@ class OfflineSource(Source):
         # what _rows_to_micro_batches makes of the rows read one by one
         return [self.ds.batch(p) for p in np.array_split(positions, self.grad_accum) if len(p)]
 
+    def epoch_steps(self) -> int:
+        return len(self.ds) // self.per_rank
+
     def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position}
 
@@ -536,6 +553,20 @@ class LoaderSource(Source):
                 raise ValueError("the loader ran out of rows: build it with num_epochs=None") from None
         return _rows_to_micro_batches(rows, self.grad_accum)
 
+    def epoch_steps(self) -> int:
+        """The steps of the first epoch's rows (counted by packing it once, then back to the
+        start: the loader packs as it streams, so later epochs may hold a row more or less)."""
+        if self._it is not None:
+            raise ValueError("LoaderSource.epoch_steps: ask before the first step")
+        start = self.ds.state_dict()
+        first, rows = self.ds.epoch, 0
+        for _ in self.ds:
+            rows += 1
+            if self.ds.epoch != first:
+                break
+        self.ds.load_state_dict(start)
+        return rows // self.per_rank
+
     def state_dict(self) -> dict[str, Any]:
         return {"loader": self.ds.state_dict()}
 
@@ -579,6 +610,9 @@ class RenumberedSource(Source):
                 media = dataclasses.replace(media, token_id=int(self.lut[int(media.token_id)]))
             out.append(dataclasses.replace(b, input_ids=ids, labels=labels, media=media))
         return out
+
+    def epoch_steps(self) -> int:
+        return self.inner.epoch_steps()
 
     def state_dict(self) -> dict[str, Any]:
         return self.inner.state_dict()

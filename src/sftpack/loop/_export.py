@@ -1,0 +1,103 @@
+"""The trained model as a Hugging Face folder (``sftpack train --save-model DIR``).
+
+:func:`save_model` writes what ``AutoModelForCausalLM.from_pretrained(DIR)`` (or, for a
+vision-language model, ``AutoModelForImageTextToText``) and ``AutoTokenizer.from_pretrained(DIR)``
+read: ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer's
+files with its chat template (and the image processor's, given one). The weights are the
+trained model's, in its dtype, byte for byte.
+
+The default model of ``sftpack train`` is :class:`~sftpack.loop._llama.SmallLlama`, the
+same network as transformers' ``LlamaForCausalLM`` with the same parameter names: it is
+written as a ``LlamaForCausalLM`` (its config's fields, its state dict). The attention the
+loop registers with transformers for packed rows is not written into the config: the
+folder loads with transformers' own attention, whose outputs on one conversation are
+those of the trained model (``tests/loop/test_save_model.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._optional import transformers
+from ._llama import SmallLlama
+
+__all__ = ["hf_model", "save_model"]
+
+
+def hf_model(model: Any) -> Any:
+    """``model`` as a transformers ``PreTrainedModel``: itself, or for a
+    :class:`~sftpack.loop._llama.SmallLlama` a ``LlamaForCausalLM`` holding its weights."""
+    if not isinstance(model, SmallLlama):
+        if not hasattr(model, "save_pretrained"):
+            raise TypeError(f"{type(model).__name__} is not a Hugging Face model (it has no save_pretrained)")
+        return model
+    c = model.config
+    hf = transformers()
+    cfg = hf.LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        max_position_embeddings=c.max_position_embeddings,
+        rope_theta=c.rope_theta,
+        rms_norm_eps=c.rms_norm_eps,
+        initializer_range=c.initializer_range,
+        attention_dropout=0.0,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten: the RNG stays as it was
+        out = hf.LlamaForCausalLM(cfg)
+    out = out.to(next(model.parameters()).dtype)  # first: a float64 model's weights are not rounded to float32
+    out.load_state_dict(model.state_dict(), strict=True)
+    return out
+    return out
+
+
+def save_model(
+    model: Any,
+    out: str | os.PathLike[str],
+    *,
+    tokenizer: Any = None,
+    processor: Any = None,
+) -> Path:
+    """Write ``model`` (trained) as a Hugging Face folder ``out``, with ``tokenizer`` (its chat
+    template included) and a vision-language model's image ``processor`` beside it.
+
+    The config names the tokenizer's ``eos``/``pad``/``bos`` ids, so ``generate`` stops
+    where the chat template ends a turn. Returns ``out``.
+
+    Raises:
+        TypeError: ``model`` is neither a Hugging Face model nor the default ``SmallLlama``.
+    """
+    model_hf = hf_model(model)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None:
+        for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
+            value = getattr(tokenizer, key, None)
+            if value is not None:
+                setattr(model_hf.config, key, value)
+                if getattr(model_hf, "generation_config", None) is not None:
+                    setattr(model_hf.generation_config, key, value)
+    logging = transformers().utils.logging
+    bar = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()  # the library prints nothing ("Writing model shards")
+    try:
+        model_hf.save_pretrained(out)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out)
+        if processor is not None:
+            processor.save_pretrained(out)
+    finally:
+        if bar:
+            logging.enable_progress_bar()
+    return out

@@ -1,0 +1,70 @@
+"""``--tensorboard DIR``: every step's loss, learning rate, grad norm, real tokens/s, fill and eval
+loss as TensorBoard scalars, read back with TensorBoard's own reader and compared with the JSONL log
+of the same run (which the option leaves as it was)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from sftpack.cli import main
+from sftpack.loop._tensorboard import SCALARS
+
+
+def _args(chat, tmp_path, *extra):
+    return [
+        "train",
+        str(chat / "chat.jsonl"),
+        "--tokenizer",
+        str(chat / "tok"),
+        "--steps",
+        "4",
+        "--batch-size",
+        "4",
+        "--max-seq-len",
+        "256",
+        *("--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"),
+        "--eval-fraction",
+        "0.25",
+        "--eval-every",
+        "2",
+        *extra,
+    ]
+
+
+def _scalars(folder) -> dict[str, list[tuple[int, float]]]:
+    acc = EventAccumulator(str(folder), size_guidance={"scalars": 0})  # 0: keep every event
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_scalars_are_the_logs_numbers(chat, tmp_path, capsys):
+    log, tb = tmp_path / "run.jsonl", tmp_path / "tb"
+    assert main(_args(chat, tmp_path, "--log", str(log), "--tensorboard", str(tb))) == 0
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    got = _scalars(tb)
+    assert set(got) == {*SCALARS, "eval_loss"}
+    for name, value in SCALARS.items():
+        # TensorBoard stores a scalar as a float32: each is the log's number rounded to float32, exactly
+        assert got[name] == [(r["step"], float(np.float32(value(r)))) for r in recs], name
+    assert got["eval_loss"] == [(r["step"], float(np.float32(r["eval_loss"]))) for r in recs if "eval_loss" in r]
+    assert [s for s, _ in got["eval_loss"]] == [2, 4]
+    assert got["fill"] == [(r["step"], float(np.float32(1 - r["padding"]))) for r in recs]
+    # negative control: the losses of the log one step later are not what was written
+    assert [v for _, v in got["loss"][1:]] != [float(np.float32(r["loss"])) for r in recs[:-1]]
+
+
+def test_the_log_is_the_same_with_and_without_tensorboard(chat, tmp_path, capsys):
+    """The JSONL log's keys and its numbers that do not depend on the clock are unchanged."""
+    with_tb, without = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert main(_args(chat, tmp_path, "--log", str(with_tb), "--tensorboard", str(tmp_path / "tb"))) == 0
+    assert main(_args(chat, tmp_path, "--log", str(without))) == 0
+    clock = {"tokens_per_s", "step_time", "time"}
+    a = [json.loads(x) for x in with_tb.read_text().splitlines()]
+    b = [json.loads(x) for x in without.read_text().splitlines()]
+    assert [r.keys() for r in a] == [r.keys() for r in b]
+    assert [{k: v for k, v in r.items() if k not in clock} for r in a] == [
+        {k: v for k, v in r.items() if k not in clock} for r in b
+    ]
