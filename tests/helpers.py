@@ -230,6 +230,7 @@ ROWS_OF_ANYTHING = st.one_of(
 NOSY_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} {{ m.name }}{% endif %}\n"
     "{% for t in m.tool_calls %}{{ t.function.name }}{% endfor %}"
+    "{% for c in m.citations %}[{{ c }}]{% endfor %}"
     "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

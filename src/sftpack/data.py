@@ -47,10 +47,30 @@ from .sample import Conversation
 
 __all__ = ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"]
 
-#: ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message.
+#: ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message. With ``tools`` (a list of
+#: JSON schemas) a system turn lists them in ``<tools></tools>`` (after the conversation's own
+#: system message, which it replaces); an assistant message's ``tool_calls`` follow its content,
+#: each ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``; a ``tool`` message is a
+#: turn of its own. Without tools and tool calls, exactly the plain ChatML above.
 CHATML_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou can call these functions (JSON schemas) to help with the request:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\n\\nTo call one, write {"name": ..., "arguments": {...}} between <tool_call> and '
+    "</tool_call>.<|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] or [] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ ('\\n' if (message['content'] or not loop.first) else '') + '<tool_call>\\n' }}"
+    "{{ ({'name': f['name'], 'arguments': f['arguments']} | tojson) + '\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )

@@ -119,7 +119,7 @@ BAD = [  # (row, reason, a phrase of the error); the line is the row's place in 
     ({"id": 3}, "missing_messages", "line 3"),
     ({"messages": _turns({"type": "image", "path": "https://x/y.png"})}, "malformed_message", "content[0].path: a URL"),
     ({"messages": _turns({"type": "image"})}, "malformed_message", "messages[0].content[0]: an image part with no"),
-    ({"messages": _turns({"type": "video", "path": "v.mp4"})}, "malformed_message", "not a text or image part"),
+    ({"messages": _turns({"type": "audio", "path": "v.wav"})}, "malformed_message", "not a text, image or video part"),
     (
         {
             "messages": [
@@ -560,7 +560,7 @@ def test_the_text_path_refuses_image_conversations_by_name(tmp_path: Path) -> No
     tok = tok_of("chatml")
     out = tokenize_conversations(convs, tok, on_bad_row="skip")
     assert len(out.to_list()) == 1 and out.stats.skipped == {"non_string_content": 1}
-    with pytest.raises(BadRowError, match=r"holds image parts.*tokenize_media_conversations"):
+    with pytest.raises(BadRowError, match=r"holds image or video parts.*tokenize_media_conversations"):
         tokenize_conversations(convs, tok).to_list()
     # the text checks (no data file to resolve paths against) still take strings only
     with pytest.raises(ValueError, match=r"message 0 \(user\) has a list content, expected a string"):

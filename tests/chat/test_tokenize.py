@@ -191,8 +191,8 @@ def test_template_errors_are_counted_or_name_the_conversation(num_proc: int) -> 
 
 
 def test_a_field_the_template_cannot_render_is_a_template_error() -> None:
-    tok = nosy_tokenizer()  # iterates message.tool_calls
-    bad = [U("q"), {**A("a"), "tool_calls": 5}]
+    tok = nosy_tokenizer()  # iterates message.citations (a field the reader passes through unchecked)
+    bad = [U("q"), {**A("a"), "citations": 5}]
     with pytest.raises(ConversationTemplateError, match=r"conversation 0: .*TypeError|conversation 0: .*not iterable"):
         tokenize_conversation(bad, tok)
     out = tokenize_conversations([bad, [U("q"), A("a")]], tok, on_bad_row="skip")

@@ -41,7 +41,8 @@ import json
 import re
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from datetime import datetime
@@ -66,6 +67,27 @@ class TemplateError(ValueError):
 # ---------------------------------------------------------------------------- Jinja environment
 
 _TRACK: ContextVar[_Track | None] = ContextVar("sftpack_generation_track", default=None)
+#: the tool schemas of the conversation being rendered (its messages' ``tools``), for every render of it
+_TOOLS: ContextVar[Any] = ContextVar("sftpack_tools", default=None)
+
+
+@contextmanager
+def _tools_of(messages: Any) -> Iterator[None]:
+    """While rendering ``messages``: their ``tools`` (a list attribute of the messages, as the reader
+    gives a row's ``tools`` column) handed to every render of them and of their prefixes."""
+    tools = getattr(messages, "tools", None)
+    if tools is None:
+        yield
+        return
+    token = _TOOLS.set(tools)
+    try:
+        yield
+    finally:
+        _TOOLS.reset(token)
+
+
+def _calls_tools(messages: Sequence[Mapping[str, Any]]) -> bool:
+    return _TOOLS.get() is not None or any(isinstance(m, Mapping) and m.get("tool_calls") for m in messages)
 
 
 class _Track:
@@ -209,11 +231,12 @@ class ChatRenderer:
     # -- special-token text inside contents
 
     def count_special_text(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        """How many special-token strings (``"<|im_end|>"``...) the messages' contents hold."""
+        """How many special-token strings (``"<|im_end|>"``...) the messages' contents hold (a
+        content is a string or a list of parts, whose ``text`` parts count)."""
         if self._special_re is None:
             return 0
         find = self._special_re.findall
-        return sum(len(find(m["content"])) for m in messages if isinstance(m.get("content"), str))
+        return sum(len(find(_joined(m.get("content")))) for m in messages)
 
     def spans_special_text(
         self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn | str = TrainOn.ALL_ASSISTANT
@@ -221,7 +244,9 @@ class ChatRenderer:
         """:meth:`spans` for contents holding special-token text, plus where the
         *template's own* special tokens are: ``(text, spans, template_specials)``.
 
-        Each special-token string in a content is swapped for a private-use marker
+        A content is a string or a list of parts (``{"type": "text", "text": ...}``, and media
+        parts such as ``{"type": "image"}`` that the template writes as its own tokens, which are
+        then among ``template_specials``). Each special-token string in a content is swapped for a private-use marker
         before rendering, so the template's special tokens are the only ones left
         in its output; the markers are then put back and every offset shifted. The
         tokenizer can then split the text at the template's specials only, and the
@@ -230,15 +255,13 @@ class ChatRenderer:
         pattern = self._special_re
         originals: list[str] = []
 
-        def mark(match: re.Match[str]) -> str:
-            originals.append(match.group(0))
+        def mark(original: str) -> str:
+            originals.append(original)
             return f"\ue002{len(originals) - 1}\ue003"
 
-        marked = [
-            {**m, "content": pattern.sub(mark, m["content"])} if pattern and isinstance(m.get("content"), str) else m
-            for m in messages
-        ]
-        text_m, spans_m = self.spans(marked, train_on)
+        marked = [{**m, "content": _mark_content(m.get("content"), pattern, mark)} if pattern else m for m in messages]
+        with _tools_of(messages):
+            text_m, spans_m = self.spans(marked, train_on)
         found = list(_MARKER.finditer(text_m))
         if [int(f.group(1)) for f in found] != list(range(len(originals))):
             raise TemplateError(
@@ -268,11 +291,13 @@ class ChatRenderer:
     # -- rendering
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = False) -> str:
-        """The template's text for ``messages`` (as ``apply_chat_template(tokenize=False)``)."""
+        """The template's text for ``messages`` (as ``apply_chat_template(tokenize=False)``, with
+        the messages' ``tools`` attribute, if any, as ``tools``)."""
+        tools = getattr(messages, "tools", None)
         try:
             return self._compiled.render(
                 messages=messages,
-                tools=None,
+                tools=tools if tools is not None else _TOOLS.get(),
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.template_kwargs,
@@ -286,7 +311,11 @@ class ChatRenderer:
         parts: list[str] = []
         try:
             for chunk in self._compiled.generate(
-                messages=messages, tools=None, documents=None, add_generation_prompt=False, **self.template_kwargs
+                messages=messages,
+                tools=_TOOLS.get(),
+                documents=None,
+                add_generation_prompt=False,
+                **self.template_kwargs,
             ):
                 parts.append(chunk)
                 track.pos += len(chunk)
@@ -301,8 +330,12 @@ class ChatRenderer:
     def spans(
         self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn | str = TrainOn.ALL_ASSISTANT
     ) -> tuple[str, list[Span]]:
-        """``(text, spans)``: the rendering and its trainable ``[start, end)`` character spans."""
-        train_on = TrainOn(train_on)
+        """``(text, spans)``: the rendering and its trainable ``[start, end)`` character spans.
+        A conversation with tools or tool calls takes the reference method (the prefix diff)."""
+        with _tools_of(messages):
+            return self._spans(messages, TrainOn(train_on))
+
+    def _spans(self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn) -> tuple[str, list[Span]]:
         if train_on is TrainOn.EVERYTHING:
             text = self.render(messages)
             return text, [(0, len(text))]
@@ -312,6 +345,9 @@ class ChatRenderer:
             if train_on is TrainOn.LAST_ASSISTANT:
                 spans = spans[-1:]
             return text, spans
+        if _calls_tools(messages):
+            self.slow_renders += 1
+            return self.prefix_diff_spans(messages, train_on)
         picked = _assistant_indices(messages, train_on)
         fast = self._skeleton_spans(messages, picked)
         if fast is not None:
@@ -324,7 +360,10 @@ class ChatRenderer:
         self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn | str = TrainOn.ALL_ASSISTANT
     ) -> tuple[str, list[Span]]:
         """The reference method (module docstring): two renders per trainable turn."""
-        train_on = TrainOn(train_on)
+        with _tools_of(messages):
+            return self._prefix_diff_spans(messages, TrainOn(train_on))
+
+    def _prefix_diff_spans(self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn) -> tuple[str, list[Span]]:
         text = self.render(messages)
         if train_on is TrainOn.EVERYTHING:
             return text, [(0, len(text))]
@@ -454,6 +493,45 @@ class ChatRenderer:
         return text, spans
 
 
+def _joined(content: Any) -> str:
+    """The text of a content: itself (a string), or its text parts' ``text`` joined (a list of parts)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
+    return ""
+
+
+def _mark_content(content: Any, pattern: re.Pattern[str], mark: Any) -> Any:
+    """``content`` with each special-token string swapped for ``mark(original)``. In a list of
+    parts the strings are found in the message's text parts joined (a template may write them
+    one after another), and one split over parts (``"Blue.<|im"`` + ``"_end|>"``) is swapped
+    piece by piece, each part's piece for its own mark, so no part holds a piece of one."""
+    if isinstance(content, str):
+        return pattern.sub(lambda m: mark(m.group(0)), content)
+    if not isinstance(content, list):
+        return content
+    at = [i for i, p in enumerate(content) if isinstance(p, Mapping) and isinstance(p.get("text"), str)]
+    joined = "".join(content[i]["text"] for i in at)
+    found = [(m.start(), m.end()) for m in pattern.finditer(joined)]
+    if not found:
+        return content
+    out = list(content)
+    start = 0
+    for i in at:
+        text = content[i]["text"]
+        end = start + len(text)
+        pieces, pos = [], start
+        for a, b in found:
+            a, b = max(a, start), min(b, end)
+            if a < b:
+                pieces += [joined[pos:a], mark(joined[a:b])]
+                pos = b
+        out[i] = {**content[i], "text": "".join(pieces) + joined[pos:end]}
+        start = end
+    return out
+
+
 def _assistant_indices(messages: Sequence[Mapping[str, Any]], train_on: TrainOn) -> list[int]:
     idx = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
     return idx[-1:] if train_on is TrainOn.LAST_ASSISTANT else idx
@@ -464,12 +542,20 @@ def _assistant_indices(messages: Sequence[Mapping[str, Any]], train_on: TrainOn)
 _RENDERERS: weakref.WeakKeyDictionary[Any, dict[str, ChatRenderer]] = weakref.WeakKeyDictionary()
 
 
-def renderer_for(tokenizer: Tokenizer) -> ChatRenderer:
-    """The :class:`ChatRenderer` of a Hugging Face tokenizer's chat template, cached
-    per tokenizer and template (changing ``tokenizer.chat_template`` takes effect)."""
+def chat_template_of(tokenizer: Any) -> str | None:
+    """The tokenizer's chat template (the ``default`` one of several), or ``None``."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):
         template = template.get("default") or next(iter(template.values()), None)
+    return template if isinstance(template, str) and template else None
+
+
+def renderer_for(tokenizer: Tokenizer, template: str | None = None) -> ChatRenderer:
+    """The :class:`ChatRenderer` of a Hugging Face tokenizer's chat template (or of ``template``
+    with the tokenizer's special tokens, e.g. a vision-language family's default), cached
+    per tokenizer and template (changing ``tokenizer.chat_template`` takes effect)."""
+    if template is None:
+        template = chat_template_of(tokenizer)
     if not isinstance(template, str) or not template:
         raise TemplateError(
             f"{type(tokenizer).__name__} has no chat template: set tokenizer.chat_template "

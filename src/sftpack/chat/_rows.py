@@ -34,6 +34,7 @@ here (that is the multimodal tokenizer's work).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -209,6 +210,9 @@ def _read_row(
     sharegpt = fmt is RowFormat.SHAREGPT
     msgs = row["conversations"] if sharegpt else row["messages"]
     out, images = _chat_list(msgs, "conversations" if sharegpt else "messages", sharegpt, role_map, base, row)
+    tools = _tools_column(row)
+    if tools is not None:
+        return FormattedMessages(out, fmt, tools=tools), images, fmt
     return out, images, fmt
 
 
@@ -256,13 +260,13 @@ def _chat_list(
                 f"message {i} has no '{role_key}'",
                 f"give every message a '{role_key}'",
             )
-        if ck not in m:
+        if ck not in m and not m.get("tool_calls"):
             raise _Bad(
                 BadRowReason.MALFORMED_MESSAGE,
                 f"message {i} has no '{content_key}'",
                 f"give every message a '{content_key}'",
             )
-        raw_role, content = m[rk], m[ck]
+        raw_role, content = m[rk], m[ck] if ck in m else None
         if not isinstance(raw_role, str):
             raise _Bad(
                 BadRowReason.UNKNOWN_ROLE,
@@ -281,6 +285,11 @@ def _chat_list(
                 f"message {i} has role {_short(raw_role)}, which is not one of {known}",
                 f"rename it in the data to one of {known} (in Python: role_map={{{raw_role!r}: 'assistant'}})",
             )
+        calls = None
+        if m.get("tool_calls") is not None:
+            calls = _tool_calls(m["tool_calls"], i, role)
+            if content is None or (isinstance(content, str) and not content.strip()):
+                content = ""  # a turn that only calls tools: its calls are what the template writes
         parts: list[dict[str, Any]] | None = None
         n_images = 0
         if isinstance(content, list) and content and base is not None:
@@ -290,7 +299,7 @@ def _chat_list(
         elif isinstance(content, list) and base is None and any(_is_image_part(p) for p in content):
             raise _Bad(
                 BadRowReason.NON_STRING_CONTENT,
-                f"message {i} ({role}) holds image parts: this is the text path, which reads text only",
+                f"message {i} ({role}) holds image or video parts: this is the text path, which reads text only",
                 "tokenize conversations with images with sftpack.multimodal.tokenize_media_conversations",
             )
         if n_images:
@@ -314,7 +323,7 @@ def _chat_list(
                 f"message {i} ({role}) has a {_type_name(content)} content, expected a string",
                 "flatten the content to one string (e.g. join the text parts)",
             )
-        elif not content.strip():
+        elif not content.strip() and calls is None:
             raise _Bad(
                 BadRowReason.EMPTY_CONTENT,
                 f"message {i} ({role}) has an empty content",
@@ -334,6 +343,8 @@ def _chat_list(
             out.append({"role": role, "content": content, **extra})
         else:
             out.append({k: v for k, v in m.items() if v is not None} | {"role": role, "content": content})
+        if calls is not None:
+            out[-1]["tool_calls"] = calls
     if need_assistant and not has_assistant:
         raise _Bad(
             BadRowReason.NO_ASSISTANT_TURN,
@@ -352,6 +363,60 @@ def _chat_list(
     return out, images
 
 
+# ---------------------------------------------------------------------------- tools
+
+_CALL_FIX = (
+    'write each call as {"type": "function", "function": {"name": "...", "arguments": {...}}} '
+    '(OpenAI\'s form; {"name": ..., "arguments": ...} is read too)'
+)
+
+
+def _json_object(value: Any, where: str, fix: str) -> Any:
+    """``value``, or the JSON it holds when it is a string (tools and arguments are often stored so)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except ValueError as e:
+        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where} is a string that is not JSON ({e})", fix) from None
+
+
+def _tool_calls(calls: Any, i: int, role: str) -> list[dict[str, Any]]:
+    """An assistant message's ``tool_calls``, checked and in one form: ``[{"type": "function",
+    "function": {"name": str, "arguments": dict}}, ...]`` (arguments stored as a JSON string are
+    parsed, as chat templates write them with ``tojson``)."""
+    where = f"message {i} ({role}).tool_calls"
+    if role != "assistant":
+        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}: only an assistant turn calls tools", "move the calls")
+    if not isinstance(calls, list) or not calls:
+        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where} is not a non-empty list", _CALL_FIX)
+    out = []
+    for j, call in enumerate(calls):
+        f = call.get("function", call) if isinstance(call, dict) else None
+        name = f.get("name") if isinstance(f, dict) else None
+        if not isinstance(name, str) or not name:
+            raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}] has no function name", _CALL_FIX)
+        args = _json_object(f.get("arguments", {}), f"{where}[{j}].arguments", _CALL_FIX)
+        if not isinstance(args, dict):
+            raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}].arguments is not an object", _CALL_FIX)
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
+        if isinstance(call, dict) and isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        out.append(entry)
+    return out
+
+
+def _tools_column(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's ``tools`` (a list of JSON-schema objects, or that list as a JSON string), checked."""
+    fix = 'give \'tools\' as a list of {"type": "function", "function": {"name": ..., "parameters": {...}}} schemas'
+    tools = _json_object(row.get("tools"), "'tools'", fix)
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"'tools' is a {_type_name(tools)}, not a list of objects", fix)
+    return tools
+
+
 # ---------------------------------------------------------------------------- the other formats
 
 #: The two formats of chat lists, which may share a file (as they always could).
@@ -363,14 +428,24 @@ class FormattedMessages(list[dict[str, Any]]):
 
     Attributes: ``format`` (:class:`RowFormat`), ``template`` (False: plain text, no
     chat template: the contents joined, BOS and EOS added as the tokenizer's own) and
-    ``prompt_messages`` (how many leading messages are the prompt, never trained).
+    ``prompt_messages`` (how many leading messages are the prompt, never trained), and
+    ``tools`` (the row's tool schemas, handed to the chat template; ``None``: none).
     A list of message dicts all the same, so code reading ``conversation.messages``
     works unchanged.
     """
 
-    def __init__(self, messages: Any, fmt: RowFormat, *, template: bool = True, prompt_messages: int = 0):
+    def __init__(
+        self,
+        messages: Any,
+        fmt: RowFormat,
+        *,
+        template: bool = True,
+        prompt_messages: int = 0,
+        tools: list[dict[str, Any]] | None = None,
+    ):
         super().__init__(messages)
         self.format, self.template, self.prompt_messages = fmt, template, prompt_messages
+        self.tools = tools
 
     def __repr__(self) -> str:  # names the format: two rows rendering differently never look alike
         return f"FormattedMessages({self.format.value}, {list.__repr__(self)})"
@@ -381,6 +456,8 @@ class FormattedMessages(list[dict[str, Any]]):
             return {"text": self[0]["content"]}
         if self.format is RowFormat.PROMPT_COMPLETION:
             return {"prompt": self[0]["content"], "completion": self[1]["content"]}
+        if self.format in _CHAT_LISTS:
+            return {"messages": list(self), "tools": self.tools}
         k = self.prompt_messages
         return {"prompt": list(self[:k]), "completion": list(self[k:])}
 
@@ -510,7 +587,8 @@ def _conversational(row: dict[str, Any], role_map: Mapping[str, str] | None, bas
 
 
 def _is_image_part(part: Any) -> bool:
-    return isinstance(part, dict) and part.get("type") == "image"
+    """An image or a video part (media the text path does not read)."""
+    return isinstance(part, dict) and part.get("type") in ("image", "video")
 
 
 def _is_pil(value: Any) -> bool:
@@ -573,16 +651,19 @@ def _part(part: Any, where: str, base: Path, pool: _Images | None) -> tuple[dict
     with no source takes the next entry of the row's ``images`` list, if it has one."""
     if isinstance(part, dict):
         part = {k: v for k, v in part.items() if v is not None}
-    if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+    if not isinstance(part, dict) or part.get("type") not in ("text", "image", "video"):
         raise _Bad(
             BadRowReason.MALFORMED_MESSAGE,
-            f"{where}: {str(part)[:60]!r} is not a text or image part",
-            'write parts as {"type": "text", "text": ...} or {"type": "image", "path": ...}',
+            f"{where}: {str(part)[:60]!r} is not a text, image or video part",
+            'write parts as {"type": "text", "text": ...}, {"type": "image", "path": ...} or '
+            '{"type": "video", "path": ...} / {"type": "video", "frames": [...]}',
         )
     if part["type"] == "text":
         if not isinstance(part.get("text"), str):
             raise _Bad(BadRowReason.NON_STRING_CONTENT, f"{where}.text: not a string", "give it a string")
         return part, False
+    if part["type"] == "video":
+        return _video_part(part, where, base), True
     src = next((k for k in _SOURCES if k in part), None)
     out = {k: v for k, v in part.items() if k not in _SOURCES}
     if src is None:
@@ -599,6 +680,27 @@ def _part(part: Any, where: str, base: Path, pool: _Images | None) -> tuple[dict
         return out, True
     out.update(_source(part[src], src, where, base))
     return out, True
+
+
+def _video_part(part: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
+    """A video part with its file (``path``) or its frames (``frames``, a list of image files)
+    resolved against the data file's folder; its other keys (``fps``) kept for the decoder,
+    which checks them and the files (``BadImageError`` naming the field)."""
+    out = dict(part)
+    if isinstance(part.get("path"), str):
+        out.update(_source(part["path"], "path", where, base))
+    elif isinstance(part.get("frames"), list):
+        out["frames"] = [
+            _source(f, f"frames[{k}]", where, base).get("path", f) if isinstance(f, str) else f
+            for k, f in enumerate(part["frames"])
+        ]
+    else:
+        raise _Bad(
+            BadRowReason.MALFORMED_MESSAGE,
+            f"{where}: a video part with neither 'path' (a video file) nor 'frames' (a list of image files)",
+            'write it as {"type": "video", "path": "clip.mp4"} or {"type": "video", "frames": ["f0.png", ...]}',
+        )
+    return out
 
 
 def _source(value: Any, key: str, where: str, base: Path) -> dict[str, Any]:

@@ -321,10 +321,29 @@ def _render_one(item: Item, ctx: _Context, opts: _Options) -> _Rendered:
             (text, spans), specials = renderer.spans(messages, opts.train_on), None
         if isinstance(messages, FormattedMessages) and opts.train_on is not TrainOn.EVERYTHING:
             spans = _completion_spans(renderer, messages, text, spans)
+        _check_tools_written(messages, text, ctx.tokenizer)
     except Exception as e:  # noqa: BLE001 - TemplateError (raise_exception...) or any failure inside Jinja
         detail = str(e) if isinstance(e, TemplateError) else f"the chat template failed: {type(e).__name__}: {e}"
         return _Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, _TEMPLATE_FIX, n_special))
     return _Rendered(cid, text, spans, specials, n_special)
+
+
+def _check_tools_written(messages: Any, text: str, tokenizer: Any) -> None:
+    """Raise :class:`TemplateError` when the rendering lacks a tool call's or a tool's name: the
+    chat template ignores ``tool_calls`` / ``tools``, and training on it would teach answers to
+    calls the text never shows."""
+    names = [("tool call", c["function"]["name"]) for m in messages for c in (m.get("tool_calls") or ())]
+    for tool in getattr(messages, "tools", None) or ():
+        name = (tool.get("function") if isinstance(tool.get("function"), dict) else tool).get("name")
+        if isinstance(name, str):
+            names.append(("tool", name))
+    for what, name in names:
+        if name not in text:
+            template = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+            raise TemplateError(
+                f"the chat template of {template!r} does not write the {what} {name!r} (it ignores "
+                "tools / tool_calls): use a tokenizer whose template renders them (sftpack's embedded ChatML does)"
+            )
 
 
 def _completion_spans(
