@@ -103,12 +103,12 @@ FILL_COLUMNS = [
 def stage_costs(convs: list[dict], tok: Any, proc: Any, rounds: int) -> list[dict[str, Any]]:
     from PIL import Image
 
+    from bench_media_read import _chatml
     from sftpack.multimodal import family_for
     from sftpack.multimodal._images import process_images
-    from sftpack.multimodal._tokenize import _render
 
-    block = family_for().image_block
-    rendered = [(r.text, r.images) for r in (_render(c["messages"], c["id"], block) for c in convs)]
+    block = "".join(family_for().image_block)
+    rendered = [_chatml(c["messages"], tok, block) for c in convs]
     n_img = sum(len(parts) for _, parts in rendered)
     per_round: dict[str, list[float]] = {k: [] for k in ("decode", "resize", "patch", "tokenize")}
     loads = []
@@ -117,11 +117,11 @@ def stage_costs(convs: list[dict], tok: Any, proc: Any, rounds: int) -> list[dic
         for text, parts in rendered:
             t0 = time.perf_counter()
             imgs = []
-            for part, _ in parts:
+            for part in parts:
                 with Image.open(part["path"]) as im:
                     imgs.append(im.convert("RGB"))
             t1 = time.perf_counter()
-            imgs = [im.resize(tuple(p["resize"]), Image.Resampling.BICUBIC) for im, (p, _) in zip(imgs, parts)]
+            imgs = [im.resize(tuple(p["resize"]), Image.Resampling.BICUBIC) for im, p in zip(imgs, parts)]
             t2 = time.perf_counter()
             process_images(imgs, proc)
             t3 = time.perf_counter()

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,6 @@ def _cpu() -> float:
 
 
 def _child(kind: str, procs: int, limit: int | None, workdir: Path) -> None:
-    import sftpack
     from sftpack.data import default_corpus, default_tokenizer
 
     tok = default_tokenizer()
@@ -94,7 +94,15 @@ def _child(kind: str, procs: int, limit: int | None, workdir: Path) -> None:
                 h.update(p.name.encode() + b"\0" + p.read_bytes())
             return {"tokens": int(r.counts["tokens"]), "digest": h.hexdigest(), "seconds": r.seconds}
 
-    run(64)  # warm-up: template compiled, numba kernels loaded, page cache warm
+    serve(run, 64)
+
+
+def serve(run: Callable[..., dict[str, Any]], warm: int) -> None:
+    """A child's life: ``run(warm)`` once (warm-up: templates compiled, numba kernels loaded, page
+    cache warm), then one timed ``run()`` per ``run`` line on stdin, its result as a JSON line."""
+    import sftpack
+
+    run(warm)
     print(json.dumps({"ready": True, "sftpack": str(Path(sftpack.__file__).parent)}), flush=True)
     for line in sys.stdin:
         if line.strip() != "run":
@@ -106,14 +114,28 @@ def _child(kind: str, procs: int, limit: int | None, workdir: Path) -> None:
 
 
 class Contender:
-    def __init__(self, name: str, kind: str, procs: int, args: argparse.Namespace, src: str | None = None):
+    """One contender: ``script --child KIND`` in its own process, warm, timed on each ``run`` line
+    it reads (bench_image_pace.py runs its own children through it, ``script=`` its file)."""
+
+    def __init__(
+        self,
+        name: str,
+        kind: str,
+        procs: int,
+        args: argparse.Namespace,
+        src: str | None = None,
+        *,
+        script: str = __file__,
+        extra: tuple[str, ...] = (),
+    ):
         self.name = name
         env = dict(os.environ)
         if src is not None:
             env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-        cmd = [sys.executable, __file__, "--child", kind, "--child-procs", str(procs), "--workdir", str(args.workdir)]
-        if args.limit is not None:
+        cmd = [sys.executable, script, "--child", kind, "--child-procs", str(procs), "--workdir", str(args.workdir)]
+        if getattr(args, "limit", None) is not None:
             cmd += ["--limit", str(args.limit)]
+        cmd += list(extra)
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.results: list[dict[str, Any]] = []
 

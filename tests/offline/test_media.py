@@ -188,6 +188,72 @@ def test_rows_read_back_equal_rows_built_in_memory(written, in_memory):
     _same(fetched[1], ds[2])
 
 
+def _built(ds, r, in_memory):
+    """Row ``r`` built in memory from its samples (the reference every read is held to)."""
+    samples = _row_samples(ds, r, in_memory)
+    return PackedBatch.from_samples(samples, row_width=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE, pad_id=PAD)
+
+
+def _equal(a, b):
+    try:
+        _same(a, b)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_rows_with_images_read_in_batches_equal_the_rows_built_in_memory_laid_end_to_end(written, in_memory):
+    """read_rows lays any rows (out of order, repeated, the whole prepack) in one pass, their media
+    and the patches of all their images into one buffer: byte for byte the in-memory rows concatenated.
+    Negative control: the same rows in another order are not equal."""
+    ds = PrepackedDataset(written[1])
+    n = ds.num_rows
+    built = [_built(ds, r, in_memory) for r in range(n)]
+    for rows in ([2, 0, 1], [n - 1, 0, n - 1], list(range(n)), [1]):
+        got = ds.read_rows(rows)
+        assert got.media.num_items == sum(built[r].media.num_items for r in rows)
+        _same(got, PackedBatch.concat([built[r] for r in rows]))
+    assert not _equal(ds.read_rows([0, 1]), PackedBatch.concat([built[1], built[0]]))
+    with pytest.raises(IndexError, match="out of range"):
+        ds.read_rows([n])
+
+
+def test_a_dataloader_reads_rows_with_images_in_one_pass_and_cuts_each_row_with_its_media(written, in_memory):
+    """A DataLoader with a batch_size fetches through __getitems__ (one read_rows); ds.collate hands
+    the batch on; a collate_fn that iterates gets each row with its own media (items, runs, segments
+    and positions counted from the row's start), equal to the row built in memory."""
+    ds = PrepackedDataset(written[1])
+    built = [_built(ds, r, in_memory) for r in range(ds.num_rows)]
+    order = list(range(ds.num_rows))
+    loader = torch.utils.data.DataLoader(ds, batch_size=2, collate_fn=ds.collate)
+    for k, batch in enumerate(loader):
+        _same(batch, PackedBatch.concat([built[r] for r in order[2 * k : 2 * k + 2]]))
+    rows = list(torch.utils.data.DataLoader(ds, batch_size=3, collate_fn=list))
+    flat = [row for batch in rows for row in batch]
+    assert len(flat) == ds.num_rows
+    for r, row in enumerate(flat):
+        _same(row, built[r])
+        row.validate()
+    assert not _equal(flat[0], built[1])
+
+
+def test_a_damaged_media_index_opened_without_checks_is_named_on_read(written, tmp_path):
+    """verify=None (a DataLoader worker re-opening what its parent checked) skips the index checks;
+    an image's placeholder start moved out of its sequence then fails the read with the path and the fix."""
+    copy = tmp_path / "copy"
+    shutil.copytree(written[1], copy)
+    images = np.load(copy / "images.npy")
+    r = next(r for r in range(PrepackedDataset(copy).num_rows) if PrepackedDataset(copy)[r].media.num_items)
+    k = int(np.load(copy / "row_images.npy")[r])
+    images["start"][k] += 5  # its run no longer on the placeholders
+    np.save(copy / "images.npy", images)
+    with pytest.raises(PrepackError, match="images.npy"):
+        PrepackedDataset(copy)  # the default checks find it
+    ds = PrepackedDataset(copy, verify=None)
+    with pytest.raises(PrepackError, match=f"{re.escape(str(copy))}: row {r} cannot be read with its images"):
+        ds.read_rows([r])
+
+
 def test_files_are_byte_identical_for_any_num_proc(written):
     a, b = written[1], written[2]
     names = sorted(p.name for p in a.iterdir())

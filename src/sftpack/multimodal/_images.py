@@ -71,7 +71,7 @@ _Bad = Callable[..., NoReturn]  # raises the BadImageError of a reason and a det
 
 
 class BadImageReason(StrEnum):
-    """Why an image part cannot be used (the key of the skip counts)."""
+    """Why an image (or video, :mod:`~sftpack.multimodal._video`) part cannot be used (the key of the skip counts)."""
 
     MISSING_FILE = "image_missing_file"  #: no such file (or it cannot be opened)
     UNDECODABLE = "image_undecodable"  #: not an image format PIL reads, or damaged
@@ -81,6 +81,13 @@ class BadImageReason(StrEnum):
     TOO_LARGE = "image_too_large"  #: over :data:`MAX_IMAGE_BYTES`
     ASPECT_RATIO = "image_aspect_ratio"  #: sides differ by more than :data:`MAX_ASPECT_RATIO` times
     BAD_RESIZE = "image_bad_resize"  #: ``"resize"`` is not two positive sizes within PIL's pixel limit
+    VIDEO_NO_SOURCE = "video_no_source"  #: a video part without ``frames`` or ``path``, or one of the wrong type
+    VIDEO_URL = "video_url"  #: a video given as a URL (nothing is downloaded)
+    VIDEO_MISSING_FILE = "video_missing_file"  #: no such video file
+    VIDEO_UNDECODABLE = "video_undecodable"  #: not a video PyAV decodes, no frames, or no frame rate to sample by
+    VIDEO_FRAME_SIZES = "video_frame_sizes"  #: a video's frames of several sizes
+    VIDEO_BAD_FPS = "video_bad_fps"  #: ``"fps"`` is not a positive number
+    VIDEO_TOO_SHORT = "video_too_short"  #: fewer frames than one temporal patch once sampled
 
 
 _FIXES = {
@@ -93,6 +100,13 @@ _FIXES = {
     BadImageReason.ASPECT_RATIO: f"crop or pad the image to at most {MAX_ASPECT_RATIO}:1, or drop the part",
     BadImageReason.BAD_RESIZE: 'give "resize" as [width, height], two positive integers (at most '
     "PIL.Image.MAX_IMAGE_PIXELS pixels in all), or leave it out",
+    BadImageReason.VIDEO_NO_SOURCE: 'give the video as "frames" (a list of image files) or "path" (a video file)',
+    BadImageReason.VIDEO_URL: "download the video first and give its local path (sftpack never downloads)",
+    BadImageReason.VIDEO_MISSING_FILE: "fix the path or drop the part",
+    BadImageReason.VIDEO_UNDECODABLE: "re-encode the video (e.g. ffmpeg -i IN -c:v libx264 OUT.mp4) or drop the part",
+    BadImageReason.VIDEO_FRAME_SIZES: "resize the frames to one size or drop the part",
+    BadImageReason.VIDEO_BAD_FPS: 'give "fps" as a positive number, or leave it out',
+    BadImageReason.VIDEO_TOO_SHORT: 'lower "fps" or give more frames, or drop the part',
 }
 
 
@@ -276,6 +290,23 @@ def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 448 * 448) -> A
     ``AutoProcessor`` / ``AutoImageProcessor`` pick where torchvision is installed: its resize
     differs by 1-2 levels of 255 on some pixels (pass that one as ``processor=`` to get its patches)."""
     return _pil_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def processor_from_settings(settings: dict[str, Any]) -> Any:
+    """The ``Qwen2VLImageProcessorPil`` of :func:`processor_settings`' ``settings`` (a prepack's
+    manifest keeps them): the processor whose patches the stored pixels re-make, whatever the
+    family (Qwen2-VL's patch 14, Qwen3-VL's 16 with mean and std 0.5)."""
+    return _pil_processor_class()(
+        patch_size=int(settings["patch_size"]),
+        temporal_patch_size=int(settings["temporal_patch_size"]),
+        merge_size=int(settings["merge_size"]),
+        rescale_factor=float(settings["rescale_factor"]),
+        image_mean=[float(x) for x in settings["image_mean"]],
+        image_std=[float(x) for x in settings["image_std"]],
+        min_pixels=int(settings["min_pixels"]),
+        max_pixels=int(settings["max_pixels"]),
+        resample=int(settings["resample"]),
+    )
 
 
 def reproduces(processor: Any) -> bool:

@@ -13,8 +13,10 @@ Reading the stored slices (:meth:`~PrepackedDataset.row_arrays`) costs what
 copying the same bytes out of a raw ``np.memmap`` costs; building the
 ``PackedBatch`` (five ``(max_seq_len,)`` tensors) adds the row builder's cost
 (``benchmarks/bench_offline.py`` measures both). A prepack with images reads its media
-columns too (:class:`MediaReader`, ``_row_images``): each row is :meth:`~sftpack.PackedBatch.from_samples`
-of its samples, each sample's media rebuilt by the family the manifest names. Several rows are read
+columns too (:class:`MediaReader`, ``_row_images``): field for field what
+:meth:`~sftpack.PackedBatch.from_samples` of the row's samples gives, each sequence's media
+rebuilt by the family the manifest names and the row's images patchified from their stored
+uint8 pixels into one buffer (a row with images is read as a batch of one). Several rows are read
 together by :meth:`~PrepackedDataset.batch` (epoch positions) or
 :meth:`~PrepackedDataset.read_rows` (global rows): one compiled pass
 (:mod:`._collate`, numba) lays them end to end straight from the mappings,
@@ -48,13 +50,14 @@ import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, NoReturn, overload
 
 import numpy as np
 import torch
 
 from .._base import StrEnum, choose
 from ..handoff import PackedBatch, PackedBatchError, build_row, padded_lengths
+from ..handoff.payload import Media
 from ..sample import IGNORE_INDEX
 from . import _collate
 from ._fingerprint import tokenizer_fingerprint
@@ -112,21 +115,16 @@ class BatchedRows(Sequence[PackedBatch]):
 
     ``rows.batch`` equals ``PackedBatch.concat(list(rows))``, field for field; it is built
     first, in one compiled pass, and :meth:`PrepackedDataset.collate` returns it as is. A
-    ``collate_fn`` that iterates gets each row (tensor views of the batch, cut on first access).
+    ``collate_fn`` that iterates gets each row (tensor views of the batch, cut on first access;
+    a row's media is its :meth:`~sftpack.handoff.payload.Media.piece` of the batch's).
     """
 
     __slots__ = ("_rows", "_seqs", "batch", "widths")
 
-    def __init__(
-        self,
-        batch: PackedBatch,
-        widths: Sequence[int],
-        sequences: Sequence[int],
-        rows: Sequence[PackedBatch] | None = None,
-    ):
+    def __init__(self, batch: PackedBatch, widths: Sequence[int], sequences: Sequence[int]):
         self.batch = batch
         self.widths = tuple(widths)  # slots of each row
-        self._rows: list[PackedBatch] | None = None if rows is None else list(rows)
+        self._rows: list[PackedBatch] | None = None
         self._seqs = tuple(sequences)  # sequences of each row
 
     def __len__(self) -> int:
@@ -156,6 +154,7 @@ class BatchedRows(Sequence[PackedBatch]):
                     cu_seqlens_padded=cup - cup[0],
                     max_seqlen=int((cup[1:] - cup[:-1]).max()),
                     sequence_ids=None if b.sequence_ids is None else b.sequence_ids[seq : seq + n],
+                    media=None if b.media is None else _cut_media(b.media, slot, width, seq),
                 )
             )
             slot, seq = slot + width, seq + n
@@ -163,6 +162,14 @@ class BatchedRows(Sequence[PackedBatch]):
 
     def __repr__(self) -> str:
         return f"BatchedRows({len(self)} rows, {self.batch!r})"
+
+
+def _cut_media(media: Media, slot: int, width: int, seq: int) -> Media:
+    """The media of the row at slots ``[slot, slot + width)`` of a batch, whose first segment is the
+    batch's ``seq``-th: its items, runs and segments counted from the row's start (a row starts a
+    segment, so its multimodal positions are the batch's as they are)."""
+    own = media.piece(slot, slot + width)
+    return dataclasses.replace(own, sequence=own.sequence - seq)
 
 
 class Verify(StrEnum):
@@ -502,10 +509,13 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     def row(self, r: int) -> PackedBatch:
         """Global row ``r`` as a :class:`PackedBatch` of width ``max_seq_len``; ``sequence_ids`` holds
-        each segment's conversation id."""
-        ids, mask, seqs = self.row_arrays(r)
+        each segment's conversation id (a row with images: :meth:`read_rows` of the one row)."""
         if self.media is not None:
-            return self._media_row(r, ids, mask, seqs)
+            n = self.num_rows
+            if not -n <= r < n:
+                raise IndexError(f"row {r} is out of range for {n} rows")
+            return self.read_rows(np.array([r % n], np.int64))
+        ids, mask, seqs = self.row_arrays(r)
         try:
             return build_row(
                 ids,
@@ -523,31 +533,6 @@ class PrepackedDataset(torch.utils.data.Dataset):
             raise PrepackError(
                 f"{self.path}: row {r} cannot be read ({e}): the index is damaged; open it with verify='size' to "
                 "find the file, and write the prepack again"
-            ) from None
-
-    def _media_row(self, r: int, ids: np.ndarray, mask: np.ndarray, seqs: np.ndarray) -> PackedBatch:
-        """A row with its images: :meth:`PackedBatch.from_samples` of its samples (the in-memory row
-        builder), the pixels patchified as the processor does, in row order."""
-        assert self.media is not None
-        r %= self.num_rows
-        conv_ids = [self.conversation_id(int(c)) for c in seqs["conversation"]]
-        try:
-            first = int(self.rows[r]["sequence"])
-            samples = self.media.samples(r, first, ids, mask, seqs, conv_ids, with_pixels=False)
-            row = PackedBatch.from_samples(
-                samples, row_width=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
-            )
-            # the patches straight into the row's one buffer (the builder would copy them once more):
-            # the same bytes as the samples' patches concatenated in row order
-            assert row.media is not None  # every sample of a prepack with media carries media
-            row.media = dataclasses.replace(row.media, pixel_values=torch.from_numpy(self.media.pixel_values(r)))
-            return row
-        except (PackedBatchError, IndexError, ValueError) as e:  # a damaged index (verify=None skips its checks)
-            if isinstance(e, PrepackError):
-                raise
-            raise PrepackError(
-                f"{self.path}: row {r} cannot be read with its images ({e}): the index is damaged; open it with "
-                "verify='size' to find the file, and write the prepack again"
             ) from None
 
     def row_images(self, r: int) -> list[np.ndarray]:
@@ -576,14 +561,13 @@ class PrepackedDataset(torch.utils.data.Dataset):
         rows = self._positions(indices)
         seqs = self.rows["sequence"]
         counts = (seqs[rows + 1] - seqs[rows]).tolist()
-        if self.media is not None:  # rows with images: read one by one, laid end to end
-            each = [self.row(int(x)) for x in rows]
-            return BatchedRows(PackedBatch.concat(each), [self.max_seq_len] * len(counts), counts, rows=each)
         return BatchedRows(self.read_rows(rows), [self.max_seq_len] * len(counts), counts)
 
     def read_rows(self, rows: Iterable[int] | np.ndarray) -> PackedBatch:
         """Global rows laid end to end, as one :class:`PackedBatch`: field for field
-        ``PackedBatch.concat([ds.row(r) for r in rows])``, built in one compiled pass."""
+        ``PackedBatch.concat([ds.row(r) for r in rows])``, built in one compiled pass. Rows with
+        images add their media (:meth:`MediaReader.lay_rows`): every sequence's laid at once and every
+        image of the batch patchified from its stored pixels into the batch's one ``pixel_values``."""
         r = np.asarray(rows if isinstance(rows, np.ndarray) else list(rows), dtype=np.int64).reshape(-1)
         n = self.num_rows
         if r.shape[0] == 0:
@@ -592,8 +576,6 @@ class PrepackedDataset(torch.utils.data.Dataset):
         if bad.any():
             raise IndexError(f"row {int(r[np.flatnonzero(bad)[0]])} is out of range for {n} rows")
         r = r % n
-        if self.media is not None:  # rows with images: each through the row builder
-            return PackedBatch.concat([self.row(int(x)) for x in r])
         if r.shape[0] * self.max_seq_len >= 1 << 31:  # int32 boundaries: leave the overflow to concat's own rules
             return PackedBatch.concat([self.row(int(x)) for x in r])
         out = _collate.collate_rows(
@@ -608,8 +590,17 @@ class PrepackedDataset(torch.utils.data.Dataset):
         )
         status, ids, labels, pos, cu, cup, max_seqlen, conv, id_buf, id_bounds, plain = out
         if status != _collate.OK:  # a damaged index (opened with verify=None): the row reader names it
+            if self.media is not None:
+                self._damaged(r, f"its index fails check {status} of the batch reader")
             return PackedBatch.concat([self.row(int(x)) for x in r])
         self._read_bytes += int(cu[-1]) * (self.tokens.itemsize + 1)
+        media = None
+        if self.media is not None:
+            try:
+                media = self.media.lay_rows(r, self.rows["sequence"], ids, cu, cup)
+            except (PackedBatchError, IndexError, ValueError) as e:  # a damaged index (verify=None skips its checks)
+                self._damaged(r, str(e))
+            self._read_bytes += int(media.pixel_values.shape[0]) * self.media.patch_bytes
         if self._read_bytes >= _RELEASE_BYTES:
             self.release_pages()
         return PackedBatch(
@@ -620,6 +611,14 @@ class PrepackedDataset(torch.utils.data.Dataset):
             cu_seqlens_padded=torch.from_numpy(cup),
             max_seqlen=int(max_seqlen),
             sequence_ids=self._decode_ids(conv, id_buf, id_bounds, plain),
+            media=media,
+        )
+
+    def _damaged(self, rows: np.ndarray, what: str) -> NoReturn:
+        which = f"row {int(rows[0])}" if rows.shape[0] == 1 else f"one of rows {rows[:8].tolist()}"
+        raise PrepackError(
+            f"{self.path}: {which}{'...' if rows.shape[0] > 8 else ''} cannot be read with its images ({what}): the "
+            "index is damaged; open it with verify='size' to find the file, and write the prepack again"
         )
 
     def _decode_ids(self, conv: np.ndarray, buf: np.ndarray, bounds: np.ndarray, plain: np.ndarray) -> tuple:

@@ -1,27 +1,32 @@
-"""``MediaReader``: the media columns of a prepack with images, read back per row.
+"""``MediaReader``: the media columns of a prepack with images, read back for a batch of rows.
 
 :class:`~sftpack.offline._dataset.PrepackedDataset` opens one for a prepack whose manifest
 has a ``media`` entry: it checks the media index (``images.npy``, ``row_images.npy``) against
-itself, the pixel file and the text index, and rebuilds each row's samples with their media
-(the family the manifest names, the pixels patchified as the image processor does).
+itself, the pixel file and the text index, and lays the media of the rows it reads
+(:meth:`MediaReader.lay_rows`; one row is a batch of one): each sequence's media by the
+family the manifest names, all of them laid at their slots at once, and every image of the
+batch patchified from its stored pixels straight into the batch's one ``pixel_values``
+buffer, as the image processor would have made them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
-from ..sample import Sample
+from ..handoff.payload import Media
 from ._format import DEFAULT_FAMILY, PrepackError
 
 __all__ = ["MediaReader"]
 
 
 class MediaReader:
-    """The media columns of a prepack with images, read per row (:class:`PrepackedDataset` uses it):
-    each sequence's media rebuilt by the family the manifest names (``Family.media`` of
+    """The media columns of a prepack with images, read for a batch of rows (:class:`PrepackedDataset`
+    uses it): each sequence's media rebuilt by the family the manifest names (``Family.media`` of
     :func:`sftpack.multimodal.family_for` ``(manifest["media"]["family"])``, Qwen2-VL's when it names
     none: the prepacks written before it was recorded), MRoPE positions included, from the stored
     grids and placeholder starts, and the pixels patchified as the processor does.
@@ -33,7 +38,7 @@ class MediaReader:
 
     def __init__(self, path: Path, manifest: dict[str, Any], arrays: dict[str, np.ndarray]):
         from ..multimodal import family_for
-        from ..multimodal._images import image_processor, processor_settings
+        from ..multimodal._images import processor_from_settings, processor_settings
 
         self.path = Path(path)
         self.entry = manifest["media"]
@@ -41,7 +46,7 @@ class MediaReader:
         self.images = arrays["images"]
         self.row_images = arrays["row_images"]
         want = self.entry["processor"]
-        self.processor = image_processor(int(want["min_pixels"]), int(want["max_pixels"]))
+        self.processor = processor_from_settings(want)
         have = processor_settings(self.processor)
         diff = sorted(k for k in want if want[k] != have.get(k))
         if diff:
@@ -55,6 +60,7 @@ class MediaReader:
         self.family = family_for(self.entry.get("family", DEFAULT_FAMILY))
         p, t = int(want["patch_size"]), int(want["temporal_patch_size"])
         self.patch_dim = 3 * t * p * p
+        self.patch_bytes = 3 * p * p  #: stored bytes of a patch (uint8 pixels, the temporal copies made on read)
 
     def check(self, rows: np.ndarray, sequences: np.ndarray, counts: dict[str, Any]) -> None:
         """The media index against itself, the pixel file and the text index: O(rows + images)."""
@@ -92,17 +98,26 @@ class MediaReader:
         if np.any(im["start"] < 0) or np.any(im["start"] + run > sequences["length"][seq]):
             raise fail("images.npy", "an image's placeholder run lies outside its sequence")
 
-    def pixel_values(self, r: int) -> np.ndarray:
-        """``(P, D)`` float32: row ``r``'s images patchified from the stored pixels, in row order, into
-        one buffer (what the row's ``pixel_values`` holds)."""
+    def image_range(self, rows: np.ndarray) -> np.ndarray:
+        """``(I,)`` int64: the images of ``rows`` (global row numbers), in batch order."""
+        ri = self.row_images
+        a, b = ri[rows].astype(np.int64), ri[rows + 1].astype(np.int64)
+        if rows.shape[0] == 1 or bool(np.all(a[1:] == b[:-1])):  # consecutive rows: one run of images
+            return np.arange(int(a[0]), int(b[-1]), dtype=np.int64)
+        return np.concatenate([np.arange(x, y, dtype=np.int64) for x, y in zip(a.tolist(), b.tolist())])
+
+    def pixel_values(self, images: np.ndarray) -> np.ndarray:
+        """``(P, D)`` float32: the ``images`` (numbers, in order) patchified from the stored pixels
+        into one buffer, each straight into its slice (what a row's or a batch's ``pixel_values`` holds)."""
         from ..multimodal._images import patchify_pixels
 
-        im = self.images[int(self.row_images[r]) : int(self.row_images[r + 1])]
+        im = self.images[images]
         per = (im["grid_h"].astype(np.int64) * im["grid_w"]).tolist()
         out = np.empty((int(sum(per)), self.patch_dim), np.float32)
         o = 0
-        for pixels, n in zip(self.stored_images(r), per):
-            patchify_pixels(pixels, self.processor, out=out[o : o + n])
+        pixels, proc = self.pixels, self.processor
+        for a, h, w, n in zip(im["pixels"].tolist(), im["height"].tolist(), im["width"].tolist(), per):
+            patchify_pixels(pixels[a : a + h * w * 3].reshape(h, w, 3), proc, out=out[o : o + n])
             o += n
         return out
 
@@ -114,48 +129,70 @@ class MediaReader:
             out.append(self.pixels[a : a + h * w * 3].reshape(h, w, 3))
         return out
 
-    def samples(
+    def lay_rows(
         self,
-        r: int,
-        first_sequence: int,
-        ids: np.ndarray,
-        mask: np.ndarray,
-        seqs: np.ndarray,
-        conv_ids: list[Any],
+        rows: np.ndarray,
+        row_sequences: np.ndarray,
+        input_ids: np.ndarray,
+        cu_seqlens: np.ndarray,
+        cu_seqlens_padded: np.ndarray,
         *,
-        with_pixels: bool = True,
-    ) -> list[Sample]:
-        """Row ``r``'s :class:`~sftpack.Sample` list (its stored slices ``ids``, ``mask``, ``seqs``,
-        whose first sequence is number ``first_sequence``): each sequence with its images as its
-        ``media`` (the family's :class:`~sftpack.handoff.payload.PatchMedia`, MRoPE positions
-        included), ``pixel_values`` patchified from the stored pixels (``with_pixels=False``:
-        ``(P, 0)`` placeholders, for a reader that patchifies the whole row into one buffer,
-        :meth:`pixel_values`)."""
+        pixel_values: np.ndarray | None = None,
+    ) -> Media:
+        """The media of ``rows`` (global row numbers) laid end to end, as the batch of their text
+        fields (``input_ids``, ``cu_seqlens``, ``cu_seqlens_padded``: one segment per stored
+        sequence, in order) carries it: field for field the media of
+        ``PackedBatch.concat([PackedBatch.from_samples(row's samples) for each row])``.
+
+        Each sequence's media is the family's (:meth:`~sftpack.multimodal.Family.media` of its
+        ids, placeholder runs and grids: MRoPE positions included), the sequences laid at their
+        slots in one :meth:`~sftpack.handoff.payload.Media.lay`, and the pixels of every image of
+        the batch patchified once into the batch's buffer (``pixel_values``: use these patches
+        instead, ``(P, D)`` in batch order). ``row_sequences`` is the row index's first
+        sequence per row (``rows.npy``'s ``sequence``).
+
+        Raises:
+            PackedBatchError: the laid media do not fit the batch's tokens (a damaged index, read
+                with ``verify=None``), checked before any pixel is made."""
         from ..multimodal._family import EncodedImages
 
-        i0, i1 = int(self.row_images[r]), int(self.row_images[r + 1])
-        im = self.images[i0:i1]
-        owner = im["sequence"].tolist()
-        pv_row = self.pixel_values(r) if with_pixels else np.empty((0, 0), np.float32)
-        out = []
-        t = k0 = o = 0
-        m2 = self.merge_size**2
-        lengths = seqs["length"].astype(np.int64).tolist()
-        for j, n in enumerate(lengths):
-            k1 = k0
-            while k1 < len(owner) and owner[k1] == first_sequence + j:
-                k1 += 1
-            mine = im[k0:k1]
-            grids = np.stack([mine["grid_t"], mine["grid_h"], mine["grid_w"]], axis=1).astype(np.int64).reshape(-1, 3)
-            per = grids.prod(axis=1)
-            patches = int(per.sum())
-            pv = pv_row[o : o + patches] if with_pixels else np.empty((patches, 0), np.float32)
-            o += patches
-            runs = np.stack([mine["start"].astype(np.int64), per // m2], axis=1).reshape(-1, 2)
-            seq_ids = np.asarray(ids[t : t + n], dtype=np.int64)
-            images = EncodedImages(pixel_values=pv, tokens=per // m2, grid_thw=grids, merge_size=self.merge_size)
-            media = self.family.media(seq_ids, runs, images, self.image_token_id)
-            out.append(Sample(seq_ids, np.asarray(mask[t : t + n], dtype=bool), conv_ids[j], media=media))
-            t += n
-            k0 = k1
-        return out
+        idx = self.image_range(rows)
+        im = self.images[idx]
+        # each image's segment of the batch: its sequence's place among the batch's sequences
+        seq0 = row_sequences[rows].astype(np.int64)
+        n_seq = row_sequences[rows + 1].astype(np.int64) - seq0
+        seg0 = np.concatenate([[0], np.cumsum(n_seq)[:-1]])
+        per_row = self.row_images[rows + 1].astype(np.int64) - self.row_images[rows]
+        b = np.repeat(np.arange(rows.shape[0]), per_row)
+        seg = im["sequence"].astype(np.int64) - seq0[b] + seg0[b]
+        n_seg = int(n_seq.sum())
+        bounds = np.searchsorted(seg, np.arange(n_seg + 1)).tolist()
+        grids = np.stack([im["grid_t"], im["grid_h"], im["grid_w"]], axis=1).astype(np.int64).reshape(-1, 3)
+        per = grids.prod(axis=1)
+        tokens = per // self.merge_size**2
+        runs = np.stack([im["start"].astype(np.int64), tokens], axis=1).reshape(-1, 2)
+        cu = cu_seqlens.astype(np.int64).tolist()
+        cup = cu_seqlens_padded.astype(np.int64).tolist()
+        lengths = [y - x for x, y in zip(cu[:-1], cu[1:])]
+        parts = []
+        for k in range(n_seg):
+            a, e, off = bounds[k], bounds[k + 1], cup[k]
+            images = EncodedImages(
+                pixel_values=np.empty((int(per[a:e].sum()), 0), np.float32),  # the batch's buffer holds them
+                tokens=tokens[a:e],
+                grid_thw=grids[a:e],
+                merge_size=self.merge_size,
+            )
+            parts.append(self.family.media(input_ids[off : off + lengths[k]], runs[a:e], images, self.image_token_id))
+        laid = type(parts[0]).lay(
+            parts,
+            lengths=lengths,
+            offsets=cup[:-1],
+            widths=[y - x for x, y in zip(cup[:-1], cup[1:])],
+            segments=[1] * n_seg,
+        )
+        # against the batch's tokens before any pixel is made (runs on placeholders, inside their
+        # sequences; positions restarting): what a damaged index read with verify=None breaks
+        laid.check(input_ids, cu_seqlens, cu_seqlens_padded)
+        pv = self.pixel_values(idx) if pixel_values is None else pixel_values
+        return dataclasses.replace(laid, pixel_values=torch.from_numpy(pv))
