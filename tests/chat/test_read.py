@@ -18,8 +18,8 @@ from sftpack.chat import (
     read_conversations,
     tokenize_conversations,
 )
-from tests.helpers import BAD_LINES
 from tests.helpers import (
+    BAD_LINES,
     GOOD,
     A,
     U,

@@ -394,7 +394,7 @@ def _tool_calls(calls: Any, i: int, role: str) -> list[dict[str, Any]]:
     for j, call in enumerate(calls):
         f = call.get("function", call) if isinstance(call, dict) else None
         name = f.get("name") if isinstance(f, dict) else None
-        if not isinstance(name, str) or not name:
+        if not isinstance(f, dict) or not isinstance(name, str) or not name:
             raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}] has no function name", _CALL_FIX)
         args = _json_object(f.get("arguments", {}), f"{where}[{j}].arguments", _CALL_FIX)
         if not isinstance(args, dict):

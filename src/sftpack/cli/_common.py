@@ -243,7 +243,9 @@ def _record_has_images(obj: Any) -> bool:
         messages = getattr(obj, "messages", None) or ()
     for m in messages if isinstance(messages, list) else ():
         content = m.get("content", m.get("value")) if isinstance(m, dict) else None
-        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") in ("image", "video") for p in content):
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") in ("image", "video") for p in content
+        ):
             return True
     return False
 
