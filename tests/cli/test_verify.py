@@ -58,9 +58,9 @@ def test_a_path_that_differs_exits_1_naming_the_sample(data, folder, capsys, mon
 
 
 def test_an_unsupported_vision_language_folder_is_one_line_and_exit_2(tmp_path, data, capsys):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral3", "vision_config": {}}))
     rc = main(["verify", data, "--model", str(tmp_path)])
     err = capsys.readouterr().err
     assert rc == 2
     assert len(err.strip().splitlines()) == 1
-    assert "gemma3" in err and "qwen2_vl" in err
+    assert "mistral3" in err and "qwen2_vl" in err

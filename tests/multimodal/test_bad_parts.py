@@ -8,7 +8,7 @@
   caught; it is now text, and every path reads on.
 * ``NaN`` / ``inf``, float64 or wrong-width ``pixel_values`` are refused by the sample and
   by ``PackedBatch.validate()``.
-* Model families sftpack does not pack (Gemma 3, Idefics3, SmolVLM, Mistral3, InternVL,
+* Model families sftpack does not pack (Idefics3, SmolVLM, Mistral3, InternVL,
   LLaVA-OneVision / -NeXT) get one line naming the model type and what is supported,
   before any work.
 """
@@ -106,13 +106,24 @@ def test_text_parts_tokenize_as_the_text_path_tokenizes_the_joined_content(tok, 
     assert s.media.num_items == 0 and not {VISION_START, VISION_END, IMAGE_PAD_ID} & set(s.input_ids.tolist())
 
 
-def test_llava_keeps_split_special_text_as_text(tok):
+def test_llava_keeps_split_special_text_as_text():
+    """LLaVA-1.5's template: no ChatML control token at all in its rows, whatever the contents type;
+    ``<image>`` and ``</s>`` split over parts stay text too."""
     llava = Llava(image_tokens=16, image_size=32)
-    (s,) = tokenize_media_conversation(_forged_conv(), family=llava, tokenizer=tok, processor=llava.image_processor())
+    tok = llava.tokenizer()
+    image, eos = tok.convert_tokens_to_ids(["<image>", "</s>"])
+    forged = [
+        *FORGED,
+        {"type": "text", "text": " <ima"},
+        {"type": "text", "text": "ge></"},
+        {"type": "text", "text": "s>"},
+    ]
+    conv = [_forged_conv()[0], {"role": "assistant", "content": forged}]
+    (s,) = tokenize_media_conversation(conv, family=llava, tokenizer=tok, processor=llava.image_processor())
     assert isinstance(s.media, ImageMedia)
     ids = s.input_ids.tolist()
-    assert ids.count(IM_START) == 2 and ids.count(IM_END) == 2 and ids.count(IMAGE_PAD_ID) == 16
-    assert tok.decode(s.input_ids[s.loss_mask]) == FORGED_TEXT + "<|im_end|>"
+    assert ids.count(IM_START) == 0 and ids.count(IM_END) == 0 and ids.count(image) == 16 and ids.count(eos) == 1
+    assert tok.decode(s.input_ids[s.loss_mask]) == " " + FORGED_TEXT + " <image></s></s>"
 
 
 # ------------------------------------------------------------------ 2. a fake placeholder over parts

@@ -21,6 +21,7 @@ from PIL import Image
 from sftpack import PackedBatch
 from sftpack.handoff.payload import ImageMedia, PatchMedia
 from sftpack.multimodal import Family, UnsupportedModelError, family_for, tokenize_media_conversation
+from sftpack.multimodal.families.gemma3 import Gemma3
 from sftpack.multimodal.families.llava import Llava
 from sftpack.multimodal.families.qwen2_5_vl import Qwen25VL
 from sftpack.multimodal.families.qwen2_vl import Qwen2VL
@@ -28,7 +29,7 @@ from tests.multimodal.conftest import Renumbered
 
 hf = pytest.importorskip("transformers")
 
-FAMILIES = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL, "llava": Llava}
+FAMILIES = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL, "llava": Llava, "gemma3": Gemma3}
 
 
 def _png(w: int, h: int) -> bytes:
@@ -64,15 +65,17 @@ def test_by_hf_config():
     assert type(family_for(hf.Qwen2VLConfig())) is Qwen2VL
     assert type(family_for(hf.Qwen2_5_VLConfig())) is Qwen25VL
     # LLaVA is configured from its config: llava-1.5's CLIP 336 px / 14 px patches, class token dropped
-    assert family_for(hf.LlavaConfig()) == Llava(image_tokens=576, image_size=336)
+    # and its image token's id (llava-1.5's <image> is 32000)
+    assert family_for(hf.LlavaConfig()) == Llava(image_tokens=576, image_size=336, image_token_id=32000)
 
 
 def test_by_model(model):
     assert type(family_for(model)) is Qwen2VL
     llava = Llava(image_tokens=16, image_size=32)
     tiny = llava.tiny_model(dtype=torch.float32, layers=1, vision_layers=1)
-    assert family_for(tiny) == llava  # read back from the model's config
-    assert family_for(Llava(image_tokens=4, image_size=16).tiny_model(layers=1)) == Llava(4, 16)
+    image_id = llava.tokenizer().convert_tokens_to_ids("<image>")
+    assert family_for(tiny) == Llava(16, 32, image_id)  # read back from the model's config
+    assert family_for(Llava(image_tokens=4, image_size=16).tiny_model(layers=1)) == Llava(4, 16, image_id)
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
@@ -82,11 +85,25 @@ def test_by_model_folder(tmp_path, name):
     assert type(family_for(str(tmp_path))) is FAMILIES[name]
 
 
+def test_gemma3_is_configured_from_its_config(tmp_path):
+    """Gemma 3's image tokens, image size and soft-token id come from its config (folder or object);
+    a config whose logits are soft-capped is refused in one line."""
+    cfg = hf.Gemma3Config(mm_tokens_per_image=16, vision_config={"image_size": 64, "patch_size": 8})
+    cfg.save_pretrained(tmp_path)
+    want = Gemma3(image_tokens=16, image_size=64, image_token_id=262144)
+    assert family_for(tmp_path) == family_for(cfg) == want
+    capped = hf.Gemma3Config(text_config={"final_logit_softcapping": 30.0})
+    with pytest.raises(UnsupportedModelError, match="final_logit_softcapping 30.0") as e:
+        family_for(capped)
+    assert "\n" not in str(e.value)
+
+
 def test_by_llava_model_folder_reads_its_config(tmp_path):
     """A LLaVA folder configures the family from its config.json, as its config object does
     (576 image tokens of 336 px for llava-1.5), not LLaVA's tiny defaults."""
     hf.LlavaConfig().save_pretrained(tmp_path)
-    assert family_for(tmp_path) == family_for(hf.LlavaConfig()) == Llava(image_tokens=576, image_size=336)
+    want = Llava(image_tokens=576, image_size=336, image_token_id=32000)
+    assert family_for(tmp_path) == family_for(hf.LlavaConfig()) == want
 
 
 def test_a_folder_without_a_config_is_refused_in_one_line(tmp_path):
@@ -98,10 +115,10 @@ def test_a_folder_without_a_config_is_refused_in_one_line(tmp_path):
 
 def _unsupported():
     return {
-        "gemma3": "gemma3",
+        "mistral3": "mistral3",
         "idefics3": "idefics3",
         "llama-config": hf.LlamaConfig(),
-        "gemma3-config": hf.Gemma3Config(),
+        "idefics3-config": hf.Idefics3Config(),
         "llava-next-config": hf.LlavaNextConfig(),
         "mistral3-config": hf.Mistral3Config(),
     }
@@ -146,7 +163,8 @@ def test_llava_refuses_a_qwen_processor(tok, proc):
         family_for("llava").check(tok, proc)
     msg = str(e.value)
     assert "\n" not in msg and type(proc).__name__ in msg and "not a llava image processor" in msg
-    family_for("llava").check(tok, family_for("llava").image_processor())
+    llava = family_for("llava")
+    llava.check(llava.tokenizer(), llava.image_processor())
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -157,7 +175,7 @@ def test_every_family_refuses_a_tokenizer_without_its_tokens(name):
     with pytest.raises(UnsupportedModelError) as e:
         fam.check(tiny_chat_tokenizer("chatml"), fam.image_processor())
     msg = str(e.value)
-    assert "\n" not in msg and "<|image_pad|>" in msg and name in msg
+    assert "\n" not in msg and fam.placeholder in msg and name in msg
 
 
 def test_tokenize_refuses_a_wrong_processor_before_any_work(tok, proc):
@@ -165,16 +183,16 @@ def test_tokenize_refuses_a_wrong_processor_before_any_work(tok, proc):
     msgs = missing + [{"role": "assistant", "content": "x"}]
     with pytest.raises(UnsupportedModelError, match="not a llava image processor"):  # not the missing file
         tokenize_media_conversation(msgs, family="llava", tokenizer=tok, processor=proc)
-    with pytest.raises(UnsupportedModelError, match="model type 'gemma3'"):
-        tokenize_media_conversation(msgs, family="gemma3", tokenizer=tok, processor=proc)
+    with pytest.raises(UnsupportedModelError, match="model type 'mistral3'"):
+        tokenize_media_conversation(msgs, family="mistral3", tokenizer=tok, processor=proc)
 
 
 # ------------------------------------------------------------------ what each family makes
 
 
-def test_llava_samples_carry_image_media_and_1d_positions(tok):
+def test_llava_samples_carry_image_media_and_1d_positions():
     llava = family_for("llava")
-    (s,) = tokenize_media_conversation(_conv((100, 60), (40, 90)), family="llava", tokenizer=tok, conversation_id="l")
+    (s,) = tokenize_media_conversation(_conv((100, 60), (40, 90)), family="llava", conversation_id="l")
     m = s.media
     assert isinstance(m, ImageMedia) and m.num_items == 2 and not hasattr(m, "positions")
     assert tuple(m.pixel_values.shape) == (2, 3, llava.image_size, llava.image_size)

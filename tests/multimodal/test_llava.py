@@ -37,7 +37,7 @@ from sftpack import PackedBatch, Sample
 from sftpack.handoff import PackedBatchError
 from sftpack.handoff.payload import ImageMedia
 from sftpack.multimodal import check_packed, family_for, tokenize_media_conversation, vqa_corpus
-from sftpack.multimodal.families.llava import Llava, llava_image_tokens, tiny_llava
+from sftpack.multimodal.families.llava import IMAGE, Llava, llava_image_tokens, llava_tokenizer, tiny_llava
 from sftpack.sample import IGNORE_INDEX
 
 TOL = 1e-10  # float64; see the docstring
@@ -45,7 +45,9 @@ TOL = 1e-10  # float64; see the docstring
 # something by, at least: 1e6 x TOL, far above any rounding.
 BUG = 1e-4
 IMAGE_TOKENS = 16  # (32 px / 8 px patches)**2, the class token dropped
-SPECIAL_IDS = (151643, 151652, 151653, 151655)  # <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, image
+PAD_ID = llava_tokenizer().pad_token_id  # <|endoftext|>
+IMAGE_ID = llava_tokenizer().convert_tokens_to_ids(IMAGE)
+SPECIAL_IDS = (PAD_ID, IMAGE_ID)
 
 
 class Compact:
@@ -60,7 +62,7 @@ class Compact:
                 s.loss_mask,
                 s.conversation_id,
                 # the media as it is (pixels float32: the float64 model casts them, exactly), its placeholder renumbered
-                media=dataclasses.replace(s.media, token_id=self.id(151655)),
+                media=dataclasses.replace(s.media, token_id=self.id(IMAGE_ID)),
             )
             for s in samples
         ]
@@ -70,11 +72,11 @@ class Compact:
 
     @property
     def pad_id(self) -> int:
-        return self.id(151643)
+        return self.id(PAD_ID)
 
     def model(self, text_attention: str | None = None):
         return tiny_llava(
-            len(self.vocab), image_token_id=self.id(151655), dtype=torch.float64, text_attention=text_attention
+            len(self.vocab), image_token_id=self.id(IMAGE_ID), dtype=torch.float64, text_attention=text_attention
         )
 
 
@@ -119,10 +121,12 @@ def test_tiny_llava_is_seeded(compact, model, sdpa_model):
 
 
 def test_samples_are_llava_shaped(llava_samples, model):
-    """One fixed-size tensor per image, a fixed run of image tokens, no Qwen vision brackets,
-    never a loss on an image token; the run length is what the model's feature select gives."""
+    """One fixed-size tensor per image, a fixed run of image tokens, LLaVA-1.5's own text
+    (``USER: <image>\\n... ASSISTANT: ...</s>``, no ChatML), never a loss on an image token; the
+    run length is what the model's feature select gives."""
     assert llava_image_tokens(model.config) == IMAGE_TOKENS
-    assert family_for(model) == Llava(image_tokens=IMAGE_TOKENS, image_size=32)  # read from the model's config
+    read = Llava(image_tokens=IMAGE_TOKENS, image_size=32, image_token_id=model.config.image_token_id)
+    assert family_for(model) == read  # read from the model's config
     assert sum(s.media.num_items for s in llava_samples) >= 8
     tok = family_for("llava").tokenizer()
     for s in llava_samples:
@@ -130,10 +134,12 @@ def test_samples_are_llava_shaped(llava_samples, model):
         assert isinstance(m, ImageMedia) and s.num_patches == m.num_placeholders
         assert m.pixel_values.shape[1:] == (3, 32, 32) and m.pixel_values.dtype == torch.float32
         assert m.slots[:, 1].tolist() == [IMAGE_TOKENS] * m.num_items
-        assert not np.isin(s.input_ids, [151652, 151653]).any()
-        assert not s.loss_mask[s.input_ids == 151655].any() and s.loss_mask.any()
-        text = tok.decode(s.input_ids[s.input_ids != 151655])
-        assert text.startswith("<|im_start|>user\n") and "<|im_start|>assistant\n" in text
+        assert not s.loss_mask[s.input_ids == IMAGE_ID].any() and s.loss_mask.any()
+        first = int(s.media.slots[0, 0])
+        assert tok.decode(s.input_ids[:first]).endswith("USER: ") and s.input_ids[first + IMAGE_TOKENS] != IMAGE_ID
+        text = tok.decode(s.input_ids[s.input_ids != IMAGE_ID])
+        assert text.startswith("USER: \n") and " ASSISTANT: " in text and text.endswith("</s>")
+        assert "<|im_start|>" not in text and tok.decode(s.input_ids[s.loss_mask]).endswith("</s>")
 
 
 def test_the_row(compact):

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from sftpack import PackedBatch
 from sftpack.cli import main
 from sftpack.loop._model import build_media_model
 from sftpack.multimodal import family_for
@@ -31,7 +32,7 @@ pytest.importorskip("PIL")
 
 TOL = 1e-10  # float64: see the module docstring
 BUG = 1e-6
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3"]
 
 
 @pytest.fixture(scope="module")
@@ -51,20 +52,65 @@ def data(tmp_path_factory) -> Path:
     )
 
 
+#: Hugging Face's LLaVA-1.5 conversation format as its llava-1.5 folders' template writes it
+#: (written here, not copied): ``USER: <image>\\n... ASSISTANT: ...``, images first, each text
+#: followed by a space, the assistant's text marked with {% generation %}; no end-of-turn token.
+LLAVA_15_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for part in message['content'] if part['type'] == 'image' %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for part in message['content'] if part['type'] == 'text' %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ part['text'] + ' ' }}{% endgeneration %}"
+    "{% else %}{{ part['text'] + ' ' }}{% endif %}"
+    "{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def _tiny_tokenizer(name: str):
+    """A small tokenizer of the family's own kind (byte-level BPE, ~280 ids, so a float64 run of
+    the folder's model is quick): LLaVA-1.5's ``<image>`` with its template, or Gemma 3's tokens
+    with its template."""
+    from sftpack.multimodal.families import gemma3
+    from sftpack.testing import tiny_chat_tokenizer
+
+    tok = tiny_chat_tokenizer("chatml")
+    if name == "llava":
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]}, replace_extra_special_tokens=False)
+        tok.chat_template = LLAVA_15_TEMPLATE
+    else:
+        specials = [gemma3.TURN_START, gemma3.TURN_END, gemma3.BOI, gemma3.EOI, gemma3.SOFT]
+        tok.add_special_tokens({"bos_token": gemma3.BOS, "additional_special_tokens": specials})
+        tok.chat_template = gemma3.GEMMA3_TEMPLATE
+    return tok
+
+
 @functools.cache
 def _folder(root: str, name: str) -> str:
-    """A user's folder of ``name``'s model: a tiny model with its tokenizer and image processor."""
+    """A user's folder of ``name``'s model: a tiny model with its tokenizer (LLaVA and Gemma 3: a
+    small one of their own kind) and image processor."""
     fam = family_for(name)
-    tok, proc = fam.tokenizer(), fam.image_processor()
+    tok = _tiny_tokenizer(name) if name in ("llava", "gemma3") else fam.tokenizer()
+    proc = fam.image_processor()
     build_media_model(fam, tok, seed=5).save_pretrained(root)
     tok.save_pretrained(root)
     proc.save_pretrained(root)
     return root
 
 
+_FOLDERS: dict[str, str] = {}
+
+
+def _shared_folder(name: str, tmp_path_factory) -> str:
+    """One folder per family for the tests that only read it."""
+    if name not in _FOLDERS:
+        _FOLDERS[name] = _folder(str(tmp_path_factory.mktemp(name)), name)
+    return _FOLDERS[name]
+
+
 @pytest.fixture(scope="module", params=FAMILIES)
 def folder(request, tmp_path_factory) -> tuple[str, str]:
-    return request.param, _folder(str(tmp_path_factory.mktemp(request.param)), request.param)
+    return request.param, _shared_folder(request.param, tmp_path_factory)
 
 
 def test_verify_passes_on_the_users_folder(folder, data, capsys):
@@ -74,7 +120,7 @@ def test_verify_passes_on_the_users_folder(folder, data, capsys):
     assert rc == 0, out
     assert f"({name}, float64)" in out
     assert out.count(" exact") >= 4  # trainer and loader, both modes
-    if name == "llava":  # the offline path stores Qwen2-VL-style pixels only: said, not silently skipped
+    if name in ("llava", "gemma3"):  # the offline path stores Qwen2-VL-style pixels only: said, not silently skipped
         assert "offline  real       not offered" in out
 
 
@@ -104,6 +150,42 @@ def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(name, d
                 assert max(logits, loss, *grads.values()) <= TOL
             elif len(chosen) > 1:
                 assert logits > BUG
+
+
+@pytest.mark.parametrize("name", ["llava", "gemma3"])
+def test_rows_of_an_image_family_folder_equal_each_sample_alone_through_hf(name, data, tmp_path_factory):
+    """LLaVA-1.5 (``<image>``, its own template) and Gemma 3 (soft tokens bidirectional within an
+    image) folders, whose images the offline path does not store: the rows the loader and the
+    trainer build (``PackedBatch.from_samples``) of the folder's own samples, through the folder's
+    Hugging Face class, equal each sample alone; the row's images shifted by one fail it."""
+    path = _shared_folder(name, tmp_path_factory)
+    fam = family_for(path)
+    assert fam.name == name and fam.image_token_id == fam.placeholder_id(fam.tokenizer(path))
+    model = fam.pretrained(path, dtype=torch.float64)
+    samples = _samples(fam, path, data)
+    tok = fam.tokenizer(path)
+    text = tok.decode(samples[0].input_ids)
+    assert text.startswith({"llava": "USER: <image>", "gemma3": "<bos><start_of_turn>user\n\n\n<start_of_image>"}[name])
+    if name == "llava":  # the folder's own template: its spacing, no end-of-turn token, "Red. " trained
+        assert text.endswith("What colour is it? ASSISTANT: Red. ")
+        assert tok.decode(samples[0].input_ids[samples[0].loss_mask]) == "Red. "
+    row = PackedBatch.from_samples(samples, pad_multiple=4, pad_id=0).validate()
+    assert row.media.num_items == 4  # images a, b, b, a: shifted by one, two of them move
+    pixels = row.media.pixel_values.roll(1, 0)
+    shifted = dataclasses.replace(row, media=dataclasses.replace(row.media, pixel_values=pixels))
+    for bad, run in ((False, row), (True, shifted)):
+        logits, loss, grads, _, _ = compare_packed_alone(
+            model,
+            samples,
+            run,
+            alone=fam.alone_logits,
+            packed=lambda run=run: fam.packed_logits(model, run),
+            part_of=fam.part_of,
+        )
+        if bad:
+            assert logits > BUG
+        else:
+            assert max(logits, loss, *grads.values()) <= TOL
 
 
 def _samples(fam, path, data):
@@ -149,12 +231,12 @@ def test_bench_takes_the_users_folder(data, tmp_path_factory, capsys):
 
 @pytest.mark.parametrize("command", ["verify", "prepack", "train", "bench"])
 def test_an_unsupported_model_folder_is_one_line_and_exit_2(command, data, tmp_path, capsys):
-    folder = tmp_path / "gemma"
+    folder = tmp_path / "mistral"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "gemma3", "vision_config": {}}))
+    (folder / "config.json").write_text(json.dumps({"model_type": "mistral3", "vision_config": {}}))
     extra = ["--out", str(tmp_path / "o")] if command == "prepack" else []
     rc = main([command, str(data), "--model", str(folder), *extra])
     err = capsys.readouterr().err
     assert rc == 2, err
     assert len(err.strip().splitlines()) == 1
-    assert "gemma3" in err and "qwen2_vl" in err
+    assert "mistral3" in err and "qwen2_vl" in err

@@ -450,8 +450,8 @@ def test_the_options_of_images_are_checked_before_anything_is_read(corpus, tmp_p
         prepack(corpus, out, images=True, overlong="truncate")
     with pytest.raises(ValueError, match="train_on='last_assistant' is not offered with images"):
         prepack(corpus, out, images=True, train_on="last_assistant")
-    with pytest.raises(ValueError, match="'gemma3'.* is not a vision-language family"):
-        prepack(corpus, out, images=True, family="gemma3")
+    with pytest.raises(ValueError, match="'mistral3'.* is not a vision-language family"):
+        prepack(corpus, out, images=True, family="mistral3")
     with pytest.raises(ValueError, match="takes an iterable of conversations, got paths"):
         prepack(str(tmp_path / "inputs"), out, images=True)
     assert not out.exists()

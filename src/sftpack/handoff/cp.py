@@ -31,6 +31,30 @@ What a rank's :class:`CPShard` holds (a :class:`~sftpack.PackedBatch` subclass):
   gathers and scatters per-slot values), and ``global_cu_seqlens``,
   ``global_cu_seqlens_padded``, ``global_max_seqlen``, ``cp_size``, ``cp_rank``.
 
+A row with media (images, video frames: any :class:`~sftpack.handoff.payload.Media`) is
+sharded too; what the vision features need is this. The tower attends within each whole
+item (bidirectionally over its patches), so an item cannot be cut: a rank runs the
+tower over every item *whose placeholder run reaches its slots*, whole (an item whose
+run a chunk boundary cuts runs on each rank that holds part of it; an item wholly on
+other ranks does not run here), and ``feature_index`` picks, for each of its
+placeholder slots in local order, the feature it takes. So a rank's embeddings, and the gradients that flow
+back into the tower, are exactly its slots' share of the row's; summing the parameter
+gradients over the CP group gives the row's (items on two ranks contribute each
+feature's gradient once, from the rank that holds that placeholder). In the example, if
+B3..B6 were one image's run, rank 1 alone runs its tower; were it B1..B4, both ranks
+would, rank 0 taking features 0, 1 (slots B1 B2) and rank 1 features 2, 3.
+
+- ``media``: the row's media of the held items only (their pixels and grids), in row
+  order; its ``slots`` and ``sequence`` are the items' runs and segments *in the whole
+  row* (a run is cut in local order), and its multimodal positions (MRoPE; any leading
+  shape, the slot axis last) are the row's at the rank's slots, sharded with the tokens:
+  ``shard.media.hf_kwargs(shard.position_ids)`` gives Qwen2-VL's ``(4, 1, T/CP)`` form.
+- ``media_items``: ``(I_held,)`` int64, the held items' indices in the row's media.
+- ``feature_index``: ``(P_local,)`` int64: for each placeholder slot of the shard, in local
+  order, its feature among the held items' features concatenated in item order (placeholder
+  ``k`` of an item's run takes its feature ``k``): ``features[shard.feature_index]`` is what
+  the embedding scatter of the rank's tokens takes (:func:`sftpack.multimodal.cp_hidden`).
+
 The kernel adapter :meth:`CPShard.to_packed_seq_params` returns the *global*
 boundaries: Transformer Engine's context-parallel attention takes the whole
 sequences' ``cu_seqlens`` / ``cu_seqlens_padded`` and finds each rank's chunks
@@ -60,7 +84,7 @@ What differs is exactly two things, both overridden here rather than hidden:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NoReturn, overload
 
 import torch
@@ -69,6 +93,7 @@ from .._base import non_negative_int, positive_int
 from ..sample import IGNORE_INDEX
 from .batch import PackedBatch, packed_seq_params
 from .errors import PackedBatchError
+from .payload import Media
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -168,6 +193,88 @@ def cp_slot_indices(packed: PackedBatch | torch.Tensor, cp_size: int, cp_rank: i
     return _layout(cu, cup, T, cp, r).slot
 
 
+def _is_placeholder(media: Media, input_ids: torch.Tensor) -> torch.Tensor:
+    """``input_ids``' slots that hold any of ``media``'s placeholders (an image's, a video's)."""
+    every = torch.tensor(media._placeholder_ids(), dtype=input_ids.dtype, device=input_ids.device)
+    return torch.isin(input_ids, every)
+
+
+def _placeholders(
+    media: Media, input_ids: torch.Tensor, slot: torch.Tensor, runs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The placeholder slots among a rank's (``input_ids`` at global ``slot``), in local order:
+    ``(global slot, item, offset in the item's run)``; ``runs``: the items' ``(start, length)``."""
+    at = slot[_is_placeholder(media, input_ids)]
+    if not runs.shape[0]:
+        return at, torch.full_like(at, -1), at
+    item = torch.searchsorted(runs[:, 0].contiguous(), at, right=True) - 1
+    return at, item, at - runs[item.clamp(min=0), 0]
+
+
+def _feature_index(item: torch.Tensor, offset: torch.Tensor, runs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(held items, feature_index)``: the items the placeholders reach (increasing), and each
+    placeholder's feature among the held items' features laid end to end in item order."""
+    held = torch.unique(item)
+    lengths = runs[held, 1]
+    first = torch.cumsum(lengths, 0) - lengths
+    return held, first[torch.searchsorted(held, item)] + offset
+
+
+def _no_positions(media: Media) -> Media:
+    """``media`` without its multimodal positions (a kind that has them), so that selecting
+    items never reads positions of slots the owner does not hold."""
+    return replace(media, positions=None) if getattr(media, "positions", None) is not None else media  # type: ignore[call-arg]
+
+
+def _items(media: Media, keep: torch.Tensor) -> Media:
+    """The items ``keep`` of ``media`` (their pixels and grids), runs and segments unchanged, no positions."""
+    bare = _no_positions(media)
+    return replace(bare, slots=bare.slots[keep], sequence=bare.sequence[keep], **bare._piece(keep, 0, 0))
+
+
+def _shard_media(media: Media, input_ids: torch.Tensor, slot: torch.Tensor) -> tuple[Media, torch.Tensor, torch.Tensor]:
+    """A rank's ``(media, media_items, feature_index)`` (see the module docstring)."""
+    _, item, offset = _placeholders(media, input_ids, slot, media.slots)
+    held, feature_index = _feature_index(item, offset, media.slots)
+    out = _items(media, held)
+    positions = getattr(media, "positions", None)
+    if positions is not None:
+        out = replace(out, positions=positions[..., slot])  # type: ignore[call-arg]
+    return out, held, feature_index
+
+
+def _unshard_media(shards: Sequence[CPShard], cup: torch.Tensor, cp: int) -> Media | None:
+    """The row's media from every rank's: each item from the first rank that holds it, the
+    multimodal positions put back in row order."""
+    if all(s.media is None for s in shards):
+        return None
+    held = [s.media_items for s in shards]
+    if any(s.media is None for s in shards) or any(h is None for h in held):
+        raise PackedBatchError("unshard_cp: some shards carry media and some do not; give shards of one row")
+    medias = [s.media for s in shards]
+    n = max((int(h.max()) + 1 for h in held if h is not None and h.numel()), default=0)
+    parts: list[Media] = []
+    for g in range(n):
+        r = next((r for r, h in enumerate(held) if h is not None and bool((h == g).any())), None)
+        if r is None:
+            raise PackedBatchError(f"unshard_cp: no shard holds media item {g}; give all ranks' shards")
+        m, h = medias[r], held[r]
+        assert m is not None and h is not None
+        parts.append(_items(m, (h == g).nonzero().reshape(-1)))
+    first = medias[0]
+    assert first is not None
+    zeros = [0] * n
+    if n:
+        out = type(first).lay(parts, lengths=zeros, offsets=zeros, widths=zeros, segments=zeros)
+    else:  # media without items (a row of text-only samples)
+        out = _items(first, torch.zeros(0, dtype=torch.int64, device=first.slots.device))
+    positions = [getattr(m, "positions", None) for m in medias]
+    if positions[0] is not None:
+        whole = unshard_cp([p.movedim(-1, 0) for p in positions if p is not None], cup, cp)
+        out = replace(out, positions=whole.movedim(0, -1))  # type: ignore[call-arg]
+    return out
+
+
 def _listed(t: torch.Tensor | None) -> list | None:
     return None if t is None else t.tolist()
 
@@ -182,6 +289,8 @@ class CPShard(PackedBatch):
         global_cu_seqlens, global_cu_seqlens_padded: ``(N+1,)`` int32, the whole row's
             boundaries (what Transformer Engine's CP attention takes).
         global_max_seqlen: the whole row's ``max_seqlen``.
+        media_items, feature_index: on a row with media, the held items and the feature of
+            each placeholder slot (``media`` then holds the held items; see the module docstring).
     """
 
     cp_size: int = 1
@@ -190,12 +299,22 @@ class CPShard(PackedBatch):
     global_cu_seqlens: torch.Tensor | None = None
     global_cu_seqlens_padded: torch.Tensor | None = None
     global_max_seqlen: int = 0
+    media_items: torch.Tensor | None = None
+    feature_index: torch.Tensor | None = None
 
     @property
     def real_token_mask(self) -> torch.Tensor:
         """``(T/CP,)`` bool: True on real tokens (by global position and length)."""
         lay = self._layout()
         return lay.position < lay.global_real
+
+    @property
+    def placeholder_mask(self) -> torch.Tensor:
+        """``(T/CP,)`` bool: the shard's placeholder slots (of any item kind); in local order they
+        take the features ``feature_index`` names. All False without media."""
+        if self.media is None:
+            return torch.zeros_like(self.input_ids, dtype=torch.bool)
+        return _is_placeholder(self.media, self.input_ids)
 
     @property
     def global_num_tokens(self) -> int:
@@ -212,7 +331,9 @@ class CPShard(PackedBatch):
         return (
             f"CPShard(rank {self.cp_rank}/{self.cp_size}, T_local={self.num_tokens}, N={self.num_sequences}, "
             f"cu_seqlens={self.cu_seqlens.tolist()}, cu_seqlens_padded={self.cu_seqlens_padded.tolist()}, "
-            f"global cu_seqlens_padded={_listed(self.global_cu_seqlens_padded)})"
+            f"global cu_seqlens_padded={_listed(self.global_cu_seqlens_padded)}"
+            + (f", media_items={_listed(self.media_items)}" if self.media is not None else "")
+            + ")"
         )
 
     def validate(self) -> CPShard:
@@ -222,7 +343,9 @@ class CPShard(PackedBatch):
         lengths >= 1, padded >= real, every padded length a multiple of ``2*CP``);
         ``slot_index``, ``position_ids``, ``cu_seqlens`` and ``cu_seqlens_padded``
         must be exactly what :func:`shard_for_cp` computes from them; padding slots
-        and the last real token of each sequence carry ``-100``.
+        and the last real token of each sequence carry ``-100``. With media: every
+        placeholder slot lies in a held item's run, every held item is reached, and
+        ``feature_index`` and the positions' slot axis are the rank's.
         """
         cp, r = _check_cp(self.cp_size, self.cp_rank)
         gcu, gcup = self.global_cu_seqlens, self.global_cu_seqlens_padded
@@ -272,7 +395,49 @@ class CPShard(PackedBatch):
                 f"CPShard.labels[{k}] = {int(self.labels[k])} but local slot {k} (global slot "
                 f"{int(lay.slot[k])}) is padding or a sequence's last real token; its label must be {IGNORE_INDEX}"
             )
+        if self.media is not None:
+            self._validate_media(self.media)
         return self
+
+    def _validate_media(self, media: Media) -> None:
+        held, fi = self.media_items, self.feature_index
+        if held is None or fi is None:
+            raise PackedBatchError(
+                "CPShard.media needs media_items and feature_index; build the shard with shard_for_cp"
+            )
+        n = media.num_items
+        if held.shape != (n,) or (n > 1 and bool((held[1:] <= held[:-1]).any())) or (n and int(held[0]) < 0):
+            raise PackedBatchError(
+                f"CPShard.media_items = {held.tolist()[:16]} must be the {n} held items' indices in the row, increasing"
+            )
+        assert self.slot_index is not None
+        at, item, offset = _placeholders(media, self.input_ids, self.slot_index, media.slots)
+        outside = item < 0
+        if n:
+            outside |= offset >= media.slots[item.clamp(min=0), 1]
+        if bool(outside.any()):
+            k = int(outside.nonzero()[0, 0])
+            raise PackedBatchError(
+                f"CPShard.input_ids holds a placeholder at global slot {int(at[k])}, in no run of "
+                f"the shard's media items (runs {media.slots.tolist()[:8]}): shard the row with shard_for_cp"
+            )
+        reached, want = _feature_index(item, offset, media.slots)
+        if reached.shape[0] != n:
+            raise PackedBatchError(
+                f"CPShard.media holds {n} items but the rank's placeholders reach {reached.shape[0]}: hold exactly "
+                "the items with a placeholder on this rank (shard the row with shard_for_cp)"
+            )
+        if fi.shape != want.shape or not torch.equal(fi, want):
+            raise PackedBatchError(
+                f"CPShard.feature_index = {fi.tolist()[:16]} does not match the rank's placeholders "
+                f"(expected {want.tolist()[:16]})"
+            )
+        positions = getattr(media, "positions", None)
+        if positions is not None and positions.shape[-1] != self.num_tokens:
+            raise PackedBatchError(
+                f"CPShard.media.positions has shape {tuple(positions.shape)}: its slot axis (last) must be the "
+                f"rank's T/CP = {self.num_tokens}"
+            )
 
     # ------------------------------------------------------------- adapters
     def to_packed_seq_params(self, pad_between_seqs: bool = True) -> PackedSeqParams:
@@ -316,7 +481,10 @@ def shard_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
     Returns:
         A :class:`CPShard` of ``T / cp_size`` slots (see the module docstring for
         what each field holds). One host read checks divisibility; the rest is
-        tensor operations on the row's device.
+        tensor operations on the row's device. A row with media: the shard holds the
+        media of the items its placeholders reach, their ``media_items`` and each
+        placeholder's ``feature_index``, and the multimodal positions at its slots
+        (selecting the items reads their count on the host).
 
     Raises:
         PackedBatchError: a padded length not divisible by ``2*cp_size`` (naming
@@ -336,8 +504,12 @@ def shard_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
     _check_divisible(packed.cu_seqlens_padded, cp)
     lay = _layout(packed.cu_seqlens, packed.cu_seqlens_padded, packed.num_tokens, cp, r)
     local_max = int(packed.max_seqlen) // cp  # >= every local padded length, no sync
+    input_ids = packed.input_ids[lay.slot]
+    media, held, feature_index = (None, None, None)
+    if packed.media is not None:
+        media, held, feature_index = _shard_media(packed.media, input_ids, lay.slot)
     return CPShard(
-        input_ids=packed.input_ids[lay.slot],
+        input_ids=input_ids,
         labels=packed.labels[lay.slot],
         position_ids=lay.position,
         cu_seqlens=lay.local_cu.to(torch.int32),
@@ -350,6 +522,9 @@ def shard_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
         global_cu_seqlens=packed.cu_seqlens,
         global_cu_seqlens_padded=packed.cu_seqlens_padded,
         global_max_seqlen=int(packed.max_seqlen),
+        media=media,
+        media_items=held,
+        feature_index=feature_index,
     )
 
 
@@ -415,6 +590,7 @@ def unshard_cp(
             cu_seqlens_padded=cup,
             max_seqlen=first.global_max_seqlen,
             sequence_ids=first.sequence_ids,
+            media=_unshard_media(shards, cup, cp),
         )
     if packed is None:
         raise PackedBatchError("unshard_cp: pass the whole row (packed=) to reassemble per-slot values")

@@ -1,7 +1,8 @@
 """Media as one payload of a sample and of a row: :class:`Media`, :class:`PatchMedia`, :class:`ImageMedia`.
 
-A sample or a row that carries media (images now; video frames are patch grids with
-``t > 1``) carries one object, ``sample.media`` / ``batch.media``, next to its tokens.
+A sample or a row that carries media (images; on :class:`PatchMedia` also videos, patch
+grids with ``t >= 1`` under their own placeholder) carries one object, ``sample.media`` /
+``batch.media``, next to its tokens.
 The object holds its items in order, each with its run of placeholder tokens, and knows
 everything the paths and the consumers ask of media:
 
@@ -156,7 +157,8 @@ class Media:
         slots: ``(I, 2)`` int64: each item's placeholder run ``(start slot, length)`` in the
             owner's tokens, in order.
         sequence: ``(I,)`` int64: the owner's segment each item belongs to (0 on a sample).
-        token_id: the placeholder token id (every slot holding it is in exactly one run).
+        token_id: the placeholder token id (every slot holding it is in exactly one run); a
+            kind with several placeholders (:class:`PatchMedia`'s videos) names the others itself.
     """
 
     pixel_values: torch.Tensor
@@ -238,19 +240,32 @@ class Media:
             raise error(f"{name} tensors are on several devices {sorted(map(str, devices))}: call .to(device)")
         want = self._check_kind(T, cup, name, error)
         self._check_runs(ids, cu, cup, want, name, error)
-        if loss_mask is not None and bool((np.asarray(loss_mask) & (ids == int(self.token_id))).any()):
+        if loss_mask is not None and bool((np.asarray(loss_mask) & np.isin(ids, self._placeholder_ids())).any()):
             raise error(f"{name}: placeholder tokens of an item's run are marked trainable")
 
     def _check_kind(self, T: int, cup: np.ndarray, name: str, error: type) -> np.ndarray:  # pragma: no cover
         """The kind's own fields; returns each item's required run length."""
         raise NotImplementedError
 
+    def _item_token_ids(self) -> np.ndarray:
+        """``(I,)``: the placeholder id of each item's run (by default :attr:`token_id` for all)."""
+        return np.full(self.num_items, int(self.token_id), dtype=np.int64)
+
+    def renumbered(self: _M, new_id: Callable[[int], int]) -> _M:
+        """The payload with its placeholder id mapped through ``new_id`` (a vocabulary renumbered)."""
+        return replace(self, token_id=int(new_id(int(self.token_id))))
+
+    def _placeholder_ids(self) -> list[int]:
+        """Every placeholder id of this media (by default :attr:`token_id`)."""
+        return [int(self.token_id)]
+
     def _check_runs(
         self, ids: np.ndarray, cu: np.ndarray, cup: np.ndarray, want: np.ndarray, name: str, error: type
     ) -> None:
-        """Each item's run: ``want[i]`` slots of ``token_id``, inside its segment's real tokens,
-        in order; every placeholder in exactly one run."""
-        is_ph: np.ndarray = np.equal(ids, int(self.token_id))
+        """Each item's run: ``want[i]`` slots of its placeholder (:meth:`_item_token_ids`), inside its
+        segment's real tokens, in order; every placeholder in exactly one run."""
+        is_ph: np.ndarray = np.isin(ids, self._placeholder_ids())
+        own = self._item_token_ids()
         marked = np.zeros(ids.shape[0], dtype=bool)
         real = np.diff(cu)
         sl, sq = self.slots.cpu().numpy(), self.sequence.cpu().numpy()
@@ -267,16 +282,16 @@ class Media:
             if not 0 <= k < len(real):
                 raise error(f"{name}.sequence[{i}] = {k}, not a segment of N={len(real)}")
             a, e = int(cup[k]), int(cup[k] + real[k])
-            if not (a <= s and s + n <= e) or not bool(is_ph[s : s + n].all()):
+            if not (a <= s and s + n <= e) or not bool((ids[s : s + n] == own[i]).all()):
                 raise error(
-                    f"{name}.slots[{i}] = [{s}, {s + n}) is not a run of placeholder {self.token_id} inside the "
+                    f"{name}.slots[{i}] = [{s}, {s + n}) is not a run of placeholder {int(own[i])} inside the "
                     f"real tokens [{a}, {e}) of segment {k}"
                 )
             marked[s : s + n] = True
         stray = np.flatnonzero(is_ph & ~marked)
         if stray.size:
             raise error(
-                f"{name}: slot {int(stray[0])} holds the placeholder {self.token_id} but lies in no item's run: "
+                f"{name}: slot {int(stray[0])} holds the placeholder {int(ids[stray[0]])} but lies in no item's run: "
                 "every placeholder belongs to exactly one item"
             )
 
@@ -360,7 +375,12 @@ class Media:
 
 @dataclass(eq=False)
 class PatchMedia(Media):
-    """Media for a patch-sequence vision tower (Qwen2-VL, Qwen2.5-VL).
+    """Media for a patch-sequence vision tower (Qwen2-VL, Qwen2.5-VL): images and videos.
+
+    Items are images or videos, in row order; a video is a grid of ``t`` temporal slices
+    (each ``temporal_patch`` frames), its run of its own placeholder ``video_token_id``. The
+    tower runs over all items at once (its attention never crosses a frame); the model takes
+    the image items' features at its image placeholders and the videos' at its video ones.
 
     Attributes (beyond :class:`Media`'s):
         pixel_values: ``(P, D)`` float32 (float16, bfloat16): every item's patches in order;
@@ -370,11 +390,20 @@ class PatchMedia(Media):
         positions: ``(3, L)`` int64 multimodal positions (MRoPE: temporal, height, width) of the
             owner's slots, each segment's starting at 0 and its padding continuing from its
             largest position; ``None``: the model takes 1-D positions.
+        video: ``(I,)`` bool: which items are videos (default none).
+        video_token_id: the videos' placeholder id (``None`` when no item is a video; parts laid
+            into one row must agree on it).
+        second_per_grid_ts: ``(I,)`` float32: seconds each temporal slice of a video spans
+            (``temporal_patch / sampled fps``; 0 for images), what Qwen2.5-VL spaces its
+            temporal positions by (already in ``positions``; kept for the model's own forward).
     """
 
     grid_thw: torch.Tensor = None  # type: ignore[assignment]
     merge_size: int = 2
     positions: torch.Tensor | None = None
+    video: torch.Tensor = None  # type: ignore[assignment]
+    video_token_id: int | None = None
+    second_per_grid_ts: torch.Tensor = None  # type: ignore[assignment]
 
     kind: ClassVar[str] = "patches"
 
@@ -384,6 +413,49 @@ class PatchMedia(Media):
         self.grid_thw = self.grid_thw.reshape(-1, 3)
         if self.positions is not None:
             self.positions = _tensor(self.positions, torch.int64)
+        n, dev = self.slots.shape[0], self.slots.device
+        self.video = (
+            torch.zeros(n, dtype=torch.bool, device=dev) if self.video is None else _tensor(self.video, torch.bool)
+        ).reshape(-1)
+        sgt = self.second_per_grid_ts
+        self.second_per_grid_ts = (
+            torch.zeros(n, dtype=torch.float32, device=dev) if sgt is None else _tensor(sgt, torch.float32)
+        ).reshape(-1)
+
+    @property
+    def num_videos(self) -> int:
+        """Items that are videos."""
+        return int(self.video.sum())
+
+    def _item_token_ids(self) -> np.ndarray:
+        out = super()._item_token_ids()
+        if self.video_token_id is not None:
+            out[self.video.cpu().numpy()] = int(self.video_token_id)
+        return out
+
+    def _placeholder_ids(self) -> list[int]:
+        return [int(self.token_id)] + ([int(self.video_token_id)] if self.video_token_id is not None else [])
+
+    def renumbered(self, new_id: Callable[[int], int]) -> PatchMedia:
+        """The payload with its placeholder ids (images' and videos') mapped through ``new_id``."""
+        vid = None if self.video_token_id is None else int(new_id(int(self.video_token_id)))
+        return replace(self, token_id=int(new_id(int(self.token_id))), video_token_id=vid)
+
+    def by_kind(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``{"image": ..., "video": ...}`` (each kind present): its items' ``(pixel_values,
+        grid_thw, index)``, in row order, ``index`` the items' positions among all items."""
+        per = self.grid_thw.prod(dim=1)
+        out = {}
+        for kind, mask in (("image", ~self.video), ("video", self.video)):
+            index = mask.nonzero().flatten()
+            if index.numel() == 0:
+                continue
+            if index.numel() == self.num_items:
+                out[kind] = (self.pixel_values, self.grid_thw, index)
+                continue
+            rows = torch.repeat_interleave(mask, per)
+            out[kind] = (self.pixel_values[rows], self.grid_thw[index], index)
+        return out
 
     @property
     def num_patches(self) -> int:
@@ -404,6 +476,16 @@ class PatchMedia(Media):
     def _check_kind(self, T: int, cup: np.ndarray, name: str, error: type) -> np.ndarray:
         n = self.num_items
         _check_shape(f"{name}.grid_thw", self.grid_thw, (n, 3), torch.int64, error)
+        _check_shape(f"{name}.video", self.video, (n,), torch.bool, error)
+        _check_shape(f"{name}.second_per_grid_ts", self.second_per_grid_ts, (n,), torch.float32, error)
+        vid = self.video_token_id
+        if (self.num_videos or vid is not None) and (isinstance(vid, bool) or not isinstance(vid, (int, np.integer))):
+            raise error(f"{name}.video_token_id must be an int when an item is a video, got {vid!r}")
+        if vid is not None and int(vid) == int(self.token_id):
+            raise error(f"{name}.video_token_id {vid} is the image placeholder: videos have their own")
+        sgt = self.second_per_grid_ts.cpu().numpy()
+        if not bool(np.isfinite(sgt).all()) or bool((sgt < 0).any()):
+            raise error(f"{name}.second_per_grid_ts must be finite and >= 0, got {sgt.tolist()}")
         _check_shape(f"{name}.pixel_values", self.pixel_values, (None, None), None, error)
         check_pixel_values(self.pixel_values, f"{name}.pixel_values", patches=True, placeholders=True, error=error)
         merge = self.merge_size
@@ -465,6 +547,9 @@ class PatchMedia(Media):
                 positions[:, off : off + L] = own
                 top = int(own.max()) + 1 if L else 0
                 positions[:, off + L : off + w] = top + torch.arange(w - L, device=positions.device)
+        video_ids = {int(p.video_token_id) for p in real if p.video_token_id is not None}
+        if len(video_ids) > 1:
+            raise PackedBatchError(f"Media.lay: parts use video placeholder ids {sorted(video_ids)}")
         with_pixels = [p.pixel_values for p in real if p.num_patches] or [self.pixel_values]
         return PatchMedia(
             pixel_values=torch.cat(with_pixels),
@@ -472,6 +557,9 @@ class PatchMedia(Media):
             grid_thw=torch.cat([p.grid_thw for p in real]),
             merge_size=self.merge_size,
             positions=positions,
+            video=torch.cat([p.video for p in real]),
+            video_token_id=video_ids.pop() if video_ids else None,
+            second_per_grid_ts=torch.cat([p.second_per_grid_ts for p in real]),
             **laid,
         )
 
@@ -489,15 +577,19 @@ class PatchMedia(Media):
             "pixel_values": torch.cat(rows) if rows else self.pixel_values[:0],
             "grid_thw": self.grid_thw[keep],
             "positions": positions,
+            "video": self.video[keep],
+            "second_per_grid_ts": self.second_per_grid_ts[keep],
         }
 
     def hf_kwargs(self, position_ids: torch.Tensor) -> dict[str, Any]:
         kw: dict[str, Any] = {}
         if self.positions is not None:  # Qwen2-VL's packed form: the text row on top of the three MRoPE rows
             kw["position_ids"] = torch.cat([position_ids[None], self.positions]).unsqueeze(1)
-        if self.num_items:
-            kw["pixel_values"] = self.pixel_values
-            kw["image_grid_thw"] = self.grid_thw
+        kinds = self.by_kind()
+        if "image" in kinds:
+            kw["pixel_values"], kw["image_grid_thw"], _ = kinds["image"]
+        if "video" in kinds:  # (second_per_grid_ts only moves positions, which ``positions`` already holds)
+            kw["pixel_values_videos"], kw["video_grid_thw"], _ = kinds["video"]
         return kw
 
 

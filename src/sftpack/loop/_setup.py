@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -289,9 +288,7 @@ def compact_vocabulary(samples: Sequence[Sample], keep: Iterable[int] = ()) -> t
             s.loss_mask,
             s.conversation_id,
             dict(s.meta),
-            media=None
-            if s.media is None
-            else dataclasses.replace(s.media, token_id=int(np.searchsorted(ids, s.media.token_id))),
+            media=None if s.media is None else s.media.renumbered(lambda i: int(np.searchsorted(ids, i))),
         )
         for s in samples
     ]

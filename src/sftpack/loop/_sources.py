@@ -607,7 +607,7 @@ class RenumberedSource(Source):
             ids = self._map(b.input_ids, b.real_token_mask)  # padding slots: the model's pad id
             media = b.media
             if media is not None:
-                media = dataclasses.replace(media, token_id=int(self.lut[int(media.token_id)]))
+                media = media.renumbered(lambda i: int(self.lut[i]))
             out.append(dataclasses.replace(b, input_ids=ids, labels=labels, media=media))
         return out
 

@@ -10,8 +10,8 @@ The pieces, in pipeline order:
 
 * :class:`Family` / :func:`family_for`: the one seam a model family implements (its image
   block and placeholder counts, image processor, media and position rule, what its
-  vision tower needs, a tiny model from a config). Qwen2-VL (the default), Qwen2.5-VL and
-  LLaVA are the families (``sftpack.multimodal.families``, one module each); anything
+  vision tower needs, a tiny model from a config). Qwen2-VL (the default), Qwen2.5-VL,
+  Qwen3-VL, LLaVA-1.5 and Gemma 3 are the families (``sftpack.multimodal.families``, one module each); anything
   else is refused in one line by :class:`UnsupportedModelError`.
 * :func:`load_image`: an image content part (path, bytes or PIL image; never a URL) to a
   PIL image; bad images raise :class:`BadImageError` naming the record and field
@@ -25,8 +25,12 @@ The pieces, in pipeline order:
   text in a content stays text (as on the text path).
 * :func:`plan_rows`: which samples share a row, under a token and a patch budget
   (:class:`PatchBudgetError` for a sample no row can hold).
+* Video parts (Qwen-VL families): :class:`VideoSampling` (how frames are taken from a file,
+  PyAV decoding) and :class:`EncodedVideos` (a conversation's videos as patches).
 * :func:`check_packed` / :class:`PackedCheck`: the exactness harness (packed equals alone,
   through the family's own model).
+* :func:`cp_hidden` / :func:`cp_vision_outputs`: a context-parallel rank's share of a packed
+  row with media (:func:`sftpack.handoff.shard_for_cp`) through a Qwen-VL model.
 * :func:`vqa_corpus`: the easy-vqa conversations (the embedded multimodal default).
 
 The three paths build on these; see docs/multimodal.md.
@@ -34,22 +38,28 @@ The three paths build on these; see docs/multimodal.md.
 
 from __future__ import annotations
 
+from ._cp import cp_hidden, cp_vision_outputs
 from ._exactness import PackedCheck, check_packed
 from ._family import Family, UnsupportedModelError, family_for
 from ._images import BadImageError, BadImageReason, load_image
 from ._plan import PatchBudgetError, plan_rows
 from ._tokenize import MediaTokenizeStats, tokenize_media_conversation, tokenize_media_conversations
+from ._video import EncodedVideos, VideoSampling
 from ._vqa import vqa_corpus
 
 __all__ = [
     "BadImageError",
     "BadImageReason",
+    "EncodedVideos",
     "Family",
     "MediaTokenizeStats",
     "PackedCheck",
     "PatchBudgetError",
     "UnsupportedModelError",
+    "VideoSampling",
     "check_packed",
+    "cp_hidden",
+    "cp_vision_outputs",
     "family_for",
     "load_image",
     "plan_rows",

@@ -4,10 +4,15 @@ Everything that differs between VLM families sits behind this one class; the
 tokenizer, the row builder, the paths, the loop, the CLI and the report call its
 methods and know no family. A family says:
 
-- how an image part is written into the text (:attr:`Family.image_block`: the control
-  tokens around the placeholder) and how many placeholder tokens each image takes
-  (:meth:`Family.encode_images`, which also makes its pixels with the image processor:
-  the one in the user's model folder when given, :meth:`Family.image_processor`);
+- how a conversation is written: by the chat template (the tokenizer's, as a model
+  folder ships it, or the family's default, :meth:`Family.default_chat_template`), which
+  writes each image part as the family's mark (:attr:`Family.image_mark`), which may be
+  rewritten (:meth:`Family.media_text`) into the image block (:attr:`Family.image_block`:
+  the control tokens around the placeholder); video parts likewise
+  (:attr:`Family.video_block`, :attr:`Family.video_placeholder`);
+- how many placeholder tokens each image takes (:meth:`Family.encode_images`, which also
+  makes its pixels with the image processor: the one in the user's model folder when
+  given, :meth:`Family.image_processor`), and each video (:meth:`Family.encode_videos`);
 - its media payload and position rule (:meth:`Family.media`: a
   :class:`~sftpack.handoff.payload.PatchMedia` with MRoPE positions, or an
   :class:`~sftpack.handoff.payload.ImageMedia` with the text's 1-D ones);
@@ -32,6 +37,7 @@ import importlib
 import json
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, ClassVar
 
 import numpy as np
@@ -49,10 +55,28 @@ FAMILIES: dict[str, str] = {
     "qwen2_vl": "sftpack.multimodal.families.qwen2_vl:Qwen2VL",
     "qwen2_5_vl": "sftpack.multimodal.families.qwen2_5_vl:Qwen25VL",
     "llava": "sftpack.multimodal.families.llava:Llava",
+    "gemma3": "sftpack.multimodal.families.gemma3:Gemma3",
+    "qwen3_vl": "sftpack.multimodal.families.qwen3_vl:Qwen3VL",
 }
 
-#: The ChatML control tokens every family's renderer writes.
-CHATML = ("<|im_start|>", "<|im_end|>")
+#: What a family writes for a media part: image or video.
+MEDIA_KINDS = ("image", "video")
+
+
+def chatml_template(image: str, video: str) -> str:
+    """ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, as
+    :data:`sftpack.data.CHATML_TEMPLATE`) over contents that are a string or a list of parts:
+    a text part is its text, an image part ``image``, a video part ``video``."""
+    return (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for part in message['content'] %}"
+        f"{{% if part['type'] == 'image' %}}{{{{ {json.dumps(image)} }}}}"
+        f"{{% elif part['type'] == 'video' %}}{{{{ {json.dumps(video)} }}}}"
+        "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+        "{{ '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
 
 
 class UnsupportedModelError(TypeError):
@@ -75,7 +99,31 @@ class EncodedImages:
 
 
 class Family:
-    """One vision-language model family (subclass per family; see the module text)."""
+    """One vision-language model family (subclass per family; see the module text).
+
+    How a conversation with media becomes tokens (:func:`~sftpack.multimodal.tokenize_media_conversation`):
+
+    1. the chat template (:meth:`renderer`) renders the messages, contents as lists of parts
+       (``{"type": "text", "text": ...}``, ``{"type": "image"}``, ``{"type": "video"}``), and
+       writes each media part as a special token of the tokenizer: an image part as
+       :attr:`image_mark` (default: :attr:`placeholder`), a video part as
+       :attr:`video_placeholder`; the trainable spans are the text path's
+       (:class:`~sftpack.chat.ChatRenderer`: assistant content and its end-of-turn token);
+    2. the media are encoded in order, per kind: :meth:`encode_images` (PIL images) and, for a
+       family with a :attr:`video_block`, :meth:`encode_videos` (the video parts themselves,
+       e.g. ``{"type": "video", "frames": [...]}``, paths absolute or relative to the working
+       directory), each an :class:`EncodedImages` whose ``tokens`` holds one count per
+       placeholder it needs;
+    3. each mark is replaced by :meth:`media_text` of its part (``None``: it stays, the
+       template wrote the whole block), whose special tokens are control tokens and the rest
+       plain text; every placeholder (:attr:`placeholder`, :attr:`video_placeholder`) is then
+       repeated its ``tokens`` count, placeholders of each kind taking the counts in order;
+    4. :meth:`media` makes the sample's payload (the image runs, and for videos ``videos``
+       and ``video_runs``).
+
+    A family without video (:attr:`video_block` empty) refuses a video part in one line
+    naming the family.
+    """
 
     #: the family's name (a key of :data:`FAMILIES`)
     name: ClassVar[str] = ""
@@ -85,6 +133,15 @@ class Family:
     image_block: ClassVar[tuple[str, ...]] = ("<|image_pad|>",)
     #: the placeholder token (one of :attr:`image_block`)
     placeholder: ClassVar[str] = "<|image_pad|>"
+    #: the special token the chat template writes once per image part (``None``: :attr:`placeholder`)
+    image_mark: ClassVar[str | None] = None
+    #: what each video part becomes in the text (empty: the family takes no video)
+    video_block: ClassVar[tuple[str, ...]] = ()
+    #: the video placeholder token (one of :attr:`video_block`)
+    video_placeholder: ClassVar[str] = ""
+    #: the family's default chat template (``None``: ChatML writing the image and video blocks,
+    #: :func:`chatml_template`); a tokenizer's own template wins (:meth:`renderer`)
+    chat_template: ClassVar[str | None] = None
     #: what :meth:`takes_processor` asks of an image processor, and which one each family
     #: takes: the end of :meth:`check`'s error, ``(what it asks): the fix``
     processor_wanted: ClassVar[str] = ""
@@ -103,10 +160,19 @@ class Family:
         return cls()
 
     def tokenizer(self, model_dir: str | os.PathLike | None = None) -> Any:
-        """The tokenizer to use: the one in ``model_dir``, else the embedded default."""
+        """The tokenizer to use: the one in ``model_dir``, else the embedded default. A folder
+        whose tokenizer has no chat template but whose processor has one (``chat_template.json``,
+        as LLaVA-1.5 folders ship it) gets the processor's, as ``AutoProcessor`` would use."""
         if model_dir is None:
             return self._default_tokenizer()
-        return _optional.transformers().AutoTokenizer.from_pretrained(os.fspath(model_dir))
+        tok = _optional.transformers().AutoTokenizer.from_pretrained(os.fspath(model_dir))
+        path = os.path.join(os.fspath(model_dir), "chat_template.json")
+        if not getattr(tok, "chat_template", None) and os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                template = json.load(f).get("chat_template")
+            if isinstance(template, str) and template:
+                tok.chat_template = template
+        return tok
 
     def image_processor(self, model_dir: str | os.PathLike | None = None) -> Any:
         """The image processor: the one in ``model_dir`` (the slow, PIL/numpy one), else the family's default."""
@@ -145,21 +211,70 @@ class Family:
         raise NotImplementedError
 
     # ---------------------------------------------------------- tokenizing
+    def marks(self) -> dict[str, str]:
+        """The special token the chat template writes for each media kind the family takes."""
+        out = {"image": self.image_mark or self.placeholder}
+        if self.video_block:
+            out["video"] = self.video_placeholder
+        return out
+
+    def default_chat_template(self) -> str:
+        """The family's chat template when the tokenizer brings none of its own
+        (:attr:`chat_template`, else ChatML writing the image and video blocks)."""
+        if self.chat_template is not None:
+            return self.chat_template
+        return chatml_template("".join(self.image_block), "".join(self.video_block))
+
+    def renderer(self, tokenizer: Any) -> Any:
+        """The :class:`~sftpack.chat.ChatRenderer` of a conversation with media: the tokenizer's
+        own chat template (a model folder's), or :meth:`default_chat_template` when it has none
+        or only sftpack's text ChatML (:data:`sftpack.data.CHATML_TEMPLATE`, which cannot write
+        an image).
+
+        Raises:
+            UnsupportedModelError: the template does not write one image mark (:meth:`marks`) for an
+                image part (a template that writes no video is found at the first video part).
+        """
+        from ..chat._render import chat_template_of, renderer_for
+        from ..data import CHATML_TEMPLATE
+
+        own = chat_template_of(tokenizer)
+        template = own if own is not None and own != CHATML_TEMPLATE else self.default_chat_template()
+        renderer = renderer_for(tokenizer, template)
+        bad = _probe(renderer, (("image", self.marks()["image"]),))  # video: counted per record
+        if bad:
+            raise UnsupportedModelError(
+                f"the chat template of {type(tokenizer).__name__} {bad}: give {self.name}'s own tokenizer "
+                f"(Family.tokenizer(model_dir)) or set tokenizer.chat_template to one that writes its media parts"
+            )
+        return renderer
+
+    def media_text(self, kind: str, index: int, encoded: EncodedImages) -> str | None:
+        """What replaces the template's mark of the ``index``-th ``kind`` part (its encoding is
+        ``encoded``, all parts of that kind): ``None`` keeps the mark (the template wrote the whole
+        block). A family whose processor rewrites the template's mark (Gemma 3) returns the block
+        with its text around it; special-token strings in it are control tokens."""
+        return None
+
     def check(self, tokenizer: Any, processor: Any) -> None:
         """Raise :class:`UnsupportedModelError` unless ``processor`` is one of this family's image
-        processors (:meth:`takes_processor`) and ``tokenizer`` holds every token the renderer
-        writes for this family."""
+        processors (:meth:`takes_processor`), ``tokenizer`` holds every token of the family's
+        image (and video) block as a special token, and its chat template writes the family's
+        media parts (:meth:`renderer`)."""
         if not self.takes_processor(processor):
             raise UnsupportedModelError(
                 f"{type(processor).__name__} is not a {self.name} image processor {self.processor_wanted}"
             )
         backend = _backend(tokenizer)
-        missing = [t for t in (*CHATML, *self.image_block) if backend.token_to_id(t) is None]
+        specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
+        wanted = dict.fromkeys((*self.image_block, *self.marks().values(), *self.video_block))
+        missing = [t for t in wanted if backend.token_to_id(t) is None or t not in specials]
         if missing:
             raise UnsupportedModelError(
-                f"{type(tokenizer).__name__} lacks the tokens {missing} of {self.name}'s ChatML and image block: "
+                f"{type(tokenizer).__name__} lacks the special tokens {missing} of {self.name}'s media blocks: "
                 f"use {self.name}'s own tokenizer (Family.tokenizer(model_dir))"
             )
+        self.renderer(tokenizer)
 
     def takes_processor(self, processor: Any) -> bool:
         """Whether ``processor`` is an image processor of this family (:attr:`processor_wanted`)."""
@@ -177,19 +292,43 @@ class Family:
         """Pixels and placeholder counts of one conversation's images (PIL, in order)."""
         raise NotImplementedError
 
-    def media(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, token_id: int) -> Media:
+    def encode_videos(
+        self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
+    ) -> EncodedImages:
+        """Pixels and placeholder counts of one conversation's video parts (the part dicts, in
+        order; ``record`` and each part's ``fields`` for errors), for a family with a
+        :attr:`video_block`; ``tokens`` holds one count per video placeholder the parts' text
+        has (one per part unless :meth:`media_text` writes more)."""
+        raise UnsupportedModelError(f"the {self.name} family encodes no video")
+
+    def media(
+        self,
+        input_ids: np.ndarray,
+        runs: np.ndarray,
+        images: EncodedImages,
+        token_id: int,
+        *,
+        videos: EncodedImages | None = None,
+        video_runs: np.ndarray | None = None,
+    ) -> Media:
         """The media payload of one sample (a :attr:`media_class`): its images (``runs[i]`` =
         image ``i``'s placeholder run ``(start, length)`` in ``input_ids``, all in sequence 0)
-        and what the family adds (:meth:`_media_fields`: its grid and position rule)."""
+        and what the family adds (:meth:`_media_fields`: its grid and position rule). A sample
+        with videos passes them (``videos``, their runs ``video_runs``) on to
+        ``_media_fields(input_ids, runs, images, videos=..., video_runs=...)``, which a family
+        with video takes."""
+        extra = {} if videos is None else {"videos": videos, "video_runs": video_runs}
         return self.media_class(
             pixel_values=torch.from_numpy(images.pixel_values),
             slots=torch.from_numpy(runs),
             sequence=torch.zeros(len(runs), dtype=torch.int64),
             token_id=token_id,
-            **self._media_fields(input_ids, runs, images),
+            **self._media_fields(input_ids, runs, images, **extra),
         )
 
-    def _media_fields(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages) -> dict[str, Any]:
+    def _media_fields(
+        self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, **videos: Any
+    ) -> dict[str, Any]:
         """The fields of :attr:`media_class` beyond the base :class:`~sftpack.handoff.payload.Media`'s."""
         return {}
 
@@ -250,6 +389,12 @@ class Family:
         if media is not None and media.num_items:
             kw.update(self._alone_media(model, ids, media))
         return model(**kw).logits[0]
+
+    def padded_kwargs(self, input_ids: torch.Tensor, media: Any) -> dict[str, Any]:
+        """What the model's own forward takes beyond the media's ``hf_kwargs`` for right-padded
+        rows ``input_ids`` ``(B, S)`` (Gemma 3: ``token_type_ids``, which make each image's soft
+        tokens bidirectional); by default nothing."""
+        return {}
 
     def _alone_media(self, model: Any, input_ids: torch.Tensor, media: Any) -> dict[str, Any]:  # pragma: no cover
         """The keyword arguments of a sample's images for the model's own forward (``input_ids`` ``(1, L)``)."""
@@ -315,6 +460,26 @@ def _prepared(model: Any, dtype: torch.dtype, norm_classes: tuple[str, ...] | No
     return norms_in_model_dtype(model, norm_classes) if norm_classes else norms_in_model_dtype(model)
 
 
+@lru_cache(maxsize=64)
+def _probe(renderer: Any, marks: tuple[tuple[str, str], ...]) -> str:
+    """What is wrong with ``renderer``'s template for these media ``marks`` (kind, token), or ``""``:
+    one conversation with one part of each kind must render with each mark exactly once."""
+    parts: list[dict] = [{"type": kind} for kind, _ in marks]
+    messages = [
+        {"role": "user", "content": [*parts, {"type": "text", "text": "q"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
+    ]
+    try:
+        text = renderer.render(messages)
+    except Exception as e:  # noqa: BLE001 - TemplateError, or a template that only takes string contents
+        return f"cannot render a message with media parts ({' '.join(str(e).split())[:120]})"
+    for kind, token in marks:
+        n = text.count(token)
+        if n != 1:
+            return f"writes {token!r} {n} times for one {kind} part, not once"
+    return ""
+
+
 def _load(name: str) -> type[Family]:
     mod, _, cls = FAMILIES[name].partition(":")
     family: type[Family] = getattr(importlib.import_module(mod), cls)
@@ -336,7 +501,7 @@ def _supported() -> str:
 
 def family_for(spec: Any = None) -> Family:
     """The family of ``spec``: a :class:`Family` (returned as is), a family name or Hugging Face
-    ``model_type`` (``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"llava"``), a config or a model (its
+    ``model_type`` (``"qwen2_vl"``, ``"qwen2_5_vl"``, ``"llava"``, ``"gemma3"``...), a config or a model (its
     ``model_type``; the family configured from it), or a model folder (its ``config.json``).
     ``None``: Qwen2-VL, the default.
 
@@ -370,8 +535,8 @@ def family_for(spec: Any = None) -> Family:
     if name is None:
         what = f"model type {kind!r}" + (f" ({type(config).__name__})" if config is not None else "")
         raise UnsupportedModelError(
-            f"{what} is not a vision-language family sftpack packs; supported: {_supported()} (Gemma 3, "
-            "Idefics3, SmolVLM, Mistral3, InternVL and LLaVA-NeXT / -OneVision are not)"
+            f"{what} is not a vision-language family sftpack packs; supported: {_supported()} (Idefics3, "
+            "SmolVLM, Mistral3, InternVL and LLaVA-NeXT / -OneVision are not)"
         )
     cls = _load(name)
     if folder:  # the folder's own config (local files only), so a family sized by it is sized right

@@ -1,155 +1,245 @@
 """A multimodal conversation to one or more samples with media: render, tokenize, expand, mask.
 
 Per conversation (Hugging Face multimodal chat format: a message's ``content`` is
-a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", ...}``
-parts), for a model family (:class:`~sftpack.multimodal.Family`, default Qwen2-VL)::
+a string or a list of ``{"type": "text", "text": ...}`` / ``{"type": "image", ...}`` /
+``{"type": "video", ...}`` parts), for a model family (:class:`~sftpack.multimodal.Family`,
+default Qwen2-VL)::
 
-    text  = ChatML, each image part -> the family's image block
-            (Qwen2-VL: <|vision_start|><|image_pad|><|vision_end|>; LLaVA: <|image_pad|>)
-    ids   = tokenizer(text), content as text    (one placeholder per image)
-    ids   = each placeholder repeated as many times as the family says the image takes
-    mask  = assistant content and its <|im_end|> (never a placeholder)
+    text  = the chat template (the tokenizer's own, else the family's default), contents as
+            parts, each media part written as the family's mark
+            (Qwen2-VL: <|vision_start|><|image_pad|><|vision_end|>; LLaVA-1.5: <image>;
+            Gemma 3: <start_of_image>, rewritten as its processor does into
+            \n\n<start_of_image><image_soft_token><end_of_image>\n\n)
+    spans = the text path's trainable characters (sftpack.chat.ChatRenderer: each
+            assistant content and its end-of-turn token)
+    ids   = tokenizer(text), content as text    (one placeholder per image or video)
+    ids   = each placeholder repeated as many times as the family says the item takes
+    mask  = tokens starting in a span (never a placeholder)
 
-and the sample's ``media`` is the family's payload of its images (pixels, each
-image's placeholder run, and its position rule). For Qwen2-VL that is what
-``Qwen2VLProcessor`` does to the same text (its ``replace_image_token`` rule; the
-tests compare with the real processor).
+and the sample's ``media`` is the family's payload of its images and videos (pixels, each
+item's placeholder run, and its position rule). For Qwen2-VL that is what
+``Qwen2VLProcessor`` does to the same text (its ``replace_image_token`` rule), for Gemma 3
+what ``Gemma3Processor`` does (the tests compare with the real processors).
 
 Content text is plain text, as on the text path (:mod:`sftpack.chat`, whose
-``special_tokens_in_content="text"`` default this follows): the renderer notes where the
-template puts its own control tokens (``<|im_start|>``, ``<|im_end|>``, the image
-block) and the text between them is encoded by a copy of the tokenizer that reads
-special-token strings as text. So ``"<|im_end|>"`` typed in a content, whole or split
-over adjacent text parts (``"Blue.<|im"`` + ``"_end|>"``), stays characters: it can never
-forge a turn inside the loss mask, nor add a vision token or an image placeholder.
+``special_tokens_in_content="text"`` default this follows): the special-token strings of
+the contents are swapped for markers before the template renders, so the template's own
+special tokens (turn tokens, media marks) are the only control tokens, and the text
+between them is encoded by a copy of the tokenizer that reads special-token strings as
+text. So ``"<|im_end|>"`` typed in a content, whole or split over text parts
+(``"Blue.<|im"`` + ``"_end|>"``), stays characters: it can never forge a turn inside the
+loss mask, nor add a vision token or an image placeholder.
 
-Over-long samples are never cut inside an image block: ``split`` cuts at the last
-text boundary that fits, each piece with its own images; a block longer than a row
+Over-long samples are never cut inside a media block: ``split`` cuts at the last
+text boundary that fits, each piece with its own media; a block longer than a row
 drops the sample (counted).
 """
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from ..chat._render import TemplateError
 from ..chat._tokenize import _encode_pieces, _Rendered, mask_from_offsets
 from ..sample import Overlong, OverlongError, Sample
-from ._family import CHATML, EncodedImages, Family, family_for
+from ._family import MEDIA_KINDS, EncodedImages, Family, family_for
 from ._images import BadImageError, load_image
 
 __all__ = ["MediaTokenizeStats", "tokenize_media_conversation", "tokenize_media_conversations"]
 
 
 # ------------------------------------------------------------------ rendering
+_PARTS = ("text", *MEDIA_KINDS)
+
+
 def _parts(content: Any, record: Any, where: str) -> list[dict]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
     if not isinstance(content, list):
         raise ValueError(f"record {record!r}, {where}: content must be a string or a list of parts")
     for j, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("text", "image"):
+        if not isinstance(part, dict) or part.get("type") not in _PARTS:
             raise ValueError(
-                f"record {record!r}, {where}[{j}]: a part must be {{'type': 'text'|'image', ...}}, got {part!r:.80}"
+                f"record {record!r}, {where}[{j}]: a part must be {{'type': 'text'|'image'|'video', ...}}, "
+                f"got {part!r:.80}"
             )
     return content
 
 
 @dataclass
 class _Rendering:
-    """A conversation rendered: ChatML ``text``, the trainable character ``spans``, where the
-    renderer put its own control tokens (``controls``; everything else is content, plain text),
-    and the image parts in order with their field names."""
+    """A conversation rendered by the chat template: its ``text``, the trainable character
+    ``spans``, where the template put its own special tokens (``controls``; everything else is
+    content, plain text), and the media parts of each kind in order with their field names."""
 
     text: str
     spans: list[tuple[int, int]]
     controls: list[tuple[int, int]]
-    images: list[tuple[dict, str]]
+    media: dict[str, list[tuple[dict, str]]]
 
 
-def _render(messages: list[dict], record: Any, image_block: tuple[str, ...]) -> _Rendering:
-    text: list[str] = []
-    spans: list[tuple[int, int]] = []
-    controls: list[tuple[int, int]] = []
-    images: list[tuple[dict, str]] = []
-    pos = 0
-
-    def put(s: str, control: bool = False) -> None:
-        nonlocal pos
-        if control:
-            controls.append((pos, pos + len(s)))
-        text.append(s)
-        pos += len(s)
-
+def _render(messages: list[dict], record: Any, family: Family, renderer: Any) -> _Rendering:
+    """``messages`` through the family's chat template (contents as lists of parts; each media
+    part handed to the template as ``{"type": kind}``), with the text path's spans and its
+    special-token text kept as text (:meth:`~sftpack.chat.ChatRenderer.spans_special_text`)."""
     if not messages:
         raise ValueError(f"record {record!r}: no messages")
+    shown: list[dict] = []
+    media: dict[str, list[tuple[dict, str]]] = {kind: [] for kind in MEDIA_KINDS}
     for i, msg in enumerate(messages):
         role = msg.get("role") if isinstance(msg, dict) else None
         if role not in ("system", "user", "assistant"):
             raise ValueError(f"record {record!r}, messages[{i}].role: {role!r} is not system, user or assistant")
-        put(CHATML[0], control=True)
-        put(f"{role}\n")
-        start = pos
+        parts: list[dict] = []
         for j, part in enumerate(_parts(msg.get("content"), record, f"messages[{i}].content")):
             where = f"messages[{i}].content[{j}]"
-            if part["type"] == "image":
-                if role == "assistant":
-                    raise ValueError(f"record {record!r}, {where}: images in assistant turns are not supported")
-                images.append((part, where))
-                for token in image_block:
-                    put(token, control=True)
-            else:
+            kind = part["type"]
+            if kind == "text":
                 t = part.get("text")
                 if not isinstance(t, str):
                     raise ValueError(f"record {record!r}, {where}.text: must be a string")
-                put(t)  # plain text, special-token strings included (they never become control tokens)
-        put(CHATML[1], control=True)
-        if role == "assistant":
-            spans.append((start, pos))
-        put("\n")
-    if not spans:
+                parts.append({"type": "text", "text": t})  # plain text, special-token strings included
+                continue
+            if role == "assistant":
+                raise ValueError(f"record {record!r}, {where}: {kind}s in assistant turns are not supported")
+            if kind == "video" and not family.video_block:
+                raise ValueError(
+                    f"record {record!r}, {where}: the {family.name} family takes no video parts "
+                    "(give images, or a model of a family with video)"
+                )
+            media[kind].append((part, where))
+            parts.append({"type": kind})
+        shown.append({"role": role, "content": parts})
+    if not any(m["role"] == "assistant" for m in shown):
         raise ValueError(f"record {record!r}: no assistant message, nothing to train on")
-    return _Rendering("".join(text), spans, controls, images)
+    try:
+        text, spans, controls = renderer.spans_special_text(shown)
+    except TemplateError as e:
+        raise ValueError(f"record {record!r}: {e}") from None
+    if not spans:
+        raise ValueError(f"record {record!r}: the chat template leaves no assistant text to train on")
+    return _Rendering(text, spans, controls, media)
+
+
+def _rewrite_marks(r: _Rendering, record: Any, family: Family, encoded: dict[str, EncodedImages]) -> _Rendering:
+    """Each media mark the template wrote, replaced by the family's :meth:`~Family.media_text`
+    (its block tokens control tokens, the rest plain text); the spans and controls moved to match."""
+    kinds = {token: kind for kind, token in family.marks().items()}
+    block = sorted({*family.image_block, *family.video_block}, key=len, reverse=True)
+    tokens = re.compile("|".join(re.escape(t) for t in block))
+    seen = dict.fromkeys(MEDIA_KINDS, 0)
+    pieces: list[str] = []
+    controls: list[tuple[int, int]] = []
+    moves: list[tuple[int, int]] = []  # (end of a rewritten mark in the old text, shift from then on)
+    pos = shift = 0
+    for a, b in r.controls:
+        kind = kinds.get(r.text[a:b])
+        rep = None if kind is None else family.media_text(kind, seen[kind], encoded[kind])
+        if kind is not None:
+            seen[kind] += 1
+        if rep is None:
+            controls.append((a + shift, b + shift))
+            continue
+        pieces.append(r.text[pos:a])
+        controls.extend((a + shift + m.start(), a + shift + m.end()) for m in tokens.finditer(rep))
+        pieces.append(rep)
+        pos = b
+        shift += len(rep) - (b - a)
+        moves.append((b, shift))
+    for kind in MEDIA_KINDS:
+        if seen[kind] != len(r.media[kind]):
+            raise ValueError(
+                f"record {record!r}: the chat template wrote {seen[kind]} {kind} marks for {len(r.media[kind])} "
+                f"{kind} parts: use a template that writes each {kind} part once"
+            )
+    if not moves:
+        return dataclasses.replace(r, controls=controls)
+    pieces.append(r.text[pos:])
+    ends = [e for e, _ in moves]
+
+    def moved(p: int) -> int:
+        k = bisect.bisect_right(ends, p)
+        return p + (moves[k - 1][1] if k else 0)
+
+    spans = [(moved(a), moved(b)) for a, b in r.spans]
+    return _Rendering("".join(pieces), spans, controls, r.media)
 
 
 def _ids_and_mask(r: _Rendering, tokenizer: Any) -> tuple[np.ndarray, np.ndarray]:
-    """``r.text``'s token ids, control tokens only where the renderer put them (the text path's
+    """``r.text``'s token ids, control tokens only where the template put them (the text path's
     piecewise encoding, :mod:`sftpack.chat`), and True where a token starts inside one of the
     trained character spans."""
     ids, offsets = _encode_pieces(_Rendered(None, r.text, r.spans, r.controls), tokenizer)
     return ids, mask_from_offsets(offsets, r.spans)
 
 
-def _encode(
-    messages: list[dict], record: Any, tokenizer: Any, processor: Any, family: Family
-) -> tuple[np.ndarray, np.ndarray, EncodedImages, np.ndarray, int]:
-    r = _render(messages, record, family.image_block)
-    images = family.encode_images([load_image(p, record, where) for p, where in r.images], processor)
+@dataclass
+class _Encoded:
+    """One conversation's tokens, loss mask, and per media kind its encoding, placeholder id and runs."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    encoded: dict[str, EncodedImages]
+    token_id: dict[str, int]
+    runs: dict[str, np.ndarray]
+
+
+def _encode(messages: list[dict], record: Any, tokenizer: Any, processor: Any, family: Family) -> _Encoded:
+    r = _render(messages, record, family, family.renderer(tokenizer))
+    encoded = {
+        "image": family.encode_images([load_image(p, record, where) for p, where in r.media["image"]], processor)
+    }
+    if r.media["video"]:
+        parts, fields = zip(*r.media["video"])
+        encoded["video"] = family.encode_videos(list(parts), processor, record=record, fields=list(fields))
+    r = _rewrite_marks(r, record, family, encoded)
     ids, mask = _ids_and_mask(r, tokenizer)
-    image_id = family.placeholder_id(tokenizer)
-    where = np.flatnonzero(ids == image_id)
-    assert where.size == len(r.images), "one placeholder per image part: content text never makes one"
+    placeholders = {"image": family.placeholder, "video": family.video_placeholder}
+    token_id = {k: int(tokenizer.convert_tokens_to_ids(placeholders[k])) for k in encoded}
+    token_id["image"] = family.placeholder_id(tokenizer)
     reps = np.ones(ids.shape, dtype=np.int64)
-    reps[where] = images.tokens
-    out_mask: np.ndarray = np.repeat(mask & (ids != image_id), reps)
+    where = {}
+    for kind, enc in encoded.items():
+        at = where[kind] = np.flatnonzero(ids == token_id[kind])
+        if at.size != len(enc.tokens):  # content text never makes one: only the template's marks do
+            raise ValueError(
+                f"record {record!r}: {at.size} {kind} placeholders in the text for {len(enc.tokens)} encoded: "
+                f"the chat template or {family.name}'s media_text writes the wrong number"
+            )
+        reps[at] = enc.tokens
+    trained = np.isin(ids, list(token_id.values()), invert=True)
+    out_mask: np.ndarray = np.repeat(mask & trained, reps)
     out_ids: np.ndarray = np.repeat(ids, reps)
     new_start = np.cumsum(reps) - reps
-    runs = np.stack([new_start[where], reps[where]], axis=1) if where.size else np.zeros((0, 2), np.int64)
-    return out_ids, out_mask, images, runs, image_id
+    runs = {
+        kind: np.stack([new_start[at], reps[at]], axis=1) if at.size else np.zeros((0, 2), np.int64)
+        for kind, at in where.items()
+    }
+    return _Encoded(out_ids, out_mask, encoded, token_id, runs)
+
+
+def _blocks(family: Family) -> list[tuple[tuple[str, ...], str]]:
+    """The family's media blocks with their placeholders (image, and video when it takes video)."""
+    out = [(family.image_block, family.placeholder)]
+    return out + [(family.video_block, family.video_placeholder)] if family.video_block else out
 
 
 def cut_points(sample: Sample, max_seq_len: int, family: Family) -> list[tuple[int, int]] | None:
     """Spans ``[a, b)`` of at most ``max_seq_len`` tokens covering a sample with media, never cut
-    inside an image block (its placeholder run with the family's control tokens around it,
+    inside a media block (its placeholder run with the family's control tokens around it,
     e.g. Qwen2-VL's ``<|vision_start|>`` and ``<|vision_end|>``): each cut at the last text
     boundary that fits. ``None`` when an image block alone is longer than ``max_seq_len``.
     The one split rule of samples with media (the tokenizer's ``split``, the loader's)."""
     n = len(sample)
-    before = family.image_block.index(family.placeholder)  # the block's control tokens around the run
-    after = len(family.image_block) - before - 1
+    around = [(b.index(p), len(b) - b.index(p) - 1) for b, p in _blocks(family)]  # control tokens around a run
+    before, after = max(x for x, _ in around), max(y for _, y in around)
     runs = sample.media.slots.tolist() if sample.media is not None else []
     blocks = [(max(s - before, 0), min(s + k + after, n)) for s, k in runs]
     pieces, a = [], 0
@@ -265,8 +355,10 @@ def tokenize_media_conversation(
     if policy is Overlong.TRUNCATE:
         raise ValueError("overlong='truncate' is not offered for multimodal samples: use split, drop or error")
     fam, tokenizer, processor = _setup(family, tokenizer, processor)
-    ids, mask, patches, runs, image_id = _encode(messages, conversation_id, tokenizer, processor, fam)
-    whole = Sample(ids, mask, conversation_id, media=fam.media(ids, runs, patches, image_id))
+    e = _encode(messages, conversation_id, tokenizer, processor, fam)
+    image = e.encoded["image"], e.token_id["image"]
+    media = fam.media(e.ids, e.runs["image"], *image, videos=e.encoded.get("video"), video_runs=e.runs.get("video"))
+    whole = Sample(e.ids, e.mask, conversation_id, media=media)
     return split_sample(whole, max_seq_len, policy, fam)
 
 

@@ -151,7 +151,12 @@ def _images(s: Sample, st: ImageSettings) -> Images:
     if getattr(media, "grid_thw", None) is None:
         raise PrepackError(
             f"conversation {s.conversation_id!r}: family {st.family!r} gives {type(media).__name__} media; a "
-            "prepack stores a patch family's images (Qwen2-VL, Qwen2.5-VL)"
+            "prepack stores a patch family's images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
+        )
+    if int(getattr(media, "num_videos", 0)):
+        raise PrepackError(
+            f"conversation {s.conversation_id!r} holds a video part: a prepack stores images only for now; "
+            "train on videos with sftpack train DATA --packing loader (or trainer), or leave the video parts out"
         )
     grids = media.grid_thw.numpy()
     pv = media.pixel_values.numpy()

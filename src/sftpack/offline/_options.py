@@ -120,7 +120,7 @@ class PrepackOptions:
         metadata={
             "help": "the vision-language model family the rows are for (default {default})",
             "cli_default": None,
-            "choices": ("qwen2_vl", "qwen2_5_vl"),
+            "choices": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
         },
     )
     max_patches_per_row: int | None = field(

@@ -6,23 +6,33 @@ Qwen-shaped carries over to it:
 
 - each image is one fixed-size pixel tensor ``(3, H, W)`` (no patch grid), and the
   vision tower (CLIP-style, with a class token) sees one image per batch entry;
-- an image part is one image token (``<|image_pad|>``, no vision block around it)
+- an image part is one image token (``<image>``, no vision block around it)
   repeated a fixed number of times per image, ``(H / patch)**2`` (the class token
   dropped, LLaVA's ``"default"`` feature select), and the language model's input
-  embeddings at those slots are *replaced* by the projected vision features;
+  embeddings at those slots are *replaced* by the projected vision features; the
+  token's id is the config's ``image_token_index`` (a folder whose tokenizer puts
+  ``<image>`` elsewhere is refused);
+- conversations are written by the folder's own chat template (LLaVA-1.5's:
+  ``USER: <image>\\n... ASSISTANT: ...``), else by :data:`LLAVA_TEMPLATE`;
 - the media is an :class:`~sftpack.handoff.payload.ImageMedia`; positions are the
   text's 1-D ones, restarting per sample (no MRoPE).
 
 The row is the one :meth:`sftpack.PackedBatch.from_samples` builds for every family;
 the language model runs sftpack's training attention on ``cu_seqlens`` (either
 boundary mode), and the exactness check compares with each sample run alone through
-the model's own forward (``model(input_ids, pixel_values)``). ChatML and the tokenizer
-are Qwen2-VL's (the embedded Qwen BPE with its special tokens).
+the model's own forward (``model(input_ids, pixel_values)``).
+
+The embedded default (nothing downloaded) is a LLaVA-1.5-style tokenizer: the embedded
+Qwen BPE (:func:`sftpack.data.default_tokenizer`) plus ``<image>`` and ``</s>`` (its
+end of turn) as special tokens, with :data:`LLAVA_TEMPLATE`, the LLaVA-1.5 conversation
+format (``USER: <image>\\nWhat is it? ASSISTANT: Red.</s>``; images first in a
+message, as Hugging Face's LLaVA-1.5 template writes them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -34,9 +44,47 @@ from ...exactness import small_text_config
 from ...handoff import PackedBatch, PackedBatchError
 from ...handoff.payload import ImageMedia
 from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model, text_kwargs
-from .qwen2_vl import IMAGE_PAD, qwen2vl_tokenizer
 
-__all__ = ["Llava", "llava_image_tokens"]
+__all__ = ["IMAGE", "LLAVA_TEMPLATE", "Llava", "llava_image_tokens", "llava_tokenizer"]
+
+IMAGE = "<image>"
+
+#: LLaVA-1.5's conversation format: a system text then a space, ``USER: `` and ``ASSISTANT: ``
+#: turns, each message's images first (``<image>\n`` each) then its texts; a user turn ends
+#: with a space, an assistant turn with the end-of-turn token (the tokenizer's ``eos_token``).
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% set parts = [{'type': 'text', 'text': message['content']}] if message['content'] is string "
+    "else message['content'] %}"
+    "{% if message['role'] == 'system' %}"
+    "{% for part in parts if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}{{ ' ' }}"
+    "{% else %}"
+    "{{ message['role'].upper() + ': ' }}"
+    "{% for part in parts if part['type'] == 'image' %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for part in parts if part['type'] == 'text' %}{{ part['text'] }}{% endfor %}"
+    "{{ eos_token if message['role'] == 'assistant' else ' ' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+@lru_cache(maxsize=1)
+def _tokenizer() -> Any:
+    from ...data import default_tokenizer
+
+    tok = copy.deepcopy(default_tokenizer())
+    tok.add_special_tokens(
+        {"eos_token": "</s>", "additional_special_tokens": [IMAGE]}, replace_extra_special_tokens=False
+    )
+    tok.chat_template = LLAVA_TEMPLATE
+    return tok
+
+
+def llava_tokenizer() -> Any:
+    """The llava family's embedded tokenizer: the embedded Qwen BPE plus ``</s>`` (``eos_token``)
+    and ``<image>`` as special tokens, with :data:`LLAVA_TEMPLATE`. Shared within the process."""
+    return _tokenizer()
 
 
 def _crop_side(processor: Any) -> int | None:
@@ -100,15 +148,18 @@ def llava_image_tokens(config: Any) -> int:
 @dataclass
 class Llava(Family):
     """LLaVA (see the module text): ``image_tokens`` per image, ``image_size`` pixels square
-    (the defaults fit :meth:`tiny_model`'s defaults; :meth:`from_config` reads a config's)."""
+    (the defaults fit :meth:`tiny_model`'s defaults; :meth:`from_config` reads a config's, and
+    its ``image_token_index``, which the tokenizer's ``<image>`` must be)."""
 
     image_tokens: int = 16
     image_size: int = 32
+    image_token_id: int | None = field(default=None, repr=False)  # from a config; checked against the tokenizer
 
     name: ClassVar[str] = "llava"
     model_types: ClassVar[tuple[str, ...]] = ("llava",)
-    image_block: ClassVar[tuple[str, ...]] = (IMAGE_PAD,)
-    placeholder: ClassVar[str] = IMAGE_PAD
+    image_block: ClassVar[tuple[str, ...]] = (IMAGE,)
+    placeholder: ClassVar[str] = IMAGE
+    chat_template: ClassVar[str | None] = LLAVA_TEMPLATE
     processor_wanted: ClassVar[str] = (
         "(a CLIP-style processor with a square crop_size): the llava family takes CLIPImageProcessorPil "
         "(Family.image_processor()), the qwen2_vl and qwen2_5_vl families Qwen2VLImageProcessorPil"
@@ -117,10 +168,24 @@ class Llava(Family):
 
     @classmethod
     def from_config(cls, config: Any) -> Llava:
-        return cls(image_tokens=llava_image_tokens(config), image_size=int(config.vision_config.image_size))
+        return cls(
+            image_tokens=llava_image_tokens(config),
+            image_size=int(config.vision_config.image_size),
+            image_token_id=int(config.image_token_id),
+        )
 
     def _default_tokenizer(self) -> Any:
-        return qwen2vl_tokenizer()
+        return llava_tokenizer()
+
+    def check(self, tokenizer: Any, processor: Any) -> None:
+        """The base checks, and the tokenizer's ``<image>`` at the config's ``image_token_index``."""
+        super().check(tokenizer, processor)
+        got = int(tokenizer.convert_tokens_to_ids(IMAGE))
+        if self.image_token_id is not None and got != self.image_token_id:
+            raise UnsupportedModelError(
+                f"{type(tokenizer).__name__} has {IMAGE} at id {got}, the model's config at image_token_index "
+                f"{self.image_token_id}: use the tokenizer saved with the model"
+            )
 
     def _default_image_processor(self) -> Any:
         return _image_processor(self.image_size)

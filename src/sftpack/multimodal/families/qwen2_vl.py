@@ -5,6 +5,12 @@ The family behind :class:`~sftpack.multimodal.Family` (``family_for("qwen2_vl")`
 - an image part is ``<|vision_start|><|image_pad|><|vision_end|>``, its placeholder
   repeated ``t*h*w / merge**2`` times (``Qwen2VLProcessor``'s ``replace_image_token``
   rule), its pixels ``(t*h*w, 3*t_p*14*14)`` patches from ``Qwen2VLImageProcessorPil``;
+- a video part (frames or a file, :mod:`~sftpack.multimodal._video`) is
+  ``<|vision_start|><|video_pad|><|vision_end|>``, its placeholder repeated
+  ``t*h*w / merge**2`` times (``replace_video_token``), its frames sampled and patched as
+  ``Qwen2VLVideoProcessor`` does (:meth:`Qwen2VL.encode_videos`); a sample's images and
+  videos are the items of one :class:`~sftpack.handoff.payload.PatchMedia`, in text order
+  (:meth:`Qwen2VL.media`);
 - the media is a :class:`~sftpack.handoff.payload.PatchMedia` with each sample's own
   MRoPE positions (:func:`mrope_positions`, ``Qwen2VLModel.get_rope_index`` re-implemented
   in numpy and tested equal to it);
@@ -36,10 +42,12 @@ from ...handoff import PackedBatch
 from ...handoff.payload import PatchMedia
 from .._family import EncodedImages, Family, seeded_model, text_kwargs
 from .._images import image_processor, process_images
+from .._video import EncodedVideos, VideoSampling, encode_videos
 
 __all__ = ["QWEN2VL_SPECIALS", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
 #: Qwen2-VL's special tokens after ``<|im_end|>``, in id order (151646 ... 151656).
 QWEN2VL_SPECIALS = (
     "<|object_ref_start|>",
@@ -52,7 +60,7 @@ QWEN2VL_SPECIALS = (
     VISION_END,
     "<|vision_pad|>",
     IMAGE_PAD,
-    "<|video_pad|>",
+    VIDEO_PAD,
 )
 QWEN2VL_IDS = dict(zip(QWEN2VL_SPECIALS, range(151646, 151657)))
 
@@ -76,24 +84,32 @@ def qwen2vl_tokenizer() -> Any:
     return _tokenizer()
 
 
-def mrope_positions(length: int, runs: np.ndarray, grid_thw: np.ndarray, merge: int) -> np.ndarray:
+def mrope_positions(
+    length: int, runs: np.ndarray, grid_thw: np.ndarray, merge: int, time_interval: np.ndarray | None = None
+) -> np.ndarray:
     """Qwen2-VL's 3-D MRoPE positions ``(3, length)`` of one sample alone, starting at 0.
 
     The rule of ``Qwen2VLModel.get_rope_index`` (transformers 5.24), re-implemented in
     numpy and tested equal to it: a text token takes ``(p, p, p)`` and advances ``p``
-    by one; an image of grid ``(t, h, w)`` with ``h' = h/merge``, ``w' = w/merge``
+    by one; an image or video of grid ``(t, h, w)`` with ``h' = h/merge``, ``w' = w/merge``
     (placeholder run ``runs[i]``) takes ``(p + i_t, p + i_h, p + i_w)`` over its
     ``t x h' x w'`` placeholders in row-major order, then ``p`` advances by
-    ``max(h, w) // merge``.
+    ``max(h, w) // merge``. ``time_interval`` (``(I,)`` float32, Qwen2.5-VL's videos):
+    the temporal index is ``int(i_t * time_interval[i])`` instead, the product in float32
+    as ``Qwen2_5_VLModel.get_vision_position_ids`` computes it (an interval of 1 is ``i_t``).
     """
     L = int(length)
     out = np.empty((3, L), dtype=np.int64)
     p, t0 = 0, 0
-    for (s, n), (gt, gh, gw) in zip(np.asarray(runs).tolist(), np.asarray(grid_thw).tolist()):
+    steps = None if time_interval is None else np.asarray(time_interval, dtype=np.float32).tolist()
+    for i, ((s, n), (gt, gh, gw)) in enumerate(zip(np.asarray(runs).tolist(), np.asarray(grid_thw).tolist())):
         out[:, t0:s] = np.arange(p, p + s - t0)
         p += s - t0
         hh, ww = gh // merge, gw // merge
-        tt, yy, xx = np.meshgrid(np.arange(gt), np.arange(hh), np.arange(ww), indexing="ij")
+        ts = np.arange(gt)
+        if steps is not None:
+            ts = (ts.astype(np.float32) * np.float32(steps[i])).astype(np.int64)
+        tt, yy, xx = np.meshgrid(ts, np.arange(hh), np.arange(ww), indexing="ij")
         out[0, s : s + n] = tt.reshape(-1) + p
         out[1, s : s + n] = yy.reshape(-1) + p
         out[2, s : s + n] = xx.reshape(-1) + p
@@ -110,6 +126,11 @@ class Qwen2VL(Family):
     model_types: ClassVar[tuple[str, ...]] = ("qwen2_vl",)
     image_block: ClassVar[tuple[str, ...]] = (VISION_START, IMAGE_PAD, VISION_END)
     placeholder: ClassVar[str] = IMAGE_PAD
+    #: what each video part becomes in the text, and its placeholder
+    video_block: ClassVar[tuple[str, ...]] = (VISION_START, VIDEO_PAD, VISION_END)
+    video_placeholder: ClassVar[str] = VIDEO_PAD
+    #: how frames are taken from a video file (``Qwen2VLVideoProcessor``'s defaults: every frame)
+    video_sampling: ClassVar[VideoSampling] = VideoSampling()
     processor_wanted: ClassVar[str] = (
         "(integer patch_size, temporal_patch_size and merge_size; image_grid_thw out): the qwen2_vl and "
         "qwen2_5_vl families take Qwen2VLImageProcessorPil (Family.image_processor()), the llava family a "
@@ -136,7 +157,10 @@ class Qwen2VL(Family):
         merge = int(processor.merge_size)
         return EncodedImages(patches.pixel_values, patches.tokens_per_image(merge), grid, merge)
 
-    def _media_fields(self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages) -> dict[str, Any]:
+    def _media_fields(
+        self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, **videos: Any
+    ) -> dict[str, Any]:
+        """Images only: a sample with videos is laid by :meth:`media` itself."""
         assert images.grid_thw is not None
         merge = images.merge_size
         return {
@@ -145,11 +169,81 @@ class Qwen2VL(Family):
             "positions": torch.from_numpy(mrope_positions(len(input_ids), runs, images.grid_thw, merge)),
         }
 
+    # ------------------------------------------------------------------ video
+    def encode_videos(
+        self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
+    ) -> EncodedVideos:
+        """Patches and placeholder counts of one conversation's video parts (in order), their
+        frames sampled by :attr:`video_sampling` and resized, normalised and patched by
+        ``processor`` (the family's image processor; see :mod:`~sftpack.multimodal._video`).
+        ``record`` and ``fields`` (each part's) are named in errors."""
+        return encode_videos(videos, processor, sampling=self.video_sampling, record=record, fields=fields)
+
+    def media(
+        self,
+        input_ids: np.ndarray,
+        runs: np.ndarray,
+        images: EncodedImages,
+        token_id: int,
+        *,
+        videos: EncodedImages | None = None,
+        video_runs: np.ndarray | None = None,
+    ) -> PatchMedia:
+        """The sample's :class:`~sftpack.handoff.payload.PatchMedia`: its images (``runs[i]``:
+        image ``i``'s placeholder run) and its videos (``videos``: :meth:`encode_videos`'
+        :class:`~sftpack.multimodal._video.EncodedVideos`; ``video_runs[j]``: video ``j``'s run,
+        whose token is the video placeholder) as items in text order, with their MRoPE
+        positions. Without videos the base's (images only)."""
+        if videos is None or video_runs is None or not len(video_runs):
+            media = super().media(input_ids, runs, images, token_id)
+            assert isinstance(media, PatchMedia)
+            return media
+        if not isinstance(videos, EncodedVideos):
+            raise TypeError(
+                f"Qwen2VL.media: videos must be encode_videos()' EncodedVideos, got {type(videos).__name__}"
+            )
+        assert videos.grid_thw is not None
+        video_token_id = int(input_ids[int(video_runs[0][0])])
+        merge = videos.merge_size
+        img_grid = np.zeros((0, 3), np.int64) if images.grid_thw is None else images.grid_thw
+        img_pv = images.pixel_values
+        if len(img_grid) and images.merge_size != merge:
+            raise ValueError(f"Qwen2VL.media: images merge {images.merge_size} but videos {merge}")
+        all_runs = np.concatenate([np.asarray(runs, np.int64).reshape(-1, 2), np.asarray(video_runs, np.int64)])
+        grids = np.concatenate([img_grid, videos.grid_thw])
+        is_video = np.r_[np.zeros(len(img_grid), bool), np.ones(len(videos.grid_thw), bool)]
+        seconds = np.r_[np.zeros(len(img_grid), np.float32), videos.second_per_grid_ts].astype(np.float32)
+        chunks = np.split(img_pv, np.cumsum(img_grid.prod(axis=1))[:-1]) if len(img_grid) else []
+        chunks += np.split(videos.pixel_values, np.cumsum(videos.grid_thw.prod(axis=1))[:-1])
+        order = np.argsort(all_runs[:, 0], kind="stable")
+        grids, is_video, seconds = grids[order], is_video[order], seconds[order]
+        positions = mrope_positions(
+            len(input_ids), all_runs[order], grids, merge, self._time_intervals(is_video, seconds)
+        )
+        return PatchMedia(
+            pixel_values=torch.from_numpy(np.concatenate([chunks[k] for k in order.tolist()])),
+            slots=torch.from_numpy(all_runs[order]),
+            sequence=torch.zeros(len(order), dtype=torch.int64),
+            token_id=int(token_id),
+            grid_thw=torch.from_numpy(grids),
+            merge_size=merge,
+            positions=torch.from_numpy(positions),
+            video=torch.from_numpy(is_video),
+            video_token_id=video_token_id,
+            second_per_grid_ts=torch.from_numpy(seconds),
+        )
+
+    def _time_intervals(self, is_video: np.ndarray, seconds: np.ndarray) -> np.ndarray | None:
+        """Each item's temporal position step (:func:`mrope_positions`); ``None``: 1 (Qwen2-VL's rule)."""
+        return None
+
     # ------------------------------------------------------------- the model
     def token_ids(self, tokenizer: Any) -> dict[str, int]:
-        """The ids a config names: the placeholder and the vision block's ends."""
-        ids = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END])
-        return dict(image_token_id=ids[0], vision_start_token_id=ids[1], vision_end_token_id=ids[2])
+        """The ids a config names: the placeholders (image, video) and the vision block's ends."""
+        ids = tokenizer.convert_tokens_to_ids([IMAGE_PAD, VISION_START, VISION_END, VIDEO_PAD])
+        return dict(
+            image_token_id=ids[0], vision_start_token_id=ids[1], vision_end_token_id=ids[2], video_token_id=ids[3]
+        )
 
     def config(self, vocab_size: int, token_ids: dict[str, int], **sizes: Any) -> Any:
         """A small ``Qwen2VLConfig`` (patch 14, temporal patch 2, merge 2; MRoPE sections of a
@@ -166,8 +260,8 @@ class Qwen2VL(Family):
         return seeded_model(model_class, cfg, **build, norm_classes=self.norm_classes)
 
     def vision_outputs(self, model: Any, media: PatchMedia) -> Any:
-        """The vision tower over the row's images, one attention segment per frame, as the
-        model's ``mm_encoder_outputs`` take it."""
+        """The vision tower over the row's items (images and videos), one attention segment per
+        frame, its features split per item (``pooler_output``)."""
         hf = _optional.transformers("modeling_outputs")
         visual = model.model.visual
         grid = media.grid_thw
@@ -176,6 +270,21 @@ class Qwen2VL(Family):
         return hf.BaseModelOutputWithPooling(
             last_hidden_state=out.last_hidden_state, pooler_output=torch.split(out.pooler_output, sizes)
         )
+
+    def encoder_outputs(self, model: Any, media: PatchMedia) -> dict[str, Any]:
+        """The model's ``mm_encoder_outputs`` for a row: the tower run once over every item
+        (:meth:`vision_outputs`; an item's features depend on it alone), the features of the
+        images under ``"image"`` and those of the videos under ``"video"``, each in row order."""
+        out = self.vision_outputs(model, media)
+        if not media.num_videos:
+            return {"image": out}
+        hf = _optional.transformers("modeling_outputs")
+        return {
+            kind: hf.BaseModelOutputWithPooling(
+                last_hidden_state=out.last_hidden_state, pooler_output=tuple(out.pooler_output[i] for i in idx.tolist())
+            )
+            for kind, (_, _, idx) in media.by_kind().items()
+        }
 
     def packed_hidden(self, model: Any, batch: PackedBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
         """``(T, H)`` hidden states of a packed row: the vision tower over the row's per-image
@@ -193,17 +302,28 @@ class Qwen2VL(Family):
         kw = text_kwargs(model, batch, inputs, pad_between_seqs=pad_between_seqs)
         media = batch.media
         if isinstance(media, PatchMedia) and media.num_items:
-            kw["mm_encoder_outputs"] = {"image": self.vision_outputs(model, media)}
+            kw["mm_encoder_outputs"] = self.encoder_outputs(model, media)
         return model.model(**kw).last_hidden_state[0]
 
     def _alone_media(self, model: Any, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
         """Hugging Face's own way: the model computes the MRoPE positions (``get_rope_index``)
-        and runs its vision tower itself; one causal sequence, no boundaries."""
-        return {
-            "pixel_values": media.pixel_values,
-            "image_grid_thw": media.grid_thw,
-            "mm_token_type_ids": (input_ids == media.token_id).to(torch.int32),
-        }
+        and runs its vision tower itself (images and videos apart); one causal sequence, no
+        boundaries. ``mm_token_type_ids``: 1 at image placeholders, 2 at video ones."""
+        kinds = media.by_kind()
+        types = (input_ids == media.token_id).to(torch.int32)
+        kw: dict[str, Any] = {}
+        if "image" in kinds:
+            kw["pixel_values"], kw["image_grid_thw"], _ = kinds["image"]
+        if "video" in kinds:
+            kw["pixel_values_videos"], kw["video_grid_thw"], index = kinds["video"]
+            types[input_ids == int(media.video_token_id or 0)] = 2
+            kw.update(self._alone_video(media, index))
+        kw["mm_token_type_ids"] = types
+        return kw
+
+    def _alone_video(self, media: PatchMedia, index: torch.Tensor) -> dict[str, Any]:
+        """What the model's own forward takes beyond the videos' pixels and grids (Qwen2-VL: nothing)."""
+        return {}
 
     def part_of(self, parameter: str) -> str:
         return "vision" if ".visual." in f".{parameter}" else "language"
