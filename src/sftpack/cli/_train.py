@@ -300,6 +300,11 @@ def run(args: argparse.Namespace) -> int:
         given = "--cache-dir" if args.cache_dir else "--cache-max-size"
         raise UsageError(f"give {given} or --no-cache, not both")
     if images:
+        if args.fsdp:
+            raise UsageError(
+                "--fsdp trains text models only for now (a vision-language model's tower is not sharded): "
+                "train data with images without --fsdp"
+            )
         if args.prepacked:
             raise UsageError("--prepacked is a text prepack's folder: data with images is prepacked by the run itself")
         return _run_images(args, resume)
@@ -493,6 +498,7 @@ def _run_training(
         say(
             f"model: {type(model).__name__}, {n_params / 1e6:.2f} M parameters, vocabulary {model.config.vocab_size:,}; "
             f"packing {cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
+            + (", the model sharded over them (FSDP)" if cfg.fsdp else "")
         )
         _mark("train")  # start-up is over: from here SIGTERM stops the loop at the end of a step
         result = _train_until_stopped(

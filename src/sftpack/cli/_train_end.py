@@ -52,11 +52,18 @@ def eval_samples_of(args: argparse.Namespace, cfg: Any, samples: list[Any], toke
 
 def save(args: argparse.Namespace, result: Any, rank: int, say: Any, **tokenizer: Any) -> None:
     """``--save-model DIR``: the trained model as a Hugging Face folder (rank 0)."""
-    if args.save_model is None or rank != 0 or not result.logs:
+    if args.save_model is None or not result.logs:
+        return
+    state = None
+    if getattr(args, "fsdp", False):  # the sharded weights gathered first: every rank takes part
+        from ..loop._fsdp import full_state
+
+        state = full_state(result.model)
+    if rank != 0:
         return
     from ..loop._export import save_model
 
-    say(f"wrote {save_model(result.model, args.save_model, **tokenizer)} (a Hugging Face model folder)")
+    say(f"wrote {save_model(result.model, args.save_model, state=state, **tokenizer)} (a Hugging Face model folder)")
 
 
 def report(

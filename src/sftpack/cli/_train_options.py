@@ -98,7 +98,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         "torch, the same weights for the same seed, about 4 s quicker to start; the default) or transformers "
         "(LlamaForCausalLM itself); not with --model, which always loads with transformers",
     )
-    add_settings(m, TrainConfig, "dim", "layers", "heads", "kv_heads", "device")
+    add_settings(m, TrainConfig, "dim", "layers", "heads", "kv_heads", "device", "fsdp")
     m.add_argument(
         "--dtype",
         choices=["float32", "float64"],

@@ -7,8 +7,8 @@ wraps it.
 
 A small, readable loop for a Hugging Face causal LM: AdamW, warm-up +
 cosine/linear decay, gradient accumulation, clipping, the global token-mean loss
-of :mod:`sftpack.loss`, seeded everything, DDP over ``torch.distributed``
-(``torchrun``; gloo on CPU, NCCL on GPU), atomic checksummed checkpoints with
+of :mod:`sftpack.loss`, seeded everything, DDP or FSDP2 (``TrainConfig.fsdp``) over
+``torch.distributed`` (``torchrun``; gloo on CPU, NCCL on GPU), atomic checksummed checkpoints with
 exact resume, a JSONL log per step (and TensorBoard scalars), a run given in steps or
 in epochs, the loss of a held-out set every K steps, and the trained model written
 as a Hugging Face folder at the end. A step whose loss or gradient is not
@@ -21,7 +21,7 @@ baseline in its micro-batch, the loader and offline rows laid by their builders)
 the model is a vision-language family's tiny model built from a config
 (``_model.build_media_model``), and the one :class:`~sftpack.loop._model.LossModule`
 runs the family's vision tower before the same head and loss; checkpoints,
-resume and DDP are the text run's. The log adds ``images`` per step.
+resume and DDP are the text run's (FSDP is text-only for now). The log adds ``images`` per step.
 
 The public names (``__all__``):
 
@@ -53,6 +53,8 @@ The parts behind them, importable from their modules (no second public path):
 - ``_loop``: :func:`train`, its log record ``StepLog`` and result ``TrainResult``,
   the device and ``torch.distributed`` helpers;
 - ``_checkpoint``: atomic save, checksum- and fingerprint-checked load;
+- ``_fsdp``: FSDP2 sharding (each decoder layer a unit, the loss module the root) and
+  the full model and optimizer states gathered for checkpoints and ``save_model``;
 - ``_eval``: ``split_eval`` (hold out a seeded share of the conversations) and ``EvalSet``
   (their packed micro-batches and token-mean loss); ``_tensorboard``: the per-step scalars;
   ``_export``: ``save_model`` (the trained model, the default ``SmallLlama`` as a

@@ -28,13 +28,21 @@ from ._llama import SmallLlama
 __all__ = ["hf_model", "save_model"]
 
 
-def hf_model(model: Any) -> Any:
+def hf_model(model: Any, state: dict[str, torch.Tensor] | None = None) -> Any:
     """``model`` as a transformers ``PreTrainedModel``: itself, or for a
-    :class:`~sftpack.loop._llama.SmallLlama` a ``LlamaForCausalLM`` holding its weights."""
+    :class:`~sftpack.loop._llama.SmallLlama` a ``LlamaForCausalLM`` holding its weights.
+    ``state``: the full weights of a sharded (``--fsdp``) ``model``
+    (:func:`~sftpack.loop._fsdp.full_state`), loaded into a new model of its config."""
     if not isinstance(model, SmallLlama):
         if not hasattr(model, "save_pretrained"):
             raise TypeError(f"{type(model).__name__} is not a Hugging Face model (it has no save_pretrained)")
-        return model
+        if state is None:
+            return model
+        with torch.random.fork_rng(devices=[]):
+            whole = transformers().AutoModelForCausalLM.from_config(model.config)
+        whole = whole.to(next(model.parameters()).dtype)
+        whole.load_state_dict(state, strict=True)
+        return whole
     c = model.config
     hf = transformers()
     cfg = hf.LlamaConfig(
@@ -57,8 +65,7 @@ def hf_model(model: Any) -> Any:
     with torch.random.fork_rng(devices=[]):  # its initial weights are overwritten: the RNG stays as it was
         out = hf.LlamaForCausalLM(cfg)
     out = out.to(next(model.parameters()).dtype)  # first: a float64 model's weights are not rounded to float32
-    out.load_state_dict(model.state_dict(), strict=True)
-    return out
+    out.load_state_dict(model.state_dict() if state is None else state, strict=True)
     return out
 
 
@@ -68,17 +75,19 @@ def save_model(
     *,
     tokenizer: Any = None,
     processor: Any = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model`` (trained) as a Hugging Face folder ``out``, with ``tokenizer`` (its chat
     template included) and a vision-language model's image ``processor`` beside it.
 
     The config names the tokenizer's ``eos``/``pad``/``bos`` ids, so ``generate`` stops
-    where the chat template ends a turn. Returns ``out``.
+    where the chat template ends a turn. ``state``: a sharded (``--fsdp``) model's full
+    weights (:func:`~sftpack.loop._fsdp.full_state`). Returns ``out``.
 
     Raises:
         TypeError: ``model`` is neither a Hugging Face model nor the default ``SmallLlama``.
     """
-    model_hf = hf_model(model)
+    model_hf = hf_model(model, state)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     if tokenizer is not None:

@@ -5,15 +5,18 @@ One optimizer step, on every rank::
 
     micro-batches = source.next_step()                 # this rank's share of the global batch
     n = all_reduce(sum of supervised targets)          # one count for the whole step, all ranks
-    for mb in micro-batches:                           # DDP syncs gradients on the last one only
-        (sum of token losses(mb) / n * world).backward()   # DDP averages over ranks: undo it
+    for mb in micro-batches:                           # DDP (or FSDP) syncs gradients on the last one only
+        (sum of token losses(mb) / n * world).backward()   # both average over ranks: undo it
     clip, AdamW step, LR step; log loss, real tokens, slots, tokens/s
 
 The loss of a step is the token mean over the whole global batch, however the
 conversations were grouped into rows, micro-batches and ranks, so the packed
 paths and the padded baseline train the same model from the same conversations
 (``tests/loop/test_equality.py``: per-step losses and final parameters agree to a
-fixed float64 tolerance derived there).
+fixed float64 tolerance derived there). With ``config.fsdp`` the model is sharded
+over the ranks (FSDP2, :mod:`~sftpack.loop._fsdp`) instead of replicated by DDP: the
+same step, the same numbers to that tolerance (``tests/loop/test_fsdp.py``), and
+checkpoints of the same format (the full state gathered to rank 0).
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ from ._checkpoint import (
     set_rng_state,
 )
 from ._eval import EvalSet
+from ._fsdp import ensure_group, full_state, load_state, optimizer_state, shard
+from ._fsdp import local as fsdp_local
 from ._model import LossModule
 from ._options import NonFinite, TrainConfig
 from ._sources import Source
@@ -241,9 +246,15 @@ def _check_ids(mbs: list[Any], vocab: int, step: int) -> None:
             )
 
 
-def _check_finite_params(model: Any, step: int) -> None:
-    for name, p in model.named_parameters():
-        if not bool(torch.isfinite(p).all()):
+def _check_finite_params(model: Any, step: int, sharded: torch.device | None = None) -> None:
+    """Every parameter finite; ``sharded`` (FSDP: the device of the ranks' flags): each rank
+    checks its shards and the flags meet in an all-reduce, so every rank raises alike."""
+    named = list(model.named_parameters())
+    bad = [not bool(torch.isfinite(fsdp_local(p)).all()) for _, p in named]
+    if sharded is not None:
+        bad = [bool(f) for f in _allreduce(torch.tensor(bad, dtype=torch.int64, device=sharded)).tolist()]
+    for (name, _), b in zip(named, bad):
+        if b:
             raise NonFiniteError(
                 f"step {step}: parameter {name} holds NaN or infinite values; no checkpoint was written (lower --lr)"
             )
@@ -295,6 +306,10 @@ def train(
         config: :class:`TrainConfig`.
         source: this rank's micro-batches per step (:func:`~sftpack.loop.make_source`).
         model: a Hugging Face causal LM (``build_model`` / ``load_model``), trained in place.
+            With ``config.fsdp`` its decoder layers and the loss module are sharded in place
+            (``fully_shard``; on one process in a one-rank group that ``train`` starts when
+            none is there): its parameters stay ``DTensor`` shards after the run, and
+            :func:`~sftpack.loop._fsdp.full_state` gathers them (every rank calls it).
         log: JSONL file, one :class:`StepLog` per line (rank 0 writes it).
         checkpoint_dir: where ``config.checkpoint_every`` saves (and ``resume`` reads).
         resume: ``True``: continue from the latest checkpoint in ``checkpoint_dir``
@@ -335,7 +350,9 @@ def train(
             and the cause, and the previous checkpoint stays ``latest``).
         NonFiniteError: a step's loss or gradient norm was not finite (with
             ``config.on_nonfinite="error"``).
-        ValueError: an unusable ``config.device``, or a token id outside the model's vocabulary.
+        ValueError: an unusable ``config.device``, or a token id outside the model's vocabulary;
+            ``config.fsdp`` with a vision-language model, or a model whose decoder layers
+            are not found (:func:`~sftpack.loop._fsdp.decoder_layers`).
     """
     if resume not in (True, False, "auto"):
         raise ValueError(f"resume must be True, False or 'auto', got {resume!r}")
@@ -357,9 +374,14 @@ def train(
     steps = config.total_steps
     evals = None if eval_samples is None else EvalSet(config, eval_samples, rank=rank, world=world)
     model.to(device)
+    fsdp = bool(config.fsdp)
+    if fsdp:
+        ensure_group(device)
     module = loss_module(model, pad_between_seqs=config.pad_between_seqs, average_over_ranks=world)
     runner: torch.nn.Module = module
-    if world > 1:
+    if fsdp:  # each decoder layer one unit, the loss module the root; gradients averaged like DDP's
+        shard(module, model, device)
+    elif world > 1:
         # a vision-language model's tower gets no gradient from a micro-batch without images
         unused = bool(getattr(module, "counts_images", False))
         runner = torch.nn.parallel.DistributedDataParallel(module, find_unused_parameters=unused)
@@ -407,15 +429,21 @@ def train(
                 path, rank=rank, world=world, fingerprint=fingerprint or source.fingerprint(), model=model
             )
             _check_resume_options(path, shared.get("config") or {}, config.as_dict())
+            if fsdp:  # the sharded parameters' optimizer takes its shards of the saved state
+                opt, sched = making.result()
             try:
-                model.load_state_dict(shared["model"])
-            except RuntimeError as e:
+                if fsdp:
+                    load_state(model, opt, shared["model"], shared["optimizer"])
+                else:
+                    model.load_state_dict(shared["model"])
+            except (RuntimeError, KeyError, ValueError) as e:
                 raise CheckpointError(
                     f"{path / 'state.pt'} holds another model's weights ({' '.join(str(e).split())[:160]}): "
                     "resume with the same --model or --dim/--layers/--heads/--kv-heads/--vocab"
                 ) from None
-            opt, sched = making.result()
-            opt.load_state_dict(shared["optimizer"])
+            if not fsdp:
+                opt, sched = making.result()
+                opt.load_state_dict(shared["optimizer"])
             sched.load_state_dict(shared["scheduler"])
             source.load_state_dict(mine["data"])
             set_rng_state(mine["rng"])
@@ -454,15 +482,18 @@ def train(
 
     def checkpoint(step: int) -> Path:
         nonlocal fingerprint, replace
-        _check_finite_params(model, step)  # never a checkpoint that cannot train on
+        _check_finite_params(model, step, device if fsdp else None)  # never a checkpoint that cannot train on
         to_save: dict[str, Any] | None = None  # rank 0 writes the shared state
         if fingerprint is None:
             fingerprint = source.fingerprint()
+        # FSDP: the full states gathered to rank 0 (every rank takes part): the same files as without
+        weights = full_state(model) if fsdp else None
+        moments = optimizer_state(model, opt) if fsdp else None
         if rank == 0:
             to_save = {
                 "step": step,
-                "model": model.state_dict(),
-                "optimizer": opt.state_dict(),
+                "model": weights if fsdp else model.state_dict(),
+                "optimizer": moments if fsdp else opt.state_dict(),
                 "scheduler": sched.state_dict(),
                 "config": config.as_dict(),
                 "fingerprint": fingerprint,
@@ -508,7 +539,9 @@ def train(
             if not skipped:
                 for i, mb in enumerate(mbs):
                     sync = world == 1 or i == len(mbs) - 1
-                    ctx = contextlib.nullcontext() if sync else runner.no_sync()  # type: ignore[operator]
+                    if fsdp:  # gradients reduce-scattered after the last micro-batch only
+                        runner.set_requires_gradient_sync(sync)  # type: ignore[operator]
+                    ctx = contextlib.nullcontext() if sync or fsdp else runner.no_sync()  # type: ignore[operator]
                     with ctx:
                         loss = runner(mb, n)
                         loss.backward()
@@ -517,6 +550,8 @@ def train(
                     grad_norm = torch.nn.utils.clip_grad_norm_(params, config.clip_norm)
                 else:
                     grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+                if hasattr(grad_norm, "full_tensor"):  # FSDP: a replicated DTensor
+                    grad_norm = grad_norm.full_tensor()
             if opt is None:
                 opt, sched = making.result()
             lr = opt.param_groups[0]["lr"]
@@ -570,7 +605,15 @@ def train(
             )
             every = config.eval_every
             if evals is not None and (step + 1 == steps or (every and (step + 1) % every == 0)):
-                rec.eval_loss = evals.loss(model, device, loss_module)
+                if fsdp:  # through the sharded root (it gathers its parameters), not averaged over ranks
+                    module.average_over_ranks = 1  # type: ignore[assignment]
+                    try:
+                        rec.eval_loss = evals.loss(model, device, lambda *a, **k: module)
+                    finally:
+                        module.average_over_ranks = world  # type: ignore[assignment]
+                        runner.reshard()  # type: ignore[operator]
+                else:
+                    rec.eval_loss = evals.loss(model, device, loss_module)
             logs.append(rec)
             conversations.append([c for mb in mbs for c in (mb.sequence_ids or ())])
             if writer is not None:

@@ -270,6 +270,7 @@ class LossModule(nn.Module):
             pixels["pixel_values"] = pixels["pixel_values"].to(self.model.dtype)
         b, S = mb.input_ids.shape
         kw: dict[str, Any] = {"input_ids": mb.input_ids, "use_cache": False, **pixels}
+        kw.update(self.family().padded_kwargs(mb.input_ids, media))  # Gemma 3: its images' two-way attention
         positions = getattr(media, "positions", None)
         if positions is not None:
             kw["position_ids"] = positions.reshape(3, b, S)

@@ -96,6 +96,7 @@ class TrainConfig:
         eval_fraction: the share of the conversations held out for evaluation
             (:func:`~sftpack.loop._eval.split_eval`; 0: none held out).
         eval_every: evaluate the held-out set every this many steps (and after the last).
+        fsdp: shard the model over the ranks (:mod:`~sftpack.loop._fsdp`: FSDP2) instead of DDP.
 
     A field with ``"help"`` in its metadata is a flag of ``sftpack train``, declared
     there once (:func:`sftpack.cli._common.add_settings` reads it: the help, and
@@ -211,6 +212,13 @@ class TrainConfig:
             "metavar": "K",
         },
     )
+    fsdp: bool = field(
+        default=False,
+        metadata={
+            "help": "shard the model, its gradients and the optimizer state over the ranks (FSDP2, under torchrun; "
+            "one process works too); checkpoints stay whole and resume with or without it; text models only"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -288,7 +296,7 @@ class TrainConfig:
         for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
-        for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every"):
+        for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every", "fsdp"):
             if not d[name]:  # a run without them: its saved config stays what it was
                 del d[name]
         return d
