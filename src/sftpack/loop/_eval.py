@@ -53,6 +53,17 @@ def split_eval(config: TrainConfig, samples: Sequence[Sample]) -> tuple[list[Sam
     return [s for s in samples if s.conversation_id not in held], [s for s in samples if s.conversation_id in held]
 
 
+def _allreduce(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks of the initialised default group, in place (alone: itself)."""
+    if (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    ):
+        torch.distributed.all_reduce(t)
+    return t
+
+
 class EvalSet:
     """The held-out samples, packed once into this rank's share of micro-batches (the trainer
     path's packing: ``config.micro_batch_tokens`` or ``max_seq_len`` tokens each, the same
@@ -95,8 +106,6 @@ class EvalSet:
         """The token-mean loss of ``model`` over the whole set (every rank calls it: the sums
         meet in an all-reduce), through ``loss_module`` (the training loop's). The model is put
         in eval mode for it and back after."""
-        from ._loop import _allreduce
-
         module = loss_module(model, pad_between_seqs=self.pad_between_seqs, average_over_ranks=1)
         was_training = model.training
         model.eval()

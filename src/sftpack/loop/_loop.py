@@ -47,7 +47,7 @@ from ._checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from ._eval import EvalSet
+from ._eval import EvalSet, _allreduce
 from ._fsdp import ensure_group, full_state, load_state, optimizer_state, shard
 from ._fsdp import local as fsdp_local
 from ._model import LossModule
@@ -157,12 +157,6 @@ def _step_of(line: str) -> float:
         return int(json.loads(line)["step"])
     except (ValueError, KeyError, TypeError):
         return float("inf")
-
-
-def _allreduce(t: torch.Tensor) -> torch.Tensor:
-    if dist_info()[1] > 1:
-        torch.distributed.all_reduce(t)
-    return t
 
 
 def resolve_device(name: str | None) -> torch.device:
