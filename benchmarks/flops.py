@@ -1,72 +1,22 @@
-"""Matmul FLOPs per token of a Llama-style decoder: the body against the output head.
+"""Matmul FLOPs per token of real decoders: the body against the output head.
 
-Counts the multiply-adds of the matrix products (2 FLOPs each) in one forward
-pass; a training step is about three times that (forward, and the backward's two
-products per matmul) for the body and the head alike, so the split is the same.
-Norms, activations, rotary embeddings and the softmax are left out (a few per
-cent at most); the embedding lookup is not a matmul.
-
-Per token and layer, with ``H`` the hidden size, ``I`` the MLP width, ``d = H /
-heads`` and ``K = kv_heads * d``:
-
-- attention projections: ``2 * (H*H + 2*H*K + H*H)`` (q, k, v, o);
-- MLP (gated: gate, up, down): ``2 * 3 * H * I``;
-- attention scores and the weighted sum: ``2 * 2 * H * c`` where ``c`` is the
-  number of keys the token sees; causal over a sequence of ``L`` tokens, ``c``
-  averages ``(L + 1) / 2``.
-
-The head is ``2 * H * V`` per token that is scored. sftpack scores only the
-supervised tokens (those with a target), on every path and on the padded
-baseline, so the head's share is ``supervised * head / (body + supervised * head)``.
+The FLOP model lives in the library (:mod:`sftpack.report.flops`, where ``sftpack
+demo`` takes its speed bounds from); this script prints its split for the models
+``docs/performance.md`` discusses.
 
     python benchmarks/flops.py [--context 4096] [--supervised 0.38] [--bound 2]
 
-Prints a table (the last column: :func:`expected_speedup` of a packed step over a
+Prints a table (the last column: ``expected_speedup`` of a packed step over a
 padded one at that bound); ``docs/performance.md`` quotes it.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
-__all__ = ["MODELS", "Decoder", "expected_speedup", "split"]
+from sftpack.report.flops import Decoder, expected_speedup, split
 
-
-@dataclass(frozen=True)
-class Decoder:
-    """The shape of a Llama-style decoder (gated MLP, grouped-query attention)."""
-
-    name: str
-    hidden: int
-    layers: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    vocab: int
-
-    def projections(self) -> int:
-        """FLOPs per token of the q, k, v, o projections, all layers."""
-        h, k = self.hidden, self.kv_heads * (self.hidden // self.heads)
-        return self.layers * 2 * (2 * h * h + 2 * h * k)
-
-    def mlp(self) -> int:
-        """FLOPs per token of the gated MLP, all layers."""
-        return self.layers * 2 * 3 * self.hidden * self.intermediate
-
-    def attention(self, context: int) -> float:
-        """FLOPs per token of the scores and the weighted sum, all layers, causal over
-        sequences of ``context`` tokens (a token sees ``(context + 1) / 2`` keys on average)."""
-        return self.layers * 2 * 2 * self.hidden * (context + 1) / 2
-
-    def body(self, context: int) -> float:
-        """FLOPs per token of the transformer body."""
-        return self.projections() + self.mlp() + self.attention(context)
-
-    def head(self) -> int:
-        """FLOPs per scored token of the output head."""
-        return 2 * self.hidden * self.vocab
-
+__all__ = ["MODELS", "main"]
 
 #: the models ``docs/performance.md`` discusses, and the benchmark's tiny one
 MODELS = (
@@ -75,29 +25,6 @@ MODELS = (
     Decoder("bench_train (data vocabulary)", 128, 4, 512, 4, 2, 34_460),
     Decoder("bench_train (tokenizer vocabulary)", 128, 4, 512, 4, 2, 151_646),
 )
-
-
-def split(model: Decoder, context: int, supervised: float) -> dict[str, float]:
-    """Per-token FLOPs of the body and of the head (averaged over all tokens, of which
-    the fraction ``supervised`` is scored), and the head's share of the step."""
-    body = model.body(context)
-    head = supervised * model.head()
-    return {"body": body, "head": head, "head_share": head / (body + head)}
-
-
-def expected_speedup(bound: float, head_to_body: float) -> float:
-    """A packed step's speed-up over a padded one when only the body's work scales with slots.
-
-    Per real token a packed step (rows nearly full) costs ``body + head``; a padded step
-    costs ``bound * body + head`` (``bound`` = packed fill / padded fill, the slots saved)
-    and the same head (supervised tokens only, on both). With ``head_to_body = head / body``
-    the ratio is ``(bound + head_to_body) / (1 + head_to_body)``: the bound when the head is
-    free, 1 when the body is.
-
-    >>> expected_speedup(2.0, 0.0), expected_speedup(2.0, 1.0)
-    (2.0, 1.5)
-    """
-    return (bound + head_to_body) / (1.0 + head_to_body)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,6 +5,7 @@ on exactly what its rule says (checked by decoding the trained tokens), from the
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -303,7 +304,8 @@ def test_inspect_names_the_format(tmp_path: Path, tok_dir: Path, capsys: pytest.
     """The manifest's counts carry the reader's ``formats`` (offline's ``reading_counts``), and
     ``sftpack inspect`` names them; plain ``messages`` data shows no such line, as before."""
     _, out = _prepack(tmp_path, tok_dir, [*ALPACA, *ALPACA[:1]])
-    capsys.readouterr()
+    said = capsys.readouterr().out
+    assert re.search(r"\n +formats +alpaca 4\n", said), said  # the prepack summary names them too
     assert main(["inspect", str(out)]) == 0
     assert "  formats: alpaca 4 (rows kept)\n" in capsys.readouterr().out
     msgs = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}]

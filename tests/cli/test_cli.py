@@ -62,6 +62,8 @@ def test_bench_reports_layouts_and_counts_bad_rows(capsys, tmp_path):
     for layout in ("bfd", "ffd", "first_fit_shuffle", "next_fit", "greedy_knapsack", "one per row, padded to 128"):
         assert f"\n  {layout} " in out
     assert "lower bounds on rows: L1=" in out
+    # the packers' first call (their kernels' load) apart from their packing time
+    assert re.search(r"\n  compiler load \(each packer's first call, once per process; not in pack time\): bfd ", out)
 
 
 def test_bench_error_mode_names_file_and_line(tmp_path, capsys):
@@ -128,3 +130,49 @@ def test_bench_reports_every_file_it_did_not_read(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "read 40 rows: 39 kept, dropped: invalid_json 1" in out
     assert "not read: unsupported_format 1" in out and "notes.txt: unsupported_format" in out
+
+
+def test_image_prepack_says_when_the_patch_budget_limits_the_fill(capsys, tmp_path):
+    import json
+
+    from sftpack.cli._prepack import patch_budget_note
+
+    out_dir = tmp_path / "vqa.prepack"
+    argv = ["prepack", "--corpus", "vqa", "--limit", "16", "--max-patches-per-row", "1024"]
+    assert main([*argv, "--out", str(out_dir)]) == 0
+    out, err = capsys.readouterr()
+    assert re.search(r"tokenize: 100%\|.*\| 16/16 \[", err)  # the tokenize bar knows its total
+    # 16 conversations of a few dozen tokens fill few of 4,096 slots while their patches fill the rows
+    line = next(x for x in out.splitlines() if x.strip().startswith("patch budget"))
+    assert re.search(r"fill \d+\.\d%: rows close on --max-patches-per-row \(1,024 patches; \d+\.\d% of it", line)
+    assert "before --max-seq-len (4,096 tokens)" in line and "raise --max-patches-per-row to fill rows" in line
+    manifest = json.loads((out_dir / "manifest.json").read_text())
+    assert patch_budget_note(manifest) is not None
+    # the same rows under a budget they use little of: the tokens bind, no sentence
+    fp = dict(manifest["fingerprint"], max_patches_per_row=10**6)
+    assert patch_budget_note({**manifest, "fingerprint": fp}) is None
+    no_budget = {k: v for k, v in manifest["fingerprint"].items() if k != "max_patches_per_row"}
+    assert patch_budget_note({**manifest, "fingerprint": no_budget}) is None
+
+
+def test_prepack_tokenize_bar_totals(tmp_path):
+    """The rows stage 1 will read, counted without reading them: the tokenize bar's total and ETA."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from sftpack.chat import read_conversations
+    from sftpack.data import default_corpus
+    from sftpack.offline._local import input_total
+
+    jsonl = _chat_file(tmp_path)  # 39 rows and a bad one: 40 lines
+    bare = tmp_path / "bare.jsonl"
+    bare.write_bytes(jsonl.read_bytes().rstrip(b"\n"))  # no newline after the last row
+    table = pa.table({"messages": [[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]] * 7})
+    pq.write_table(table, tmp_path / "seven.parquet")
+    reader = read_conversations([str(jsonl), str(bare), str(tmp_path / "seven.parquet")])
+    assert input_total(None, reader, None) == 40 + 40 + 7
+    assert input_total(None, reader, 50) == 50
+    assert input_total([[], [], []], None, None) == 3
+    assert input_total(iter([]), None, None) is None  # a stream: no total
+    assert input_total(None, None, None) == sum(1 for _ in default_corpus())  # the embedded corpus
+    assert input_total(None, None, 10) == 10

@@ -61,6 +61,16 @@ def test_demo_quick_runs_as_a_console_script_and_writes_its_results(tmp_path):
         assert paths[name]["loss_diff"] <= TRAIN_64, name
         assert paths[name]["fill"] > paths["none"]["fill"], name  # packing fills more slots than padding
     assert paths["none"]["loss_diff"] is None  # the baseline is the reference, not compared
+    # the speed table holds or says why on the path's line: each ratio over padded batches is at most the
+    # path's FLOP bound and at least 1, else its note names the cause (the logic: tests/report/test_speed.py)
+    lines = proc.stdout.split("== 6. Summary", 1)[1].splitlines()
+    for name in PACKED:
+        p = paths[name]
+        ratio = p["tokens_per_s"] / paths["none"]["tokens_per_s"]
+        assert p["bound"] > 1 and len(p["step_ratios"]) == steps - 1, name  # the first step is the warm-up
+        assert (p["note"] == "") == (1 <= ratio <= p["bound"]), (name, ratio, p)
+        line = next(x for x in lines if x.startswith(f"  {name} "))
+        assert f"{p['bound']:.2f}x" in line and (p["note"] or "-") in line, line
     # the trainer path and the padded baseline train on the same conversations: the same first loss
     assert abs(paths["trainer"]["losses"][0] - paths["none"]["losses"][0]) <= TRAIN_64
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from sftpack import PackedBatch
 from sftpack.report.layout import (
+    demo_figure,
     draw_row,
     draw_row_to_scale,
     render_map,
@@ -90,3 +91,47 @@ def test_save_demo_png_draws_rows_with_images(tmp_path):
     bars = {"fill": {"vqa": 0.9}, "tokens_per_s": {"vqa packed": 10.0, "vqa padded": 8.0}}
     path = save_demo_png(tmp_path, {}, [row], bars)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _demo_summary():
+    from sftpack.report.demo import PathSummary
+    from sftpack.trainer import pack_step, padded_batch
+
+    samples = samples_from_lengths([30, 200, 40, 90, 10])
+    ids, lens, mask = padded_batch(samples, pad_id=0)
+    summary = {
+        "offline": PathSummary("offline", fill=0.97, losses=[3.0, 2.5, 2.0], tokens_per_s=900.0),
+        "loader": PathSummary("loader", fill=0.95, losses=[3.0, 2.6, 2.2], tokens_per_s=850.0),
+        "trainer": PathSummary("trainer", fill=1.0, losses=[3.0, 2.7, 2.1], tokens_per_s=800.0),
+        "none": PathSummary("none", fill=0.4, losses=[3.0, 2.7, 2.1], tokens_per_s=400.0),
+    }
+    summary["offline"].first_rows = [PackedBatch.from_samples(samples[:3], row_width=300)]
+    summary["loader"].first_rows = [PackedBatch.from_samples(samples[3:], row_width=300)]
+    summary["trainer"].first_rows = [pack_step(ids, lens, mask, pad_id=0)]  # 370 real slots: wider than 300
+    summary["none"].first_rows = [PackedBatch.from_samples([x], row_width=200) for x in samples[:2]]
+    return summary
+
+
+def test_demo_figure_titles_inside_curves_apart_row_widths_labelled():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    bars = {"fill": {"vqa, tokens only": 0.9, "vqa, + patch budget": 0.5}, "tokens_per_s": {"vqa packed": 9.0}}
+    fig = demo_figure(_demo_summary(), [_image_row()], bars)
+    fig.canvas.draw()
+    box = fig.bbox
+    texts = [t for ax in fig.axes for t in ax.texts]  # the notes written on the panels
+    titles = [t for ax in fig.axes for t in (ax.title,) if t.get_text()] + [fig._suptitle]
+    for t in titles + texts:  # no title or note cut at the figure's edges
+        e = t.get_window_extent()
+        assert box.x0 <= e.x0 and e.x1 <= box.x1 and box.y0 <= e.y0 and e.y1 <= box.y1, t.get_text()
+    words = [t.get_text() for t in texts]
+    assert "trainer rows: as wide as each batch\nneeds (up to 370 slots here)" in words
+    assert "offline rows: 300 slots\n(max_seq_len)" in words
+    # the trainer curve equals the padded one (same conversations) and must stay visible over it
+    loss = next(ax for ax in fig.axes if ax.get_title().startswith("training loss"))
+    lines = {ln.get_label(): ln for ln in loss.get_lines()}
+    a, b = lines["trainer"], lines["none"]
+    assert list(a.get_ydata()) == list(b.get_ydata())
+    assert (a.get_linestyle(), a.get_marker()) != (b.get_linestyle(), b.get_marker())
+    assert a.get_zorder() > b.get_zorder() and a.get_markerfacecolor() == "none"  # drawn on top, see-through

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from sftpack.binpack import Algorithm, pack
-from sftpack.report.savings import compare_media_layouts, format_media_layouts
+from sftpack.report.savings import compare_media_layouts, format_media_layouts, load_line
 
 
 def test_each_packer_with_and_without_the_patch_budget():
@@ -42,4 +42,5 @@ def test_each_packer_with_and_without_the_patch_budget():
     assert by[("ffd", None)].over_budget > 0  # the budget binds on these samples ...
     assert by[("ffd", 2048)].rows > by[("ffd", None)].rows  # ... and costs rows
     text = format_media_layouts(rows, 1024)
-    assert text.count("\n") == len(rows) + 1 and "one per row" in text
+    assert text.count("\n") == len(rows) + 2 and "one per row" in text  # header, rule, rows, the load
+    assert text.splitlines()[-1] == load_line(rows) and "ffd + patch budget" in load_line(rows)

@@ -92,6 +92,34 @@ def _fmt(n: float) -> str:
     return f"{n:,}" if isinstance(n, int) else f"{n:,.2f}"
 
 
+def patch_budget_note(manifest: dict[str, Any]) -> str | None:
+    """The sentence saying that the patch budget, not the token budget, limits the fill, or None.
+
+    The patch budget binds when the rows hold a larger share of their ``--max-patches-per-row``
+    patches than of their ``--max-seq-len`` slots: they close on patches first.
+
+    >>> m = {"max_seq_len": 100, "counts": {"rows": 10, "fill": 0.3, "l1": 3},
+    ...      "fingerprint": {"max_patches_per_row": 50}, "media": {"patches": 450}}
+    >>> patch_budget_note(m)[:40]
+    'fill 30.0%: rows close on --max-patches-'
+    >>> patch_budget_note({**m, "media": {"patches": 100}}) is None  # 20% of the patches, 30% of the slots
+    True
+    """
+    budget = manifest.get("fingerprint", {}).get("max_patches_per_row")
+    media, c = manifest.get("media"), manifest["counts"]
+    if not budget or not media or not c["rows"]:
+        return None
+    patch_fill = media["patches"] / (c["rows"] * budget)
+    if patch_fill <= c["fill"]:
+        return None
+    by_patches = -(-media["patches"] // budget)
+    return (
+        f"fill {c['fill']:.1%}: rows close on --max-patches-per-row ({budget:,} patches; {patch_fill:.1%} of it used "
+        f"on average) before --max-seq-len ({manifest['max_seq_len']:,} tokens); the patches alone need "
+        f"{by_patches:,} rows, the tokens {c['l1']:,}: raise --max-patches-per-row to fill rows"
+    )
+
+
 def summary_lines(result: PrepackResult) -> list[str]:
     """The end-of-run table (also used by the tests)."""
     m = result.manifest
@@ -104,6 +132,8 @@ def summary_lines(result: PrepackResult) -> list[str]:
         ("  kept", _fmt(c["kept"])),
         ("  dropped (by reason)", dropped),
     ]
+    if c.get("formats"):  # data of other formats than messages (the manifest counts them)
+        rows.insert(2, ("  formats", ", ".join(f"{k} {v:,}" for k, v in c["formats"].items())))
     if oc:
         rows += [
             ("  fit / split / truncated", f"{oc['fit']:,} / {oc['split']:,} / {oc['truncated']:,}"),
@@ -130,6 +160,9 @@ def summary_lines(result: PrepackResult) -> list[str]:
                 f"{media['pixel_bytes'] * 8 / 1e6:,.2f} MB)",
             ),
         )
+        note = patch_budget_note(m)
+        if note is not None:
+            rows.insert(-1, ("patch budget", note))
     actors = getattr(result, "actors", None)
     if actors:
         rates = ", ".join(f"{a['tokens_per_s'] / 1e3:,.0f}k" for a in actors)
@@ -232,6 +265,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         raise UsageError(str(e)) from None
     from ..multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError
     from ..offline import prepack
+    from ..offline._local import KnownLength, input_total
 
     # the family (a --model folder's), then the options, checked before an image is read; what fails
     # after that is the data's (exit 1)
@@ -244,7 +278,9 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     if vqa:
         from ..multimodal import vqa_corpus
 
-        conversations: Any = vqa_corpus(seed=args.seed, limit=args.limit)
+        # counted first (their image paths only, no pixels): the tokenize bar's total and ETA
+        total = sum(1 for _ in vqa_corpus(seed=args.seed, limit=args.limit))
+        conversations: Any = KnownLength(vqa_corpus(seed=args.seed, limit=args.limit), total)
         extra: dict[str, Any] = {
             "corpus": {"name": "easy-vqa", "split": "train", "seed": args.seed, "limit": args.limit}
         }
@@ -255,7 +291,10 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
 
         check_out_outside_inputs(args.inputs, args.out)  # before a file is read, as for text
         reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
-        conversations = iter(reader)  # an iterable of conversations: hashed as it streams (ids, messages)
+        # an iterable of conversations, hashed as it streams (ids, messages); with its files' rows
+        # as the tokenize bar's total
+        rows = input_total(args.inputs, reader, args.limit)
+        conversations = iter(reader) if rows is None else KnownLength(iter(reader), rows)
         extra = {"input_files": input_fingerprints(reader)}  # and the data files by their bytes
     try:
         mine = {"tokenizer": tok, "processor": processor} if args.model is not None else {}

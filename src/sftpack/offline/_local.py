@@ -57,6 +57,56 @@ class _Counted:
             yield from row
 
 
+class KnownLength:
+    """``items`` with a known ``len`` (the tokenize bar's total, for its rate and ETA)."""
+
+    def __init__(self, items: Iterable[Any], total: int):
+        self.items, self.total = items, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+
+def _source_rows(src: Any) -> int | None:
+    """Rows in one reader source without reading them: a JSONL file's lines (not gzip'd),
+    a Parquet file's metadata, a dataset's length; None when not known cheaply."""
+    if src.kind == "dataset":
+        return len(src.target) if hasattr(src.target, "__len__") else None
+    path = Path(src.target)
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    if path.suffix == ".gz":
+        return None
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")
+
+
+def input_total(inputs: Any, reader: Any, limit: int | None) -> int | None:
+    """How many conversations (rows) stage 1 will read, for the tokenize bar: the rows of a
+    reader's files, the embedded corpus's (``inputs`` None), an input's ``len``; None when not known without
+    reading them. Rows the reader drops as bad are in it, so a bar may end below it."""
+    n: int | None
+    if reader is not None:
+        counts = [_source_rows(src) for src in reader.sources]
+        n = None if None in counts else sum(c for c in counts if c is not None)
+    elif inputs is None:
+        from ..data import _corpus
+
+        n = len(_corpus())
+    else:
+        n = len(inputs) if hasattr(inputs, "__len__") else None
+    return n if limit is None or n is None else min(n, limit)
+
+
 class _FingerprintAfterFirst:
     """Passes samples through; when the first one arrives (the tokenizer is then busy with
     the next batch), starts ``tokenizer_fingerprint`` on ``pool``. :meth:`result` waits for
@@ -125,8 +175,12 @@ class LocalEngine(PrepackEngine):
                 "transformers.AutoTokenizer.from_pretrained(path), or prepack with the Ray engine"
             )
         inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
+        conversations: Iterable[Any] = inputs.conversations
+        total = input_total(work.inputs, inputs.reader, o.limit) if self.progress else None
+        if total is not None:
+            conversations = KnownLength(conversations, total)  # the tokenize bar's total and ETA
         tokenized = tokenize_conversations(
-            inputs.conversations,
+            conversations,
             tokenizer,
             max_seq_len=o.max_seq_len,
             overlong=o.overlong,
@@ -162,7 +216,8 @@ class LocalEngine(PrepackEngine):
         settings = work.image_settings()
         inputs = open_image_inputs(work.inputs, limit=o.limit)
         counts = ImageCounts()
-        with progress_bar(self.progress, desc="tokenize", unit="conv") as bar:
+        total = input_total(work.inputs, None, o.limit)
+        with progress_bar(self.progress, total=total, desc="tokenize", unit="conv") as bar:
 
             def counted() -> Iterator[Any]:
                 for item in encoded(inputs.conversations, settings, self.num_proc):

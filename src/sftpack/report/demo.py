@@ -16,7 +16,10 @@
    float64, on the first :data:`TRAIN_POOL` whole conversations: the trainer
    path and the baseline see the same conversations, the offline and loader
    runs are replayed unpacked; the losses agree within a fixed tolerance
-   (derived below), tokens/s compared;
+   (derived below); the four runs take their steps in turn (:class:`~._speed.Turns`:
+   the same load for each), and each path's real tokens/s over padded batches is set
+   beside the bound its saved FLOPs allow (:func:`~.flops.flop_bound`), with the
+   reason on its line when it breaks it or falls below 1 (:func:`~._speed.speed_note`);
 6. multimodal: easy-vqa conversations with images on a tiny Qwen2-VL
    (:func:`~sftpack.report._demo_images.media_section`): rows under a token and a vision-patch budget
    drawn to scale with their image runs marked, every image and patch accounted
@@ -43,6 +46,7 @@ import math
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,6 +65,8 @@ from ..trainer import pack_step, padded_batch
 from ._demo_images import EXACT_MM_64, MediaSummary, media_section
 from ._demo_images import _Compact as _Compact  # re-exported: benchmarks/bench_media.py times with it
 from ._demo_images import step_times as step_times
+from ._speed import Turns, speed_note
+from .flops import Decoder, flop_bound
 from .layout import render_map, save_demo_png
 from .savings import format_table
 
@@ -125,6 +131,9 @@ class DemoDone:
                     "fill": p.fill,
                     "pack_seconds": p.pack_seconds,
                     "tokens_per_s": p.tokens_per_s,
+                    "bound": None if math.isnan(p.bound) else p.bound,
+                    "step_ratios": list(p.step_ratios),
+                    "note": p.note,
                     "loss_diff": None if math.isnan(p.loss_diff) else p.loss_diff,
                     "losses": list(p.losses),
                 }
@@ -141,7 +150,10 @@ class PathSummary:
     rows: int = 0
     fill: float = 0.0
     pack_seconds: float = 0.0
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  #: real tokens/s of the timed training steps
+    bound: float = float("nan")  #: the speed-up over padded batches the saved FLOPs allow (flops.flop_bound)
+    step_ratios: list[float] = field(default_factory=list)  #: tokens/s over padded, step by step
+    note: str = ""  #: why the ratio over padded breaks the bound or is below 1 (_speed.speed_note), else ""
     loss_diff: float = float("nan")
     losses: list[float] = field(default_factory=list)
     first_rows: list[Any] = field(default_factory=list)
@@ -383,16 +395,7 @@ def _text_story(
 def _summary_table(summary: dict[str, PathSummary]) -> Iterator[str]:
     base = summary["none"]
     yield format_table(
-        (
-            "path",
-            "rows",
-            "fill",
-            "pack time",
-            "train tokens/s",
-            "vs padded",
-            "bound",
-            "max|dloss| vs unpacked",
-        ),
+        ("path", "rows", "fill", "pack time", "train tokens/s", "vs padded", "bound", "max|dloss|", "why"),
         [
             (
                 p.path,
@@ -401,17 +404,20 @@ def _summary_table(summary: dict[str, PathSummary]) -> Iterator[str]:
                 f"{p.pack_seconds:.2f} s" if p.path != "none" else "-",
                 f"{p.tokens_per_s:,.0f}",
                 f"{p.tokens_per_s / base.tokens_per_s:.2f}x" if base.tokens_per_s else "-",
-                f"{p.fill / base.fill:.2f}x",
+                "-" if math.isnan(p.bound) else f"{p.bound:.2f}x",
                 "-" if p.path == "none" else f"{p.loss_diff:.1e}",
+                p.note or "-",
             )
             for p in summary.values()
         ],
     )
     yield (
-        "  bound = fill / padded fill (slots saved). The training rows are shorter than the corpus rows above, and "
-        "the output head (supervised tokens only) and the optimizer step cost the same on every path, so a tiny "
-        "CPU model stays under the bound (benchmarks/bench_train.py times the body and the head apart; "
-        "docs/performance.md says what to expect of a real model)."
+        "  bound = FLOPs per real token of padded batches / of the path's rows, priced on the very steps timed "
+        "(sftpack.report.flops: matmuls on every slot, causal attention within each conversation, the head on "
+        "supervised tokens): packing saves attention quadratically, so it is above the slot ratio "
+        "(fill / padded fill). Timed: the training steps of section 4, the paths a step each in turn after a "
+        "warm-up step. why: what breaks the bound, or makes a path slower than padded, on that line. "
+        "max|dloss|: against the same conversations unpacked."
     )
 
 
@@ -463,7 +469,6 @@ def _training(
             f"  model: Llama dim 64, 2 layers, float64, over the {len(ids):,} ids of its data: the first {len(short):,} "
             f"conversations of <= {max_seq_len} tokens; {conversations} conversations (trainer, none) or {rows} rows (offline, loader) per step"
         )
-        results: dict[str, Any] = {}
 
         def config(packing: str, batch_size: int, **more: Any) -> TrainConfig:
             return TrainConfig(
@@ -483,43 +488,82 @@ def _training(
         def model() -> Any:
             return build_model(len(ids), dim=64, layers=2, heads=4, kv_heads=2, seed=seed, dtype=torch.float64)
 
+        order = ("none", "trainer", "loader", "offline")
+        cfgs = {
+            p: config(
+                p,
+                rows if p in ("loader", "offline") else conversations,
+                buffer_size=64,
+                micro_batch_tokens=rows * max_seq_len,
+            )
+            for p in order
+        }
+        # The four runs take their steps in turn (one thread each, one step at a time), so
+        # every path is timed under the same load; each run's first step is an untimed warm-up.
+        turns = Turns(order)
         with tempfile.TemporaryDirectory(prefix="sftpack-demo-train-") as tmp:
             prepacked = prepack_samples(short, Path(tmp) / "rows", max_seq_len=max_seq_len, seed=seed).path
-            for path in ("none", "trainer", "loader", "offline"):
-                per_rows = path in ("loader", "offline")
-                cfg = config(
-                    path,
-                    rows if per_rows else conversations,
-                    buffer_size=64,
-                    micro_batch_tokens=rows * max_seq_len,
-                )
-                res = train(cfg, source=make_source(cfg, samples=short, prepacked=prepacked), model=model())
-                results[path] = res
-                s = summary[path]
-                s.losses = res.losses
-                s.tokens_per_s = sum(r.real_tokens for r in res.logs) / sum(r.step_time for r in res.logs)
-                ref_diff = ""
-                if path == "trainer":
-                    s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, results["none"].losses))
-                    same = [sorted(a) for a in res.conversations] == [sorted(b) for b in results["none"].conversations]
-                    checks["trainer: same conversations as padded"] = same
-                    ref_diff = f"; same conversations as padded: {same}, max|dloss| {s.loss_diff:.1e}"
-                elif per_rows:
-                    replay = ReplaySource([[by_id[c] for c in step] for step in res.conversations])
-                    ref = train(config("none", conversations), source=replay, model=model())
-                    s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
-                    ref_diff = f"; unpacked replay of the same conversations: max|dloss| {s.loss_diff:.1e}"
-                if path != "none":
-                    checks[f"{path}: losses equal"] = bool(s.loss_diff <= TRAIN_64)
-                yield (
-                    f"  {path:8s} loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}, "
-                    f"{s.tokens_per_s:,.0f} real tokens/s{ref_diff}"
-                )
-        base = summary["none"].tokens_per_s
+            models = {p: model() for p in order}
+            sources = {p: make_source(cfgs[p], samples=short, prepacked=prepacked) for p in order}
+
+            def run(p: str) -> Any:
+                torch.set_num_threads(1)
+                try:
+                    return train(
+                        cfgs[p], source=turns.source(p, sources[p]), model=models[p], on_step=turns.on_step(p, steps)
+                    )
+                finally:
+                    turns.leave(p)
+
+            with ThreadPoolExecutor(max_workers=len(order), thread_name_prefix="sftpack-demo") as pool:
+                futures = {p: pool.submit(run, p) for p in order}
+                results = {p: f.result() for p, f in futures.items()}
+        for path in order:
+            res = results[path]
+            s = summary[path]
+            s.losses = res.losses
+            ref_diff = ""
+            if path == "trainer":
+                s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, results["none"].losses))
+                same = [sorted(a) for a in res.conversations] == [sorted(b) for b in results["none"].conversations]
+                checks["trainer: same conversations as padded"] = same
+                ref_diff = f"; same conversations as padded: {same}, max|dloss| {s.loss_diff:.1e}"
+            elif path != "none":
+                replay = ReplaySource([[by_id[c] for c in step] for step in res.conversations])
+                ref = train(config("none", conversations), source=replay, model=model())
+                s.loss_diff = max(abs(a - b) for a, b in zip(res.losses, ref.losses))
+                ref_diff = f"; unpacked replay of the same conversations: max|dloss| {s.loss_diff:.1e}"
+            if path != "none":
+                checks[f"{path}: losses equal"] = bool(s.loss_diff <= TRAIN_64)
+            yield f"  {path:8s} loss {res.losses[0]:.4f} -> {res.losses[-1]:.4f}{ref_diff}"
+        _speeds(summary, results, turns, Decoder.of(models["none"], "demo Llama"))
         equal = all(checks[f"{p}: losses equal"] for p in ("trainer", "loader", "offline"))
-        yield "  tokens/s vs padded: " + ", ".join(
-            f"{p} {summary[p].tokens_per_s / base:.2f}x" for p in ("trainer", "loader", "offline")
+        yield (
+            f"  timed: steps 2-{steps} of each run, the four runs a step each in turn (step 1: warm-up): "
+            + ", ".join(f"{p} {summary[p].tokens_per_s:,.0f}" for p in order)
+            + " real tokens/s"
         )
         yield f"  losses equal to unpacked (float64, <= {TRAIN_64:.0e}): {equal}"
     finally:
         torch.set_num_threads(threads)
+
+
+def _speeds(summary: dict[str, PathSummary], results: dict[str, Any], turns: Turns, model: Decoder) -> None:
+    """Each path's real tokens/s over its timed steps (all but the first), its ratio to padded
+    batches step by step, its FLOP bound over the same steps, and the note on its line."""
+    timed = {p: r.logs[1:] or r.logs for p, r in results.items()}
+    batches = {p: [mb for step in (b[1:] or b) for mb in step] for p, b in turns.batches.items()}
+    layers = model.layers
+    per_step = {p: [x.real_tokens / x.step_time for x in logs] for p, logs in timed.items()}
+    padded_calls = layers * max(1, round(len(batches["none"]) / max(1, len(timed["none"]))))
+    for p, logs in timed.items():
+        s = summary[p]
+        s.tokens_per_s = sum(x.real_tokens for x in logs) / sum(x.step_time for x in logs)
+        if p == "none":
+            continue
+        s.step_ratios = [a / b for a, b in zip(per_step[p], per_step["none"])]
+        s.bound = flop_bound(model, batches["none"], batches[p])
+        calls = layers * round(sum(mb.num_sequences for mb in batches[p]) / max(1, len(logs)))
+        s.note = speed_note(
+            s.tokens_per_s / summary["none"].tokens_per_s, s.bound, s.step_ratios, (calls, padded_calls)
+        )

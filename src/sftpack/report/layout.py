@@ -30,6 +30,7 @@ __all__ = [
     "draw_row",
     "draw_row_to_scale",
     "render_map",
+    "demo_figure",
     "save_demo_png",
     "save_map_png",
     "worked_example",
@@ -166,6 +167,26 @@ def save_map_png(path: str, rows: list[MapRow] | None = None) -> str:
     return path
 
 
+#: the loss curves: the trainer path's equals the padded run's (the same conversations), so it is
+#: drawn over it dashed with open markers, both visible
+_LOSS_STYLES: dict[str, dict[str, Any]] = {
+    "offline": {"marker": "s", "linestyle": "-"},
+    "loader": {"marker": "^", "linestyle": "-"},
+    "trainer": {"marker": "o", "linestyle": "--", "markerfacecolor": "none", "markersize": 11, "zorder": 3},
+    "none": {"marker": ".", "linestyle": "-", "linewidth": 3, "alpha": 0.6},
+}
+
+
+def _width_note(path: str, rows: Sequence[PackedBatch]) -> str:
+    """Why a path's rows are as wide as they are (written beside them in the demo's PNG)."""
+    widest = max(r.num_tokens for r in rows)
+    if path == "trainer":
+        return f"trainer rows: as wide as each batch\nneeds (up to {widest:,} slots here)"
+    if path == "none":
+        return "padded: each conversation as\nwide as its batch's longest"
+    return f"{path} rows: {widest:,} slots\n(max_seq_len)"
+
+
 def save_demo_png(
     directory: str | Path,
     summary: Mapping[str, Any],
@@ -178,17 +199,31 @@ def save_demo_png(
     hatched; ``media_bars``: ``{"fill": {label: fraction}, "tokens_per_s": {label: value}}``,
     bars added (in green) to the fill and throughput panels)."""
     plt = pyplot("sftpack demo --report")
-    Rectangle = plt.Rectangle
-
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    fig = plt.figure(figsize=(13, 8))
+    fig = demo_figure(summary, media_rows, media_bars)
+    path = out / "sftpack_demo.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def demo_figure(
+    summary: Mapping[str, Any],
+    media_rows: Sequence[PackedBatch] = (),
+    media_bars: Mapping[str, Mapping[str, float]] | None = None,
+) -> Any:
+    """The matplotlib figure :func:`save_demo_png` writes (the same arguments)."""
+    plt = pyplot("sftpack demo --report")
+    Rectangle = plt.Rectangle
+    fig = plt.figure(figsize=(13, 8.5), layout="constrained")  # every title and label inside the figure
     grid = fig.add_gridspec(2, 3)
     ax_rows = fig.add_subplot(grid[0, :])
     colours = plt.get_cmap("tab10").colors
     y = 0.0
     width = max((r.num_tokens for p in summary.values() for r in p.first_rows), default=1)
     labels = []
+    notes: list[tuple[float, str]] = []
     for p in summary.values():
         for r in p.first_rows:
             starts = r.cu_seqlens_padded.tolist()
@@ -206,6 +241,8 @@ def save_demo_png(
                 ax_rows.add_patch(Rectangle((s + n, y), starts[i + 1] - s - n, 0.8, facecolor="#E6E6E6"))
             labels.append((y + 0.4, p.path))
             y += 1
+        if p.first_rows:
+            notes.append((y - 0.6 * len(p.first_rows), _width_note(p.path, p.first_rows)))
         y += 0.5
     for r in media_rows:
         width = max(width, r.num_tokens)
@@ -217,11 +254,16 @@ def save_demo_png(
             ax_rows.add_patch(Rectangle((start, y), n, 0.8, facecolor="none", edgecolor="black", hatch="////", lw=0))
         labels.append((y + 0.4, "vqa (images hatched)"))
         y += 1
-    ax_rows.set_xlim(0, width)
+    if media_rows:
+        wide = max(r.num_tokens for r in media_rows)
+        notes.append((y - 0.6 * len(media_rows), f"vqa rows: {wide:,} slots\nand a vision-patch budget"))
+    for at, note in notes:  # one column right of the widest row: why each path's rows are that wide
+        ax_rows.text(width * 1.02, at, note, va="center", fontsize=8)
+    ax_rows.set_xlim(0, width * 1.4)
     ax_rows.set_ylim(y, -0.2)
     ax_rows.set_yticks([a for a, _ in labels], [b for _, b in labels])
     ax_rows.set_xlabel("token slots (colour: a conversation; grey: padding)")
-    ax_rows.set_title("first rows of each path, to scale")
+    ax_rows.set_title("first rows of each path, to scale", fontsize=10)
     names = list(summary)
     extra = media_bars or {}
     mm_fill, mm_speed = dict(extra.get("fill", {})), dict(extra.get("tokens_per_s", {}))
@@ -230,21 +272,16 @@ def save_demo_png(
     if mm_fill:
         ax_fill.bar(list(mm_fill), [v * 100 for v in mm_fill.values()], color="#55A868")
         ax_fill.tick_params(axis="x", labelrotation=30)
-    ax_fill.set(ylabel="real tokens / slots (%)", title="fill", ylim=(0, 105))
+    ax_fill.set(ylabel="real tokens / slots (%)", ylim=(0, 105))
+    ax_fill.set_title("fill", fontsize=10)
     ax_loss = fig.add_subplot(grid[1, 1])
     for n in names:
         if summary[n].losses:
-            ax_loss.plot(
-                range(1, len(summary[n].losses) + 1),
-                summary[n].losses,
-                marker="o",
-                label=n,
-            )
-    ax_loss.set(
-        xlabel="step",
-        ylabel="loss",
-        title="training loss (trainer = none: same conversations)",
-    )
+            style = _LOSS_STYLES.get(n, {"marker": "o", "linestyle": "-"})
+            ax_loss.plot(range(1, len(summary[n].losses) + 1), summary[n].losses, label=n, **style)
+    ax_loss.set(xlabel="step", ylabel="loss")
+    ax_loss.set_title("training loss\n(trainer: the padded run's conversations, drawn over it)", fontsize=10)
+    ax_loss.xaxis.get_major_locator().set_params(integer=True)
     if any(summary[n].losses for n in names):
         ax_loss.legend()
     else:
@@ -254,13 +291,7 @@ def save_demo_png(
     if mm_speed:
         ax_speed.bar(list(mm_speed), list(mm_speed.values()), color="#55A868")
         ax_speed.tick_params(axis="x", labelrotation=30)
-    ax_speed.set(
-        ylabel="real tokens / s",
-        title="training throughput" + (" (green: tiny Qwen2-VL)" if mm_speed else ""),
-    )
+    ax_speed.set(ylabel="real tokens / s")
+    ax_speed.set_title("training throughput" + ("\n(green: tiny Qwen2-VL)" if mm_speed else ""), fontsize=10)
     fig.suptitle("sftpack demo: the three packing paths and padded batches on the embedded corpus")
-    fig.tight_layout()
-    path = out / "sftpack_demo.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
