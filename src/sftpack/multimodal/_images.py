@@ -532,16 +532,75 @@ def pixels_from_patches(pixel_values: np.ndarray, grid_thw: Any, processor: Any)
             f"patches {pv.shape} {pv.dtype} for grid {(gt, gh, gw)}: need one image's ({gh * gw}, {3 * t * p * p}) "
             "float32 patches of grid (1, h, w)"
         )
-    blocks = pv.reshape(gh // m, gw // m, m, m, 3, t, p, p)
-    first = blocks[:, :, :, :, :, 0]
-    if t > 1 and not np.array_equal(blocks, np.broadcast_to(first[:, :, :, :, :, None], blocks.shape)):
-        raise ValueError("the patches' temporal copies differ: not a still image")
-    chw = first.transpose(4, 0, 2, 5, 1, 3, 6).reshape(3, gh * p, gw * p)  # (C, bh, mh, py, bw, mw, px)
     table = pixel_table(processor)
     out = np.empty((gh * p, gw * p, 3), np.uint8)
-    for c in range(3):
-        idx = np.searchsorted(table[c], chw[c]).clip(0, 255)
-        if not np.array_equal(table[c][idx].view(np.uint32), chw[c].view(np.uint32)):
-            raise ValueError(f"channel {c} holds values that no uint8 pixel normalises to: not the processor's patches")
-        out[:, :, c] = idx
+    pv = np.ascontiguousarray(pv)
+    status = _unpatchify_kernel()(pv, table, pv.view(np.uint32), table.view(np.uint32), p, m, t, out)
+    if status == 1:
+        raise ValueError("the patches' temporal copies differ: not a still image")
+    if status >= 2:
+        raise ValueError(
+            f"channel {status - 2} holds values that no uint8 pixel normalises to: not the processor's patches"
+        )
     return out
+
+
+def _unpatchify_loops(pv: Any, table: Any, pv_bits: Any, table_bits: Any, p: int, m: int, t: int, out: Any) -> int:
+    """:func:`_patchify_loops` run backwards: each patch value back to the uint8 pixel whose
+    :func:`pixel_table` entry it is, bit for bit (the table rises with the pixel value: found
+    from a linear estimate, then stepped to). 0: done; 1: temporal copies differ; 2 + c: a
+    value of channel ``c`` is no table entry. Temporal copies are checked first, as a whole."""
+    h, w = out.shape[0], out.shape[1]
+    gh, gw = h // p, w // p
+    pp = p * p
+    for k in range(pv.shape[0]):
+        for c in range(3):
+            base = c * t * pp
+            for ti in range(1, t):
+                o = base + ti * pp
+                for q in range(pp):
+                    if pv_bits[k, o + q] != pv_bits[k, base + q]:
+                        return 1
+    k = 0
+    for bh in range(gh // m):
+        for bw in range(gw // m):
+            for mh in range(m):
+                for mw in range(m):
+                    y0 = (bh * m + mh) * p
+                    x0 = (bw * m + mw) * p
+                    for c in range(3):
+                        tc = table[c]
+                        tb = table_bits[c]
+                        lo = tc[0]
+                        span = tc[255] - tc[0]
+                        j = c * t * pp
+                        for py in range(p):
+                            for px in range(p):
+                                x = pv[k, j]
+                                e = (x - lo) / span * 255.0
+                                v = 0 if not e > 0.0 else (255 if e > 255.0 else int(e + 0.5))
+                                while v > 0 and tc[v] > x:
+                                    v -= 1
+                                while v < 255 and tc[v] < x:
+                                    v += 1
+                                while v > 0 and tc[v - 1] == x:  # the first equal entry, as a search would
+                                    v -= 1
+                                if tb[v] != pv_bits[k, j]:
+                                    return 2 + c
+                                out[y0 + py, x0 + px, c] = v
+                                j += 1
+                    k += 1
+    return 0
+
+
+_unkernel: Any = None
+
+
+def _unpatchify_kernel() -> Any:
+    """:func:`_unpatchify_loops` compiled by numba (cached on disk)."""
+    global _unkernel
+    if _unkernel is None:
+        import numba
+
+        _unkernel = numba.njit(cache=True, nogil=True)(_unpatchify_loops)
+    return _unkernel
