@@ -175,10 +175,10 @@ class Family:
         return tok
 
     def image_processor(self, model_dir: str | os.PathLike | None = None) -> Any:
-        """The image processor: the one in ``model_dir`` (the slow, PIL/numpy one), else the family's default."""
+        """The image processor: the one in ``model_dir`` (the PIL/numpy one, ``backend="pil"``), else the family's default."""
         if model_dir is None:
             return self._default_image_processor()
-        return _optional.transformers().AutoImageProcessor.from_pretrained(os.fspath(model_dir), use_fast=False)
+        return _optional.transformers().AutoImageProcessor.from_pretrained(os.fspath(model_dir), backend="pil")
 
     def pretrained(
         self, model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, vision_attention: str = "sdpa"
