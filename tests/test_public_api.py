@@ -49,6 +49,7 @@ API = {
         "BadFileError",
         "BadRowError",
         "BadRowReason",
+        "CacheWarning",
         "Conversation",
         "ConversationTemplateError",
         "OnBadRow",

@@ -32,7 +32,6 @@ import base64
 import contextlib
 import hashlib
 import json
-import logging
 import os
 import warnings
 from collections.abc import Iterator
@@ -78,6 +77,13 @@ CHATML_TEMPLATE = (
 _FORMAT_VERSION = "1"  # bump when the built tokenizer changes for the same inputs
 _SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 _SPEAKERS = ("user", "assistant")
+
+
+class CacheWarning(UserWarning):
+    """A cache could not be used as asked (the built tokenizer not written; a damaged
+    tokenized-data entry rebuilt, a cache that cannot be written, an entry over the size
+    limit): the run goes on, with the same results.
+    ``warnings.filterwarnings("ignore", category=CacheWarning)`` silences these."""
 
 
 def cache_dir() -> Path:
@@ -219,8 +225,10 @@ def _default_tokenizer(cache: str) -> Any:
     except Exception as e:  # a read-only or full cache: work without it (the temporary file is gone)
         with contextlib.suppress(OSError):
             path.parent.rmdir()  # if this call made it (and it is empty)
-        logging.getLogger("sftpack.cache").warning(
-            "cannot write the built tokenizer into the cache in %s: %s; building it again in each process", cache, e
+        warnings.warn(
+            f"cannot write the built tokenizer into the cache in {cache}: {e}; building it again in each process",
+            CacheWarning,
+            stacklevel=2,
         )
         return _wrap(backend)
     return _wrap(path)

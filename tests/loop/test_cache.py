@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
-import logging
 import os
+import re
 import time
 from pathlib import Path
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from sftpack.chat._batch import TokenizeStats
-from sftpack.chat._cache_entry import EntryWriter, read_entry
+from sftpack.chat._cache_entry import CacheWarning, EntryWriter, read_entry
 from sftpack.chat._cache_key import cache_key, source_identity, tokenizer_identity
 from sftpack.chat._training_samples import start_training_samples
 from sftpack.cli import main
@@ -99,7 +99,7 @@ def test_file_inputs_are_keyed_by_their_bytes(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["flip", "cut", "manifest"])
-def test_a_damaged_entry_is_rebuilt_with_a_warning(tok, tmp_path, caplog, damage):
+def test_a_damaged_entry_is_rebuilt_with_a_warning(tok, tmp_path, damage):
     convs = _convs()
     first = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert first.entry is not None
@@ -113,10 +113,9 @@ def test_a_damaged_entry_is_rebuilt_with_a_warning(tok, tmp_path, caplog, damage
         path.write_bytes(path.read_bytes()[:-3])
     else:
         (first.entry / "manifest.json").write_text("{")
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
+    with pytest.warns(CacheWarning, match=f"cache entry {re.escape(str(first.entry))} is damaged .*: rebuilding it"):
         again = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert not again.hit
-    assert any("damaged" in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records)
     _same(first.samples, again.samples)
     third = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     assert third.hit  # the rebuilt entry is whole again
@@ -150,13 +149,13 @@ def test_folders_of_runs_killed_long_ago_are_swept(tok, tmp_path):
     assert not old.exists() and fresh.exists()  # a run writing now is left alone
 
 
-def test_ids_that_do_not_survive_json_are_not_cached(tok, tmp_path, caplog):
+def test_ids_that_do_not_survive_json_are_not_cached(tok, tmp_path):
     samples = [Sample(np.array([1, 2]), np.array([False, True]), conversation_id=("a", 1))]
     w = EntryWriter(tmp_path / "tokenized" / "k", "k")
     w.add(samples[0])
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
+    with pytest.warns(CacheWarning, match="not caching the tokenized data: .*JSON"):
         w.commit(TokenizeStats())
-    assert not (tmp_path / "tokenized" / "k").exists() and "JSON" in caplog.text
+    assert not (tmp_path / "tokenized" / "k").exists()
     assert list((tmp_path / "tokenized").iterdir()) == []
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import resource
 import shutil
@@ -29,7 +28,7 @@ import pytest
 
 import sftpack
 from sftpack import data
-from sftpack.chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir, parse_size
+from sftpack.chat._cache_entry import DEFAULT_MAX_SIZE, CacheWarning, default_cache_dir, parse_size
 from sftpack.chat._training_samples import start_training_samples
 from sftpack.cli import main
 from sftpack.loop import tokenized_samples
@@ -50,6 +49,17 @@ def _same(a, b) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert x.input_ids.tobytes() == y.input_ids.tobytes() and x.loss_mask.tobytes() == y.loss_mask.tobytes()
+
+
+@contextlib.contextmanager
+def _cache_warnings():
+    """The messages of the :class:`CacheWarning` s raised inside (each one, none filtered away)."""
+    said: list[str] = []
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("ignore")
+        warnings.simplefilter("always", CacheWarning)
+        yield said
+    said.extend(str(w.message) for w in record if issubclass(w.category, CacheWarning))
 
 
 @pytest.fixture(scope="module")
@@ -131,19 +141,18 @@ def full_disk(tmp_path):
         subprocess.run(["umount", str(where)], check=True)
 
 
-def test_cli_trains_without_the_cache_on_a_full_disk(chat, full_disk, tmp_path, capsys, caplog):
+def test_cli_trains_without_the_cache_on_a_full_disk(chat, full_disk, tmp_path, capsys):
     args = ["train", str(chat / "chat.jsonl"), "--tokenizer", str(chat / "tok"), "--steps", "1"]
     args += ["--batch-size", "4", "--max-seq-len", "64", "--dim", "16", "--layers", "1", "--heads", "2"]
     args += ["--kv-heads", "1", "--cache-dir", str(full_disk), "--log", str(tmp_path / "log.jsonl")]
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
-        assert main(args) == 0
-    out = capsys.readouterr().out
-    assert "not cached" in out and "cached in" not in out
+    assert main(args) == 0
+    said = capsys.readouterr()
+    assert "not cached" in said.out and "cached in" not in said.out
     assert json.loads((tmp_path / "log.jsonl").read_text().splitlines()[0])["step"] == 1
-    said = [r.getMessage() for r in caplog.records]
-    assert said == [
-        f"cannot write the tokenized-data cache in {full_disk}: [Errno 28] No space left on device; "
-        "going on without the cache"
+    warned = [line for line in said.err.splitlines() if "warning" in line]
+    assert warned == [  # the CLI says a library warning in one line
+        f"sftpack: warning: cannot write the tokenized-data cache in {full_disk}: [Errno 28] No space left on "
+        "device; going on without the cache"
     ]
     assert _entries(full_disk) == [] and _leftovers(full_disk) == []  # no .tmp-* left behind
 
@@ -161,14 +170,14 @@ def _file_size_limit(limit: int):
         signal.signal(signal.SIGXFSZ, before)
 
 
-def test_a_failed_write_warns_and_leaves_nothing(tok, tmp_path, caplog):
+def test_a_failed_write_warns_and_leaves_nothing(tok, tmp_path):
     convs = _convs()
     eager, _ = tokenized_samples(tok, convs, max_seq_len=24)
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"), _file_size_limit(512):
+    with _cache_warnings() as said, _file_size_limit(512):
         got = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
     _same(eager, got.samples)
     assert not got.hit and got.entry is None
-    assert [r.getMessage() for r in caplog.records] == [
+    assert said == [
         f"cannot write the tokenized-data cache in {tmp_path}: [Errno 27] File too large; going on without the cache"
     ]
     assert _entries(tmp_path) == [] and _leftovers(tmp_path) == []
@@ -202,44 +211,41 @@ def read_only(tmp_path):
             p.chmod(0o755)
 
 
-def test_a_read_only_cache_is_read_and_not_written(tok, read_only, caplog):
+def test_a_read_only_cache_is_read_and_not_written(tok, read_only):
     where, make = read_only
     convs = _convs()
     stored = start_training_samples(tok, convs, max_seq_len=24, cache_dir=where).finish()
     why = make()
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
+    with _cache_warnings() as quiet:
         hit = start_training_samples(tok, convs, max_seq_len=24, cache_dir=where).finish()
-        assert hit.hit and hit.entry == stored.entry and caplog.records == []  # its last use cannot be noted: fine
+    assert hit.hit and hit.entry == stored.entry and quiet == []  # its last use cannot be noted: fine
+    with _cache_warnings() as said:
         other = start_training_samples(tok, convs, max_seq_len=32, cache_dir=where).finish()
     assert not other.hit and other.entry is None
-    assert [r.getMessage() for r in caplog.records] == [
-        f"cannot write the tokenized-data cache in {where}: {why}; going on without the cache"
-    ]
+    assert said == [f"cannot write the tokenized-data cache in {where}: {why}; going on without the cache"]
     _same(hit.samples, stored.samples)
 
 
-def test_a_file_where_an_entry_folder_should_be_is_replaced(tok, tmp_path, caplog):
+def test_a_file_where_an_entry_folder_should_be_is_replaced(tok, tmp_path):
     convs = _convs()
     entry = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish().entry
     assert entry is not None
     shutil.rmtree(entry)
     entry.write_text("not an entry")
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
+    with _cache_warnings() as said:
         got = start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish()
-    assert [r.getMessage() for r in caplog.records] == [
-        f"tokenized-data cache entry {entry} is damaged (a file, not a folder): rebuilding it"
-    ]
+    assert said == [f"tokenized-data cache entry {entry} is damaged (a file, not a folder): rebuilding it"]
     assert not got.hit and got.entry == entry and entry.is_dir()  # "cached in ENTRY" is true
     assert start_training_samples(tok, convs, max_seq_len=24, cache_dir=tmp_path).finish().hit
     assert _leftovers(tmp_path) == []
 
 
-def test_a_file_where_the_cache_folder_should_be_is_said(tok, tmp_path, caplog):
+def test_a_file_where_the_cache_folder_should_be_is_said(tok, tmp_path):
     (tmp_path / "tokenized").write_text("in the way")
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
+    with _cache_warnings() as said:
         got = start_training_samples(tok, _convs(), max_seq_len=24, cache_dir=tmp_path).finish()
     assert got.entry is None  # the CLI says "not cached"
-    assert [r.getMessage() for r in caplog.records] == [
+    assert said == [
         f"cannot write the tokenized-data cache in {tmp_path}: [Errno 17] File exists: "
         f"'{tmp_path / 'tokenized'}'; going on without the cache"
     ]
@@ -248,7 +254,7 @@ def test_a_file_where_the_cache_folder_should_be_is_said(tok, tmp_path, caplog):
 # ---------------------------------------------------------------------------- bounded
 
 
-def test_least_recently_used_entries_go_past_the_limit(tok, tmp_path, caplog):
+def test_least_recently_used_entries_go_past_the_limit(tok, tmp_path):
     convs = _convs()
 
     def run(n: int, limit: int = 0, where: Path = tmp_path):
@@ -266,10 +272,10 @@ def test_least_recently_used_entries_go_past_the_limit(tok, tmp_path, caplog):
     assert d is not None and _entries(tmp_path) == sorted([a, c, d])  # b went, first
     assert sum(_size(e) for e in _entries(tmp_path)) <= limit
     # an entry larger than the limit is not written (nothing is evicted for it)
-    with caplog.at_level(logging.WARNING, logger="sftpack.cache"):
+    with _cache_warnings() as warned:
         big = run(40, d_size // 2)
     assert big.entry is None and _entries(tmp_path) == sorted([a, c, d]) and _leftovers(tmp_path) == []
-    [said] = [r.getMessage() for r in caplog.records]
+    [said] = warned
     assert said.startswith(f"not caching the tokenized data in {tmp_path}: its ") and said.endswith(
         f"exceed the cache's size limit of {d_size // 2:,} bytes"
     )

@@ -64,6 +64,7 @@ system and user turns, not the newline between turns.
 
 from __future__ import annotations
 
+from ..data import CacheWarning
 from ..sample import Conversation  # its home is sftpack.sample, below sftpack.data; public here
 from ..sample import Overlong as Overlong  # aliases of sftpack.sample's (sftpack._ALIASES)
 from ..sample import OverlongError as OverlongError
@@ -94,6 +95,7 @@ __all__ = [
     "BadFileError",
     "BadRowError",
     "BadRowReason",
+    "CacheWarning",
     "Conversation",
     "ConversationTemplateError",
     "OnBadRow",

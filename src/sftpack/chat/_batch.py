@@ -203,11 +203,14 @@ class TokenizedConversations:
                 bar.update(len(results))
         finally:
             bar.close()
+        # the counts are returned in ``stats`` (the CLI prints them in its summary): a
+        # library call says nothing on stderr; these lines are for debugging only
         s = self.stats
         if s.skipped:
-            logger.warning("skipped %d conversations: %s", s.num_skipped, dict(s.skipped))
+            reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(s.skipped.items()))
+            logger.debug("skipped %d conversations (%s)", s.num_skipped, reasons)
         if s.truncated or s.dropped:
-            logger.warning(
+            logger.debug(
                 "over max_seq_len=%s: %d conversations truncated, %d dropped, %d tokens lost (%d trainable)",
                 self.opts.max_seq_len,
                 s.truncated,

@@ -20,7 +20,8 @@ It is written into a temporary folder beside it and renamed into place
 (:class:`sftpack._publish.Publish`), so a reader sees a whole entry or none; two
 runs writing the same entry at once both succeed (the second rename finds the
 folder there and drops its own copy). An entry whose files do not match their
-manifest (a cut write, a damaged disk) is reported with a warning, removed and
+manifest (a cut write, a damaged disk) is reported with a :class:`CacheWarning`
+(``warnings.warn``: shown once, filterable; not a log line), removed and
 rebuilt: never read as it is (so is a file where an entry folder should be).
 
 A cache that cannot be written (a full disk, a read-only folder, a file in the
@@ -41,24 +42,28 @@ from __future__ import annotations
 
 import contextlib
 import json
-import logging
 import os
 import shutil
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .._publish import Publish
+from ..data import CacheWarning
 from ..sample import Sample
 from ._batch import TokenizeStats
 from ._cache_key import FORMAT_VERSION, _sha
 
-__all__ = ["DEFAULT_MAX_SIZE", "EntryWriter", "default_cache_dir", "parse_size", "read_entry"]
+__all__ = ["DEFAULT_MAX_SIZE", "CacheWarning", "EntryWriter", "default_cache_dir", "parse_size", "read_entry"]
 
-logger = logging.getLogger("sftpack.cache")
+
+def _warn(message: str) -> None:
+    warnings.warn(message, CacheWarning, stacklevel=3)
+
 
 #: the cache's default size limit in bytes (10 GiB): an entry takes about 5 bytes per
 #: token (uint32 id and uint8 mask), so this holds the entry of a 2-billion-token
@@ -102,7 +107,7 @@ def parse_size(text: str) -> int:
 
 
 def _damaged(entry: Path, why: str) -> None:
-    logger.warning("tokenized-data cache entry %s is damaged (%s): rebuilding it", entry, why)
+    _warn(f"tokenized-data cache entry {entry} is damaged ({why}): rebuilding it")
     _remove(entry)
 
 
@@ -126,7 +131,7 @@ def _cannot_write(root: Path, e: OSError) -> None:
     why = f"[Errno {e.errno}] {e.strerror}" if e.errno and e.strerror else str(e)
     if e.filename and not any(part.startswith(".tmp-") for part in Path(str(e.filename)).parts):
         why += f": {str(e.filename)!r}"
-    logger.warning("cannot write the tokenized-data cache in %s: %s; going on without the cache", root, why)
+    _warn(f"cannot write the tokenized-data cache in {root}: {why}; going on without the cache")
 
 
 def _mark_used(entry: Path) -> None:
@@ -255,7 +260,7 @@ class EntryWriter:
         samples cannot be stored, are larger than ``max_size``, or the cache cannot
         be written."""
         if self.uncachable:
-            logger.warning("not caching the tokenized data: %s", self.uncachable)
+            _warn(f"not caching the tokenized data: {self.uncachable}")
             self.abort()
             return False
         order = np.argsort(np.asarray(self._positions, dtype=np.int64), kind="stable")
@@ -283,11 +288,9 @@ class EntryWriter:
         need = sum(len(data) for data in blobs.values())
         root = self.entry.parent.parent
         if self.max_size and need > self.max_size:
-            logger.warning(
-                "not caching the tokenized data in %s: its %s bytes exceed the cache's size limit of %s bytes",
-                root,
-                f"{need:,}",
-                f"{self.max_size:,}",
+            _warn(
+                f"not caching the tokenized data in {root}: its {need:,} bytes exceed the cache's size limit "
+                f"of {self.max_size:,} bytes"
             )
             self.abort()
             return False

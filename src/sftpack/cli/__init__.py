@@ -22,6 +22,7 @@ import importlib
 import pkgutil
 import signal
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -137,9 +138,15 @@ def _exit_at_once(rc: int) -> NoReturn:
     os._exit(rc)
 
 
+def _say_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
+    """A library warning, as the command's one line (not Python's file:line and source line)."""
+    print(f"sftpack: warning: {message}", file=sys.stderr)
+
+
 def _run(args: argparse.Namespace) -> int:
     try:
-        with sigterm_handled():
+        with sigterm_handled(), warnings.catch_warnings():
+            warnings.showwarning = _say_warning
             return int(args.func(args) or 0)
     except Terminated as e:
         print(f"sftpack {args.command}: {e}", file=sys.stderr)

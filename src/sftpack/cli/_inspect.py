@@ -1,13 +1,18 @@
-"""``sftpack inspect DIR``: a prepack's manifest in words, its histograms, and any row drawn."""
+"""``sftpack inspect DIR``: a prepack's manifest in words, its histograms, any row drawn, and
+a row's text decoded with its trained tokens marked (``--decode``: how a template is checked).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._common import UsageError, non_negative
+from ._common import UsageError, load_tokenizer, non_negative, tokenizer_folder
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handoff import PackedBatch
@@ -21,6 +26,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("inspect", help="describe a prepack directory: fingerprint, counts, fill, histograms, a row")
     p.add_argument("directory", metavar="DIR", help="a directory written by sftpack prepack")
     p.add_argument("--row", type=non_negative, metavar="I", help="draw row I (segments, padding, cu_seqlens)")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="print the text of each sequence of row I (--row; default 0) decoded with the prepack's tokenizer, "
+        "the trained tokens (loss_mask True: the ones the loss learns) marked: wrapped in [[ ]], or green when "
+        "stdout is a terminal (unless NO_COLOR is set); a run of one special token (an image's placeholders) "
+        "shown as '<|image_pad|> x 64'",
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="for --decode: the tokenizer folder the prepack was made with (default: the folder the prepack "
+        "records, else the embedded one; refused when its fingerprint differs from the prepack's)",
+    )
+    p.add_argument("--model", metavar="DIR", help="for --decode: a model folder whose tokenizer to use")
     p.add_argument(
         "--verify",
         action="store_true",
@@ -201,10 +221,153 @@ def _images_per_sequence(ds: PrepackedDataset, i: int, n_seq: int) -> list[list[
     return out
 
 
+#: the marks around trained text: plain (a file, a pipe) and on a terminal (green)
+BRACKETS = ("[[", "]]")
+COLOUR = ("\x1b[32m", "\x1b[0m")
+
+
+def _pieces(ids: np.ndarray, mask: np.ndarray, collapse: frozenset[int]) -> list[tuple[int, int, bool, bool]]:
+    """``(start, end, trained, collapsed)`` spans of one sequence: a span ends where the mask
+    changes, and a run of two or more of one ``collapse`` id (placeholders) is a span of its own."""
+    out: list[tuple[int, int, bool, bool]] = []
+    n, i = len(ids), 0
+
+    def run_end(k: int) -> int:  # the end of the run of ids[k] starting at k (k + 1: no run)
+        j = k + 1
+        if int(ids[k]) in collapse:
+            while j < n and ids[j] == ids[k] and mask[j] == mask[k]:
+                j += 1
+        return j
+
+    while i < n:
+        j = run_end(i)
+        if j - i >= 2:
+            out.append((i, j, bool(mask[i]), True))
+            i = j
+            continue
+        while j < n and mask[j] == mask[i] and run_end(j) - j < 2:
+            j += 1
+        out.append((i, j, bool(mask[i]), False))
+        i = j
+    return out
+
+
+def marked_text(tokenizer: Any, ids: np.ndarray, mask: np.ndarray, marks: tuple[str, str] = BRACKETS) -> str:
+    """One sequence's text, decoded whole, its trained tokens (``mask`` True) between ``marks``.
+
+    Each span's text is the decode of the tokens up to its end less the decode up to its
+    start: a span decoded alone could read otherwise (a SentencePiece decoder drops the
+    leading space of the first token it decodes). Runs of one special token (an image's
+    placeholders) are shown as ``'<|image_pad|> x 64'``. Costs one decode of a prefix per
+    span: a few per turn.
+
+    >>> from sftpack.testing import tiny_chat_tokenizer
+    >>> tok = tiny_chat_tokenizer("chatml")
+    >>> ids = np.array(tok("<|im_start|>hi<|im_end|>")["input_ids"])
+    >>> marked_text(tok, ids, np.array([0, 0, 0, 1], bool))
+    '<|im_start|>hi[[<|im_end|>]]'
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    mask = np.asarray(mask, dtype=bool)
+    collapse = frozenset(int(t) for t in tokenizer.all_special_ids) | frozenset(tokenizer.get_added_vocab().values())
+
+    def decode(part: np.ndarray) -> str:
+        return str(tokenizer.decode(part.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False))
+
+    out: list[str] = []
+    before, trained = "", False
+    for start, end, on, collapsed in _pieces(ids, mask, collapse):
+        if on != trained:
+            out.append(marks[0] if on else marks[1])
+            trained = on
+        upto = decode(ids[:end])
+        if collapsed:
+            out.append(f"{tokenizer.convert_ids_to_tokens(int(ids[start]))} x {end - start}")
+        else:
+            out.append(upto[len(before) :] if upto.startswith(before) else decode(ids[start:end]))
+        before = upto
+    if trained:
+        out.append(marks[1])
+    return "".join(out)
+
+
+def decode_tokenizer(ds: PrepackedDataset, model: str | None = None, tokenizer: str | None = None) -> Any:
+    """The tokenizer to decode the prepack ``ds`` with: ``--model`` / ``--tokenizer``'s, else
+    the folder the prepack records (when it is there), else the embedded one (the family's
+    for a prepack with images); refused (a usage error) when its fingerprint is not the
+    prepack's, whose ids it would misread."""
+    from ..offline._fingerprint import tokenizer_fingerprint
+
+    fp = ds.manifest["fingerprint"].get("tokenizer") or {}
+    want = fp.get("sha256")
+    given = tokenizer_folder(model, tokenizer)
+    recorded = str(fp.get("name_or_path") or "")
+    if given is not None:
+        candidates: list[str | None] = [given]
+    else:
+        candidates = [recorded] if recorded and Path(recorded).is_dir() else []
+        candidates.append(None)
+    media = ds.media is not None
+    have = ""
+    for folder in candidates:
+        try:
+            tok = _family_tokenizer(ds, model, folder) if media else load_tokenizer(folder)
+        except (UsageError, OSError, ValueError):
+            if given is not None:
+                raise
+            continue  # the recorded folder is no tokenizer (any more): the next candidate
+        have = str(tokenizer_fingerprint(tok)["sha256"])
+        if want is None or have == want:
+            return tok
+    what = f"the one in {given}" if given is not None else "the embedded one"
+    raise UsageError(
+        f"--decode: {ds.path} was made with tokenizer {str(want)[:12]}{f' ({recorded})' if recorded else ''}, "
+        f"not {what} ({have[:12]}): its ids would decode to other text; give --tokenizer DIR (or --model DIR) "
+        "with the prepack's tokenizer"
+    )
+
+
+def _family_tokenizer(ds: PrepackedDataset, model: str | None, folder: str | None) -> Any:
+    from ..multimodal import UnsupportedModelError, family_for
+
+    family = (ds.manifest.get("media") or {}).get("family", "qwen2_vl")
+    try:
+        return family_for(model if model is not None else family).tokenizer(folder)
+    except UnsupportedModelError as e:
+        raise UsageError(str(e)) from None
+
+
+def decode_lines(ds: PrepackedDataset, i: int, tokenizer: Any, marks: tuple[str, str] = BRACKETS) -> list[str]:
+    """Row ``i``'s sequences as text (:func:`marked_text`), each under a ``--- A: id`` line
+    naming it as :func:`row_lines` does, then a line with the row's padding."""
+    ids, mask, seqs = ds.row_arrays(i)
+    names = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+    name = str(getattr(tokenizer, "name_or_path", "") or "the embedded tokenizer")
+    out = [f"row {i} decoded with {name} ({marks[0]}...{marks[1]}: trained tokens, loss_mask True):"]
+    at = 0
+    for j, rec in enumerate(seqs):
+        n = int(rec["length"])
+        m = np.asarray(mask[at : at + n], dtype=bool)
+        piece = f" piece {int(rec['piece'])}" if int(rec["piece"]) else ""
+        cid = ds.conversation_id(int(rec["conversation"]))
+        out.append(f"--- {names[j % len(names)]}: {cid}{piece}, {n:,} tokens, {int(m.sum()):,} trained")
+        out.append(marked_text(tokenizer, np.asarray(ids[at : at + n]), m, marks).removesuffix("\n"))
+        at += n
+    out.append(f"--- end of row {i}: {ds.max_seq_len - at:,} padding slots not shown")
+    return out
+
+
+def _marks() -> tuple[str, str]:
+    """Green on a terminal (unless ``NO_COLOR`` is set: https://no-color.org), brackets otherwise."""
+    return COLOUR if sys.stdout.isatty() and not os.environ.get("NO_COLOR") else BRACKETS
+
+
 def run(args: argparse.Namespace) -> int:
     from ..offline import PrepackedDataset, describe
     from ..offline._describe import save_histograms_png
 
+    if not args.decode and (args.tokenizer is not None or args.model is not None):
+        raise UsageError("--tokenizer and --model are for --decode: add --decode, or drop them")
     ds = PrepackedDataset(args.directory, verify="full" if args.verify else "size")
     for line in describe_lines(ds):
         print(line)
@@ -212,11 +375,18 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"\nverified: every file matches its SHA-256 ({len(ds.manifest['files'])} files), and the manifest its own"
         )
+    if args.decode and args.row is None:
+        args.row = 0
     if args.row is not None:
         if args.row >= ds.num_rows:
             raise UsageError(f"--row {args.row} is out of range: the prepack has {ds.num_rows} rows")
         print()
         for line in row_lines(ds, args.row):
+            print(line)
+    if args.decode:
+        tokenizer = decode_tokenizer(ds, args.model, args.tokenizer)
+        print()
+        for line in decode_lines(ds, args.row, tokenizer, _marks()):
             print(line)
     if args.png:
         print(f"\nwrote {save_histograms_png(describe(ds), args.png)}")

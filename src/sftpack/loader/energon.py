@@ -61,7 +61,7 @@ This module imports ``megatron.energon``; ``import sftpack.loader`` does not
 
 from __future__ import annotations
 
-import logging
+import warnings
 from dataclasses import fields
 from typing import Any
 
@@ -99,9 +99,6 @@ __all__ = [
     "TokenizedSample",
     "cook_conversation",
 ]
-
-
-_log = logging.getLogger(__name__)
 
 
 @edataclass
@@ -381,10 +378,13 @@ class PackingTaskEncoder(CheckedTaskEncoder):
         kept = [s for s in samples if getattr(s, "dropped", None) is None]
         left = [s for s in samples if getattr(s, "dropped", None) is not None]
         if not kept:
-            _log.warning(
-                "Energon buffer of %d samples has no sample to pack (left out: %s): no row to report them on",
-                len(samples),
-                [(s.conversation_id, s.dropped) for s in left],
+            shown = ", ".join(f"{s.conversation_id} ({s.dropped})" for s in left[:10])
+            more = f" and {len(left) - 10:,} more" if len(left) > 10 else ""
+            warnings.warn(  # the one place these samples can be named: no row carries their count
+                f"Energon buffer of {len(samples)} samples has no sample to pack (left out: {shown}{more}): "
+                "no row to report them on",
+                UserWarning,
+                stacklevel=2,
             )
             raise SkipSample()
         lengths = np.fromiter((s.input_ids.shape[0] for s in kept), dtype=np.int64, count=len(kept))

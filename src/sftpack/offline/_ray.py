@@ -40,6 +40,7 @@ import math
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,8 +74,6 @@ from ._write import MediaLayout
 
 # split_rows is named here too: benchmarks/bench_ray.py imports it from this module
 __all__ = ["RayEngine", "RayPrepackResult", "prepack_ray", "split_rows"]
-
-logger = logging.getLogger("sftpack.offline")
 
 #: Tokens per write task when ``write_tasks`` is not given (about 80 MB of output).
 WRITE_TOKENS = 1 << 24
@@ -272,12 +271,11 @@ class RayEngine(PrepackEngine):
             num_cpus=self.actor_cpus,
         )
         if len(units) < self.workers:
-            logger.warning(
-                "only %d unit(s) of work (one per input file) for %d workers: %d worker(s) stay idle; split the "
-                "input into more files to use them",
-                len(units),
-                self.workers,
-                self.workers - len(units),
+            warnings.warn(
+                f"only {len(units)} unit(s) of work (one per input file) for {self.workers} workers: "
+                f"{self.workers - len(units)} worker(s) stay idle; split the input into more files to use them",
+                UserWarning,
+                stacklevel=2,
             )
         results: dict[int, dict[str, Any]] = {}
         # our own bar replaces Ray Data's; keep its INFO lines and its "progress bars disabled" note quiet
