@@ -129,22 +129,6 @@ def test_the_default_image_processor_is_qwen3_vls(qwen3):
         family_for("qwen3_vl").check(family_for("qwen3_vl").tokenizer(), family_for("qwen2_vl").image_processor())
 
 
-def test_a_video_part_is_refused_in_one_line(tmp_path):
-    """Qwen3-VL's video rule (timestamped frames) is not Qwen2-VL's: its video parts are refused, not mis-encoded."""
-    frames = []
-    for i in range(2):
-        _noise(64, 64, i).save(tmp_path / f"{i}.png")
-        frames.append(str(tmp_path / f"{i}.png"))
-    video = {"type": "video", "frames": frames}
-    conv = {"id": "clip", "messages": [{"role": "user", "content": [video, {"type": "text", "text": "What?"}]},
-                                       {"role": "assistant", "content": "Noise."}]}  # fmt: skip
-    with pytest.raises(ValueError, match=r"record 'clip', messages\[0\]\.content\[0\]: the qwen3_vl family") as e:
-        list(tokenize_media_conversations([conv], family=family_for("qwen3_vl")))
-    assert "\n" not in str(e.value)
-    with pytest.raises(UnsupportedModelError, match="qwen3_vl family takes no video"):
-        family_for("qwen3_vl").encode_videos([video], family_for("qwen3_vl").image_processor())
-
-
 def test_positions_equal_hf_get_rope_index(qwen3, model):
     """Each sample's MRoPE positions (Qwen2-VL's rule) are ``Qwen3VLModel.get_rope_index``'s, also
     inside a packed row (restarting per sample); a rule that read the grids transposed would not be."""

@@ -21,6 +21,9 @@ against its own code:
   the last frame; every frame is resized to the size the first one gets (``smart_resize``
   to multiples of ``patch * merge``), rescaled and normalised, and each run of
   ``temporal_patch_size`` frames becomes one temporal slice of the grid ``(t, h, w)``;
+- Qwen3-VL samples a file by ``Qwen3VLVideoProcessor``'s rule instead (``VideoSampling.rule``,
+  :func:`linspace_indices`) and writes each temporal slice after its time
+  (:func:`frame_timestamps`; see :mod:`sftpack.multimodal.families.qwen3_vl`);
 - ``second_per_grid_ts`` (what Qwen2.5-VL's MRoPE spaces the temporal axis by) is
   ``temporal_patch_size / sampled_fps``, with ``sampled_fps = kept / frames * file_fps``
   for a file and the part's ``fps`` (24 when not given, the processor's fallback) for frames.
@@ -46,7 +49,17 @@ from .. import _optional
 from ._family import EncodedImages
 from ._images import BadImageError, BadImageReason, is_url, load_image, pixel_table, resize_image
 
-__all__ = ["EncodedVideos", "VideoSampling", "decode_video", "encode_videos", "patchify_frames", "sample_indices"]
+__all__ = [
+    "EncodedVideos",
+    "VideoSampling",
+    "decode_video",
+    "encode_videos",
+    "frame_timestamps",
+    "linspace_indices",
+    "patchify_frames",
+    "sample_indices",
+    "video_header",
+]
 
 #: The frame rate HF's ``VideoMetadata.sampled_fps`` falls back to for frames without one.
 DEFAULT_FPS = 24.0
@@ -55,11 +68,14 @@ DEFAULT_FPS = 24.0
 @dataclass(frozen=True)
 class VideoSampling:
     """How frames are taken from a video file (``Qwen2VLVideoProcessor``'s settings and defaults):
-    ``fps`` (``None``: every frame, unless the part gives one), ``min_frames``, ``max_frames``."""
+    ``fps`` (``None``: every frame, unless the part gives one), ``min_frames``, ``max_frames``;
+    ``rule``: whose index rule :func:`sample_indices` follows, ``"qwen2_vl"`` or ``"qwen3_vl"``
+    (``Qwen3VLVideoProcessor.sample_frames``, :func:`linspace_indices`)."""
 
     fps: float | None = None
     min_frames: int = 4
     max_frames: int = 768
+    rule: str = "qwen2_vl"
 
 
 @dataclass
@@ -81,6 +97,8 @@ def sample_indices(total: int, file_fps: float, fps: float, temporal_patch: int,
     Raises:
         ValueError: the clip has fewer frames than one temporal patch.
     """
+    if sampling.rule == "qwen3_vl":
+        return linspace_indices(total, file_fps, fps, sampling)
     import torch
 
     top = math.floor(min(sampling.max_frames, total) / temporal_patch) * temporal_patch
@@ -93,6 +111,38 @@ def sample_indices(total: int, file_fps: float, fps: float, temporal_patch: int,
     # the processor takes torch.arange(0, total, total / n).int(): the same float steps here
     out: np.ndarray = torch.arange(0, total, total / n).int().numpy().astype(np.int64)
     return out
+
+
+def linspace_indices(total: int, file_fps: float, fps: float, sampling: VideoSampling) -> np.ndarray:
+    """The frames of a ``total``-frame file at ``file_fps`` kept when sampling at ``fps`` by
+    ``Qwen3VLVideoProcessor.sample_frames``' rule (transformers 5.24): ``n = int(total / file_fps
+    * fps)`` clamped to ``[min_frames, min(max_frames, total)]`` (any count: an odd one is padded
+    later), spread evenly over the whole clip, first and last frame included
+    (``linspace(0, total - 1, n)`` rounded half to even)."""
+    n = min(max(int(total / file_fps * fps), sampling.min_frames), sampling.max_frames, total)
+    out: np.ndarray = np.linspace(0, total - 1, n).round().astype(np.int64)
+    return out
+
+
+def video_header(path: str) -> tuple[int, float]:
+    """``(frames, fps)`` a video file's first stream states in its header (as :func:`decode_video`
+    and transformers' PyAV reader read them; 0 where it states none). The file must open:
+    :func:`decode_video` has read it first."""
+    av = _optional._need("av", "video", "decoding a video file")
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        return int(stream.frames or 0), float(stream.average_rate) if stream.average_rate else 0.0
+
+
+def frame_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
+    """Seconds of each temporal slice of a video whose kept frames are ``indices`` of a clip at
+    ``fps`` (``Qwen3VLProcessor._calculate_timestamps``' rule): the indices padded to a multiple
+    of ``temporal_patch`` by repeating the last, each slice the mean of its first and last frame's
+    time (``index / fps``)."""
+    idx = [int(i) for i in indices]
+    idx += idx[-1:] * (-len(idx) % temporal_patch)
+    sec = [i / fps for i in idx]
+    return [(sec[k] + sec[k + temporal_patch - 1]) / 2 for k in range(0, len(sec), temporal_patch)]
 
 
 def patchify_frames(frames: np.ndarray, processor: Any) -> tuple[np.ndarray, np.ndarray]:

@@ -14,8 +14,8 @@ For images Qwen3-VL is Qwen2-VL's family with three differences, each handled he
   ``Qwen3VLModel.get_rope_index`` (transformers 5.24) is Qwen2-VL's rule
   (:func:`~sftpack.multimodal.families.qwen2_vl.mrope_positions`: text advances by one, an
   image of grid ``(t, h, w)`` takes ``(p + i_t, p + i_h, p + i_w)`` and advances ``p`` by
-  ``max(h, w) // merge``), tested equal to it; it differs only for video (a video's frames
-  are split into grids of one frame each, between timestamps), which this module does not take.
+  ``max(h, w) // merge``), tested equal to it; for video it splits each video's grid into
+  ``t`` grids of one temporal slice, each placed as an image is (see video below).
 - **deepstack**: the vision tower returns, beside its merged output, one merged feature map per
   layer in ``deepstack_visual_indexes``; the language model adds map ``k`` to the hidden states
   of the visual tokens after its layer ``k``. :meth:`Qwen3VL.vision_outputs` hands them, split
@@ -24,6 +24,32 @@ For images Qwen3-VL is Qwen2-VL's family with three differences, each handled he
   image's tokens, as they do for each sample alone (tested, with a control that shifts them by
   one image and fails).
 
+**Video** (transformers 5.24's ``Qwen3VLVideoProcessor`` and ``Qwen3VLProcessor``, re-implemented
+and tested against their own code):
+
+- a video file is sampled at 2 fps by default (the part's ``fps`` wins) by
+  ``Qwen3VLVideoProcessor.sample_frames``' rule (:func:`~sftpack.multimodal._video.linspace_indices`:
+  ``int(frames / file_fps * fps)`` frames clamped to 4 ... 768 and the clip, spread over the whole
+  clip); a list of frames is kept whole (the processor with ``do_sample_frames=False``), taken at
+  the part's ``fps`` (24 when none: the processor's fallback). Frames are resized, padded to a
+  whole temporal patch and patched as Qwen2-VL's family does (:mod:`~sftpack.multimodal._video`):
+  each frame sized by the image processor's pixel limits, not by ``Qwen3VLVideoProcessor``'s
+  limits over the whole clip (``t x h x w`` within its ``size``), which a folder's
+  ``video_preprocessor_config.json`` sets and which is not read yet;
+- the text: the chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` keeps its outer
+  tokens and its placeholder becomes, per temporal slice (two frames),
+  ``<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`` (:meth:`Qwen3VL.media_text`;
+  ``t`` the mean time of the slice's first and last frame, ``index / fps``,
+  :func:`~sftpack.multimodal._video.frame_timestamps`), as ``Qwen3VLProcessor.replace_video_token``
+  writes it; the timestamps are plain text;
+- each temporal slice is its own item of the sample's
+  :class:`~sftpack.handoff.payload.PatchMedia` (grid ``(1, h, w)``, its own placeholder run):
+  ``get_rope_index`` places each slice as an image of one frame, and the tower attends within a
+  frame and places its patches by ``(h, w)`` alone, so a video's slices as items give the features
+  and positions of the whole video (tested against the model's own forward on the processor's
+  ``(t, h, w)`` grids). Each slice's deepstack maps land on its own tokens
+  (:meth:`Qwen3VL.encoder_outputs`).
+
 Everything else (the image block, the embedded tokenizer with Qwen2-VL's special-token ids,
 which Qwen3-VL keeps, :class:`~sftpack.handoff.payload.PatchMedia`, the packed forward over
 sftpack's training attention, Hugging Face's own forward for a sample alone) is Qwen2-VL's.
@@ -31,19 +57,31 @@ sftpack's training attention, Hugging Face's own forward for a sample alone) is 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, ClassVar, NoReturn
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from ... import _optional
 from ...exactness import small_text_config
 from ...handoff.payload import PatchMedia
-from .._family import UnsupportedModelError
+from .._family import EncodedImages, UnsupportedModelError
 from .._images import _pil_processor_class
-from .qwen2_vl import Qwen2VL
+from .._video import (
+    DEFAULT_FPS,
+    EncodedVideos,
+    VideoSampling,
+    _fps,
+    encode_videos,
+    frame_timestamps,
+    sample_indices,
+    video_header,
+)
+from .qwen2_vl import VIDEO_PAD, VISION_END, VISION_START, Qwen2VL
 
-__all__ = ["Qwen3VL", "qwen3vl_image_processor"]
+__all__ = ["Qwen3VL", "TimedVideos", "qwen3vl_image_processor"]
 
 #: Qwen3-VL's image processor settings (its ``preprocessor_config.json``), beside the pixel limits.
 PATCH, TEMPORAL, MERGE = 16, 2, 2
@@ -76,6 +114,33 @@ def qwen3vl_image_processor(
     )
 
 
+@dataclass
+class TimedVideos(EncodedVideos):
+    """One conversation's videos as Qwen3-VL writes them (:meth:`Qwen3VL.encode_videos`):
+    :class:`~sftpack.multimodal.EncodedVideos` per video (pixels, ``grid_thw`` ``(V, 3)`` as the
+    processor's ``video_grid_thw``, ``second_per_grid_ts``, ``frames``), except that ``tokens``
+    holds one count per temporal slice (``h*w / merge**2``, each slice its own placeholder run, in
+    order), and ``timestamps``: each video's seconds per slice."""
+
+    timestamps: list[list[float]] = field(default_factory=list)
+
+    def slices(self) -> EncodedVideos:
+        """The same patches with every temporal slice its own video of grid ``(1, h, w)`` (the
+        items of the sample's media, :meth:`Qwen3VL.media`)."""
+        assert self.grid_thw is not None
+        t = self.grid_thw[:, 0]
+        grid = np.repeat(self.grid_thw, t, axis=0)
+        grid[:, 0] = 1
+        return EncodedVideos(
+            pixel_values=self.pixel_values,  # a video's patches are slice after slice already
+            tokens=self.tokens,
+            grid_thw=grid,
+            merge_size=self.merge_size,
+            second_per_grid_ts=np.repeat(self.second_per_grid_ts, t),
+            frames=np.repeat(self.frames, t),
+        )
+
+
 class Qwen3VL(Qwen2VL):
     """Qwen3-VL (see the module text). ``patch_size``, ``temporal_patch_size`` and ``merge_size``:
     the model's (from its config's ``vision_config`` by :meth:`from_config`), which the image
@@ -85,10 +150,8 @@ class Qwen3VL(Qwen2VL):
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
     model_class: ClassVar[str] = "Qwen3VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen3VLTextRMSNorm",)
-    #: no video yet: Qwen3-VL writes each frame between timestamps and splits a video's grid per
-    #: frame for its positions, which Qwen2-VL's video rule does not (a video part is refused)
-    video_block: ClassVar[tuple[str, ...]] = ()
-    video_placeholder: ClassVar[str] = ""
+    #: ``Qwen3VLVideoProcessor``'s defaults: files sampled at 2 fps by its rule
+    video_sampling: ClassVar[VideoSampling] = VideoSampling(fps=2.0, rule="qwen3_vl")
 
     def __init__(self, patch_size: int = PATCH, temporal_patch_size: int = TEMPORAL, merge_size: int = MERGE) -> None:
         super().__init__()
@@ -116,13 +179,76 @@ class Qwen3VL(Qwen2VL):
             )
 
     def encode_videos(
-        self, parts: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
-    ) -> NoReturn:
-        """Refused (see :attr:`video_block`), in one line naming the family."""
-        raise UnsupportedModelError(
-            f"the {self.name} family takes no video parts yet (record {record!r}): drop them, or use the "
-            "qwen2_vl or qwen2_5_vl family"
+        self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
+    ) -> TimedVideos:
+        """Patches, placeholder counts per temporal slice and timestamps of one conversation's video
+        parts (in order; see the module text). ``record`` and ``fields`` (each part's) are named in errors."""
+        enc = encode_videos(videos, processor, sampling=self.video_sampling, record=record, fields=fields)
+        t = int(processor.temporal_patch_size)
+        stamps = []
+        for i, part in enumerate(videos):
+            fps = _fps(part, record, fields[i] if fields is not None else f"videos[{i}]")
+            if part.get("frames") is not None:  # kept whole, taken at the part's rate
+                indices, rate = list(range(int(enc.frames[i]))), fps if fps is not None else DEFAULT_FPS
+            else:  # the file, sampled as encode_videos sampled it (its header read again)
+                total, rate = video_header(str(part["path"]))
+                want = fps if fps is not None else self.video_sampling.fps
+                indices = sample_indices(total, rate, float(want or rate), t, self.video_sampling).tolist()
+            stamps.append(frame_timestamps(indices, rate, t))
+        assert enc.grid_thw is not None
+        per_slice = np.repeat(enc.grid_thw[:, 1] * enc.grid_thw[:, 2] // enc.merge_size**2, enc.grid_thw[:, 0])
+        return TimedVideos(
+            pixel_values=enc.pixel_values,
+            tokens=per_slice,
+            grid_thw=enc.grid_thw,
+            merge_size=enc.merge_size,
+            second_per_grid_ts=enc.second_per_grid_ts,
+            frames=enc.frames,
+            timestamps=stamps,
         )
+
+    def media_text(self, kind: str, index: int, encoded: EncodedImages) -> str | None:
+        """A video's placeholder as ``Qwen3VLProcessor.replace_video_token`` writes it: per temporal
+        slice ``<{t:.1f} seconds>`` and a vision block with one placeholder (repeated by its count);
+        an image's mark stays."""
+        if kind != "video":
+            return None
+        if not isinstance(encoded, TimedVideos):
+            raise TypeError(f"Qwen3VL.media_text: videos must be encode_videos()' TimedVideos, got {type(encoded)}")
+        return "".join(f"<{t:.1f} seconds>{VISION_START}{VIDEO_PAD}{VISION_END}" for t in encoded.timestamps[index])
+
+    def media(
+        self,
+        input_ids: np.ndarray,
+        runs: np.ndarray,
+        images: EncodedImages,
+        token_id: int,
+        *,
+        videos: EncodedImages | None = None,
+        video_runs: np.ndarray | None = None,
+    ) -> PatchMedia:
+        """Qwen2-VL's media with every temporal slice of a video its own item (``video_runs``: one
+        run per slice, :meth:`encode_videos`' :class:`TimedVideos`), so the positions are
+        ``get_rope_index``'s."""
+        if isinstance(videos, TimedVideos):
+            videos = videos.slices()
+        return super().media(input_ids, runs, images, token_id, videos=videos, video_runs=video_runs)
+
+    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
+        """Qwen2-VL's (the model runs its tower and ``get_rope_index`` itself), each run of
+        consecutive slices of one size joined back into one ``(t, h, w)`` video grid, as the
+        processor's ``video_grid_thw`` has it (two videos of one size back to back become one grid:
+        the model splits every video grid into slices, so that changes nothing)."""
+        kw = super()._alone_media(model, input_ids, media)
+        if "video_grid_thw" in kw:
+            grids: list[list[int]] = []
+            for t, h, w in kw["video_grid_thw"].tolist():
+                if grids and grids[-1][1:] == [h, w]:
+                    grids[-1][0] += t
+                else:
+                    grids.append([t, h, w])
+            kw["video_grid_thw"] = torch.tensor(grids, dtype=torch.int64)
+        return kw
 
     # ------------------------------------------------------------- the model
     def config(self, vocab_size: int, token_ids: dict[str, int], **sizes: Any) -> Any:
@@ -172,8 +298,8 @@ class Qwen3VL(Qwen2VL):
         )
 
     def vision_outputs(self, model: Any, media: PatchMedia) -> Any:
-        """The vision tower over the row's images (one attention segment per frame), its merged
-        output and each deepstack map split per image, as the model's ``mm_encoder_outputs`` take them."""
+        """The vision tower over the row's items (one attention segment per frame), its merged
+        output and each deepstack map split per item, as the model's ``mm_encoder_outputs`` take them."""
         hf = _optional.transformers("models.qwen3_vl.modeling_qwen3_vl")
         visual = model.model.visual
         grid = media.grid_thw
@@ -184,3 +310,21 @@ class Qwen3VL(Qwen2VL):
             pooler_output=torch.split(out.pooler_output, sizes),
             deepstack_features=[torch.split(f, sizes) for f in out.deepstack_features],
         )
+
+    def encoder_outputs(self, model: Any, media: PatchMedia) -> dict[str, Any]:
+        """The model's ``mm_encoder_outputs`` for a row: the tower once over every item
+        (:meth:`vision_outputs`), the images' merged features and deepstack maps under ``"image"``,
+        the video slices' under ``"video"``, each in row order (the model lays each kind's deepstack
+        maps on that kind's placeholders)."""
+        out = self.vision_outputs(model, media)
+        if not media.num_videos:
+            return {"image": out}
+        hf = _optional.transformers("models.qwen3_vl.modeling_qwen3_vl")
+        return {
+            kind: hf.BaseModelOutputWithDeepstackFeatures(
+                last_hidden_state=out.last_hidden_state,
+                pooler_output=tuple(out.pooler_output[i] for i in idx.tolist()),
+                deepstack_features=[tuple(f[i] for i in idx.tolist()) for f in out.deepstack_features],
+            )
+            for kind, (_, _, idx) in media.by_kind().items()
+        }
