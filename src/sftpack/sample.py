@@ -179,7 +179,7 @@ def as_sample(obj: Any, index: int | None = None) -> Sample:
 class Overlong(StrEnum):
     """What happens to a sample longer than ``max_seq_len`` tokens (every layer: default ``split``)."""
 
-    SPLIT = "split"  #: cut into pieces of at most ``max_seq_len`` tokens, each its own sequence (nothing lost)
+    SPLIT = "split"  #: cut into pieces of at most ``max_seq_len`` tokens, each its own sequence (every token kept; each split point costs at most one supervised label, counted as split_labels_lost)
     TRUNCATE = "truncate"  #: keep the first ``max_seq_len`` tokens; the tail is lost (counted)
     DROP = "drop"  #: leave the sample out (counted, with its tokens)
     ERROR = "error"  #: raise :class:`OverlongError` naming the sample, its length and the fixes

@@ -254,7 +254,7 @@ def test_sftpack_train_reports_a_bad_row_found_in_the_producer_and_leaves_nothin
     chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     cache = tmp_path / "cache"
     args = ["train", str(chat), "--steps", "1", "--max-seq-len", "64", "--cache-dir", str(cache), "--num-proc", "2",
-            "--device", "cpu"]  # fmt: skip
+            "--device", "cpu", "--on-bad-row", "error"]  # fmt: skip
     out = subprocess.run(
         [sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, timeout=600, check=False
     )

@@ -156,7 +156,11 @@ def _pick_split(ds: Any, split: str | None, name: str) -> Any:
         if split is None and len(splits) == 1:
             split = splits[0]
         if split not in splits:
-            raise ValueError(f"{name} has splits {splits}: pass split= one of them")
+            given = "" if split is None else f", not {split!r}"
+            raise ValueError(
+                f"{name} is a DatasetDict with splits {', '.join(splits)}{given}: name the one to read "
+                f"(--split NAME; split= in Python)"
+            )
         return ds[split]
     return ds
 

@@ -6,16 +6,27 @@ lists the valid values (``train_on='assistant'`` is not valid: choose one of
 'all_assistant', 'last_assistant', 'everything'). Plain strings and enum members
 are both accepted. The over-long policy, :class:`~sftpack.sample.Overlong`, is
 shared by every layer and lives in :mod:`sftpack.sample`.
+
+The defaults every command shares (:data:`DEFAULT_ON_BAD_ROW`, :data:`DEFAULT_MAX_SEQ_LEN`)
+and the input flags of the commands that read chat files (:class:`InputOptions`) are
+declared here once.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from .._base import StrEnum as _StrEnum
 from .._base import choose
 
 __all__ = [
+    "DEFAULT_MAX_SEQ_LEN",
+    "DEFAULT_ON_BAD_ROW",
+    "ON_BAD_ROW_HELP",
+    "OVERLONG_HELP",
     "BadRowReason",
     "FileSkipReason",
+    "InputOptions",
     "OnBadRow",
     "Outcome",
     "RowFormat",
@@ -30,6 +41,53 @@ class OnBadRow(_StrEnum):
 
     ERROR = "error"  #: raise an error naming the file and line (or the conversation id) and the fix
     SKIP = "skip"  #: leave it out and count it under its reason (``stats.dropped`` / ``stats.files_skipped``)
+
+
+#: What ``sftpack prepack``, ``train``, ``bench`` and ``verify`` (and :class:`~sftpack.offline.PrepackOptions`)
+#: do with a row they cannot use when not told: leave it out and count it by reason in the summary they
+#: print, so that one bad line in a million does not stop a long run (``--on-bad-row error`` stops at it).
+DEFAULT_ON_BAD_ROW = OnBadRow.SKIP
+#: The row width, the longest conversation kept whole, of every command and of ``PrepackOptions`` /
+#: ``TrainConfig`` when not told: long enough for most SFT chats, the context of common small models.
+DEFAULT_MAX_SEQ_LEN = 4096
+#: the ``--on-bad-row`` help of every command (``{default}``: filled in by the command's parser)
+ON_BAD_ROW_HELP = (
+    "a row (or file) that cannot be used: skip it, counted by reason in the summary, or error: stop at the first, "
+    "naming its file, line and fix (default {default})"
+)
+
+#: the ``--overlong`` help of ``sftpack prepack`` and ``bench``: what the tokenizer's split costs
+#: (:attr:`~sftpack.chat.TokenizeStats.split_labels_lost`)
+OVERLONG_HELP = (
+    "a conversation longer than --max-seq-len (default {default}: every token kept, in pieces; each split point "
+    "costs at most one supervised label, the first token of the next piece, counted as split_labels_lost)"
+)
+
+
+@dataclass(frozen=True)
+class InputOptions:
+    """The input flags of every command that reads chat files (``sftpack prepack``, ``train``,
+    ``bench``, ``verify``), declared once (:func:`sftpack.cli._common.add_settings` reads the
+    field metadata). In Python they are :func:`~sftpack.chat.read_conversations`' ``on_bad_row``
+    and ``split``, and the tokenizer's ``chat_template`` (the file's text)."""
+
+    on_bad_row: OnBadRow = field(default=DEFAULT_ON_BAD_ROW, metadata={"help": ON_BAD_ROW_HELP})
+    split: str | None = field(
+        default=None,
+        metadata={
+            "help": "the split to read from a saved Hugging Face DatasetDict (save_to_disk) among the inputs "
+            "(default: its only split)",
+            "metavar": "NAME",
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "a Jinja chat template file, used instead of the tokenizer's own (needed when the tokenizer "
+            "has none; default: the tokenizer's)",
+            "metavar": "FILE",
+        },
+    )
 
 
 class BadRowReason(_StrEnum):

@@ -550,6 +550,12 @@ def chat_template_of(tokenizer: Any) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
+def _folder_of(tokenizer: Any) -> str:
+    """`` in FOLDER`` where the tokenizer was loaded from a folder, else nothing (for messages)."""
+    where = getattr(tokenizer, "name_or_path", None)
+    return f" in {where}" if isinstance(where, str) and where else ""
+
+
 def renderer_for(tokenizer: Tokenizer, template: str | None = None) -> ChatRenderer:
     """The :class:`ChatRenderer` of a Hugging Face tokenizer's chat template (or of ``template``
     with the tokenizer's special tokens, e.g. a vision-language family's default), cached
@@ -558,8 +564,8 @@ def renderer_for(tokenizer: Tokenizer, template: str | None = None) -> ChatRende
         template = chat_template_of(tokenizer)
     if not isinstance(template, str) or not template:
         raise TemplateError(
-            f"{type(tokenizer).__name__} has no chat template: set tokenizer.chat_template "
-            "(for ChatML: sftpack.data.CHATML_TEMPLATE)"
+            f"the tokenizer{_folder_of(tokenizer)} has no chat template: give one as a Jinja file (--chat-template "
+            "FILE; tokenizer.chat_template = its text in Python; for ChatML: sftpack.data.CHATML_TEMPLATE)"
         )
     try:
         per_template = _RENDERERS.setdefault(tokenizer, {})

@@ -11,8 +11,10 @@ import argparse
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from ..chat._options import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions
 from ._common import (
     UsageError,
+    add_settings,
     has_images,
     load_tokenizer,
     positive,
@@ -51,10 +53,20 @@ def register(sub: argparse._SubParsersAction) -> None:
         type=positive,
         help="data with images: vision patches per row for the patch budget (default 2 x --max-seq-len)",
     )
-    b.add_argument("--max-seq-len", type=positive, default=4096, help="row width in tokens (default 4096)")
+    b.add_argument(
+        "--max-seq-len",
+        type=positive,
+        default=DEFAULT_MAX_SEQ_LEN,
+        help=f"row width in tokens (default {DEFAULT_MAX_SEQ_LEN})",
+    )
     b.add_argument("--pad-multiple", type=positive, default=1, help="pad each sequence to a multiple of this (2*CP)")
-    b.add_argument("--overlong", default="split", choices=["truncate", "drop", "split", "error"])
-    b.add_argument("--on-bad-row", default="skip", choices=["error", "skip"])
+    b.add_argument(
+        "--overlong",
+        default="split",
+        choices=["truncate", "drop", "split", "error"],
+        help=OVERLONG_HELP.format(default="split"),
+    )
+    add_settings(b, InputOptions, "on_bad_row", "split", "chat_template")
     b.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
     b.add_argument(
         "--model",
@@ -87,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
             f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple} "
             f"(use {args.max_seq_len // args.pad_multiple * args.pad_multiple})"
         )
+    if args.split is not None and not args.paths:
+        raise UsageError("--split picks the split of a saved DatasetDict among the PATHS: give PATHS")
     if args.corpus == "vqa" or (args.paths and has_images(args.paths)):
         return _run_images(args)
     if args.max_patches is not None:
@@ -94,10 +108,10 @@ def run(args: argparse.Namespace) -> int:
             "--max-patches-per-row is the vision-patch budget of --corpus vqa or data with image parts; text rows "
             "have no patches"
         )
-    tok = load_tokenizer(tokenizer_folder(args.model, args.tokenizer))
+    tok = load_tokenizer(tokenizer_folder(args.model, args.tokenizer), args.chat_template)
     conversations: Iterable[Conversation]
     if args.paths:
-        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row)
+        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row, split=args.split)
         conversations = reader
         source, read_stats = ", ".join(args.paths), reader.stats
     else:
@@ -147,6 +161,8 @@ def _run_images(args: argparse.Namespace) -> int:
             f"--tokenizer: not offered with {what}, which is tokenized with the family's tokenizer and image "
             "processor (a --model folder's, else Qwen2-VL's, embedded); drop --tokenizer"
         )
+    if args.chat_template is not None:
+        raise UsageError(f"--chat-template: {what} is rendered with the model family's own template; drop it")
     if args.overlong == "truncate":
         raise UsageError(
             f"--overlong truncate: not offered with {what} (sftpack never cuts inside an image): use --overlong "
@@ -160,7 +176,7 @@ def _run_images(args: argparse.Namespace) -> int:
     read_stats = None
     conversations: Iterable[Any]
     if args.paths:
-        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row)
+        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row, split=args.split)
         conversations, read_stats = reader, reader.stats
         source = ", ".join(args.paths)
     else:

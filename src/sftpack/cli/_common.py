@@ -31,6 +31,7 @@ __all__ = [
     "load_tokenizer",
     "non_negative",
     "positive",
+    "read_chat_template",
     "render_read_stats",
     "render_tokenize_stats",
     "sigterm_deferred",
@@ -190,21 +191,43 @@ def given_settings(args: argparse.Namespace, options: type) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def load_tokenizer(path: str | None) -> Any:
-    """The tokenizer in a local folder, or the embedded Qwen one."""
+def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
+    """The tokenizer in a local folder, or the embedded Qwen one; with ``chat_template`` (a Jinja
+    file, ``--chat-template``) a copy of it rendering conversations with that template."""
     from ..data import default_tokenizer
 
     if path is None:
-        return default_tokenizer()
-    from transformers import AutoTokenizer
+        tok = default_tokenizer()
+    else:
+        from transformers import AutoTokenizer
 
+        try:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as e:
+            raise UsageError(
+                f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "
+                "written by tokenizer.save_pretrained(), or leave --tokenizer out for the embedded Qwen tokenizer"
+            ) from None
+    if chat_template is None:
+        return tok
+    import copy
+
+    tok = copy.deepcopy(tok) if path is None else tok  # the embedded one is shared within the process
+    tok.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(path: str) -> str:
+    """The text of the ``--chat-template`` file ``path``; a missing or empty file is a usage error."""
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError) as e:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
         raise UsageError(
-            f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder written "
-            "by tokenizer.save_pretrained(), or leave --tokenizer out for the embedded Qwen tokenizer"
+            f"--chat-template {path}: cannot read it ({e.__class__.__name__}); give a Jinja file"
         ) from None
+    if not text.strip():
+        raise UsageError(f"--chat-template {path}: the file is empty; give a Jinja chat template")
+    return text
 
 
 def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
@@ -307,6 +330,10 @@ def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
     formats = getattr(rs, "formats", None) or {}
     kinds = f"; formats: {_reasons(formats)}" if set(formats) - {"messages"} else ""
     lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}{kinds}"]
+    if rs.dropped:
+        lines.append(
+            "  (left out by --on-bad-row skip; --on-bad-row error stops at the first, naming its file and line)"
+        )
     skipped = getattr(rs, "files_skipped", {}) or {}
     problems = list(getattr(rs, "file_problems", []) or [])
     if skipped or problems:
@@ -331,7 +358,7 @@ def render_tokenize_stats(st: TokenizeStats, samples: int, seconds: float) -> st
     lost = [f"{st.tokens_lost:,} tokens lost"]
     if hasattr(st, "labels_lost"):
         lost.append(
-            f"{st.labels_lost:,} of {st.labels:,} supervised labels lost ({st.split_labels_lost:,} at split boundaries)"
+            f"{st.labels_lost:,} of {st.labels:,} supervised labels lost ({st.split_labels_lost:,} at split points: split_labels_lost)"
         )
     if getattr(st, "special_text", 0):
         lost.append(f"{st.special_text:,} conversations had special-token text in content (kept as text)")

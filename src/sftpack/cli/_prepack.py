@@ -35,6 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``sftpack prepack``: :class:`~sftpack.offline.PrepackOptions`' fields, each
     declared there once (:func:`~._common.add_settings`), and the command's own."""
+    from ..chat._options import InputOptions
     from ..offline._options import PrepackOptions  # loads torch: added when the command is used
 
     p.add_argument(
@@ -65,11 +66,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         choices=["tensorwise", "delayed", "mxfp8", "blockwise"],
         help="FP8 recipe: --max-seq-len must then be a multiple of the row multiple it needs",
     )
-    add_settings(
-        p,
-        PrepackOptions,
-        *("overlong", "on_bad_row", "train_on", "seed", "num_proc", "engine", "workers", "ray_address"),
-    )
+    add_settings(p, PrepackOptions, "overlong", "on_bad_row")
+    add_settings(p, InputOptions, "split", "chat_template")
+    add_settings(p, PrepackOptions, *("train_on", "seed", "num_proc", "engine", "workers", "ray_address"))
     p.add_argument(
         "--corpus",
         default="chat",
@@ -197,9 +196,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.corpus == "vqa" and args.inputs:
         raise UsageError("--corpus vqa reads the embedded easy-vqa corpus: give no inputs (or use --corpus chat)")
+    if args.split is not None and not args.inputs:
+        raise UsageError("--split picks the split of a saved DatasetDict among the inputs: give inputs")
     if args.engine == "ray":
         if args.num_proc != 1:
             raise UsageError("--num-proc is the local engine's; with --engine ray use --workers")
+        for flag, given in (("--split", args.split), ("--chat-template", args.chat_template)):
+            if given is not None:
+                raise UsageError(f"{flag}: not offered with --engine ray yet; use the local engine")
     elif args.workers is not None or args.ray_address is not None:
         raise UsageError("--workers and --ray-address need --engine ray (the local engine uses --num-proc)")
     if args.corpus == "vqa" or (args.inputs and has_images(args.inputs)):
@@ -215,8 +219,17 @@ def run(args: argparse.Namespace) -> int:
     where = tokenizer_folder(args.model, args.tokenizer)
     options = _options(args, pad_multiple)  # every option checked once, before the tokenizer loads or an input is read
     # Ray: a path (or None: the embedded one) that each actor loads; the driver never does
-    tok: Any = where if args.engine == "ray" else load_tokenizer(where)
-    result = prepack(args.inputs or None, args.out, tokenizer=tok, options=options)
+    tok: Any = where if args.engine == "ray" else load_tokenizer(where, args.chat_template)
+    inputs: Any = args.inputs or None
+    extra = None
+    if args.split is not None:  # the reader picks the split; the manifest records which
+        from ..chat import read_conversations
+        from ..offline._inputs import check_out_outside_inputs
+
+        check_out_outside_inputs(args.inputs, args.out)
+        inputs = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
+        extra = {"split": args.split}
+    result = prepack(inputs, args.out, tokenizer=tok, options=options, fingerprint=extra)
     print(f"wrote {result.path}")
     for line in summary_lines(result):
         print("  " + line)
@@ -244,6 +257,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         flag
         for flag, given in (
             ("--tokenizer", args.tokenizer is not None),
+            ("--chat-template", args.chat_template is not None),
             ("--train-on", args.train_on != "all_assistant"),
             ("--overlong truncate", args.overlong == "truncate"),
         )
@@ -290,12 +304,14 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         from ..offline._inputs import check_out_outside_inputs
 
         check_out_outside_inputs(args.inputs, args.out)  # before a file is read, as for text
-        reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+        reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
         # an iterable of conversations, hashed as it streams (ids, messages); with its files' rows
         # as the tokenize bar's total
         rows = input_total(args.inputs, reader, args.limit)
         conversations = iter(reader) if rows is None else KnownLength(iter(reader), rows)
         extra = {"input_files": input_fingerprints(reader)}  # and the data files by their bytes
+        if args.split is not None:
+            extra["split"] = args.split
     try:
         mine = {"tokenizer": tok, "processor": processor} if args.model is not None else {}
         result = prepack(conversations, args.out, options=options, fingerprint=extra, **mine)

@@ -39,6 +39,7 @@ from ._common import (
     given_settings,
     has_images,
     load_tokenizer,
+    read_chat_template,
     sigterm_deferred,
     vlm_setup,
 )
@@ -173,15 +174,15 @@ class _Tokenizer:
     """The run's tokenizer, loaded the first time it is asked for: a run that finds its
     samples in the cache (and trains on the trainer, loader or padded path) never loads it."""
 
-    def __init__(self, path: str | None) -> None:
-        self.path = path
+    def __init__(self, path: str | None, chat_template: str | None = None) -> None:
+        self.path, self.chat_template = path, chat_template
         self._tok: Any = None
         self._lock = threading.Lock()
 
     def get(self) -> Any:
         with self._lock:
             if self._tok is None:
-                self._tok = load_tokenizer(self.path)
+                self._tok = load_tokenizer(self.path, self.chat_template)
             return self._tok
 
 
@@ -208,10 +209,11 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
     source = None
     cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     if args.inputs:
-        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
         conversations = itertools.islice(read, args.limit) if args.limit else read
         if cache_dir is not None:
-            source = source_identity(paths=args.inputs, limit=args.limit, options={"on_bad_row": args.on_bad_row})
+            options = {"on_bad_row": args.on_bad_row, **({"split": args.split} if args.split is not None else {})}
+            source = source_identity(paths=args.inputs, limit=args.limit, options=options)
             if source is None:
                 cache_dir = None  # a glob or a dataset name: nothing to key the cache by
     elif cache_dir is not None:
@@ -226,8 +228,12 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
         progress=False,  # a bar from a background thread would cut through the other lines
         cache_dir=cache_dir,
         source=source,
-        # the embedded tokenizer is named by the files it is built from (no serialising, no loading)
-        tokenizer_files=args.tokenizer or default_tokenizer_files(),
+        # the embedded tokenizer is named by the files it is built from (no serialising, no loading),
+        # and a --chat-template file by its bytes beside them
+        tokenizer_files=[
+            *([args.tokenizer] if args.tokenizer else default_tokenizer_files()),
+            *([args.chat_template] if args.chat_template else []),
+        ],
         load_tokenizer=("sftpack.data.default_tokenizer" if args.tokenizer is None else "AutoTokenizer", tok.get),
         in_child=True,
         seed=args.seed,
@@ -307,6 +313,10 @@ def run(args: argparse.Namespace) -> int:
             )
         if args.prepacked:
             raise UsageError("--prepacked is a text prepack's folder: data with images is prepacked by the run itself")
+        if args.chat_template is not None:
+            raise UsageError(
+                "--chat-template: data with images is rendered with the model family's own template; drop it"
+            )
         return _run_images(args, resume)
     if args.num_proc is None:
         args.num_proc = _default_num_proc()
@@ -318,7 +328,9 @@ def run(args: argparse.Namespace) -> int:
 
         manifest = read_manifest(Path(args.prepacked))
     _layout(args, manifest)
-    tokenizer = _Tokenizer(args.tokenizer)
+    if args.chat_template is not None:
+        read_chat_template(args.chat_template)  # a missing or empty file: one line, before any work
+    tokenizer = _Tokenizer(args.tokenizer, args.chat_template)
     job = pending = None
     if args.prepacked is None:
         # The data is tokenized (or read from the cache) while torch and the model load.
@@ -420,9 +432,16 @@ def _run_training(
             else (f"cached in {got.entry}" if got.entry is not None else "not cached")
         )
         stats = got.stats
+        skipped = getattr(stats, "skipped", None) or {}
+        skips = (
+            f", {sum(skipped.values()):,} skipped ({', '.join(f'{k} {v:,}' for k, v in sorted(skipped.items()))}; "
+            "--on-bad-row error stops at the first)"
+            if skipped
+            else ""
+        )
         say(
             f"data: {stats.conversations:,} conversations -> {len(got.samples):,} samples ({stats.split:,} split, "
-            f"{stats.dropped:,} dropped), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
+            f"{stats.dropped:,} dropped{skips}), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
             f"{supervised_targets(got.samples):,} supervised targets; {where}"
         )
 
@@ -563,7 +582,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     def conversations() -> Iterable[Any]:
         if vqa:
             return vqa_corpus(seed=cfg.seed, limit=limit, min_side=lo, max_side=hi)
-        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row)
+        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
         return itertools.islice(read, limit) if limit else iter(read)
 
     samples, stats = media_samples(

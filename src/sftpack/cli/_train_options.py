@@ -25,6 +25,7 @@ IMAGE_SIDES = (56, 224)
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
+    from ..chat._options import InputOptions
     from ..loop._options import TrainConfig
 
     t.add_argument(
@@ -33,6 +34,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         metavar="INPUT",
         help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
     )
+    add_settings(t, InputOptions, "on_bad_row", "split", "chat_template")
     add_settings(t, TrainConfig, "packing")
     t.add_argument(
         "--prepacked",
@@ -156,7 +158,6 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         help="the cache's size limit, e.g. 10G, 500M (binary units; 0: no limit; default: 10G, the entry of a "
         "2-billion-token data set at 5 bytes a token): the entries used least recently make room for a new one",
     )
-    t.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
     t.add_argument(
         "--corpus",
         choices=["chat", "vqa"],
@@ -196,6 +197,14 @@ def check_options(args: argparse.Namespace) -> None:
         raise UsageError(f"--eval-file {args.eval_file}: no such file")
     if args.eval_file is not None and args.vocab == "data":
         raise UsageError("--eval-file with --vocab data: the eval file's ids are not the data's; use --eval-fraction")
+    for flag, given in (("--split", args.split), ("--chat-template", args.chat_template)):
+        if given is not None and args.prepacked:
+            raise UsageError(
+                f"{flag}: a --prepacked folder's conversations were read and tokenized by sftpack prepack: give "
+                f"{flag} to sftpack prepack, or train on the INPUT files"
+            )
+    if args.split is not None and not args.inputs:
+        raise UsageError("--split picks the split of a saved DatasetDict among the INPUT files: give INPUT files")
     if args.save_model is not None and args.vocab == "data":
         raise UsageError(
             "--save-model with --vocab data: that model's ids are the data's, renumbered, not the tokenizer's, so "

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 
-from ._common import UsageError, has_images, positive
+from ..chat._options import DEFAULT_MAX_SEQ_LEN, InputOptions
+from ._common import UsageError, add_settings, has_images, positive, render_read_stats
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,7 +43,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--max-seq-len",
         type=positive,
         default=256,
-        help="row width; longer conversations are split (default 256)",
+        help=f"row width of the check; longer conversations are split (default 256: the check runs every path in "
+        f"float64, so narrow rows keep it quick and split the longer conversations, which it then checks too; "
+        f"the commands that build rows for training default to {DEFAULT_MAX_SEQ_LEN})",
     )
     v.add_argument("--pad-multiple", type=positive, default=1, help="pad each sequence to a multiple (2*CP)")
     v.add_argument(
@@ -59,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="which paths to check (default all three)",
     )
     v.add_argument("--seed", type=int, default=0)
-    v.add_argument("--on-bad-row", choices=["skip", "error"], default="error")
+    add_settings(v, InputOptions, "on_bad_row", "split")
     v.set_defaults(func=run)
 
 
@@ -78,7 +81,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--family: the family of a --model folder is its config.model_type; drop --family")
     if args.max_seq_len % args.pad_multiple:
         raise UsageError(f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple}")
-    data = read_conversations(args.inputs, on_bad_row=args.on_bad_row) if args.inputs else default_corpus()
+    if args.split is not None and not args.inputs:
+        raise UsageError("--split picks the split of a saved DatasetDict among the INPUT files: give INPUT files")
+    reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split) if args.inputs else None
+    data = reader if reader is not None else default_corpus()
     dtype = getattr(torch, args.dtype)
     try:
         r = verify(
@@ -97,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     print(f"model: {r.model} ({r.kind}, {r.dtype})")
     print(f"data: {r.conversations} conversations -> {r.samples} samples; rounding chain n = {r.chain:,}")
+    if reader is not None and (reader.stats.dropped or reader.stats.files_skipped):
+        print(render_read_stats(reader.stats))  # the rows skipped (--on-bad-row skip) on the way to --limit
     head = f"{'path':<8} {'boundaries':<10} {'micro-batches':>13} {'seqs':>5} {'logits':>9} {'loss':>9} {'grads':>9}"
     print(f"\n{head} {'tolerance':>9}  result")
     for c in r.checks:

@@ -12,7 +12,7 @@ rows. Energon silently drops any buffered sample the selector leaves out:
 
 Energon encodes one sample into one sample, so the encoder cannot split a
 conversation longer than a row. Under the default over-long policy
-(``overlong="split"``, every layer's default: nothing lost unasked) such a
+(``overlong="split"``, every layer's default: no token lost unasked) such a
 conversation raises :class:`~sftpack.sample.OverlongError` naming it and the
 fixes; pass ``overlong="truncate"`` or ``"drop"`` to cut or skip it instead.
 

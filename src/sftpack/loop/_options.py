@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._base import StrEnum, choose, positive_int
+from ..chat._options import DEFAULT_MAX_SEQ_LEN
 
 __all__ = ["Boundaries", "NonFinite", "Packing", "Schedule", "TrainConfig"]
 
@@ -134,7 +135,7 @@ class TrainConfig:
         },
     )
     max_seq_len: int = field(
-        default=1024,
+        default=DEFAULT_MAX_SEQ_LEN,
         metadata={
             "help": "row width / micro-batch token budget; longer conversations are split (default {default}; with "
             "--prepacked: the prepack's)",

@@ -26,6 +26,7 @@ from typing import Any
 from .._base import StrEnum, choose, positive_int
 from ..binpack import Algorithm
 from ..chat import OnBadRow, TrainOn
+from ..chat._options import DEFAULT_MAX_SEQ_LEN, DEFAULT_ON_BAD_ROW, ON_BAD_ROW_HELP, OVERLONG_HELP
 from ..sample import Overlong
 from ._plan import BinPack
 
@@ -63,7 +64,8 @@ class PrepackOptions:
     """
 
     max_seq_len: int = field(
-        default=4096, metadata={"help": "row width in tokens (default {default}, at most 16,777,216)", "min": 1}
+        default=DEFAULT_MAX_SEQ_LEN,
+        metadata={"help": "row width in tokens (default {default}, at most 16,777,216)", "min": 1},
     )
     pad_multiple: int = field(
         default=1,
@@ -77,14 +79,12 @@ class PrepackOptions:
     seed: int = field(default=0, metadata={"help": "the bin packer's seed (default {default})", "min": 0})
     overlong: Overlong = field(
         default=Overlong.SPLIT,
-        metadata={"help": "a conversation longer than --max-seq-len (default {default}: nothing lost)"},
+        metadata={"help": OVERLONG_HELP},
     )
     train_on: TrainOn = field(
         default=TrainOn.ALL_ASSISTANT, metadata={"help": "the tokens trained on (default {default})"}
     )
-    on_bad_row: OnBadRow = field(
-        default=OnBadRow.SKIP, metadata={"help": "bad input rows (default {default}, counted)"}
-    )
+    on_bad_row: OnBadRow = field(default=DEFAULT_ON_BAD_ROW, metadata={"help": ON_BAD_ROW_HELP})
     limit: int | None = field(default=None, metadata={"help": "first N conversations only", "min": 1})
     engine: Engine = field(
         default=Engine.LOCAL,
