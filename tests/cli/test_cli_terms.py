@@ -188,3 +188,29 @@ def test_every_command_has_and_states_the_same_defaults():
         assert args.max_seq_len == DEFAULT_MAX_SEQ_LEN, command
     for command in ("prepack", "bench"):
         assert "split_labels_lost" in _help(command)["--overlong"]
+
+
+def test_train_reports_the_rows_the_reader_left_out(tmp_path, capsys):
+    """The reader runs in train's background tokenizer process; its counts come back with the
+    samples and the command prints them (the library itself logs nothing above debug)."""
+    good = [
+        json.dumps({"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}."}]})
+        for i in range(8)
+    ]
+    data = tmp_path / "c.jsonl"
+    data.write_text("\n".join([*good, "{not json", json.dumps({"messages": []})]) + "\n")
+    args = ["train", str(data), "--steps", "1", "--max-seq-len", "64", "--dim", "16", "--layers", "1", "--heads", "2"]
+    args += [
+        "--kv-heads",
+        "1",
+        "--batch-size",
+        "4",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        "--log",
+        str(tmp_path / "l"),
+    ]
+    assert main(args) == 0
+    said = capsys.readouterr()
+    assert "read 10 rows: 8 kept, dropped: empty_messages 1, invalid_json 1" in said.out, said.out
+    assert "invalid_json" not in said.err  # not logged by the library as well

@@ -33,12 +33,15 @@ _BATCH = 64
 @dataclass
 class _Run:
     """One tokenizer pass: the lazy samples, the conversation positions in the order
-    they are tokenized, the conversation id of each position, the tokenizer's info."""
+    they are tokenized, the conversation id of each position, the tokenizer's info, and
+    the reader's counts (:class:`~sftpack.chat.ReadStats`, complete once the samples are;
+    ``None`` when no reader read the input)."""
 
     out: Any
     order: list[int] | None
     ids: list[Any] | None
     info: dict[str, int]
+    read: Any = None
 
 
 def _positioned(run: _Run) -> Iterator[tuple[int, Sample]]:
@@ -92,6 +95,7 @@ class _Producer:
         self._ordered = False
         self._error: BaseException | None = None
         self.stats: TokenizeStats | None = None
+        self.read: Any = None  # the reader's counts, sent with the end
 
     def _recv(self) -> tuple[Any, ...]:
         """The next message (raises the child's error, or one naming how it ended)."""
@@ -148,7 +152,7 @@ class _Producer:
         while True:
             msg = self._recv()
             if msg[0] == "end":
-                self.stats = msg[1]
+                self.stats, self.read = msg[1], msg[2]
                 return
             yield from msg[1]
 
@@ -207,7 +211,7 @@ def _produce(prepare: Callable[..., _Run], conn: Any, parents_end: Any, parent: 
                 conn.send(("samples", batch))
                 batch = []
         conn.send(("samples", batch))
-        conn.send(("end", run.out.stats))
+        conn.send(("end", run.out.stats, run.read))
     except (BrokenPipeError, EOFError):  # the parent is gone or stopped listening
         os._exit(1)
     except Exception as e:

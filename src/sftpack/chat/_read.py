@@ -290,11 +290,10 @@ class ConversationReader:
                 yield from self._read_dataset(src)
         s = self.stats
         if s.dropped or s.files_skipped:
-            # a warning while `sftpack train` reads in a background process whose counts do not come
-            # back to the command yet; prepack and bench print the same counts from ReadStats
+            # the counts are the caller's (ReadStats); the commands print them
             words = ", ".join(f"{k} {v:,}" for k, v in sorted(s.dropped.items())) or "none"
             files = ", ".join(f"{k} {v:,}" for k, v in sorted(s.files_skipped.items())) or "none"
-            logger.warning(
+            logger.debug(
                 "read %s rows, kept %s; left out %s bad rows (%s); files not read: %s",
                 f"{s.read:,}",
                 f"{s.kept:,}",

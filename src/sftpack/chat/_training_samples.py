@@ -51,6 +51,8 @@ class CachedSamples:
             ``None`` for a one-pass iterator.
         conversations: how many conversations went in (``0``: not known).
         tokenizer: :func:`tokenizer_info` of the tokenizer (stored with the entry).
+        read: the reader's :class:`~sftpack.chat.ReadStats` of this pass (rows read, kept,
+            dropped by reason), when ``read_stats`` named them; ``None`` on a cache hit.
     """
 
     samples: list[Sample]
@@ -60,6 +62,7 @@ class CachedSamples:
     positions: np.ndarray | None = None
     conversations: int = 0
     tokenizer: dict[str, int] = field(default_factory=dict)
+    read: Any = None
 
 
 def conversation_order(n: int, *, seed: int, epoch: int) -> np.ndarray:
@@ -249,6 +252,9 @@ class TokenizeJob:
                 assert child.stats is not None
                 return child.stats
 
+            def read() -> Any:
+                return child.read
+
         else:
             if self._it is None:
                 self._start()
@@ -258,6 +264,9 @@ class TokenizeJob:
 
             def stats() -> TokenizeStats:
                 return run.out.stats
+
+            def read() -> Any:
+                return run.read
 
         sink = self._sink
         writer = None
@@ -312,6 +321,7 @@ class TokenizeJob:
             np.asarray(positions, dtype=np.int64) if order is not None else None,
             len(order) if order is not None else 0,
             info,
+            read(),
         )
         if sink is not None:
             sink._finish(self.done)
@@ -355,6 +365,7 @@ def start_training_samples(
     seed: int | None = None,
     load_tokenizer: tuple[str, Callable[[], Any]] | None = None,
     cache_max_size: int = DEFAULT_MAX_SIZE,
+    read_stats: Any = None,
 ) -> TokenizeJob:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
     training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache),
@@ -384,6 +395,9 @@ def start_training_samples(
             something to tokenize (not on a cache hit).
         cache_max_size: the cache's size limit in bytes (``0``: none): the entries used
             least recently make room for a new one; see :class:`EntryWriter`.
+        read_stats: the :class:`~sftpack.chat.ReadStats` of the reader ``conversations``
+            comes from (``reader.stats``); its counts of this pass come back as
+            :attr:`CachedSamples.read` (from the producer process too).
     """
     from ..data import default_corpus
     from ._batch import tokenize_conversations
@@ -439,7 +453,7 @@ def start_training_samples(
             batch_size=_BATCH,
             **options,  # type: ignore[arg-type]
         )
-        return _Run(out, order, ids, info)
+        return _Run(out, order, ids, info, read_stats)
 
     return TokenizeJob(prepare, key=key, cache_dir=cache_dir, ready=ready, in_child=in_child, max_size=cache_max_size)
 

@@ -40,6 +40,7 @@ from ._common import (
     has_images,
     load_tokenizer,
     read_chat_template,
+    render_read_stats,
     sigterm_deferred,
     vlm_setup,
 )
@@ -206,10 +207,11 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
     if args.tokenizer is not None and not Path(args.tokenizer).is_dir():
         tok.get()  # not a folder: the loader's own error, naming the path and the fix
     conversations: Iterable[Any] | None = None  # None: the embedded corpus
-    source = None
+    source = read_stats = None
     cache_dir = None if args.no_cache else Path(args.cache_dir) if args.cache_dir else default_cache_dir()
     if args.inputs:
         read = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
+        read_stats = read.stats  # filled as the producer reads; its counts come back with the samples
         conversations = itertools.islice(read, args.limit) if args.limit else read
         if cache_dir is not None:
             options = {"on_bad_row": args.on_bad_row, **({"split": args.split} if args.split is not None else {})}
@@ -238,6 +240,7 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
         in_child=True,
         seed=args.seed,
         cache_max_size=DEFAULT_MAX_SIZE if args.cache_max_size is None else args.cache_max_size,
+        read_stats=read_stats,
     )
     if job.done is None:
         _lower_priority_of_children()  # before it forks its own workers, which inherit it
@@ -444,6 +447,9 @@ def _run_training(
             f"{stats.dropped:,} dropped{skips}), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
             f"{supervised_targets(got.samples):,} supervised targets; {where}"
         )
+        read = getattr(got, "read", None)
+        if read is not None and (read.dropped or read.files_skipped):  # rows the reader left out, by reason
+            say(render_read_stats(read))
 
     eval_samples = None
 
