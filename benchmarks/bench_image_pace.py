@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from _results import add_flag, formatted_table, write_section
-from bench_prepack_pace import Contender, machine, serve
+from bench_prepack_pace import machine, run_rounds, serve
 
 BATCH = 32
 MAX_SEQ_LEN = 2048
@@ -118,8 +118,6 @@ def main(argv: list[str] | None = None) -> int:
         _child(args.child, args.child_procs, args.conversations, args.seed, args.workdir)
         return 0
 
-    from _machine import load_average
-
     tmp = tempfile.TemporaryDirectory(prefix="bench_image_pace_") if args.workdir is None else None
     args.workdir = Path(tmp.name) if tmp is not None else args.workdir
     where = machine()
@@ -132,27 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline_src:
         spec += [(f"base {p}", "base", p, args.baseline_src) for p in procs]
     extra = ("--conversations", str(args.conversations), "--seed", str(args.seed))
-    contenders = []
-    for name, kind, p, src in spec:  # started one at a time: the start-ups do not overlap the rounds
-        c = Contender(name, kind, p, args, src, script=__file__, extra=extra)
-        info = c.ready()
-        print(f"  {name:<10} ready (sftpack from {info['sftpack']})", flush=True)
-        contenders.append(c)
-
-    loads: list[float] = []
     try:
-        for r in range(args.rounds):
-            order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
-            load0 = load_average()
-            line = []
-            for c in order:
-                res = c.run()
-                line.append(f"{c.name} {res['wall']:.1f}s")
-            loads.append((load0 + load_average()) / 2)
-            print(f"round {r + 1}: load {loads[-1]:.1f}: " + ", ".join(line), flush=True)
+        contenders, loads = run_rounds(spec, args, script=__file__, extra=extra)
     finally:
-        for c in contenders:
-            c.close()
         if tmp is not None:
             tmp.cleanup()
 

@@ -181,6 +181,39 @@ def _median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def run_rounds(
+    spec: list[tuple[str, str, int, str | None]],
+    args: argparse.Namespace,
+    *,
+    script: str = __file__,
+    extra: tuple[str, ...] = (),
+) -> tuple[list[Contender], list[float]]:
+    """Start each contender of ``spec`` (``(name, kind, processes, src)``) one at a time (the
+    start-ups do not overlap the rounds), run ``args.rounds`` rounds, who goes first rotating,
+    and close them; returns the contenders (their ``results``) and each round's load average."""
+    contenders: list[Contender] = []
+    loads: list[float] = []
+    try:
+        for name, kind, p, src in spec:
+            c = Contender(name, kind, p, args, src, script=script, extra=extra)
+            info = c.ready()
+            print(f"  {name:<10} ready (sftpack from {info['sftpack']})", flush=True)
+            contenders.append(c)
+        for r in range(args.rounds):
+            order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
+            load0 = load_average()
+            line = []
+            for c in order:
+                res = c.run()
+                line.append(f"{c.name} {res['wall']:.1f}s")
+            loads.append((load0 + load_average()) / 2)
+            print(f"round {r + 1}: load {loads[-1]:.1f}: " + ", ".join(line), flush=True)
+    finally:
+        for c in contenders:
+            c.close()
+    return contenders, loads
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -209,27 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     spec += [(f"prepack {p}", "prepack", p, None) for p in procs]
     if args.baseline_src:
         spec += [(f"base {p}", "base", p, args.baseline_src) for p in procs]
-    contenders = []
-    for name, kind, p, src in spec:  # started one at a time: the start-ups do not overlap the rounds
-        c = Contender(name, kind, p, args, src)
-        info = c.ready()
-        print(f"  {name:<10} ready (sftpack from {info['sftpack']})", flush=True)
-        contenders.append(c)
-
-    loads: list[float] = []
     try:
-        for r in range(args.rounds):
-            order = contenders[r % len(contenders) :] + contenders[: r % len(contenders)]
-            load0 = load_average()
-            line = []
-            for c in order:
-                res = c.run()
-                line.append(f"{c.name} {res['wall']:.1f}s")
-            loads.append((load0 + load_average()) / 2)
-            print(f"round {r + 1}: load {loads[-1]:.1f}: " + ", ".join(line), flush=True)
+        contenders, loads = run_rounds(spec, args)
     finally:
-        for c in contenders:
-            c.close()
         if tmp is not None:
             tmp.cleanup()
 
