@@ -19,6 +19,46 @@ pytest.importorskip("PIL")
 from sftpack import Sample  # noqa: E402
 from sftpack.multimodal import family_for, tokenize_media_conversations, vqa_corpus  # noqa: E402
 
+
+def noise_image(w: int, h: int, seed: int):
+    """A ``w x h`` RGB image of seeded noise (PIL)."""
+    from PIL import Image
+
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def noise_conversations(sizes: dict[str, tuple[int, ...]], *, text_only: bool = False) -> list[dict]:
+    """Conversations with noise images: ``"wide"`` (one image of ``sizes["wide"]``), ``"two"``
+    (two images, ``sizes["two"]`` = ``(w1, h1, w2, h2)``, and a second turn), ``"tall"``, and with
+    ``text_only`` a conversation without images; sizes chosen by each family's patch grid."""
+
+    def user(*parts):
+        return {"role": "user", "content": list(parts)}
+
+    def image(w, h, seed):
+        return {"type": "image", "image": noise_image(w, h, seed)}
+
+    def text(t):
+        return {"type": "text", "text": t}
+
+    w1, h1, w2, h2 = sizes["two"]
+    out = [
+        {"id": "wide", "messages": [user(image(*sizes["wide"], 1), text("What is this?")),
+                                    {"role": "assistant", "content": "Noise, wide."}]},
+        {"id": "two", "messages": [user(image(w1, h1, 2), text("And this?"), image(w2, h2, 3)),
+                                   {"role": "assistant", "content": "Two noisy images."},
+                                   user(text("Which is larger?")),
+                                   {"role": "assistant", "content": "The first."}]},
+    ]  # fmt: skip
+    if text_only:
+        out.append(
+            {"id": "text", "messages": [user(text("No picture today.")), {"role": "assistant", "content": "Fine."}]}
+        )
+    out.append({"id": "tall", "messages": [user(text("Look:"), image(*sizes["tall"], 4)),
+                                           {"role": "assistant", "content": "Tall noise."}]})  # fmt: skip
+    return out
+
+
 #: <|endoftext|> (the pad), <|vision_start|>, <|vision_end|>, <|image_pad|>, <|video_pad|>
 SPECIAL_IDS = (151643, 151652, 151653, 151655, 151656)
 

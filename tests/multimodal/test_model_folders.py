@@ -132,12 +132,17 @@ def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(name, d
     ds = PrepackedDataset(out)
     assert ds.manifest["media"]["family"] == name
     fam = family_for(path)
-    model = fam.pretrained(path, dtype=torch.float64)
-    samples = {s.conversation_id: s for s in _samples(fam, path, data)}
-    for row in (ds[i] for i in range(len(ds))):
+    check_prepacked_rows(fam, path, data, [ds[i] for i in range(len(ds))])
+
+
+def check_prepacked_rows(fam, folder: str, data, rows) -> None:
+    """Each prepacked row through the folder's own HF class (float64) equals each of its samples
+    alone within TOL; the same row with positions not restarted (a row of several) fails by BUG."""
+    model = fam.pretrained(folder, dtype=torch.float64)
+    samples = {s.conversation_id: s for s in _samples(fam, folder, data)}
+    for row in rows:
         chosen = [samples[i] for i in row.sequence_ids]
-        for bad, tamper in ((False, None), (True, _positions_not_restarted)):
-            run = tamper(row) if tamper else row
+        for bad, run in ((False, row), (True, _positions_not_restarted(row))):
             logits, loss, grads, _, _ = compare_packed_alone(
                 model,
                 chosen,

@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from sftpack import PackedBatch
 from sftpack.handoff.payload import PatchMedia
 from sftpack.multimodal import check_packed, family_for, tokenize_media_conversations, vqa_corpus
-from tests.multimodal.conftest import Renumbered
+from tests.multimodal.conftest import Renumbered, noise_conversations
 
 TOL = 1e-10  # float64; see the docstring
 # What a wrong position moves something by, at least: 1-D positions 1e6 x TOL; transposed ones
@@ -50,36 +48,13 @@ BUG = {"positions-1d": 1e-4, "positions-transposed": 1e-6}
 WINDOW = 8  # patches a side of a 112-px window (14-px patches)
 
 
-def _noise(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _noise_conversations() -> list[dict]:
-    def user(*parts):
-        return {"role": "user", "content": list(parts)}
-
-    def image(w, h, seed):
-        return {"type": "image", "image": _noise(w, h, seed)}
-
-    def text(t):
-        return {"type": "text", "text": t}
-
-    return [
-        {"id": "wide", "messages": [user(image(252, 140, 1), text("What is this?")),
-                                    {"role": "assistant", "content": "Noise, wide."}]},
-        {"id": "two", "messages": [user(image(224, 196, 2), text("And this?"), image(84, 56, 3)),
-                                   {"role": "assistant", "content": "Two noisy images."},
-                                   user(text("Which is larger?")),
-                                   {"role": "assistant", "content": "The first."}]},
-        {"id": "tall", "messages": [user(text("Look:"), image(140, 252, 4)),
-                                    {"role": "assistant", "content": "Tall noise."}]},
-    ]  # fmt: skip
-
-
 @pytest.fixture(scope="module")
 def qwen25():
     fam = family_for("qwen2_5_vl")
-    convs = [*_noise_conversations(), *vqa_corpus(seed=2, limit=6, min_side=56, max_side=112)]
+    convs = [
+        *noise_conversations({"wide": (252, 140), "two": (224, 196, 84, 56), "tall": (140, 252)}),
+        *vqa_corpus(seed=2, limit=6, min_side=56, max_side=112),
+    ]
     samples = list(tokenize_media_conversations(convs, family=fam))
     return Renumbered(samples, family="qwen2_5_vl")
 

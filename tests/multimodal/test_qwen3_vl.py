@@ -36,7 +36,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from PIL import Image
 
 from sftpack import PackedBatch, Sample
 from sftpack.cli import main
@@ -46,40 +45,13 @@ from sftpack.multimodal._exactness import compare_packed_alone
 from sftpack.multimodal.families.qwen2_vl import mrope_positions
 from sftpack.multimodal.families.qwen3_vl import Qwen3VL
 from sftpack.offline import PrepackedDataset
-from tests.multimodal.conftest import Renumbered
-from tests.multimodal.test_model_folders import _positions_not_restarted, _samples, data  # noqa: F401
+from tests.multimodal.conftest import Renumbered, noise_conversations
+from tests.multimodal.test_model_folders import _positions_not_restarted, check_prepacked_rows, data  # noqa: F401
 
 TOL = 1e-10  # float64; see the docstring
 # What a bug moves something by, at least: 1-D positions or a sample's deepstack maps on another
 # image's tokens change logits of magnitude ~1 by far more than 1e-6 (observed: above 1e-3).
 BUG = 1e-6
-
-
-def _noise(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
-
-
-def _conversations() -> list[dict]:
-    def user(*parts):
-        return {"role": "user", "content": list(parts)}
-
-    def image(w, h, seed):
-        return {"type": "image", "image": _noise(w, h, seed)}
-
-    def text(t):
-        return {"type": "text", "text": t}
-
-    return [
-        {"id": "wide", "messages": [user(image(256, 128, 1), text("What is this?")),
-                                    {"role": "assistant", "content": "Noise, wide."}]},
-        {"id": "two", "messages": [user(image(224, 192, 2), text("And this?"), image(96, 64, 3)),
-                                   {"role": "assistant", "content": "Two noisy images."},
-                                   user(text("Which is larger?")),
-                                   {"role": "assistant", "content": "The first."}]},
-        {"id": "text", "messages": [user(text("No picture today.")), {"role": "assistant", "content": "Fine."}]},
-        {"id": "tall", "messages": [user(text("Look:"), image(128, 256, 4)),
-                                    {"role": "assistant", "content": "Tall noise."}]},
-    ]  # fmt: skip
 
 
 class _Renumbered(Renumbered):
@@ -94,7 +66,10 @@ class _Renumbered(Renumbered):
 @pytest.fixture(scope="module")
 def qwen3():
     fam = family_for("qwen3_vl")
-    convs = [*_conversations(), *vqa_corpus(seed=2, limit=6, min_side=56, max_side=112)]
+    convs = [
+        *noise_conversations({"wide": (256, 128), "two": (224, 192, 96, 64), "tall": (128, 256)}, text_only=True),
+        *vqa_corpus(seed=2, limit=6, min_side=56, max_side=112),
+    ]
     return _Renumbered(list(tokenize_media_conversations(convs, family=fam)), family="qwen3_vl")
 
 
@@ -260,22 +235,6 @@ def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(folder,
     ds = PrepackedDataset(out)
     assert ds.manifest["media"]["family"] == "qwen3_vl" and ds.manifest["media"]["processor"]["patch_size"] == 16
     fam = family_for(folder)
-    model = fam.pretrained(folder, dtype=torch.float64)
-    samples = {s.conversation_id: s for s in _samples(fam, folder, data)}
     rows = [ds[i] for i in range(len(ds))]
     assert sum(len(r.sequence_ids) for r in rows) == 4 and max(len(r.sequence_ids) for r in rows) > 1
-    for row in rows:
-        chosen = [samples[i] for i in row.sequence_ids]
-        for bad, run in ((False, row), (True, _positions_not_restarted(row))):
-            logits, loss, grads, _, _ = compare_packed_alone(
-                model,
-                chosen,
-                run,
-                alone=fam.alone_logits,
-                packed=lambda run=run: fam.packed_logits(model, run),
-                part_of=fam.part_of,
-            )
-            if not bad:
-                assert max(logits, loss, *grads.values()) <= TOL
-            elif len(chosen) > 1:
-                assert logits > BUG
+    check_prepacked_rows(fam, folder, data, rows)

@@ -45,6 +45,7 @@ from sftpack.multimodal import BadImageError, check_packed, family_for, tokenize
 from sftpack.multimodal._images import image_processor, resize_image
 from sftpack.multimodal._plan import plan_rows
 from sftpack.multimodal._video import VideoSampling, encode_videos, patchify_frames, sample_indices
+from tests.multimodal.conftest import noise_image
 
 TOL = 1e-10  # float64; see the docstring
 # What the negative controls move something by, at least: a video's temporal slices reversed
@@ -82,8 +83,7 @@ def _hf_method(cls_name: str, name: str, module: str = "transformers.models.qwen
     return scope[name], defaults
 
 
-def _noise(w: int, h: int, seed: int) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
+_noise = noise_image
 
 
 def _frames(n: int, w: int, h: int, seed: int) -> list[Image.Image]:
