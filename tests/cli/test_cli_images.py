@@ -255,10 +255,10 @@ def test_prepack_refuses_what_image_data_does_not_take(data, tmp_path, capsys, e
     assert not (tmp_path / "never").exists()
 
 
-def test_prepack_family_takes_the_qwen_families_only(data, tmp_path, capsys):
+def test_prepack_family_takes_the_supported_families_only(data, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
-        _prepack(data, tmp_path / "never", "--family", "llava")
-    assert e.value.code == 2 and "argument --family: invalid choice: 'llava'" in capsys.readouterr().err
+        _prepack(data, tmp_path / "never", "--family", "mistral3")
+    assert e.value.code == 2 and "argument --family: invalid choice: 'mistral3'" in capsys.readouterr().err
 
 
 def test_image_options_on_text_data_are_refused(tmp_path, capsys):

@@ -119,12 +119,12 @@ def test_verify_passes_on_the_users_folder(folder, data, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"({name}, float64)" in out
-    assert out.count(" exact") >= 4  # trainer and loader, both modes
-    if name in ("llava", "gemma3"):  # the offline path stores Qwen2-VL-style pixels only: said, not silently skipped
-        assert "offline  real       not offered" in out
+    table = [line for line in out.splitlines() if line.startswith(("trainer ", "loader ", "offline "))]
+    assert len(table) == 6 and all(line.rstrip().endswith(" exact") for line in table), out  # 3 paths x 2 modes
+    assert "not offered" not in out
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", FAMILIES)
 def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(name, data, tmp_path, tmp_path_factory):
     path = _folder(str(tmp_path_factory.mktemp(f"{name}-prepack")), name)
     out = tmp_path / "rows"
@@ -137,12 +137,20 @@ def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(name, d
 
 def check_prepacked_rows(fam, folder: str, data, rows) -> None:
     """Each prepacked row through the folder's own HF class (float64) equals each of its samples
-    alone within TOL; the same row with positions not restarted (a row of several) fails by BUG."""
+    alone within TOL; the negative control fails by BUG: the same row with positions not
+    restarted (a row of several samples, MRoPE families) or its images shifted by one (LLaVA and
+    Gemma 3, whose tiny models barely move with a position shift: a row of two or more images)."""
     model = fam.pretrained(folder, dtype=torch.float64)
     samples = {s.conversation_id: s for s in _samples(fam, folder, data)}
+    controlled = 0
     for row in rows:
         chosen = [samples[i] for i in row.sequence_ids]
-        for bad, run in ((False, row), (True, _positions_not_restarted(row))):
+        mrope = getattr(row.media, "positions", None) is not None
+        control, telling = (
+            (_positions_not_restarted(row), len(chosen) > 1) if mrope else (_images_shifted(row), _shifts(row))
+        )
+        controlled += telling
+        for bad, run in ((False, row), (True, control)):
             logits, loss, grads, _, _ = compare_packed_alone(
                 model,
                 chosen,
@@ -153,15 +161,15 @@ def check_prepacked_rows(fam, folder: str, data, rows) -> None:
             )
             if not bad:
                 assert max(logits, loss, *grads.values()) <= TOL
-            elif len(chosen) > 1:
+            elif telling:
                 assert logits > BUG
+    assert controlled  # the control ran on at least one row
 
 
 @pytest.mark.parametrize("name", ["llava", "gemma3"])
 def test_rows_of_an_image_family_folder_equal_each_sample_alone_through_hf(name, data, tmp_path_factory):
     """LLaVA-1.5 (``<image>``, its own template) and Gemma 3 (soft tokens bidirectional within an
-    image) folders, whose images the offline path does not store: the rows the loader and the
-    trainer build (``PackedBatch.from_samples``) of the folder's own samples, through the folder's
+    image) folders: the rows the loader and the trainer build (``PackedBatch.from_samples``) of the folder's own samples, through the folder's
     Hugging Face class, equal each sample alone; the row's images shifted by one fail it."""
     path = _shared_folder(name, tmp_path_factory)
     fam = family_for(path)
@@ -205,15 +213,26 @@ def _samples(fam, path, data):
     return samples
 
 
-def _positions_not_restarted(batch):
+def _images_shifted(batch):
     media = batch.media
-    positions = media.positions.clone()
-    positions[:] = torch.arange(positions.shape[-1])
-    return dataclasses.replace(
-        batch,
-        position_ids=torch.arange(len(batch.position_ids)),
-        media=dataclasses.replace(media, positions=positions),
-    )
+    return dataclasses.replace(batch, media=dataclasses.replace(media, pixel_values=media.pixel_values.roll(1, 0)))
+
+
+def _shifts(batch) -> bool:
+    """Whether shifting the row's images by one changes them (two or more images, not all equal)."""
+    pv = batch.media.pixel_values
+    return pv.shape[0] > 1 and not torch.equal(pv, pv.roll(1, 0))
+
+
+def _positions_not_restarted(batch):
+    """The row with its positions running on across its sequences (the MRoPE rows too, where the
+    family has them; LLaVA and Gemma 3 take the text's)."""
+    media = batch.media
+    if getattr(media, "positions", None) is not None:
+        positions = media.positions.clone()
+        positions[:] = torch.arange(positions.shape[-1])
+        media = dataclasses.replace(media, positions=positions)
+    return dataclasses.replace(batch, position_ids=torch.arange(len(batch.position_ids)), media=media)
 
 
 def test_train_runs_on_the_users_folder(data, tmp_path, tmp_path_factory, capsys):

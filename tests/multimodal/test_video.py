@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import math
 import types
 
@@ -496,21 +495,3 @@ def test_the_loader_and_trainer_paths_carry_videos(family_samples):
             part_of=fam.part_of,
         )
         assert max(d_logit, d_loss, *grads.values()) <= TOL, (row.sequence_ids, d_logit, d_loss, grads)
-
-
-def test_prepack_refuses_videos_in_one_line(tmp_path, capsys):
-    """A prepack stores images only for now: a video part stops it in one line naming the
-    conversation and the paths that take videos (nothing half-written is left)."""
-    from sftpack.cli import main
-
-    names = []
-    for k, im in enumerate(_frames(2, 56, 56, seed=4)):
-        im.save(tmp_path / f"f{k}.png")
-        names.append(f"f{k}.png")
-    row = {"messages": [{"role": "user", "content": [{"type": "video", "frames": names}, {"type": "text", "text": "?"}]},
-                        {"role": "assistant", "content": "It moves."}]}  # fmt: skip
-    (tmp_path / "v.jsonl").write_text(json.dumps(row) + "\n")
-    rc = main(["prepack", str(tmp_path / "v.jsonl"), "--out", str(tmp_path / "rows"), "--no-progress"])
-    err = capsys.readouterr().err
-    assert rc == 1 and "holds a video part" in err and "--packing loader" in err, err
-    assert not (tmp_path / "rows").exists()

@@ -43,7 +43,7 @@ from sftpack.multimodal._images import (  # noqa: E402
     resize_image,
 )
 from sftpack.offline import PrepackedDataset, PrepackError, prepack, prepack_samples  # noqa: E402
-from sftpack.offline._format import MEDIA_FILES, digest, seal_manifest  # noqa: E402
+from sftpack.offline._format import MEDIA_FILES, seal_manifest  # noqa: E402
 from sftpack.sample import IGNORE_INDEX  # noqa: E402
 
 MAX_SEQ_LEN = 256
@@ -276,7 +276,7 @@ def test_every_conversation_is_accounted_for(written, corpus, in_memory):
     assert media["patches"] == sum(s.num_patches for s in in_memory.values())
     # the stored pixels are 3 bytes a pixel; the float32 patches would be 24 (8x)
     assert media["pixel_bytes"] * 8 == sum(s.media.pixel_values.numpy().nbytes for s in in_memory.values())
-    assert m["format_version"] == 3 and m["fingerprint"]["media"]["kind"] == media["kind"]
+    assert m["format_version"] == 4 and m["fingerprint"]["media"]["kind"] == media["kind"]
     assert media["family"] == m["fingerprint"]["media"]["family"] == "qwen2_vl"
     assert m["fingerprint"]["max_patches_per_row"] == MAX_PATCHES and m["source"] == "multimodal conversations"
 
@@ -424,22 +424,16 @@ def test_a_bad_image_in_error_mode_names_the_record_and_field_and_leaves_nothing
     assert not out.exists() and not list(tmp_path.iterdir())
 
 
-def test_a_prepack_written_before_the_family_was_recorded_still_reads(written, tmp_path):
-    """Format 3 as sftpack first wrote it: the same files, a manifest naming no family (read by
-    Qwen2-VL's rule, the one it was written with) and the budget under ``max_patches``."""
-    copy = tmp_path / "first-format-3"
+def test_a_prepack_of_the_format_before_videos_is_refused_with_the_fix(written, tmp_path):
+    """Format 3 (images only, 40-byte records without frames, video and seconds) is not read: one
+    line saying so and how to write it again, not a misread pixel file."""
+    copy = tmp_path / "format-3"
     shutil.copytree(written[1], copy)
     m = json.loads((copy / "manifest.json").read_text())
-    del m["media"]["family"]
-    fp = m["fingerprint"]
-    del fp["media"]["family"]
-    fp["max_patches"] = fp.pop("max_patches_per_row")
-    fp["sha256"] = digest({k: v for k, v in fp.items() if k != "sha256"})
+    m["format_version"] = 3
     (copy / "manifest.json").write_text(json.dumps(seal_manifest(m)))
-    old, new = PrepackedDataset(copy, verify="full"), PrepackedDataset(written[1])
-    assert old.media.family.name == "qwen2_vl" and len(old) == len(new)
-    for r in range(len(new)):
-        _same(old[r], new[r])
+    with pytest.raises(PrepackError, match=r"format version 3.*no longer reads: write it again.*--overwrite"):
+        PrepackedDataset(copy)
 
 
 def test_the_options_of_images_are_checked_before_anything_is_read(corpus, tmp_path):

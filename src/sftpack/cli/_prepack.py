@@ -286,7 +286,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     family, tok, processor = vlm_setup(args.model, None, args.family)
     if args.model is not None and args.engine == "ray":
         raise UsageError("--model with --engine ray and data with images: not offered yet; use the local engine")
-    more: dict[str, Any] = {"family": family.name} if args.model is not None else {}
+    more: dict[str, Any] = {"family": family} if args.model is not None else {}
     options = _options(args, pad_multiple, images=True, limit=None if vqa else args.limit, **more)
     reader = None
     if vqa:

@@ -159,6 +159,32 @@ class Family:
         :attr:`model_types`); the default takes nothing from it."""
         return cls()
 
+    def media_settings(self) -> dict[str, Any]:
+        """This family's configuration as plain JSON values: its instance attributes that are
+        numbers or strings, or tuples of them (a config's image token count, Qwen2.5-VL's
+        ``tokens_per_second``, Qwen3-VL's sizes). A prepack's manifest keeps them, and
+        :meth:`from_media_settings` rebuilds the family its rows were written for."""
+        plain = (bool, int, float, str)
+        out: dict[str, Any] = {}
+        for k, v in sorted(vars(self).items()):
+            if isinstance(v, plain) or (isinstance(v, tuple) and all(isinstance(x, plain) for x in v)):
+                out[k] = list(v) if isinstance(v, tuple) else v
+        return out
+
+    @classmethod
+    def from_media_settings(cls, settings: dict[str, Any]) -> Family:
+        """The family configured as :meth:`media_settings` says (the class defaults for the rest).
+
+        Raises:
+            ValueError: a setting the family does not have."""
+        family = cls()
+        have = vars(family)
+        for k, v in settings.items():
+            if k not in have:
+                raise ValueError(f"the {cls.name} family has no setting {k!r} (it has {sorted(have)})")
+            setattr(family, k, tuple(v) if isinstance(have[k], tuple) else v)
+        return family
+
     def tokenizer(self, model_dir: str | os.PathLike | None = None) -> Any:
         """The tokenizer to use: the one in ``model_dir``, else the embedded default. A folder
         whose tokenizer has no chat template but whose processor has one (``chat_template.json``,

@@ -410,6 +410,16 @@ def processor_settings(processor: Any) -> dict[str, Any]:
     }
 
 
+def _table_key(processor: Any) -> tuple:
+    """What the table depends on: the processor's class, rescale factor, mean and std."""
+    return (
+        type(processor).__qualname__,
+        float(processor.rescale_factor),
+        tuple(float(x) for x in processor.image_mean),
+        tuple(float(x) for x in processor.image_std),
+    )
+
+
 @lru_cache(maxsize=8)
 def _table(key: tuple, processor: Any) -> np.ndarray:
     ramp = np.broadcast_to(np.arange(256, dtype=np.uint8), (3, 1, 256)).copy()  # a (C, H, W) image of every value
@@ -422,11 +432,16 @@ def _table(key: tuple, processor: Any) -> np.ndarray:
 
 def pixel_table(processor: Any) -> np.ndarray:
     """``(3, 256)`` float32: the processor's own rescale and normalisation of every uint8 value of
-    each channel (read-only, shared). ``table[c, v]`` is the patch value of a pixel of value ``v`` in
-    channel ``c``, bit for bit (the steps are elementwise)."""
+    each channel (read-only, shared). ``table[c, v]`` is the pixel value the processor gives a uint8
+    value ``v`` of channel ``c``, bit for bit (the steps are elementwise): a Qwen-VL patch value, or
+    a LLaVA / Gemma 3 ``pixel_values`` entry (any transformers PIL/numpy image processor that
+    rescales and normalises)."""
     if not (getattr(processor, "do_rescale", True) and getattr(processor, "do_normalize", True)):
-        raise ValueError("pixel_table needs a processor that rescales and normalises (Qwen2-VL's does)")
-    return _table(_key(processor), processor)
+        raise ValueError(
+            f"{type(processor).__name__} does not rescale and normalise: a prepack stores uint8 pixels and "
+            "remakes the processor's values from them, which needs both steps"
+        )
+    return _table(_table_key(processor), processor)
 
 
 def resize_image(image: Any, processor: Any) -> np.ndarray:

@@ -600,7 +600,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 media = self.media.lay_rows(r, self.rows["sequence"], ids, cu, cup)
             except (PackedBatchError, IndexError, ValueError) as e:  # a damaged index (verify=None skips its checks)
                 self._damaged(r, str(e))
-            self._read_bytes += int(media.pixel_values.shape[0]) * self.media.patch_bytes
+            self._read_bytes += self.media.stored_bytes(self.media.image_range(r))
         if self._read_bytes >= _RELEASE_BYTES:
             self.release_pages()
         return PackedBatch(

@@ -1,16 +1,17 @@
-"""Stage 1's tokenizer for conversations with images: each conversation to samples and their
+"""Stage 1's tokenizer for conversations with media: each conversation to samples and their
 media columns, for :func:`~sftpack.offline.engine.stage_samples` (``media=True``).
 
 Each conversation is tokenized by :func:`sftpack.multimodal.tokenize_media_conversations`
 for the model family the prepack names (its tokenizer and image processor unless given), then
 the patch budget's rule (:func:`sftpack.multimodal._plan.check_patch_budget`: a conversation
 with a sample over ``max_patches_per_row`` is dropped and counted as ``over_patch_budget``, or
-refused under ``overlong="error"``, as the loader does). What is stored per image is the
-**resized uint8 pixels** (the processor's ``smart_resize`` output, 3 bytes a pixel) and its
-grid, not the float32 patches (24 bytes a pixel): the sample's own patches are turned back into
-its pixels (:func:`~sftpack.multimodal._images.pixels_from_patches`, the exact inverse, refused
-when the patches are not a uint8 image's), so what is stored is exactly what the in-memory
-sample carries; the reader re-patchifies them byte for byte as the processor does.
+refused under ``overlong="error"``, as the loader does). What is stored per media item (an
+image, a video, a Qwen3-VL video slice) is its **resized uint8 pixels** (3 bytes a pixel; a
+video's frames) and its grid, not the float32 values (24 bytes a pixel for a Qwen-VL image):
+the sample's own values are turned back into pixels
+(:func:`~sftpack.multimodal._stored.stored_items`, the exact inverse, refused when the values
+are not a uint8 image's), so what is stored is exactly what the in-memory sample carries; the
+reader remakes the values byte for byte as the processor does.
 
 The local engine runs :func:`encoded` in ``num_proc`` forked workers (results in input order);
 the Ray engine's actors run it in-process on their units. Either way a conversation without an
@@ -28,7 +29,7 @@ import numpy as np
 
 from .._base import chunks, pool_results
 from ..sample import Sample
-from ._format import MEDIA_KIND, PrepackError
+from ._format import IMAGE_MEDIA_KIND, MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
 
 __all__ = ["ImageCounts", "ImageSettings", "encode", "encoded", "image_settings"]
@@ -39,39 +40,57 @@ _CHUNK = 8
 
 @dataclass(frozen=True)
 class ImageSettings:
-    """What tokenizing a conversation with images takes (plain values and the two HF objects)."""
+    """What tokenizing a conversation with media takes (plain values, the configured family and
+    the two HF objects)."""
 
     tokenizer: Any
     processor: Any
-    family: str
+    family: Any  #: the :class:`~sftpack.multimodal.Family` (configured by a model folder's config)
     max_seq_len: int
     overlong: str
     on_bad_row: str
     max_patches_per_row: int | None
 
     def manifest_entry(self, media: StagedMedia) -> dict[str, Any]:
-        """The manifest's ``media`` entry for the staged ``media``."""
-        from ..multimodal._images import processor_settings
+        """The manifest's ``media`` entry for the staged ``media``: what is stored, the family (its
+        name and the settings its media payload depends on), totals, and what remakes the values
+        (a patch family's processor settings; a fixed-size image family's value table)."""
+        from ..multimodal._images import pixel_table, processor_settings
 
-        return {
-            "kind": MEDIA_KIND,
-            "family": self.family,
+        fam = self.family
+        entry: dict[str, Any] = {
+            "family": fam.name,
+            "family_settings": fam.media_settings(),
             "images": media.num_images,
             "patches": int(media.patches.sum()),
             "pixel_bytes": media.pixel_bytes,
-            "image_token_id": int(media.token_id if media.token_id is not None else self._token_id()),
-            "merge_size": int(media.merge_size if media.merge_size is not None else self.processor.merge_size),
-            "processor": processor_settings(self.processor),
+            "image_token_id": int(media.token_id if media.token_id is not None else fam.placeholder_id(self.tokenizer)),
         }
-
-    def _token_id(self) -> int:
-        from ..multimodal import family_for
-
-        return family_for(self.family).placeholder_id(self.tokenizer)
+        if fam.media_class.kind == "patches":
+            merge = media.merge_size if media.merge_size is not None else self.processor.merge_size
+            return {
+                "kind": MEDIA_KIND,
+                **entry,
+                "merge_size": int(merge),
+                "processor": processor_settings(self.processor),
+            }
+        proc = self.processor
+        return {
+            "kind": IMAGE_MEDIA_KIND,
+            **entry,
+            "merge_size": 1,
+            "processor": {
+                "class": type(proc).__name__,
+                "rescale_factor": float(proc.rescale_factor),
+                "image_mean": [float(x) for x in proc.image_mean],
+                "image_std": [float(x) for x in proc.image_std],
+            },
+            "pixel_table": pixel_table(proc).tolist(),
+        }
 
 
 def image_settings(
-    family: str,
+    family: Any,
     tokenizer: Any,
     processor: Any,
     *,
@@ -83,15 +102,16 @@ def image_settings(
     """The settings, the family's tokenizer and image processor filled in where not given.
 
     Raises:
-        ValueError: an image processor whose output the stored pixels cannot reproduce (the
-            reader re-patchifies them the way transformers' ``Qwen2VLImageProcessorPil`` does).
+        ValueError: an image processor whose output the stored pixels cannot reproduce (a patch
+            family's must be transformers' ``Qwen2VLImageProcessorPil``, which the reader re-makes;
+            a fixed-size image family's must rescale and normalise).
     """
     from ..multimodal import family_for
-    from ..multimodal._images import reproduces
+    from ..multimodal._images import pixel_table, reproduces
 
     fam = family_for(family)
     proc = processor if processor is not None else fam.image_processor()
-    if not reproduces(proc):
+    if fam.media_class.kind == "patches" and not reproduces(proc):
         raise ValueError(
             f"a prepack with images stores each image's resized uint8 pixels and re-makes the patches the way "
             f"transformers' Qwen2VLImageProcessorPil does, which {type(proc).__name__} with these settings (family "
@@ -99,8 +119,10 @@ def image_settings(
             "a transformers.Qwen2VLImageProcessorPil(min_pixels=..., max_pixels=...) that resizes, rescales, "
             "normalises and converts to RGB"
         )
+    if fam.media_class.kind != "patches":
+        pixel_table(proc)  # a processor that does not rescale and normalise: refused here, in one line
     tok = tokenizer if tokenizer is not None else fam.tokenizer()
-    return ImageSettings(tok, proc, fam.name, max_seq_len, overlong, on_bad_row, max_patches_per_row)
+    return ImageSettings(tok, proc, fam, max_seq_len, overlong, on_bad_row, max_patches_per_row)
 
 
 def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], list[tuple[Sample, Images]]]:
@@ -129,7 +151,7 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     reason = check_patch_budget(samples, st.max_patches_per_row, st.overlong)
     if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
         stats, samples = MediaTokenizeStats(read=stats.read, dropped={reason: 1}), []
-    # each sample without its media, which become its stored images
+    # each sample without its media, which become its stored items
     pieces = [
         (Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _images(s, st)) for s in samples
     ]
@@ -141,35 +163,30 @@ _NO_IMAGES = Images(np.zeros(0, np.int64), np.zeros((0, 3), np.int64), [])
 
 
 def _images(s: Sample, st: ImageSettings) -> Images:
-    """What a prepack stores of sample ``s``'s media: each image's placeholder start, grid and
-    resized uint8 pixels (the exact inverse of its patches); :data:`_NO_IMAGES` without media."""
-    from ..multimodal._images import pixels_from_patches
+    """What a prepack stores of sample ``s``'s media: each item's placeholder start, grid, uint8
+    pixels (the exact inverse of its values: :func:`~sftpack.multimodal._stored.stored_items`),
+    kind and seconds; :data:`_NO_IMAGES` without media."""
+    from ..multimodal._stored import stored_items
 
     media = s.media
-    if media is None:  # a conversation without images
+    if media is None:  # a conversation without media
         return _NO_IMAGES
-    if getattr(media, "grid_thw", None) is None:
+    try:
+        items = stored_items(media, st.processor)
+    except ValueError as e:
         raise PrepackError(
-            f"conversation {s.conversation_id!r}: family {st.family!r} gives {type(media).__name__} media; a "
-            "prepack stores a patch family's images (Qwen2-VL, Qwen2.5-VL, Qwen3-VL)"
-        )
-    if int(getattr(media, "num_videos", 0)):
-        raise PrepackError(
-            f"conversation {s.conversation_id!r} holds a video part: a prepack stores images only for now; "
-            "train on videos with sftpack train DATA --packing loader (or trainer), or leave the video parts out"
-        )
-    grids = media.grid_thw.numpy()
-    pv = media.pixel_values.numpy()
-    offs = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])
-    pixels = []
-    for i, g in enumerate(grids):
-        try:
-            pixels.append(pixels_from_patches(pv[offs[i] : offs[i + 1]], g, st.processor))
-        except ValueError as e:
-            raise PrepackError(
-                f"conversation {s.conversation_id!r}, image {i}: {e}; the prepack stores resized uint8 pixels"
-            ) from None
-    return Images(media.slots.numpy()[:, 0].copy(), grids, pixels, int(media.token_id), int(media.merge_size))
+            f"conversation {s.conversation_id!r}, {e}; the prepack stores resized uint8 pixels, which give back "
+            "the processor's values exactly only for transformers' own PIL/numpy image processors"
+        ) from None
+    return Images(
+        media.slots.numpy()[:, 0].copy(),
+        items.grids,
+        items.pixels,
+        int(media.token_id),
+        items.merge_size,
+        items.video,
+        items.seconds,
+    )
 
 
 _worker_settings: list[ImageSettings] = []

@@ -52,7 +52,6 @@ import numpy as np
 from numpy.typing import DTypeLike
 
 __all__ = [
-    "DEFAULT_FAMILY",
     "FILES",
     "FORMAT",
     "FORMAT_VERSION",
@@ -64,6 +63,8 @@ __all__ = [
     "MEDIA_FORMAT_VERSION",
     "MEDIA_INDEX_FILES",
     "MEDIA_KIND",
+    "MEDIA_KINDS",
+    "IMAGE_MEDIA_KIND",
     "ROW_DTYPE",
     "SEQUENCE_DTYPE",
     "PrepackError",
@@ -81,19 +82,30 @@ __all__ = [
 FORMAT = "sftpack.prepack"
 #: 2: the manifest carries ``manifest_sha256`` and the fingerprint ``pad_id``; 1 is refused (no manifest checksum).
 FORMAT_VERSION = 2
-#: 3: a prepack with images (``manifest["media"]`` and the three media files); an older
-#: sftpack refuses it ("written by a newer sftpack") instead of reading its rows without their images.
-MEDIA_FORMAT_VERSION = 3
+#: 4: a prepack with media (``manifest["media"]`` and the three media files; images and videos,
+#: one :data:`IMAGE_DTYPE` record per item); an older sftpack refuses it ("written by a newer
+#: sftpack") instead of reading its rows without their media. 3 (images only, records without
+#: ``frames``, ``video``, ``seconds``) is refused with the fix: write it again.
+MEDIA_FORMAT_VERSION = 4
+#: The media format before videos: refused with the fix (no reader keeps its 40-byte records).
+OLD_MEDIA_FORMAT_VERSION = 3
 #: The media files, checked like the others when the manifest has ``media``.
 MEDIA_FILES = ("pixels.npy", "images.npy", "row_images.npy")
 #: The small media index files: checked (SHA-256 and structure) on every default open.
 MEDIA_INDEX_FILES = MEDIA_FILES[1:]
-#: What is stored per image: the patch processor's resized uint8 pixels, ``(H, W, 3)`` row-major.
+#: What is stored per item of a patch family (Qwen-VL): the patch processor's resized uint8 pixels,
+#: ``(frames, H, W, 3)`` row-major (an image one frame, a video its frames padded to whole temporal slices).
 MEDIA_KIND = "qwen2vl-resized-uint8-hwc"
-#: The family a prepack's media entry names when it names none (format 3 as sftpack first wrote it).
-DEFAULT_FAMILY = "qwen2_vl"
-#: One record per image, in row order (``sequence``: the output sequence it belongs to; ``start``:
-#: its placeholder run's start in that sequence; ``pixels``: its first byte in ``pixels.npy``).
+#: What is stored per image of a family whose tower takes one fixed-size image (LLaVA, Gemma 3):
+#: the processor's resized (and cropped) uint8 pixels ``(H, W, 3)``; the manifest keeps the
+#: processor's rescale and normalisation of every uint8 value of each channel (``pixel_table``).
+IMAGE_MEDIA_KIND = "resized-uint8-hwc-table"
+MEDIA_KINDS = (MEDIA_KIND, IMAGE_MEDIA_KIND)
+#: One record per media item (image or video), in row order (``sequence``: the output sequence it
+#: belongs to; ``start``: its placeholder run's start in that sequence; ``pixels``: its first byte in
+#: ``pixels.npy``; ``frames`` of ``height x width`` pixels stored, 1 for an image; ``grid_*``: its
+#: patch grid, ``(1, 1, n)`` for a fixed-size image of ``n`` placeholders; ``video``: 1 for a video
+#: item; ``seconds``: the seconds a video's temporal slice spans, 0 for an image).
 IMAGE_DTYPE = np.dtype(
     [
         ("pixels", "<i8"),
@@ -104,6 +116,9 @@ IMAGE_DTYPE = np.dtype(
         ("grid_w", "<i4"),
         ("sequence", "<i8"),
         ("start", "<i4"),
+        ("frames", "<i4"),
+        ("video", "<i4"),
+        ("seconds", "<f4"),
     ]
 )
 MANIFEST = "manifest.json"
@@ -265,6 +280,10 @@ def write_json(path: Path, obj: object) -> None:
         os.fsync(f.fileno())
 
 
+def _table_row(row: Any) -> bool:
+    return isinstance(row, list) and len(row) == 256 and all(_number(x) and np.isfinite(x) for x in row)
+
+
 def read_manifest(directory: Path) -> dict[str, Any]:
     """The manifest of a prepack directory, checked for format and version.
 
@@ -313,6 +332,12 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise PrepackError(
             f"{directory} was written by a newer sftpack (format version {version} > {MEDIA_FORMAT_VERSION}, "
             f"written by sftpack {manifest.get('sftpack_version', '?')}): upgrade sftpack to read it"
+        )
+    if version == OLD_MEDIA_FORMAT_VERSION:
+        raise PrepackError(
+            f"{directory} holds images in the media format before videos (format version {version}, sftpack "
+            f"{manifest.get('sftpack_version', '?')}), which this sftpack no longer reads: write it again with this "
+            f"sftpack (sftpack prepack ... --out {directory} --overwrite)"
         )
     if version < FORMAT_VERSION:
         raise PrepackError(
@@ -410,12 +435,20 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
         get(m, "media", "media", is_dict, "an object")
         for key in ("images", "patches", "pixel_bytes", "image_token_id", "merge_size"):
             get(media, key, f"media.{key}", lambda v: _int(v) and v >= 0, "an integer >= 0")
-        get(media, "kind", "media.kind", lambda v: v == MEDIA_KIND, repr(MEDIA_KIND))
-        if "family" in media:  # absent: written before the family was recorded, by Qwen2-VL's rule
-            get(media, "family", "media.family", lambda v: isinstance(v, str) and v != "", "a model family's name")
+        kind = get(media, "kind", "media.kind", lambda v: v in MEDIA_KINDS, " or ".join(map(repr, MEDIA_KINDS)))
+        get(media, "family", "media.family", lambda v: isinstance(v, str) and v != "", "a model family's name")
         proc = get(media, "processor", "media.processor", is_dict, "an object")
-        for key in ("patch_size", "temporal_patch_size", "merge_size"):
-            get(proc, key, f"media.processor.{key}", lambda v: _int(v) and v >= 1, "a positive integer")
+        if kind == MEDIA_KIND:
+            for key in ("patch_size", "temporal_patch_size", "merge_size"):
+                get(proc, key, f"media.processor.{key}", lambda v: _int(v) and v >= 1, "a positive integer")
+        else:
+            get(
+                media,
+                "pixel_table",
+                "media.pixel_table",
+                lambda v: isinstance(v, list) and len(v) == 3 and all(_table_row(r) for r in v),
+                "three lists of 256 finite numbers",
+            )
         for key in ("image_mean", "image_std"):
             get(
                 proc,

@@ -120,7 +120,7 @@ class PrepackOptions:
         metadata={
             "help": "the vision-language model family the rows are for (default {default})",
             "cli_default": None,
-            "choices": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"),
+            "choices": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3"),
         },
     )
     max_patches_per_row: int | None = field(
@@ -169,8 +169,11 @@ class PrepackOptions:
         put("progress", bool(self.progress))
         if not isinstance(self.images, bool):
             raise ValueError(f"images must be True or False, got {self.images!r}")
-        if not isinstance(self.family, str) or not self.family:
-            raise ValueError(f"family must be a model family's name such as 'qwen2_vl', got {self.family!r}")
+        if (not isinstance(self.family, str) or not self.family) and not _is_family(self.family):
+            raise ValueError(
+                f"family must be a model family's name such as 'qwen2_vl' (or a configured Family, "
+                f"family_for(model_dir)), got {self.family!r}"
+            )
         if not self.images:
             if self.max_patches_per_row is not None:
                 raise ValueError("max_patches_per_row is a budget for images: prepack conversations with images=True")
@@ -181,8 +184,8 @@ class PrepackOptions:
             return
         from ..multimodal import UnsupportedModelError, family_for
 
-        try:
-            put("family", family_for(self.family).name)
+        try:  # a name becomes its family with the class defaults; a configured family is kept as given
+            put("family", family_for(self.family))
         except UnsupportedModelError as e:
             raise ValueError(str(e)) from None
         if self.overlong is Overlong.TRUNCATE:
@@ -210,3 +213,12 @@ class PrepackOptions:
             "train_on": str(self.train_on),
             "on_bad_row": str(self.on_bad_row),
         }
+
+
+def _is_family(obj: Any) -> bool:
+    """Whether ``obj`` is a :class:`~sftpack.multimodal.Family` (multimodal imported only when it may be one)."""
+    if isinstance(obj, (str, type(None), int, float)):
+        return False
+    from ..multimodal import Family
+
+    return isinstance(obj, Family)

@@ -87,8 +87,10 @@ def prepack(
             :class:`PrepackedDataset` reads each row back as :meth:`sftpack.PackedBatch.from_samples`
             of its samples. ``overlong`` is then ``split`` (at text boundaries, never inside an
             image), ``drop`` or ``error``; ``on_bad_row="skip"`` counts bad images under their reasons.
-        family: with images, the model family (a :func:`sftpack.multimodal.family_for` name:
-            ``"qwen2_vl"``, the default, or ``"qwen2_5_vl"``); recorded in the manifest.
+        family: with images, the model family: a :func:`sftpack.multimodal.family_for` name
+            (``"qwen2_vl"``, the default, ``"qwen2_5_vl"``, ``"qwen3_vl"``, ``"llava"``,
+            ``"gemma3"``) or a configured :class:`~sftpack.multimodal.Family`
+            (``family_for(model_dir)``); recorded in the manifest with its configuration.
         max_patches_per_row: with images, vision patches per row, a second budget beside
             ``max_seq_len`` (``None``: none). A conversation with a sample (or a piece) over it is
             dropped and counted as ``over_patch_budget``, or under ``overlong="error"`` raises

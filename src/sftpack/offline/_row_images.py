@@ -19,17 +19,18 @@ import numpy as np
 import torch
 
 from ..handoff.payload import Media
-from ._format import DEFAULT_FAMILY, PrepackError
+from ._format import MEDIA_KIND, PrepackError
 
 __all__ = ["MediaReader"]
 
 
 class MediaReader:
-    """The media columns of a prepack with images, read for a batch of rows (:class:`PrepackedDataset`
-    uses it): each sequence's media rebuilt by the family the manifest names (``Family.media`` of
-    :func:`sftpack.multimodal.family_for` ``(manifest["media"]["family"])``, Qwen2-VL's when it names
-    none: the prepacks written before it was recorded), MRoPE positions included, from the stored
-    grids and placeholder starts, and the pixels patchified as the processor does.
+    """The media columns of a prepack with media, read for a batch of rows (:class:`PrepackedDataset`
+    uses it): each sequence's media rebuilt by the family the manifest names, configured as it was
+    written (``Family.media`` of :func:`sftpack.multimodal.family_for` ``(manifest["media"]["family"])``
+    with its ``family_settings``), MRoPE positions included, from the stored grids, kinds and
+    placeholder starts, and the values remade from the stored pixels as the processor makes them
+    (a patch family's patches, a fixed-size image's ``(3, H, W)`` values through the stored table).
 
     Args:
         path: the prepack directory; manifest: its checked manifest; arrays: the memory-mapped
@@ -46,87 +47,142 @@ class MediaReader:
         self.images = arrays["images"]
         self.row_images = arrays["row_images"]
         want = self.entry["processor"]
-        self.processor = processor_from_settings(want)
-        have = processor_settings(self.processor)
-        diff = sorted(k for k in want if want[k] != have.get(k))
-        if diff:
-            raise PrepackError(
-                f"{self.path}: its images were stored for an image processor with {', '.join(f'{k}={want[k]!r}' for k in diff)}"
-                f", the installed one has {', '.join(f'{k}={have.get(k)!r}' for k in diff)}: the patches would differ; "
-                "install the transformers version it was written with, or prepack again"
-            )
+        self.patches = self.entry["kind"] == MEDIA_KIND  #: a patch family's (Qwen-VL); else fixed-size images
+        self.processor: Any = None
+        self.table: np.ndarray | None = None
+        if self.patches:
+            self.processor = processor_from_settings(want)
+            have = processor_settings(self.processor)
+            diff = sorted(k for k in want if want[k] != have.get(k))
+            if diff:
+                raise PrepackError(
+                    f"{self.path}: its images were stored for an image processor with "
+                    f"{', '.join(f'{k}={want[k]!r}' for k in diff)}, the installed one has "
+                    f"{', '.join(f'{k}={have.get(k)!r}' for k in diff)}: the patches would differ; install the "
+                    "transformers version it was written with, or prepack again"
+                )
+            p, t = int(want["patch_size"]), int(want["temporal_patch_size"])
+            self.patch_dim, self.temporal = 3 * t * p * p, t
+        else:
+            self.table = np.asarray(self.entry["pixel_table"], dtype=np.float32)
+            self.patch_dim, self.temporal = 0, 1
         self.image_token_id = int(self.entry["image_token_id"])
         self.merge_size = int(self.entry["merge_size"])
-        self.family = family_for(self.entry.get("family", DEFAULT_FAMILY))
-        p, t = int(want["patch_size"]), int(want["temporal_patch_size"])
-        self.patch_dim = 3 * t * p * p
-        self.patch_bytes = 3 * p * p  #: stored bytes of a patch (uint8 pixels, the temporal copies made on read)
+        family = type(family_for(self.entry["family"]))
+        try:
+            self.family = family.from_media_settings(self.entry.get("family_settings", {}))
+        except ValueError as e:
+            raise PrepackError(f"{self.path}: manifest media.family_settings: {e}; write the prepack again") from None
 
     def check(self, rows: np.ndarray, sequences: np.ndarray, counts: dict[str, Any]) -> None:
-        """The media index against itself, the pixel file and the text index: O(rows + images)."""
+        """The media index against itself, the pixel file and the text index: O(rows + items)."""
         im, ri, n_img = self.images, self.row_images, self.images.shape[0]
 
         def fail(name: str, what: str) -> PrepackError:
             return PrepackError(f"{self.path / name} is inconsistent ({what}): the prepack is damaged; write it again")
 
         if n_img != self.entry["images"]:
-            raise fail("images.npy", f"it holds {n_img} images, the manifest counts {self.entry['images']}")
+            raise fail("images.npy", f"it holds {n_img} items, the manifest counts {self.entry['images']}")
         if ri.shape[0] != rows.shape[0] or int(ri[0]) != 0 or int(ri[-1]) != n_img or np.any(np.diff(ri) < 0):
-            raise fail("row_images.npy", f"it must run from 0 to {n_img} images, one entry per row and one more")
+            raise fail("row_images.npy", f"it must run from 0 to {n_img} items, one entry per row and one more")
         if not n_img:
             return
-        h, w = im["height"].astype(np.int64), im["width"].astype(np.int64)
-        p = int(self.entry["processor"]["patch_size"])
-        nbytes = h * w * 3
+        h, w, f = (im[k].astype(np.int64) for k in ("height", "width", "frames"))
+        if np.any(h < 1) or np.any(w < 1) or np.any(f < 1):
+            raise fail("images.npy", "every item needs at least one frame of at least one pixel")
+        nbytes = f * h * w * 3
         starts = np.concatenate([[0], np.cumsum(nbytes)[:-1]])
         if np.any(im["pixels"] != starts) or int(nbytes.sum()) != self.pixels.shape[0]:
-            raise fail("images.npy", "the images' pixels must tile pixels.npy in order")
+            raise fail("images.npy", "the items' pixels must tile pixels.npy in order")
         m = self.merge_size
-        gt, gh, gw = im["grid_t"], im["grid_h"], im["grid_w"]
-        if np.any(gt != 1) or np.any(gh * p != h) or np.any(gw * p != w) or np.any(gh % m) or np.any(gw % m):
-            raise fail("images.npy", f"every image needs grid (1, height/{p}, width/{p}) in multiples of {m}")
-        if int((gh.astype(np.int64) * gw).sum()) != self.entry["patches"]:
+        gt, gh, gw = (im[k].astype(np.int64) for k in ("grid_t", "grid_h", "grid_w"))
+        video = im["video"] != 0
+        if np.any((im["video"] != 0) & (im["video"] != 1)):
+            raise fail("images.npy", "video must be 0 or 1")
+        sec = im["seconds"]
+        if not bool(np.all(np.isfinite(sec))) or np.any(sec < 0) or np.any(sec[~video] != 0):
+            raise fail("images.npy", "seconds must be finite and >= 0, and 0 for images")
+        if self.patches:
+            p = int(self.entry["processor"]["patch_size"])
+            bad = np.any(gh * p != h) or np.any(gw * p != w) or np.any(gh % m) or np.any(gw % m) or np.any(gt < 1)
+            frames = np.where(video, gt * self.temporal, 1)
+            if bad or np.any(gt[~video] != 1) or np.any(f != frames):
+                raise fail(
+                    "images.npy",
+                    f"every item needs grid (t, height/{p}, width/{p}) in multiples of {m}, t = 1 for an image, "
+                    f"and t x {self.temporal} frames for a video, 1 for an image",
+                )
+        elif np.any(gt != 1) or np.any(gh != 1) or np.any(gw < 1) or np.any(f != 1) or np.any(video):
+            raise fail("images.npy", "every image of a fixed-size tower needs grid (1, 1, placeholders) and one frame")
+        if int((gt * gh * gw).sum()) != self.entry["patches"]:
             raise fail("images.npy", f"its grids hold other than the manifest's {self.entry['patches']} patches")
         seq = im["sequence"]
         if np.any(np.diff(seq) < 0) or int(seq[0]) < 0 or int(seq[-1]) >= sequences.shape[0]:
-            raise fail("images.npy", "image sequences must be in order and name sequences of the prepack")
+            raise fail("images.npy", "item sequences must be in order and name sequences of the prepack")
         row_of_image = np.searchsorted(rows["sequence"], seq, side="right") - 1
         in_row = np.repeat(np.arange(rows.shape[0] - 1), np.diff(ri))
         if np.any(row_of_image != in_row):
-            raise fail("row_images.npy", "an image is listed under another row than its sequence's")
-        run = (gh.astype(np.int64) * gw) // (m * m)
+            raise fail("row_images.npy", "an item is listed under another row than its sequence's")
+        run = (gt * gh * gw) // (m * m)
         if np.any(im["start"] < 0) or np.any(im["start"] + run > sequences["length"][seq]):
-            raise fail("images.npy", "an image's placeholder run lies outside its sequence")
+            raise fail("images.npy", "an item's placeholder run lies outside its sequence")
 
     def image_range(self, rows: np.ndarray) -> np.ndarray:
-        """``(I,)`` int64: the images of ``rows`` (global row numbers), in batch order."""
+        """``(I,)`` int64: the items of ``rows`` (global row numbers), in batch order."""
         ri = self.row_images
         a, b = ri[rows].astype(np.int64), ri[rows + 1].astype(np.int64)
-        if rows.shape[0] == 1 or bool(np.all(a[1:] == b[:-1])):  # consecutive rows: one run of images
+        if rows.shape[0] == 1 or bool(np.all(a[1:] == b[:-1])):  # consecutive rows: one run of items
             return np.arange(int(a[0]), int(b[-1]), dtype=np.int64)
         return np.concatenate([np.arange(x, y, dtype=np.int64) for x, y in zip(a.tolist(), b.tolist())])
 
+    def stored_bytes(self, images: np.ndarray) -> int:
+        """Bytes of ``pixels.npy`` the items ``images`` hold."""
+        im = self.images[images]
+        return int((im["frames"].astype(np.int64) * im["height"] * im["width"]).sum()) * 3
+
+    def _item(self, rec: Any) -> np.ndarray:
+        a, f, h, w = int(rec["pixels"]), int(rec["frames"]), int(rec["height"]), int(rec["width"])
+        return self.pixels[a : a + f * h * w * 3].reshape(f, h, w, 3)
+
     def pixel_values(self, images: np.ndarray) -> np.ndarray:
-        """``(P, D)`` float32: the ``images`` (numbers, in order) patchified from the stored pixels
-        into one buffer, each straight into its slice (what a row's or a batch's ``pixel_values`` holds)."""
+        """The values of the items ``images`` (numbers, in order) remade from the stored pixels into
+        one buffer, each straight into its slice: ``(P, D)`` float32 patches of a patch family
+        (what a row's or a batch's ``pixel_values`` holds), ``(I, 3, H, W)`` float32 of fixed-size images."""
         from ..multimodal._images import patchify_pixels
+        from ..multimodal._stored import image_values
+        from ..multimodal._video import patchify_frames
 
         im = self.images[images]
-        per = (im["grid_h"].astype(np.int64) * im["grid_w"]).tolist()
+        if not self.patches:
+            assert self.table is not None
+            hw = {(int(r["height"]), int(r["width"])) for r in im} or {(0, 0)}
+            if len(hw) > 1:
+                raise ValueError(f"images of sizes {sorted(hw)} in one batch: one tower takes one image size")
+            ((h, w),) = hw
+            vals = np.empty((len(im), 3, h, w), np.float32)
+            for i, rec in enumerate(im):
+                image_values(self._item(rec)[0], self.table, out=vals[i])
+            return vals
+        per = (im["grid_t"].astype(np.int64) * im["grid_h"] * im["grid_w"]).tolist()
         out = np.empty((int(sum(per)), self.patch_dim), np.float32)
         o = 0
-        pixels, proc = self.pixels, self.processor
-        for a, h, w, n in zip(im["pixels"].tolist(), im["height"].tolist(), im["width"].tolist(), per):
-            patchify_pixels(pixels[a : a + h * w * 3].reshape(h, w, 3), proc, out=out[o : o + n])
+        proc = self.processor
+        for rec, n in zip(im, per):
+            px = self._item(rec)
+            if rec["video"]:
+                out[o : o + n] = patchify_frames(px, proc)[0]
+            else:
+                patchify_pixels(px[0], proc, out=out[o : o + n])
             o += n
         return out
 
     def stored_images(self, r: int) -> list[np.ndarray]:
-        """Row ``r``'s images as stored: resized ``(H, W, 3)`` uint8 arrays, in row order."""
+        """Row ``r``'s items as stored, in row order: an image's resized ``(H, W, 3)`` uint8
+        pixels, a video item's ``(frames, H, W, 3)``."""
         out = []
         for rec in self.images[int(self.row_images[r]) : int(self.row_images[r + 1])]:
-            a, h, w = int(rec["pixels"]), int(rec["height"]), int(rec["width"])
-            out.append(self.pixels[a : a + h * w * 3].reshape(h, w, 3))
+            px = self._item(rec)
+            out.append(px if rec["video"] else px[0])
         return out
 
     def lay_rows(
@@ -155,10 +211,11 @@ class MediaReader:
             PackedBatchError: the laid media do not fit the batch's tokens (a damaged index, read
                 with ``verify=None``), checked before any pixel is made."""
         from ..multimodal._family import EncodedImages
+        from ..multimodal._video import EncodedVideos
 
         idx = self.image_range(rows)
         im = self.images[idx]
-        # each image's segment of the batch: its sequence's place among the batch's sequences
+        # each item's segment of the batch: its sequence's place among the batch's sequences
         seq0 = row_sequences[rows].astype(np.int64)
         n_seq = row_sequences[rows + 1].astype(np.int64) - seq0
         seg0 = np.concatenate([[0], np.cumsum(n_seq)[:-1]])
@@ -171,19 +228,40 @@ class MediaReader:
         per = grids.prod(axis=1)
         tokens = per // self.merge_size**2
         runs = np.stack([im["start"].astype(np.int64), tokens], axis=1).reshape(-1, 2)
+        video = im["video"] != 0
+        seconds = im["seconds"].astype(np.float32)
         cu = cu_seqlens.astype(np.int64).tolist()
         cup = cu_seqlens_padded.astype(np.int64).tolist()
         lengths = [y - x for x, y in zip(cu[:-1], cu[1:])]
+
+        # the values are the batch's one buffer, made below: each part holds placeholders of their count
+        def no_values(n: int) -> np.ndarray:
+            return np.empty((n, 0) if self.patches else (n, 3, 0, 0), np.float32)
+
         parts = []
         for k in range(n_seg):
             a, e, off = bounds[k], bounds[k + 1], cup[k]
+            img = np.arange(a, e)[~video[a:e]]
             images = EncodedImages(
-                pixel_values=np.empty((int(per[a:e].sum()), 0), np.float32),  # the batch's buffer holds them
-                tokens=tokens[a:e],
-                grid_thw=grids[a:e],
+                pixel_values=no_values(int(per[img].sum()) if self.patches else len(img)),
+                tokens=tokens[img],
+                grid_thw=grids[img],
                 merge_size=self.merge_size,
             )
-            parts.append(self.family.media(input_ids[off : off + lengths[k]], runs[a:e], images, self.image_token_id))
+            extra: dict[str, Any] = {}
+            if video[a:e].any():
+                vid = np.arange(a, e)[video[a:e]]
+                extra["videos"] = EncodedVideos(
+                    pixel_values=no_values(int(per[vid].sum())),
+                    tokens=tokens[vid],
+                    grid_thw=grids[vid],
+                    merge_size=self.merge_size,
+                    second_per_grid_ts=seconds[vid],
+                    frames=grids[vid, 0] * self.temporal,
+                )
+                extra["video_runs"] = runs[vid]
+            ids = input_ids[off : off + lengths[k]]
+            parts.append(self.family.media(ids, runs[img], images, self.image_token_id, **extra))
         laid = type(parts[0]).lay(
             parts,
             lengths=lengths,

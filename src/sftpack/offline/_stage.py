@@ -54,13 +54,15 @@ _PIXELS = "pixels.u8"
 
 @dataclass
 class Images:
-    """One sample's images as a prepack stores them (its media columns).
+    """One sample's media items (images, videos) as a prepack stores them (its media columns).
 
     Attributes:
-        starts: ``(I,)`` each image's placeholder run start in the sample.
-        grids: ``(I, 3)`` each image's patch grid ``(t, h, w)``.
-        pixels: each image's resized ``(H, W, 3)`` uint8 pixels.
-        token_id, merge_size: the placeholder id and the merge window (``None`` without images).
+        starts: ``(I,)`` each item's placeholder run start in the sample.
+        grids: ``(I, 3)`` each item's grid ``(t, h, w)`` (``(1, 1, n)``: a fixed-size image of ``n`` placeholders).
+        pixels: each item's resized uint8 pixels, ``(H, W, 3)`` or ``(frames, H, W, 3)``.
+        token_id, merge_size: the image placeholder id and the merge window (``None`` without media).
+        video: ``(I,)`` which items are videos (``None``: none).
+        seconds: ``(I,)`` float32 seconds a video item's temporal slice spans (``None``: 0 each).
     """
 
     starts: np.ndarray
@@ -68,6 +70,8 @@ class Images:
     pixels: list[np.ndarray]
     token_id: int | None = None
     merge_size: int | None = None
+    video: np.ndarray | None = None
+    seconds: np.ndarray | None = None
 
 
 @dataclass
@@ -171,9 +175,13 @@ class _MediaStager:
                 )
         offset = self.pixel_offsets[-1]
         grids = np.asarray(im.grids, np.int64).reshape(-1, 3)
-        for start, g, px in zip(np.asarray(im.starts).tolist(), grids.tolist(), im.pixels):
-            h, w, _c = px.shape
-            self.records.append((offset, h, w, g[0], g[1], g[2], n, start))
+        k = grids.shape[0]
+        video = np.zeros(k, np.int64) if im.video is None else np.asarray(im.video, np.int64)
+        seconds = np.zeros(k, np.float32) if im.seconds is None else np.asarray(im.seconds, np.float32)
+        items = zip(np.asarray(im.starts).tolist(), grids.tolist(), im.pixels, video.tolist(), seconds.tolist())
+        for start, g, px, vid, sec in items:
+            frames, h, w, _c = px.shape if px.ndim == 4 else (1, *px.shape)
+            self.records.append((offset, h, w, g[0], g[1], g[2], n, start, frames, vid, sec))
             self.f.write(np.ascontiguousarray(px, dtype=np.uint8).data.cast("B"))
             offset += px.nbytes
         self.first_image.append(len(self.records))

@@ -78,7 +78,7 @@ def media_layout(plan: RowPlan, media: StagedMedia) -> MediaLayout:
     total = int(seq_first[-1])
     src = np.repeat(fi[plan.order] - seq_first[:-1], per_seq) + np.arange(total, dtype=np.int64)
     out = media.records[src].copy()
-    nbytes = out["height"].astype(np.int64) * out["width"] * 3
+    nbytes = out["frames"].astype(np.int64) * out["height"] * out["width"] * 3
     first_byte = np.zeros(total + 1, np.int64)
     np.cumsum(nbytes, out=first_byte[1:])
     out["pixels"] = first_byte[:-1]

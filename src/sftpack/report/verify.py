@@ -435,7 +435,7 @@ def _prepack(
     out = os.path.join(tmp, "prepack")
     extra: dict[str, Any] = {}
     if fam is not None:
-        extra = {"images": True, "family": fam.name, "processor": processor}
+        extra = {"images": True, "family": fam, "processor": processor}
     prepack(
         convs,
         out,
