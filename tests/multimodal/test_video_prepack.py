@@ -52,7 +52,9 @@ def data(tmp_path_factory) -> Path:
         _conv({"type": "image", "path": "still.png"}, answer="Noise."),
         _conv({"type": "video", "path": "clip.mp4", "fps": 2.0}, answer="It fades."),
         {"messages": [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]},
-        _conv({"type": "image", "path": "still.png"}, {"type": "video", "path": "clip.mp4", "fps": 1.0}, answer="Both."),
+        _conv(
+            {"type": "image", "path": "still.png"}, {"type": "video", "path": "clip.mp4", "fps": 1.0}, answer="Both."
+        ),
     ]
     path = root / "videos.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -17,10 +17,13 @@ against its own code:
   frames)]`` and rounded down to a multiple of the temporal patch, taken evenly from 0
   (:func:`sample_indices`); otherwise every frame is kept, as the processor's default
   ``do_sample_frames=False`` does. A list of frames is never sampled;
-- an odd count (any count not a multiple of the temporal patch) is padded by repeating
-  the last frame; every frame is resized to the size the first one gets (``smart_resize``
-  to multiples of ``patch * merge``), rescaled and normalised, and each run of
-  ``temporal_patch_size`` frames becomes one temporal slice of the grid ``(t, h, w)``;
+- every frame is resized to one size (:func:`resize_frames`), rescaled and normalised; an odd
+  count (any count not a multiple of the temporal patch) is padded by repeating the last
+  frame, and each run of ``temporal_patch_size`` frames becomes one temporal slice of the
+  grid ``(t, h, w)``. The size: with a model folder's video settings (:class:`VideoSampling`
+  with pixel limits, :func:`read_video_settings`) the video processor's ``smart_resize`` with
+  its own limits (:func:`frame_size`; Qwen3-VL's bounds the whole clip, ``t x h x w``) and its
+  own mean and std (:func:`frame_processor`); without them the image processor's, frame by frame;
 - Qwen3-VL samples a file by ``Qwen3VLVideoProcessor``'s rule instead (``VideoSampling.rule``,
   :func:`linspace_indices`) and writes each temporal slice after its time
   (:func:`frame_timestamps`; see :mod:`sftpack.multimodal.families.qwen3_vl`);
@@ -28,54 +31,115 @@ against its own code:
   ``temporal_patch_size / sampled_fps``, with ``sampled_fps = kept / frames * file_fps``
   for a file and the part's ``fps`` (24 when not given, the processor's fallback) for frames.
 
-The per-frame pixels are the image processor's (``Qwen2VLImageProcessorPil``: PIL bicubic
-resize, then its rescale and normalisation): a video of identical frames is patch for patch
-the still image. transformers' torchvision video processor resizes with torchvision instead,
+The per-frame pixels are those of ``Qwen2VLImageProcessorPil`` with the video settings (PIL
+bicubic resize, then its rescale and normalisation): a video of identical frames is patch for
+patch the still image of an image processor with the video's limits. transformers' torchvision video processor resizes with torchvision instead,
 which differs by 1-2 levels of 255 on some pixels (the same difference as its torchvision
 image processor's).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, NoReturn
 
 import numpy as np
 
 from .. import _optional
-from ._family import EncodedImages
-from ._images import BadImageError, BadImageReason, is_url, load_image, pixel_table, resize_image
+from ._family import EncodedImages, UnsupportedModelError
+from ._images import (
+    BadImageError,
+    BadImageReason,
+    _pil_processor_class,
+    is_url,
+    load_image,
+    pixel_table,
+    resize_image,
+)
 
 __all__ = [
     "EncodedVideos",
     "VideoSampling",
     "decode_video",
     "encode_videos",
+    "frame_processor",
+    "frame_size",
     "frame_timestamps",
     "linspace_indices",
     "patchify_frames",
+    "read_video_settings",
+    "resize_frames",
     "sample_indices",
     "video_header",
+    "video_processor_for",
 ]
 
 #: The frame rate HF's ``VideoMetadata.sampled_fps`` falls back to for frames without one.
 DEFAULT_FPS = 24.0
 
+#: The rules a :class:`VideoSampling` follows: transformers' ``Qwen2VLVideoProcessor``'s or ``Qwen3VLVideoProcessor``'s.
+RULES = ("qwen2_vl", "qwen3_vl")
+
+#: Where a model folder's video processor settings are read from, in ``AutoVideoProcessor``'s order
+#: (transformers 5.24): ``processor_config.json``'s ``"video_processor"`` entry, then the first file here.
+VIDEO_CONFIG_FILES = ("video_preprocessor_config.json", "preprocessor_config.json")
+
 
 @dataclass(frozen=True)
 class VideoSampling:
-    """How frames are taken from a video file (``Qwen2VLVideoProcessor``'s settings and defaults):
-    ``fps`` (``None``: every frame, unless the part gives one), ``min_frames``, ``max_frames``;
-    ``rule``: whose index rule :func:`sample_indices` follows, ``"qwen2_vl"`` or ``"qwen3_vl"``
-    (``Qwen3VLVideoProcessor.sample_frames``, :func:`linspace_indices`)."""
+    """A video processor's settings, as plain data: how frames are taken from a file, and how
+    they are sized and normalised.
+
+    Sampling (``Qwen2VLVideoProcessor``'s settings and defaults): ``fps`` (``None``: every
+    frame, unless the part gives one), ``min_frames``, ``max_frames``; ``rule``: whose rules
+    apply, ``"qwen2_vl"`` (``Qwen2VLVideoProcessor``: :func:`sample_indices`, each frame sized
+    alone) or ``"qwen3_vl"`` (``Qwen3VLVideoProcessor``: :func:`linspace_indices`, the pixel
+    limits over the whole clip, see :func:`frame_size`).
+
+    Sizing: ``min_pixels`` and ``max_pixels`` (the video processor's ``size``
+    ``shortest_edge`` and ``longest_edge``; ``None``: each frame resized as the image processor
+    resizes an image, with its limits), ``patch_size``, ``temporal_patch_size``, ``merge_size``,
+    ``image_mean``, ``image_std``, ``rescale_factor``, ``resample`` (``None``: the image
+    processor's), ``cap_pixels_per_frame`` and ``max_video_tokens`` (the processors' optional
+    per-frame cap). ``source``: the file they were read from (:func:`read_video_settings`),
+    named in errors."""
 
     fps: float | None = None
     min_frames: int = 4
     max_frames: int = 768
     rule: str = "qwen2_vl"
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    patch_size: int | None = None
+    temporal_patch_size: int | None = None
+    merge_size: int | None = None
+    image_mean: tuple[float, ...] | None = None
+    image_std: tuple[float, ...] | None = None
+    rescale_factor: float | None = None
+    resample: int | None = None
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 0
+    source: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rule not in RULES:
+            raise ValueError(f"VideoSampling.rule {self.rule!r}: one of {RULES}")
+        if (self.min_pixels is None) != (self.max_pixels is None):
+            raise ValueError("VideoSampling: give min_pixels and max_pixels together (or neither)")
+
+    @property
+    def sized(self) -> bool:
+        """Whether the frames are sized by these settings' pixel limits (not the image processor's)."""
+        return self.min_pixels is not None
+
+    def sampling_only(self) -> VideoSampling:
+        """The same sampling, the frames sized by the image processor (no pixel limits of its own)."""
+        return VideoSampling(fps=self.fps, min_frames=self.min_frames, max_frames=self.max_frames, rule=self.rule)
 
 
 @dataclass
@@ -121,6 +185,156 @@ def linspace_indices(total: int, file_fps: float, fps: float, sampling: VideoSam
     (``linspace(0, total - 1, n)`` rounded half to even)."""
     n = min(max(int(total / file_fps * fps), sampling.min_frames), sampling.max_frames, total)
     out: np.ndarray = np.linspace(0, total - 1, n).round().astype(np.int64)
+    return out
+
+
+def frame_size(
+    frames: int, height: int, width: int, sampling: VideoSampling, factor: int, temporal: int
+) -> tuple[int, int]:
+    """``(height, width)`` that every frame of a clip of ``frames`` frames of ``height x width``
+    is resized to by the video processor's rule (transformers 5.24's ``smart_resize`` of
+    ``sampling.rule``'s module, re-implemented and tested against it), within
+    ``sampling.min_pixels ... max_pixels`` (``sampling.sized``), sides multiples of ``factor``
+    (``patch_size * merge_size``):
+
+    - ``"qwen2_vl"``: each frame alone: sides rounded to multiples of ``factor``; above
+      ``max_pixels`` both scaled down (floored), below ``min_pixels`` both scaled up (ceiled),
+      the aspect ratio kept as nearly as the multiples allow;
+    - ``"qwen3_vl"``: the limits bound the whole clip, ``t x h x w`` with ``t`` the frame count
+      rounded to a multiple of ``temporal``, so more frames get smaller frames; a side under
+      ``factor`` is first scaled up to it.
+
+    With ``cap_pixels_per_frame`` the upper limit first shrinks as the processor's per-frame
+    cap shrinks it (a share of ``max_video_tokens``, at least ``1.05 x min_pixels``).
+
+    Raises:
+        ValueError: the ``"qwen3_vl"`` rule over fewer frames than ``temporal`` (the processor refuses it).
+    """
+    if sampling.min_pixels is None or sampling.max_pixels is None:
+        raise ValueError("frame_size: the settings have no pixel limits (VideoSampling.sized is False)")
+    lo, hi = sampling.min_pixels, sampling.max_pixels
+    if sampling.rule == "qwen3_vl":
+        if sampling.cap_pixels_per_frame:
+            per_frame = max(min(sampling.max_video_tokens * factor * factor, hi // frames), int(lo * 1.05))
+            hi = per_frame * frames
+        if frames < temporal:
+            raise ValueError(
+                f"{frames} frame(s): Qwen3-VL's video processor sizes a clip of at least {temporal} frames"
+            )
+        if height < factor or width < factor:
+            up = max(factor / height, factor / width)
+            height, width = int(height * up), int(width * up)
+        count, depth = frames, round(frames / temporal) * temporal
+    else:
+        if sampling.cap_pixels_per_frame:
+            budget = int(sampling.max_video_tokens * factor * factor * 0.9)
+            hi = max(min(hi, budget * temporal // frames), int(lo * 1.05))
+        count, depth = 1, 1
+    h = round(height / factor) * factor
+    w = round(width / factor) * factor
+    if depth * h * w > hi:
+        beta = math.sqrt((count * height * width) / hi)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif depth * h * w < lo:
+        beta = math.sqrt(lo / (count * height * width))
+        h = math.ceil(height * beta / factor) * factor
+        w = math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def frame_processor(processor: Any, sampling: VideoSampling) -> Any:
+    """The PIL/numpy ``Qwen2VLImageProcessorPil`` whose settings are the video processor's:
+    ``processor`` itself for settings without pixel limits, else one (shared) with the settings'
+    pixel limits, patch sizes, rescale factor, mean, std and resample, each ``None`` taken from
+    ``processor``. Its ``process_image`` reads a frame, its table (:func:`pixel_table`)
+    normalises it and its sizes patch it."""
+    if not sampling.sized:
+        return processor
+
+    def pick(name: str) -> Any:
+        own = getattr(sampling, name)
+        return own if own is not None else getattr(processor, name)
+
+    return _sized_processor(
+        int(pick("patch_size")),
+        int(pick("temporal_patch_size")),
+        int(pick("merge_size")),
+        float(pick("rescale_factor")),
+        tuple(float(x) for x in pick("image_mean")),
+        tuple(float(x) for x in pick("image_std")),
+        int(sampling.min_pixels or 0),
+        int(sampling.max_pixels or 0),
+        int(pick("resample")),
+    )
+
+
+def video_processor_for(processor: Any, sampling: VideoSampling) -> Any:
+    """:func:`frame_processor`, checked: its patch, temporal patch and merge sizes must be
+    ``processor``'s (one vision tower takes both).
+
+    Raises:
+        UnsupportedModelError: they differ, in one line naming the settings' file.
+    """
+    sizes = ("patch_size", "temporal_patch_size", "merge_size")
+    video = frame_processor(processor, sampling)
+    got, want = (tuple(int(getattr(x, a)) for a in sizes) for x in (video, processor))
+    if got != want:
+        raise UnsupportedModelError(
+            f"{sampling.source or 'the video settings'}: patch_size, temporal_patch_size, merge_size {got} "
+            f"differ from the image processor's {want}: the model's vision tower takes one; make them equal"
+        )
+    return video
+
+
+@lru_cache(maxsize=8)
+def _sized_processor(
+    p: int, t: int, m: int, scale: float, mean: tuple, std: tuple, lo: int, hi: int, resample: int
+) -> Any:
+    return _pil_processor_class()(
+        patch_size=p,
+        temporal_patch_size=t,
+        merge_size=m,
+        rescale_factor=scale,
+        image_mean=list(mean),
+        image_std=list(std),
+        min_pixels=lo,
+        max_pixels=hi,
+        resample=resample,
+    )
+
+
+def resize_frames(images: list[Any], processor: Any, sampling: VideoSampling) -> np.ndarray:
+    """``(N, H, W, 3)`` uint8: the frames (RGB ``PIL`` images of one size) resized. Without the
+    settings' own pixel limits each as ``processor`` resizes an image (:func:`resize_image`);
+    with them all to :func:`frame_size` by the settings' rule and frame count, with the same
+    PIL resize the image processor runs (transformers' ``image_transforms.resize``).
+
+    Raises:
+        ValueError: :func:`frame_size`'s.
+    """
+    if not sampling.sized:
+        first = resize_image(images[0], processor)
+        out = np.empty((len(images), *first.shape), np.uint8)
+        out[0] = first
+        for i, im in enumerate(images[1:], 1):
+            out[i] = resize_image(im, processor)
+        return out
+    proc = frame_processor(processor, sampling)
+    width, height = images[0].size
+    factor = int(proc.patch_size) * int(proc.merge_size)
+    h, w = frame_size(len(images), height, width, sampling, factor, int(proc.temporal_patch_size))
+    resize = _optional.transformers("image_transforms").resize
+    out = np.empty((len(images), h, w, 3), np.uint8)
+    for i, im in enumerate(images):
+        chw = proc.process_image(im, do_convert_rgb=True)
+        out[i] = np.moveaxis(
+            resize(
+                chw, (h, w), resample=proc.resample, data_format="channels_first", input_data_format="channels_first"
+            ),
+            0,
+            -1,
+        )
     return out
 
 
@@ -247,8 +461,9 @@ def _fps(part: dict, record: Any, field: str) -> float | None:
 def load_frames(
     part: dict, processor: Any, sampling: VideoSampling, record: Any = None, field: str = "video"
 ) -> tuple[np.ndarray, float]:
-    """``(N, H, W, 3)`` uint8 frames of one video part, each resized as the processor resizes the
-    first (its ``smart_resize``), and the part's ``sampled_fps``."""
+    """``(N, H, W, 3)`` uint8 frames of one video part, all resized to one size
+    (:func:`resize_frames`: the video settings' rule and limits, or without limits of their own
+    the image processor's ``smart_resize`` of the first), and the part's ``sampled_fps``."""
     fps = _fps(part, record, field)
     t = int(processor.temporal_patch_size)
     if part.get("frames") is not None:
@@ -274,12 +489,10 @@ def load_frames(
             BadImageReason.VIDEO_FRAME_SIZES,
             f"frames of sizes {sorted(sizes)} (width x height): a video's frames share one size",
         )
-    first = resize_image(images[0], processor)
-    out = np.empty((len(images), *first.shape), np.uint8)
-    out[0] = first
-    for i, im in enumerate(images[1:], 1):
-        out[i] = resize_image(im, processor)
-    return out, sampled
+    try:
+        return resize_frames(images, processor, sampling), sampled
+    except ValueError as e:
+        _bad(record, field, BadImageReason.VIDEO_TOO_SHORT, str(e))
 
 
 def encode_videos(
@@ -292,20 +505,24 @@ def encode_videos(
 ) -> EncodedVideos:
     """Patches, grids, placeholder counts and ``second_per_grid_ts`` of one conversation's video
     parts (in order), by ``processor`` (a Qwen2-VL-style image processor: its resize, patch,
-    temporal patch and merge sizes, rescale and normalisation) and ``sampling``.
+    temporal patch and merge sizes, rescale and normalisation) and ``sampling`` (the video
+    processor's settings: its sampling and, where it has pixel limits, its sizes, mean and std,
+    :func:`frame_processor`).
     ``record`` and ``fields`` (each part's, e.g. ``messages[0].content[1]``) are named in errors.
 
     Raises:
         BadImageError: a part without a source, a URL, a missing or undecodable file, frames of
             several sizes, a bad ``fps``, a clip shorter than one temporal patch once sampled.
+        UnsupportedModelError: video settings whose patch sizes are not the image processor's.
     """
     sampling = sampling or VideoSampling()
-    p, t, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    video = video_processor_for(processor, sampling)
+    p, t, m = int(video.patch_size), int(video.temporal_patch_size), int(video.merge_size)
     pixels, grids, seconds, kept = [], [], [], []
     for i, part in enumerate(parts):
         field = fields[i] if fields is not None else f"videos[{i}]"
         frames, sampled = load_frames(part, processor, sampling, record, field)
-        pv, grid = patchify_frames(frames, processor)
+        pv, grid = patchify_frames(frames, video)
         pixels.append(pv)
         grids.append(grid)
         seconds.append(t / sampled)  # a python float, as the processor's list holds it
@@ -318,4 +535,144 @@ def encode_videos(
         merge_size=m,
         second_per_grid_ts=np.asarray(seconds, dtype=np.float32),
         frames=np.asarray(kept, dtype=np.int64),
+    )
+
+
+# ------------------------------------------------------------------ a model folder's video settings
+def read_video_settings(model_dir: str | os.PathLike, defaults: VideoSampling) -> VideoSampling | None:
+    """The video processor settings of the model folder ``model_dir``, from the first of
+    ``processor_config.json``'s ``"video_processor"`` entry, ``video_preprocessor_config.json``
+    and ``preprocessor_config.json`` (``AutoVideoProcessor``'s order, so a folder with only an
+    image processor's file has videos sized by its keys, as transformers does), each key missing
+    or ``null`` taken from ``defaults`` (the family's video processor class's defaults, with
+    pixel limits). ``None``: the folder has none of these files.
+
+    The keys read (transformers 5.24's): ``size`` (``shortest_edge``, ``longest_edge``: the pixel
+    limits), for the ``"qwen2_vl"`` rule also ``min_pixels`` / ``max_pixels`` over them (as
+    ``Qwen2VLVideoProcessor`` takes them; ``Qwen3VLVideoProcessor`` ignores them);
+    ``patch_size``, ``temporal_patch_size``, ``merge_size``, ``image_mean``, ``image_std``,
+    ``rescale_factor``, ``resample``; ``do_sample_frames`` (default: ``defaults.fps`` is set),
+    ``fps``, ``min_frames``, ``max_frames``; ``cap_pixels_per_frame``, ``max_video_tokens``.
+    Other keys are not read.
+
+    Raises:
+        UnsupportedModelError: a file that is not a JSON object, or a value of a key above that the
+            processor could not take or sftpack does not follow (``do_resize``, ``do_rescale``,
+            ``do_normalize`` false; ``num_frames`` with sampling on), in one line naming the file,
+            the key and the fix.
+    """
+    folder = os.fspath(model_dir)
+    nested = os.path.join(folder, "processor_config.json")
+    if os.path.isfile(nested):
+        entry = _json_object(nested).get("video_processor")
+        if isinstance(entry, dict):
+            return _settings(entry, defaults, f'{nested} ("video_processor")')
+    for name in VIDEO_CONFIG_FILES:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            return _settings(_json_object(path), defaults, path)
+    return None
+
+
+def _json_object(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UnsupportedModelError(f"{path}: cannot be read as JSON ({e}); fix the file or remove it") from None
+    if not isinstance(data, dict):
+        raise UnsupportedModelError(f"{path}: holds a {type(data).__name__}, not a JSON object; fix the file")
+    return data
+
+
+def _settings(data: dict, defaults: VideoSampling, source: str) -> VideoSampling:
+    """:func:`read_video_settings`' settings of one processor dict ``data`` read from ``source``."""
+
+    def bad(key: str, value: Any, why: str, fix: str = "") -> NoReturn:
+        raise UnsupportedModelError(
+            f"{source}: {key} {value!r} {why}; {fix or 'fix it, or remove the key for the processor default'}"
+        )
+
+    def has(key: str) -> bool:
+        return data.get(key) is not None
+
+    def number(key: str, value: Any, *, integer: bool) -> Any:
+        kinds = (int,) if integer else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value <= 0:
+            bad(key, value, f"is not a positive {'integer' if integer else 'number'}")
+        return int(value) if integer else float(value)
+
+    def get(key: str, default: Any, *, integer: bool = True) -> Any:
+        return number(key, data[key], integer=integer) if has(key) else default
+
+    def flag(key: str, default: bool) -> bool:
+        if not has(key):
+            return default
+        if not isinstance(data[key], bool):
+            bad(key, data[key], "is not true or false")
+        return bool(data[key])
+
+    def triple(key: str, default: Any) -> Any:
+        if not has(key):
+            return default
+        value = data[key]
+        items = [value] * 3 if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+        ok = isinstance(items, list) and len(items) == 3
+        if not ok or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x) for x in items):
+            bad(key, value, "is not a number or a list of 3 numbers (one a channel)")
+        if key == "image_std" and any(x == 0 for x in items):
+            bad(key, value, "has a 0 (the normalisation divides by it)")
+        return tuple(float(x) for x in items)
+
+    for key in ("do_resize", "do_rescale", "do_normalize"):
+        if flag(key, True) is not True:
+            bad(key, data[key], "turns a step off", "sftpack resizes, rescales and normalises every frame: set it true")
+    size = data.get("size")
+    if size is None:
+        lo: Any = defaults.min_pixels
+        hi: Any = defaults.max_pixels
+        lo_key, hi_key = "size.shortest_edge", "size.longest_edge"
+    elif isinstance(size, dict):
+        lo, hi, lo_key, hi_key = (
+            size.get("shortest_edge"),
+            size.get("longest_edge"),
+            "size.shortest_edge",
+            "size.longest_edge",
+        )
+    else:
+        bad("size", size, "is not an object with shortest_edge and longest_edge (pixels)")
+    if defaults.rule == "qwen2_vl":  # Qwen2VLVideoProcessor takes min_pixels / max_pixels over size
+        if has("min_pixels"):
+            lo, lo_key = data["min_pixels"], "min_pixels"
+        if has("max_pixels"):
+            hi, hi_key = data["max_pixels"], "max_pixels"
+    lo, hi = number(lo_key, lo, integer=True), number(hi_key, hi, integer=True)
+    if lo > hi:
+        bad(lo_key, lo, f"is above {hi_key} {hi}", "make the smallest size at most the largest")
+    sample = flag("do_sample_frames", defaults.fps is not None)
+    if sample and has("num_frames"):
+        bad("num_frames", data["num_frames"], "is set", "sftpack samples by fps: remove num_frames and set fps")
+    min_frames, max_frames = get("min_frames", defaults.min_frames), get("max_frames", defaults.max_frames)
+    if min_frames > max_frames:
+        bad("min_frames", min_frames, f"is above max_frames {max_frames}", "make min_frames at most max_frames")
+    resample = data.get("resample", defaults.resample)
+    if resample is not None and (isinstance(resample, bool) or not isinstance(resample, int) or not 0 <= resample <= 5):
+        bad("resample", resample, "is not a PIL resampling filter (0-5)")
+    return VideoSampling(
+        fps=get("fps", defaults.fps, integer=False) if sample else None,
+        min_frames=min_frames,
+        max_frames=max_frames,
+        rule=defaults.rule,
+        min_pixels=lo,
+        max_pixels=hi,
+        patch_size=get("patch_size", defaults.patch_size),
+        temporal_patch_size=get("temporal_patch_size", defaults.temporal_patch_size),
+        merge_size=get("merge_size", defaults.merge_size),
+        image_mean=triple("image_mean", defaults.image_mean),
+        image_std=triple("image_std", defaults.image_std),
+        rescale_factor=get("rescale_factor", defaults.rescale_factor, integer=False),
+        resample=resample,
+        cap_pixels_per_frame=flag("cap_pixels_per_frame", defaults.cap_pixels_per_frame),
+        max_video_tokens=get("max_video_tokens", defaults.max_video_tokens),
+        source=source,
     )

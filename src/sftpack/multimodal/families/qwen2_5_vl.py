@@ -24,6 +24,7 @@ import torch
 
 from ... import _optional
 from ...handoff.payload import PatchMedia
+from .._video import VideoSampling
 from .qwen2_vl import Qwen2VL, _config
 
 __all__ = ["Qwen25VL"]
@@ -37,13 +38,15 @@ class Qwen25VL(Qwen2VL):
     model_class: ClassVar[str] = "Qwen2_5_VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2_5_VLRMSNorm",)
 
-    def __init__(self, tokens_per_second: int = 2) -> None:
+    def __init__(self, tokens_per_second: int = 2, video_sampling: VideoSampling | None = None) -> None:
+        super().__init__(video_sampling)
         #: temporal positions per second of video (the vision config's ``tokens_per_second``)
         self.tokens_per_second = int(tokens_per_second)
 
     @classmethod
-    def from_config(cls, config: Any) -> Qwen25VL:
-        """The family with the config's ``vision_config.tokens_per_second``."""
+    def _configured(cls, config: Any) -> Qwen2VL:
+        """The family with the config's ``vision_config.tokens_per_second`` (its video settings:
+        Qwen2-VL's, ``Qwen2VLVideoProcessor`` being Qwen2.5-VL's video processor too)."""
         vision = getattr(config, "vision_config", None)
         return cls(int(getattr(vision, "tokens_per_second", 2)))
 

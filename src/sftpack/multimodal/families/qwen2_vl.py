@@ -7,8 +7,10 @@ The family behind :class:`~sftpack.multimodal.Family` (``family_for("qwen2_vl")`
   rule), its pixels ``(t*h*w, 3*t_p*14*14)`` patches from ``Qwen2VLImageProcessorPil``;
 - a video part (frames or a file, :mod:`~sftpack.multimodal._video`) is
   ``<|vision_start|><|video_pad|><|vision_end|>``, its placeholder repeated
-  ``t*h*w / merge**2`` times (``replace_video_token``), its frames sampled and patched as
-  ``Qwen2VLVideoProcessor`` does (:meth:`Qwen2VL.encode_videos`); a sample's images and
+  ``t*h*w / merge**2`` times (``replace_video_token``), its frames sampled, sized and patched as
+  ``Qwen2VLVideoProcessor`` does (:meth:`Qwen2VL.encode_videos`; with a model folder by its
+  video settings, :meth:`Qwen2VL.video_settings`, else each frame sized by the image processor's
+  limits and HF's sampling defaults); a sample's images and
   videos are the items of one :class:`~sftpack.handoff.payload.PatchMedia`, in text order
   (:meth:`Qwen2VL.media`);
 - the media is a :class:`~sftpack.handoff.payload.PatchMedia` with each sample's own
@@ -30,6 +32,7 @@ model's boundary arguments never reach the vision attention.
 from __future__ import annotations
 
 import copy
+import os
 from functools import lru_cache
 from typing import Any, ClassVar
 
@@ -42,12 +45,14 @@ from ...handoff import PackedBatch
 from ...handoff.payload import PatchMedia
 from .._family import EncodedImages, Family, seeded_model, text_kwargs
 from .._images import image_processor, process_images
-from .._video import EncodedVideos, VideoSampling, encode_videos
+from .._video import EncodedVideos, VideoSampling, encode_videos, read_video_settings, video_processor_for
 
 __all__ = ["QWEN2VL_SPECIALS", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
+#: OpenAI CLIP's mean and std (transformers' ``OPENAI_CLIP_MEAN`` / ``_STD``): Qwen2-VL's normalisation
+CLIP_MEAN, CLIP_STD = (0.48145466, 0.4578275, 0.40821073), (0.26862954, 0.26130258, 0.27577711)
 #: Qwen2-VL's special tokens after ``<|im_end|>``, in id order (151646 ... 151656).
 QWEN2VL_SPECIALS = (
     "<|object_ref_start|>",
@@ -129,8 +134,22 @@ class Qwen2VL(Family):
     #: what each video part becomes in the text, and its placeholder
     video_block: ClassVar[tuple[str, ...]] = (VISION_START, VIDEO_PAD, VISION_END)
     video_placeholder: ClassVar[str] = VIDEO_PAD
-    #: how frames are taken from a video file (``Qwen2VLVideoProcessor``'s defaults: every frame)
-    video_sampling: ClassVar[VideoSampling] = VideoSampling()
+    #: ``Qwen2VLVideoProcessor``'s class defaults (transformers 5.24): frames not sampled, each
+    #: sized alone within 128 x 28 x 28 ... 28 x 28 x 768 pixels; what a model folder's video
+    #: settings fall back to key by key (:meth:`video_settings`)
+    video_defaults: ClassVar[VideoSampling] = VideoSampling(
+        rule="qwen2_vl",
+        min_pixels=128 * 28 * 28,
+        max_pixels=28 * 28 * 768,
+        patch_size=14,
+        temporal_patch_size=2,
+        merge_size=2,
+        image_mean=CLIP_MEAN,
+        image_std=CLIP_STD,
+        rescale_factor=1 / 255,
+        resample=3,  # bicubic
+        max_video_tokens=128000,
+    )
     processor_wanted: ClassVar[str] = (
         "(integer patch_size, temporal_patch_size and merge_size; image_grid_thw out): the qwen2_vl and "
         "qwen2_5_vl families take Qwen2VLImageProcessorPil (Family.image_processor()), the llava family a "
@@ -140,11 +159,59 @@ class Qwen2VL(Family):
     model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2VLRMSNorm",)
 
+    def __init__(self, video_sampling: VideoSampling | None = None) -> None:
+        #: the video processor's settings :meth:`encode_videos` follows: a model folder's
+        #: (:meth:`video_settings`, set by :meth:`from_config` and :meth:`image_processor` of a
+        #: folder), else :attr:`video_defaults`' sampling with each frame sized by the image processor
+        self.video_sampling = video_sampling if video_sampling is not None else self.video_settings()
+
+    @classmethod
+    def from_config(cls, config: Any) -> Qwen2VL:
+        """The family configured for ``config`` (:meth:`_configured`), with the video settings of
+        the model folder it was read from (``config.name_or_path``, a local folder) when it is one."""
+        family = cls._configured(config)
+        folder = getattr(config, "name_or_path", None)
+        if isinstance(folder, str) and folder and os.path.isdir(folder):
+            family.video_sampling = family.video_settings(folder)
+        return family
+
+    @classmethod
+    def _configured(cls, config: Any) -> Qwen2VL:
+        """The family for ``config`` (Qwen2-VL takes nothing from it)."""
+        return cls()
+
+    def video_settings(self, model_dir: str | os.PathLike | None = None) -> VideoSampling:
+        """The video processor's settings of the model folder ``model_dir``
+        (:func:`~sftpack.multimodal._video.read_video_settings`: its video processor's file, or
+        the image processor's, each key it lacks from :attr:`video_defaults`); without a folder,
+        or a folder without either file, :attr:`video_defaults`' sampling with each frame sized
+        as the image processor sizes an image.
+
+        Raises:
+            UnsupportedModelError: a bad value in the folder's file (naming the file and the key).
+        """
+        found = None if model_dir is None else read_video_settings(model_dir, self.video_defaults)
+        return found if found is not None else self.video_defaults.sampling_only()
+
+    def image_processor(self, model_dir: str | os.PathLike | None = None) -> Any:
+        """The base's image processor; a model folder's also sets the family's video settings to
+        the folder's (:meth:`video_settings`), so its videos are sized as its video processor sizes them."""
+        processor = super().image_processor(model_dir)
+        if model_dir is not None:
+            self.video_sampling = self.video_settings(model_dir)
+        return processor
+
     def _default_tokenizer(self) -> Any:
         return qwen2vl_tokenizer()
 
     def _default_image_processor(self) -> Any:
         return image_processor()
+
+    def check(self, tokenizer: Any, processor: Any) -> None:
+        """The base's checks, and the video settings' patch sizes must be ``processor``'s (a
+        folder's video processor file of other sizes is refused here, before any record)."""
+        super().check(tokenizer, processor)
+        video_processor_for(processor, self.video_sampling)
 
     def takes_processor(self, processor: Any) -> bool:
         sizes = [getattr(processor, a, None) for a in ("patch_size", "temporal_patch_size", "merge_size")]
@@ -174,8 +241,9 @@ class Qwen2VL(Family):
         self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
     ) -> EncodedVideos:
         """Patches and placeholder counts of one conversation's video parts (in order), their
-        frames sampled by :attr:`video_sampling` and resized, normalised and patched by
-        ``processor`` (the family's image processor; see :mod:`~sftpack.multimodal._video`).
+        frames sampled, resized and normalised by :attr:`video_sampling` (the model folder's video
+        settings; without pixel limits of their own resized and normalised by ``processor``) and
+        patched by ``processor``'s sizes (see :mod:`~sftpack.multimodal._video`).
         ``record`` and ``fields`` (each part's) are named in errors."""
         return encode_videos(videos, processor, sampling=self.video_sampling, record=record, fields=fields)
 

@@ -32,10 +32,12 @@ and tested against their own code):
   ``int(frames / file_fps * fps)`` frames clamped to 4 ... 768 and the clip, spread over the whole
   clip); a list of frames is kept whole (the processor with ``do_sample_frames=False``), taken at
   the part's ``fps`` (24 when none: the processor's fallback). Frames are resized, padded to a
-  whole temporal patch and patched as Qwen2-VL's family does (:mod:`~sftpack.multimodal._video`):
-  each frame sized by the image processor's pixel limits, not by ``Qwen3VLVideoProcessor``'s
-  limits over the whole clip (``t x h x w`` within its ``size``), which a folder's
-  ``video_preprocessor_config.json`` sets and which is not read yet;
+  whole temporal patch and patched as Qwen2-VL's family does (:mod:`~sftpack.multimodal._video`).
+  With a model folder (:meth:`Qwen3VL.video_settings`: its ``video_preprocessor_config.json``, else
+  its ``preprocessor_config.json``, else ``Qwen3VLVideoProcessor``'s defaults key by key) they are
+  sized by ``Qwen3VLVideoProcessor``'s rule: its ``size`` bounds the whole clip, ``t x h x w``
+  (:func:`~sftpack.multimodal._video.frame_size`; a clip needs 2 frames), and normalised by its
+  mean and std (0.5); without a folder each frame is sized by the image processor's limits;
 - the text: the chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` keeps its outer
   tokens and its placeholder becomes, per temporal slice (two frames),
   ``<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`` (:meth:`Qwen3VL.media_text`;
@@ -150,16 +152,36 @@ class Qwen3VL(Qwen2VL):
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
     model_class: ClassVar[str] = "Qwen3VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen3VLTextRMSNorm",)
-    #: ``Qwen3VLVideoProcessor``'s defaults: files sampled at 2 fps by its rule
-    video_sampling: ClassVar[VideoSampling] = VideoSampling(fps=2.0, rule="qwen3_vl")
+    #: ``Qwen3VLVideoProcessor``'s class defaults (transformers 5.24): files sampled at 2 fps by its
+    #: rule, the clip's ``t x h x w`` within 128 x 32 x 32 ... 32 x 32 x 768 pixels, mean and std 0.5
+    video_defaults: ClassVar[VideoSampling] = VideoSampling(
+        fps=2.0,
+        rule="qwen3_vl",
+        min_pixels=128 * 32 * 32,
+        max_pixels=32 * 32 * 768,
+        patch_size=PATCH,
+        temporal_patch_size=TEMPORAL,
+        merge_size=MERGE,
+        image_mean=MEAN,
+        image_std=STD,
+        rescale_factor=1 / 255,
+        resample=3,  # bicubic
+        max_video_tokens=768,
+    )
 
-    def __init__(self, patch_size: int = PATCH, temporal_patch_size: int = TEMPORAL, merge_size: int = MERGE) -> None:
-        super().__init__()
+    def __init__(
+        self,
+        patch_size: int = PATCH,
+        temporal_patch_size: int = TEMPORAL,
+        merge_size: int = MERGE,
+        video_sampling: VideoSampling | None = None,
+    ) -> None:
+        super().__init__(video_sampling)
         #: the model's ``(patch_size, temporal_patch_size, merge_size)``
         self.sizes = (int(patch_size), int(temporal_patch_size), int(merge_size))
 
     @classmethod
-    def from_config(cls, config: Any) -> Qwen3VL:
+    def _configured(cls, config: Any) -> Qwen2VL:
         vision = getattr(config, "vision_config", None)
         if vision is None:
             return cls()
