@@ -107,3 +107,33 @@ def test_verify_takes_video_data_on_the_offline_path(data, tmp_path_factory, cap
     assert rc == 0, out
     table = [line for line in out.splitlines() if line.startswith("offline ")]
     assert len(table) == 2 and all(line.rstrip().endswith(" exact") for line in table), out
+
+
+def test_videos_normalised_by_the_folders_video_settings_are_stored_exactly(data, tmp_path, tmp_path_factory):
+    """A folder whose video processor normalises otherwise than its image processor (its own mean
+    and std): the prepack stores the frames and remakes the videos' values by the video settings
+    (kept in the manifest), the images' by the image processor, both bit for bit."""
+    root = str(tmp_path_factory.mktemp("qwen2_vl-video-settings"))
+    path = _folder(root, "qwen2_vl")
+    video = {
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.25, 0.5, 0.75],
+        "min_pixels": 56 * 56,
+        "max_pixels": 112 * 112,
+    }
+    (Path(path) / "video_preprocessor_config.json").write_text(json.dumps(video))
+    out = tmp_path / "rows"
+    assert main(["prepack", str(data), "--model", path, "--out", str(out), "--max-seq-len", "512"]) == 0
+    ds = PrepackedDataset(out)
+    media = ds.manifest["media"]
+    assert media["video_processor"]["image_std"] == [0.25, 0.5, 0.75] != media["processor"]["image_std"]
+    fam = family_for(path)
+    samples = {s.conversation_id: s for s in _samples(fam, path, data)}
+    seen = 0
+    for i in range(len(ds)):
+        row = ds[i]
+        alone = [samples[c].media for c in row.sequence_ids if samples[c].media is not None]
+        if alone:
+            assert torch.equal(row.media.pixel_values, torch.cat([m.pixel_values for m in alone]))
+            seen += int(row.media.video.sum())
+    assert seen >= 3

@@ -318,6 +318,12 @@ class Family:
         """Pixels and placeholder counts of one conversation's images (PIL, in order)."""
         raise NotImplementedError
 
+    def video_processor(self, processor: Any) -> Any:
+        """The processor whose rescale and normalisation make this family's video frames' values
+        (a model folder's video settings may normalise otherwise than its image processor; a
+        prepack stores frames and remakes their values by it): by default ``processor``."""
+        return processor
+
     def encode_videos(
         self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
     ) -> EncodedImages:

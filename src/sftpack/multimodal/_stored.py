@@ -96,9 +96,11 @@ def _frames_from_patches(pv: np.ndarray, grid: np.ndarray, processor: Any) -> np
     return table_pixels(values, pixel_table(processor))
 
 
-def stored_items(media: Media, processor: Any) -> StoredItems:
-    """What a prepack stores of one sample's ``media`` (made with ``processor``): each item's
-    uint8 pixels, grid, kind and seconds (the module text).
+def stored_items(media: Media, processor: Any, video_processor: Any = None) -> StoredItems:
+    """What a prepack stores of one sample's ``media`` (made with ``processor``, its videos'
+    frames normalised by ``video_processor``, default ``processor``: the family's
+    :meth:`~sftpack.multimodal.Family.video_processor`): each item's uint8 pixels, grid, kind
+    and seconds (the module text).
 
     Raises:
         ValueError: values no uint8 pixel gives (named by item), or a payload of another kind.
@@ -114,7 +116,7 @@ def stored_items(media: Media, processor: Any) -> StoredItems:
             own = pv[offs[i] : offs[i + 1]]
             try:
                 if video[i]:
-                    pixels.append(_frames_from_patches(own, grids[i], processor))
+                    pixels.append(_frames_from_patches(own, grids[i], video_processor or processor))
                 else:
                     pixels.append(pixels_from_patches(own, grids[i], processor)[None])
             except ValueError as e:

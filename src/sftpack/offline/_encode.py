@@ -73,6 +73,7 @@ class ImageSettings:
                 **entry,
                 "merge_size": int(merge),
                 "processor": processor_settings(self.processor),
+                "video_processor": processor_settings(fam.video_processor(self.processor)),
             }
         proc = self.processor
         return {
@@ -172,7 +173,7 @@ def _images(s: Sample, st: ImageSettings) -> Images:
     if media is None:  # a conversation without media
         return _NO_IMAGES
     try:
-        items = stored_items(media, st.processor)
+        items = stored_items(media, st.processor, st.family.video_processor(st.processor))
     except ValueError as e:
         raise PrepackError(
             f"conversation {s.conversation_id!r}, {e}; the prepack stores resized uint8 pixels, which give back "

@@ -441,6 +441,9 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
         if kind == MEDIA_KIND:
             for key in ("patch_size", "temporal_patch_size", "merge_size"):
                 get(proc, key, f"media.processor.{key}", lambda v: _int(v) and v >= 1, "a positive integer")
+            video = get(media, "video_processor", "media.video_processor", is_dict, "an object")
+            for key in ("patch_size", "temporal_patch_size", "merge_size"):  # one tower takes both
+                get(video, key, f"media.video_processor.{key}", lambda v, k=key: v == proc[k], f"{proc[key]!r}")
         else:
             get(
                 media,

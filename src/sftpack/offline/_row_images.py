@@ -49,6 +49,7 @@ class MediaReader:
         want = self.entry["processor"]
         self.patches = self.entry["kind"] == MEDIA_KIND  #: a patch family's (Qwen-VL); else fixed-size images
         self.processor: Any = None
+        self.video_processor: Any = None
         self.table: np.ndarray | None = None
         if self.patches:
             self.processor = processor_from_settings(want)
@@ -60,6 +61,15 @@ class MediaReader:
                     f"{', '.join(f'{k}={want[k]!r}' for k in diff)}, the installed one has "
                     f"{', '.join(f'{k}={have.get(k)!r}' for k in diff)}: the patches would differ; install the "
                     "transformers version it was written with, or prepack again"
+                )
+            # the videos' frames normalised as the model folder's video settings say (its mean and std)
+            video = self.entry.get("video_processor", want)
+            self.video_processor = processor_from_settings(video)
+            if processor_settings(self.video_processor) != video:
+                raise PrepackError(
+                    f"{self.path}: its videos were stored for a video processor with settings {video}, the "
+                    "installed one reads them otherwise: install the transformers version it was written with, or "
+                    "prepack again"
                 )
             p, t = int(want["patch_size"]), int(want["temporal_patch_size"])
             self.patch_dim, self.temporal = 3 * t * p * p, t
@@ -170,7 +180,7 @@ class MediaReader:
         for rec, n in zip(im, per):
             px = self._item(rec)
             if rec["video"]:
-                out[o : o + n] = patchify_frames(px, proc)[0]
+                out[o : o + n] = patchify_frames(px, self.video_processor)[0]
             else:
                 patchify_pixels(px[0], proc, out=out[o : o + n])
             o += n

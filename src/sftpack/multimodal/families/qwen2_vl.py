@@ -201,6 +201,11 @@ class Qwen2VL(Family):
             self.video_sampling = self.video_settings(model_dir)
         return processor
 
+    def video_processor(self, processor: Any) -> Any:
+        """The image processor as the video settings make frames' values (their mean, std and
+        limits; :func:`~sftpack.multimodal._video.video_processor_for`)."""
+        return video_processor_for(processor, self.video_sampling)
+
     def _default_tokenizer(self) -> Any:
         return qwen2vl_tokenizer()
 
