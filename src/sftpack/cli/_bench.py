@@ -170,8 +170,8 @@ def _run_images(args: argparse.Namespace) -> int:
         )
     if args.num_proc != 1:
         raise UsageError(f"--num-proc: not offered with {what} (tokenized and its images processed in this process)")
-    if args.model is not None:
-        vlm_setup(args.model)  # a folder of an unsupported model type: one line, before any work
+    # a folder of an unsupported model type: one line, before any work; loaded once, used by bench_media
+    family, tok, processor = vlm_setup(args.model)
     max_patches = args.max_patches if args.max_patches is not None else 2 * args.max_seq_len
     read_stats = None
     conversations: Iterable[Any]
@@ -191,7 +191,9 @@ def _run_images(args: argparse.Namespace) -> int:
         **_settings(args),
         max_patches=max_patches,
         progress=True,
-        model=args.model,
+        family=family,
+        tokenizer=tok,
+        processor=processor,
     )
     if read_stats is not None:
         lines = render_read_stats(read_stats).split("\n")

@@ -37,6 +37,8 @@ __all__ = [
     "sigterm_deferred",
     "sigterm_handled",
     "tokenizer_folder",
+    "vlm_family",
+    "vlm_setup",
 ]
 
 
@@ -238,18 +240,31 @@ def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
     return model or tokenizer
 
 
-def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
-    """``(family, tokenizer, image processor)`` of a run with images: those of the vision-language
-    model folder ``model`` (its family from ``config.model_type``), else of ``family``'s tiny model
-    (default Qwen2-VL; its tokenizer from ``tokenizer`` when given). A folder of another model type
-    is a usage error in one line, before any work."""
+def vlm_family(model: str | None, family: str | None = None) -> Any:
+    """The model family of a run with images: the vision-language model folder ``model``'s (from
+    its ``config.model_type``, configured by its config), else ``family``'s (default Qwen2-VL).
+    A folder of another model type is a usage error in one line, before any work; nothing else
+    is loaded (:func:`vlm_setup` loads the tokenizer and image processor too)."""
     from ..multimodal import UnsupportedModelError, family_for
 
-    folder = tokenizer_folder(model, tokenizer)
     if model is not None and family is not None:
         raise UsageError("--family: the family of a --model folder is its config.model_type; drop --family")
     try:
-        fam = family_for(model if model is not None else family)
+        return family_for(model if model is not None else family)
+    except UnsupportedModelError as e:
+        raise UsageError(str(e)) from None
+
+
+def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
+    """``(family, tokenizer, image processor)`` of a run with images: those of the vision-language
+    model folder ``model`` (:func:`vlm_family`), else of ``family``'s tiny model (default Qwen2-VL;
+    its tokenizer from ``tokenizer`` when given). A folder of another model type is a usage error
+    in one line, before any work."""
+    from ..multimodal import UnsupportedModelError
+
+    folder = tokenizer_folder(model, tokenizer)
+    fam = vlm_family(model, family)
+    try:
         return fam, fam.tokenizer(folder), fam.image_processor(model)
     except UnsupportedModelError as e:
         raise UsageError(str(e)) from None

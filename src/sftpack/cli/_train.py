@@ -375,7 +375,6 @@ def _run_training(
     )
     from ..loop._options import Packing
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
-    from ..offline import prepack_samples
 
     _mark("imports")
     cfg = _config(args)  # before anything slow: a device this machine does not have is a usage error
@@ -496,17 +495,9 @@ def _run_training(
     try:
         if prepacked is None and args.packing == "offline":
             assert samples is not None  # tokenized above: no --prepacked
-            workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
-            prepacked = prepack_samples(
-                samples,
-                Path(workdir.name) / "rows",
-                max_seq_len=cfg.max_seq_len,
-                pad_multiple=cfg.pad_multiple,
-                pad_id=pad_id,
-                tokenizer=tokenizer.get() if args.vocab == "tokenizer" else None,
-                seed=cfg.seed,
-            ).path
-            say(f"prepacked into {prepacked} (temporary; sftpack prepack writes a lasting one)")
+            workdir, prepacked = _temporary_prepack(
+                samples, cfg, say, pad_id=pad_id, tokenizer=tokenizer.get() if args.vocab == "tokenizer" else None
+            )
         source = make_source(
             cfg,
             samples=samples,
@@ -554,6 +545,29 @@ def _run_training(
     return 0
 
 
+def _temporary_prepack(samples: Any, cfg: Any, say: Callable[..., None], **settings: Any) -> tuple[Any, str]:
+    """The tokenized ``samples`` written as the run's temporary prepack (``--packing offline``
+    without ``--prepacked``; ``settings``: :func:`~sftpack.offline.prepack_samples`' others, the
+    images' with them): ``(its temporary folder, the prepack's path)``. Nothing is tokenized here."""
+    from ..offline import prepack_samples
+
+    workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
+    try:
+        path = prepack_samples(
+            samples,
+            Path(workdir.name) / "rows",
+            max_seq_len=cfg.max_seq_len,
+            pad_multiple=cfg.pad_multiple,
+            seed=cfg.seed,
+            **settings,
+        ).path
+    except BaseException:
+        workdir.cleanup()
+        raise
+    say(f"prepacked into {path} (temporary; sftpack prepack writes a lasting one)")
+    return workdir, str(path)
+
+
 def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int:
     """:func:`run` for data with images: INPUT files whose conversations hold image parts, or
     ``--corpus vqa`` (the embedded easy-vqa conversations, images resized to seeded sizes
@@ -568,7 +582,6 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     from ..loop._options import Packing
     from ..loop._setup import check_targets, media_samples
     from ..multimodal import vqa_corpus
-    from ..offline import prepack
 
     _layout(args, None)
     cfg = _config(args)
@@ -585,14 +598,16 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     family, tok, processor = vlm_setup(args.model, args.tokenizer)
     limit = args.limit or (VQA_LIMIT if vqa else None)
 
-    def conversations() -> Iterable[Any]:
-        if vqa:
-            return vqa_corpus(seed=cfg.seed, limit=limit, min_side=lo, max_side=hi)
+    conversations: Iterable[Any]
+    if vqa:
+        conversations = vqa_corpus(seed=cfg.seed, limit=limit, min_side=lo, max_side=hi)
+    else:
         read = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
-        return itertools.islice(read, limit) if limit else iter(read)
-
+        conversations = itertools.islice(read, limit) if limit else read
+    # the run's one tokenization (images processed with it): every path trains on these samples,
+    # the offline one on a prepack of them
     samples, stats = media_samples(
-        conversations(),
+        conversations,
         max_seq_len=cfg.max_seq_len,
         family=family,
         tokenizer=tok,
@@ -621,6 +636,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         return got
 
     pad_id = tokenizer_info(tok)["pad_id"]
+    tokenized = samples  # in the tokenizer's ids: what a temporary prepack stores (--vocab data: renumbered as read)
     vocab = None
     if args.vocab == "data":
         keep = [pad_id, *media_token_ids(family, tok).values()]
@@ -637,21 +653,17 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     workdir = None
     prepacked = None
     try:
-        if cfg.packing is Packing.OFFLINE:  # a temporary prepack with images of the same conversations
-            workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
-            prepacked = prepack(
-                conversations(),
-                Path(workdir.name) / "rows",
+        if cfg.packing is Packing.OFFLINE:  # the samples above with their images, not tokenized again
+            workdir, prepacked = _temporary_prepack(
+                tokenized,
+                cfg,
+                say,
                 tokenizer=tok,
-                max_seq_len=cfg.max_seq_len,
-                pad_multiple=cfg.pad_multiple,
-                on_bad_row=args.on_bad_row,
                 images=True,
-                family=family.name,
-                max_patches_per_row=cfg.max_patches_per_row,
+                family=family,
                 processor=processor,
-            ).path
-            say(f"prepacked into {prepacked} (temporary)")
+                max_patches_per_row=cfg.max_patches_per_row,
+            )
         source = make_source(
             cfg,
             samples=samples,

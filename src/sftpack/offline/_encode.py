@@ -32,7 +32,7 @@ from ..sample import Sample
 from ._format import IMAGE_MEDIA_KIND, MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
 
-__all__ = ["ImageCounts", "ImageSettings", "encode", "encoded", "image_settings"]
+__all__ = ["ImageCounts", "ImageSettings", "encode", "encoded", "image_settings", "stored", "stored_samples"]
 
 #: conversations per task of the worker pool
 _CHUNK = 8
@@ -152,12 +152,32 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     reason = check_patch_budget(samples, st.max_patches_per_row, st.overlong)
     if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
         stats, samples = MediaTokenizeStats(read=stats.read, dropped={reason: 1}), []
-    # each sample without its media, which become its stored items
-    pieces = [
-        (Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _images(s, st)) for s in samples
-    ]
+    pieces = [stored(s, st) for s in samples]
     delta = {"read": stats.read, "kept": stats.kept, "dropped": dict(stats.dropped)}
     return delta, pieces
+
+
+def stored(s: Sample, st: ImageSettings) -> tuple[Sample, Images]:
+    """Sample ``s`` as stage 1 stages it: without its media, which become its stored items
+    (:func:`_images`); what :func:`encode` gives for each sample of a conversation, and what
+    :func:`~sftpack.offline.prepack_samples` stages of samples tokenized with their images."""
+    return Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _images(s, st)
+
+
+def stored_samples(samples: Iterable[Sample], st: ImageSettings) -> Iterator[tuple[Sample, Images]]:
+    """:func:`stored` of samples tokenized with their images (what
+    :func:`~sftpack.offline.prepack_samples` ``(images=True)`` stages). A sample over
+    ``st.max_patches_per_row`` is refused, naming it: no row can hold it, and a sample is not a
+    conversation the prepack may drop and count."""
+    budget = st.max_patches_per_row
+    for i, s in enumerate(samples):
+        if budget is not None and s.num_patches > budget:
+            raise ValueError(
+                f"sample {i} (conversation {s.conversation_id!r}) has {s.num_patches:,} vision patches, more than "
+                f"max_patches_per_row={budget:,}: no row can hold it; raise the patch budget to at least "
+                f"{s.num_patches:,} (--max-patches-per-row), or leave its conversation out"
+            )
+        yield stored(s, st)
 
 
 _NO_IMAGES = Images(np.zeros(0, np.int64), np.zeros((0, 3), np.int64), [])

@@ -69,10 +69,14 @@ class Samples:
             whose sizes stage 1 records in :attr:`Staged.row_sizes` for a planner
             that keeps them (importers).
         in_rows: whether ``samples`` holds rows.
+        media: samples tokenized with their images (``sample.media``): the settings their images
+            are stored with (:func:`~sftpack.offline._encode.image_settings`); ``None``: samples
+            without media.
     """
 
     samples: Iterable[Sample] | Iterable[Sequence[Sample]]
     in_rows: bool = False
+    media: ImageSettings | None = None
 
 
 @dataclass(frozen=True)

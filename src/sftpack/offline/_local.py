@@ -26,7 +26,7 @@ from .._base import positive_int
 from ..chat import tokenize_conversations
 from ..data import default_tokenizer
 from ..sample import Sample
-from ._encode import ImageCounts, encoded
+from ._encode import ImageCounts, encoded, stored_samples
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
 from ._inputs import open_image_inputs, open_inputs, reading_counts
@@ -161,10 +161,17 @@ class LocalEngine(PrepackEngine):
     def stage(self, work: Conversations | Samples, staging: Path) -> Staged:
         if isinstance(work, Samples):
             counted = _Counted(work)
-            staged = stage_samples(counted, staging)
+            st = work.media
+            if st is None:
+                staged = stage_samples(counted, staging)
+            else:  # tokenized with their images: each staged with its stored items
+                staged = stage_samples(stored_samples(counted, st), staging, media=True)
             counts = {"read": counted.count, "kept": counted.count, "dropped": {}}
             sizes = np.asarray(counted.sizes, np.int64) if work.in_rows else None
-            return Staged(staged, staged.source(), staged.source().conversation_ids_path(), counts, row_sizes=sizes)
+            media = None if st is None or staged.media is None else st.manifest_entry(staged.media)
+            return Staged(
+                staged, staged.source(), staged.source().conversation_ids_path(), counts, row_sizes=sizes, media=media
+            )
         o = work.options
         if o.images:
             return self._stage_images(work, staging)

@@ -22,6 +22,7 @@ from .._types import Tokenizer
 from ..binpack import Algorithm
 from ..sample import Sample
 from ._driver import Job, run, run_conversations
+from ._encode import image_settings
 from ._engine import PrepackEngine, Samples
 from ._fingerprint import input_fingerprints, tokenizer_fingerprint
 from ._local import LocalEngine
@@ -125,6 +126,10 @@ def prepack_samples(
     source_kind: str = "samples",
     overwrite: bool = False,
     progress: bool = False,
+    images: bool = False,
+    processor: Any = None,
+    family: Any = None,
+    max_patches_per_row: int | None = None,
 ) -> PrepackResult:
     """Write already tokenized samples as a prepack (stages 1-3 without the tokenizer).
 
@@ -140,6 +145,12 @@ def prepack_samples(
         tokenizer: optional; recorded in the fingerprint so ``expect=`` can check it.
         fingerprint: extra entries for the manifest's fingerprint (e.g. the source file).
         source_kind: recorded as ``manifest["source"]``.
+        images: the samples carry their images (``sample.media``, as
+            :func:`sftpack.multimodal.tokenize_media_conversations` gives them): stored as
+            :func:`prepack` ``(images=True)`` stores a conversation's, the same bytes, with no
+            tokenizing again. ``family`` and ``processor``: the ones they were tokenized with
+            (``None``: Qwen2-VL's), recorded in the manifest; ``max_patches_per_row``: the
+            rows' vision-patch budget (a sample over it cannot be placed: ``ValueError``).
 
     >>> import tempfile, numpy as np
     >>> from sftpack import Sample
@@ -150,14 +161,30 @@ def prepack_samples(
     (1, 15, 'uint8')
     """
     planner: BinPack | KeepRows
+    media = None
+    if images:
+        if row_sizes is not None or max_seq_len is None:
+            raise ValueError("images=True bin packs the samples: give max_seq_len, not row_sizes")
+        media = image_settings(  # the samples are tokenized already: overlong and on_bad_row take no part
+            family,
+            tokenizer,
+            processor,
+            max_seq_len=max_seq_len,
+            overlong="split",
+            on_bad_row="error",
+            max_patches_per_row=max_patches_per_row,
+        )
+    elif processor is not None or family is not None or max_patches_per_row is not None:
+        raise ValueError("processor, family and max_patches_per_row are for samples with images: pass images=True")
     if row_sizes is None:
         if max_seq_len is None:
             raise ValueError("max_seq_len must be a positive integer, got None (None is only valid with row_sizes)")
-        planner = BinPack(max_seq_len, pad_multiple, choose(Algorithm, algorithm, "algorithm"), seed)
+        algo = choose(Algorithm, algorithm, "algorithm")
+        planner = BinPack(max_seq_len, pad_multiple, algo, seed, max_patches_per_row)
     else:  # row_sizes is read only when planning, after the samples
         planner = KeepRows(row_sizes, max_seq_len, pad_multiple)
     return _write_samples(
-        Samples(samples),
+        Samples(samples, media=media),
         out,
         planner,
         tokenizer=tokenizer,

@@ -331,25 +331,28 @@ def bench_media(
     on_bad_row: str = "error",
     seed: int = 0,
     progress: bool = False,
-    model: str | None = None,
+    family: Any = None,
+    tokenizer: Any = None,
+    processor: Any = None,
 ) -> MediaBenchReport:
-    """Tokenize multimodal ``conversations`` (for the family of the model folder ``model``, with
-    its tokenizer and image processor; default Qwen2-VL's: images to patches, placeholders
-    expanded; over-long ones split at text boundaries) and compare the packers' layouts with
-    and without ``max_patches`` vision patches per row (``progress``: a tqdm bar over the
-    conversations, for the CLI)."""
+    """Tokenize multimodal ``conversations`` for a vision-language ``family`` (a
+    :func:`sftpack.multimodal.family_for` spec, e.g. a configured family; default Qwen2-VL) with
+    ``tokenizer`` and ``processor`` (a model folder's, loaded once by the caller; ``None``: the
+    family's: images to patches, placeholders expanded; over-long ones split at text boundaries)
+    and compare the packers' layouts with and without ``max_patches`` vision patches per row
+    (``progress``: a tqdm bar over the conversations, for the CLI)."""
     from tqdm.auto import tqdm
 
     from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 
     t0 = time.perf_counter()
     stats = MediaTokenizeStats()
-    family = family_for(model)
+    fam = family_for(family)
     samples = tokenize_media_conversations(
         conversations,
-        tokenizer=family.tokenizer(model),
-        processor=family.image_processor(model),
-        family=family,
+        tokenizer=tokenizer if tokenizer is not None else fam.tokenizer(),
+        processor=processor if processor is not None else fam.image_processor(),
+        family=fam,
         max_seq_len=max_seq_len,
         overlong=overlong,
         on_bad_row=on_bad_row,
