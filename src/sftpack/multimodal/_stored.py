@@ -29,9 +29,35 @@ from typing import Any
 import numpy as np
 
 from ..handoff.payload import ImageMedia, Media, PatchMedia
-from ._images import pixel_table, pixels_from_patches
+from ._images import pixel_table, pixels_from_patches, resize_image
 
-__all__ = ["StoredItems", "image_values", "stored_items", "table_pixels"]
+__all__ = ["PixelRecorder", "StoredItems", "image_values", "stored_items", "table_pixels"]
+
+
+class PixelRecorder:
+    """A patch family's image processor (transformers' ``Qwen2VLImageProcessorPil``) that only
+    resizes: called on images it resizes each exactly as ``processor`` does (its own resize,
+    :func:`~sftpack.multimodal._images.resize_image`), keeps the resized uint8 pixels (in call
+    order, :attr:`pixels`) and gives their grids with zero-width ``(P, 0)`` placeholder values
+    (what a sample whose values travel elsewhere carries) instead of making float32 patches. A
+    prepack stores exactly those pixels, so it never makes the patches only to turn them back into
+    pixels. Every other attribute is ``processor``'s (its sizes, its video frames' resize and
+    values: videos are made as ever and stored from their values)."""
+
+    def __init__(self, processor: Any):
+        self._processor = processor
+        #: the resized ``(H, W, 3)`` uint8 pixels of every image processed, in order
+        self.pixels: list[np.ndarray] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._processor, name)
+
+    def __call__(self, images: list[Any], return_tensors: str = "np", **_: Any) -> dict[str, np.ndarray]:
+        p = int(self._processor.patch_size)
+        resized = [resize_image(im, self._processor) for im in images]
+        self.pixels.extend(resized)
+        grids = np.array([(1, px.shape[0] // p, px.shape[1] // p) for px in resized], np.int64).reshape(-1, 3)
+        return {"pixel_values": np.empty((int(grids.prod(axis=1).sum()), 0), np.float32), "image_grid_thw": grids}
 
 
 @dataclass(frozen=True)
@@ -96,11 +122,15 @@ def _frames_from_patches(pv: np.ndarray, grid: np.ndarray, processor: Any) -> np
     return table_pixels(values, pixel_table(processor))
 
 
-def stored_items(media: Media, processor: Any, video_processor: Any = None) -> StoredItems:
+def stored_items(
+    media: Media, processor: Any, video_processor: Any = None, images: list[np.ndarray] | None = None
+) -> StoredItems:
     """What a prepack stores of one sample's ``media`` (made with ``processor``, its videos'
     frames normalised by ``video_processor``, default ``processor``: the family's
     :meth:`~sftpack.multimodal.Family.video_processor`): each item's uint8 pixels, grid, kind
-    and seconds (the module text).
+    and seconds (the module text). ``images``: the image items' resized pixels, in order, where
+    a :class:`PixelRecorder` made them (their values are ``(P, 0)`` placeholders); else each
+    image's pixels are turned back from its values.
 
     Raises:
         ValueError: values no uint8 pixel gives (named by item), or a payload of another kind.
@@ -112,11 +142,20 @@ def stored_items(media: Media, processor: Any, video_processor: Any = None) -> S
         pv = media.pixel_values.cpu().numpy()
         offs = np.concatenate([[0], np.cumsum(grids.prod(axis=1))])
         pixels = []
+        recorded = iter(images) if images is not None else None
         for i in range(n):
             own = pv[offs[i] : offs[i + 1]]
             try:
                 if video[i]:
                     pixels.append(_frames_from_patches(own, grids[i], video_processor or processor))
+                elif recorded is not None:
+                    px = next(recorded)
+                    if px.shape[:2] != (
+                        int(grids[i][1]) * processor.patch_size,
+                        int(grids[i][2]) * processor.patch_size,
+                    ):
+                        raise ValueError(f"recorded pixels {px.shape} are not of its grid {grids[i].tolist()}")
+                    pixels.append(px[None])
                 else:
                     pixels.append(pixels_from_patches(own, grids[i], processor)[None])
             except ValueError as e:

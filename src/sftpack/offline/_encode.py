@@ -131,17 +131,22 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     cheap to send between processes)."""
     from ..multimodal import MediaTokenizeStats, tokenize_media_conversations
     from ..multimodal._plan import check_patch_budget
+    from ..multimodal._stored import PixelRecorder
 
     if isinstance(conv, dict):
         messages, cid = conv.get("messages"), conv.get("id")
     else:
         messages, cid = getattr(conv, "messages", conv), getattr(conv, "id", None)
     stats = MediaTokenizeStats()
+    # a patch family's images are resized only: their pixels are what is stored (no patches made);
+    # a conversation with a video is made whole (one sample's items take one kind of values)
+    record = st.family.media_class.kind == "patches" and not _has_video(messages)
+    recorder = PixelRecorder(st.processor) if record else None
     samples = list(
         tokenize_media_conversations(
             [{"id": cid or index, "messages": messages}],
             tokenizer=st.tokenizer,
-            processor=st.processor,
+            processor=recorder if recorder is not None else st.processor,
             max_seq_len=st.max_seq_len,
             overlong=st.overlong,
             on_bad_row=st.on_bad_row,
@@ -152,16 +157,35 @@ def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], li
     reason = check_patch_budget(samples, st.max_patches_per_row, st.overlong)
     if reason is not None:  # kept by the tokenizer, but no row can hold it: counted under the budget's reason
         stats, samples = MediaTokenizeStats(read=stats.read, dropped={reason: 1}), []
-    pieces = [stored(s, st) for s in samples]
+    pieces, first = [], 0
+    recorded = recorder.pixels if recorder is not None else None
+    for s in samples:  # the pieces of a split conversation hold its images in order
+        n = 0 if s.media is None else s.media.num_items - int(getattr(s.media, "num_videos", 0))
+        pieces.append(stored(s, st, None if recorded is None else recorded[first : first + n]))
+        first += n
+    if recorded is not None and samples and first != len(recorded):
+        raise PrepackError(f"conversation {cid or index!r}: {len(recorded)} images resized, {first} in its samples")
     delta = {"read": stats.read, "kept": stats.kept, "dropped": dict(stats.dropped)}
     return delta, pieces
 
 
-def stored(s: Sample, st: ImageSettings) -> tuple[Sample, Images]:
+def _has_video(messages: Any) -> bool:
+    """Whether a conversation's messages hold a video part (malformed ones: no; the tokenizer names them)."""
+    if not isinstance(messages, list):
+        return False
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "video" for p in content):
+            return True
+    return False
+
+
+def stored(s: Sample, st: ImageSettings, images: list[np.ndarray] | None = None) -> tuple[Sample, Images]:
     """Sample ``s`` as stage 1 stages it: without its media, which become its stored items
-    (:func:`_images`); what :func:`encode` gives for each sample of a conversation, and what
+    (:func:`_images`; ``images``: its image items' resized pixels where they were kept); what
+    :func:`encode` gives for each sample of a conversation, and what
     :func:`~sftpack.offline.prepack_samples` stages of samples tokenized with their images."""
-    return Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _images(s, st)
+    return Sample(s.input_ids, s.loss_mask, s.conversation_id, dict(s.meta or {})), _images(s, st, images)
 
 
 def stored_samples(samples: Iterable[Sample], st: ImageSettings) -> Iterator[tuple[Sample, Images]]:
@@ -183,7 +207,7 @@ def stored_samples(samples: Iterable[Sample], st: ImageSettings) -> Iterator[tup
 _NO_IMAGES = Images(np.zeros(0, np.int64), np.zeros((0, 3), np.int64), [])
 
 
-def _images(s: Sample, st: ImageSettings) -> Images:
+def _images(s: Sample, st: ImageSettings, images: list[np.ndarray] | None = None) -> Images:
     """What a prepack stores of sample ``s``'s media: each item's placeholder start, grid, uint8
     pixels (the exact inverse of its values: :func:`~sftpack.multimodal._stored.stored_items`),
     kind and seconds; :data:`_NO_IMAGES` without media."""
@@ -193,7 +217,7 @@ def _images(s: Sample, st: ImageSettings) -> Images:
     if media is None:  # a conversation without media
         return _NO_IMAGES
     try:
-        items = stored_items(media, st.processor, st.family.video_processor(st.processor))
+        items = stored_items(media, st.processor, st.family.video_processor(st.processor), images)
     except ValueError as e:
         raise PrepackError(
             f"conversation {s.conversation_id!r}, {e}; the prepack stores resized uint8 pixels, which give back "
