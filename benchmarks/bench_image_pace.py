@@ -90,13 +90,17 @@ def _child(kind: str, procs: int, conversations: int, seed: int, workdir: Path) 
         family.tokenizer()  # loaded before the workers fork, as `sftpack prepack` loads it
         out = workdir / f"{kind}_{procs}"
 
-        def run(k: int | None = None) -> dict[str, Any]:
-            r = prepack(convs[:k], out, images=True, max_seq_len=MAX_SEQ_LEN, num_proc=procs, overwrite=True)
+        def digest() -> dict[str, str]:
             h = hashlib.sha256()
             for p in sorted(out.iterdir()):
                 h.update(p.name.encode() + b"\0" + p.read_bytes())
+            return {"digest": h.hexdigest()}
+
+        def run(k: int | None = None) -> dict[str, Any]:
+            r = prepack(convs[:k], out, images=True, max_seq_len=MAX_SEQ_LEN, num_proc=procs, overwrite=True)
             media = r.manifest["media"]
-            return {"images": int(media["images"]), "patches": int(media["patches"]), "digest": h.hexdigest()}
+            # the files' digest (the contenders' prepacks must be byte-identical) after the clock stops
+            return {"images": int(media["images"]), "patches": int(media["patches"]), "after": digest}
 
     serve(run, 16)
 

@@ -256,6 +256,12 @@ def encoded(
 ) -> Iterator[tuple[dict[str, Any], list[tuple[Sample, Images]]]]:
     """:func:`encode` of every conversation (numbered from ``start``), in input order, in this
     process or ``num_proc`` forked ones."""
+    from ..chat._tokenize import warm_tokenizer
+
+    # every conversation with media is tokenized in pieces around its control tokens: the plain
+    # copy of the tokenizer that takes is built here once, before the workers fork (each would
+    # build its own otherwise)
+    warm_tokenizer(settings.tokenizer)
     numbered = enumerate(conversations, start)
     if num_proc == 1:
         for i, c in numbered:
