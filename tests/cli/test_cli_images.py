@@ -200,6 +200,23 @@ def test_prepack_engine_ray_writes_the_local_engines_bytes(data, prepacked, tmp_
     assert [n for n in names if (out / n).read_bytes() != (prepacked / n).read_bytes()] == []
 
 
+def test_prepack_engine_ray_with_a_model_folder_writes_the_local_engines_bytes(data, tmp_path, capsys):
+    """A user's folder (Qwen2.5-VL: its configuration travels with its family) on Ray's actors:
+    the local engine's bytes."""
+    pytest.importorskip("ray")
+    from tests.multimodal.test_model_folders import _folder
+
+    folder = _folder(str(tmp_path / "qwen2_5_vl"), "qwen2_5_vl")
+    local, ray = tmp_path / "local.prepack", tmp_path / "ray.prepack"
+    assert _prepack(data, local, "--model", folder) == 0
+    assert _prepack(data, ray, "--model", folder, "--engine", "ray", "--workers", "2") == 0
+    assert "ray actors" in capsys.readouterr().out
+    names = sorted(p.name for p in local.iterdir())
+    assert "pixels.npy" in names and sorted(p.name for p in ray.iterdir()) == names
+    assert [n for n in names if (ray / n).read_bytes() != (local / n).read_bytes()] == []
+    assert json.loads((ray / "manifest.json").read_text())["media"]["family"] == "qwen2_5_vl"
+
+
 def test_bench_a_file_with_image_parts(data, capsys):
     args = ["bench", str(data), "--max-seq-len", str(MAX_SEQ_LEN), "--max-patches-per-row", str(BUDGET)]
     assert main(args) == 0

@@ -19,27 +19,9 @@ import pytest
 
 from sftpack.cli import main
 from sftpack.multimodal import family_for
-from tests.cli.test_cli_images import _conv, _png, _write
+from tests.multimodal.test_model_folders import data  # noqa: F401 - fixture: the folder tests' four conversations
 
 pytest.importorskip("PIL")
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory) -> Path:
-    """Four conversations: three with images (one with two), one text only."""
-    root = tmp_path_factory.mktemp("double-data")
-    _png(root / "a.png", (56, 56), (200, 30, 30))
-    _png(root / "b.png", (84, 56), (30, 200, 30))
-    text = {"type": "text", "text": "What colour is it?"}
-    return _write(
-        root / "mine.jsonl",
-        [
-            _conv({"type": "image", "path": "a.png"}, text, answer="Red."),
-            _conv({"type": "image", "path": "b.png"}, text, answer="Green."),
-            {"messages": [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi there."}]},
-            _conv({"type": "image", "path": "b.png"}, {"type": "image", "path": "a.png"}, text, answer="Both."),
-        ],
-    )
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +54,7 @@ def _counting(monkeypatch, cls: type, *names: str) -> Counter:
     return calls
 
 
-def test_train_offline_with_images_tokenizes_each_conversation_once(data, folder, tmp_path, monkeypatch, capsys):
+def test_train_offline_with_images_tokenizes_each_conversation_once(data, folder, tmp_path, monkeypatch, capsys):  # noqa: F811
     """``Family.encode_images`` runs once per conversation tokenized (images or none): as many
     calls as conversations read, on the offline path (the tiny model, and a user's ``--model``
     folder) as on the trainer path."""
@@ -89,7 +71,7 @@ def test_train_offline_with_images_tokenizes_each_conversation_once(data, folder
         assert ("prepacked into" in out) == (packing == "offline"), out  # offline: a prepack of the samples
 
 
-def test_a_prepack_of_samples_with_images_is_the_prepack_of_their_conversations(data, tmp_path):
+def test_a_prepack_of_samples_with_images_is_the_prepack_of_their_conversations(data, tmp_path):  # noqa: F811
     """What the offline run writes (``prepack_samples(images=True)`` of the samples it tokenized)
     is byte for byte what ``prepack(images=True)`` writes of the same conversations (every file
     but the manifest, whose source and reading counts differ); negative control: without one
@@ -114,7 +96,7 @@ def test_a_prepack_of_samples_with_images_is_the_prepack_of_their_conversations(
     }
 
 
-def test_bench_model_loads_the_folders_tokenizer_and_image_processor_once(data, folder, monkeypatch, capsys):
+def test_bench_model_loads_the_folders_tokenizer_and_image_processor_once(data, folder, monkeypatch, capsys):  # noqa: F811
     calls = _counting(monkeypatch, type(family_for(folder)), "tokenizer", "image_processor")
     assert main(["bench", str(data), "--model", folder, "--max-seq-len", "256"]) == 0
     out = capsys.readouterr().out
@@ -122,7 +104,7 @@ def test_bench_model_loads_the_folders_tokenizer_and_image_processor_once(data, 
     assert calls == {"tokenizer": 1, "image_processor": 1}, calls
 
 
-def test_bench_model_still_refuses_an_unsupported_folder_before_any_work(data, tmp_path, monkeypatch, capsys):
+def test_bench_model_still_refuses_an_unsupported_folder_before_any_work(data, tmp_path, monkeypatch, capsys):  # noqa: F811
     import json
 
     other = tmp_path / "mistral"

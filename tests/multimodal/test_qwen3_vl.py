@@ -202,7 +202,11 @@ def folder(tmp_path_factory) -> str:
     """A user's Qwen3-VL folder (``save_pretrained`` of a model, its tokenizer and image processor,
     as tests/multimodal/test_model_folders.py writes them), the model 16 wide: its 151,657-id
     vocabulary makes each float64 pass cost ~0.1 s a sample at width 64, a quarter of it here."""
-    root = str(tmp_path_factory.mktemp("qwen3_vl"))
+    return qwen3_folder(str(tmp_path_factory.mktemp("qwen3_vl")))
+
+
+def qwen3_folder(root: str) -> str:
+    """:func:`folder` written into ``root``."""
     fam = family_for("qwen3_vl")
     tok, proc = fam.tokenizer(), fam.image_processor()
     fam.tiny_model(tok, dim=16, heads=2, kv_heads=1, vision_dim=16, vision_heads=2, seed=5).save_pretrained(root)

@@ -24,6 +24,7 @@ from sftpack.multimodal import family_for
 from sftpack.offline import PrepackedDataset
 from tests.multimodal.conftest import noise_image
 from tests.multimodal.test_model_folders import _folder, _samples, check_prepacked_rows
+from tests.multimodal.test_qwen3_vl import qwen3_folder
 from tests.multimodal.test_video import _write_clip
 
 pytest.importorskip("av")
@@ -61,20 +62,10 @@ def data(tmp_path_factory) -> Path:
     return path
 
 
-def _qwen3_folder(root: str) -> str:
-    """A Qwen3-VL folder as tests/multimodal/test_qwen3_vl.py writes it (16 wide: its full vocabulary)."""
-    fam = family_for("qwen3_vl")
-    tok, proc = fam.tokenizer(), fam.image_processor()
-    fam.tiny_model(tok, dim=16, heads=2, kv_heads=1, vision_dim=16, vision_heads=2, seed=5).save_pretrained(root)
-    tok.save_pretrained(root)
-    proc.save_pretrained(root)
-    return root
-
-
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])  # Qwen2-VL's: verify below
 def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp_path, tmp_path_factory):
     root = str(tmp_path_factory.mktemp(f"{name}-video"))
-    path = _qwen3_folder(root) if name == "qwen3_vl" else _folder(root, name)
+    path = qwen3_folder(root) if name == "qwen3_vl" else _folder(root, name)
     out = tmp_path / "rows"
     assert main(["prepack", str(data), "--model", path, "--out", str(out), "--max-seq-len", "512"]) == 0
     ds = PrepackedDataset(out)

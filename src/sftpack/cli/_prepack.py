@@ -284,8 +284,6 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     # the family (a --model folder's), then the options, checked before an image is read; what fails
     # after that is the data's (exit 1)
     family, tok, processor = vlm_setup(args.model, None, args.family)
-    if args.model is not None and args.engine == "ray":
-        raise UsageError("--model with --engine ray and data with images: not offered yet; use the local engine")
     more: dict[str, Any] = {"family": family} if args.model is not None else {}
     options = _options(args, pad_multiple, images=True, limit=None if vqa else args.limit, **more)
     reader = None

@@ -55,10 +55,10 @@ from ._family import EncodedImages, UnsupportedModelError
 from ._images import (
     BadImageError,
     BadImageReason,
-    _pil_processor_class,
     is_url,
     load_image,
     pixel_table,
+    processor_from_settings,
     resize_image,
 )
 
@@ -256,17 +256,24 @@ def frame_processor(processor: Any, sampling: VideoSampling) -> Any:
         own = getattr(sampling, name)
         return own if own is not None else getattr(processor, name)
 
-    return _sized_processor(
-        int(pick("patch_size")),
-        int(pick("temporal_patch_size")),
-        int(pick("merge_size")),
-        float(pick("rescale_factor")),
-        tuple(float(x) for x in pick("image_mean")),
-        tuple(float(x) for x in pick("image_std")),
-        int(sampling.min_pixels or 0),
-        int(sampling.max_pixels or 0),
-        int(pick("resample")),
-    )
+    settings = {
+        "patch_size": int(pick("patch_size")),
+        "temporal_patch_size": int(pick("temporal_patch_size")),
+        "merge_size": int(pick("merge_size")),
+        "rescale_factor": float(pick("rescale_factor")),
+        "image_mean": tuple(float(x) for x in pick("image_mean")),
+        "image_std": tuple(float(x) for x in pick("image_std")),
+        "min_pixels": int(sampling.min_pixels or 0),
+        "max_pixels": int(sampling.max_pixels or 0),
+        "resample": int(pick("resample")),
+    }
+    return _sized_processor(tuple(settings.items()))
+
+
+@lru_cache(maxsize=8)
+def _sized_processor(settings: tuple[tuple[str, Any], ...]) -> Any:
+    """:func:`~sftpack.multimodal._images.processor_from_settings` of ``settings`` (its items), shared."""
+    return processor_from_settings(dict(settings))
 
 
 def video_processor_for(processor: Any, sampling: VideoSampling) -> Any:
@@ -285,23 +292,6 @@ def video_processor_for(processor: Any, sampling: VideoSampling) -> Any:
             f"differ from the image processor's {want}: the model's vision tower takes one; make them equal"
         )
     return video
-
-
-@lru_cache(maxsize=8)
-def _sized_processor(
-    p: int, t: int, m: int, scale: float, mean: tuple, std: tuple, lo: int, hi: int, resample: int
-) -> Any:
-    return _pil_processor_class()(
-        patch_size=p,
-        temporal_patch_size=t,
-        merge_size=m,
-        rescale_factor=scale,
-        image_mean=list(mean),
-        image_std=list(std),
-        min_pixels=lo,
-        max_pixels=hi,
-        resample=resample,
-    )
 
 
 def resize_frames(images: list[Any], processor: Any, sampling: VideoSampling) -> np.ndarray:
