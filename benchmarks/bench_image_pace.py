@@ -14,9 +14,9 @@ the first timed round), as ``bench_prepack_pace.py`` runs them::
     user       what a user writes without sftpack: each image read from its file
                (``load_image``: decode, the seeded resize) then the same processor calls
     prepack N  sftpack.offline.prepack(convs, out, images=True, max_seq_len=2048, num_proc=N):
-               every conversation rendered, its images read and made into the family's patches,
-               tokenized, masked, its images stored as resized uint8 pixels, staged, bin-packed,
-               written, checksummed and published
+               every conversation rendered, its images read and resized by the processor (what
+               is stored: no patches are made), tokenized, masked, its images stored as resized
+               uint8 pixels, staged, bin-packed, written, fsynced, checksummed and published
     base N     the same prepack from another source tree (``--baseline-src``), for before/after
                in one run
 
@@ -198,8 +198,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{MAX_SEQ_LEN:,} tokens) end to end against the Hugging Face image processor alone "
             f"(`Qwen2VLImageProcessorPil`, the one the prepack uses, batches of {BATCH}) on the same images already "
             "decoded in memory (ratio), and against reading each image from its file and then the processor, as a "
-            "user would (last column). The prepack does all of its work: decode, the processor's resize, patches, "
-            "tokenizing, the stored uint8 pixels, packing, writing, checksums. Each contender runs warm in its own "
+            "user would (last column). The prepack does all of its work: decode (with the corpus's seeded resize, "
+            "which the processor alone is spared), the processor's resize (the stored pixels: it makes no patches), "
+            "tokenizing, packing, writing, fsync, checksums, the tokenizer's fingerprint. Each contender runs warm in "
+            "its own "
             f"process. {summary}. Absolute times are under the load given (the machine is shared); the ratios, "
             "measured side by side, are the point."
         )
