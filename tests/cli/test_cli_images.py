@@ -159,7 +159,12 @@ def test_prepack_prints_the_images_and_takes_the_family(data, tmp_path, capsys):
     assert _prepack(data, out, "--family", "qwen2_5_vl") == 0
     text = capsys.readouterr().out
     assert f"wrote {out}" in text
-    assert re.search(r"images\s+5 \(2\.5 a row\), 128 vision patches; stored as resized uint8 pixels", text), text
+    # 128 patches of 3 x 2 x 14 x 14 float32 values: 602,112 bytes
+    assert re.search(
+        r"images\s+5 media items \(2\.5 a row\), 128 vision patches; stored as resized uint8 pixels: [\d.]+ MB "
+        r"\(float32 values: 0\.60 MB\)",
+        text,
+    ), text
     assert PrepackedDataset(out).manifest["media"]["family"] == "qwen2_5_vl"
 
 
@@ -170,9 +175,10 @@ def test_inspect_shows_the_media_facts_of_an_image_prepack(data, prepacked, caps
     assert re.search(rf"input {re.escape(str(data))}\s+{data.stat().st_size:,} bytes\s+sha256 [0-9a-f]{{16}}", out)
     assert re.search(r"input <iterable>\s+4 conversations", out)
     assert re.search(
-        rf"images for qwen2_vl: 5 \(128 vision patches, at most {BUDGET} a row\), stored as resized uint8 pixels", out
+        rf"media for qwen2_vl: 5 items \(128 vision patches, at most {BUDGET} a row\), stored as resized uint8 pixels",
+        out,
     ), out
-    assert re.search(r"images \d+x\d+ px at slot \d+ \(\d+ placeholders\)", out)
+    assert re.search(r"media image \d+x\d+ px at slot \d+ \(\d+ placeholders\)", out)
 
 
 def test_inspect_reads_the_patch_budget_of_an_older_prepack_and_a_prepack_without_one(data, prepacked, tmp_path):
@@ -185,7 +191,7 @@ def test_inspect_reads_the_patch_budget_of_an_older_prepack_and_a_prepack_withou
     assert any(f"at most {BUDGET} a row" in line for line in describe_lines(ds))
     del fp["max_patches"]
     assert any(
-        "images for qwen2_vl: 5 (128 vision patches, no patch budget per row)" in ln for ln in describe_lines(ds)
+        "media for qwen2_vl: 5 items (128 vision patches, no patch budget per row)" in ln for ln in describe_lines(ds)
     )
 
 

@@ -131,6 +131,7 @@ def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(name, d
     assert main(["prepack", str(data), "--model", path, "--out", str(out), "--max-seq-len", "256"]) == 0
     ds = PrepackedDataset(out)
     assert ds.manifest["media"]["family"] == name
+    assert main(["inspect", str(out), "--row", "0"]) == 0  # every media kind described
     fam = family_for(path)
     check_prepacked_rows(fam, path, data, [ds[i] for i in range(len(ds))])
 

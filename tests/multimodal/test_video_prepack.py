@@ -13,6 +13,7 @@ sample's values, bit for bit."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -63,7 +64,7 @@ def data(tmp_path_factory) -> Path:
 
 
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])  # Qwen2-VL's: verify below
-def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp_path, tmp_path_factory):
+def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp_path, tmp_path_factory, capsys):
     root = str(tmp_path_factory.mktemp(f"{name}-video"))
     path = qwen3_folder(root) if name == "qwen3_vl" else _folder(root, name)
     out = tmp_path / "rows"
@@ -88,6 +89,9 @@ def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp
         assert torch.equal(row.media.pixel_values, want)
         assert torch.equal(row.media.video, torch.cat([m.video for m in alone]) if alone else row.media.video)
     check_prepacked_rows(fam, path, data, rows)
+    assert all(main(["inspect", str(out), "--row", str(r)]) == 0 for r in range(len(ds)))
+    shown = capsys.readouterr().out
+    assert re.search(r"media video \d+ frames of \d+x\d+ px at slot \d+ \(\d+ placeholders, [\d.]+ s a slice\)", shown)
 
 
 def test_verify_takes_video_data_on_the_offline_path(data, tmp_path_factory, capsys):

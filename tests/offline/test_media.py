@@ -404,13 +404,15 @@ def test_the_cli_prepacks_the_vqa_corpus_and_inspect_shows_the_images(tmp_path, 
     args = ["prepack", "--corpus", "vqa", "--limit", "6", "--out", str(out), "--max-seq-len", "2048"]
     assert main([*args, "--max-patches-per-row", "2500", "--no-progress"]) == 0
     text = capsys.readouterr().out
-    assert re.search(r"images\s+\d+ \([\d.]+ a row\), [\d,]+ vision patches; stored as resized uint8 pixels", text)
+    assert re.search(
+        r"images\s+\d+ media items \([\d.]+ a row\), [\d,]+ vision patches; stored as resized uint8 pixels", text
+    )
     ds = PrepackedDataset(out, verify="full")
     assert ds.manifest["counts"]["read"] == 6 and ds.manifest["fingerprint"]["corpus"]["name"] == "easy-vqa"
     assert all(int(ds[i].media.grid_thw.prod(dim=1).sum()) <= 2500 for i in range(len(ds)))
     assert main(["inspect", str(out), "--row", "0"]) == 0
     shown = capsys.readouterr().out
-    assert "stored as resized uint8 pixels" in shown and re.search(r"images \d+x\d+ px at slot \d+", shown)
+    assert "stored as resized uint8 pixels" in shown and re.search(r"media image \d+x\d+ px at slot \d+", shown)
     assert main(["prepack", "--corpus", "vqa", "--out", str(tmp_path / "x"), "--tokenizer", "somewhere"]) == 2
     assert "--tokenizer: not offered with --corpus vqa" in capsys.readouterr().err
 

@@ -106,12 +106,16 @@ def describe_lines(ds: PrepackedDataset) -> list[str]:
     if media:
         proc = media["processor"]
         budget = fp.get("max_patches_per_row", fp.get("max_patches"))  # max_patches: the first format-3 prepacks
+        how = (
+            f"patch {proc['patch_size']}, merge {proc['merge_size']}, {proc['min_pixels']:,}-{proc['max_pixels']:,} "
+            "pixels an image), patchified on read"
+            if "patch_size" in proc
+            else f"{proc['class']}'s values remade on read from the manifest's table)"
+        )
         out.append(
-            f"  images for {media.get('family', 'qwen2_vl')}: {media['images']:,} ({media['patches']:,} vision "
+            f"  media for {media['family']}: {media['images']:,} items ({media['patches']:,} vision "
             f"patches, {f'at most {budget:,} a row' if budget else 'no patch budget per row'}), stored as resized "
-            "uint8 pixels "
-            f"({media['pixel_bytes']:,} bytes; patch {proc['patch_size']}, merge {proc['merge_size']}, "
-            f"{proc['min_pixels']:,}-{proc['max_pixels']:,} pixels an image), patchified on read"
+            f"uint8 pixels ({media['pixel_bytes']:,} bytes; {how}"
         )
     out.append("")
     out.append("row fill:")
@@ -201,23 +205,27 @@ def row_lines(ds: PrepackedDataset, i: int, *, cells: int = 256) -> list[str]:
         piece = f" piece {int(rec['piece'])}" if int(rec["piece"]) else ""
         extra = ""
         if per_seq is not None and per_seq[j]:
-            extra = "; images " + ", ".join(f"{w}x{h} px at slot {s} ({n} placeholders)" for s, n, w, h in per_seq[j])
+            extra = "; media " + ", ".join(per_seq[j])
         out.append(f"  {names[j % len(names)]}: {cid}{piece}, {int(rec['length']):,} tokens{extra}")
     return out
 
 
-def _images_per_sequence(ds: PrepackedDataset, i: int, n_seq: int) -> list[list[tuple[int, int, int, int]]] | None:
-    """For a prepack with images: each sequence's images as ``(start slot in the sequence, placeholders,
-    width, height)``, from the index only (no pixel is read)."""
+def _images_per_sequence(ds: PrepackedDataset, i: int, n_seq: int) -> list[list[str]] | None:
+    """For a prepack with media: each sequence's items, described from the index only (no pixel
+    is read): ``image WxH px at slot S (N placeholders)``, a video's with its frames and seconds
+    per temporal slice."""
     media = ds.media
     if media is None:
         return None
     first = int(ds.rows[i]["sequence"])
-    out: list[list[tuple[int, int, int, int]]] = [[] for _ in range(n_seq)]
+    out: list[list[str]] = [[] for _ in range(n_seq)]
     m2 = media.merge_size**2
     for rec in media.images[int(media.row_images[i]) : int(media.row_images[i + 1])]:
         n = int(rec["grid_t"]) * int(rec["grid_h"]) * int(rec["grid_w"]) // m2
-        out[int(rec["sequence"]) - first].append((int(rec["start"]), n, int(rec["width"]), int(rec["height"])))
+        size = f"{int(rec['width'])}x{int(rec['height'])} px"
+        what = f"video {int(rec['frames'])} frames of {size}" if rec["video"] else f"image {size}"
+        extra = f", {float(rec['seconds']):.3g} s a slice" if rec["video"] else ""
+        out[int(rec["sequence"]) - first].append(f"{what} at slot {int(rec['start'])} ({n} placeholders{extra})")
     return out
 
 

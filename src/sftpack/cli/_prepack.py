@@ -154,9 +154,9 @@ def summary_lines(result: PrepackResult) -> list[str]:
             -1,
             (
                 "images",
-                f"{media['images']:,} ({per:.1f} a row), {media['patches']:,} vision patches; stored as resized "
-                f"uint8 pixels: {media['pixel_bytes'] / 1e6:,.2f} MB (float32 patches: "
-                f"{media['pixel_bytes'] * 8 / 1e6:,.2f} MB)",
+                f"{media['images']:,} media items ({per:.1f} a row), {media['patches']:,} vision patches; stored as "
+                f"resized uint8 pixels: {media['pixel_bytes'] / 1e6:,.2f} MB (float32 values: "
+                f"{float32_bytes(media) / 1e6:,.2f} MB)",
             ),
         )
         note = patch_budget_note(m)
@@ -325,3 +325,13 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     for line in summary_lines(result):
         print("  " + line)
     return 0
+
+
+def float32_bytes(media: dict[str, Any]) -> int:
+    """Bytes the float32 values of a prepack's media would take (what the stored uint8 pixels
+    replace): a patch family's patches (``3 x temporal patch x patch**2`` values each), a
+    fixed-size image family's ``(3, H, W)`` values (4 bytes per stored byte)."""
+    proc = media["processor"]
+    if "patch_size" in proc:
+        return int(media["patches"]) * 3 * int(proc["temporal_patch_size"]) * int(proc["patch_size"]) ** 2 * 4
+    return int(media["pixel_bytes"]) * 4
