@@ -130,14 +130,14 @@ def test_progress_option_and_stats_reset_per_pass(monkeypatch: pytest.MonkeyPatc
 
     bars: list[Any] = []
     asked: list[bool] = []
-    real_tqdm = batch_module.tqdm
+    real_tqdm = batch_module.Bar
 
     def recording_tqdm(*args: Any, **kwargs: Any) -> Any:  # the real bar, kept for inspection
         asked.append(not kwargs.get("disable", False))
         bars.append(real_tqdm(*args, **kwargs))
         return bars[-1]
 
-    monkeypatch.setattr(batch_module, "tqdm", recording_tqdm)
+    monkeypatch.setattr(batch_module, "Bar", recording_tqdm)
     tok = tok_of("chatml")
     for progress, shown in ((True, True), (False, False)):
         out = tokenize_conversations([[U("a"), A("b")]] * 3, tok, progress=progress)

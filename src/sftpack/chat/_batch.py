@@ -29,9 +29,8 @@ from dataclasses import asdict, dataclass, field
 from itertools import islice
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from .._base import pool_results, positive_int
+from .._progress import Bar
 from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Overlong, Sample
 from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
@@ -192,7 +191,7 @@ class TokenizedConversations:
         show = sys.stderr.isatty() if self.progress is None else bool(self.progress)
         error_mode = self.opts.on_bad_row is OnBadRow.ERROR
         total = len(self.conversations) if hasattr(self.conversations, "__len__") else None  # type: ignore[arg-type]
-        bar = tqdm(total=total, unit="conv", desc="tokenize", disable=not show, delay=1.0, dynamic_ncols=True)
+        bar = Bar(total=total, unit="conv", desc="tokenize", disable=not show, delay=1.0, dynamic_ncols=True)
         try:
             for results in self._results():
                 for enc in results:

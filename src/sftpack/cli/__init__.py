@@ -141,9 +141,9 @@ def _exit_at_once(rc: int) -> NoReturn:
 def _say_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
     """A library warning, as the command's one line (not Python's file:line and source line), on a
     line of its own even while a progress bar is drawn (``tqdm.write`` moves the bars below it)."""
-    from tqdm import tqdm
+    from .._progress import Bar
 
-    tqdm.write(f"sftpack: warning: {message}", file=sys.stderr)
+    Bar.write(f"sftpack: warning: {message}", file=sys.stderr)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from tqdm.auto import tqdm
 
+from .._progress import Bar
 from ..sample import Sample
 from ._checkpoint import (
     CheckpointError,
@@ -458,7 +458,7 @@ def train(
         writer.writelines(ln + "\n" for ln in kept)
     bar = None
     if progress and rank == 0:
-        bar = tqdm(
+        bar = Bar(
             total=steps,
             initial=start,
             desc=f"train ({config.packing})",

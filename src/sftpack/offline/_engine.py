@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
+from .._progress import Bar
 from .._types import TokenizerSpec
 from ..sample import Sample
 from ._encode import ImageSettings, image_settings
@@ -109,7 +109,7 @@ class Staged:
 
 def progress_bar(progress: bool, **kw: Any) -> Any:
     """A tqdm bar on stderr (disabled unless ``progress``): one per stage."""
-    return tqdm(disable=not progress, dynamic_ncols=True, file=sys.stderr, **kw)
+    return Bar(disable=not progress, dynamic_ncols=True, file=sys.stderr, **kw)
 
 
 class PrepackEngine(ABC):

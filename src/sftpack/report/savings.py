@@ -341,8 +341,7 @@ def bench_media(
     family's: images to patches, placeholders expanded; over-long ones split at text boundaries)
     and compare the packers' layouts with and without ``max_patches`` vision patches per row
     (``progress``: a tqdm bar over the conversations, for the CLI)."""
-    from tqdm.auto import tqdm
-
+    from .._progress import Bar
     from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 
     t0 = time.perf_counter()
@@ -360,7 +359,7 @@ def bench_media(
     )
     sizes = []
     heavy: list[tuple[int, str]] = []  # samples no row can hold under the patch budget
-    with tqdm(unit="conv", desc="tokenize + images", disable=not progress, delay=1.0, dynamic_ncols=True) as bar:
+    with Bar(unit="conv", desc="tokenize + images", disable=not progress, delay=1.0, dynamic_ncols=True) as bar:
         for s in samples:
             sizes.append((len(s), s.num_patches, 0 if s.media is None else s.media.num_placeholders))
             bar.update(stats.read - bar.n)
