@@ -47,6 +47,17 @@ def test_a_child_killed_holding_the_lock_leaves_the_parent_drawing():
     assert _bar_made_within(WAIT)
 
 
+def test_a_child_killed_holding_tqdms_own_lock_leaves_the_parent_drawing():
+    """A library's bar in a forked child (plain tqdm): the child got a lock of its own at the fork."""
+    from tqdm import tqdm
+
+    tqdm(disable=True).close()
+    _killed_holding(tqdm.get_lock)
+    done = threading.Event()
+    threading.Thread(target=lambda: (tqdm(disable=True).close(), done.set()), daemon=True).start()
+    assert done.wait(WAIT)
+
+
 def test_tqdm_itself_hangs_there():
     """The control: the same with tqdm's own bar class hangs the parent (a subprocess, timed out)."""
     code = (

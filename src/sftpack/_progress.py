@@ -8,7 +8,9 @@ work is no longer wanted: one killed while it held the semaphore left it taken, 
 parent hung at its next bar (seen once in the test suite). A :class:`Bar` takes a plain
 thread lock of its own process instead (made anew in a forked child, so a lock held in the
 parent at the fork is not inherited taken) and runs no monitor thread (its job, a bar left
-behind by a stalled iteration, does not arise here: every bar is closed by its owner).
+behind by a stalled iteration, does not arise here: every bar is closed by its owner). A
+child forked from a process that imported this module also gives tqdm's own bars (those of
+the libraries it calls) a lock of its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 from weakref import WeakSet
 
 from tqdm.auto import tqdm
+from tqdm.std import tqdm as tqdm_std
 
 __all__ = ["Bar"]
 
@@ -33,8 +36,12 @@ class Bar(tqdm):
 
 
 def _in_child() -> None:
+    """In a forked child: a lock of its own for sftpack's bars, and for tqdm's own (the bars a
+    library draws in a worker: a dataset's loading bar), so that a child killed while it held
+    one never holds the parent's."""
     Bar._lock = threading.RLock()
     Bar._instances = WeakSet()
+    tqdm_std.set_lock(threading.RLock())
 
 
 os.register_at_fork(after_in_child=_in_child)
