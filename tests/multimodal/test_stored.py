@@ -59,3 +59,20 @@ def test_values_no_pixel_gives_are_refused():
     values[0, 0, 1] = np.nextafter(values[0, 0, 1], np.float32(10))  # one ulp off: no uint8 pixel gives it
     with pytest.raises(ValueError, match="channel 1 holds values that no uint8 pixel normalises to"):
         table_pixels(values, table)
+
+
+@pytest.mark.parametrize("sides", [(56, 56), (28, 400), (448, 449), (1000, 30), (57, 91), (300, 300)])
+def test_the_resize_is_the_processors_own_byte_for_byte(sides):
+    """``resize_image`` resizes an RGB image with PIL straight to the processor's ``smart_resize``
+    size: the same bytes as the processor's own steps (to an array, its resize, back), for sizes
+    under, inside and over its pixel limits, and for Qwen3-VL's patch 16."""
+    from sftpack.multimodal._images import resize_image
+
+    w, h = sides
+    im = noise_image(w, h, w * 1000 + h)
+    for proc in (image_processor(56 * 56, 224 * 224), family_for("qwen3_vl").image_processor()):
+        chw = proc.process_image(im, do_convert_rgb=True)
+        factor = int(proc.patch_size * proc.merge_size)
+        own = np.moveaxis(proc.resize(chw, size=proc.size, resample=proc.resample, factor=factor), 0, -1)
+        mine = resize_image(im, proc)
+        assert mine.dtype == np.uint8 and mine.shape == own.shape and np.array_equal(mine, own)
