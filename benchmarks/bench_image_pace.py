@@ -34,14 +34,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from _results import add_flag, formatted_table, write_section
-from bench_prepack_pace import machine, run_rounds, serve
+from bench_prepack_pace import compared_row, machine, run_rounds, serve
 
 BATCH = 32
 MAX_SEQ_LEN = 2048
@@ -148,28 +147,12 @@ def main(argv: list[str] | None = None) -> int:
     identical = len(set().union(*digests.values())) == 1
     n_img, n_patch = next(iter(counts["processor"]))
 
-    def median_range(values: list[float]) -> tuple[float, float, float]:
-        return statistics.median(values), min(values), max(values)
-
     rows = []
     for c in contenders:
         if c is yard or c is user:
             continue
-        ratio = median_range([y["wall"] / r["wall"] for y, r in zip(yard.results, c.results)])
-        cpu = median_range([y["cpu"] / r["cpu"] for y, r in zip(yard.results, c.results)])
-        row: dict[str, Any] = {
-            "contender": c.name,
-            "wall": statistics.median(r["wall"] for r in c.results),
-            "yard_wall": statistics.median(r["wall"] for r in yard.results),
-            "ratio": ratio[0],
-            "ratio_min": ratio[1],
-            "ratio_max": ratio[2],
-            "cpu_ratio": cpu[0],
-            "per_image_ms": statistics.median(r["wall"] for r in c.results) / n_img * 1e3,
-        }
-        if user is not None:
-            row["user_wall"] = statistics.median(r["wall"] for r in user.results)
-            row["user_ratio"] = statistics.median(u["wall"] / r["wall"] for u, r in zip(user.results, c.results))
+        row = compared_row(c, yard, user, "yard_wall")
+        row["per_image_ms"] = row["wall"] / n_img * 1e3
         rows.append(row)
     load_txt = f"load average {min(loads):.1f}-{max(loads):.1f} during the rounds"
     columns = [

@@ -185,6 +185,29 @@ def _median_range(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
+def compared_row(c: Contender, yard: Contender, user: Contender | None, yard_key: str) -> dict[str, Any]:
+    """What both pace benchmarks report of contender ``c`` against the yardstick ``yard`` (its
+    median wall under ``yard_key``), round by round: the median wall, the wall and CPU ratios
+    (median, min, max) and, with ``user``, the user's pipeline's wall and its ratio."""
+    ratio = _median_range([y["wall"] / r["wall"] for y, r in zip(yard.results, c.results)])
+    cpu = _median_range([y["cpu"] / r["cpu"] for y, r in zip(yard.results, c.results)])
+    row: dict[str, Any] = {
+        "contender": c.name,
+        "wall": statistics.median(r["wall"] for r in c.results),
+        yard_key: statistics.median(r["wall"] for r in yard.results),
+        "ratio": ratio[0],
+        "ratio_min": ratio[1],
+        "ratio_max": ratio[2],
+        "cpu_ratio": cpu[0],
+        "cpu_ratio_min": cpu[1],
+        "cpu_ratio_max": cpu[2],
+    }
+    if user is not None:
+        row["user_wall"] = statistics.median(r["wall"] for r in user.results)
+        row["user_ratio"] = statistics.median(u["wall"] / r["wall"] for u, r in zip(user.results, c.results))
+    return row
+
+
 def run_rounds(
     spec: list[tuple[str, str, int, str | None]],
     args: argparse.Namespace,
@@ -263,26 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     for c in contenders:
         if c is plain or c is user:
             continue
-        walls = [r["wall"] for r in c.results]
-        ratio = _median_range([p["wall"] / r["wall"] for p, r in zip(plain.results, c.results)])
-        cpu = _median_range([p["cpu"] / r["cpu"] for p, r in zip(plain.results, c.results)])
-        row: dict[str, Any] = {
-            "contender": c.name,
-            "tokens": n,
-            "wall": statistics.median(walls),
-            "plain_wall": statistics.median(r["wall"] for r in plain.results),
-            "ratio": ratio[0],
-            "ratio_min": ratio[1],
-            "ratio_max": ratio[2],
-            "cpu_ratio": cpu[0],
-            "cpu_ratio_min": cpu[1],
-            "cpu_ratio_max": cpu[2],
-            "tokenize_s": statistics.median(r["seconds"]["read_tokenize"] for r in c.results),
-            "rest_s": statistics.median(r["seconds"]["total"] - r["seconds"]["read_tokenize"] for r in c.results),
-        }
-        if user is not None:
-            row["user_wall"] = statistics.median(r["wall"] for r in user.results)
-            row["user_ratio"] = statistics.median(u["wall"] / r["wall"] for u, r in zip(user.results, c.results))
+        row = compared_row(c, plain, user, "plain_wall")
+        row["tokens"] = n
+        row["tokenize_s"] = statistics.median(r["seconds"]["read_tokenize"] for r in c.results)
+        row["rest_s"] = statistics.median(r["seconds"]["total"] - r["seconds"]["read_tokenize"] for r in c.results)
         rows.append(row)
     load_txt = f"load average {min(loads):.1f}-{max(loads):.1f} during the rounds"
 
