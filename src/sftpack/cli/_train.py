@@ -604,16 +604,20 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     else:
         read = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
         conversations = itertools.islice(read, limit) if limit else read
+
+    def tokenize(conversations: Any) -> tuple[list[Any], Any]:
+        return media_samples(
+            conversations,
+            max_seq_len=cfg.max_seq_len,
+            family=family,
+            tokenizer=tok,
+            processor=processor,
+            on_bad_row=args.on_bad_row,
+        )
+
     # the run's one tokenization (images processed with it): every path trains on these samples,
     # the offline one on a prepack of them
-    samples, stats = media_samples(
-        conversations,
-        max_seq_len=cfg.max_seq_len,
-        family=family,
-        tokenizer=tok,
-        processor=processor,
-        on_bad_row=args.on_bad_row,
-    )
+    samples, stats = tokenize(conversations)
     images = sum(s.media.num_items for s in samples if s.media is not None)
     vision = sum(s.media.num_placeholders for s in samples if s.media is not None)
     dropped = sum(stats.dropped.values())
@@ -625,15 +629,7 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     check_targets(samples, cfg.max_seq_len)  # no target at all: refused before any training
 
     def tokenize_eval(conversations: Any) -> list[Any]:
-        got, _ = media_samples(
-            conversations,
-            max_seq_len=cfg.max_seq_len,
-            family=family,
-            tokenizer=tok,
-            processor=processor,
-            on_bad_row=args.on_bad_row,
-        )
-        return got
+        return tokenize(conversations)[0]
 
     pad_id = tokenizer_info(tok)["pad_id"]
     tokenized = samples  # in the tokenizer's ids: what a temporary prepack stores (--vocab data: renumbered as read)

@@ -550,13 +550,14 @@ def _patchify_kernel() -> Any:
 
 def pixels_from_patches(pixel_values: np.ndarray, grid_thw: Any, processor: Any) -> np.ndarray:
     """The resized ``(H, W, 3)`` uint8 image whose :func:`patchify_pixels` is ``pixel_values``
-    (one image's patches, grid ``(1, h, w)``): the exact inverse.
+    (one image's patches, grid ``(1, h, w)``): the exact inverse (:func:`frames_from_patches`,
+    its temporal copies checked to be one frame).
 
     Raises:
         ValueError: the patches are not the processor's output for a uint8 image (a value that
             is not in :func:`pixel_table`, temporal copies that differ, a video grid).
     """
-    p, t, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    p, t = int(processor.patch_size), int(processor.temporal_patch_size)
     gt, gh, gw = (int(x) for x in np.asarray(grid_thw).reshape(3))
     pv = np.asarray(pixel_values)
     if gt != 1 or pv.shape != (gh * gw, 3 * t * p * p) or pv.dtype != np.float32:
@@ -564,75 +565,44 @@ def pixels_from_patches(pixel_values: np.ndarray, grid_thw: Any, processor: Any)
             f"patches {pv.shape} {pv.dtype} for grid {(gt, gh, gw)}: need one image's ({gh * gw}, {3 * t * p * p}) "
             "float32 patches of grid (1, h, w)"
         )
-    table = pixel_table(processor)
-    out = np.empty((gh * p, gw * p, 3), np.uint8)
-    pv = np.ascontiguousarray(pv)
-    status = _unpatchify_kernel()(pv, table, pv.view(np.uint32), table.view(np.uint32), p, m, t, out)
-    if status == 1:
+    copies = pv.reshape(gh * gw, 3, t, p * p).view(np.uint32)
+    if not bool((copies == copies[:, :, :1]).all()):
         raise ValueError("the patches' temporal copies differ: not a still image")
-    if status >= 2:
-        raise ValueError(
-            f"channel {status - 2} holds values that no uint8 pixel normalises to: not the processor's patches"
-        )
+    return frames_from_patches(pv, (1, gh, gw), processor)[0]
+
+
+def frames_from_patches(pixel_values: np.ndarray, grid_thw: Any, processor: Any) -> np.ndarray:
+    """The ``(t * T, H, W, 3)`` uint8 frames whose patches are ``pixel_values`` (one item's, grid
+    ``(t, h, w)``, ``T`` the temporal patch; a still image's ``T`` frames are its copies): the
+    inverse of the patch layout and of :func:`pixel_table`, bit for bit.
+
+    Raises:
+        ValueError: a value that is no table entry (:func:`table_pixels`), or another shape.
+    """
+    p, t, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
+    gt, gh, gw = (int(x) for x in np.asarray(grid_thw).reshape(3))
+    pv = np.asarray(pixel_values)
+    if pv.shape != (gt * gh * gw, 3 * t * p * p):
+        raise ValueError(f"patches {pv.shape} for grid {(gt, gh, gw)}: need ({gt * gh * gw}, {3 * t * p * p})")
+    # (gt, bh, bw, mh, mw, C, T, py, px) -> (gt, T, bh, mh, py, bw, mw, px, C)
+    blocks = pv.reshape(gt, gh // m, gw // m, m, m, 3, t, p, p).transpose(0, 6, 1, 3, 7, 2, 4, 8, 5)
+    return table_pixels(blocks.reshape(gt * t, gh * p, gw * p, 3), pixel_table(processor))
+
+
+def table_pixels(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """The uint8 pixels whose table entries are ``values`` (``(..., 3)``, channel last), bit for bit.
+
+    Raises:
+        ValueError: a value that is no entry of its channel's row of ``table``.
+    """
+    out = np.empty(values.shape, np.uint8)
+    for c in range(3):
+        row = table[c]
+        if not bool(np.all(np.diff(row) > 0)):
+            raise ValueError(f"the processor's values of channel {c} do not rise with the pixel value")
+        v = values[..., c]
+        idx = np.minimum(np.searchsorted(row, v), 255)
+        if not np.array_equal(row[idx].view(np.uint32), np.ascontiguousarray(v, np.float32).view(np.uint32)):
+            raise ValueError(f"channel {c} holds values that no uint8 pixel normalises to: not the processor's output")
+        out[..., c] = idx
     return out
-
-
-def _unpatchify_loops(pv: Any, table: Any, pv_bits: Any, table_bits: Any, p: int, m: int, t: int, out: Any) -> int:
-    """:func:`_patchify_loops` run backwards: each patch value back to the uint8 pixel whose
-    :func:`pixel_table` entry it is, bit for bit (the table rises with the pixel value: found
-    from a linear estimate, then stepped to). 0: done; 1: temporal copies differ; 2 + c: a
-    value of channel ``c`` is no table entry. Temporal copies are checked first, as a whole."""
-    h, w = out.shape[0], out.shape[1]
-    gh, gw = h // p, w // p
-    pp = p * p
-    for k in range(pv.shape[0]):
-        for c in range(3):
-            base = c * t * pp
-            for ti in range(1, t):
-                o = base + ti * pp
-                for q in range(pp):
-                    if pv_bits[k, o + q] != pv_bits[k, base + q]:
-                        return 1
-    k = 0
-    for bh in range(gh // m):
-        for bw in range(gw // m):
-            for mh in range(m):
-                for mw in range(m):
-                    y0 = (bh * m + mh) * p
-                    x0 = (bw * m + mw) * p
-                    for c in range(3):
-                        tc = table[c]
-                        tb = table_bits[c]
-                        lo = tc[0]
-                        span = tc[255] - tc[0]
-                        j = c * t * pp
-                        for py in range(p):
-                            for px in range(p):
-                                x = pv[k, j]
-                                e = (x - lo) / span * 255.0
-                                v = 0 if not e > 0.0 else (255 if e > 255.0 else int(e + 0.5))
-                                while v > 0 and tc[v] > x:
-                                    v -= 1
-                                while v < 255 and tc[v] < x:
-                                    v += 1
-                                while v > 0 and tc[v - 1] == x:  # the first equal entry, as a search would
-                                    v -= 1
-                                if tb[v] != pv_bits[k, j]:
-                                    return 2 + c
-                                out[y0 + py, x0 + px, c] = v
-                                j += 1
-                    k += 1
-    return 0
-
-
-_unkernel: Any = None
-
-
-def _unpatchify_kernel() -> Any:
-    """:func:`_unpatchify_loops` compiled by numba (cached on disk)."""
-    global _unkernel
-    if _unkernel is None:
-        import numba
-
-        _unkernel = numba.njit(cache=True, nogil=True)(_unpatchify_loops)
-    return _unkernel

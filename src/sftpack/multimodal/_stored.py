@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..handoff.payload import ImageMedia, Media, PatchMedia
-from ._images import pixel_table, pixels_from_patches, resize_image
+from ._images import frames_from_patches, pixel_table, pixels_from_patches, resize_image, table_pixels
 
 __all__ = ["PixelRecorder", "StoredItems", "image_values", "stored_items", "table_pixels"]
 
@@ -79,25 +79,6 @@ class StoredItems:
     merge_size: int
 
 
-def table_pixels(values: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """The uint8 pixels whose table entries are ``values`` (``(..., 3)``, channel last), bit for bit.
-
-    Raises:
-        ValueError: a value that is no entry of its channel's row of ``table``.
-    """
-    out = np.empty(values.shape, np.uint8)
-    for c in range(3):
-        row = table[c]
-        if not bool(np.all(np.diff(row) > 0)):
-            raise ValueError(f"the processor's values of channel {c} do not rise with the pixel value")
-        v = values[..., c]
-        idx = np.minimum(np.searchsorted(row, v), 255)
-        if not np.array_equal(row[idx].view(np.uint32), np.ascontiguousarray(v, np.float32).view(np.uint32)):
-            raise ValueError(f"channel {c} holds values that no uint8 pixel normalises to: not the processor's output")
-        out[..., c] = idx
-    return out
-
-
 def image_values(pixels: np.ndarray, table: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """``(3, H, W)`` float32: a fixed-size image's values remade from its ``(H, W, 3)`` uint8 pixels
     (``out``: an array of that shape to write into, a slice of a batch's ``pixel_values``)."""
@@ -107,19 +88,6 @@ def image_values(pixels: np.ndarray, table: np.ndarray, out: np.ndarray | None =
     for c in range(3):
         np.take(table[c], pixels[..., c], out=out[c])
     return out
-
-
-def _frames_from_patches(pv: np.ndarray, grid: np.ndarray, processor: Any) -> np.ndarray:
-    """A video item's ``(t * T, H, W, 3)`` uint8 frames from its patches: the inverse of
-    :func:`~sftpack.multimodal._video.patchify_frames`'s layout and table."""
-    p, t, m = int(processor.patch_size), int(processor.temporal_patch_size), int(processor.merge_size)
-    gt, gh, gw = (int(x) for x in grid)
-    if pv.shape != (gt * gh * gw, 3 * t * p * p):
-        raise ValueError(f"video patches {pv.shape} for grid {(gt, gh, gw)}: need ({gt * gh * gw}, {3 * t * p * p})")
-    # (gt, bh, bw, mh, mw, C, T, py, px) -> (gt, T, bh, mh, py, bw, mw, px, C)
-    blocks = pv.reshape(gt, gh // m, gw // m, m, m, 3, t, p, p).transpose(0, 6, 1, 3, 7, 2, 4, 8, 5)
-    values = blocks.reshape(gt * t, gh * p, gw * p, 3)
-    return table_pixels(values, pixel_table(processor))
 
 
 def stored_items(
@@ -147,7 +115,7 @@ def stored_items(
             own = pv[offs[i] : offs[i + 1]]
             try:
                 if video[i]:
-                    pixels.append(_frames_from_patches(own, grids[i], video_processor or processor))
+                    pixels.append(frames_from_patches(own, grids[i], video_processor or processor))
                 elif recorded is not None:
                     px = next(recorded)
                     if px.shape[:2] != (
