@@ -27,6 +27,22 @@ def noise_image(w: int, h: int, seed: int):
     return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
+def positions_1d(b):
+    """The MRoPE bug: plain 1-D positions (restarting per sample) in all three rows; the grids ignored."""
+    return dataclasses.replace(b, media=dataclasses.replace(b.media, positions=b.position_ids.expand(3, -1).clone()))
+
+
+def assert_exact_with_tower(model, items, tol: float, **rows) -> None:
+    """``check_packed(model, items, rows=3, **rows)`` within ``tol``, language model and vision
+    tower both compared, on values under 10 (the premise of the tests' tolerances)."""
+    from sftpack.multimodal import check_packed
+
+    r = check_packed(model, items, rows=3, **rows)
+    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r  # the premise of TOL
+    assert set(r.grads) == {"language", "vision"}
+    assert r.within(tol), r
+
+
 def noise_conversations(sizes: dict[str, tuple[int, ...]], *, text_only: bool = False) -> list[dict]:
     """Conversations with noise images: ``"wide"`` (one image of ``sizes["wide"]``), ``"two"``
     (two images, ``sizes["two"]`` = ``(w1, h1, w2, h2)``, and a second turn), ``"tall"``, and with

@@ -38,7 +38,7 @@ import torch
 from sftpack import PackedBatch
 from sftpack.handoff.payload import PatchMedia
 from sftpack.multimodal import check_packed, family_for, tokenize_media_conversations, vqa_corpus
-from tests.multimodal.conftest import Renumbered, noise_conversations
+from tests.multimodal.conftest import Renumbered, assert_exact_with_tower, noise_conversations, positions_1d
 
 TOL = 1e-10  # float64; see the docstring
 # What a wrong position moves something by, at least: 1-D positions 1e6 x TOL; transposed ones
@@ -94,23 +94,15 @@ def test_packed_equals_alone(qwen25, model, pad_between_seqs, pad_multiple):
     rows = [PackedBatch.from_samples(r, pad_multiple=pad_multiple, row_width=width, pad_id=qwen25.pad_id)
             for r in _rows(items)]  # fmt: skip
     assert max(r.media.num_patches for r in rows) <= 1000 and max(len(s) for s in items) <= 160  # premises
-    r = check_packed(
+    assert_exact_with_tower(
         model,
         items,
+        TOL,
         pad_between_seqs=pad_between_seqs,
         pad_multiple=pad_multiple,
         row_width=width,
-        rows=3,
         pad_id=qwen25.pad_id,
     )
-    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r  # the premise of TOL
-    assert set(r.grads) == {"language", "vision"}
-    assert r.within(TOL), r
-
-
-def _positions_1d(b: PackedBatch) -> PackedBatch:
-    """The bug: plain 1-D positions (restarting per sample) in all three MRoPE rows; the grids ignored."""
-    return dataclasses.replace(b, media=dataclasses.replace(b.media, positions=b.position_ids.expand(3, -1).clone()))
 
 
 def _positions_transposed(b: PackedBatch) -> PackedBatch:
@@ -120,7 +112,7 @@ def _positions_transposed(b: PackedBatch) -> PackedBatch:
 
 
 @pytest.mark.parametrize(
-    "name, tamper", [("positions-1d", _positions_1d), ("positions-transposed", _positions_transposed)]
+    "name, tamper", [("positions-1d", positions_1d), ("positions-transposed", _positions_transposed)]
 )
 def test_tampered_positions_fail(qwen25, model, name, tamper):
     r = check_packed(model, qwen25.samples, pad_id=qwen25.pad_id, rows=3, tamper=tamper)

@@ -30,8 +30,6 @@ positions: identical positions give identical angles in both runs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 import torch
@@ -45,7 +43,7 @@ from sftpack.multimodal._exactness import compare_packed_alone
 from sftpack.multimodal.families.qwen2_vl import mrope_positions
 from sftpack.multimodal.families.qwen3_vl import Qwen3VL
 from sftpack.offline import PrepackedDataset
-from tests.multimodal.conftest import Renumbered, noise_conversations
+from tests.multimodal.conftest import Renumbered, assert_exact_with_tower, noise_conversations, positions_1d
 from tests.multimodal.test_model_folders import _positions_not_restarted, check_prepacked_rows, data  # noqa: F401
 
 TOL = 1e-10  # float64; see the docstring
@@ -137,27 +135,19 @@ def test_packed_equals_alone(qwen3, model, pad_between_seqs, pad_multiple):
     assert max(r.media.num_patches for r in rows) <= 1000 and max(len(s) for s in items) <= 160  # premises
     assert len(qwen3.vocab) <= 160 and any(s.media is None for s in items)
     assert max(int(g.prod()) for s in items if s.media is not None for g in s.media.grid_thw) <= 256
-    r = check_packed(
+    assert_exact_with_tower(
         model,
         items,
+        TOL,
         pad_between_seqs=pad_between_seqs,
         pad_multiple=pad_multiple,
         row_width=width,
-        rows=3,
         pad_id=qwen3.pad_id,
     )
-    assert r.max_abs_logit < 10 and r.max_abs_grad < 10, r  # the premise of TOL
-    assert set(r.grads) == {"language", "vision"}
-    assert r.within(TOL), r
-
-
-def _positions_1d(b: PackedBatch) -> PackedBatch:
-    """The bug: plain 1-D positions (restarting per sample) in all three MRoPE rows; the grids ignored."""
-    return dataclasses.replace(b, media=dataclasses.replace(b.media, positions=b.position_ids.expand(3, -1).clone()))
 
 
 def test_positions_not_from_the_grids_fail(qwen3, model):
-    r = check_packed(model, qwen3.samples, pad_id=qwen3.pad_id, rows=3, tamper=_positions_1d)
+    r = check_packed(model, qwen3.samples, pad_id=qwen3.pad_id, rows=3, tamper=positions_1d)
     assert not r.within(TOL) and r.logits > BUG, r
 
 
