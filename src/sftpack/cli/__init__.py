@@ -8,7 +8,9 @@ Each command is a module ``_<name>.py`` of this package with
 ``register(subparsers)`` (found at start, listed in :data:`_ORDER`'s order). A user
 error (a bad option, a bad file, a conversation that cannot be packed) prints
 one line, ``sftpack <command>: <what> (<fix>)``, and exits 2 for usage errors
-and 1 for data errors; ``--debug`` shows the traceback instead. Ctrl-C prints
+and 1 for data errors; a ``--model`` or ``--tokenizer`` folder that asks for its own Python
+code (``auto_map``) is a usage error, since sftpack never runs it (``sftpack._optional``);
+``--debug`` shows the traceback instead. Ctrl-C prints
 ``sftpack <command>: interrupted`` (exit 130); SIGTERM, what a scheduler sends
 before it kills a job, takes the same way out (its clean-up included), prints
 ``sftpack <command>: stopped by SIGTERM...`` and exits 143 (``sftpack train``
@@ -26,6 +28,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+from .._optional import CustomCodeError, refuse_custom_code
 from ._common import Terminated, UsageError, sigterm_handled
 from ._config import CONFIG_HELP, expand_config
 
@@ -150,11 +153,14 @@ def _run(args: argparse.Namespace) -> int:
     try:
         with sigterm_handled(), warnings.catch_warnings():
             warnings.showwarning = _say_warning
+            for folder in (getattr(args, "model", None), getattr(args, "tokenizer", None)):
+                if isinstance(folder, str):  # before any work; every load checks again
+                    refuse_custom_code(folder)
             return int(args.func(args) or 0)
     except Terminated as e:
         print(f"sftpack {args.command}: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except UsageError as e:
+    except (UsageError, CustomCodeError) as e:
         if args.debug:
             raise
         print(f"sftpack {args.command}: {e}", file=sys.stderr)

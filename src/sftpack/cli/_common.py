@@ -201,10 +201,12 @@ def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
     if path is None:
         tok = default_tokenizer()
     else:
-        from transformers import AutoTokenizer
+        from .._optional import CustomCodeError, from_pretrained
 
         try:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tok = from_pretrained("AutoTokenizer", path, local_files_only=True)
+        except CustomCodeError:
+            raise
         except (OSError, ValueError) as e:
             raise UsageError(
                 f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "

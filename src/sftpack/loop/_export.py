@@ -39,7 +39,7 @@ def hf_model(model: Any, state: dict[str, torch.Tensor] | None = None) -> Any:
         if state is None:
             return model
         with torch.random.fork_rng(devices=[]):
-            whole = transformers().AutoModelForCausalLM.from_config(model.config)
+            whole = transformers().AutoModelForCausalLM.from_config(model.config, trust_remote_code=False)
         whole = whole.to(next(model.parameters()).dtype)
         whole.load_state_dict(state, strict=True)
         return whole

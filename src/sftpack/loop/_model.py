@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 from .._base import StrEnum, choose
-from .._optional import flash_attn_varlen_func, transformers
+from .._optional import CustomCodeError, flash_attn_varlen_func, from_pretrained, transformers
 from .._train_attention import TRAIN_ATTENTION, register_train_attention
 from ..exactness import norms_in_model_dtype
 from ..head import fused_linear_cross_entropy
@@ -155,14 +155,18 @@ def load_model(
     attn_implementation: str | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> Any:
-    """A causal LM from a local folder (``save_pretrained``); never downloads."""
+    """A causal LM from a local folder (``save_pretrained``); never downloads, never runs the
+    folder's own code (:class:`~sftpack._optional.CustomCodeError`)."""
     try:
-        model = transformers().AutoModelForCausalLM.from_pretrained(
+        model = from_pretrained(
+            "AutoModelForCausalLM",
             path,
             local_files_only=True,
             attn_implementation=attn_implementation or register_train_attention(),
             dtype=dtype,
         )
+    except CustomCodeError:
+        raise
     except (OSError, ValueError) as e:
         raise ValueError(
             f"cannot load a causal LM from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "

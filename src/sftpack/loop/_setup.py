@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .._optional import transformers
+from .._optional import CustomCodeError, from_pretrained
 from .._types import Tokenizer
 from ..chat._cache_entry import default_cache_dir
 from ..chat._training_samples import ConversationSamples, start_training_samples
@@ -44,7 +44,9 @@ __all__ = [
 def model_vocab_size(path: str | os.PathLike[str]) -> int:
     """The vocabulary size in the config of the local model folder ``path`` (no weights read)."""
     try:
-        cfg = transformers().AutoConfig.from_pretrained(str(path), local_files_only=True)
+        cfg = from_pretrained("AutoConfig", path, local_files_only=True)
+    except CustomCodeError:
+        raise
     except (OSError, ValueError) as e:
         raise ValueError(
             f"cannot read a model config from {str(path)!r} ({' '.join(str(e).split())[:200]}); give a local "

@@ -191,7 +191,7 @@ class Family:
         as LLaVA-1.5 folders ship it) gets the processor's, as ``AutoProcessor`` would use."""
         if model_dir is None:
             return self._default_tokenizer()
-        tok = _optional.transformers().AutoTokenizer.from_pretrained(os.fspath(model_dir))
+        tok = _optional.from_pretrained("AutoTokenizer", model_dir)
         path = os.path.join(os.fspath(model_dir), "chat_template.json")
         if not getattr(tok, "chat_template", None) and os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
@@ -204,7 +204,7 @@ class Family:
         """The image processor: the one in ``model_dir`` (the PIL/numpy one, ``backend="pil"``), else the family's default."""
         if model_dir is None:
             return self._default_image_processor()
-        return _optional.transformers().AutoImageProcessor.from_pretrained(os.fspath(model_dir), backend="pil")
+        return _optional.from_pretrained("AutoImageProcessor", model_dir, backend="pil")
 
     def pretrained(
         self, model_dir: str | os.PathLike, *, dtype: torch.dtype = torch.float32, vision_attention: str = "sdpa"
@@ -215,14 +215,16 @@ class Family:
         from .._train_attention import register_train_attention
 
         name = register_train_attention()
-        model_class = getattr(_optional.transformers(), self.model_class)
         try:
-            model = model_class.from_pretrained(
-                os.fspath(model_dir),
+            model = _optional.from_pretrained(
+                self.model_class,
+                model_dir,
                 local_files_only=True,
                 dtype=dtype,
                 attn_implementation={"": name, "text_config": name, "vision_config": vision_attention},
             )
+        except _optional.CustomCodeError:
+            raise
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"cannot load a {self.model_class} from {os.fspath(model_dir)!r} ({' '.join(str(e).split())[:200]}); "
@@ -572,5 +574,5 @@ def family_for(spec: Any = None) -> Family:
         )
     cls = _load(name)
     if folder:  # the folder's own config (local files only), so a family sized by it is sized right
-        config = _optional.transformers().AutoConfig.from_pretrained(os.fspath(spec), local_files_only=True)
+        config = _optional.from_pretrained("AutoConfig", spec, local_files_only=True)
     return cls.from_config(config) if config is not None else cls()

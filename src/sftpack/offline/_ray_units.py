@@ -126,7 +126,7 @@ def _load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     if spec is None:
         return default_tokenizer()
     if isinstance(spec, (str, os.PathLike)):
-        return _optional.transformers().AutoTokenizer.from_pretrained(os.fspath(spec), local_files_only=True)
+        return _optional.from_pretrained("AutoTokenizer", spec, local_files_only=True)
     return spec
 
 

@@ -404,9 +404,9 @@ def _tokenizer(model: str | os.PathLike[str] | None, fam: Any) -> tuple[Any, Any
         from ..data import default_tokenizer
 
         return default_tokenizer(), None
-    from .._optional import transformers
+    from .._optional import from_pretrained
 
-    return transformers().AutoTokenizer.from_pretrained(os.fspath(model), local_files_only=True), None
+    return from_pretrained("AutoTokenizer", model, local_files_only=True), None
 
 
 def _samples(convs: list[Any], tok: Any, processor: Any, fam: Any, max_seq_len: int) -> list[Sample]:

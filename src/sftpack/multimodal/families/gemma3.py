@@ -219,14 +219,16 @@ class Gemma3(Family):
     # ------------------------------------------------------------- the model
     def pretrained(self, model_dir: Any, *, dtype: torch.dtype = torch.float32, vision_attention: str = "sdpa") -> Any:
         """The base's, the language model on ``sdpa`` (:func:`packed_masks` are dense masks)."""
-        hf = _optional.transformers()
         try:
-            model = hf.Gemma3ForConditionalGeneration.from_pretrained(
-                str(model_dir),
+            model = _optional.from_pretrained(
+                "Gemma3ForConditionalGeneration",
+                model_dir,
                 local_files_only=True,
                 dtype=dtype,
                 attn_implementation={"": "sdpa", "text_config": "sdpa", "vision_config": vision_attention},
             )
+        except _optional.CustomCodeError:
+            raise
         except (OSError, ValueError) as e:
             raise ValueError(
                 f"cannot load a {self.model_class} from {str(model_dir)!r} ({' '.join(str(e).split())[:200]}); "
