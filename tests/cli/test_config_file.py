@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -65,6 +67,22 @@ def test_positionals_from_the_file_unless_given(tmp_path):
         ("max-seq-len: fast\n", "--max-seq-len: 'fast' is not an integer (on the command line or in --config"),
         ("lr: 0.1\n  bad: [\n", ", line 2"),
         ("- lr\n", "must be a mapping"),
+        # a list or a mapping where a flag takes plain values: refused by its kind, never printed
+        ("lr: {a: 1}\n", "'lr' takes plain values, not a mapping"),
+        ("packing: [[1, 2], [3]]\n", "'packing' takes plain values, not a list of lists or mappings"),
+        ("fsdp: [1, 2]\n", "'fsdp' is a switch: write true or false, not a list"),
+        # YAML aliases are refused where they stand (a few of them nested are a "billion laughs")
+        ("lr: &x 0.1\nseed: *x\n", ", line 2: the YAML alias *x is not read in a config file (write the value itself)"),
+        ("base: &b {lr: 0.1}\n<<: *b\n", ", line 2: the YAML alias *b is not read"),
+        # inputs are file paths: a number or a mapping would be read as data
+        ("inputs: 5\n", "'inputs' takes file paths, not 5 (write each path as text, quoted if it looks like a number)"),
+        ("inputs: [a.jsonl, {messages: []}]\n", "'inputs' takes file paths, not a mapping"),
+        ("inputs: {messages: [{role: user, content: hi}]}\n", "'inputs' takes file paths, not a mapping"),
+        # the same setting twice: its dash and underscore spellings, its flag and setting names, one key twice
+        ("max-seq-len: 64\nmax_seq_len: 128\n", "'max-seq-len' and 'max_seq_len' are the same setting (keep one)"),
+        ("lr: 0.1\nseed: 1\nlr: 0.2\n", ", line 3: 'lr' is given twice, on lines 1 and 3 (keep one)"),
+        # deeper than Python's recursion limit (PyYAML composes each level in a frame, at least)
+        ("lr: " + "[" * (sys.getrecursionlimit() + 100) + "]" * (sys.getrecursionlimit() + 100) + "\n", "too deeply"),
     ],
 )
 def test_a_bad_file_is_one_line_and_exit_2(tmp_path, capsys, text, said):
@@ -86,6 +104,15 @@ def test_a_switch_takes_true_or_false(tmp_path, capsys):
     assert "'progress' is a switch: write true or false" in capsys.readouterr().err
 
 
+def test_a_switch_by_its_flag_and_by_its_setting_is_one_setting_given_twice(tmp_path, capsys):
+    path = _yaml(tmp_path, "no-progress: true\nprogress: true\n")
+    with pytest.raises(SystemExit) as e:
+        main(["prepack", "--out", str(tmp_path / "rows"), "--config", path])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"--config {path}: 'no-progress' and 'progress' are the same setting (keep one)" in err
+
+
 def test_prepack_from_a_config_file(tmp_path, capsys):
     data = tmp_path / "chats.jsonl"
     rows = [
@@ -97,3 +124,41 @@ def test_prepack_from_a_config_file(tmp_path, capsys):
     assert main(["prepack", "--config", path]) == 0
     manifest = json.loads((tmp_path / "rows" / "manifest.json").read_text())
     assert manifest["max_seq_len"] == 64
+
+
+def test_a_file_not_in_utf8_is_named(tmp_path, capsys):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("lr: 0.1\n# réglages\n".encode("latin-1"))
+    with pytest.raises(SystemExit) as e:
+        main(["train", "--config", str(path)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert f"--config {path}, line 2: not UTF-8 text (byte 0xe9; save the file as UTF-8)" in err
+
+
+def _laughs(key: str) -> str:
+    """A "billion laughs" file: nine levels of nine aliases each, 9**9 (387 million) strings
+    when expanded, in about 700 bytes."""
+    lines = [f"{key}:", "  - &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+    for prev, name in zip("abcdefgh", "bcdefghi"):
+        lines.append(f"  - &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    lines.append("  - [" + ", ".join(["*i"] * 9) + "]")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize(("command", "key"), [("train", "lr"), ("prepack", "inputs")])
+def test_a_billion_laughs_is_refused_at_its_first_alias(tmp_path, command, key):
+    """Expanded, the value is built (or printed) in exponential time and memory: before, the
+    command hung. The timeout only turns a hang into a failure; the refusal is immediate."""
+    path = _yaml(tmp_path, _laughs(key), "laughs.yaml")
+    assert len(_laughs(key)) < 800
+    out = ["--out", str(tmp_path / "rows")] if command == "prepack" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", "sftpack.cli", command, "--config", path, *out],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2 and proc.stdout == "" and proc.stderr.count("\n") == 1, proc.stderr[-2000:]
+    assert f"--config {path}, line 3: the YAML alias *a is not read in a config file" in proc.stderr

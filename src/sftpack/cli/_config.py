@@ -8,7 +8,14 @@ arguments, so argparse checks and converts it exactly as if typed, and a flag gi
 command line overrides it (the last value of an option wins). A ``true`` switch named by its flag is
 the flag (``no-progress: true``), one named by its setting takes that value (``progress: false``); a list gives an option of several values (or one value per repeat of a repeatable
 option); ``null`` leaves the setting unset. An unknown key is refused naming the key and the
-closest flag.
+closest flag; so are a setting given twice (``max-seq-len`` and ``max_seq_len``, or one key
+twice), a list or mapping where a flag takes one value, and a positional (``inputs``) that is
+not file paths.
+
+YAML aliases (``*name``, and the ``<<: *name`` merges that use them) are refused: a settings file
+has no use for them, and nested aliases make a few hundred bytes into a value of billions of
+elements (the "billion laughs"), which anything that walks or prints the value spends exponential
+time and memory on. Without them, every value is as large as its text in the file, no larger.
 """
 
 from __future__ import annotations
@@ -52,6 +59,55 @@ def _config_path(args: list[str]) -> tuple[str | None, list[str]]:
     return path, rest
 
 
+def _shown(value: Any) -> str:
+    """``value`` for a message, at most 60 characters: a list or a mapping by its kind alone (its
+    text could be as long as the file)."""
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    text = repr(value[:61] if isinstance(value, (str, bytes)) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _loader() -> Any:
+    """PyYAML's safe loader, refusing aliases (``*name``) and a key given twice in one mapping
+    (PyYAML would keep the last silently); each refusal a ``yaml.MarkedYAMLError`` at the
+    alias or the second key."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def compose_node(self, parent: Any, index: Any) -> Any:
+            if self.check_event(yaml.AliasEvent):
+                event = self.peek_event()
+                raise yaml.MarkedYAMLError(
+                    problem=f"the YAML alias *{_shown(event.anchor)[1:-1]} is not read in a config file "
+                    "(write the value itself)",
+                    problem_mark=event.start_mark,
+                )
+            return super().compose_node(parent, index)
+
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=deep)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: PyYAML's own error names it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise yaml.MarkedYAMLError(
+                        problem=f"{_shown(key)} is given twice, on lines {first} and "
+                        f"{key_node.start_mark.line + 1} (keep one)",
+                        problem_mark=key_node.start_mark,
+                    )
+            return super().construct_mapping(node, deep=deep)
+
+    return Loader
+
+
 def _load(path: str) -> dict[str, Any]:
     import yaml
 
@@ -59,13 +115,23 @@ def _load(path: str) -> dict[str, Any]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"--config {path}: cannot read it ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        line = e.object[: e.start].count(b"\n") + 1
+        raise ValueError(
+            f"--config {path}, line {line}: not UTF-8 text (byte 0x{e.object[e.start]:02x}; save the file as UTF-8)"
+        ) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_loader())  # a SafeLoader (no Python tags), refusing aliases
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f", line {mark.line + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or "not valid YAML"
-        raise ValueError(f"--config {path}{where}: {problem} (write 'flag-name: value' lines)") from None
+        fix = "" if problem.endswith(")") else " (write 'flag-name: value' lines)"
+        raise ValueError(f"--config {path}{where}: {problem}{fix}") from None
+    except RecursionError:
+        raise ValueError(f"--config {path}: nested too deeply (write 'flag-name: value' lines)") from None
+    except ValueError as e:  # a YAML scalar Python cannot hold (an integer of over 4300 digits)
+        raise ValueError(f"--config {path}: {' '.join(str(e).split())[:200]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -104,17 +170,19 @@ def _words(path: str, key: str, flag: str, action: argparse.Action, by_flag: boo
         return []
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
         if not isinstance(value, bool):
-            raise ValueError(f"--config {path}: {key!r} is a switch: write true or false, not {value!r}")
+            raise ValueError(f"--config {path}: {key!r} is a switch: write true or false, not {_shown(value)}")
         if isinstance(action, argparse.BooleanOptionalAction):
             return [flag if value else "--no-" + flag[2:]]
         return [flag] if value == (True if by_flag else action.const) else []
     if isinstance(action, argparse._CountAction):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ValueError(f"--config {path}: {key!r} counts: write a whole number, not {value!r}")
+            raise ValueError(f"--config {path}: {key!r} counts: write a whole number, not {_shown(value)}")
         return [flag] * value
+    if isinstance(value, dict):
+        raise ValueError(f"--config {path}: {key!r} takes plain values, not a mapping")
     values = value if isinstance(value, list) else [value]
-    if any(isinstance(v, (dict, list)) for v in values):
-        raise ValueError(f"--config {path}: {key!r} takes plain values, not {value!r:.60}")
+    if any(isinstance(v, (dict, list)) for v in values):  # no repr: its text can be all of the file
+        raise ValueError(f"--config {path}: {key!r} takes plain values, not a list of lists or mappings")
     text = [str(v).lower() if isinstance(v, bool) else str(v) for v in values]
     if isinstance(action, argparse._AppendAction):
         return [w for t in text for w in (flag, t)]
@@ -134,16 +202,37 @@ def expand_config(parser: argparse.ArgumentParser, args: Sequence[str]) -> tuple
         return rest, None
     options, positionals = _options(parser)
     words: list[str] = []
+    given: dict[argparse.Action, str] = {}  # each setting's key in the file, to refuse a second
     for raw_key, value in _load(path).items():
         key = str(raw_key).strip().lstrip("-").replace("_", "-")
+        action = options[key][1] if key in options else positionals.get(key)
+        if action is None:
+            close = difflib.get_close_matches(key, [*options, *positionals], n=1, cutoff=0.5) if len(key) < 80 else []
+            hint = f"did you mean --{close[0]}?" if close else f"see {parser.prog} --help for the flags"
+            raise ValueError(f"--config {path}: unknown key {_shown(raw_key)} ({hint})")
+        if action in given:
+            raise ValueError(
+                f"--config {path}: {given[action]!r} and {_shown(raw_key)} are the same setting (keep one)"
+            )
+        given[action] = str(raw_key)
         if key in options:
             words += _words(path, str(raw_key), *options[key], value)
-        elif key in positionals:
-            action = positionals[key]
-            given = value if isinstance(value, list) else [value]
-            parser.set_defaults(**{action.dest: given if action.nargs in ("*", "+") else value})
         else:
-            close = difflib.get_close_matches(key, [*options, *positionals], n=1, cutoff=0.5)
-            hint = f"did you mean --{close[0]}?" if close else f"see {parser.prog} --help for the flags"
-            raise ValueError(f"--config {path}: unknown key {raw_key!r} ({hint})")
+            _positional(parser, path, str(raw_key), action, value)
     return words + rest, path
+
+
+def _positional(parser: argparse.ArgumentParser, path: str, key: str, action: argparse.Action, value: Any) -> None:
+    """``key: value`` as the default of the positional ``action`` (``inputs``): file paths, each
+    a string (a number or a mapping would be read as data, not as a file's name)."""
+    if value is None:
+        return
+    paths = value if isinstance(value, list) else [value]
+    bad = next((v for v in paths if not isinstance(v, str)), None)
+    if bad is not None or (isinstance(value, list) and action.nargs not in ("*", "+")):
+        what = f"not {_shown(bad)}" if bad is not None else "one path, not a list"
+        raise ValueError(
+            f"--config {path}: {key!r} takes file paths, {what} (write each path as text, quoted if it looks like "
+            "a number)"
+        )
+    parser.set_defaults(**{action.dest: paths if action.nargs in ("*", "+") else value})
