@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import itertools
 import os
 import tempfile
@@ -686,6 +687,12 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
         )
         # saved with the template the run rendered with (the family's: it writes image parts)
         saving = {"tokenizer": tok, "processor": processor, "chat_template": family.chat_template_for(tok)}
+        if family.video_block and importlib.util.find_spec("torchvision") is None:
+            saving["note"] = (
+                "note: AutoProcessor.from_pretrained on that folder also needs torchvision (transformers builds "
+                f"{family.name}'s video processor with it): pip install the torchvision of your torch; "
+                "AutoTokenizer and AutoImageProcessor load it without"
+            )
         result = _train_until_stopped(
             train,
             args,

@@ -54,8 +54,9 @@ def eval_samples_of(args: argparse.Namespace, cfg: Any, samples: list[Any], toke
     return samples, held
 
 
-def save(args: argparse.Namespace, result: Any, rank: int, say: Any, **tokenizer: Any) -> None:
-    """``--save-model DIR``: the trained model as a Hugging Face folder (rank 0)."""
+def save(args: argparse.Namespace, result: Any, rank: int, say: Any, note: str | None = None, **tokenizer: Any) -> None:
+    """``--save-model DIR``: the trained model as a Hugging Face folder (rank 0); ``note``: a line
+    said after it (what loading the folder needs)."""
     if args.save_model is None or not result.logs:
         return
     state = None
@@ -72,6 +73,8 @@ def save(args: argparse.Namespace, result: Any, rank: int, say: Any, **tokenizer
     except ValueError as e:  # the folder changed since the check before training
         raise ValueError(f"--save-model {e}; the trained model was not saved") from None
     say(f"wrote {out} (a Hugging Face model folder)")
+    if note:
+        say(note)
 
 
 def report(
