@@ -194,3 +194,18 @@ def test_sigterm_without_checkpoint_dir_saves_the_model(chat, tmp_path):
     assert "Traceback" not in err
     AutoModelForCausalLM.from_pretrained(out)
     assert AutoTokenizer.from_pretrained(out).chat_template == AutoTokenizer.from_pretrained(chat / "tok").chat_template
+
+
+def test_replacing_without_renameat2_swaps_by_two_renames(tmp_path, monkeypatch):
+    """Where renameat2 cannot swap (not Linux, or a filesystem without it), the old folder is parked
+    beside the new one and removed once the new one is in place: the same result, nothing left."""
+    import sftpack._publish
+
+    monkeypatch.setattr(sftpack._publish, "renameat2", lambda src, dst, flags: False)
+    model, tok = _tiny()
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    save_model(model, out, tokenizer=tok, overwrite=True)
+    assert not (out / "notes.txt").exists() and (out / "config.json").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
