@@ -24,7 +24,9 @@ def stopped_line(result: Any, model: Any = None) -> str:
         return f"{line}; checkpoint saved in {result.checkpoint}; rerun with --resume to continue"
     if model is not None:
         return f"{line}; {saved} (no --checkpoint-dir: the run cannot be resumed)"
-    return f"{line}; nothing saved (no --checkpoint-dir; --save-model DIR would have saved the model)"
+    return (
+        f"{line}; nothing saved (give --checkpoint-dir to resume after a stop, or --save-model DIR to keep the model)"
+    )
 
 
 def eval_samples_of(args: argparse.Namespace, cfg: Any, samples: list[Any], tokenize: Any, say: Any) -> tuple[Any, Any]:
