@@ -12,7 +12,9 @@ The temporary sibling lives on the same filesystem (a rename across filesystems
 is a copy, not atomic). On success it is fsynced, renamed, and the parent folder
 fsynced (the rename itself survives a power cut); a folder's files are fsynced by
 whoever writes them. If the writing fails, the temporary is removed and the error
-goes on: nothing is left behind.
+goes on: nothing is left behind. A folder that must replace a folder with contents
+(``replace=True``: the trained model's ``--save-model --overwrite-model``) swaps with
+it in one step (:func:`exchange`), the old one then removed.
 
 >>> import pathlib, tempfile
 >>> dest = pathlib.Path(tempfile.mkdtemp()) / "note.txt"
@@ -27,13 +29,64 @@ This module needs the standard library only (no torch, no path of sftpack's).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["Publish", "fsync_dir"]
+__all__ = ["Publish", "exchange", "fsync_dir", "renameat2"]
+
+_AT_FDCWD = -100
+#: ``renameat2`` flags: fail if the destination exists; swap the two paths
+RENAME_NOREPLACE, RENAME_EXCHANGE = 1, 2
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
+_libc: ctypes.CDLL | None | bool = None
+
+
+def renameat2(src: str | os.PathLike[str], dst: str | os.PathLike[str], flags: int) -> bool:
+    """``renameat2(src, dst, flags)``: True when done, False when this system or filesystem
+    cannot (the caller falls back); any other failure is an ``OSError``."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    if _libc is None:
+        try:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        except OSError:
+            _libc = False
+    fn = getattr(_libc, "renameat2", None) if _libc else None
+    if fn is None:
+        return False
+    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(src), None, str(dst))
+
+
+def exchange(new: str | os.PathLike[str], dest: str | os.PathLike[str]) -> Path:
+    """The folder ``new`` put at ``dest`` in place of the folder there, which is returned under
+    a temporary sibling's name for the caller to remove. One step where ``renameat2`` swaps
+    (Linux): ``dest`` is the old folder or the new one at every instant. Elsewhere two renames,
+    the old folder parked at ``.old-<name>-<random>`` beside it between them (a kill there
+    leaves it in that folder, whole)."""
+    new, dest = Path(new), Path(dest)
+    if renameat2(new, dest, RENAME_EXCHANGE):
+        return new
+    old = Path(tempfile.mkdtemp(prefix=f".old-{dest.name[:16]}-", dir=dest.parent))
+    os.replace(dest, old)  # onto the empty folder just made
+    try:
+        os.replace(new, dest)
+    except OSError:
+        os.replace(old, dest)
+        raise
+    return old
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -76,8 +129,10 @@ class Publish:
         folder: bool = True,
         tmp: str | os.PathLike[str] | None = None,
         keep_existing: bool = False,
+        replace: bool = False,
     ) -> None:
         self.dest, self.folder, self.keep_existing = Path(dest), folder, keep_existing
+        self.replace = replace and folder
         prefix = f".tmp-{self.dest.name[:16]}-"
         if tmp is not None:
             self.tmp = Path(tmp)
@@ -100,6 +155,11 @@ class Publish:
             else:
                 with open(self.tmp, "rb+") as f:
                     os.fsync(f.fileno())
+            if self.replace and self.dest.is_dir() and not self.dest.is_symlink():
+                old = exchange(self.tmp, self.dest)
+                fsync_dir(self.dest.parent)
+                shutil.rmtree(old, ignore_errors=True)
+                return True
             os.replace(self.tmp, self.dest)  # a file replaces its target everywhere; a folder as rename
         except OSError:
             self.discard()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import itertools
 import os
 import tempfile
@@ -79,9 +80,12 @@ def _train_until_stopped(
     rank: int,
     on_step: Any = None,
     eval_samples: Any = None,
+    save_model: Callable[[Any], None] | None = None,
 ) -> Any:
     """The loop (``train``, :func:`sftpack.loop.train`, imported by the caller) under the command's
-    options, SIGTERM stopping it at the end of a step: then :class:`Terminated` says what was saved."""
+    options, SIGTERM stopping it at the end of a step: then :class:`Terminated` says what was saved.
+    ``save_model(result)`` writes ``--save-model`` at such a stop when nothing else keeps the
+    training (no ``--checkpoint-dir``), or when the run was complete."""
     with sigterm_deferred() as sigterm:
         result = train(
             cfg,
@@ -98,7 +102,12 @@ def _train_until_stopped(
             tensorboard=args.tensorboard,
         )
     if sigterm():
-        raise Terminated(stopped_line(result))
+        saved = None
+        complete = not result.stopped  # it came in the last step
+        if save_model is not None and args.save_model is not None and (complete or not args.checkpoint_dir):
+            save_model(result)
+            saved = args.save_model if result.logs else None
+        raise Terminated(stopped_line(result, saved))
     return result
 
 
@@ -527,6 +536,7 @@ def _run_training(
             rank,
             on_step=lambda rec: _mark(f"step {rec.step}") if rec.step == 1 else None,
             eval_samples=eval_samples,
+            save_model=lambda result: save(args, result, rank, say, tokenizer=tokenizer.get()),
         )
     except Exception:
         if streaming and pending is not None and samples.done:  # e.g. no target at all: the data line says so
@@ -675,10 +685,28 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
             f"{model.config.get_text_config().vocab_size:,}, {str(dtype).removeprefix('torch.')}; packing "
             f"{cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
         )
-        result = _train_until_stopped(train, args, cfg, source, model, resume, rank, eval_samples=eval_samples)
+        # saved with the template the run rendered with (the family's: it writes image parts)
+        saving = {"tokenizer": tok, "processor": processor, "chat_template": family.chat_template_for(tok)}
+        if family.video_block and importlib.util.find_spec("torchvision") is None:
+            saving["note"] = (
+                "note: AutoProcessor.from_pretrained on that folder also needs torchvision (transformers builds "
+                f"{family.name}'s video processor with it): pip install the torchvision of your torch; "
+                "AutoTokenizer and AutoImageProcessor load it without"
+            )
+        result = _train_until_stopped(
+            train,
+            args,
+            cfg,
+            source,
+            model,
+            resume,
+            rank,
+            eval_samples=eval_samples,
+            save_model=lambda result: save(args, result, rank, say, **saving),
+        )
     finally:
         if workdir is not None:
             workdir.cleanup()
     report(args, cfg, result, resume, rank, say)
-    save(args, result, rank, say, tokenizer=tok, processor=processor)
+    save(args, result, rank, say, **saving)
     return 0

@@ -12,15 +12,21 @@ from ._common import UsageError
 __all__ = ["eval_samples_of", "report", "save", "stopped_line"]
 
 
-def stopped_line(result: Any) -> str:
-    """What a run that SIGTERM stopped says (its loop ended after the step it was in)."""
+def stopped_line(result: Any, model: Any = None) -> str:
+    """What a run that SIGTERM stopped says (its loop ended after the step it was in); ``model``:
+    the ``--save-model`` folder written at the stop."""
     steps = result.logs[-1].step if result.logs else result.resumed_from
     line = f"stopped by SIGTERM after step {steps}"
+    saved = f"the model of step {steps} saved in {model}"
     if not result.stopped:  # it came in the last step, after the loop had asked
-        return f"{line}, the last one"
+        return f"{line}, the last one" + (f"; {saved}" if model is not None else "")
     if result.checkpoint is not None:  # written at the end of that step
         return f"{line}; checkpoint saved in {result.checkpoint}; rerun with --resume to continue"
-    return f"{line}; nothing saved (no --checkpoint-dir)"
+    if model is not None:
+        return f"{line}; {saved} (no --checkpoint-dir: the run cannot be resumed)"
+    return (
+        f"{line}; nothing saved (give --checkpoint-dir to resume after a stop, or --save-model DIR to keep the model)"
+    )
 
 
 def eval_samples_of(args: argparse.Namespace, cfg: Any, samples: list[Any], tokenize: Any, say: Any) -> tuple[Any, Any]:
@@ -50,8 +56,9 @@ def eval_samples_of(args: argparse.Namespace, cfg: Any, samples: list[Any], toke
     return samples, held
 
 
-def save(args: argparse.Namespace, result: Any, rank: int, say: Any, **tokenizer: Any) -> None:
-    """``--save-model DIR``: the trained model as a Hugging Face folder (rank 0)."""
+def save(args: argparse.Namespace, result: Any, rank: int, say: Any, note: str | None = None, **tokenizer: Any) -> None:
+    """``--save-model DIR``: the trained model as a Hugging Face folder (rank 0); ``note``: a line
+    said after it (what loading the folder needs)."""
     if args.save_model is None or not result.logs:
         return
     state = None
@@ -63,7 +70,13 @@ def save(args: argparse.Namespace, result: Any, rank: int, say: Any, **tokenizer
         return
     from ..loop._export import save_model
 
-    say(f"wrote {save_model(result.model, args.save_model, state=state, **tokenizer)} (a Hugging Face model folder)")
+    try:
+        out = save_model(result.model, args.save_model, state=state, overwrite=args.overwrite_model, **tokenizer)
+    except ValueError as e:  # the folder changed since the check before training
+        raise ValueError(f"--save-model {e}; the trained model was not saved") from None
+    say(f"wrote {out} (a Hugging Face model folder)")
+    if note:
+        say(note)
 
 
 def report(

@@ -54,8 +54,15 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--save-model",
         metavar="DIR",
-        help="at the end, write the trained model as a Hugging Face folder (config, safetensors weights, tokenizer "
-        "with its chat template): AutoModelForCausalLM.from_pretrained(DIR) loads it",
+        help="at the end (or at SIGTERM), write the trained model as a Hugging Face folder (config, safetensors "
+        "weights, tokenizer with its chat template): AutoModelForCausalLM.from_pretrained(DIR) loads it; DIR is "
+        "checked before training (a new or empty folder), written beside it and renamed into place",
+    )
+    t.add_argument(
+        "--overwrite-model",
+        action="store_true",
+        help="--save-model DIR may be a folder with files in it (a model saved before, or any other folder): it "
+        "is replaced whole, nothing of it kept",
     )
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
     add_settings(
@@ -210,6 +217,15 @@ def check_options(args: argparse.Namespace) -> None:
             "--save-model with --vocab data: that model's ids are the data's, renumbered, not the tokenizer's, so "
             "the saved folder could not be used with its tokenizer; train with --vocab tokenizer (the default)"
         )
+    if args.overwrite_model and args.save_model is None:
+        raise UsageError("--overwrite-model replaces the folder of --save-model DIR: give --save-model")
+    if args.save_model is not None:  # a path that cannot take the model costs no training
+        from ..loop._model_dir import check_model_dir
+
+        try:
+            check_model_dir(args.save_model, overwrite=args.overwrite_model)
+        except ValueError as e:
+            raise UsageError(f"--save-model {e}") from None
 
 
 def _cache_size(text: str) -> int:

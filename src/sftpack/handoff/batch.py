@@ -480,6 +480,11 @@ class PackedBatch:
         MRoPE rows, Qwen2-VL's packed form. ``Qwen2VLForConditionalGeneration(**kw)`` then runs
         its own vision tower, and each sample's logits equal it run alone (tested; the
         ``use_cache=False`` matters: with a cache Hugging Face ignores the restarts).
+        Media whose model's own forward cannot run a packed row (Gemma 3: it needs
+        ``token_type_ids`` for its images' two-way attention, and its packed form joins the
+        samples) carries why (:attr:`~sftpack.handoff.payload.Media.hf_refusal`): this raises
+        :class:`PackedBatchError` with it, naming the family's packed forward instead
+        (``family_for(model).packed_logits(model, row)``).
 
         >>> from sftpack.testing import samples_from_lengths
         >>> kw = PackedBatch.from_samples(samples_from_lengths([2, 3])).to_hf_kwargs()
@@ -497,6 +502,8 @@ class PackedBatch:
             "use_cache": False,
         }
         if self.media is not None:
+            if self.media.hf_refusal is not None:  # the model's own forward would not run this row as packed
+                raise PackedBatchError(f"PackedBatch.to_hf_kwargs: {self.media.hf_refusal}")
             kw.update(self.media.hf_kwargs(self.position_ids))
         return kw
 

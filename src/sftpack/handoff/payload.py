@@ -159,12 +159,17 @@ class Media:
         sequence: ``(I,)`` int64: the owner's segment each item belongs to (0 on a sample).
         token_id: the placeholder token id (every slot holding it is in exactly one run); a
             kind with several placeholders (:class:`PatchMedia`'s videos) names the others itself.
+        hf_refusal: why the model's own Hugging Face forward cannot take a packed row of this
+            media, and what runs it instead (``None``: it can). The family that makes the media
+            sets it (Gemma 3: its images' two-way attention); a row's media keeps any part's, and
+            :meth:`~sftpack.PackedBatch.to_hf_kwargs` refuses with it.
     """
 
     pixel_values: torch.Tensor
     slots: torch.Tensor
     sequence: torch.Tensor
     token_id: int
+    hf_refusal: str | None = None
 
     #: one word for the kind (what a row's parts must share); set by each subclass
     kind: ClassVar[str] = ""
@@ -233,6 +238,8 @@ class Media:
         _check_shape(f"{name}.sequence", self.sequence, (n,), torch.int64, error)
         if isinstance(self.token_id, bool) or not isinstance(self.token_id, (int, np.integer)):
             raise error(f"{name}.token_id must be an int, got {self.token_id!r}")
+        if self.hf_refusal is not None and not isinstance(self.hf_refusal, str):
+            raise error(f"{name}.hf_refusal must be a str or None, got {type(self.hf_refusal).__name__}")
         devices = {t.device for t in self._tensors().values()}
         if isinstance(input_ids, torch.Tensor):
             devices.add(input_ids.device)
@@ -334,8 +341,14 @@ class Media:
                 slots.append(p.slots + torch.tensor([int(off), 0], dtype=torch.int64, device=p.slots.device))
                 seqs.append(p.sequence + seg_off)
             seg_off += int(nseg)
+        refusal = next((p.hf_refusal for p in real if p.hf_refusal is not None), None)
         return first._join(  # type: ignore[return-value]
-            real, parts, (lengths, offsets, widths), slots=torch.cat(slots), sequence=torch.cat(seqs)
+            real,
+            parts,
+            (lengths, offsets, widths),
+            slots=torch.cat(slots),
+            sequence=torch.cat(seqs),
+            hf_refusal=refusal,
         )
 
     def _join(

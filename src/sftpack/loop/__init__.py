@@ -58,7 +58,8 @@ The parts behind them, importable from their modules (no second public path):
 - ``_eval``: ``split_eval`` (hold out a seeded share of the conversations) and ``EvalSet``
   (their packed micro-batches and token-mean loss); ``_tensorboard``: the per-step scalars;
   ``_export``: ``save_model`` (the trained model, the default ``SmallLlama`` as a
-  ``LlamaForCausalLM``, and its tokenizer as a Hugging Face folder);
+  ``LlamaForCausalLM``, and its tokenizer as a Hugging Face folder); ``_model_dir``: where it
+  goes, checked before training (``check_model_dir``), written beside it and renamed into place;
 - ``_hf``: the collators; ``_plot``: the curves. The optional dependencies
   (transformers, matplotlib, flash-attn) are imported through :mod:`sftpack._optional`.
 

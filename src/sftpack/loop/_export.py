@@ -4,7 +4,9 @@
 vision-language model, ``AutoModelForImageTextToText``) and ``AutoTokenizer.from_pretrained(DIR)``
 read: ``config.json``, ``model.safetensors``, ``generation_config.json`` and the tokenizer's
 files with its chat template (and the image processor's, given one). The weights are the
-trained model's, in its dtype, byte for byte.
+trained model's, in its dtype, byte for byte. The folder is written beside ``out`` and renamed
+into place (:mod:`~sftpack.loop._model_dir`): ``out`` is the old folder or the whole new one,
+and a folder with files in it is replaced only when asked (``overwrite``).
 
 The default model of ``sftpack train`` is :class:`~sftpack.loop._llama.SmallLlama`, the
 same network as transformers' ``LlamaForCausalLM`` with the same parameter names: it is
@@ -16,6 +18,7 @@ those of the trained model (``tests/loop/test_save_model.py``).
 
 from __future__ import annotations
 
+import copy
 import os
 from pathlib import Path
 from typing import Any
@@ -24,6 +27,7 @@ import torch
 
 from .._optional import transformers
 from ._llama import SmallLlama
+from ._model_dir import publish_model_dir
 
 __all__ = ["hf_model", "save_model"]
 
@@ -76,20 +80,30 @@ def save_model(
     tokenizer: Any = None,
     processor: Any = None,
     state: dict[str, torch.Tensor] | None = None,
+    chat_template: str | None = None,
+    overwrite: bool = False,
 ) -> Path:
     """Write ``model`` (trained) as a Hugging Face folder ``out``, with ``tokenizer`` (its chat
     template included) and a vision-language model's image ``processor`` beside it.
 
     The config names the tokenizer's ``eos``/``pad``/``bos`` ids, so ``generate`` stops
     where the chat template ends a turn. ``state``: a sharded (``--fsdp``) model's full
-    weights (:func:`~sftpack.loop._fsdp.full_state`). Returns ``out``.
+    weights (:func:`~sftpack.loop._fsdp.full_state`). ``chat_template``: the template the run
+    rendered its conversations with, saved with the tokenizer in place of the tokenizer's own
+    (a vision-language run: the family's, which writes image parts;
+    :meth:`~sftpack.multimodal.Family.chat_template_for`). ``overwrite``: replace a folder with
+    files in it (whole). The folder is written beside ``out`` and renamed into place. Returns ``out``.
 
     Raises:
         TypeError: ``model`` is neither a Hugging Face model nor the default ``SmallLlama``.
+        ValueError: ``out`` cannot take the model: a file, a folder with files in it (without
+            ``overwrite``), a parent that is a file or not writable
+            (:func:`~sftpack.loop._model_dir.check_model_dir`).
     """
     model_hf = hf_model(model, state)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if tokenizer is not None and chat_template is not None and chat_template != tokenizer.chat_template:
+        tokenizer = copy.copy(tokenizer)  # the run's tokenizer keeps its own template
+        tokenizer.chat_template = chat_template
     if tokenizer is not None:
         for key in ("eos_token_id", "pad_token_id", "bos_token_id"):
             value = getattr(tokenizer, key, None)
@@ -98,15 +112,18 @@ def save_model(
                 if getattr(model_hf, "generation_config", None) is not None:
                     setattr(model_hf.generation_config, key, value)
     logging = transformers().utils.logging
-    bar = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()  # the library prints nothing ("Writing model shards")
-    try:
-        model_hf.save_pretrained(out)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(out)
-        if processor is not None:
-            processor.save_pretrained(out)
-    finally:
-        if bar:
-            logging.enable_progress_bar()
-    return out
+
+    def write(folder: Path) -> None:
+        bar = logging.is_progress_bar_enabled()
+        logging.disable_progress_bar()  # the library prints nothing ("Writing model shards")
+        try:
+            model_hf.save_pretrained(folder)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(folder)
+            if processor is not None:
+                processor.save_pretrained(folder)
+        finally:
+            if bar:
+                logging.enable_progress_bar()
+
+    return publish_model_dir(out, write, overwrite=overwrite)

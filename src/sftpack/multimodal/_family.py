@@ -253,22 +253,29 @@ class Family:
             return self.chat_template
         return chatml_template("".join(self.image_block), "".join(self.video_block))
 
+    def chat_template_for(self, tokenizer: Any) -> str:
+        """The chat template conversations with media are rendered with (:meth:`renderer`): the
+        tokenizer's own (a model folder's), or :meth:`default_chat_template` when it has none or
+        only sftpack's text ChatML (:data:`sftpack.data.CHATML_TEMPLATE`, which cannot write an
+        image). A trained model is saved with it (``sftpack train --save-model``), so that its
+        folder's ``apply_chat_template`` writes image parts as the run did."""
+        from ..chat._render import chat_template_of
+        from ..data import CHATML_TEMPLATE
+
+        own = chat_template_of(tokenizer)
+        return own if own is not None and own != CHATML_TEMPLATE else self.default_chat_template()
+
     def renderer(self, tokenizer: Any) -> Any:
-        """The :class:`~sftpack.chat.ChatRenderer` of a conversation with media: the tokenizer's
-        own chat template (a model folder's), or :meth:`default_chat_template` when it has none
-        or only sftpack's text ChatML (:data:`sftpack.data.CHATML_TEMPLATE`, which cannot write
-        an image).
+        """The :class:`~sftpack.chat.ChatRenderer` of a conversation with media, over
+        :meth:`chat_template_for` the tokenizer.
 
         Raises:
             UnsupportedModelError: the template does not write one image mark (:meth:`marks`) for an
                 image part (a template that writes no video is found at the first video part).
         """
-        from ..chat._render import chat_template_of, renderer_for
-        from ..data import CHATML_TEMPLATE
+        from ..chat._render import renderer_for
 
-        own = chat_template_of(tokenizer)
-        template = own if own is not None and own != CHATML_TEMPLATE else self.default_chat_template()
-        renderer = renderer_for(tokenizer, template)
+        renderer = renderer_for(tokenizer, self.chat_template_for(tokenizer))
         bad = _probe(renderer, (("image", self.marks()["image"]),))  # video: counted per record
         if bad:
             raise UnsupportedModelError(

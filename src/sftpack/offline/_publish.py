@@ -43,29 +43,24 @@ empty folder: any other directory is refused, never deleted.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import os
 import secrets
 import shutil
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
+from .._publish import RENAME_EXCHANGE as _RENAME_EXCHANGE
+from .._publish import RENAME_NOREPLACE as _RENAME_NOREPLACE
 from .._publish import Publish, fsync_dir
+from .._publish import renameat2 as _renameat2
 from ._format import MANIFEST, PrepackError
 
 __all__ = ["Output", "check_target", "partial_dir", "recover", "writing"]
 
 _PARTIAL = ".sftpack-partial-"
 _OLD = ".sftpack-old-"
-_AT_FDCWD = -100
-_RENAME_NOREPLACE = 1
-_RENAME_EXCHANGE = 2
-_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)}
-_libc: Any = None
 
 
 def _alive(pid: int) -> bool:
@@ -93,29 +88,6 @@ def _stale(out: Path, marker: str, pid: int | None = None) -> Iterator[Path]:
 def partial_dir(out: Path) -> Path:
     """A fresh temporary sibling of ``out`` for this process."""
     return out.parent / f".{out.name}{_PARTIAL}{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _renameat2(src: Path, dst: Path, flags: int) -> bool:
-    """``renameat2(src, dst, flags)``: True when done, False when this system or filesystem
-    cannot (the caller falls back); any other failure is an ``OSError``."""
-    global _libc
-    if not sys.platform.startswith("linux"):
-        return False
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL(None, use_errno=True)
-        except OSError:
-            _libc = False
-    fn = getattr(_libc, "renameat2", None) if _libc else None
-    if fn is None:
-        return False
-    fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
-    if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in _UNSUPPORTED:
-        return False
-    raise OSError(err, os.strerror(err), str(src), None, str(dst))
 
 
 def _identity(path: Path) -> tuple[int, int]:

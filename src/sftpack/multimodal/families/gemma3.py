@@ -73,6 +73,15 @@ GEMMA3_TEMPLATE = (
 )
 
 
+#: why ``PackedBatch.to_hf_kwargs()`` refuses a Gemma 3 row (:attr:`~sftpack.handoff.payload.Media.hf_refusal`)
+HF_REFUSAL = (
+    "Gemma 3's own forward cannot run a packed row (without token_type_ids its image tokens attend causally; "
+    "with them its mask does not keep the packed samples apart): run "
+    "family_for(model).packed_logits(model, row) (or packed_hidden) instead, which keeps samples apart and each "
+    "image's tokens bidirectional"
+)
+
+
 @lru_cache(maxsize=1)
 def _tokenizer() -> Any:
     from ...data import default_tokenizer
@@ -328,6 +337,15 @@ class Gemma3(Family):
             use_cache=False,
         )
         return out.last_hidden_state[0]
+
+    def _media_fields(
+        self, input_ids: np.ndarray, runs: np.ndarray, images: EncodedImages, **videos: Any
+    ) -> dict[str, Any]:
+        """The refusal a packed row's ``to_hf_kwargs()`` raises: Hugging Face's Gemma 3 forward makes
+        each image's soft tokens see each other only from ``token_type_ids``, and with them its mask
+        over a packed row does not keep the samples apart (tests/multimodal/test_outputs.py
+        measures both); :meth:`packed_logits` runs the row exactly."""
+        return {"hf_refusal": HF_REFUSAL}
 
     def padded_kwargs(self, input_ids: torch.Tensor, media: Any) -> dict[str, Any]:
         """``token_type_ids``: 1 on the soft tokens, from which Hugging Face makes each image's
