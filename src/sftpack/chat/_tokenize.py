@@ -55,6 +55,7 @@ Batches of many conversations, stats and worker processes: ``_batch``.
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -338,7 +339,8 @@ def _check_tools_written(messages: Any, text: str, tokenizer: Any) -> None:
         if isinstance(name, str):
             names.append(("tool", name))
     for what, name in names:
-        if name not in text:
+        # as written, or JSON-escaped as ``tojson`` writes it (a name with '"' or a newline)
+        if not any(form in text for form in (name, json.dumps(name, ensure_ascii=False)[1:-1], json.dumps(name)[1:-1])):
             template = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise TemplateError(
                 f"the chat template of {template!r} does not write the {what} {name!r} (it ignores "
