@@ -315,18 +315,32 @@ def _render_one(item: Item, ctx: _Context, opts: _Options) -> _Rendered:
         return _render_plain(cid, messages, ctx, opts)
     renderer = ctx.renderer  # a tokenizer without a chat template fails here, for every row alike
     n_special = renderer.count_special_text(messages)
+    keep = bool(n_special) and opts.special_tokens is SpecialTokensInContent.TEXT
     try:
-        if n_special and opts.special_tokens is SpecialTokensInContent.TEXT:
-            text, spans, specials = renderer.spans_special_text(messages, opts.train_on)
-        else:
-            (text, spans), specials = renderer.spans(messages, opts.train_on), None
-        if isinstance(messages, FormattedMessages) and opts.train_on is not TrainOn.EVERYTHING:
-            spans = _completion_spans(renderer, messages, text, spans)
-        _check_tools_written(messages, text, ctx.tokenizer)
+        text, spans, specials = render_spans(renderer, messages, opts.train_on, ctx.tokenizer, keep_special_text=keep)
     except Exception as e:  # noqa: BLE001 - TemplateError (raise_exception...) or any failure inside Jinja
         detail = str(e) if isinstance(e, TemplateError) else f"the chat template failed: {type(e).__name__}: {e}"
         return _Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, _TEMPLATE_FIX, n_special))
     return _Rendered(cid, text, spans, specials, n_special)
+
+
+def render_spans(
+    renderer: ChatRenderer, messages: Any, train_on: TrainOn, tokenizer: Any, *, keep_special_text: bool
+) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]] | None]:
+    """One conversation through its chat template: ``(text, spans, template_specials)``, the
+    trainable spans of the rows' rule (a prompt/completion row: its completion's only), the
+    template's own special tokens where ``keep_special_text`` (:meth:`ChatRenderer.spans_special_text`:
+    the data's special-token text stays text), else ``None``; raises :class:`TemplateError` when
+    the template fails or does not write the tools and tool calls. The rendering of every path
+    (text, and with media :mod:`sftpack.multimodal`'s, whose contents are lists of parts)."""
+    if keep_special_text:
+        text, spans, specials = renderer.spans_special_text(messages, train_on)
+    else:
+        (text, spans), specials = renderer.spans(messages, train_on), None
+    if isinstance(messages, FormattedMessages) and train_on is not TrainOn.EVERYTHING:
+        spans = _completion_spans(renderer, messages, text, spans)
+    _check_tools_written(messages, text, tokenizer)
+    return text, spans, specials
 
 
 def _check_tools_written(messages: Any, text: str, tokenizer: Any) -> None:

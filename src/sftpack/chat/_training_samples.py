@@ -23,9 +23,9 @@ import numpy as np
 
 from ..sample import Conversation, Sample
 from ._batch import TokenizeStats
-from ._options import OnBadRow, choose
 from ._cache_entry import DEFAULT_MAX_SIZE, EntryWriter, _cannot_write, read_entry
 from ._cache_key import cache_key, source_identity, tokenizer_files_identity, tokenizer_identity, tokenizer_info
+from ._options import OnBadRow, choose
 from ._producer import _BATCH, _positioned, _Producer, _Run
 
 __all__ = [
