@@ -110,7 +110,8 @@ class Encoded:
         labels_lost: those no sample gives: the cut tail (truncate), all (drop),
             the first token of every piece after the first (split: a piece's first
             token has no earlier token in its row to be the target of).
-        special_text: special-token strings found in the contents.
+        special_text: special-token strings found in what the template writes (contents, tool
+            calls' names and arguments, tools schemas, other message keys).
         skip: ``(reason, detail, fix)`` when ``outcome`` is ``skipped``.
         conversation_id: the conversation's id (set when skipped).
     """
