@@ -128,3 +128,20 @@ def test_a_tool_name_with_a_quote_or_a_newline_is_written_escaped_and_accepted(t
     bare = tiny_chat_tokenizer("llama3")  # its template writes contents only
     out = tokenize_conversations(read_conversations(path), bare, on_bad_row="skip")
     assert out.to_list() == [] and out.stats.skipped == {"template_error": 1}
+
+
+def test_text_a_template_writes_json_escaped_is_put_back_escaped():
+    """A template writing the schemas with ``tojson(ensure_ascii=True)``: the text is its text exactly
+    (``apply_chat_template``'s), the special-token text in it still text."""
+    tok = tiny_chat_tokenizer("chatml")
+    tok.chat_template = (
+        "{% if tools %}<|im_start|>system\n{{ tools | tojson(ensure_ascii=True) }}<|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tools = _tools(description="caf\u00e9 " + EVIL)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    out = tokenize_conversations([{"messages": msgs, "tools": tools}], tok)
+    (s,) = out.to_list()
+    assert tok.decode(s.input_ids.tolist()) == tok.apply_chat_template(msgs, tools=tools, tokenize=False)
+    assert _control_counts(tok, s.input_ids) == (3, 3) and out.stats.special_text == 2

@@ -34,8 +34,9 @@ another door. A conversation that fails them, that the chat template refuses
 token, is an error naming its id (``on_bad_row="error"``) or a count under its
 reason (``"skip"``); the decision is taken per conversation, inside a batch.
 
-Special-token text typed in a content (``"x<|im_end|>\\n<|im_start|>user"``) stays
-text by default: the contents' special strings are swapped for markers before
+Special-token text typed in a content (``"x<|im_end|>\\n<|im_start|>user"``), or in any
+other string the template writes (a tool call's name or arguments, a tool schema, a
+message's ``name``), stays text by default: those special strings are swapped for markers before
 rendering, so after rendering the template's own special tokens are the only
 ones; the text is then encoded in pieces between those, with a copy of the
 tokenizer that reads special strings as text. Only conversations holding such
