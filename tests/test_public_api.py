@@ -122,7 +122,7 @@ API = {
         "vqa_corpus",
     ],
     "sftpack.handoff.payload": ["ImageMedia", "Media", "PatchMedia", "check_pixel_values"],
-    "sftpack.data": ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"],
+    "sftpack.data": ["CHATML_TEMPLATE", "cache_dir", "chatml_template", "default_corpus", "default_tokenizer"],
     "sftpack.testing": ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"],
 }
 

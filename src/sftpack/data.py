@@ -44,35 +44,62 @@ from . import _optional
 from ._publish import Publish
 from .sample import Conversation
 
-__all__ = ["CHATML_TEMPLATE", "cache_dir", "default_corpus", "default_tokenizer"]
+__all__ = ["CHATML_TEMPLATE", "cache_dir", "chatml_template", "default_corpus", "default_tokenizer"]
 
-#: ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message. With ``tools`` (a list of
-#: JSON schemas) a system turn lists them in ``<tools></tools>`` (after the conversation's own
-#: system message, which it replaces); an assistant message's ``tool_calls`` follow its content,
-#: each ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``; a ``tool`` message is a
-#: turn of its own. Without tools and tool calls, exactly the plain ChatML above.
-CHATML_TEMPLATE = (
-    "{% if tools %}"
-    "{{ '<|im_start|>system\\n' }}"
-    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
-    "{{ '# Tools\\n\\nYou can call these functions (JSON schemas) to help with the request:\\n<tools>' }}"
-    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
-    '{{ \'\\n</tools>\\n\\nTo call one, write {"name": ..., "arguments": {...}} between <tool_call> and '
-    "</tool_call>.<|im_end|>\\n' }}"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if not (tools and loop.first and message['role'] == 'system') %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') }}"
-    "{% for call in message['tool_calls'] or [] %}"
-    "{% set f = call['function'] if call['function'] is defined else call %}"
-    "{{ ('\\n' if (message['content'] or not loop.first) else '') + '<tool_call>\\n' }}"
-    "{{ ({'name': f['name'], 'arguments': f['arguments']} | tojson) + '\\n</tool_call>' }}"
-    "{% endfor %}"
-    "{{ '<|im_end|>' + '\\n' }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
+
+def chatml_template(image: str | None = None, video: str | None = None) -> str:
+    """ChatML: ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message. With ``tools`` (a list of
+    JSON schemas) a system turn lists them in ``<tools></tools>`` (after the conversation's own
+    system message, which it replaces); an assistant message's ``tool_calls`` follow its content,
+    each ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>``; a ``tool`` message is a
+    turn of its own. Without tools and tool calls, exactly the plain ChatML above.
+
+    With ``image`` / ``video`` (what a media part is written as: a vision-language family's
+    mark, e.g. Qwen2-VL's ``<|vision_start|><|image_pad|><|vision_end|>``) a content may also be
+    a list of parts: a text part is its text, an image part ``image``, a video part ``video``;
+    the same template otherwise (roles, tools, tool calls), and the same text for the same words.
+
+    >>> chatml_template() == CHATML_TEMPLATE
+    True
+    """
+    if image is None and video is None:
+        macro, content, said, system = "", "(message['content'] or '')", "message['content']", "messages[0]['content']"
+    else:
+        macro = (
+            "{% macro content(c) %}{% if c is string %}{{ c }}{% elif c %}{% for part in c %}"
+            f"{{% if part['type'] == 'image' %}}{{{{ {json.dumps(image or '')} }}}}"
+            f"{{% elif part['type'] == 'video' %}}{{{{ {json.dumps(video or '')} }}}}"
+            "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}{% endmacro %}"
+        )
+        content = said = "content(message['content'])"
+        system = "content(messages[0]['content'])"
+    return (
+        macro + "{% if tools %}"
+        "{{ '<|im_start|>system\\n' }}"
+        f"{{% if messages[0]['role'] == 'system' %}}{{{{ {system} + '\\n\\n' }}}}{{% endif %}}"
+        "{{ '# Tools\\n\\nYou can call these functions (JSON schemas) to help with the request:\\n<tools>' }}"
+        "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+        '{{ \'\\n</tools>\\n\\nTo call one, write {"name": ..., "arguments": {...}} between <tool_call> and '
+        "</tool_call>.<|im_end|>\\n' }}"
+        "{% endif %}"
+        "{% for message in messages %}"
+        "{% if not (tools and loop.first and message['role'] == 'system') %}"
+        f"{{{{ '<|im_start|>' + message['role'] + '\\n' + {content} }}}}"
+        "{% for call in message['tool_calls'] or [] %}"
+        "{% set f = call['function'] if call['function'] is defined else call %}"
+        f"{{{{ ('\\n' if ({said} or not loop.first) else '') + '<tool_call>\\n' }}}}"
+        "{{ ({'name': f['name'], 'arguments': f['arguments']} | tojson) + '\\n</tool_call>' }}"
+        "{% endfor %}"
+        "{{ '<|im_end|>' + '\\n' }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+
+#: ChatML with tools (:func:`chatml_template`): ``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per
+#: message, ``tools`` in a system turn, each assistant ``tool_calls`` entry in ``<tool_call>``.
+CHATML_TEMPLATE = chatml_template()
 
 _FORMAT_VERSION = "1"  # bump when the built tokenizer changes for the same inputs
 _SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -20,7 +20,7 @@ import pytest
 from PIL import Image
 
 from sftpack.chat import ChatRenderer, tokenize_conversation
-from sftpack.data import CHATML_TEMPLATE
+from sftpack.data import CHATML_TEMPLATE, chatml_template
 from sftpack.multimodal import (
     MediaTokenizeStats,
     UnsupportedModelError,
@@ -28,7 +28,6 @@ from sftpack.multimodal import (
     tokenize_media_conversation,
     tokenize_media_conversations,
 )
-from sftpack.multimodal._family import chatml_template
 
 FAMILIES = ["qwen2_vl", "llava", "gemma3"]
 

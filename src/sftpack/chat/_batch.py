@@ -79,7 +79,8 @@ class TokenizeStats:
         labels_lost: labels no sample gives: the tail cut by truncate, all of a
             dropped conversation, and one per split boundary whose first token is trainable.
         split_labels_lost: the part of ``labels_lost`` lost at split boundaries.
-        special_text: special-token strings found inside contents (kept as text
+        special_text: special-token strings found in what the template writes (contents, tool
+            calls, tools schemas, other message keys; kept as text
             unless ``special_tokens_in_content="control"``).
     """
 
@@ -269,8 +270,9 @@ def tokenize_conversations(
             leaves it out and counts it in ``stats.skipped[reason]``. The same
             word as the reader's, so one ``--on-bad-row`` flag drives both.
         special_tokens_in_content: ``"text"`` (default): special-token strings
-            inside a content (``"<|im_end|>"``) are tokenized as the plain text they
-            are, never as control tokens, and counted in ``stats.special_text``;
+            inside a content (``"<|im_end|>"``), or any other string the template writes
+            (tool calls, tools schemas, a message's ``name``...), are tokenized as the plain
+            text they are, never as control tokens, and counted in ``stats.special_text``;
             ``"control"``: they become the control tokens (Hugging Face's behaviour,
             for data that relies on it).
 

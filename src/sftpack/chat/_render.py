@@ -57,7 +57,10 @@ __all__ = ["ChatRenderer", "TemplateError", "renderer_for"]
 
 Span = tuple[int, int]
 
-_MARKER = re.compile("\ue002([0-9]+)\ue003")  # stands for the k-th special-token string of a content
+#: stands for the k-th special-token string of the data: as written, or JSON-escaped (``tojson(ensure_ascii=True)``)
+_MARKER = re.compile("\ue002([0-9]+)\ue003|\\\\[uU][eE]002([0-9]+)\\\\[uU][eE]003")
+#: what is left of a marker a template cut (or a private-use character of the data)
+_MARKER_PART = re.compile("[\ue002\ue003]|\\\\[uU][eE]00[23]")
 
 
 class TemplateError(ValueError):
@@ -72,10 +75,12 @@ _TOOLS: ContextVar[Any] = ContextVar("sftpack_tools", default=None)
 
 
 @contextmanager
-def _tools_of(messages: Any) -> Iterator[None]:
+def _tools_of(messages: Any, tools: Any = None) -> Iterator[None]:
     """While rendering ``messages``: their ``tools`` (a list attribute of the messages, as the reader
-    gives a row's ``tools`` column) handed to every render of them and of their prefixes."""
-    tools = getattr(messages, "tools", None)
+    gives a row's ``tools`` column; or ``tools`` when given) handed to every render of them and of
+    their prefixes."""
+    if tools is None:
+        tools = getattr(messages, "tools", None)
     if tools is None:
         yield
         return
@@ -228,53 +233,83 @@ class ChatRenderer:
             re.compile("|".join(re.escape(t) for t in self.special_tokens)) if self.special_tokens else None
         )
 
-    # -- special-token text inside contents
+    # -- special-token text in what the template writes
 
     def count_special_text(self, messages: Sequence[Mapping[str, Any]]) -> int:
-        """How many special-token strings (``"<|im_end|>"``...) the messages' contents hold (a
-        content is a string or a list of parts, whose ``text`` parts count)."""
-        if self._special_re is None:
+        """How many special-token strings (``"<|im_end|>"``...) the strings the template may write
+        hold: each message's content (a string, or a list of parts whose ``text`` parts count,
+        joined), every other string of a message (tool calls' names and arguments, ``name``...,
+        keys included) and the messages' ``tools`` schemas."""
+        pattern = self._special_re
+        if pattern is None:
             return 0
-        find = self._special_re.findall
-        return sum(len(find(_joined(m.get("content")))) for m in messages)
+        find = pattern.findall
+        n = sum(len(find(s)) for s in _strings(getattr(messages, "tools", None)))
+        for m in messages:
+            for k, v in m.items():
+                n += len(find(k)) if isinstance(k, str) else 0
+                n += len(find(_joined(v))) if k == "content" else sum(len(find(s)) for s in _strings(v))
+        return n
 
     def spans_special_text(
         self, messages: Sequence[Mapping[str, Any]], train_on: TrainOn | str = TrainOn.ALL_ASSISTANT
     ) -> tuple[str, list[Span], list[Span]]:
-        """:meth:`spans` for contents holding special-token text, plus where the
-        *template's own* special tokens are: ``(text, spans, template_specials)``.
+        """:meth:`spans` with every special-token string the data holds kept as text, plus where
+        the *template's own* special tokens are: ``(text, spans, template_specials)``.
 
-        A content is a string or a list of parts (``{"type": "text", "text": ...}``, and media
-        parts such as ``{"type": "image"}`` that the template writes as its own tokens, which are
-        then among ``template_specials``). Each special-token string in a content is swapped for a private-use marker
-        before rendering, so the template's special tokens are the only ones left
-        in its output; the markers are then put back and every offset shifted. The
-        tokenizer can then split the text at the template's specials only, and the
-        content's ones stay text.
+        Each special-token string in any string the template may write (contents, tool calls'
+        names and arguments, a message's ``name`` and other keys, the ``tools`` schemas; keys
+        included) is swapped for a private-use marker before rendering, so the template's
+        special tokens are the only ones left in its output; the markers are then put back
+        (written as the template wrote them: as they are, or JSON-escaped by ``tojson``) and
+        every offset shifted. The tokenizer can then split the text at the template's specials
+        only, and the data's ones stay text. A content is a string or a list of parts
+        (``{"type": "text", "text": ...}``, and media parts such as ``{"type": "image"}`` that
+        the template writes as its own tokens, which are then among ``template_specials``).
         """
         pattern = self._special_re
+        if pattern is None:
+            return (*self.spans(messages, train_on), [])
         originals: list[str] = []
 
         def mark(original: str) -> str:
             originals.append(original)
             return f"\ue002{len(originals) - 1}\ue003"
 
-        marked = [{**m, "content": _mark_content(m.get("content"), pattern, mark)} if pattern else m for m in messages]
-        with _tools_of(messages):
+        if any("\ue002" in t or "\ue003" in t for t in _strings([getattr(messages, "tools", None), *messages])):
+            raise TemplateError(
+                "the conversation holds U+E002/U+E003 (private-use characters sftpack marks special-token text "
+                "with), so its special-token text cannot be kept as text: remove those characters or pass "
+                "special_tokens_in_content='control'"
+            )
+        tools = _mark_strings(getattr(messages, "tools", None), pattern, mark)
+        marked = [
+            {
+                _mark_strings(k, pattern, mark): _mark_content(v, pattern, mark)
+                if k == "content"
+                else _mark_strings(v, pattern, mark)
+                for k, v in m.items()
+            }
+            for m in messages
+        ]
+        with _tools_of(marked, tools):
             text_m, spans_m = self.spans(marked, train_on)
         found = list(_MARKER.finditer(text_m))
-        if [int(f.group(1)) for f in found] != list(range(len(originals))):
+        if any(int(f.group(1) or f.group(2)) >= len(originals) for f in found) or _MARKER_PART.search(
+            _MARKER.sub("", text_m)
+        ):
             raise TemplateError(
-                "the chat template does not render each content exactly once, in order (or a content holds "
-                "U+E002/U+E003), so special-token text in it cannot be kept as text: pass "
-                "special_tokens_in_content='control' or remove that text"
+                "the chat template cuts or changes the text it writes, so special-token text in it cannot be "
+                "kept as text: pass special_tokens_in_content='control' or remove that text"
             )
         ends, shifts, parts, pos, shift = [], [], [], 0, 0
         for f in found:
+            original = originals[int(f.group(1) or f.group(2))]
+            written = original if f.group(1) else json.dumps(original)[1:-1]  # tojson(ensure_ascii=True)
             parts.append(text_m[pos : f.start()])
-            parts.append(originals[int(f.group(1))])
+            parts.append(written)
             pos = f.end()
-            shift += len(originals[int(f.group(1))]) - (f.end() - f.start())
+            shift += len(written) - (f.end() - f.start())
             ends.append(f.end())
             shifts.append(shift)
         parts.append(text_m[pos:])
@@ -285,7 +320,7 @@ class ChatRenderer:
             return p + (shifts[k - 1] if k else 0)
 
         spans = [(moved(a), moved(b)) for a, b in spans_m]
-        template_specials = [(moved(m.start()), moved(m.end())) for m in pattern.finditer(text_m)] if pattern else []
+        template_specials = [(moved(m.start()), moved(m.end())) for m in pattern.finditer(text_m)]
         return text, spans, template_specials
 
     # -- rendering
@@ -500,6 +535,31 @@ def _joined(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p["text"] for p in content if isinstance(p, Mapping) and isinstance(p.get("text"), str))
     return ""
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string in a JSON-like value (dict keys included), depth first."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for k, v in value.items():
+            yield from _strings(k)
+            yield from _strings(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _strings(v)
+
+
+def _mark_strings(value: Any, pattern: re.Pattern[str], mark: Any) -> Any:
+    """``value`` (a JSON-like value: strings, dicts, lists) with each special-token string of each
+    of its strings (dict keys included) swapped for ``mark(original)``; other values as they are."""
+    if isinstance(value, str):
+        return pattern.sub(lambda m: mark(m.group(0)), value)
+    if isinstance(value, Mapping):
+        return {_mark_strings(k, pattern, mark): _mark_strings(v, pattern, mark) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_mark_strings(v, pattern, mark) for v in value]
+    return value
 
 
 def _mark_content(content: Any, pattern: re.Pattern[str], mark: Any) -> Any:

@@ -34,8 +34,9 @@ another door. A conversation that fails them, that the chat template refuses
 token, is an error naming its id (``on_bad_row="error"``) or a count under its
 reason (``"skip"``); the decision is taken per conversation, inside a batch.
 
-Special-token text typed in a content (``"x<|im_end|>\\n<|im_start|>user"``) stays
-text by default: the contents' special strings are swapped for markers before
+Special-token text typed in a content (``"x<|im_end|>\\n<|im_start|>user"``), or in any
+other string the template writes (a tool call's name or arguments, a tool schema, a
+message's ``name``), stays text by default: those special strings are swapped for markers before
 rendering, so after rendering the template's own special tokens are the only
 ones; the text is then encoded in pieces between those, with a copy of the
 tokenizer that reads special strings as text. Only conversations holding such
@@ -55,6 +56,7 @@ Batches of many conversations, stats and worker processes: ``_batch``.
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -109,7 +111,8 @@ class Encoded:
         labels_lost: those no sample gives: the cut tail (truncate), all (drop),
             the first token of every piece after the first (split: a piece's first
             token has no earlier token in its row to be the target of).
-        special_text: special-token strings found in the contents.
+        special_text: special-token strings found in what the template writes (contents, tool
+            calls' names and arguments, tools schemas, other message keys).
         skip: ``(reason, detail, fix)`` when ``outcome`` is ``skipped``.
         conversation_id: the conversation's id (set when skipped).
     """
@@ -314,18 +317,32 @@ def _render_one(item: Item, ctx: _Context, opts: _Options) -> _Rendered:
         return _render_plain(cid, messages, ctx, opts)
     renderer = ctx.renderer  # a tokenizer without a chat template fails here, for every row alike
     n_special = renderer.count_special_text(messages)
+    keep = bool(n_special) and opts.special_tokens is SpecialTokensInContent.TEXT
     try:
-        if n_special and opts.special_tokens is SpecialTokensInContent.TEXT:
-            text, spans, specials = renderer.spans_special_text(messages, opts.train_on)
-        else:
-            (text, spans), specials = renderer.spans(messages, opts.train_on), None
-        if isinstance(messages, FormattedMessages) and opts.train_on is not TrainOn.EVERYTHING:
-            spans = _completion_spans(renderer, messages, text, spans)
-        _check_tools_written(messages, text, ctx.tokenizer)
+        text, spans, specials = render_spans(renderer, messages, opts.train_on, ctx.tokenizer, keep_special_text=keep)
     except Exception as e:  # noqa: BLE001 - TemplateError (raise_exception...) or any failure inside Jinja
         detail = str(e) if isinstance(e, TemplateError) else f"the chat template failed: {type(e).__name__}: {e}"
         return _Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, _TEMPLATE_FIX, n_special))
     return _Rendered(cid, text, spans, specials, n_special)
+
+
+def render_spans(
+    renderer: ChatRenderer, messages: Any, train_on: TrainOn, tokenizer: Any, *, keep_special_text: bool
+) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]] | None]:
+    """One conversation through its chat template: ``(text, spans, template_specials)``, the
+    trainable spans of the rows' rule (a prompt/completion row: its completion's only), the
+    template's own special tokens where ``keep_special_text`` (:meth:`ChatRenderer.spans_special_text`:
+    the data's special-token text stays text), else ``None``; raises :class:`TemplateError` when
+    the template fails or does not write the tools and tool calls. The rendering of every path
+    (text, and with media :mod:`sftpack.multimodal`'s, whose contents are lists of parts)."""
+    if keep_special_text:
+        text, spans, specials = renderer.spans_special_text(messages, train_on)
+    else:
+        (text, spans), specials = renderer.spans(messages, train_on), None
+    if isinstance(messages, FormattedMessages) and train_on is not TrainOn.EVERYTHING:
+        spans = _completion_spans(renderer, messages, text, spans)
+    _check_tools_written(messages, text, tokenizer)
+    return text, spans, specials
 
 
 def _check_tools_written(messages: Any, text: str, tokenizer: Any) -> None:
@@ -338,7 +355,8 @@ def _check_tools_written(messages: Any, text: str, tokenizer: Any) -> None:
         if isinstance(name, str):
             names.append(("tool", name))
     for what, name in names:
-        if name not in text:
+        # as written, or JSON-escaped as ``tojson`` writes it (a name with '"' or a newline)
+        if not any(form in text for form in (name, json.dumps(name, ensure_ascii=False)[1:-1], json.dumps(name)[1:-1])):
             template = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
             raise TemplateError(
                 f"the chat template of {template!r} does not write the {what} {name!r} (it ignores "

@@ -25,6 +25,7 @@ from ..sample import Conversation, Sample
 from ._batch import TokenizeStats
 from ._cache_entry import DEFAULT_MAX_SIZE, EntryWriter, _cannot_write, read_entry
 from ._cache_key import cache_key, source_identity, tokenizer_files_identity, tokenizer_identity, tokenizer_info
+from ._options import OnBadRow, choose
 from ._producer import _BATCH, _positioned, _Producer, _Run
 
 __all__ = [
@@ -366,6 +367,7 @@ def start_training_samples(
     load_tokenizer: tuple[str, Callable[[], Any]] | None = None,
     cache_max_size: int = DEFAULT_MAX_SIZE,
     read_stats: Any = None,
+    on_bad_row: str = "error",
 ) -> TokenizeJob:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
     training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache),
@@ -398,6 +400,9 @@ def start_training_samples(
         read_stats: the :class:`~sftpack.chat.ReadStats` of the reader ``conversations``
             comes from (``reader.stats``); its counts of this pass come back as
             :attr:`CachedSamples.read` (from the producer process too).
+        on_bad_row: a conversation the tokenizer cannot use (the chat template refuses it, it
+            holds no trainable token...): ``"error"`` raises naming it, ``"skip"`` counts it in
+            ``stats.skipped`` and tokenizes the rest (as :func:`~sftpack.chat.tokenize_conversations`).
     """
     from ..data import default_corpus
     from ._batch import tokenize_conversations
@@ -409,7 +414,7 @@ def start_training_samples(
         "max_seq_len": max_seq_len,
         "overlong": "split",
         "train_on": "all_assistant",
-        "on_bad_row": "error",
+        "on_bad_row": choose(OnBadRow, on_bad_row, "on_bad_row").value,
         "special_tokens_in_content": "text",
     }
     key = None

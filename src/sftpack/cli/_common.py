@@ -378,6 +378,6 @@ def render_tokenize_stats(st: TokenizeStats, samples: int, seconds: float) -> st
             f"{st.labels_lost:,} of {st.labels:,} supervised labels lost ({st.split_labels_lost:,} at split points: split_labels_lost)"
         )
     if getattr(st, "special_text", 0):
-        lost.append(f"{st.special_text:,} conversations had special-token text in content (kept as text)")
+        lost.append(f"{st.special_text:,} special-token strings in the data (special_text), kept as text")
     lines.append("  " + "; ".join(lost))
     return "\n".join(lines)

@@ -133,6 +133,8 @@ def summary_lines(result: PrepackResult) -> list[str]:
     ]
     if c.get("formats"):  # data of other formats than messages (the manifest counts them)
         rows.insert(2, ("  formats", ", ".join(f"{k} {v:,}" for k, v in c["formats"].items())))
+    if c.get("special_text"):
+        rows.append(("  special_text", f"{c['special_text']:,} special-token strings in the data, kept as text"))
     if oc:
         rows += [
             ("  fit / split / truncated", f"{oc['fit']:,} / {oc['split']:,} / {oc['truncated']:,}"),

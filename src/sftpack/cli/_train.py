@@ -250,6 +250,7 @@ def _start_tokenizing(args: argparse.Namespace, tok: _Tokenizer) -> tuple[Any, A
         seed=args.seed,
         cache_max_size=DEFAULT_MAX_SIZE if args.cache_max_size is None else args.cache_max_size,
         read_stats=read_stats,
+        on_bad_row=args.on_bad_row,
     )
     if job.done is None:
         _lower_priority_of_children()  # before it forks its own workers, which inherit it
@@ -462,7 +463,9 @@ def _run_training(
     eval_samples = None
 
     def tokenize_eval(conversations: Any) -> list[Any]:
-        return tokenized_samples(tokenizer.get(), conversations, max_seq_len=cfg.max_seq_len)[0]
+        return tokenized_samples(
+            tokenizer.get(), conversations, max_seq_len=cfg.max_seq_len, on_bad_row=args.on_bad_row
+        )[0]
 
     streaming = False  # training starts before the last conversation is tokenized
     if job is not None and pending is not None:

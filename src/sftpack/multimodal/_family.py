@@ -63,22 +63,6 @@ FAMILIES: dict[str, str] = {
 MEDIA_KINDS = ("image", "video")
 
 
-def chatml_template(image: str, video: str) -> str:
-    """ChatML (``<|im_start|>{role}\\n{content}<|im_end|>\\n`` per message, as
-    :data:`sftpack.data.CHATML_TEMPLATE`) over contents that are a string or a list of parts:
-    a text part is its text, an image part ``image``, a video part ``video``."""
-    return (
-        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for part in message['content'] %}"
-        f"{{% if part['type'] == 'image' %}}{{{{ {json.dumps(image)} }}}}"
-        f"{{% elif part['type'] == 'video' %}}{{{{ {json.dumps(video)} }}}}"
-        "{% else %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-        "{{ '<|im_end|>\\n' }}{% endfor %}"
-        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-    )
-
-
 class UnsupportedModelError(TypeError):
     """A tokenizer, image processor, model or config of a family sftpack does not pack. One line
     naming it and what is supported, raised before any record is read: the setup is wrong, not
@@ -140,7 +124,7 @@ class Family:
     #: the video placeholder token (one of :attr:`video_block`)
     video_placeholder: ClassVar[str] = ""
     #: the family's default chat template (``None``: ChatML writing the image and video blocks,
-    #: :func:`chatml_template`); a tokenizer's own template wins (:meth:`renderer`)
+    #: :func:`sftpack.data.chatml_template`); a tokenizer's own template wins (:meth:`renderer`)
     chat_template: ClassVar[str | None] = None
     #: what :meth:`takes_processor` asks of an image processor, and which one each family
     #: takes: the end of :meth:`check`'s error, ``(what it asks): the fix``
@@ -249,6 +233,8 @@ class Family:
     def default_chat_template(self) -> str:
         """The family's chat template when the tokenizer brings none of its own
         (:attr:`chat_template`, else ChatML writing the image and video blocks)."""
+        from ..data import chatml_template
+
         if self.chat_template is not None:
             return self.chat_template
         return chatml_template("".join(self.image_block), "".join(self.video_block))

@@ -46,8 +46,10 @@ from typing import Any
 
 import numpy as np
 
+from ..chat._options import RowFormat, TrainOn
 from ..chat._render import TemplateError
-from ..chat._tokenize import _encode_pieces, _Rendered, mask_from_offsets
+from ..chat._rows import ROLES, FormattedMessages, _Bad, _tool_calls, _tools_column
+from ..chat._tokenize import _encode_pieces, _Rendered, mask_from_offsets, render_spans
 from ..sample import Overlong, OverlongError, Sample
 from ._family import MEDIA_KINDS, EncodedImages, Family, family_for
 from ._images import BadImageError, load_image
@@ -85,20 +87,32 @@ class _Rendering:
     media: dict[str, list[tuple[dict, str]]]
 
 
-def _render(messages: list[dict], record: Any, family: Family, renderer: Any) -> _Rendering:
+def _render(messages: list[dict], record: Any, family: Family, renderer: Any, tokenizer: Any) -> _Rendering:
     """``messages`` through the family's chat template (contents as lists of parts; each media
-    part handed to the template as ``{"type": kind}``), with the text path's spans and its
-    special-token text kept as text (:meth:`~sftpack.chat.ChatRenderer.spans_special_text`)."""
+    part handed to the template as ``{"type": kind}``) by the text path's rendering
+    (:func:`~sftpack.chat._tokenize.render_spans`): the same roles, ``tools`` (the messages'
+    attribute, as the reader gives them) and ``tool_calls``, the same spans, every special-token
+    text of the data kept as text, a template that ignores the tools refused."""
     if not messages:
         raise ValueError(f"record {record!r}: no messages")
     shown: list[dict] = []
     media: dict[str, list[tuple[dict, str]]] = {kind: [] for kind in MEDIA_KINDS}
     for i, msg in enumerate(messages):
         role = msg.get("role") if isinstance(msg, dict) else None
-        if role not in ("system", "user", "assistant"):
-            raise ValueError(f"record {record!r}, messages[{i}].role: {role!r} is not system, user or assistant")
+        if role not in ROLES:
+            raise ValueError(
+                f"record {record!r}, messages[{i}].role: {role!r} is not one of {', '.join(sorted(ROLES))}"
+            )
+        extra = {k: v for k, v in msg.items() if k not in ("role", "content") and v is not None}
+        content = msg.get("content")
+        if extra.get("tool_calls") is not None:
+            try:
+                extra["tool_calls"] = _tool_calls(extra["tool_calls"], i, role)
+            except _Bad as bad:
+                raise ValueError(f"record {record!r}, {bad.detail} ({bad.fix})") from None
+            content = "" if content is None else content  # a turn that only calls tools
         parts: list[dict] = []
-        for j, part in enumerate(_parts(msg.get("content"), record, f"messages[{i}].content")):
+        for j, part in enumerate(_parts(content, record, f"messages[{i}].content")):
             where = f"messages[{i}].content[{j}]"
             kind = part["type"]
             if kind == "text":
@@ -116,13 +130,17 @@ def _render(messages: list[dict], record: Any, family: Family, renderer: Any) ->
                 )
             media[kind].append((part, where))
             parts.append({"type": kind})
-        shown.append({"role": role, "content": parts})
+        shown.append({**extra, "role": role, "content": parts})
     if not any(m["role"] == "assistant" for m in shown):
         raise ValueError(f"record {record!r}: no assistant message, nothing to train on")
+    tools = getattr(messages, "tools", None)
+    if tools:
+        shown = FormattedMessages(shown, RowFormat.MESSAGES, tools=tools)
     try:
-        text, spans, controls = renderer.spans_special_text(shown)
+        text, spans, controls = render_spans(renderer, shown, TrainOn.ALL_ASSISTANT, tokenizer, keep_special_text=True)
     except TemplateError as e:
         raise ValueError(f"record {record!r}: {e}") from None
+    assert controls is not None
     if not spans:
         raise ValueError(f"record {record!r}: the chat template leaves no assistant text to train on")
     return _Rendering(text, spans, controls, media)
@@ -192,7 +210,7 @@ class _Encoded:
 
 
 def _encode(messages: list[dict], record: Any, tokenizer: Any, processor: Any, family: Family) -> _Encoded:
-    r = _render(messages, record, family, family.renderer(tokenizer))
+    r = _render(messages, record, family, family.renderer(tokenizer), tokenizer)
     encoded = {
         "image": family.encode_images([load_image(p, record, where) for p, where in r.media["image"]], processor)
     }
@@ -442,6 +460,8 @@ def tokenize_record(
     else:
         messages, cid = conv.messages, getattr(conv, "id", None)
     try:
+        if isinstance(conv, dict) and conv.get("tools") is not None and isinstance(messages, list):
+            messages = _with_tools(messages, conv, cid if cid is not None else index)
         out = tokenize_media_conversation(
             messages,
             tokenizer=tokenizer,
@@ -464,3 +484,12 @@ def tokenize_record(
             raise
         return [], "bad_record"
     return out, None if out else "overlong"
+
+
+def _with_tools(messages: list[dict], record: dict[str, Any], cid: Any) -> FormattedMessages:
+    """A record's messages carrying its ``tools`` column (checked as the reader checks it)."""
+    try:
+        tools = _tools_column(record)
+    except _Bad as bad:
+        raise ValueError(f"record {cid!r}, {bad.detail} ({bad.fix})") from None
+    return FormattedMessages(messages, RowFormat.MESSAGES, tools=tools)

@@ -135,27 +135,35 @@ def open_image_inputs(inputs: Any, *, limit: int | None) -> Inputs:
 def reading_counts(read: dict[str, Any] | None, tokenize: dict[str, Any]) -> dict[str, Any]:
     """The manifest counts that reading and tokenizing give.
 
+    A conversation the tokenizer skipped (``on_bad_row="skip"``: the template refused it, it
+    holds no trainable token...) is not kept: it is counted in ``dropped`` under its reason,
+    beside the reader's, so ``read == kept + sum(dropped)`` whoever left it out.
+
     Args:
         read: the reader's ``read`` / ``kept`` / ``dropped`` (``None`` when no reader
-            read: every conversation tokenized was read and kept).
+            read: every conversation tokenized was read).
         tokenize: the tokenizer's statistics (:class:`~sftpack.chat.TokenizeStats` as a dict).
     """
     st = {k: int(tokenize.get(k, 0)) for k in _TOKENIZE_KEYS}
+    skipped = {k: int(v) for k, v in (tokenize.get("skipped") or {}).items() if v}
+    formats: dict[str, int] = {}
     if read is not None:
-        head = {
-            "read": int(read.get("read", 0)),
-            "kept": int(read.get("kept", 0)),
-            "dropped": dict(sorted(read.get("dropped", {}).items())),
-        }
-        formats = read.get("formats") or {}
-        if set(formats) - {"messages"}:  # messages-only data: the manifest as before
-            head["formats"] = dict(sorted(formats.items()))
+        read_n, kept, dropped = int(read.get("read", 0)), int(read.get("kept", 0)), dict(read.get("dropped", {}))
+        if set(read.get("formats") or {}) - {"messages"}:  # messages-only data: the manifest as before
+            formats = dict(sorted(read["formats"].items()))
     else:
-        head = {"read": st["conversations"], "kept": st["conversations"], "dropped": {}}
+        read_n, kept, dropped = st["conversations"], st["conversations"], {}
+    for reason, n in skipped.items():
+        dropped[reason] = dropped.get(reason, 0) + n
+    head = {"read": read_n, "kept": kept - sum(skipped.values()), "dropped": dict(sorted(dropped.items()))}
+    if formats:
+        head["formats"] = formats
+    special = {"special_text": int(tokenize.get("special_text", 0))} if tokenize.get("special_text") else {}
     return {
         **head,
+        **special,
         "overlong": {
-            "tokenized": st["conversations"],
+            "tokenized": st["conversations"] - sum(skipped.values()),
             "fit": st["fit"],
             "truncated": st["truncated"],
             "split": st["split"],

@@ -192,6 +192,7 @@ class LocalEngine(PrepackEngine):
             max_seq_len=o.max_seq_len,
             overlong=o.overlong,
             train_on=o.train_on,
+            on_bad_row=o.on_bad_row,
             batch_size=self.batch_size,
             num_proc=self.num_proc,
             progress=self.progress,

@@ -198,7 +198,12 @@ class RayEngine(PrepackEngine):
         else:
             inputs = open_inputs(work.inputs, on_bad_row=o.on_bad_row, limit=o.limit)
         units, workers_read = make_units(inputs, staging, unit_size=self.unit_size, raw=images is not None)
-        options = {"max_seq_len": o.max_seq_len, "overlong": str(o.overlong), "train_on": str(o.train_on)}
+        options = {
+            "max_seq_len": o.max_seq_len,
+            "overlong": str(o.overlong),
+            "train_on": str(o.train_on),
+            "on_bad_row": str(o.on_bad_row),
+        }
         results = self._tokenize(units, work.tokenizer, options, images) if units else []
         raise_first_error(results)
         # start the writers now: their imports overlap merging and packing. One range of rows is

@@ -135,7 +135,7 @@ class TokenizeActor:
 
     Args:
         tokenizer: ``None`` (the embedded default), a tokenizer folder, or a tokenizer object.
-        options: ``max_seq_len``, ``overlong`` and ``train_on``.
+        options: ``max_seq_len``, ``overlong``, ``train_on`` and ``on_bad_row`` (default ``"error"``).
         after_unit: called with a unit's key once it is staged, before its result is
             sent (tests pass one that kills the actor there, as ``kill -9`` would).
         images: for conversations with images, their settings (the tokenizer and image
@@ -199,7 +199,12 @@ class TokenizeActor:
                 convs = unit.conversations or []
             o = self.options
             tokenized = tokenize_conversations(
-                convs, tok, max_seq_len=o["max_seq_len"], overlong=o["overlong"], train_on=o["train_on"]
+                convs,
+                tok,
+                max_seq_len=o["max_seq_len"],
+                overlong=o["overlong"],
+                train_on=o["train_on"],
+                on_bad_row=o.get("on_bad_row", "error"),
             )
             staged = stage_samples(tokenized, Path(unit.staging))
             if self.after_unit is not None:
