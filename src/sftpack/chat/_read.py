@@ -43,8 +43,9 @@ Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
 columns), a saved dataset through its memory-mapped Arrow files. A file holding
 one JSON array (``[{...}, {...}]``) is the exception: read whole (``_json_array``),
-each item a row (id ``"chat.json[3]"``, located by the line it starts on); one
-that does not parse is skipped as ``malformed_json``. Other files that are not
+each element a row (id ``"chat.json[3]"``, located by the line it starts on),
+whatever the first element is (one that is not an object is a bad row,
+``not_an_object``); one that does not parse is skipped as ``malformed_json``. Other files that are not
 JSON Lines are told apart from bad rows by their first 64 KiB and first rows (a
 UTF-16 byte order mark or zero bytes, line ends that are bare CRs, an indented
 object), so a pretty-printed object is one explained file (with the ``jq`` line
@@ -381,7 +382,9 @@ class ConversationReader:
         except _NotJsonl as e:
             self._skip_file(src, e.reason, e.detail, e.fix)
             return
-        array = head.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["  # or JSON Lines of arrays
+        # the file's kind is the file's: one JSON array (starts with "[" and parses whole as one array,
+        # whatever its elements) or JSON Lines (of arrays, too: more than one value)
+        array = head.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["
         if array:
             try:
                 items = self._array(src, opener)
@@ -408,8 +411,10 @@ class ConversationReader:
             self._lose_tail(src, f"line {self._last_line}", e, 1)
 
     def _array(self, src: _Source, opener: Any) -> list[tuple[int, Any]] | None:
-        """The items of a JSON array file; None: not one array of objects (or damaged: the
-        JSON Lines path reports it); raises :class:`_NotJsonl` for an array that does not parse."""
+        """The elements of a JSON array file, each a row (an element that is no object is a bad row,
+        counted under its reason); None: not one JSON value (JSON Lines whose lines are arrays), or
+        damaged (the JSON Lines path reports it); raises :class:`_NotJsonl` for an array that does
+        not parse."""
         try:
             with opener(src.target, "rb") as f:
                 data = f.read()
@@ -423,8 +428,7 @@ class ConversationReader:
                 f"is a JSON array that does not parse: {e}",
                 f"fix the JSON there (python -m json.tool {src.name} shows the spot)",
             ) from None
-        # rows are objects: an array of anything else is a JSON Lines row, bad as before
-        return items if items and isinstance(items[0][1], dict) else None
+        return items
 
     def _array_rows(self, src: _Source, items: list[tuple[int, Any]], base: Path) -> Iterator[Conversation]:
         self.stats.files_read += 1

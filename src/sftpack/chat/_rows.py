@@ -183,8 +183,8 @@ def _read_row(
         raise _Bad(
             BadRowReason.NOT_AN_OBJECT,
             f"the row is a JSON {_type_name(row)}, not an object",
-            'write one object per line: {"messages": [{"role": "user", "content": "..."}, ...]} '
-            "(a file holding one JSON array converts with jq -c '.[]')",
+            "make each row one object (a line of a JSON Lines file, or an element of a JSON array file): "
+            '{"messages": [{"role": "user", "content": "..."}, ...]}',
         )
     fmt = detect_format(row)
     if fmt is None:
