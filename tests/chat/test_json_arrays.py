@@ -94,6 +94,8 @@ def test_bench_and_prepack_pack_the_good_elements(tmp_path: Path, pretty: bool, 
     out = capsys.readouterr().out
     assert re.search(r"conversations read +6\n +kept +3\n +dropped \(by reason\) +not_an_object 3\n", out), out
     assert re.search(r"samples \(sequences\) +3\n", out), out
-    assert main(["prepack", str(path), "--out", str(tmp_path / "pp2"), "--tokenizer", str(tok), "--on-bad-row", "error"]) == 1
+    strict = ["prepack", str(path), "--out", str(tmp_path / "pp2"), "--tokenizer", str(tok), "--on-bad-row", "error"]
+    assert main(strict) == 1
     err = capsys.readouterr().err
-    assert re.match(rf"sftpack prepack: {re.escape(str(path))}, item 0 \(line \d+\): the row is a JSON number", err), err
+    where = rf"sftpack prepack: {re.escape(str(path))}, item 0 \(line \d+\)"
+    assert re.match(where + ": the row is a JSON number", err), err
