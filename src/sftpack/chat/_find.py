@@ -25,7 +25,7 @@ __all__ = ["FileProblem"]
 _JSONL_SUFFIXES = (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".json.gz", ".ndjson.gz")
 _PARQUET_SUFFIXES = (".parquet", ".pq")
 #: image and video files: the media a folder's data names in its image parts, not data files
-MEDIA_SUFFIXES = (
+_MEDIA_SUFFIXES = (
     *(".png", ".jpg", ".jpeg", ".gif", ".webp", ".bmp", ".tif", ".tiff", ".avif", ".heic", ".ico"),
     *(".mp4", ".webm", ".mov", ".mkv", ".avi", ".m4v", ".mpeg", ".mpg"),
 )
@@ -134,7 +134,7 @@ def _resolve(paths: Any, split: str | None) -> _Found:
 
 
 def _is_media(path: Path) -> bool:
-    return path.name.lower().endswith(MEDIA_SUFFIXES)
+    return path.name.lower().endswith(_MEDIA_SUFFIXES)
 
 
 def _unsupported(path: Path) -> FileProblem:
