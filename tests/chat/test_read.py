@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from sftpack.chat import (
@@ -88,6 +88,8 @@ def row_mixes(draw: Any) -> list[BadRowReason | None]:
 )
 @given(row_mixes())
 def test_accounting_identity_on_random_mixes(tmp_path: Path, kinds: list[BadRowReason | None]) -> None:
+    # a file of that one line is one JSON array, each element a row: tests/chat/test_json_arrays.py
+    assume(kinds != [BadRowReason.NOT_AN_OBJECT])
     lines = [
         json.dumps({"messages": [U(f"q{i}"), A(f"a{i}")]}) if k is None else BAD_LINES[k][0]
         for i, k in enumerate(kinds)

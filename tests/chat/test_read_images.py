@@ -544,7 +544,8 @@ def test_sharegpt_role_map_and_extra_keys_with_images(tmp_path: Path) -> None:
             ]
         }
     ]
-    reader = read_conversations(_jsonl(tmp_path / "s.jsonl", rows), role_map={"bot": "assistant"})
+    path = _jsonl(tmp_path / "s.jsonl", rows)  # an image outside the data folder: read when allowed
+    reader = read_conversations(path, role_map={"bot": "assistant"}, allow_outside_images=True)
     (conv,) = list(reader)
     assert conv.messages == [
         {"role": "user", "content": [{"type": "image", "resize": [64, 32], "path": "/abs/a.png"}, _text("q")]},

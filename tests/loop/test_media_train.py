@@ -440,7 +440,8 @@ def test_sftpack_train_a_file_with_image_parts(tmp_path, capsys):
     path = tmp_path / "my_images.jsonl"
     path.write_text("".join(json.dumps(c) + "\n" for c in convs))
     (tmp_path / "vqa").mkdir()
-    args, log = _cli(tmp_path, "trainer", "float32", 3, data=(str(path),))
+    # the corpus's images lie in its package, outside the JSONL's folder: read when allowed
+    args, log = _cli(tmp_path, "trainer", "float32", 3, "--allow-outside-images", data=(str(path),))
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "12 conversations -> 12 samples with" in out and "tiny qwen2_vl" in out

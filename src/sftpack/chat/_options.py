@@ -68,8 +68,8 @@ OVERLONG_HELP = (
 class InputOptions:
     """The input flags of every command that reads chat files (``sftpack prepack``, ``train``,
     ``bench``, ``verify``), declared once (:func:`sftpack.cli._common.add_settings` reads the
-    field metadata). In Python they are :func:`~sftpack.chat.read_conversations`' ``on_bad_row``
-    and ``split``, and the tokenizer's ``chat_template`` (the file's text)."""
+    field metadata). In Python they are :func:`~sftpack.chat.read_conversations`' ``on_bad_row``,
+    ``split`` and ``allow_outside_images``, and the tokenizer's ``chat_template`` (the file's text)."""
 
     on_bad_row: OnBadRow = field(default=DEFAULT_ON_BAD_ROW, metadata={"help": ON_BAD_ROW_HELP})
     split: str | None = field(
@@ -86,6 +86,14 @@ class InputOptions:
             "help": "a Jinja chat template file, used instead of the tokenizer's own (needed when the tokenizer "
             "has none; default: the tokenizer's)",
             "metavar": "FILE",
+        },
+    )
+    allow_outside_images: bool = field(
+        default=False,
+        metadata={
+            "help": "read image and video files outside the data folder (absolute paths, ../, symlinks out of it); "
+            "by default such a part's conversation is left out, counted as image_outside_data_dir (a dataset "
+            "from elsewhere cannot pull other files of this machine into the output)"
         },
     )
 
@@ -111,6 +119,9 @@ class BadRowReason(_StrEnum):
     EMPTY_CONTENT = "empty_content"  #: a content that is empty or only whitespace
     INVALID_TEXT = "invalid_text"  #: a content holding a lone surrogate (``"\\ud800"``): no tokenizer encodes it
     NO_ASSISTANT_TURN = "no_assistant_turn"  #: nothing to train on
+    #: an image or video path (absolute, ``../``, or a symlink) whose file lies outside the data folder:
+    #: not read unless ``allow_outside_images`` (``--allow-outside-images``)
+    IMAGE_OUTSIDE_DATA_DIR = "image_outside_data_dir"
     UNREADABLE_TAIL = "unreadable_tail"  #: rows after a file's damaged point (a cut ``.gz``, a bad Parquet page)
     TEMPLATE_ERROR = "template_error"  #: (tokenizer) the chat template refused or failed to render the conversation
     NO_TRAINABLE_TOKENS = "no_trainable_tokens"  #: (tokenizer) the rendering holds no trainable token

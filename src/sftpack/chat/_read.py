@@ -22,7 +22,9 @@ by ``save_to_disk`` is read as a dataset, not searched. A glob is expanded with
 ``**`` matching any depth. Nothing found there is dropped without a word: a
 file of another kind is counted in ``stats.files_skipped["unsupported_format"]``
 and a hidden entry (``.git``, ``.DS_Store``) under ``"hidden"``, each listed in
-``stats.file_problems``. A file named explicitly must be of a known kind.
+``stats.file_problems``; an image or video file (``.png``, ``.jpg``, ``.mp4``...)
+is the data's media, not a data file, counted in ``stats.media_files``. A file
+named explicitly must be of a known kind.
 
 Which files a path, folder or glob names, and of which kind, is ``_find``'s
 part. A row holds ``messages``, ShareGPT ``conversations``, Alpaca, TRL
@@ -34,7 +36,9 @@ Contents may be lists of ``{"type": "text"}`` / ``{"type": "image"}`` parts
 (``_rows`` has the rules): a conversation of text parts only reads as text (each
 content joined into one string); one with images keeps its parts, each image's
 ``path`` made absolute against the data file's folder (a saved dataset's folder;
-the working folder for a ``datasets`` object), an ``images`` column handed to the
+the working folder for a ``datasets`` object) and, unless ``allow_outside_images``,
+required to lie in it or in the folder whose search found the file (else the row
+is bad, ``image_outside_data_dir``), an ``images`` column handed to the
 source-less image parts in order, and ``stats.images`` counting the image parts
 kept. Such a conversation is left unchecked for the text tokenizer (which refuses
 image parts); the multimodal tokenizer takes it.
@@ -43,8 +47,9 @@ Memory stays bounded whatever the file size: JSONL is read line by line,
 Parquet one record batch at a time (``batch_size`` rows of only the needed
 columns), a saved dataset through its memory-mapped Arrow files. A file holding
 one JSON array (``[{...}, {...}]``) is the exception: read whole (``_json_array``),
-each item a row (id ``"chat.json[3]"``, located by the line it starts on); one
-that does not parse is skipped as ``malformed_json``. Other files that are not
+each element a row (id ``"chat.json[3]"``, located by the line it starts on),
+whatever the first element is (one that is not an object is a bad row,
+``not_an_object``); one that does not parse is skipped as ``malformed_json``. Other files that are not
 JSON Lines are told apart from bad rows by their first 64 KiB and first rows (a
 UTF-16 byte order mark or zero bytes, line ends that are bare CRs, an indented
 object), so a pretty-printed object is one explained file (with the ``jq`` line
@@ -70,6 +75,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
@@ -82,7 +88,7 @@ from ..sample import Conversation
 from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._json_array import MalformedArray, array_items
 from ._options import BadRowReason, FileSkipReason, OnBadRow, RowFormat, choose
-from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, BadRowError, _Bad, _read_row, detect_format
+from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, BadRowError, DataFolder, _Bad, _read_row, detect_format
 
 __all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
 
@@ -130,6 +136,9 @@ class ReadStats:
         files_skipped: reason (a :class:`FileSkipReason` value) -> files not read.
         file_problems: every skipped file and every damaged tail, with its path
             and what is wrong (for a report naming them).
+        media_files: image and video files the folder and glob searches found: the
+            data's media (read where its image parts name them), not data files, so
+            neither read as data nor skipped.
     """
 
     read: int = 0
@@ -140,6 +149,7 @@ class ReadStats:
     files_read: int = 0
     files_skipped: dict[str, int] = field(default_factory=dict)
     file_problems: list[FileProblem] = field(default_factory=list)
+    media_files: int = 0
 
     @property
     def num_dropped(self) -> int:
@@ -155,18 +165,23 @@ class ReadStats:
         if self.files_skipped or self.file_problems:
             text += f", files_read={self.files_read}, files_skipped={self.files_skipped}"
             text += f", file_problems=[{len(self.file_problems)} files]"
+        if self.media_files:
+            text += f", media_files={self.media_files}"
         return text + ")"
 
     def __getitem__(self, key: str) -> Any:
-        if key in ("read", "kept", "dropped", "images", "formats", "files_read", "files_skipped", "file_problems"):
+        if key in (
+            *("read", "kept", "dropped", "images", "formats"),
+            *("files_read", "files_skipped", "file_problems", "media_files"),
+        ):
             return getattr(self, key)
         raise KeyError(key)
 
     def as_dict(self, *, files: bool = False) -> dict[str, Any]:
         """``read``, ``kept``, ``dropped`` and ``formats`` (JSON-ready; a stats dict of each key,
         so that the dicts of several readers add up key by key), and ``images`` where an image
-        part was kept; with ``files=True`` also ``files_read``, ``files_skipped`` and
-        ``file_problems`` (a list of dicts)."""
+        part was kept; with ``files=True`` also ``files_read``, ``files_skipped``,
+        ``file_problems`` (a list of dicts), and ``media_files`` where a search found one."""
         out: dict[str, Any] = {"read": self.read, "kept": self.kept, "dropped": dict(self.dropped)}
         out["formats"] = dict(sorted(self.formats.items()))
         if self.images:
@@ -175,6 +190,8 @@ class ReadStats:
             out["files_read"] = self.files_read
             out["files_skipped"] = dict(self.files_skipped)
             out["file_problems"] = [asdict(p) for p in self.file_problems]
+            if self.media_files:
+                out["media_files"] = self.media_files
         return out
 
     def _reset(self) -> None:
@@ -261,16 +278,22 @@ class ConversationReader:
         role_map: Mapping[str, str] | None,
         batch_size: int,
         skipped: list[FileProblem] | None = None,
+        *,
+        media_files: int = 0,
+        allow_outside_images: bool = False,
     ):
         self.sources = sources
         self.on_bad_row = on_bad_row
         self.role_map = dict(role_map) if role_map is not None else None
         self.batch_size = batch_size
         self.skipped_in_folders = list(skipped or [])
+        self.media_files = media_files
+        self.allow_outside_images = allow_outside_images
         self.stats = ReadStats()
         self._first: tuple[RowFormat, str] | None = None  # the format of the file's first row, and where
         for problem in self.skipped_in_folders:  # known before the first pass
             self.stats._skip_file(problem)
+        self.stats.media_files = media_files
 
     def __repr__(self) -> str:
         names = [s.name for s in self.sources]
@@ -280,6 +303,7 @@ class ConversationReader:
         self.stats._reset()
         for problem in self.skipped_in_folders:
             self.stats._skip_file(problem)
+        self.stats.media_files = self.media_files
         for src in self.sources:
             self._first = None
             if src.kind == "jsonl":
@@ -310,8 +334,18 @@ class ConversationReader:
         if self.on_bad_row is OnBadRow.ERROR:
             raise BadRowError(src.name, location, bad.reason, bad.detail, bad.fix)
 
-    def _row(self, src: _Source, cid: str, location: str, row: Any, base: Path) -> Conversation | None:
-        """One row: a conversation, or counted (raised) as bad. ``base``: the folder image paths are relative to."""
+    def _folder(self, src: _Source, base: Path) -> DataFolder:
+        """The data folder of ``src``'s rows: ``base``, the folder their media paths are relative to;
+        their media must lie in it (or in the folder whose search found the file), unless allowed."""
+        if self.allow_outside_images:
+            return DataFolder(base)
+        within = [os.path.realpath(base)]
+        if src.root is not None:
+            within.append(os.path.realpath(src.root))
+        return DataFolder(base, tuple(dict.fromkeys(within)))
+
+    def _row(self, src: _Source, cid: str, location: str, row: Any, base: DataFolder) -> Conversation | None:
+        """One row: a conversation, or counted (raised) as bad. ``base``: the data folder (image paths)."""
         self.stats.read += 1
         try:
             fmt = detect_format(row)
@@ -381,7 +415,9 @@ class ConversationReader:
         except _NotJsonl as e:
             self._skip_file(src, e.reason, e.detail, e.fix)
             return
-        array = head.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["  # or JSON Lines of arrays
+        # the file's kind is the file's: one JSON array (starts with "[" and parses whole as one array,
+        # whatever its elements) or JSON Lines (of arrays, too: more than one value)
+        array = head.lstrip().removeprefix(b"\xef\xbb\xbf").lstrip()[:1] == b"["
         if array:
             try:
                 items = self._array(src, opener)
@@ -389,14 +425,14 @@ class ConversationReader:
                 self._skip_file(src, e.reason, e.detail, e.fix)
                 return
             if items is not None:
-                yield from self._array_rows(src, items, path.resolve().parent)
+                yield from self._array_rows(src, items, self._folder(src, path.resolve().parent))
                 return
         self.stats.files_read += 1
         rows_before = self.stats.read
         self._last_line = 0
         try:
             with opener(path, "rb") as f:
-                yield from self._jsonl_rows(src, f, path.resolve().parent)
+                yield from self._jsonl_rows(src, f, self._folder(src, path.resolve().parent))
         except _NotJsonl as e:
             self.stats.files_read -= 1
             self._skip_file(src, e.reason, e.detail, e.fix)
@@ -408,8 +444,10 @@ class ConversationReader:
             self._lose_tail(src, f"line {self._last_line}", e, 1)
 
     def _array(self, src: _Source, opener: Any) -> list[tuple[int, Any]] | None:
-        """The items of a JSON array file; None: not one array of objects (or damaged: the
-        JSON Lines path reports it); raises :class:`_NotJsonl` for an array that does not parse."""
+        """The elements of a JSON array file, each a row (an element that is no object is a bad row,
+        counted under its reason); None: not one JSON value (JSON Lines whose lines are arrays), or
+        damaged (the JSON Lines path reports it); raises :class:`_NotJsonl` for an array that does
+        not parse."""
         try:
             with opener(src.target, "rb") as f:
                 data = f.read()
@@ -423,17 +461,16 @@ class ConversationReader:
                 f"is a JSON array that does not parse: {e}",
                 f"fix the JSON there (python -m json.tool {src.name} shows the spot)",
             ) from None
-        # rows are objects: an array of anything else is a JSON Lines row, bad as before
-        return items if items and isinstance(items[0][1], dict) else None
+        return items
 
-    def _array_rows(self, src: _Source, items: list[tuple[int, Any]], base: Path) -> Iterator[Conversation]:
+    def _array_rows(self, src: _Source, items: list[tuple[int, Any]], base: DataFolder) -> Iterator[Conversation]:
         self.stats.files_read += 1
         for index, (line, row) in enumerate(items):
             conv = self._row(src, f"{src.name}[{index}]", f"item {index} (line {line})", row, base)
             if conv is not None:
                 yield conv
 
-    def _jsonl_rows(self, src: _Source, f: Any, base: Path) -> Iterator[Conversation]:
+    def _jsonl_rows(self, src: _Source, f: Any, base: DataFolder) -> Iterator[Conversation]:
         self._last_line = 0
         lines = enumerate(f, 1)
         pending: list[tuple[int, bytes]] = []  # a line read ahead to tell a document from a bad first row
@@ -516,7 +553,7 @@ class ConversationReader:
         if not columns:
             yield from self._missing_column(src, num_rows, sorted(names))
             return
-        base = Path(src.target).resolve().parent
+        base = self._folder(src, Path(src.target).resolve().parent)
         index = 0
         batches = pf.iter_batches(batch_size=self.batch_size, columns=columns)
         while True:
@@ -539,11 +576,11 @@ class ConversationReader:
 
     def _read_dataset(self, src: _Source) -> Iterator[Conversation]:
         target = src.target
-        base = Path.cwd()  # a datasets object's image paths: relative to the working folder
+        folder = Path.cwd()  # a datasets object's image paths: relative to the working folder
         if isinstance(target, tuple):
             datasets = _optional.datasets()
             path, split = target
-            base = Path(path).resolve()
+            folder = Path(path).resolve()
             try:
                 loaded = datasets.load_from_disk(str(path))
             except (OSError, ValueError, EOFError) as e:
@@ -555,6 +592,7 @@ class ConversationReader:
                 )
                 return
             target = _pick_split(loaded, split, src.name)
+        base = self._folder(src, folder)
         self.stats.files_read += 1
         index = 0
         if not hasattr(target, "__len__"):  # an IterableDataset: its columns may be unknown, check each row
@@ -652,6 +690,7 @@ def read_conversations(
     role_map: Mapping[str, str] | None = None,
     split: str | None = None,
     batch_size: int = 1024,
+    allow_outside_images: bool = False,
 ) -> ConversationReader:
     """Stream the conversations of JSONL (or JSON array), Parquet or Hugging Face dataset sources.
 
@@ -672,6 +711,12 @@ def read_conversations(
         role_map: renames roles before checking them, e.g. ``{"bot": "assistant"}``.
         split: the split to read from a ``DatasetDict``.
         batch_size: rows per Parquet / Arrow batch (bounds memory).
+        allow_outside_images: read image and video files outside the data folder. By
+            default a media path (absolute, ``../``, or through a symlink) whose file is
+            not in the data file's folder (or in the folder searched that found the file;
+            a saved dataset's folder; the working folder for a ``datasets`` object) makes
+            its row bad, ``image_outside_data_dir``: a dataset from elsewhere cannot pull
+            other files of this machine into the output.
 
     Returns:
         A :class:`ConversationReader`: iterate it for :class:`Conversation`
@@ -695,5 +740,13 @@ def read_conversations(
         bad = {k: v for k, v in role_map.items() if v not in ROLES}
         if bad:
             raise ValueError(f"role_map={bad!r} maps to unknown roles: targets must be one of {sorted(ROLES)}")
-    sources, skipped = _resolve(paths, split)
-    return ConversationReader(sources, mode, role_map, batch_size, skipped)
+    found = _resolve(paths, split)
+    return ConversationReader(
+        found.sources,
+        mode,
+        role_map,
+        batch_size,
+        found.skipped,
+        media_files=found.media,
+        allow_outside_images=bool(allow_outside_images),
+    )

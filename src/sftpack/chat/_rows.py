@@ -25,7 +25,9 @@ into one string (no separator), so it reads exactly as the same text written as
 strings. A conversation with an image part keeps every content as a list of parts
 (a string becomes one text part), each image part's source resolved: ``path`` (or
 ``image``) as a path relative to the data file's folder (made absolute), ``bytes``,
-a Hugging Face ``{"bytes", "path"}`` image struct or a PIL image kept as given; a URL
+a Hugging Face ``{"bytes", "path"}`` image struct or a PIL image kept as given; a path
+whose file lies outside the data folder (absolute, ``../``, a symlink out of it) is a bad
+row, ``image_outside_data_dir``, unless the reader allows it (:class:`DataFolder`); a URL
 is a malformed row (nothing is downloaded); an image part without a source takes
 the next entry of the row's ``images`` list, which must hold exactly one entry per
 such part; an image in an assistant turn is a malformed row. Images are not opened
@@ -38,6 +40,7 @@ import json
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +78,23 @@ SHAREGPT_ROLES: Mapping[str, str] = {
 
 _URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 _SOURCES = ("path", "image", "bytes")  # the keys an image part names its image by
+
+
+@dataclass(frozen=True)
+class DataFolder:
+    """Where a row's media paths lead: ``path``, the folder a relative path is read from (the
+    data file's); ``within``, the real folders (symlinks resolved) a media file must lie in, or
+    empty: anywhere (``allow_outside_images``)."""
+
+    path: Path
+    within: tuple[str, ...] = ()
+
+    def holds(self, file: str) -> bool:
+        """Whether ``file``, its symlinks resolved, lies in one of the ``within`` folders (or there are none)."""
+        if not self.within:
+            return True
+        real = os.path.realpath(file)
+        return any(real == f or real.startswith(f.rstrip(os.sep) + os.sep) for f in self.within)
 
 
 def is_url(text: str) -> bool:
@@ -167,12 +187,12 @@ def _read_row(
     row: Any,
     role_map: Mapping[str, str] | None,
     allow_list: bool = False,
-    base: Path | None = None,
+    base: DataFolder | None = None,
 ) -> tuple[list[dict[str, Any]], int, RowFormat]:
     """The row's checked messages, its number of image parts and its format; raises :class:`_Bad`.
 
     ``base`` (the reader's: the data file's folder) accepts content parts, image paths
-    relative to it; without it (the tokenizer's checks) a content must be a string.
+    relative to its ``path`` and kept within its ``within``; without it (the tokenizer's checks) a content must be a string.
     """
     if allow_list and isinstance(row, FormattedMessages):  # checked again as the row it was read from
         row = row.as_row()
@@ -183,8 +203,8 @@ def _read_row(
         raise _Bad(
             BadRowReason.NOT_AN_OBJECT,
             f"the row is a JSON {_type_name(row)}, not an object",
-            'write one object per line: {"messages": [{"role": "user", "content": "..."}, ...]} '
-            "(a file holding one JSON array converts with jq -c '.[]')",
+            "make each row one object (a line of a JSON Lines file, or an element of a JSON array file): "
+            '{"messages": [{"role": "user", "content": "..."}, ...]}',
         )
     fmt = detect_format(row)
     if fmt is None:
@@ -221,7 +241,7 @@ def _chat_list(
     field_name: str,
     sharegpt: bool,
     role_map: Mapping[str, str] | None,
-    base: Path | None,
+    base: DataFolder | None,
     images_of: dict[str, Any] | None,
     need_assistant: bool = True,
 ) -> tuple[list[dict[str, Any]], int]:
@@ -551,7 +571,9 @@ def _alpaca(row: dict[str, Any]) -> list[dict[str, Any]]:
     return [*head, {"role": "user", "content": user}, {"role": "assistant", "content": output}]
 
 
-def _conversational(row: dict[str, Any], role_map: Mapping[str, str] | None, base: Path | None) -> FormattedMessages:
+def _conversational(
+    row: dict[str, Any], role_map: Mapping[str, str] | None, base: DataFolder | None
+) -> FormattedMessages:
     """TRL's conversational prompt/completion: both lists of messages; the completion holds the assistant's turns."""
     lists = {}
     for key in ("prompt", "completion"):
@@ -601,7 +623,7 @@ class _Images:
     def __init__(self, values: list[Any]):
         self.values, self.used = values, 0
 
-    def take(self, where: str, base: Path) -> dict[str, Any]:
+    def take(self, where: str, base: DataFolder) -> dict[str, Any]:
         if self.used >= len(self.values):
             raise _Bad(
                 BadRowReason.MALFORMED_MESSAGE,
@@ -627,7 +649,7 @@ def _images_column(row: dict[str, Any]) -> _Images | None:
 
 
 def _parts(
-    content: list[Any], where: str, role: str, base: Path, pool: _Images | None
+    content: list[Any], where: str, role: str, base: DataFolder, pool: _Images | None
 ) -> tuple[list[dict[str, Any]], int]:
     """A content's parts, checked, image sources resolved, and how many are images."""
     parts: list[dict[str, Any]] = []
@@ -645,7 +667,7 @@ def _parts(
     return parts, images
 
 
-def _part(part: Any, where: str, base: Path, pool: _Images | None) -> tuple[dict[str, Any], bool]:
+def _part(part: Any, where: str, base: DataFolder, pool: _Images | None) -> tuple[dict[str, Any], bool]:
     """One content part, its image source resolved; returns (part, is_image). Keys holding
     None (a struct column's absent fields in Parquet / Arrow) are dropped; an image part
     with no source takes the next entry of the row's ``images`` list, if it has one."""
@@ -682,7 +704,7 @@ def _part(part: Any, where: str, base: Path, pool: _Images | None) -> tuple[dict
     return out, True
 
 
-def _video_part(part: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
+def _video_part(part: dict[str, Any], where: str, base: DataFolder) -> dict[str, Any]:
     """A video part with its file (``path``) or its frames (``frames``, a list of image files)
     resolved against the data file's folder; its other keys (``fps``) kept for the decoder,
     which checks them and the files (``BadImageError`` naming the field)."""
@@ -703,7 +725,7 @@ def _video_part(part: dict[str, Any], where: str, base: Path) -> dict[str, Any]:
     return out
 
 
-def _source(value: Any, key: str, where: str, base: Path) -> dict[str, Any]:
+def _source(value: Any, key: str, where: str, base: DataFolder) -> dict[str, Any]:
     """An image value (a path string, bytes, a ``{"bytes", "path"}`` struct as Hugging Face
     stores an ``Image`` feature, or a PIL image) as the source keys of a part."""
     if isinstance(value, dict) and ("bytes" in value or "path" in value):  # an Arrow Image struct
@@ -721,7 +743,16 @@ def _source(value: Any, key: str, where: str, base: Path) -> dict[str, Any]:
                 f"{where}.{key}: a URL {value[:60]!r}",
                 "download the image and give its path",
             )
-        return {"path": os.fspath(Path(value) if os.path.isabs(value) else base / value)}
+        path = os.fspath(Path(value) if os.path.isabs(value) else base.path / value)
+        if not base.holds(path):
+            raise _Bad(
+                BadRowReason.IMAGE_OUTSIDE_DATA_DIR,
+                f"{where}.{key}: {value[:80]!r} is outside the data folder {base.within[0]!r} "
+                f"(it resolves to {os.path.realpath(path)[:120]!r})",
+                "copy the file into the data folder and give its path relative to the data file, or, if you "
+                "trust the data, pass --allow-outside-images (allow_outside_images=True in Python)",
+            )
+        return {"path": path}
     raise _Bad(
         BadRowReason.MALFORMED_MESSAGE,
         f"{where}.{key}: a {type(value).__name__}, not a path string or image bytes",

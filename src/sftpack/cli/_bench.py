@@ -66,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         choices=["truncate", "drop", "split", "error"],
         help=OVERLONG_HELP.format(default="split"),
     )
-    add_settings(b, InputOptions, "on_bad_row", "split", "chat_template")
+    add_settings(b, InputOptions, "on_bad_row", "split", "chat_template", "allow_outside_images")
     b.add_argument("--tokenizer", metavar="DIR", help="a local Hugging Face tokenizer folder (default: embedded Qwen)")
     b.add_argument(
         "--model",
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.split is not None and not args.paths:
         raise UsageError("--split picks the split of a saved DatasetDict among the PATHS: give PATHS")
-    if args.corpus == "vqa" or (args.paths and has_images(args.paths)):
+    if args.corpus == "vqa" or (args.paths and has_images(args.paths, split=args.split)):
         return _run_images(args)
     if args.max_patches is not None:
         raise UsageError(
@@ -111,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
     tok = load_tokenizer(tokenizer_folder(args.model, args.tokenizer), args.chat_template)
     conversations: Iterable[Conversation]
     if args.paths:
-        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row, split=args.split)
+        reader = read_conversations(
+            args.paths, on_bad_row=args.on_bad_row, split=args.split, allow_outside_images=args.allow_outside_images
+        )
         conversations = reader
         source, read_stats = ", ".join(args.paths), reader.stats
     else:
@@ -176,7 +178,9 @@ def _run_images(args: argparse.Namespace) -> int:
     read_stats = None
     conversations: Iterable[Any]
     if args.paths:
-        reader = read_conversations(args.paths, on_bad_row=args.on_bad_row, split=args.split)
+        reader = read_conversations(
+            args.paths, on_bad_row=args.on_bad_row, split=args.split, allow_outside_images=args.allow_outside_images
+        )
         conversations, read_stats = reader, reader.stats
         source = ", ".join(args.paths)
     else:

@@ -9,7 +9,6 @@ import argparse
 import contextlib
 import dataclasses
 import enum
-import glob
 import itertools
 import json
 import os
@@ -290,16 +289,6 @@ def _record_has_images(obj: Any) -> bool:
     return False
 
 
-def _files_of(given: str) -> list[Path]:
-    """The first files a path, folder or glob names (a saved dataset's folder: itself)."""
-    if glob.has_magic(given):
-        return [Path(f) for f in sorted(glob.glob(given, recursive=True)) if os.path.isfile(f)][:8]
-    p = Path(given)
-    if p.is_dir() and not (p / "dataset_info.json").is_file() and not (p / "dataset_dict.json").is_file():
-        return sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in (".jsonl", ".json", ".parquet"))[:8]
-    return [p]
-
-
 def _json_array(path: Path) -> bool:
     """Whether the file's first non-blank byte is ``[`` (a JSON array of records, not JSON Lines)."""
     with open(path, "rb") as fh:
@@ -307,33 +296,40 @@ def _json_array(path: Path) -> bool:
     return head[:1] == b"["
 
 
-def has_images(paths: Sequence[str], records: int = 64) -> bool:
-    """Whether the inputs hold conversations with images: image parts (``{"type": "image", ...}``)
-    or an ``images`` list in the first ``records`` records of their first files (what ``sftpack
-    train``, ``prepack`` and ``bench`` decide the data's kind by). JSONL is read here line by line
-    (a text run imports nothing more); other sources (``.gz``, Parquet, saved datasets) through
-    :func:`sftpack.chat.read_conversations`' first records."""
-    for given in paths:
-        for f in _files_of(str(given)):
-            if f.suffix in (".jsonl", ".json", ".ndjson") and f.is_file() and not _json_array(f):
-                with open(f, encoding="utf-8", errors="replace") as fh:
-                    for line in itertools.islice(fh, records):
-                        if '"image' not in line and '"video' not in line:  # most text lines stop here, unparsed
-                            continue
-                        try:
-                            if _record_has_images(json.loads(line)):
-                                return True
-                        except ValueError:
-                            continue
-            elif f.exists():
-                from ..chat import read_conversations
+def has_images(paths: Sequence[str], records: int = 64, split: str | None = None) -> bool:
+    """Whether the inputs hold conversations with images: image or video parts (``{"type": "image",
+    ...}``) or an ``images`` list in the first ``records`` records of any of their data files (what
+    ``sftpack train``, ``prepack``, ``bench`` and ``verify`` decide the data's kind by: a run has one
+    model, so one such file makes it an image run, whose text-only conversations are text-only
+    samples). The files are those the reader finds (:func:`sftpack.chat.read_conversations`:
+    every data file of a folder or glob, not its images), each looked at. Plain JSONL is read here
+    line by line; other sources (``.gz``, JSON arrays, Parquet, saved datasets) through the reader's
+    first records. A path the reader refuses is left to the command's reader, which says why."""
+    from ..chat import ConversationReader, read_conversations
 
-                try:
-                    for conv in itertools.islice(read_conversations([str(f)], on_bad_row="skip"), records):
-                        if _record_has_images(conv):
+    try:
+        found = read_conversations(list(paths), on_bad_row="skip", split=split)
+    except (OSError, ValueError):  # a missing path, an unknown kind: the command's reader says why
+        return False
+    for src in found.sources:
+        f = src.target
+        if src.kind == "jsonl" and not f.name.lower().endswith(".gz") and not _json_array(f):
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                for line in itertools.islice(fh, records):
+                    if '"image' not in line and '"video' not in line:  # most text lines stop here, unparsed
+                        continue
+                    try:
+                        if _record_has_images(json.loads(line)):
                             return True
-                except Exception:  # not readable as conversations: the command's reader will say why
-                    return False
+                    except ValueError:
+                        continue
+            continue
+        one = ConversationReader([src], found.on_bad_row, None, found.batch_size, allow_outside_images=True)
+        try:
+            if any(_record_has_images(conv) for conv in itertools.islice(one, records)):
+                return True
+        except Exception:  # not readable as conversations: the command's reader will say why
+            continue
     return False
 
 
@@ -353,6 +349,7 @@ def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
         )
     skipped = getattr(rs, "files_skipped", {}) or {}
     problems = list(getattr(rs, "file_problems", []) or [])
+    media = getattr(rs, "media_files", 0)
     if skipped or problems:
         lines.append(f"  files: {getattr(rs, 'files_read', 0):,} read, not read: {_reasons(skipped)}")
         for p in problems[:max_files]:
@@ -360,6 +357,10 @@ def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
             lines.append(f"    {p.path}: {p.reason} ({p.detail}{lost})")
         if len(problems) > max_files:
             lines.append(f"    ... and {len(problems) - max_files:,} more")
+    if media:
+        lines.append(
+            f"  {media:,} image/video files beside the data: media, read where image parts name them, not data files"
+        )
     return "\n".join(lines)
 
 

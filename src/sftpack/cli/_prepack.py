@@ -67,7 +67,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         help="FP8 recipe: --max-seq-len must then be a multiple of the row multiple it needs",
     )
     add_settings(p, PrepackOptions, "overlong", "on_bad_row")
-    add_settings(p, InputOptions, "split", "chat_template")
+    add_settings(p, InputOptions, "split", "chat_template", "allow_outside_images")
     add_settings(p, PrepackOptions, *("train_on", "seed", "num_proc", "engine", "workers", "ray_address"))
     p.add_argument(
         "--corpus",
@@ -208,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UsageError(f"{flag}: not offered with --engine ray yet; use the local engine")
     elif args.workers is not None or args.ray_address is not None:
         raise UsageError("--workers and --ray-address need --engine ray (the local engine uses --num-proc)")
-    if args.corpus == "vqa" or (args.inputs and has_images(args.inputs)):
+    if args.corpus == "vqa" or (args.inputs and has_images(args.inputs, split=args.split)):
         return _run_images(args, pad_multiple)
     if args.max_patches_per_row is not None:
         raise UsageError(
@@ -304,7 +304,9 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         from ..offline._inputs import check_out_outside_inputs
 
         check_out_outside_inputs(args.inputs, args.out)  # before a file is read, as for text
-        reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
+        reader = read_conversations(
+            args.inputs, on_bad_row=args.on_bad_row, split=args.split, allow_outside_images=args.allow_outside_images
+        )
         # an iterable of conversations, hashed as it streams (ids, messages); with its files' rows
         # as the tokenize bar's total
         rows = input_total(args.inputs, reader, args.limit)

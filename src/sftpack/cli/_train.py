@@ -273,7 +273,7 @@ def _lower_priority_of_children(niceness: int = 5) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.corpus == "vqa" and args.inputs:
         raise UsageError("--corpus picks the embedded data used when no INPUT is given: not with INPUT files")
-    images = args.corpus == "vqa" or bool(args.inputs and has_images(args.inputs))
+    images = args.corpus == "vqa" or bool(args.inputs and has_images(args.inputs, split=args.split))
     if args.model_impl is not None and (args.model or images):
         raise UsageError(
             "--model-impl picks the code of the default text model: not with "
@@ -615,7 +615,9 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     if vqa:
         conversations = vqa_corpus(seed=cfg.seed, limit=limit, min_side=lo, max_side=hi)
     else:
-        read = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
+        read = read_conversations(
+            args.inputs, on_bad_row=args.on_bad_row, split=args.split, allow_outside_images=args.allow_outside_images
+        )
         conversations = itertools.islice(read, limit) if limit else read
 
     def tokenize(conversations: Any) -> tuple[list[Any], Any]:

@@ -46,7 +46,11 @@ def eval_samples_of(args: argparse.Namespace, cfg: Any, samples: list[Any], toke
         from ..chat import read_conversations
 
         try:
-            held = tokenize(read_conversations([args.eval_file], on_bad_row=args.on_bad_row))
+            held = tokenize(
+                read_conversations(
+                    [args.eval_file], on_bad_row=args.on_bad_row, allow_outside_images=args.allow_outside_images
+                )
+            )
         except ValueError as e:
             raise ValueError(f"--eval-file {args.eval_file}: {e}") from None
         what, never = f"{len({s.conversation_id for s in held}):,} conversations of {args.eval_file}", ""

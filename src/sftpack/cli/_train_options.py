@@ -34,7 +34,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         metavar="INPUT",
         help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
     )
-    add_settings(t, InputOptions, "on_bad_row", "split", "chat_template")
+    add_settings(t, InputOptions, "on_bad_row", "split", "chat_template", "allow_outside_images")
     add_settings(t, TrainConfig, "packing")
     t.add_argument(
         "--prepacked",

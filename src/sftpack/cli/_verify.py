@@ -62,7 +62,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="which paths to check (default all three)",
     )
     v.add_argument("--seed", type=int, default=0)
-    add_settings(v, InputOptions, "on_bad_row", "split")
+    add_settings(v, InputOptions, "on_bad_row", "split", "allow_outside_images")
     v.set_defaults(func=run)
 
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from ..multimodal import UnsupportedModelError
     from ..report.verify import verify
 
-    images = bool(args.inputs) and has_images(args.inputs)
+    images = bool(args.inputs) and has_images(args.inputs, split=args.split)
     if args.family is not None and not images:
         raise UsageError("--family names the tiny vision-language model of data with images: these inputs have none")
     if args.family is not None and args.model is not None:
@@ -83,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple}")
     if args.split is not None and not args.inputs:
         raise UsageError("--split picks the split of a saved DatasetDict among the INPUT files: give INPUT files")
-    reader = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split) if args.inputs else None
+    reader = None
+    if args.inputs:
+        reader = read_conversations(
+            args.inputs, on_bad_row=args.on_bad_row, split=args.split, allow_outside_images=args.allow_outside_images
+        )
     data = reader if reader is not None else default_corpus()
     dtype = getattr(torch, args.dtype)
     try:
