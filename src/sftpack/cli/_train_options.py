@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import UsageError, add_settings, positive
+from ._common import INPUTS_HELP, UsageError, add_settings, positive
 
 __all__ = ["IMAGE_SIDES", "VQA_LIMIT", "add_arguments", "check_options"]
 
@@ -27,12 +27,13 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
     from ..chat._options import InputOptions
     from ..loop._options import TrainConfig
+    from ..offline._options import PrepackOptions  # --no-progress: prepack's option, declared there once
 
     t.add_argument(
         "inputs",
         nargs="*",
         metavar="INPUT",
-        help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
+        help=f"chat files: {INPUTS_HELP} (default: the embedded corpus)",
     )
     add_settings(t, InputOptions, "on_bad_row", "split", "chat_template")
     add_settings(t, TrainConfig, "packing")
@@ -58,6 +59,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         "with its chat template): AutoModelForCausalLM.from_pretrained(DIR) loads it",
     )
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
+    add_settings(t, PrepackOptions, "progress")
     add_settings(
         t.add_argument_group("optimisation"),
         TrainConfig,
