@@ -25,9 +25,8 @@ IMAGE_SIDES = (56, 224)
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
-    from ..chat._options import InputOptions
+    from ..chat._options import NO_PROGRESS_HELP, InputOptions
     from ..loop._options import TrainConfig
-    from ..offline._options import PrepackOptions  # --no-progress: prepack's option, declared there once
 
     t.add_argument(
         "inputs",
@@ -59,7 +58,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         "with its chat template): AutoModelForCausalLM.from_pretrained(DIR) loads it",
     )
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
-    add_settings(t, PrepackOptions, "progress")
+    t.add_argument("--no-progress", dest="progress", action="store_false", help=NO_PROGRESS_HELP)  # as prepack's
     add_settings(
         t.add_argument_group("optimisation"),
         TrainConfig,
