@@ -302,7 +302,7 @@ def test_each_format_end_to_end_from_the_cli(tmp_path: Path, tok: Any, tok_dir: 
 
 def test_inspect_names_the_format(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The manifest's counts carry the reader's ``formats`` (offline's ``reading_counts``), and
-    ``sftpack inspect`` names them; plain ``messages`` data shows no such line, as before."""
+    ``sftpack inspect`` names them; plain ``messages`` data too (issue 38: the line was missing)."""
     _, out = _prepack(tmp_path, tok_dir, [*ALPACA, *ALPACA[:1]])
     said = capsys.readouterr().out
     assert re.search(r"\n +formats +alpaca 4\n", said), said  # the prepack summary names them too
@@ -312,4 +312,4 @@ def test_inspect_names_the_format(tmp_path: Path, tok_dir: Path, capsys: pytest.
     _, plain = _prepack(tmp_path / "m", tok_dir, msgs)
     capsys.readouterr()
     assert main(["inspect", str(plain)]) == 0
-    assert "formats:" not in capsys.readouterr().out  # messages data: the manifest as before
+    assert "  formats: messages 1 (rows kept)\n" in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """``sftpack inspect DIR --row I --decode``: each sequence of a row as text, its trained tokens
-between ``[[`` and ``]]``; how a TRL user checks that a template trains what it should.
+between ``[[`` and ``]]``, each real control token between ``⟦`` and ``⟧``; how a TRL user checks
+that a template trains what it should.
 
 The prepacks are made here, by ``sftpack prepack``, from conversations written here, with
 the tiny ChatML tokenizer; the text each must decode to is written out by hand from the
@@ -47,12 +48,20 @@ CONVERSATIONS = [
 
 
 def chatml(messages: list[dict[str, str]], trained: set[int]) -> str:
-    """The ChatML rendering, the assistant messages at the positions ``trained`` between ``[[ ]]``."""
+    """The ChatML rendering as ``--decode`` shows it: the assistant messages at the positions
+    ``trained`` between ``[[ ]]``, the control tokens between ``⟦ ⟧``."""
     out = ""
     for k, m in enumerate(messages):
-        body = m["content"] + "<|im_end|>"
-        out += f"<|im_start|>{m['role']}\n" + (f"[[{body}]]" if k in trained else body) + "\n"
+        body = m["content"] + "⟦<|im_end|>⟧"
+        out += f"⟦<|im_start|>⟧{m['role']}\n" + (f"[[{body}]]" if k in trained else body) + "\n"
     return out
+
+
+def unmarked(text: str) -> str:
+    """``--decode``'s text without its marks: the rendering."""
+    for mark in ("[[", "]]", "⟦", "⟧"):
+        text = text.replace(mark, "")
+    return text
 
 
 def all_assistant(messages: list[dict[str, str]]) -> set[int]:
@@ -87,7 +96,10 @@ def decoded(prepack, capsys, *extra: str) -> dict[int, tuple[str, int, int]]:
     for row in range(meta["counts"]["rows"]):
         assert main(["inspect", str(prepack), "--row", str(row), "--decode", *extra]) == 0
         out = capsys.readouterr().out
-        assert f"\nrow {row} decoded with " in out and "([[...]]: trained tokens, loss_mask True):" in out
+        assert (
+            f"\nrow {row} decoded with " in out
+            and "(⟦...⟧: control tokens; [[...]]: trained tokens, loss_mask True):" in out
+        )
         body = out.split("trained tokens, loss_mask True):\n", 1)[1]
         blocks = re.split(r"^--- ", body, flags=re.M)[1:]
         assert re.fullmatch(rf"end of row {row}: [\d,]+ padding slots not shown\n", blocks[-1])
@@ -115,7 +127,7 @@ def test_decode_is_the_rendering_with_exactly_the_trained_turns_marked(made, cap
         messages = CONVERSATIONS[line - 1]
         # without the marks, the text is the template's own rendering
         rendering = tok.apply_chat_template(messages, tokenize=False)
-        assert text.replace("[[", "").replace("]]", "") == rendering == chatml(messages, set())
+        assert unmarked(text) == rendering == unmarked(chatml(messages, set()))
         assert text == chatml(messages, marked(messages))
         assert tokens == len(tok(rendering)["input_ids"])
         assert trained == sum(len(tok(messages[k]["content"] + "<|im_end|>")["input_ids"]) for k in marked(messages))
@@ -160,15 +172,15 @@ def test_a_run_of_one_special_token_is_shown_collapsed():
     ids = np.array([start, *[pad] * 64, *hi, pad, end, end], dtype=np.int64)
     mask = np.zeros(len(ids), dtype=bool)
     mask[-3:] = True  # the one pad after "hello" and the two ends: a run of two collapses inside the marks
-    assert marked_text(tok, ids, mask) == "<|im_start|><|endoftext|> x 64hello[[<|endoftext|><|im_end|> x 2]]"
+    assert marked_text(tok, ids, mask) == "⟦<|im_start|>⟧⟦<|endoftext|>⟧ x 64hello[[⟦<|endoftext|>⟧⟦<|im_end|>⟧ x 2]]"
     # negative control: one more token trained ("llo", the second of "he" "llo"): one more token marked
     mask[-4] = True
-    assert marked_text(tok, ids, mask) == "<|im_start|><|endoftext|> x 64he[[llo<|endoftext|><|im_end|> x 2]]"
+    assert marked_text(tok, ids, mask) == "⟦<|im_start|>⟧⟦<|endoftext|>⟧ x 64he[[llo⟦<|endoftext|>⟧⟦<|im_end|>⟧ x 2]]"
 
 
 def test_an_image_prepack_decodes_with_its_placeholders_collapsed(tmp_path, capsys):
     """The family's own tokenizer (none given, none recorded): each image's placeholders are one
-    ``<|image_pad|> x N``, N the count the prepack's index gives; only the answers are trained."""
+    ``⟦<|image_pad|>⟧ x N``, N the count the prepack's index gives; only the answers are trained."""
     from PIL import Image
 
     Image.new("RGB", (56, 84), (200, 30, 30)).save(tmp_path / "red.png")
@@ -193,10 +205,10 @@ def test_an_image_prepack_decodes_with_its_placeholders_collapsed(tmp_path, caps
     placeholders = [int(n) for n in re.findall(r"at slot \d+ \((\d+) placeholders\)", said)]
     assert len(placeholders) == 2 and min(placeholders) >= 1  # both conversations in row 0, one image each
     texts = re.findall(r"^--- [AB]: \S+, [\d,]+ tokens, \d+ trained\n(.*?)(?=^--- )", said, flags=re.M | re.S)
-    pads = [f"<|vision_start|><|image_pad|> x {n}<|vision_end|>" for n in placeholders]
+    pads = [f"⟦<|vision_start|>⟧⟦<|image_pad|>⟧ x {n}⟦<|vision_end|>⟧" for n in placeholders]
     assert sorted(texts) == sorted(
         [
-            f"<|im_start|>user\n{pads[0]}Colour?<|im_end|>\n<|im_start|>assistant\n[[Red.<|im_end|>]]\n",
-            f"<|im_start|>user\nAnd this one?{pads[1]}<|im_end|>\n<|im_start|>assistant\n[[Green.<|im_end|>]]\n",
+            f"⟦<|im_start|>⟧user\n{pads[0]}Colour?⟦<|im_end|>⟧\n⟦<|im_start|>⟧assistant\n[[Red.⟦<|im_end|>⟧]]\n",
+            f"⟦<|im_start|>⟧user\nAnd this one?{pads[1]}⟦<|im_end|>⟧\n⟦<|im_start|>⟧assistant\n[[Green.⟦<|im_end|>⟧]]\n",
         ]
     )

@@ -22,6 +22,7 @@ from .._base import choose
 __all__ = [
     "DEFAULT_MAX_SEQ_LEN",
     "DEFAULT_ON_BAD_ROW",
+    "NO_PROGRESS_HELP",
     "ON_BAD_ROW_HELP",
     "OVERLONG_HELP",
     "BadRowReason",
@@ -55,6 +56,10 @@ ON_BAD_ROW_HELP = (
     "a row (or file) that cannot be used: skip it, counted by reason in the summary, or error: stop at the first, "
     "naming its file, line and fix (default {default})"
 )
+
+#: the ``--no-progress`` help of ``sftpack prepack`` (:attr:`~sftpack.offline.PrepackOptions.progress`) and
+#: ``train`` (whose parser must not load the offline package: it loads torch)
+NO_PROGRESS_HELP = "no progress bars"
 
 #: the ``--overlong`` help of ``sftpack prepack`` and ``bench``: what the tokenizer's split costs
 #: (:attr:`~sftpack.chat.TokenizeStats.split_labels_lost`)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat._options import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions
 from ._common import (
+    INPUTS_HELP,
     UsageError,
     add_settings,
     has_images,
@@ -36,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "paths",
         nargs="*",
-        help="JSONL / Parquet files, globs or dataset folders (default: embedded corpus); conversations with image "
-        "parts are benched as such (image paths relative to each file)",
+        help=f"{INPUTS_HELP} (default: embedded corpus); conversations with image parts are benched as such (image "
+        "paths relative to each file)",
     )
     b.add_argument(
         "--corpus",

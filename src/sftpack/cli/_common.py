@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from ..chat import ReadStats, TokenizeStats
 
 __all__ = [
+    "INPUTS_HELP",
     "Terminated",
     "UsageError",
     "add_settings",
@@ -39,6 +40,12 @@ __all__ = [
     "vlm_family",
     "vlm_setup",
 ]
+
+
+#: what every command that reads conversations takes as INPUT (its --help says it in these words)
+INPUTS_HELP = (
+    "JSONL (.jsonl/.json/.ndjson, .gz too) or JSON-array files, Parquet files, globs, folders or saved datasets"
+)
 
 
 class UsageError(ValueError):
@@ -338,15 +345,16 @@ def _reasons(counts: dict[str, int]) -> str:
 
 
 def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
-    """The reader's accounting in words: rows read/kept/dropped by reason, and every
-    file that was not read (or only partly), with its reason."""
+    """The reader's accounting in words: rows read/kept/dropped by reason, the rows kept of
+    each format, and every file that was not read (or only partly), with its reason."""
     formats = getattr(rs, "formats", None) or {}
-    kinds = f"; formats: {_reasons(formats)}" if set(formats) - {"messages"} else ""
-    lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}{kinds}"]
+    lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}"]
     if rs.dropped:
         lines.append(
             "  (left out by --on-bad-row skip; --on-bad-row error stops at the first, naming its file and line)"
         )
+    if formats:
+        lines.append(f"  formats: {_reasons(formats)} (rows kept)")
     skipped = getattr(rs, "files_skipped", {}) or {}
     problems = list(getattr(rs, "file_problems", []) or [])
     media = getattr(rs, "media_files", 0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
-from ._common import positive
+from ._common import UsageError, positive
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -42,11 +44,46 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="also write a PNG report (rows, fill, loss curves, tokens/s)",
     )
+    d.add_argument(
+        "--write-data",
+        metavar="FILE.jsonl",
+        help="write the embedded chitchat conversations (the first 400 with --quick) to FILE.jsonl, one OpenAI "
+        '{"messages": [...]} object a line, and stop: a chat file to try prepack, bench, train and verify on '
+        "before your own (a FILE that holds other data is refused)",
+    )
     d.set_defaults(func=run)
 
 
+def write_data(path: str, *, quick: bool) -> str:
+    """The embedded chitchat conversations (400 with ``quick``) written to ``path`` as OpenAI-messages
+    JSONL (atomically); the line that says so. Writing the same file again is a no-op; a file of
+    other bytes is refused (a usage error), so a user's own data is never replaced."""
+    from .._publish import Publish
+    from ..data import default_corpus
+
+    data = "".join(
+        json.dumps({"messages": c.messages}, ensure_ascii=False) + "\n"
+        for c in default_corpus(limit=400 if quick else None)
+    ).encode("utf-8")
+    dest, n = Path(path), data.count(b"\n")
+    if dest.exists():
+        if dest.is_file() and dest.stat().st_size == len(data) and dest.read_bytes() == data:
+            return f"{dest} already holds the {n:,} embedded chitchat conversations"
+        raise UsageError(
+            f"--write-data {dest}: the path exists and holds other data; remove it or give another FILE.jsonl"
+        )
+    with Publish(dest, folder=False) as tmp:
+        tmp.write_bytes(data)
+    return f"wrote {n:,} chitchat conversations to {dest} (OpenAI messages JSONL, {len(data) / 1e6:.1f} MB)"
+
+
 def run(args: argparse.Namespace) -> int:
-    from ..report.demo import DemoDone, Section, run_demo
+    if args.write_data is not None:
+        if args.corpus == "vqa" or args.report is not None:
+            raise UsageError("--write-data writes the chat conversations and stops: drop --corpus vqa and --report")
+        print(write_data(args.write_data, quick=args.quick))
+        return 0
+    from ..report.demo import DemoDone, Section, run_demo  # loads torch: after --write-data, which needs none
 
     for item in run_demo(
         quick=args.quick,

@@ -31,8 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the text of each sequence of row I (--row; default 0) decoded with the prepack's tokenizer, "
         "the trained tokens (loss_mask True: the ones the loss learns) marked: wrapped in [[ ]], or green when "
-        "stdout is a terminal (unless NO_COLOR is set); a run of one special token (an image's placeholders) "
-        "shown as '<|image_pad|> x 64'",
+        "stdout is a terminal (unless NO_COLOR is set); each real control token (an id of the tokenizer's special "
+        "or added vocabulary) between \u27e6 \u27e7, so text that only reads like one (<|im_end|> typed in a "
+        "message, kept as text) shows bare; a run of one (an image's placeholders) as '\u27e6<|image_pad|>\u27e7 x 64'",
     )
     p.add_argument(
         "--tokenizer",
@@ -89,7 +90,7 @@ def describe_lines(ds: PrepackedDataset) -> list[str]:
     out.append(
         f"  conversations: {c['read']:,} read, {c['kept']:,} kept ({dropped}), {c['packed_conversations']:,} packed"
     )
-    formats = c.get("formats")  # a prepack of plain messages rows carries none
+    formats = c.get("formats")  # none in a prepack of an iterable of conversations (or of messages rows before 0.1)
     if formats:
         out.append("  formats: " + ", ".join(f"{k} {v:,}" for k, v in formats.items()) + " (rows kept)")
     oc = c.get("overlong")
@@ -198,7 +199,10 @@ def row_lines(ds: PrepackedDataset, i: int, *, cells: int = 256) -> list[str]:
     ]
     out += ["  " + line for line in draw_row(small, width=64).split("\n")]
     out.append(f"  cu_seqlens={[int(x) for x in cu]}")
-    out.append(f"  cu_seqlens_padded={[int(x) for x in cup]}  max_seqlen={int(padded.max())}")
+    out.append(
+        f"  cu_seqlens_padded={[int(x) for x in cup]}  max_seqlen={int(padded.max())} (the longest padded segment, "
+        f"the row's tail padding included: the kernel's bound; the longest sequence has {int(real.max()):,} tokens)"
+    )
     per_seq = _images_per_sequence(ds, i, len(seqs))
     for j, rec in enumerate(seqs):
         cid = ds.conversation_id(int(rec["conversation"]))
@@ -232,65 +236,62 @@ def _images_per_sequence(ds: PrepackedDataset, i: int, n_seq: int) -> list[list[
 #: the marks around trained text: plain (a file, a pipe) and on a terminal (green)
 BRACKETS = ("[[", "]]")
 COLOUR = ("\x1b[32m", "\x1b[0m")
+#: the marks around a real control token (one id of the tokenizer's special or added vocabulary), so that
+#: it cannot be mistaken for content that merely reads like one (``<|im_end|>`` typed in a message, which
+#: the tokenizer keeps as text: its pieces are shown bare)
+CONTROL = ("\u27e6", "\u27e7")
 
 
-def _pieces(ids: np.ndarray, mask: np.ndarray, collapse: frozenset[int]) -> list[tuple[int, int, bool, bool]]:
-    """``(start, end, trained, collapsed)`` spans of one sequence: a span ends where the mask
-    changes, and a run of two or more of one ``collapse`` id (placeholders) is a span of its own."""
+def _pieces(ids: np.ndarray, mask: np.ndarray, control: frozenset[int]) -> list[tuple[int, int, bool, bool]]:
+    """``(start, end, trained, control)`` spans of one sequence: a run of one ``control`` id (with
+    one mask value) is a span of its own; a span of text ends where the mask changes or a control
+    token starts."""
     out: list[tuple[int, int, bool, bool]] = []
     n, i = len(ids), 0
-
-    def run_end(k: int) -> int:  # the end of the run of ids[k] starting at k (k + 1: no run)
-        j = k + 1
-        if int(ids[k]) in collapse:
-            while j < n and ids[j] == ids[k] and mask[j] == mask[k]:
-                j += 1
-        return j
-
     while i < n:
-        j = run_end(i)
-        if j - i >= 2:
-            out.append((i, j, bool(mask[i]), True))
-            i = j
-            continue
-        while j < n and mask[j] == mask[i] and run_end(j) - j < 2:
+        j, is_control = i + 1, int(ids[i]) in control
+        while j < n and mask[j] == mask[i] and (ids[j] == ids[i] if is_control else int(ids[j]) not in control):
             j += 1
-        out.append((i, j, bool(mask[i]), False))
+        out.append((i, j, bool(mask[i]), is_control))
         i = j
     return out
 
 
 def marked_text(tokenizer: Any, ids: np.ndarray, mask: np.ndarray, marks: tuple[str, str] = BRACKETS) -> str:
-    """One sequence's text, decoded whole, its trained tokens (``mask`` True) between ``marks``.
+    """One sequence's text, decoded whole, its trained tokens (``mask`` True) between ``marks``
+    and each real control token between ``\u27e6 \u27e7`` (:data:`CONTROL`).
 
-    Each span's text is the decode of the tokens up to its end less the decode up to its
+    Each span of text is the decode of the tokens up to its end less the decode up to its
     start: a span decoded alone could read otherwise (a SentencePiece decoder drops the
-    leading space of the first token it decodes). Runs of one special token (an image's
-    placeholders) are shown as ``'<|image_pad|> x 64'``. Costs one decode of a prefix per
-    span: a few per turn.
+    leading space of the first token it decodes). A control token (an id of the tokenizer's
+    special or added vocabulary) is shown by its name, marked; a run of one (an image's
+    placeholders) as ``'\u27e6<|image_pad|>\u27e7 x 64'``. Text that only reads like a control
+    token (the characters ``<|im_end|>`` in a message, kept as text) is shown bare. Costs one
+    decode of a prefix per span: a few per turn.
 
     >>> from sftpack.testing import tiny_chat_tokenizer
     >>> tok = tiny_chat_tokenizer("chatml")
     >>> ids = np.array(tok("<|im_start|>hi<|im_end|>")["input_ids"])
     >>> marked_text(tok, ids, np.array([0, 0, 0, 1], bool))
-    '<|im_start|>hi[[<|im_end|>]]'
+    '\u27e6<|im_start|>\u27e7hi[[\u27e6<|im_end|>\u27e7]]'
     """
     ids = np.asarray(ids, dtype=np.int64)
     mask = np.asarray(mask, dtype=bool)
-    collapse = frozenset(int(t) for t in tokenizer.all_special_ids) | frozenset(tokenizer.get_added_vocab().values())
+    control = frozenset(int(t) for t in tokenizer.all_special_ids) | frozenset(tokenizer.get_added_vocab().values())
 
     def decode(part: np.ndarray) -> str:
         return str(tokenizer.decode(part.tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
     out: list[str] = []
     before, trained = "", False
-    for start, end, on, collapsed in _pieces(ids, mask, collapse):
+    for start, end, on, is_control in _pieces(ids, mask, control):
         if on != trained:
             out.append(marks[0] if on else marks[1])
             trained = on
         upto = decode(ids[:end])
-        if collapsed:
-            out.append(f"{tokenizer.convert_ids_to_tokens(int(ids[start]))} x {end - start}")
+        if is_control:
+            name = f"{CONTROL[0]}{tokenizer.convert_ids_to_tokens(int(ids[start]))}{CONTROL[1]}"
+            out.append(name if end - start == 1 else f"{name} x {end - start}")
         else:
             out.append(upto[len(before) :] if upto.startswith(before) else decode(ids[start:end]))
         before = upto
@@ -351,7 +352,10 @@ def decode_lines(ds: PrepackedDataset, i: int, tokenizer: Any, marks: tuple[str,
     ids, mask, seqs = ds.row_arrays(i)
     names = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
     name = str(getattr(tokenizer, "name_or_path", "") or "the embedded tokenizer")
-    out = [f"row {i} decoded with {name} ({marks[0]}...{marks[1]}: trained tokens, loss_mask True):"]
+    out = [
+        f"row {i} decoded with {name} ({CONTROL[0]}...{CONTROL[1]}: control tokens; {marks[0]}...{marks[1]}: "
+        "trained tokens, loss_mask True):"
+    ]
     at = 0
     for j, rec in enumerate(seqs):
         n = int(rec["length"])

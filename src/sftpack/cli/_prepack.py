@@ -6,6 +6,7 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from ._common import (
+    INPUTS_HELP,
     UsageError,
     add_settings,
     given_settings,
@@ -41,7 +42,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "inputs",
         nargs="*",
-        help="JSONL(.gz) / Parquet files, globs, folders or saved datasets (default: the embedded chitchat corpus)",
+        help=f"{INPUTS_HELP} (default: the embedded chitchat corpus)",
     )
     p.add_argument(
         "--out",
@@ -91,6 +92,15 @@ def _fmt(n: float) -> str:
     return f"{n:,}" if isinstance(n, int) else f"{n:,.2f}"
 
 
+def _lost(tokens: int, trainable: int) -> str:
+    """What over-long handling cut, after the token count: nothing when nothing was cut.
+
+    >>> _lost(0, 0), _lost(12, 5)
+    ('', ' (12 lost to over-long handling, 5 of them trainable)')
+    """
+    return f" ({tokens:,} lost to over-long handling, {trainable:,} of them trainable)" if tokens else ""
+
+
 def patch_budget_note(manifest: dict[str, Any]) -> str | None:
     """The sentence saying that the patch budget, not the token budget, limits the fill, or None.
 
@@ -131,7 +141,7 @@ def summary_lines(result: PrepackResult) -> list[str]:
         ("  kept", _fmt(c["kept"])),
         ("  dropped (by reason)", dropped),
     ]
-    if c.get("formats"):  # data of other formats than messages (the manifest counts them)
+    if c.get("formats"):  # the rows kept of each format (read from files; not for an iterable of conversations)
         rows.insert(2, ("  formats", ", ".join(f"{k} {v:,}" for k, v in c["formats"].items())))
     if c.get("special_text"):
         rows.append(("  special_text", f"{c['special_text']:,} special-token strings in the data, kept as text"))
@@ -142,7 +152,7 @@ def summary_lines(result: PrepackResult) -> list[str]:
         ]
     rows += [
         ("samples (sequences)", _fmt(c["sequences"])),
-        ("tokens", f"{c['tokens']:,} (lost: {c['tokens_lost']:,}, of them trainable {c['trainable_tokens_lost']:,})"),
+        ("tokens", _fmt(c["tokens"]) + _lost(c["tokens_lost"], c["trainable_tokens_lost"])),
         ("supervised labels", _fmt(c["labels"])),
         ("rows", f"{c['rows']:,} x {m['max_seq_len']:,} slots, pad multiple {m['pad_multiple']}"),
         ("fill", f"{c['fill']:.3%} of slots hold real tokens"),

@@ -96,7 +96,7 @@ def _train_until_stopped(
             resume=resume,
             overwrite=args.overwrite_checkpoints,
             stop=sigterm,
-            progress=rank == 0,
+            progress=rank == 0 and args.progress,
             on_step=on_step,
             eval_samples=eval_samples,
             tensorboard=args.tensorboard,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ._common import UsageError, add_settings, positive
+from ._common import INPUTS_HELP, UsageError, add_settings, positive
 
 __all__ = ["IMAGE_SIDES", "VQA_LIMIT", "add_arguments", "check_options"]
 
@@ -25,14 +25,14 @@ IMAGE_SIDES = (56, 224)
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
-    from ..chat._options import InputOptions
+    from ..chat._options import NO_PROGRESS_HELP, InputOptions
     from ..loop._options import TrainConfig
 
     t.add_argument(
         "inputs",
         nargs="*",
         metavar="INPUT",
-        help="chat files (JSONL/Parquet/dirs; default: the embedded corpus)",
+        help=f"chat files: {INPUTS_HELP} (default: the embedded corpus)",
     )
     add_settings(t, InputOptions, "on_bad_row", "split", "chat_template", "allow_outside_images")
     add_settings(t, TrainConfig, "packing")
@@ -65,6 +65,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         "is replaced whole, nothing of it kept",
     )
     t.add_argument("--limit", type=positive, help="use the first N conversations only")
+    t.add_argument("--no-progress", dest="progress", action="store_false", help=NO_PROGRESS_HELP)  # as prepack's
     add_settings(
         t.add_argument_group("optimisation"),
         TrainConfig,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ..chat._options import DEFAULT_MAX_SEQ_LEN, InputOptions
-from ._common import UsageError, add_settings, has_images, positive, render_read_stats
+from ._common import INPUTS_HELP, UsageError, add_settings, has_images, positive, render_read_stats
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "inputs",
         nargs="*",
         metavar="INPUT",
-        help="chat files (JSONL/Parquet/dirs), with or without image parts (default: the embedded corpus)",
+        help=f"chat files: {INPUTS_HELP}, with or without image parts (default: the embedded corpus)",
     )
     v.add_argument(
         "--model",

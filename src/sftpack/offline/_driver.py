@@ -53,7 +53,7 @@ from ._format import (
     token_dtype,
     write_json,
 )
-from ._inputs import check_out_outside_inputs
+from ._inputs import check_inputs_found, check_out_outside_inputs
 from ._options import PrepackOptions
 from ._plan import RowPlan
 from ._publish import writing
@@ -338,6 +338,7 @@ def run_conversations(
     """:func:`run` for conversations, with or without images (what :func:`~sftpack.offline.prepack`
     and :func:`~sftpack.offline.prepack_ray` write): the output checked against the inputs
     first, then the options' planner and fingerprint (``fingerprint``: the caller's extra entries)."""
+    check_inputs_found(inputs)  # a missing input said as such, not as a failed write of the output
     check_out_outside_inputs(inputs, out)
     job = Job(
         Path(out),

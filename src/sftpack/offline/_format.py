@@ -301,7 +301,7 @@ def read_manifest(directory: Path) -> dict[str, Any]:
             )
     if not directory.is_dir():
         raise PrepackError(
-            f"{directory}: no such directory"
+            f"{directory}: no such directory (give a directory written by sftpack prepack)"
             if not directory.exists()
             else f"{directory} is a file, not a prepack directory"
         )

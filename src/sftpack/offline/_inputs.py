@@ -36,7 +36,15 @@ from ..data import default_corpus
 from ._fingerprint import input_fingerprints
 from ._format import PrepackError
 
-__all__ = ["Inputs", "check_out_outside_inputs", "is_paths", "open_image_inputs", "open_inputs", "reading_counts"]
+__all__ = [
+    "Inputs",
+    "check_inputs_found",
+    "check_out_outside_inputs",
+    "is_paths",
+    "open_image_inputs",
+    "open_inputs",
+    "reading_counts",
+]
 
 #: The tokenizer statistics the counts read (missing ones count 0: an engine that read nothing).
 _TOKENIZE_KEYS = (
@@ -149,7 +157,7 @@ def reading_counts(read: dict[str, Any] | None, tokenize: dict[str, Any]) -> dic
     formats: dict[str, int] = {}
     if read is not None:
         read_n, kept, dropped = int(read.get("read", 0)), int(read.get("kept", 0)), dict(read.get("dropped", {}))
-        if set(read.get("formats") or {}) - {"messages"}:  # messages-only data: the manifest as before
+        if read.get("formats"):  # the rows kept of each format, messages included
             formats = dict(sorted(read["formats"].items()))
     else:
         read_n, kept, dropped = st["conversations"], st["conversations"], {}
@@ -174,6 +182,20 @@ def reading_counts(read: dict[str, Any] | None, tokenize: dict[str, Any]) -> dic
         "tokens_rendered": st["tokens"] + st["tokens_lost"],
         "no_trainable": st["no_trainable"],
     }
+
+
+def check_inputs_found(inputs: Any) -> None:
+    """Path inputs found before the job starts: a missing file (or a glob or folder with no
+    data file) raises what the reader raises, naming the path (``FileNotFoundError`` /
+    ``ValueError``), instead of surfacing while the rows are staged, where it would read as
+    a failed write of the output."""
+    if inputs is None or isinstance(inputs, ConversationReader) or not is_paths(inputs):
+        return
+    if type(inputs).__module__.startswith("datasets."):
+        return
+    given = [inputs] if isinstance(inputs, (str, os.PathLike)) else list(inputs)
+    if any(not os.path.exists(p) and not glob.has_magic(os.fspath(p)) for p in given):
+        read_conversations(given, on_bad_row="skip")  # finds the files (reads none): the reader's own error
 
 
 def check_out_outside_inputs(inputs: Any, out: str | os.PathLike[str]) -> None:

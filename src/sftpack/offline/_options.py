@@ -26,7 +26,7 @@ from typing import Any
 from .._base import StrEnum, choose, positive_int
 from ..binpack import Algorithm
 from ..chat import OnBadRow, TrainOn
-from ..chat._options import DEFAULT_MAX_SEQ_LEN, DEFAULT_ON_BAD_ROW, ON_BAD_ROW_HELP, OVERLONG_HELP
+from ..chat._options import DEFAULT_MAX_SEQ_LEN, DEFAULT_ON_BAD_ROW, NO_PROGRESS_HELP, ON_BAD_ROW_HELP, OVERLONG_HELP
 from ..sample import Overlong
 from ._plan import BinPack
 
@@ -112,7 +112,7 @@ class PrepackOptions:
     actor_cpus: float = 1.0
     overwrite: bool = field(default=False, metadata={"help": "replace --out if it is a prepack"})
     progress: bool = field(
-        default=False, metadata={"help": "no progress bars", "flag": "--no-progress", "cli_default": True}
+        default=False, metadata={"help": NO_PROGRESS_HELP, "flag": "--no-progress", "cli_default": True}
     )
     images: bool = False
     family: str = field(
