@@ -13,7 +13,8 @@ The tolerance is fixed by the model's shape, never by the run: packed and alone 
 same function in other summation orders, and an ``n``-term sum is off by at most ``n * u``
 of its terms' magnitude sum (Higham, *Accuracy and Stability of Numerical Algorithms*,
 section 3.1). :func:`rounding_chain` bounds ``n`` for one forward and backward pass of the
-model over a row (:func:`tolerance`); in float64 the bound is ``2 * n * u`` (two runs) of
+model over a row (:func:`tolerance`; both live in :mod:`sftpack.exactness`, beside the guard
+every packed training run passes); in float64 the bound is ``2 * n * u`` (two runs) of
 the compared values' magnitude (at least 1), with ``u = 2**-53``; in float32 the
 ``sqrt(n) * u`` growth of Higham & Mary (2019) with ``lambda = 10`` (exceeded with
 probability below 1e-20), ``2 * 10 * sqrt(n) * u`` with ``u = 2**-24``.
@@ -22,7 +23,6 @@ probability below 1e-20), ``2 * 10 * sqrt(n) * u`` with ``u = 2**-24``.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..exactness import UNIT_ROUNDOFF, alone_text_logits, packed_text_logits, rounding_chain, tolerance
 from ..handoff import PackedBatch
 from ..handoff.unpack import unpack
 from ..sample import Sample
@@ -41,8 +42,6 @@ __all__ = ["PATHS", "PathCheck", "VerifyReport", "rounding_chain", "tolerance", 
 PATHS = ("trainer", "loader", "offline")
 #: boundary modes (``TrainConfig.boundaries``): real + padded boundaries, or the padded ones for both
 MODES = ("real", "padded")
-#: unit roundoff of each dtype verify runs in
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24}
 
 
 @dataclass(frozen=True)
@@ -87,35 +86,6 @@ class VerifyReport:
         return next((c for c in self.checks if not c.ok), None)
 
 
-def rounding_chain(model: Any, row_width: int, patches: int = 0) -> int:
-    """An upper bound of the longest chain of roundings (terms of one sum, summed along one
-    path) in one forward and backward pass of ``model`` over a row of ``row_width`` slots
-    holding ``patches`` vision patches: per language layer the hidden width, the MLP width and
-    the row (attention and the gradients' sums over tokens), per vision layer the same over
-    the patches, twice (forward and backward), plus the vocabulary (the softmax) and the row
-    (the loss)."""
-    cfg = model.config
-    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    n = int(text.num_hidden_layers) * (int(text.hidden_size) + int(text.intermediate_size) + row_width)
-    vision = getattr(cfg, "vision_config", None)
-    if vision is not None and patches:
-        width = int(getattr(vision, "embed_dim", 0) or getattr(vision, "hidden_size", 0))
-        mlp = int(getattr(vision, "intermediate_size", 0) or width * getattr(vision, "mlp_ratio", 4))
-        depth = int(getattr(vision, "depth", 0) or getattr(vision, "num_hidden_layers", 0))
-        n += depth * (width + mlp + patches)
-    return 2 * n + int(text.vocab_size) + row_width
-
-
-def tolerance(chain: int, dtype: torch.dtype, magnitude: float) -> float:
-    """The largest difference two runs of one function in other summation orders may show on
-    values of ``magnitude`` (floored at 1), over a rounding ``chain`` (module docstring)."""
-    u = UNIT_ROUNDOFF[dtype]
-    scale = max(1.0, magnitude)
-    if dtype == torch.float64:
-        return 2 * chain * u * scale
-    return 2 * 10 * math.sqrt(chain) * u * scale
-
-
 class _Subject:
     """The model under test: how a packed micro-batch and one sample alone run through it."""
 
@@ -125,17 +95,12 @@ class _Subject:
     def packed(self, batch: PackedBatch, pad_between_seqs: bool) -> torch.Tensor:
         if self.family is not None:
             return self.family.packed_logits(self.model, batch, pad_between_seqs=pad_between_seqs)
-        from ..multimodal._family import text_kwargs
-
-        inputs = {"input_ids": batch.input_ids[None], "position_ids": batch.position_ids[None]}
-        kw = text_kwargs(self.model, batch, inputs, pad_between_seqs=pad_between_seqs)
-        return self.model(**kw).logits[0]
+        return packed_text_logits(self.model, batch, pad_between_seqs=pad_between_seqs)
 
     def alone(self, model: Any, sample: Sample) -> torch.Tensor:
         if self.family is not None:
             return self.family.alone_logits(model, sample)
-        ids = torch.from_numpy(sample.input_ids)[None]
-        return model(input_ids=ids, use_cache=False).logits[0]
+        return alone_text_logits(model, sample)
 
     def part_of(self, name: str) -> str:
         return "language" if self.family is None else self.family.part_of(name)
