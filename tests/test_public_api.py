@@ -81,7 +81,13 @@ API = {
         "padded_batch",
         "plan_microbatches",
     ],
-    "sftpack.attention": ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"],
+    "sftpack.attention": [
+        "UnsupportedAttentionError",
+        "varlen_attention",
+        "boundaries_of",
+        "hf_attention_forward",
+        "register_hf_attention",
+    ],
     "sftpack.loss": [
         "count_label_tokens",
         "count_sequences",
