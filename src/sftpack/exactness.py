@@ -542,6 +542,7 @@ class PackingProbe:
     difference: float
     tolerance: float
     carriers: tuple[str, ...]  #: e.g. ``("Mamba2 mixer (NemotronHMamba2Mixer)",)``; may be empty
+    dtype: str = "float64"  #: what the probe computed in
 
     @property
     def ok(self) -> bool:
@@ -610,25 +611,37 @@ def alone_text_logits(model: Any, sample: Sample) -> torch.Tensor:
     return cast(torch.Tensor, model(input_ids=ids, use_cache=False).logits[0])
 
 
-class _InFloat64:
-    """Every floating parameter and buffer of a model in float64 for a while, then each back in
-    its own dtype: lossless (every float16, bfloat16 and float32 value is a float64 value), and
-    the same parameter objects throughout."""
+class _Upcast:
+    """Every floating parameter and buffer of a model in ``dtype`` (float64 or float32) for a
+    while, then each back in its own dtype: lossless (every lower-precision value is a value of
+    the wider dtype), and the same parameter objects throughout."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
+        self.model, self.dtype = model, dtype
         self.saved: list[tuple[torch.Tensor, torch.dtype]] = []
 
     def __enter__(self) -> None:
         for t in [*self.model.parameters(), *self.model.buffers()]:
-            if t.is_floating_point() and t.dtype != torch.float64:
+            if t.is_floating_point() and t.element_size() < self.dtype.itemsize:
                 self.saved.append((t, t.dtype))
-                t.data = t.data.to(torch.float64)
+                t.data = t.data.to(self.dtype)
 
     def __exit__(self, *exc: object) -> None:
         for t, dtype in self.saved:
             t.data = t.data.to(dtype)
         self.saved.clear()
+
+
+def _probe_dtype(model: nn.Module) -> torch.dtype:
+    """float64, unless the model is on a CUDA device whose free memory cannot hold its weights in
+    float64 beside their own copy (a model loaded whole before FSDP shards it): then float32."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return torch.float64
+    tensors = [t for t in [*model.parameters(), *model.buffers()] if t.is_floating_point()]
+    extra = sum(t.numel() * max(8 - t.element_size(), 0) for t in tensors)
+    free, _ = torch.cuda.mem_get_info(device)
+    return torch.float64 if extra < 0.8 * free else torch.float32
 
 
 def probe_packing(
@@ -639,6 +652,7 @@ def probe_packing(
     lengths: Sequence[int] = PROBE_LENGTHS,
     seed: int = 0,
     family: Any = None,
+    dtype: torch.dtype | None = None,
 ) -> PackingProbe:
     """Run a few short synthetic sequences (seeded random ids of ``model``'s vocabulary) through
     ``model`` packed into one row (as ``sftpack train`` feeds it) and each alone, and compare
@@ -647,14 +661,17 @@ def probe_packing(
     vision-language model runs its ``family``'s packed and alone forwards
     (:func:`sftpack.multimodal.family_for`; text-only sequences).
 
-    The comparison runs in float64 whatever the model's dtype: its parameters are turned to
-    float64 for the probe and back afterwards, losslessly (every lower-precision value is a
-    float64 value). In its own dtype a small leak can hide below that dtype's rounding (a tiny
-    LFM2's convolution leaks 4.5e-5 against a float32 tolerance of 9.3e-5); in float64 the
-    tolerance (:func:`tolerance` of :func:`rounding_chain`, the magnitude of the logits) is
-    about 1e-12. The weights held in float64 take 8 bytes a parameter for that moment: what
-    AdamW's step holds for a bfloat16 model anyway. Dropout is off during the probe (eval
-    mode, then the model's mode again); no gradient is formed.
+    The comparison runs in float64 whatever the model's dtype (``dtype=None``): its parameters
+    are turned to float64 for the probe and back afterwards, losslessly (every lower-precision
+    value is a float64 value). In its own dtype a small leak can hide below that dtype's
+    rounding (a tiny LFM2's convolution leaks 4.5e-5 against a float32 tolerance of 9.3e-5); in
+    float64 the tolerance (:func:`tolerance` of :func:`rounding_chain`, the magnitude of the
+    logits) is about 1e-12. The weights held in float64 take 8 bytes a parameter for that
+    moment: what AdamW's step holds for a bfloat16 model anyway. On a CUDA device without the
+    free memory for that (a big model loaded whole before FSDP shards it) the probe runs in
+    float32 and its tolerance: a leak as large as a Mamba2 mixer's is still far above it, one
+    as small as that LFM2's is not. Dropout is off during the probe (eval mode, then the
+    model's mode again); no gradient is formed.
     """
     gen = torch.Generator().manual_seed(seed)
     vocab = int(model.get_input_embeddings().num_embeddings)
@@ -665,10 +682,13 @@ def probe_packing(
     batch = PackedBatch.from_samples(samples, pad_multiple=pad_multiple)
     device = next(model.parameters()).device
     batch = batch.to(device)
+    dtype = dtype or _probe_dtype(model)
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"probe_packing: dtype must be torch.float64 or torch.float32, got {dtype}")
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad(), _InFloat64(model):
+        with torch.no_grad(), _Upcast(model, dtype):
             if family is not None:
                 packed = family.packed_logits(model, batch, pad_between_seqs=pad_between_seqs)
                 alone = [family.alone_logits(model, s) for s in samples]
@@ -683,8 +703,10 @@ def probe_packing(
         for i, a in enumerate(alone)
     )
     magnitude = max(float(a.abs().max()) for a in alone)
-    tol = tolerance(rounding_chain(model, int(batch.input_ids.numel())), torch.float64, magnitude)
-    return PackingProbe(type(model).__name__, diff, tol, state_carrying_layers(model))
+    tol = tolerance(rounding_chain(model, int(batch.input_ids.numel())), dtype, magnitude)
+    return PackingProbe(
+        type(model).__name__, diff, tol, state_carrying_layers(model), str(dtype).removeprefix("torch.")
+    )
 
 
 def require_exact_packing(

@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     print("\nlogits, loss, grads: the largest |packed - alone| difference; tolerance: 2 n u of the values' magnitude")
     if r.leak is not None:
         print(
-            f"leak probe (float64, synthetic sequences): logits {r.leak.difference:.1e}, tolerance "
+            f"leak probe ({r.leak.dtype}, synthetic sequences): logits {r.leak.difference:.1e}, tolerance "
             f"{r.leak.tolerance:.1e}  {'exact' if r.leak.ok else 'DIFFERS'}"
         )
     bad = r.first_failure
@@ -191,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
     if leaks and r.leak is not None:  # last: it names the layers that leak
         if bad is None:
             print()
-        print(f"sftpack verify: the float64 leak probe: {r.leak.describe()}")
+        print(f"sftpack verify: the {r.leak.dtype} leak probe: {r.leak.describe()}")
     if bad is not None or leaks:
         return 1
     if not r.checked:
