@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     limit = args.limit or (IMAGE_LIMIT if images else TEXT_LIMIT)
     print(
-        f"checking {limit} conversations{' with images' if images else ''} on {len(args.paths)} path(s) x 2 "
+        f"checking up to {limit} conversations{' with images' if images else ''} on {len(args.paths)} path(s) x 2 "
         f"boundary modes, each packed micro-batch against its samples alone ({args.dtype}); a bar per path "
         "shows the time left",
         flush=True,
