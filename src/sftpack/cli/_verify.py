@@ -178,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
             f"{c.path:<8} {c.boundaries:<10} {c.rows:>13} {c.sequences:>5} {c.logits:>9.1e} {c.loss:>9.1e} "
             f"{c.grads:>9.1e} {tol:>9.1e}  {'exact' if c.ok else 'DIFFERS'}"
         )
-    print("\nlogits, loss, grads: the largest |packed - alone| difference; tolerance: 2 n u of the values' magnitude")
+    bound = "2 n u" if r.dtype == "float64" else "20 sqrt(n) u"  # sftpack.exactness.tolerance
+    print(
+        f"\nlogits, loss, grads: the largest |packed - alone| difference; tolerance: {bound} of the values' magnitude"
+    )
     if r.leak is not None:
         print(
             f"leak probe ({r.leak.dtype}, synthetic sequences): logits {r.leak.difference:.1e}, tolerance "
