@@ -31,7 +31,13 @@ import torch.nn.functional as F
 from . import _optional
 from .handoff.slots import real_token_mask
 
-__all__ = ["varlen_attention", "boundaries_of", "hf_attention_forward", "register_hf_attention"]
+__all__ = [
+    "UnsupportedAttentionError",
+    "varlen_attention",
+    "boundaries_of",
+    "hf_attention_forward",
+    "register_hf_attention",
+]
 
 
 def boundaries_of(packed: Any, pad_between_seqs: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
@@ -195,21 +201,39 @@ def _restarts_of(position_ids: torch.Tensor | None, batch: int, width: int) -> l
     return rows
 
 
+class UnsupportedAttentionError(ValueError):
+    """A model asks the attention for an option of Hugging Face's kernels that sftpack's attention
+    does not compute (``option``: ``"softcap"``, ``"s_aux"`` or ``"sliding_window"``; ``module``:
+    the attention's class; ``window``/``longest``: the sliding window and the longest sequence).
+    The message is the library's advice; a command that cannot follow it (``sftpack verify``
+    always runs sftpack's attention) says its own from these fields."""
+
+    def __init__(self, message: str, *, option: str, module: str, window: int = 0, longest: int = 0) -> None:
+        super().__init__(message)
+        self.option, self.module, self.window, self.longest = option, module, window, longest
+
+
 def _refuse_unsupported(module: torch.nn.Module, kwargs: dict[str, Any], longest: Callable[[], int]) -> None:
     """Options of Hugging Face's kernels this attention does not compute: refused, never ignored."""
     name = type(module).__name__
     for key in ("softcap", "s_aux"):
         if kwargs.get(key) is not None:
-            raise ValueError(
+            raise UnsupportedAttentionError(
                 f"{name} asks for {key}={kwargs[key]!r}, which sftpack's attention does not compute: "
-                "load this model with attn_implementation='sdpa' or 'flash_attention_2'"
+                "load this model with attn_implementation='sdpa' or 'flash_attention_2'",
+                option=key,
+                module=name,
             )
     window = kwargs.get("sliding_window")
     if window is not None and longest() > int(window):
-        raise ValueError(
+        raise UnsupportedAttentionError(
             f"{name} uses a sliding window of {int(window)} tokens and a sequence here has {longest()}: "
             "sftpack's attention is full attention within each sequence; cap --max-seq-len at the window, "
-            "or load this model with attn_implementation='sdpa' or 'flash_attention_2'"
+            "or load this model with attn_implementation='sdpa' or 'flash_attention_2'",
+            option="sliding_window",
+            module=name,
+            window=int(window),
+            longest=longest(),
         )
 
 

@@ -115,7 +115,7 @@ def folder(request, tmp_path_factory) -> tuple[str, str]:
 
 def test_verify_passes_on_the_users_folder(folder, data, capsys):
     name, path = folder
-    rc = main(["verify", str(data), "--model", path, "--max-seq-len", "256"])
+    rc = main(["verify", str(data), "--model", path, "--max-seq-len", "256", "--limit", "4"])  # every conversation
     out = capsys.readouterr().out
     assert rc == 0, out
     assert f"({name}, float64)" in out

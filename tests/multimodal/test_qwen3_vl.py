@@ -209,7 +209,8 @@ def test_verify_passes_on_the_users_folder(folder, data, capsys):  # noqa: F811
     """The trainer's and the offline path (a prepack stored for patch 16, read back); the loader's
     builds its rows through the same family seam and is verified for the other families in
     tests/multimodal/test_model_folders.py (each path here costs ~3 s over the full vocabulary)."""
-    rc = main(["verify", str(data), "--model", folder, "--max-seq-len", "256", "--paths", "trainer", "offline"])
+    args = ["verify", str(data), "--model", folder, "--max-seq-len", "256", "--limit", "4"]  # every conversation
+    rc = main([*args, "--paths", "trainer", "offline"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "(qwen3_vl, float64)" in out

@@ -383,6 +383,8 @@ def _run_training(
         tokenized_samples,
         train,
     )
+    from ..loop._loop import resolve_device
+    from ..loop._model import require_exact
     from ..loop._options import Packing
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
 
@@ -429,7 +431,8 @@ def _run_training(
     dtype = getattr(torch, args.dtype or "float32")
     model = None
     if args.model:
-        model = load_model(args.model, dtype=dtype)
+        model = load_model(args.model, dtype=dtype).to(resolve_device(cfg.device))  # where the loop runs it
+        require_exact(model, cfg)  # before any work: a model whose packing is not exact is refused here
     elif args.vocab == "tokenizer":  # the data vocabulary is known only after tokenizing
         model = default_model(vocab_size)
     _mark("model")
@@ -591,7 +594,8 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     from ..chat import read_conversations
     from ..chat._cache_key import tokenizer_info
     from ..loop import compact_vocabulary, make_source, train
-    from ..loop._model import build_media_model, media_token_ids
+    from ..loop._loop import resolve_device
+    from ..loop._model import build_media_model, media_token_ids, require_exact
     from ..loop._options import Packing
     from ..loop._setup import check_targets, media_samples
     from ..multimodal import vqa_corpus
@@ -658,6 +662,8 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
     dtype = getattr(torch, args.dtype or "float32")
     if args.model:
         model, what = family.pretrained(args.model, dtype=dtype), f"{args.model} ({family.name})"
+        model.to(resolve_device(cfg.device))  # where the loop runs it
+        require_exact(model, cfg)  # the loop asks the same before its first step: now, before any work
     else:
         model = build_media_model(family, tok, vocab=vocab, **_model_settings(cfg), dtype=dtype)
         what = f"tiny {family.name}"

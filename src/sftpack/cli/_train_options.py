@@ -81,7 +81,9 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     )
     add_settings(e, TrainConfig, "eval_every")
     add_settings(
-        t.add_argument_group("packing"), TrainConfig, "pad_multiple", "boundaries", "buffer_size", "max_patches_per_row"
+        t.add_argument_group("packing"),
+        TrainConfig,
+        *("pad_multiple", "boundaries", "buffer_size", "max_patches_per_row", "allow_inexact_packing"),
     )
     m = t.add_argument_group("model")
     m.add_argument(

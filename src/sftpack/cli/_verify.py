@@ -6,14 +6,27 @@ builds its micro-batches, and each packed micro-batch runs through the model's o
 Face class against each of its samples alone (logits, loss, gradients; float64 by default,
 with tolerances derived from the model's shape: :mod:`sftpack.report.verify`). Exit 0 when
 every path agrees, 1 naming the first sample that differs and by how much.
+
+exit status: 0 every path agrees with each sample alone (packing is exact on this model); 1 a
+path differs (the first sample that differs is named), or with --dtype float32 the float64 leak
+probe does; 2 a usage error (a bad option); 3 the model could not be checked: it asks for
+something sftpack's attention does not compute (a softcap, attention sinks, a sliding window
+narrower than the rows), no path takes this data, or the model or the data cannot be read.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import Any
 
 from ..chat._options import DEFAULT_MAX_SEQ_LEN, InputOptions
 from ._common import INPUTS_HELP, UsageError, add_settings, has_images, positive, render_read_stats
+
+#: conversations checked by default (text; data with images)
+TEXT_LIMIT, IMAGE_LIMIT = 8, 2
+#: the exit status of a model that could not be checked (the others: 0 exact, 1 differs, 2 usage)
+NOT_CHECKED = 3
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "verify",
         help="check that packed rows equal each sample alone through your model (run this first on a new model)",
         description=__doc__.split("\n\n")[1] if __doc__ else None,
+        epilog=__doc__.split("\n\n")[2] if __doc__ else None,
     )
     v.add_argument(
         "inputs",
@@ -38,7 +52,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--family",
         help="data with images and no --model: the tiny vision-language model's family (default qwen2_vl)",
     )
-    v.add_argument("--limit", type=positive, default=8, help="conversations to check (default 8)")
+    v.add_argument(
+        "--limit",
+        type=positive,
+        help=f"conversations to check (default {TEXT_LIMIT}; {IMAGE_LIMIT} for data with images, whose vision "
+        "tower runs in float64 for every sample alone and every packed row: about a minute on 2 cores)",
+    )
     v.add_argument(
         "--max-seq-len",
         type=positive,
@@ -52,7 +71,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--dtype",
         choices=["float64", "float32"],
         default="float64",
-        help="the model's dtype for the check (default float64: the tolerances are then about 1e-10)",
+        help="the model's dtype for the check (default float64: the tolerances are then about 1e-10); float32 "
+        "adds a float64 leak probe of the model (a few synthetic sequences), since a small leak hides below "
+        "float32's tolerance",
     )
     v.add_argument(
         "--paths",
@@ -64,6 +85,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     v.add_argument("--seed", type=int, default=0)
     add_settings(v, InputOptions, "on_bad_row", "split", "allow_outside_images")
     v.set_defaults(func=run)
+
+
+def _not_checked(e: BaseException) -> int:
+    """The one line of a model that could not be checked, with what the user can do; exit 3."""
+    from ..attention import UnsupportedAttentionError
+
+    text = " ".join(str(e).split())
+    if isinstance(e, UnsupportedAttentionError):
+        if e.option == "sliding_window":
+            text = (
+                f"{e.module} uses a sliding window of {e.window} tokens and a sequence here has {e.longest}: "
+                f"verify runs sftpack's attention (full attention within each sequence), as sftpack train does; "
+                f"check with --max-seq-len {e.window} or less"
+            )
+        else:
+            text = (
+                f"{e.module} asks for {e.option}, which sftpack's attention does not compute, and verify runs "
+                "sftpack's attention whatever the folder was saved with (as sftpack train does): this model cannot "
+                "be checked here nor trained by sftpack train; in your own loop, load it with an attn_implementation "
+                f"that computes {e.option} and feed it sftpack's rows (PackedBatch.to_hf_kwargs)"
+            )
+    print(f"sftpack verify: not checked: {text}", file=sys.stderr)
+    return NOT_CHECKED
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,21 +134,39 @@ def run(args: argparse.Namespace) -> int:
         )
     data = reader if reader is not None else default_corpus()
     dtype = getattr(torch, args.dtype)
+    limit = args.limit or (IMAGE_LIMIT if images else TEXT_LIMIT)
+    print(
+        f"checking up to {limit} conversations{' with images' if images else ''} on {len(args.paths)} path(s) x 2 "
+        f"boundary modes, each packed micro-batch against its samples alone ({args.dtype}); a bar per path "
+        "shows the time left",
+        flush=True,
+    )
+
+    def bar(label: str, total: int) -> Any:
+        from .._progress import Bar
+
+        return Bar(total=total, desc=label, unit="micro-batch", leave=False)
+
     try:
         r = verify(
             data,
             model=args.model,
             family=args.family,
             images=images,
-            limit=args.limit,
+            limit=limit,
             max_seq_len=args.max_seq_len,
             pad_multiple=args.pad_multiple,
             dtype=dtype,
             paths=args.paths,
             seed=args.seed,
+            progress=bar,
         )
     except UnsupportedModelError as e:
         raise UsageError(str(e)) from None
+    except (ValueError, OSError, RuntimeError) as e:
+        if args.debug:
+            raise
+        return _not_checked(e)
     print(f"model: {r.model} ({r.kind}, {r.dtype})")
     print(f"data: {r.conversations} conversations -> {r.samples} samples; rounding chain n = {r.chain:,}")
     if reader is not None and (reader.stats.dropped or reader.stats.files_skipped):
@@ -120,10 +182,28 @@ def run(args: argparse.Namespace) -> int:
             f"{c.path:<8} {c.boundaries:<10} {c.rows:>13} {c.sequences:>5} {c.logits:>9.1e} {c.loss:>9.1e} "
             f"{c.grads:>9.1e} {tol:>9.1e}  {'exact' if c.ok else 'DIFFERS'}"
         )
-    print("\nlogits, loss, grads: the largest |packed - alone| difference; tolerance: 2 n u of the values' magnitude")
+    bound = "2 n u" if r.dtype == "float64" else "20 sqrt(n) u"  # sftpack.exactness.tolerance
+    print(
+        f"\nlogits, loss, grads: the largest |packed - alone| difference; tolerance: {bound} of the values' magnitude"
+    )
+    if r.leak is not None:
+        print(
+            f"leak probe ({r.leak.dtype}, synthetic sequences): logits {r.leak.difference:.1e}, tolerance "
+            f"{r.leak.tolerance:.1e}  {'exact' if r.leak.ok else 'DIFFERS'}"
+        )
     bad = r.first_failure
+    leaks = r.leak is not None and not r.leak.ok
     if bad is not None:
         print(f"\nsftpack verify: {bad.path} ({bad.boundaries} boundaries): {bad.first}")
+    if leaks and r.leak is not None:  # last: it names the layers that leak
+        if bad is None:
+            print()
+        print(f"sftpack verify: the {r.leak.dtype} leak probe: {r.leak.describe()}")
+    if bad is not None or leaks:
         return 1
+    if not r.checked:
+        refused = next((c for c in r.checks if c.refused is not None), None)
+        why = f"{refused.path}: {refused.refused}" if refused is not None else "no path was asked for"
+        return _not_checked(ValueError(f"no path could be checked ({why}); add another path to --paths"))
     print("\nevery path agrees with each sample alone: packing is exact on this model")
     return 0

@@ -50,7 +50,7 @@ from ._checkpoint import (
 from ._eval import EvalSet, _allreduce
 from ._fsdp import ensure_group, full_state, load_state, optimizer_state, shard
 from ._fsdp import local as fsdp_local
-from ._model import LossModule
+from ._model import LossModule, require_exact
 from ._options import NonFinite, TrainConfig
 from ._sources import Source
 
@@ -344,6 +344,9 @@ def train(
             and the cause, and the previous checkpoint stays ``latest``).
         NonFiniteError: a step's loss or gradient norm was not finite (with
             ``config.on_nonfinite="error"``).
+        InexactPackingError: a packed run (``config.packing`` not ``"none"``) on a model whose packing
+            is not exact (:func:`sftpack.exactness.require_exact_packing`: a Mamba2 mixer, a short conv...),
+            before any step, unless ``config.allow_inexact_packing`` (then a warning).
         ValueError: an unusable ``config.device``, or a token id outside the model's vocabulary;
             ``config.fsdp`` with a vision-language model, or a model whose decoder layers
             are not found (:func:`~sftpack.loop._fsdp.decoder_layers`).
@@ -368,6 +371,7 @@ def train(
     steps = config.total_steps
     evals = None if eval_samples is None else EvalSet(config, eval_samples, rank=rank, world=world)
     model.to(device)
+    require_exact(model, config)  # before any step: no model trains packed unless packing is exact on it
     fsdp = bool(config.fsdp)
     if fsdp:
         ensure_group(device)

@@ -51,7 +51,7 @@ from torch import nn
 from .._base import StrEnum, choose
 from .._optional import CustomCodeError, flash_attn_varlen_func, from_pretrained, transformers
 from .._train_attention import TRAIN_ATTENTION, register_train_attention
-from ..exactness import norms_in_model_dtype
+from ..exactness import PackingProbe, mark_exact, norms_in_model_dtype, require_exact_packing
 from ..head import fused_linear_cross_entropy
 from ..sample import IGNORE_INDEX
 from ._llama import SmallLlamaConfig, build_small_llama
@@ -130,7 +130,7 @@ def build_model(
                 f"impl='torch' runs sftpack's training attention only, not attn_implementation="
                 f"{attn_implementation!r}: leave it out, or use impl='transformers'"
             )
-        return build_small_llama(SmallLlamaConfig(vocab_size, **sizes), seed=seed, dtype=dtype)
+        return mark_exact(build_small_llama(SmallLlamaConfig(vocab_size, **sizes), seed=seed, dtype=dtype))
     hf = transformers()
     cfg = hf.LlamaConfig(
         vocab_size=vocab_size,
@@ -145,7 +145,7 @@ def build_model(
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = hf.LlamaForCausalLM(cfg)
-    model = model.to(dtype).train()
+    model = mark_exact(model.to(dtype).train())  # a Llama: packing proven exact by the suite
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
 
 
@@ -174,6 +174,28 @@ def load_model(
         ) from None
     model = model.train()
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
+
+
+def require_exact(model: Any, config: Any) -> PackingProbe | None:
+    """The guard of a run of ``config`` (a :class:`~sftpack.loop.TrainConfig`) on ``model``: on a
+    packed path, :func:`sftpack.exactness.require_exact_packing` (a vision-language model through
+    its family), in the run's boundary mode and padding multiple; padded training needs none."""
+    from ._options import Packing
+
+    if config.packing is Packing.NONE:
+        return None
+    family = None
+    if getattr(getattr(model, "config", None), "vision_config", None) is not None:
+        from ..multimodal import family_for
+
+        family = family_for(model)
+    return require_exact_packing(
+        model,
+        pad_between_seqs=config.pad_between_seqs,
+        pad_multiple=config.pad_multiple,
+        allow=config.allow_inexact_packing,
+        family=family,
+    )
 
 
 def media_token_ids(family: Any, tokenizer: Any) -> dict[str, int]:

@@ -98,6 +98,9 @@ class TrainConfig:
             (:func:`~sftpack.loop._eval.split_eval`; 0: none held out).
         eval_every: evaluate the held-out set every this many steps (and after the last).
         fsdp: shard the model over the ranks (:mod:`~sftpack.loop._fsdp`: FSDP2) instead of DDP.
+        allow_inexact_packing: train packed even when packing is not exact on the model (its
+            layers carry state across sequence boundaries: :func:`sftpack.exactness.require_exact_packing`
+            refuses it otherwise), with a one-line warning.
 
     A field with ``"help"`` in its metadata is a flag of ``sftpack train``, declared
     there once (:func:`sftpack.cli._common.add_settings` reads it: the help, and
@@ -220,6 +223,14 @@ class TrainConfig:
             "one process works too); checkpoints stay whole and resume with or without it; text models only"
         },
     )
+    allow_inexact_packing: bool = field(
+        default=False,
+        metadata={
+            "help": "train packed even when packing is not exact on the model (a layer that carries state across "
+            "sequence boundaries, e.g. a Mamba2 mixer or a short conv: the run's first check refuses it otherwise); "
+            "a warning says so"
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -297,7 +308,7 @@ class TrainConfig:
         for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
-        for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every", "fsdp"):
+        for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every", "fsdp", "allow_inexact_packing"):
             if not d[name]:  # a run without them: its saved config stays what it was
                 del d[name]
         return d
