@@ -98,3 +98,32 @@ def test_on_bad_row_error_stops_in_one_line_naming_the_file_and_line(data, tmp_p
     assert re.match(rf"sftpack {command[0]}: conversation '{re.escape(str(path))}:[345]': ", err), err
     assert "[template_error]" in err or "[no_trainable_tokens]" in err, err
     assert not (tmp_path / "never").exists()
+
+
+@pytest.fixture(scope="module")
+def strict_model(tmp_path_factory):
+    """A user's model folder (a tiny Llama) whose tokenizer carries the STRICT template."""
+    import torch
+
+    from sftpack.exactness import tiny_llama
+    from sftpack.testing import tiny_chat_tokenizer
+
+    root = tmp_path_factory.mktemp("strict_model")
+    tok = tiny_chat_tokenizer("chatml")
+    tok.chat_template = STRICT
+    with torch.random.fork_rng(devices=[]):
+        tiny_llama(len(tok), seed=3).save_pretrained(root)
+    tok.save_pretrained(root)
+    return str(root)
+
+
+def test_verify_leaves_the_same_rows_out_of_every_path_and_says_so(data, strict_model, capsys):
+    path, _ = data
+    argv = ["verify", str(path), "--model", strict_model, "--paths", "trainer", "offline", "--max-seq-len", "64"]
+    assert main(argv) == 0
+    said = capsys.readouterr().out
+    assert "left out by the tokenizer (--on-bad-row skip): no_trainable_tokens 1, template_error 2" in said, said
+    assert f"-> {GOOD} samples" in said and "every path agrees" in said, said
+    assert main([*argv, "--on-bad-row", "error"]) == 3  # the data could not be checked: one line
+    err = capsys.readouterr().err.strip()
+    assert re.search(rf"conversation '{re.escape(str(path))}:3': .*\[template_error\]", err), err

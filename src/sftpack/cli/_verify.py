@@ -160,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
             paths=args.paths,
             seed=args.seed,
             progress=bar,
+            on_bad_row=args.on_bad_row,
         )
     except UnsupportedModelError as e:
         raise UsageError(str(e)) from None
@@ -171,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"data: {r.conversations} conversations -> {r.samples} samples; rounding chain n = {r.chain:,}")
     if reader is not None and (reader.stats.dropped or reader.stats.files_skipped):
         print(render_read_stats(reader.stats))  # the rows skipped (--on-bad-row skip) on the way to --limit
+    if r.skipped:  # --on-bad-row skip: left out of every path alike
+        said = ", ".join(f"{k} {v}" for k, v in sorted(r.skipped.items()))
+        print(f"left out by the tokenizer (--on-bad-row skip): {said}")
     head = f"{'path':<8} {'boundaries':<10} {'micro-batches':>13} {'seqs':>5} {'logits':>9} {'loss':>9} {'grads':>9}"
     print(f"\n{head} {'tolerance':>9}  result")
     for c in r.checks:

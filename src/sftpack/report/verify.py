@@ -84,6 +84,8 @@ class VerifyReport:
     samples: int  #: samples they gave (over-long ones split)
     chain: int  #: the rounding chain the tolerances are derived from (:func:`rounding_chain`)
     checks: list[PathCheck] = field(default_factory=list)
+    #: conversations the tokenizer left out (``on_bad_row="skip"``), by reason
+    skipped: dict[str, int] = field(default_factory=dict)
     #: in a dtype other than float64: the float64 leak probe of the model
     #: (:func:`sftpack.exactness.probe_packing`), which sees a leak smaller than that dtype's tolerance
     leak: PackingProbe | None = None
@@ -180,6 +182,7 @@ def verify(
     seed: int = 0,
     tamper: Callable[[PackedBatch], PackedBatch] | None = None,
     progress: Callable[[str, int], Any] | None = None,
+    on_bad_row: str = "error",
 ) -> VerifyReport:
     """Run the first ``limit`` of ``conversations`` through every path and compare each packed
     micro-batch with its samples alone, through the model (module docstring).
@@ -211,6 +214,9 @@ def verify(
             naming them (``"trainer, real boundaries (1/6)"``), ``total`` its micro-batches; it
             returns an object whose ``update(1)`` is called after each micro-batch and ``close()``
             at the end (``sftpack verify`` passes a :class:`sftpack._progress.Bar`).
+        on_bad_row: a conversation the tokenizer cannot take (the template refuses it, no
+            trainable token...): ``"error"`` raises naming it; ``"skip"`` leaves it out of every
+            path alike and counts it in the report's ``skipped``, as ``sftpack train`` would.
 
     The model runs with dropout off (``eval()``; gradients still flow): dropout draws other masks
     for other layouts, which is no packing difference.
@@ -238,7 +244,7 @@ def verify(
     if not convs:
         raise ValueError("no conversations to verify")
     tok, processor = _tokenizer(model, fam)
-    samples = _samples(convs, tok, processor, fam, max_seq_len)
+    samples, skipped = _samples(convs, tok, processor, fam, max_seq_len, on_bad_row)
     if not samples:
         raise ValueError("the conversations gave no sample to verify")
     pad_id, vocab = tokenizer_info(tok)["pad_id"], None  # as sftpack train pads
@@ -269,6 +275,7 @@ def verify(
         conversations=len(convs),
         samples=len(samples),
         chain=chain,
+        skipped=skipped,
     )
     if dtype != torch.float64:  # a leak can hide below this dtype's tolerance: the float64 probe sees it
         report.leak = probe_packing(net, pad_multiple=pad_multiple, family=fam)
@@ -277,7 +284,7 @@ def verify(
         prepacked, refused = None, None
         if "offline" in paths:
             try:
-                prepacked = _prepack(convs, tmp, tok, processor, fam, max_seq_len, pad_multiple, seed)
+                prepacked = _prepack(convs, tmp, tok, processor, fam, max_seq_len, pad_multiple, seed, on_bad_row)
             except ValueError as e:  # a setup the offline path does not take: said, not a difference
                 refused = " ".join(str(e).split())
         by_key = {_key(s.input_ids): s for s in samples}
@@ -418,15 +425,23 @@ def _tokenizer(model: str | os.PathLike[str] | None, fam: Any) -> tuple[Any, Any
     return from_pretrained("AutoTokenizer", model, local_files_only=True), None
 
 
-def _samples(convs: list[Any], tok: Any, processor: Any, fam: Any, max_seq_len: int) -> list[Sample]:
-    """The samples ``sftpack train`` tokenizes (over-long conversations split)."""
+def _samples(
+    convs: list[Any], tok: Any, processor: Any, fam: Any, max_seq_len: int, on_bad_row: str
+) -> tuple[list[Sample], dict[str, int]]:
+    """The samples ``sftpack train`` tokenizes (over-long conversations split), and the
+    conversations the tokenizer left out by reason."""
     if fam is None:
         from ..chat import tokenize_conversations
 
-        return list(tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split"))
+        got = tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split", on_bad_row=on_bad_row)
+        samples = list(got)
+        return samples, {k: v for k, v in got.stats.skipped.items() if v}
     from ..loop._setup import media_samples
 
-    return media_samples(convs, max_seq_len=max_seq_len, family=fam, tokenizer=tok, processor=processor)[0]
+    samples, media = media_samples(
+        convs, max_seq_len=max_seq_len, family=fam, tokenizer=tok, processor=processor, on_bad_row=on_bad_row
+    )
+    return samples, dict(media.dropped)
 
 
 def _prepack(
@@ -438,6 +453,7 @@ def _prepack(
     max_seq_len: int,
     pad_multiple: int,
     seed: int,
+    on_bad_row: str,
 ) -> Any:
     from ..offline import PrepackedDataset, prepack
 
@@ -452,7 +468,7 @@ def _prepack(
         max_seq_len=max_seq_len,
         pad_multiple=pad_multiple,
         seed=seed,
-        on_bad_row="error",
+        on_bad_row=on_bad_row,
         **extra,
     )
     return PrepackedDataset(out)
