@@ -338,7 +338,8 @@ def run_conversations(
     """:func:`run` for conversations, with or without images (what :func:`~sftpack.offline.prepack`
     and :func:`~sftpack.offline.prepack_ray` write): the output checked against the inputs
     first, then the options' planner and fingerprint (``fingerprint``: the caller's extra entries)."""
-    check_inputs_found(inputs)  # a missing input said as such, not as a failed write of the output
+    if not options.images:  # (a prepack with images takes conversations, never paths: refused as such)
+        check_inputs_found(inputs)  # a missing input said as such, not as a failed write of the output
     check_out_outside_inputs(inputs, out)
     job = Job(
         Path(out),
