@@ -92,7 +92,9 @@ def test_bench_and_prepack_pack_the_good_elements(tmp_path: Path, pretty: bool, 
     assert "read 6 rows: 3 kept, dropped: not_an_object 3" in out and "3 conversations ->" in out
     assert main(["prepack", str(path), "--out", str(tmp_path / "pp"), "--tokenizer", str(tok)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"conversations read +6\n +kept +3\n +formats +messages 3\n +dropped \(by reason\) +not_an_object 3\n", out), out
+    assert re.search(
+        r"conversations read +6\n +kept +3\n +formats +messages 3\n +dropped \(by reason\) +not_an_object 3\n", out
+    ), out
     assert re.search(r"samples \(sequences\) +3\n", out), out
     strict = ["prepack", str(path), "--out", str(tmp_path / "pp2"), "--tokenizer", str(tok), "--on-bad-row", "error"]
     assert main(strict) == 1
