@@ -3,7 +3,7 @@
 ``__all__`` is the everyday face (reading, tokenizing, their stats, options and
 errors). The building blocks stay importable from here but out of ``__all__``:
 ``ConversationReader``, ``TokenizedConversations``, ``Encoded``, ``FileProblem``,
-``ChatRenderer`` / ``renderer_for``, ``mask_from_offsets``, ``validate_messages``,
+``ChatRenderer`` / ``renderer_for`` / ``chat_template_of``, ``mask_from_offsets``, ``validate_messages``,
 ``RowFormat``, ``FormattedMessages``, ``detect_format``,
 ``ROLES`` / ``SHAREGPT_ROLES``, ``FileSkipReason``, ``Outcome``,
 ``SpecialTokensInContent``. The over-long policy (``Overlong``,
@@ -80,6 +80,7 @@ from ._read import BadFileError, ReadStats, read_conversations
 from ._read import ConversationReader as ConversationReader
 from ._render import ChatRenderer as ChatRenderer
 from ._render import TemplateError
+from ._render import chat_template_of as chat_template_of
 from ._render import renderer_for as renderer_for
 from ._rows import ROLES as ROLES
 from ._rows import SHAREGPT_ROLES as SHAREGPT_ROLES

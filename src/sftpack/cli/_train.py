@@ -153,8 +153,7 @@ def _layout(args: argparse.Namespace, manifest: dict | None) -> None:
 def _config(args: argparse.Namespace) -> Any:
     """The run's :class:`~sftpack.loop.TrainConfig`: the settings the flags give (``--clip-norm 0``:
     off); a bad value, or a device this machine does not have, is a usage error."""
-    from ..loop import TrainConfig
-    from ..loop._loop import resolve_device
+    from ..loop import TrainConfig, resolve_device
 
     try:
         cfg = TrainConfig(**{**given_settings(args, TrainConfig), "clip_norm": args.clip_norm or None})
@@ -380,11 +379,11 @@ def _run_training(
         compact_vocabulary,
         load_model,
         make_source,
+        require_exact,
+        resolve_device,
         tokenized_samples,
         train,
     )
-    from ..loop._loop import resolve_device
-    from ..loop._model import require_exact
     from ..loop._options import Packing
     from ..loop._setup import check_targets, checked_samples, model_vocab_size, supervised_targets
 
@@ -593,9 +592,8 @@ def _run_images(args: argparse.Namespace, resume: bool | Literal["auto"]) -> int
 
     from ..chat import read_conversations
     from ..chat._cache_key import tokenizer_info
-    from ..loop import compact_vocabulary, make_source, train
-    from ..loop._loop import resolve_device
-    from ..loop._model import build_media_model, media_token_ids, require_exact
+    from ..loop import compact_vocabulary, make_source, require_exact, resolve_device, train
+    from ..loop._model import build_media_model, media_token_ids
     from ..loop._options import Packing
     from ..loop._setup import check_targets, media_samples
     from ..multimodal import vqa_corpus

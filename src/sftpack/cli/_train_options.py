@@ -223,7 +223,7 @@ def check_options(args: argparse.Namespace) -> None:
     if args.overwrite_model and args.save_model is None:
         raise UsageError("--overwrite-model replaces the folder of --save-model DIR: give --save-model")
     if args.save_model is not None:  # a path that cannot take the model costs no training
-        from ..loop._model_dir import check_model_dir
+        from ..loop import check_model_dir
 
         try:
             check_model_dir(args.save_model, overwrite=args.overwrite_model)

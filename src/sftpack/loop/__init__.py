@@ -25,7 +25,10 @@ resume and DDP are the text run's (FSDP is text-only for now). The log adds ``im
 
 The public names (``__all__``):
 
-- run: :class:`TrainConfig` (every option, validated), :func:`train`;
+- run: :class:`TrainConfig` (every option, validated), :func:`train`, :func:`resolve_device`
+  (the device a run trains on), :func:`check_model_dir` (a ``save_model`` folder, checked
+  before training), :func:`require_exact` (the guard :func:`train` runs first: packing exact
+  on the model, or refused);
 - data: :func:`tokenized_samples` (the embedded corpus or your conversations),
   :func:`make_source` (the chosen path's micro-batches for this rank),
   :class:`ReplaySource` (given conversations per step: the unpacked reference of
@@ -95,10 +98,13 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._hf import PaddedCollator as PaddedCollator
     from ._hf import RowsCollator as RowsCollator
     from ._loop import NonFiniteError as NonFiniteError
+    from ._loop import resolve_device as resolve_device
     from ._loop import train as train
     from ._model import build_model as build_model
     from ._model import default_attention as default_attention
     from ._model import load_model as load_model
+    from ._model import require_exact as require_exact
+    from ._model_dir import check_model_dir as check_model_dir
     from ._options import TrainConfig as TrainConfig
     from ._plot import plot_training as plot_training
     from ._setup import compact_vocabulary as compact_vocabulary
@@ -117,11 +123,14 @@ _HOMES = {
     "RowsCollator": "_hf",
     "TrainConfig": "_options",
     "build_model": "_model",
+    "check_model_dir": "_model_dir",
     "compact_vocabulary": "_setup",
     "default_attention": "_model",
     "load_model": "_model",
     "make_source": "_setup",
     "plot_training": "_plot",
+    "require_exact": "_model",
+    "resolve_device": "_loop",
     "tokenized_samples": "_setup",
     "train": "_loop",
 }

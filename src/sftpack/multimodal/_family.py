@@ -245,7 +245,7 @@ class Family:
         only sftpack's text ChatML (:data:`sftpack.data.CHATML_TEMPLATE`, which cannot write an
         image). A trained model is saved with it (``sftpack train --save-model``), so that its
         folder's ``apply_chat_template`` writes image parts as the run did."""
-        from ..chat._render import chat_template_of
+        from ..chat import chat_template_of
         from ..data import CHATML_TEMPLATE
 
         own = chat_template_of(tokenizer)
@@ -259,7 +259,7 @@ class Family:
             UnsupportedModelError: the template does not write one image mark (:meth:`marks`) for an
                 image part (a template that writes no video is found at the first video part).
         """
-        from ..chat._render import renderer_for
+        from ..chat import renderer_for
 
         renderer = renderer_for(tokenizer, self.chat_template_for(tokenizer))
         bad = _probe(renderer, (("image", self.marks()["image"]),))  # video: counted per record
