@@ -41,6 +41,7 @@ from torch import nn
 from . import _optional
 from .attention import register_hf_attention, varlen_attention
 from .handoff import PackedBatch
+from .hybrid import rounding_dtype
 from .loss import loss_dtype
 from .sample import IGNORE_INDEX, Sample
 
@@ -182,7 +183,20 @@ def _rms_norm_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> to
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
-def norms_in_model_dtype(model: nn.Module, classes: tuple[str, ...] = ("LlamaRMSNorm",)) -> nn.Module:
+#: RMSNorms of the formula ``w * x / sqrt(mean(x**2) + eps)`` that upcast to float32: Llama's
+#: and the hybrid families' (LFM2, Nemotron-H, Bamba, Granite-4 hybrid, Zamba2)
+RMS_NORMS = (
+    "LlamaRMSNorm",
+    "Lfm2RMSNorm",
+    "Lfm2MoeRMSNorm",
+    "NemotronHRMSNorm",
+    "BambaRMSNorm",
+    "GraniteMoeHybridRMSNorm",
+    "Zamba2RMSNorm",
+)
+
+
+def norms_in_model_dtype(model: nn.Module, classes: tuple[str, ...] = RMS_NORMS) -> nn.Module:
     """Make a float64 Hugging Face Llama compute its RMSNorms in float64; returns ``model``.
 
     ``LlamaRMSNorm`` upcasts to float32 (for bfloat16 stability) and casts back, so in a
@@ -703,7 +717,8 @@ def probe_packing(
         for i, a in enumerate(alone)
     )
     magnitude = max(float(a.abs().max()) for a in alone)
-    tol = tolerance(rounding_chain(model, int(batch.input_ids.numel())), dtype, magnitude)
+    # a hybrid layer's own PyTorch code may round to float32 whatever the model's dtype
+    tol = tolerance(rounding_chain(model, int(batch.input_ids.numel())), rounding_dtype(model, dtype), magnitude)
     return PackingProbe(
         type(model).__name__, diff, tol, state_carrying_layers(model), str(dtype).removeprefix("torch.")
     )

@@ -15,7 +15,15 @@ from . import _optional
 from .data import CHATML_TEMPLATE
 from .sample import Sample
 
-__all__ = ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"]
+__all__ = [
+    "CHAT_STYLES",
+    "HYBRID_FAMILIES",
+    "CharTokenizer",
+    "hybrid_config",
+    "samples_from_lengths",
+    "save_hybrid_folder",
+    "tiny_chat_tokenizer",
+]
 
 
 class CharTokenizer:
@@ -183,3 +191,95 @@ def tiny_chat_tokenizer(style: str = "chatml", *, generation: bool = False) -> A
     )
     tok.chat_template = marked if generation else plain
     return tok
+
+
+#: the hybrid families :func:`hybrid_config` builds, each with one layer that carries state
+#: along the sequence and one attention layer (Zamba2: a Mamba2 layer and a hybrid one)
+HYBRID_FAMILIES = (
+    "nemotron_h",
+    "bamba",
+    "falcon_h1",
+    "granitemoehybrid",
+    "zamba2",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_next",
+    "lfm2",
+)
+
+
+def hybrid_config(kind: str, vocab_size: int, *, hidden: int = 32, layers: int = 2, **overrides: Any) -> Any:
+    """A tiny transformers config of the hybrid family ``kind`` (:data:`HYBRID_FAMILIES`): the
+    first layer carries state along the sequence (a Mamba2 mixer, a gated delta net, a short
+    convolution), the others are attention; ``hidden`` wide, ``layers`` deep, chunks of 8
+    tokens for the chunked scans (so a test's sequences span several). Nothing downloaded."""
+    hf = _optional.transformers()
+    heads = max(hidden // 8, 2)
+    attn = dict(num_attention_heads=heads, num_key_value_heads=max(heads // 2, 1))
+    base: dict[str, Any] = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, **attn)
+    base.update(num_hidden_layers=layers, tie_word_embeddings=False)
+    mamba2 = dict(mamba_n_heads=heads, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8)
+    gdn = dict(
+        layer_types=["linear_attention"] + ["full_attention"] * (layers - 1),
+        head_dim=8,
+        linear_num_key_heads=max(heads // 2, 1),
+        linear_num_value_heads=heads,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    )
+    experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    configs: dict[str, tuple[str, dict[str, Any]]] = {
+        "nemotron_h": (
+            "NemotronHConfig",
+            dict(
+                head_dim=8,
+                mamba_num_heads=heads,
+                mamba_head_dim=8,
+                ssm_state_size=8,
+                n_groups=1,
+                chunk_size=8,
+                hybrid_override_pattern="M" + "*" * (layers - 1),
+            ),
+        ),
+        "bamba": ("BambaConfig", dict(attn_layer_indices=list(range(1, layers)), mamba_expand=1, **mamba2)),
+        "falcon_h1": ("FalconH1Config", dict(mamba_expand=2, mamba_d_ssm=2 * hidden, **dict(mamba2, mamba_d_head=16))),
+        "granitemoehybrid": (
+            "GraniteMoeHybridConfig",
+            dict(layer_types=["mamba"] + ["attention"] * (layers - 1), mamba_expand=1, num_local_experts=0, **mamba2),
+        ),
+        "zamba2": (
+            "Zamba2Config",
+            dict(
+                mamba_headdim=8,
+                mamba_d_state=8,
+                mamba_ngroups=1,
+                chunk_size=8,
+                layers_block_type=["mamba"] + ["hybrid"] * (layers - 1),
+            ),
+        ),
+        "qwen3_5": ("Qwen3_5TextConfig", gdn),
+        "qwen3_5_moe": ("Qwen3_5MoeTextConfig", dict(gdn, **experts)),
+        "qwen3_next": ("Qwen3NextConfig", dict(gdn, decoder_sparse_step=1, **experts)),
+        "lfm2": ("Lfm2Config", dict(layer_types=["conv"] + ["full_attention"] * (layers - 1))),
+    }
+    if kind not in configs:
+        raise ValueError(f"hybrid_config: kind must be one of {', '.join(HYBRID_FAMILIES)}, got {kind!r}")
+    name, extra = configs[kind]
+    return getattr(hf, name)(**{**base, **extra, **overrides})
+
+
+def save_hybrid_folder(kind: str, root: str, *, seed: int = 0, tokenizer: Any = None, **config: Any) -> str:
+    """A user's model folder of the hybrid family ``kind``, written by ``save_pretrained`` from
+    :func:`hybrid_config` (seeded weights), with ``tokenizer`` (default
+    :func:`tiny_chat_tokenizer`) beside it; returns ``root``."""
+    import torch
+
+    hf = _optional.transformers()
+    tok = tokenizer if tokenizer is not None else tiny_chat_tokenizer("chatml")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = hf.AutoModelForCausalLM.from_config(hybrid_config(kind, len(tok), **config))
+    model.save_pretrained(root)
+    tok.save_pretrained(root)
+    return root

@@ -170,6 +170,11 @@ def run(args: argparse.Namespace) -> int:
         return _not_checked(e)
     print(f"model: {r.model} ({r.kind}, {r.dtype})")
     print(f"data: {r.conversations} conversations -> {r.samples} samples; rounding chain n = {r.chain:,}")
+    if r.hybrid:  # the layers that carry state, kept apart by sftpack.hybrid
+        kinds = sorted({f"{c.kind} ({c.cls})" for c in r.hybrid})
+        print(f"hybrid: {len(r.hybrid)} layer(s) keep the row's sequences apart: {', '.join(kinds)}")
+        if r.rounds_in != r.dtype:
+            print(f"the model's own code rounds to {r.rounds_in} inside: the tolerances are {r.rounds_in}'s")
     if reader is not None and (reader.stats.dropped or reader.stats.files_skipped):
         print(render_read_stats(reader.stats))  # the rows skipped (--on-bad-row skip) on the way to --limit
     if r.skipped:  # --on-bad-row skip: left out of every path alike
@@ -186,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
             f"{c.path:<8} {c.boundaries:<10} {c.rows:>13} {c.sequences:>5} {c.logits:>9.1e} {c.loss:>9.1e} "
             f"{c.grads:>9.1e} {tol:>9.1e}  {'exact' if c.ok else 'DIFFERS'}"
         )
-    bound = "2 n u" if r.dtype == "float64" else "20 sqrt(n) u"  # sftpack.exactness.tolerance
+    bound = "2 n u" if (r.rounds_in or r.dtype) == "float64" else "20 sqrt(n) u"  # sftpack.exactness.tolerance
     print(
         f"\nlogits, loss, grads: the largest |packed - alone| difference; tolerance: {bound} of the values' magnitude"
     )

@@ -53,6 +53,7 @@ from .._optional import CustomCodeError, flash_attn_varlen_func, from_pretrained
 from .._train_attention import TRAIN_ATTENTION, register_train_attention
 from ..exactness import PackingProbe, mark_exact, norms_in_model_dtype, require_exact_packing
 from ..head import fused_linear_cross_entropy
+from ..hybrid import keep_apart
 from ..sample import IGNORE_INDEX
 from ._llama import SmallLlamaConfig, build_small_llama
 
@@ -157,6 +158,7 @@ def load_model(
 ) -> Any:
     """A causal LM from a local folder (``save_pretrained``); never downloads, never runs the
     folder's own code (:class:`~sftpack._optional.CustomCodeError`)."""
+    extra = {"experts_implementation": "eager"} if dtype == torch.float64 and _has_experts(path) else {}
     try:
         model = from_pretrained(
             "AutoModelForCausalLM",
@@ -164,6 +166,7 @@ def load_model(
             local_files_only=True,
             attn_implementation=attn_implementation or register_train_attention(),
             dtype=dtype,
+            **extra,
         )
     except CustomCodeError:
         raise
@@ -173,7 +176,25 @@ def load_model(
             "written by model.save_pretrained(), or leave --model out for the default small Llama"
         ) from None
     model = model.train()
+    keep_apart(model)  # hybrid layers (Mamba2, gated delta net, short conv) keep a packed row's sequences apart
     return norms_in_model_dtype(model) if dtype == torch.float64 else model
+
+
+def _has_experts(path: str) -> bool:
+    """Whether the folder's config names routed experts: their default kernel (``torch._grouped_mm``)
+    takes no float64, so a float64 model runs them by transformers' own per-expert loop (``eager``)."""
+    import json
+    import os
+
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError):
+        return False
+    text = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    return isinstance(text, dict) and any(
+        int(text.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
 
 
 def require_exact(model: Any, config: Any) -> PackingProbe | None:

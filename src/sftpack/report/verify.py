@@ -42,6 +42,7 @@ from ..exactness import (
 )
 from ..handoff import PackedBatch
 from ..handoff.unpack import unpack
+from ..hybrid import CoveredLayer, covered_layers, rounding_dtype
 from ..sample import Sample
 
 __all__ = ["PATHS", "PathCheck", "VerifyReport", "rounding_chain", "tolerance", "verify"]
@@ -86,6 +87,11 @@ class VerifyReport:
     checks: list[PathCheck] = field(default_factory=list)
     #: conversations the tokenizer left out (``on_bad_row="skip"``), by reason
     skipped: dict[str, int] = field(default_factory=dict)
+    #: the layers that carry state along the sequence, kept apart (:func:`sftpack.hybrid.keep_apart`)
+    hybrid: tuple[CoveredLayer, ...] = ()
+    #: the precision the tolerances are derived for: ``dtype``, or float32 where the model's own
+    #: code rounds to it (:func:`sftpack.hybrid.rounding_dtype`)
+    rounds_in: str = ""
     #: in a dtype other than float64: the float64 leak probe of the model
     #: (:func:`sftpack.exactness.probe_packing`), which sees a leak smaller than that dtype's tolerance
     leak: PackingProbe | None = None
@@ -276,6 +282,8 @@ def verify(
         samples=len(samples),
         chain=chain,
         skipped=skipped,
+        hybrid=covered_layers(net),
+        rounds_in=str(rounding_dtype(net, dtype)).removeprefix("torch."),
     )
     if dtype != torch.float64:  # a leak can hide below this dtype's tolerance: the float64 probe sees it
         report.leak = probe_packing(net, pad_multiple=pad_multiple, family=fam)
@@ -347,10 +355,11 @@ def _check(
             subject.model, chosen, run, alone=subject.alone, packed=packed, part_of=subject.part_of
         )
         here = {"logits": logits, "loss": loss, "grads": max(grads.values(), default=0.0)}
+        rounds = rounding_dtype(subject.model, dtype)  # a hybrid layer's own code may round to float32
         limit = {
-            "logits": tolerance(chain, dtype, max_logit),
-            "loss": tolerance(chain, dtype, max_logit),
-            "grads": tolerance(chain, dtype, max_grad),
+            "logits": tolerance(chain, rounds, max_logit),
+            "loss": tolerance(chain, rounds, max_logit),
+            "grads": tolerance(chain, rounds, max_grad),
         }
         for k in worst:
             worst[k] = max(worst[k], here[k])
