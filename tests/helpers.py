@@ -296,3 +296,23 @@ def counting_conversations(n: int = 30) -> list[list[dict[str, str]]]:
         ]
         for i in range(n)
     ]
+
+
+def load_models_leaking(monkeypatch: Any) -> None:
+    """The negative control through the commands: every model ``sftpack.loop.load_model`` opens
+    (``sftpack train/verify --model DIR``) has its hybrid layers' state crossing the row's
+    boundaries (:func:`sftpack.hybrid.leaking`, entered for the rest of the test)."""
+    import contextlib
+
+    import sftpack.loop
+    from sftpack.hybrid import leaking
+
+    real = sftpack.loop.load_model
+    stack = contextlib.ExitStack()
+
+    def leaky(*args: Any, **kwargs: Any) -> Any:
+        model = real(*args, **kwargs)
+        stack.enter_context(leaking(model))
+        return model
+
+    monkeypatch.setattr(sftpack.loop, "load_model", leaky)

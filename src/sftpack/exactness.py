@@ -41,7 +41,7 @@ from torch import nn
 from . import _optional
 from .attention import register_hf_attention, varlen_attention
 from .handoff import PackedBatch
-from .hybrid import rounding_dtype
+from .hybrid import layer_kind, rounding_dtype
 from .loss import loss_dtype
 from .sample import IGNORE_INDEX, Sample
 
@@ -578,17 +578,26 @@ class PackingProbe:
 def state_carrying_layers(model: Any) -> tuple[str, ...]:
     """The kinds of ``model``'s layers that carry state along the sequence (a recurrence, a
     causal convolution: Mamba and Mamba2 mixers, short convolutions, gated delta nets...), as
-    ``"kind (Class)"``, in the order they first occur; torch's own modules are not named (a
-    convolution inside such a layer is named by the layer, and GPT-2's ``Conv1D``, a linear map,
-    not at all)."""
+    ``"kind (Class)"``, in the order they first occur: the kinds :mod:`sftpack.hybrid` covers
+    by their names (:data:`sftpack.hybrid.LAYER_KINDS`), any other by its class name (a
+    recurrent layer, or one that owns a 1-D convolution: a Mamba (v1) mixer). torch's own
+    modules are not named (a convolution inside such a layer is named by the layer, and GPT-2's
+    ``Conv1D``, a linear map, not at all)."""
     found: dict[str, None] = {}
     for mod in model.modules():
         cls = type(mod)
         if cls.__module__.startswith("torch."):
             continue
         name = cls.__name__
+        covered = layer_kind(mod)
+        if covered is not None:
+            found[f"{covered.name} ({name})"] = None
+            continue
         if not any(k in name for k in _STATEFUL) or name == "Conv1D" or "Vision" in name or "Patch" in name:
             continue
+        recurrent = any(k in name for k in ("Recurrent", "Rwkv", "RWKV"))
+        if not recurrent and not any(isinstance(c, nn.Conv1d) for c in mod.children()):
+            continue  # a model, a block or a norm named after its family: the layer below it is named
         kind = (
             "Mamba2 mixer"
             if "Mamba2" in name or ("Mixer" in name and "Mamba" not in name)
@@ -596,7 +605,7 @@ def state_carrying_layers(model: Any) -> tuple[str, ...]:
             if "Mamba" in name
             else "short conv"
             if "Conv" in name
-            else "gated delta net (linear attention)"
+            else "gated delta net"
             if "DeltaNet" in name
             else "recurrent"
         )
@@ -628,22 +637,43 @@ def alone_text_logits(model: Any, sample: Sample) -> torch.Tensor:
 class _Upcast:
     """Every floating parameter and buffer of a model in ``dtype`` (float64 or float32) for a
     while, then each back in its own dtype: lossless (every lower-precision value is a value of
-    the wider dtype), and the same parameter objects throughout."""
+    the wider dtype), and the same parameter objects throughout. In float64 its RMSNorms that
+    upcast to float32 (:data:`RMS_NORMS`) compute in float64 meanwhile, and routed experts run
+    transformers' own per-expert loop (``eager``: the grouped-matmul kernel takes no float64)."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype) -> None:
         self.model, self.dtype = model, dtype
         self.saved: list[tuple[torch.Tensor, torch.dtype]] = []
+        self.norms: list[nn.Module] = []
+        self.experts: list[tuple[Any, str]] = []
 
     def __enter__(self) -> None:
         for t in [*self.model.parameters(), *self.model.buffers()]:
             if t.is_floating_point() and t.element_size() < self.dtype.itemsize:
                 self.saved.append((t, t.dtype))
                 t.data = t.data.to(self.dtype)
+        if self.dtype == torch.float64:  # RMSNorms that upcast to float32 compute in float64 meanwhile
+            self.norms = [
+                m for m in self.model.modules() if type(m).__name__ in RMS_NORMS and "forward" not in m.__dict__
+            ]
+            norms_in_model_dtype(self.model)
+            # routed experts: their grouped-matmul kernel takes no float64, their own loop does
+            configs = {id(m.config): m.config for m in self.model.modules() if hasattr(m, "_is_expert_parallel")}
+            for cfg in configs.values():
+                if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
+                    self.experts.append((cfg, cfg._experts_implementation))
+                    cfg._experts_implementation = "eager"
 
     def __exit__(self, *exc: object) -> None:
         for t, dtype in self.saved:
             t.data = t.data.to(dtype)
         self.saved.clear()
+        for m in self.norms:
+            del m.forward
+        self.norms = []
+        for cfg, impl in self.experts:
+            cfg._experts_implementation = impl
+        self.experts = []
 
 
 def _probe_dtype(model: nn.Module) -> torch.dtype:
@@ -703,6 +733,7 @@ def probe_packing(
     model.eval()
     try:
         with torch.no_grad(), _Upcast(model, dtype):
+            rounds = rounding_dtype(model, dtype)  # a hybrid layer's own code may round to float32
             if family is not None:
                 packed = family.packed_logits(model, batch, pad_between_seqs=pad_between_seqs)
                 alone = [family.alone_logits(model, s) for s in samples]
@@ -717,8 +748,7 @@ def probe_packing(
         for i, a in enumerate(alone)
     )
     magnitude = max(float(a.abs().max()) for a in alone)
-    # a hybrid layer's own PyTorch code may round to float32 whatever the model's dtype
-    tol = tolerance(rounding_chain(model, int(batch.input_ids.numel())), rounding_dtype(model, dtype), magnitude)
+    tol = tolerance(rounding_chain(model, int(batch.input_ids.numel())), rounds, magnitude)
     return PackingProbe(
         type(model).__name__, diff, tol, state_carrying_layers(model), str(dtype).removeprefix("torch.")
     )
@@ -753,7 +783,8 @@ def require_exact_packing(
     if not probe.ok and not allow:
         raise InexactPackingError(
             f"{probe.describe()}: train it padded (--packing none), or a model whose layers are attention and MLPs "
-            "(Llama, Qwen2, Qwen3...), or pass --allow-inexact-packing (TrainConfig(allow_inexact_packing=True)) "
+            "(Llama, Qwen2, Qwen3...) or ones sftpack.hybrid keeps apart (Mamba2 mixers, gated delta nets, short "
+            "convolutions: docs/hybrid.md), or pass --allow-inexact-packing (TrainConfig(allow_inexact_packing=True)) "
             "to train packed anyway"
         )
     return probe

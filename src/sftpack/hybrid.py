@@ -261,6 +261,13 @@ def keep_apart(model: nn.Module, route: str = "auto") -> tuple[CoveredLayer, ...
         kind = layer_kind(mod)
         if kind is None:
             continue
+        if route == "kernels" and not kernel_route_available(kind):
+            needs = " and ".join(kind.kernels) if kind.kernels else "none: it has no kernel route"
+            raise ValueError(
+                f"keep_apart: route='kernels' needs the kernel packages of {kind.name} layers ({name}: "
+                f"{type(mod).__name__}): {needs}{' installed (and CUDA tensors)' if kind.kernels else ''}; "
+                "use route='auto' (the kernels where they run, else the exact PyTorch route)"
+            )
         mod.forward = types.MethodType(_apart_forward, mod)
         object.__setattr__(mod, _ROUTE, route)
         covered.append(CoveredLayer(name, kind.name, type(mod).__name__))

@@ -199,12 +199,14 @@ def _has_experts(path: str) -> bool:
 
 def require_exact(model: Any, config: Any) -> PackingProbe | None:
     """The guard of a run of ``config`` (a :class:`~sftpack.loop.TrainConfig`) on ``model``: on a
-    packed path, :func:`sftpack.exactness.require_exact_packing` (a vision-language model through
+    packed path, its layers that carry state kept apart (:func:`sftpack.hybrid.keep_apart`), then
+    :func:`sftpack.exactness.require_exact_packing` (a vision-language model through
     its family), in the run's boundary mode and padding multiple; padded training needs none."""
     from ._options import Packing
 
     if config.packing is Packing.NONE:
         return None
+    keep_apart(model)  # a Hugging Face hybrid model built or loaded by the caller: its state layers too
     family = None
     if getattr(getattr(model, "config", None), "vision_config", None) is not None:
         from ..multimodal import family_for
