@@ -658,10 +658,13 @@ class _Upcast:
             ]
             norms_in_model_dtype(self.model)
             # routed experts: their grouped-matmul kernel takes no float64, their own loop does
-            configs = {id(m.config): m.config for m in self.model.modules() if hasattr(m, "_is_expert_parallel")}
+            configs: dict[int, Any] = {
+                id(m.config): m.config for m in self.model.modules() if hasattr(m, "_is_expert_parallel")
+            }
             for cfg in configs.values():
-                if getattr(cfg, "_experts_implementation", None) not in (None, "eager"):
-                    self.experts.append((cfg, cfg._experts_implementation))
+                impl = getattr(cfg, "_experts_implementation", None)
+                if impl not in (None, "eager"):
+                    self.experts.append((cfg, str(impl)))
                     cfg._experts_implementation = "eager"
 
     def __exit__(self, *exc: object) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import importlib.util
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +47,7 @@ from torch import nn
 
 __all__ = [
     "LAYER_KINDS",
+    "MODEL_TYPES",
     "ROUTES",
     "CoveredLayer",
     "LayerKind",
@@ -55,8 +56,10 @@ __all__ = [
     "kernel_route_available",
     "layer_kind",
     "leaking",
+    "refuse_context_parallel",
     "rounding_dtype",
     "segment_offsets",
+    "state_layers_of_config",
 ]
 
 #: the routes a covered layer can take: chosen per call (``auto``), or forced
@@ -102,6 +105,13 @@ LAYER_KINDS: tuple[LayerKind, ...] = (
 )
 
 _BY_CLASS = {cls: kind for kind in LAYER_KINDS for cls in kind.classes}
+#: the ``model_type`` of each family's config (``config.json``; a text config's own too), and the
+#: kind of its layers that carry state
+MODEL_TYPES: dict[str, str] = {
+    **dict.fromkeys(("nemotron_h", "bamba", "falcon_h1", "granitemoehybrid", "zamba2"), "Mamba2 mixer"),
+    **dict.fromkeys(("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"), "gated delta net"),
+    **dict.fromkeys(("lfm2", "lfm2_moe"), "short conv"),
+}
 #: the keyword arguments that carry boundaries; the torch route hands the layer none of them
 _BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
 _ROUTE = "_sftpack_route"  # the covered layer's route (attribute on the layer)
@@ -248,8 +258,9 @@ def _position_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
 def keep_apart(model: nn.Module, route: str = "auto") -> tuple[CoveredLayer, ...]:
     """Make every layer of ``model`` that carries state along the sequence (:data:`LAYER_KINDS`)
     keep a packed row's sequences apart; returns the layers covered (empty for a model with
-    none, which is left as it is). Idempotent; parameters, state-dict keys and the saved
-    folder are unchanged (the layer's forward is set on the instance, its class is kept).
+    none, which is left as it is). Idempotent (on a covered layer ``"auto"`` keeps the route it
+    has); parameters, state-dict keys and the saved folder are unchanged (the layer's forward is
+    set on the instance, its class is kept).
 
     ``route``: ``"auto"`` (the kernels' boundary arguments on CUDA where the layer's kernel
     packages are installed, else the exact PyTorch route), ``"torch"`` or ``"kernels"``.
@@ -268,8 +279,9 @@ def keep_apart(model: nn.Module, route: str = "auto") -> tuple[CoveredLayer, ...
                 f"{type(mod).__name__}): {needs}{' installed (and CUDA tensors)' if kind.kernels else ''}; "
                 "use route='auto' (the kernels where they run, else the exact PyTorch route)"
             )
+        if not (route == "auto" and _is_covered(mod)):  # covered already: "auto" keeps its route
+            object.__setattr__(mod, _ROUTE, route)
         mod.forward = types.MethodType(_apart_forward, mod)
-        object.__setattr__(mod, _ROUTE, route)
         covered.append(CoveredLayer(name, kind.name, type(mod).__name__))
     if covered and not getattr(model, _HOOKED, False):
         model.register_forward_pre_hook(_position_hook, with_kwargs=True)
@@ -277,14 +289,17 @@ def keep_apart(model: nn.Module, route: str = "auto") -> tuple[CoveredLayer, ...
     return tuple(covered)
 
 
+def _is_covered(mod: nn.Module) -> bool:
+    forward = mod.__dict__.get("forward")
+    return isinstance(forward, types.MethodType) and forward.__func__ is _apart_forward
+
+
 def covered_layers(model: nn.Module) -> tuple[CoveredLayer, ...]:
     """The layers of ``model`` that :func:`keep_apart` covers now."""
     return tuple(
         CoveredLayer(name, kind.name, type(mod).__name__)
         for name, mod in model.named_modules()
-        if (kind := layer_kind(mod)) is not None
-        and isinstance(mod.__dict__.get("forward"), types.MethodType)
-        and mod.__dict__["forward"].__func__ is _apart_forward
+        if (kind := layer_kind(mod)) is not None and _is_covered(mod)
     )
 
 
@@ -319,3 +334,24 @@ def leaking(model: nn.Module) -> Iterator[None]:
     finally:
         for m, r in saved:
             object.__setattr__(m, _ROUTE, r)
+
+
+def state_layers_of_config(config: Mapping[str, Any]) -> str | None:
+    """The kind of layer that carries state in the family of a ``config.json`` (its
+    ``model_type``, or its ``text_config``'s), ``None`` for another family."""
+    text = config.get("text_config")
+    types_ = [config.get("model_type"), text.get("model_type") if isinstance(text, Mapping) else None]
+    return next((MODEL_TYPES[t] for t in types_ if isinstance(t, str) and t in MODEL_TYPES), None)
+
+
+def refuse_context_parallel(kind: str | None, cp_size: int, what: str) -> None:
+    """Context parallelism cuts each sequence into chunks on other ranks; a layer that carries
+    state would need each chunk's final state handed to the rank of the next chunk, which
+    sftpack does not do. Raises ``ValueError`` (one line) when ``cp_size > 1`` and ``kind`` (the
+    layers ``what`` has, :func:`state_layers_of_config`) is one."""
+    if kind is not None and cp_size > 1:
+        raise ValueError(
+            f"context parallelism ({cp_size}) over {what}'s {kind} layers needs each chunk's state handed from "
+            "rank to rank, which sftpack does not do: use a context-parallel size of 1 for this model "
+            "(docs/hybrid.md)"
+        )

@@ -39,7 +39,7 @@ from sftpack.loop import TrainConfig, load_model, make_source, train
 from sftpack.loop._fsdp import full_state
 from sftpack.testing import save_hybrid_folder
 from tests.helpers import max_param_diff, tiny_samples
-from tests.loop.conftest import cache_in_tmp, chat, one_thread, run_ranks  # noqa: F401
+from tests.loop.conftest import run_ranks
 
 F64 = torch.float64
 FAMILIES = ("nemotron_h", "qwen3_5")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from typing import TYPE_CHECKING, Any
 
 from ._common import (
@@ -183,6 +184,23 @@ def summary_lines(result: PrepackResult) -> list[str]:
     return [f"{k:<{width}}  {v}" for k, v in rows]
 
 
+def _refuse_cp_over_state_layers(model: str, cp: int) -> None:
+    """``--cp`` over a hybrid family's layers that carry state: one line, before any work."""
+    import json
+
+    from ..hybrid import refuse_context_parallel, state_layers_of_config
+
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return  # not a model folder with a config: the tokenizer's load says so
+    try:
+        refuse_context_parallel(state_layers_of_config(config) if isinstance(config, dict) else None, cp, model)
+    except ValueError as e:
+        raise UsageError(f"--cp {cp}: {e}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs: the offline path loads torch, and `sftpack --help` should not
     from ..handoff import pad_multiple_for
@@ -206,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--pad-multiple {args.pad_multiple} is not a multiple of {align.seq_multiple}, which --cp/--tp need"
         )
+    if args.model is not None and args.cp > 1:
+        _refuse_cp_over_state_layers(args.model, args.cp)
     if args.corpus == "vqa" and args.inputs:
         raise UsageError("--corpus vqa reads the embedded easy-vqa corpus: give no inputs (or use --corpus chat)")
     if args.split is not None and not args.inputs:

@@ -342,6 +342,8 @@ def run(args: argparse.Namespace) -> int:
     _layout(args, manifest)
     if args.chat_template is not None:
         read_chat_template(args.chat_template)  # a missing or empty file: one line, before any work
+    if args.tokenizer is None and args.model is not None and (Path(args.model) / "tokenizer_config.json").is_file():
+        args.tokenizer = args.model  # the --model folder's own tokenizer, as the other commands take it
     tokenizer = _Tokenizer(args.tokenizer, args.chat_template)
     job = pending = None
     if args.prepacked is None:
@@ -530,6 +532,12 @@ def _run_training(
             f"packing {cfg.packing} ({cfg.boundaries} boundaries), {world} rank(s)"
             + (", the model sharded over them (FSDP)" if cfg.fsdp else "")
         )
+        from ..hybrid import covered_layers
+
+        kept = covered_layers(model)
+        if kept and cfg.packing != "none":  # the layers that carry state: kept apart on each packed row
+            kinds = ", ".join(sorted({f"{c.kind} ({c.cls})" for c in kept}))
+            say(f"hybrid: {len(kept)} layer(s) keep each packed row's sequences apart: {kinds}")
         _mark("train")  # start-up is over: from here SIGTERM stops the loop at the end of a step
         result = _train_until_stopped(
             train,

@@ -94,7 +94,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     m.add_argument(
         "--tokenizer",
         metavar="DIR",
-        help="a local tokenizer folder (default: the embedded Qwen BPE)",
+        help="a local tokenizer folder (default: the --model folder's own when it has one, else the embedded Qwen BPE)",
     )
     m.add_argument(
         "--vocab",

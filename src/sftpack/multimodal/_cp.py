@@ -29,6 +29,7 @@ import torch
 
 from .._train_attention import TRAIN_ATTENTION
 from ..handoff import CPShard, PackedBatchError
+from ..hybrid import covered_layers, refuse_context_parallel
 from ._family import Family, family_for
 
 __all__ = ["cp_hidden", "cp_vision_outputs"]
@@ -83,8 +84,11 @@ def cp_hidden(model: Any, shard: CPShard, *, family: Family | None = None, **att
 
     Raises:
         ValueError: the language model runs sftpack's training attention, which treats each
-            local segment as a whole sequence (a chunk needs the other ranks' keys and values).
+            local segment as a whole sequence (a chunk needs the other ranks' keys and values);
+            or it has layers that carry state (:func:`sftpack.hybrid.refuse_context_parallel`).
     """
+    kinds = sorted({c.kind for c in covered_layers(model)})
+    refuse_context_parallel(kinds[0] if kinds else None, shard.cp_size, f"cp_hidden: {type(model).__name__}")
     if model.config.get_text_config()._attn_implementation == TRAIN_ATTENTION:
         raise ValueError(
             f"cp_hidden: the language model runs {TRAIN_ATTENTION!r}, which sees each local segment as a whole "
