@@ -136,7 +136,31 @@ API = {
     ],
     "sftpack.handoff.payload": ["ImageMedia", "Media", "PatchMedia", "check_pixel_values"],
     "sftpack.data": ["CHATML_TEMPLATE", "cache_dir", "chatml_template", "default_corpus", "default_tokenizer"],
-    "sftpack.testing": ["CHAT_STYLES", "CharTokenizer", "samples_from_lengths", "tiny_chat_tokenizer"],
+    "sftpack.testing": [
+        "CHAT_STYLES",
+        "HYBRID_FAMILIES",
+        "CharTokenizer",
+        "hybrid_config",
+        "samples_from_lengths",
+        "save_hybrid_folder",
+        "tiny_chat_tokenizer",
+    ],
+    "sftpack.hybrid": [
+        "LAYER_KINDS",
+        "MODEL_TYPES",
+        "ROUTES",
+        "CoveredLayer",
+        "LayerKind",
+        "covered_layers",
+        "keep_apart",
+        "kernel_route_available",
+        "layer_kind",
+        "leaking",
+        "refuse_context_parallel",
+        "rounding_dtype",
+        "segment_offsets",
+        "state_layers_of_config",
+    ],
 }
 
 
