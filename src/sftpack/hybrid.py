@@ -113,7 +113,9 @@ MODEL_TYPES: dict[str, str] = {
     **dict.fromkeys(("lfm2", "lfm2_moe"), "short conv"),
 }
 #: the keyword arguments that carry boundaries; the torch route hands the layer none of them
-_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens")
+#: the offsets the model's forward pre-hook reads from restarting positions (covered layers only)
+_RESTARTS = "sftpack_restart_offsets"
+_BOUNDARY_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx", "cu_seqlens", _RESTARTS)
 _ROUTE = "_sftpack_route"  # the covered layer's route (attribute on the layer)
 _LEAK = "leak"  # the negative control: the row runs as one sequence (see :func:`leaking`)
 _HOOKED = "_sftpack_keep_apart_hook"
@@ -165,6 +167,8 @@ def segment_offsets(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 def _offsets(hidden: torch.Tensor, kwargs: dict[str, Any]) -> torch.Tensor | None:
     cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        cu = kwargs.get(_RESTARTS)
     if cu is None:
         return None
     slots = hidden.shape[0] * hidden.shape[1]
@@ -240,7 +244,8 @@ def _through_padded_batch(
 
 def _position_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """Hugging Face's other packed form (positions restarting, no mask, no offsets): the
-    offsets from the restarts, for the covered layers (and any attention that reads them)."""
+    offsets of the restarts, for the covered layers only (the attention reads the positions
+    its own way)."""
     pos = kwargs.get("position_ids")
     if (
         kwargs.get("cu_seq_lens_q") is None
@@ -250,8 +255,7 @@ def _position_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, A
     ):
         cu = segment_offsets(pos)
         if cu is not None:
-            longest = int((cu[1:] - cu[:-1]).max())
-            kwargs = dict(kwargs, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest)
+            kwargs = dict(kwargs, **{_RESTARTS: cu})
     return args, kwargs
 
 
