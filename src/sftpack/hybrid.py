@@ -29,8 +29,8 @@ The boundaries are the row's physical offsets (``cu_seq_lens_q``, what
 same real outputs: a segment's own padding trails its real tokens. A model called with
 Hugging Face's other packed form (``position_ids`` restarting per sequence, no mask, no
 ``cu_seq_lens_q``) gets the offsets from the restarts (:func:`keep_apart`'s forward
-pre-hook). A call with a cache (generation), or with no boundaries at all, runs the layer
-as it is.
+pre-hook). A call with no boundaries runs the layer as it is (generation, one sequence); a
+packed row with a cache is refused (a cache holds one sequence's state: ``use_cache=False``).
 """
 
 from __future__ import annotations
@@ -195,7 +195,12 @@ def _apart_forward(
 ) -> Any:
     """The covered layer's forward: its own class's forward, with the row's boundaries kept."""
     own = type(self).forward
-    cu = None if cache is not None else _offsets(hidden_states, kwargs)
+    cu = _offsets(hidden_states, kwargs)
+    if cu is not None and cache is not None:
+        raise ValueError(
+            f"{type(self).__name__}: a packed row ({cu.numel() - 1} sequences) with a cache, which holds one "
+            "sequence's state: call the model with use_cache=False (or set model.config.use_cache = False)"
+        )
     rest = {k: v for k, v in kwargs.items() if k not in _BOUNDARY_KEYS}
     route = getattr(self, _ROUTE, "auto")
     if cu is None or route == _LEAK:

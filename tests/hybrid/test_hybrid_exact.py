@@ -180,6 +180,7 @@ def test_the_torch_route_is_the_layers_own_forward_on_each_segment(folders):
     alone = torch.cat(parts, dim=1)
     alone.square().sum().backward()
     limit = tolerance(rounding_chain(model, 31), torch.float32, 1.0)  # values and gradients are below 1
+    packed, alone = packed.detach(), alone.detach()
     assert float(alone.abs().max()) < 1 and float(x.grad.abs().max()) < 1
     assert float((packed - alone).abs().max()) <= limit and float((grad - x.grad).abs().max()) <= limit
     with torch.no_grad(), leaking(model):
@@ -230,3 +231,14 @@ def test_restarting_positions_in_a_batch_of_rows_are_kept_apart_row_by_row(folde
         for b, row in enumerate(rows):
             diffs = _differences(model, samples[2 * b : 2 * b + 2], row, logits[b])
             assert max(diffs) <= _limit(model, row, logits[b]), (b, diffs)
+
+
+def test_a_packed_row_with_a_cache_is_refused_not_leaked(folders):
+    """Hugging Face builds a cache when ``use_cache`` is on (its configs' default): a cache holds
+    one sequence's state, so a packed row with one is refused, naming the fix."""
+    model = load_model(folders["nemotron_h"], dtype=torch.float64).eval()
+    _, batch = _row_and_alone(model)
+    with torch.no_grad(), pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=batch.input_ids[None], position_ids=batch.position_ids[None], use_cache=True)
+    with torch.no_grad():  # one sequence with a cache (generation's prefill) runs as it is
+        model(input_ids=batch.input_ids[None, :19], use_cache=True)
