@@ -25,19 +25,20 @@ order:
 - ``leaking``: the same packed row inside :func:`sftpack.hybrid.leaking` (the negative
   control: each mixer runs the row as one sequence, its state crossing every boundary). It
   is not exact; it is what the packed step would cost if keeping the boundaries were free
-  (what a kernel route with ``seq_idx`` costs on a GPU), so ``packed / leaking`` time is the
-  torch route's overhead.
+  (as with the kernels' boundary arguments, which cost a scan no more than one sequence), so
+  ``packed / leaking`` time is the torch route's overhead.
 
 The table gives the median over rounds of real tokens/s of each layout, the speed-ups of the
-packed row over ``alone`` and over ``padded``, and beside the latter the **slot bound**:
-padded slots / packed slots of the same samples (the speed-up if time were proportional to
-slots). The gradients of every layout are checked against the packed row's (the same
-token-weighted mean loss; ``leaking`` differs, which shows the control leaks). Hooks on the covered layers time
-their forward in each layout (the mixers' share of the forward, and the torch route's
-overhead inside them), and :class:`bench_train.BodyHeadClock` times the model's body
-(``base_model``: embeddings, layers, final norm; forward and backward), where the covered
-layers sit, apart from the head and the loss, which cost the same per real token in every
-layout but ``padded`` (the head runs on every slot).
+packed row over ``alone`` and over ``padded`` (medians over rounds of each round's ratio),
+and beside the latter the **slot bound**: padded slots / packed slots of the same samples
+(the speed-up if time were proportional to slots). The gradients of every layout are
+checked against the packed row's (the same token-weighted mean loss; ``leaking`` differs,
+which shows the control leaks). Hooks on the covered layers time their forward in each
+layout (the mixers' share of the step, and the torch route's overhead inside them), and
+:class:`bench_train.BodyHeadClock` times the model's body (``base_model``: embeddings,
+layers, final norm; forward and backward), where the covered layers sit, apart from the head
+and the loss, which cost the same per real token in every layout but ``padded`` (the head
+runs on every slot).
 
     python benchmarks/bench_hybrid.py [--families nemotron_h,qwen3_5,lfm2] [--sizes tiny,small]
         [--conversations 8] [--rounds 3] [--threads 1]
@@ -161,14 +162,20 @@ def hf_labels(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def step(model: Any, layout: str, samples: Sequence[Any]) -> tuple[float, torch.Tensor]:
-    """One forward + backward of ``layout``: ``(seconds, the gradients flattened)``."""
+    """One forward + backward of ``layout`` on the model's device: ``(seconds, the gradients
+    flattened)``."""
     from sftpack.hybrid import leaking
     from sftpack.trainer import pack_step, padded_batch
 
     model.zero_grad(set_to_none=True)
+    device = next(model.parameters()).device
     ids, lengths, mask = padded_batch(samples)
     labels = hf_labels(ids, mask)
     n = int((labels[:, 1:] != -100).sum())
+    ids, mask, labels = ids.to(device), mask.to(device), labels.to(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     if layout == "alone":
         for i, s in enumerate(samples):
@@ -186,6 +193,8 @@ def step(model: Any, layout: str, samples: Sequence[Any]) -> tuple[float, torch.
         with leaking(model) if layout == "leaking" else contextlib.nullcontext():
             loss = model(**kw).loss
             loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
     secs = time.perf_counter() - t0
     return secs, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
@@ -234,7 +243,12 @@ def run_model(args: argparse.Namespace, kind: str, size: str, samples: list[Any]
             flush=True,
         )
     med = {x: float(np.median(rate[x])) for x in LAYOUTS}
-    med_body = {x: float(np.median(body[x])) for x in LAYOUTS}
+
+    def paired(a: list[float], b: list[float]) -> float:
+        """The median over rounds of ``a / b``: each round's layouts ran minutes apart at most, so a
+        busy minute slows both sides of a ratio alike."""
+        return float(np.median(np.asarray(a) / np.asarray(b)))
+
     return {
         "family": kind,
         "size": size,
@@ -244,12 +258,12 @@ def run_model(args: argparse.Namespace, kind: str, size: str, samples: list[Any]
         "real_tokens": real,
         "bound": padded_slots / real,
         **{f"{x}_tokens_per_s": med[x] for x in LAYOUTS},
-        "vs_alone": med["packed"] / med["alone"],
-        "vs_padded": med["packed"] / med["padded"],
-        "body_vs_alone": med_body["packed"] / med_body["alone"],
-        "body_vs_padded": med_body["packed"] / med_body["padded"],
-        "body_share": med["packed"] / med_body["packed"],
-        "route_overhead": seconds["packed"] / seconds["leaking"],
+        "vs_alone": paired(rate["packed"], rate["alone"]),
+        "vs_padded": paired(rate["packed"], rate["padded"]),
+        "body_vs_alone": paired(body["packed"], body["alone"]),
+        "body_vs_padded": paired(body["packed"], body["padded"]),
+        "body_share": paired(rate["packed"], body["packed"]),
+        "route_overhead": paired(rate["leaking"], rate["packed"]),
         "mixer_share": mixer["packed"] / seconds["packed"],
         "mixer_overhead": mixer["packed"] / mixer["leaking"],
         "mixer_vs_padded": mixer["packed"] / mixer["padded"],
@@ -370,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
         body = [
             formatted_table(rows, COLUMNS),
             "",
-            "Real tokens/s are medians over rounds of one forward + backward (the model's own loss, no optimizer). "
+            "Real tokens/s are medians over rounds of one forward + backward (the model's own loss, no optimizer); "
+            "the ratios are medians over rounds of each round's ratio. "
             "*packed vs alone*: the packed row against the same model run one sample at a time (training without "
             "packing at batch size 1; packing must never be slower). *packed vs padded*: against one right-padded "
             "batch of the same samples, beside the *slot bound* (padded slots / packed slots: the speed-up if time "
@@ -380,7 +395,9 @@ def main(argv: list[str] | None = None) -> int:
             "saves, and the speed-up over padded batches stays under the bound by the mixers' share. *torch route: "
             "step / leaking step*: the packed step against the same row with the mixers' state leaking across "
             "boundaries (the negative control, not exact: what the step would cost if keeping boundaries were "
-            "free, as with the kernels' `seq_idx` / `cu_seqlens` on a GPU). *Δ grad*: max \\|grad - packed grad\\| / "
+            "free, as with the kernels' `seq_idx` / `cu_seqlens` on a GPU; under 1x where one long row costs the "
+            "layer's PyTorch code more than its segments do: Hugging Face's reference Mamba2 scan passes the state "
+            "between chunks in a step quadratic in the number of chunks). *Δ grad*: max \\|grad - packed grad\\| / "
             "max \\|packed grad\\|, the largest over the rounds (float32 roundings for the exact layouts; leaking is "
             f"the control). 1-min load average "
             f"{min(loads):.2f}-{max(loads):.2f}.",
