@@ -148,6 +148,7 @@ API = {
     "sftpack.hybrid": [
         "LAYER_KINDS",
         "MODEL_TYPES",
+        "PADDING_BUDGET",
         "ROUTES",
         "CoveredLayer",
         "LayerKind",
@@ -156,6 +157,7 @@ API = {
         "kernel_route_available",
         "layer_kind",
         "leaking",
+        "length_groups",
         "refuse_context_parallel",
         "rounding_dtype",
         "segment_offsets",

@@ -18,11 +18,12 @@ at each call:
   ``cu_seq_lens_q`` (the offsets transformers hands flash-linear-attention as
   ``cu_seqlens``);
 - ``torch`` (everywhere else: CPU, or a GPU without those kernels): the row's segments laid
-  out as a right-padded batch, one call of the layer's own forward over it, and the real
-  slots gathered back. Each segment starts at position 0 of its own batch row, so its
-  convolution sees zeros on its left and its scan starts from a zero state, exactly as the
-  sequence alone; the right padding comes after every real token and a causal layer never
-  lets it reach them. One call per layer, whatever the number of sequences.
+  out as the rows of right-padded batches, segments of similar length together
+  (:func:`length_groups`: the padding stays within :data:`PADDING_BUDGET` of the tokens), a
+  call of the layer's own forward over each, and the real slots put back. Each segment starts
+  at position 0 of its own batch row, so its convolution sees zeros on its left and its scan
+  starts from a zero state, exactly as the sequence alone; the right padding comes after
+  every real token and a causal layer never lets it reach them.
 
 The boundaries are the row's physical offsets (``cu_seq_lens_q``, what
 :meth:`~sftpack.PackedBatch.to_hf_kwargs` hands the model), so both boundary modes give the
@@ -48,6 +49,7 @@ from torch import nn
 __all__ = [
     "LAYER_KINDS",
     "MODEL_TYPES",
+    "PADDING_BUDGET",
     "ROUTES",
     "CoveredLayer",
     "LayerKind",
@@ -56,6 +58,7 @@ __all__ = [
     "kernel_route_available",
     "layer_kind",
     "leaking",
+    "length_groups",
     "refuse_context_parallel",
     "rounding_dtype",
     "segment_offsets",
@@ -221,6 +224,32 @@ def _apart_forward(
     return _through_padded_batch(self, own, hidden_states, attention_mask, cu, rest)
 
 
+#: the torch route's padding budget: segments of similar length share a padded batch while its
+#: slots stay within this factor of their tokens (a long segment and a short one run apart)
+PADDING_BUDGET = 1.125
+
+
+def length_groups(lengths: list[int], budget: float = PADDING_BUDGET) -> list[list[int]]:
+    """The segments (indices into ``lengths``) that share one call of the torch route: longest
+    first, each group as many as fit ``len(group) * longest <= budget * sum(group)``.
+
+    >>> length_groups([30, 4, 29, 5, 28])
+    [[0, 2, 4], [3, 1]]
+    """
+    order = sorted(range(len(lengths)), key=lambda k: (-lengths[k], k))
+    groups: list[list[int]] = []
+    total = 0
+    for k in order:
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * lengths[group[0]] <= budget * (total + lengths[k]):
+            group.append(k)
+            total += lengths[k]
+        else:
+            groups.append([k])
+            total = lengths[k]
+    return groups
+
+
 def _through_padded_batch(
     layer: nn.Module,
     own: Any,
@@ -229,22 +258,37 @@ def _through_padded_batch(
     cu: torch.Tensor,
     rest: dict[str, Any],
 ) -> torch.Tensor:
-    """The torch route: segments as the rows of a right-padded batch, one call, real slots back."""
+    """The torch route: the row's segments, grouped by length (:func:`length_groups`), each
+    group the rows of one right-padded batch through the layer's own forward, the real slots
+    put back in the row's order."""
     b, t = hidden.shape[0], hidden.shape[1]
     flat = hidden.reshape(b * t, *hidden.shape[2:])
-    cu = cu.to(device=hidden.device, dtype=torch.long)
-    starts, lengths = cu[:-1], cu[1:] - cu[:-1]
-    width = int(lengths.max())
-    col = torch.arange(width, device=hidden.device)
-    valid = col[None, :] < lengths[:, None]  # (N, width)
-    index = torch.where(valid, starts[:, None] + col[None, :], torch.zeros_like(col)[None, :])
-    shape = (valid.shape[0], width) + (1,) * (hidden.dim() - 2)
-    batch = torch.where(valid.reshape(shape), flat[index], torch.zeros((), dtype=hidden.dtype, device=hidden.device))
-    mask = None
-    if attention_mask is not None and attention_mask.dim() == 2:
-        mask = attention_mask.reshape(-1)[index] * valid.to(attention_mask.dtype)
-    out = own(layer, batch, cache=None, attention_mask=mask, **rest)
-    return out[valid].reshape(b, t, *out.shape[2:])
+    mask_flat = attention_mask.reshape(-1) if attention_mask is not None and attention_mask.dim() == 2 else None
+    bounds = cu.tolist()
+    lengths = [e - a for a, e in zip(bounds[:-1], bounds[1:])]
+    outs: list[torch.Tensor] = []
+    slots: list[torch.Tensor] = []
+    for group in length_groups(lengths):
+        if len(group) == 1:  # one segment: the slice itself, no gather
+            a, e = bounds[group[0]], bounds[group[0] + 1]
+            mask = None if mask_flat is None else mask_flat[a:e][None]
+            outs.append(own(layer, flat[a:e][None], cache=None, attention_mask=mask, **rest)[0])
+            slots.append(torch.arange(a, e, device=hidden.device))
+            continue
+        starts = torch.tensor([bounds[k] for k in group], device=hidden.device)
+        lens = torch.tensor([lengths[k] for k in group], device=hidden.device)
+        col = torch.arange(lengths[group[0]], device=hidden.device)
+        valid = col[None, :] < lens[:, None]  # (group, longest)
+        index = torch.where(valid, starts[:, None] + col[None, :], torch.zeros_like(col)[None, :])
+        shape = valid.shape + (1,) * (hidden.dim() - 2)
+        zero = torch.zeros((), dtype=hidden.dtype, device=hidden.device)
+        batch = torch.where(valid.reshape(shape), flat[index], zero)
+        mask = None if mask_flat is None else mask_flat[index] * valid.to(mask_flat.dtype)
+        outs.append(own(layer, batch, cache=None, attention_mask=mask, **rest)[valid])
+        slots.append(index[valid])
+    out = torch.cat(outs)
+    order = torch.argsort(torch.cat(slots))  # the slots are a permutation of the row's
+    return out[order].reshape(b, t, *out.shape[1:])
 
 
 def _position_hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
