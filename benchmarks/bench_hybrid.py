@@ -20,8 +20,8 @@ order:
   boundaries (exact for causal layers: the padding trails every real token);
 - ``packed``: the samples packed into one row by sftpack's trainer path
   (:func:`sftpack.trainer.pack_step` on that padded batch) and fed with ``to_hf_kwargs()``:
-  every covered layer runs the row's segments as the rows of a right-padded batch (the torch
-  route), everything else runs on the packed slots;
+  every covered layer runs the row's segments, those of similar length together as the rows
+  of a right-padded batch (the torch route), everything else runs on the packed slots;
 - ``leaking``: the same packed row inside :func:`sftpack.hybrid.leaking` (the negative
   control: each mixer runs the row as one sequence, its state crossing every boundary). It
   is not exact; it is what the packed step would cost if keeping the boundaries were free
@@ -281,6 +281,7 @@ def run_model(args: argparse.Namespace, kind: str, size: str, samples: list[Any]
 COLUMNS = [
     ("family", "family", "{}"),
     ("size", "size", "{}"),
+    ("malloc", "malloc", "{}"),
     ("params", "parameters", "{:,}"),
     ("covered", "covered / layers", "{}"),
     ("alone_tokens_per_s", "alone tok/s", "{:,.0f}"),
@@ -317,12 +318,26 @@ def print_table(rows: list[dict]) -> None:
     print("-" * len(head))
     for r in rows:
         print(
-            f"{r['family']:10s} {r['size']:5s} | {r['alone_tokens_per_s']:6,.0f} {r['padded_tokens_per_s']:6,.0f} "
+            f"{r['family'][:6] + ' ' + r['malloc'][:3]:10s} {r['size']:5s} | {r['alone_tokens_per_s']:6,.0f} {r['padded_tokens_per_s']:6,.0f} "
             f"{r['packed_tokens_per_s']:6,.0f} {r['leaking_tokens_per_s']:7,.0f} | {r['vs_alone']:7.2f}x "
             f"{r['vs_padded']:5.2f}x {r['bound']:4.2f}x | {r['body_share']:5.0%} {r['body_vs_alone']:5.2f}x "
             f"{r['body_vs_padded']:5.2f}x {r['head_vs_alone']:5.2f}x | {r['route_overhead']:4.2f}x {r['mixer_share']:5.0%} "
             f"{r['mixer_overhead']:5.2f}x | {r['dgrad_padded']:7.1e} {r['dgrad_alone']:7.1e} {r['dgrad_leaking']:7.1e}"
         )
+
+
+def keep_freed_memory() -> None:
+    """glibc's ``malloc`` keeps what is freed instead of handing large blocks back to the OS
+    (``mallopt(M_MMAP_MAX, 0)``, ``mallopt(M_TRIM_THRESHOLD, 2**40)``: what
+    ``MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`` set, or a caching allocator such as
+    jemalloc or tcmalloc, or PyTorch's own on a GPU). By default a long row's activations,
+    larger than the short samples', are mapped afresh and zero-filled by the kernel at every
+    step: a cost of the row's size, not of packing."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-4, 0)  # M_MMAP_MAX: no allocation by mmap
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: do not hand the top of the heap back
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,6 +351,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: steadier on a shared machine)")
     p.add_argument("--csv", default=str(OUT / "bench_hybrid.csv"))
+    p.add_argument(
+        "--malloc",
+        choices=["default", "keep", "both"],
+        default="both",
+        help="glibc malloc as it is, keeping freed memory (keep_freed_memory), or both in turn (default)",
+    )
     add_flag(p)
     args = p.parse_args(argv)
     from sftpack.testing import HYBRID_FAMILIES
@@ -365,7 +386,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} rounds, float32, forward + backward"
     )
     t0 = time.perf_counter()
-    rows = [run_model(args, kind, size, samples, len(ids)) for size in sizes for kind in families]
+    rows = []
+    for mode in ["default", "keep"] if args.malloc == "both" else [args.malloc]:
+        if mode == "keep":
+            keep_freed_memory()
+        for size in sizes:
+            for kind in families:
+                rows.append({"malloc": mode, **run_model(args, kind, size, samples, len(ids))})
     loads = [r["load"] for r in rows]
     print(f"\n({time.perf_counter() - t0:.0f} s; 1-min load average {min(loads):.2f}-{max(loads):.2f})")
     print_table(rows)
@@ -386,14 +413,24 @@ def main(argv: list[str] | None = None) -> int:
         w.writerows(rows)
     print(f"wrote {out}")
     if not args.no_results:
-        slower = [f"{r['family']} {r['size']} {r['vs_alone']:.2f}x" for r in rows if r["vs_alone"] < 1]
+        verdicts = []
+        for mode in dict.fromkeys(r["malloc"] for r in rows):
+            mine = [r for r in rows if r["malloc"] == mode]
+            slower = [f"{r['family']} {r['size']} {r['vs_alone']:.2f}x" for r in mine if r["vs_alone"] < 1]
+            how = "glibc malloc as it is" if mode == "default" else "glibc malloc keeping freed memory"
+            verdicts.append(
+                f"**{how}: below the 1x goal against one sample at a time on {len(slower)} of {len(mine)} models** "
+                f"({', '.join(slower)})."
+                if slower
+                else f"**{how}: the packed row meets the 1x goal against one sample at a time on all {len(mine)} "
+                "models.**"
+            )
         verdict = (
-            f"**Against one sample at a time the packed row is below the 1x goal on {len(slower)} of {len(rows)} "
-            f"models** ({', '.join(slower)}): in the body, the torch route runs every mixer over the segments padded "
-            "to the longest one, which costs what the padded batch costs, not what the samples alone cost (*body: "
-            "packed vs alone*); the head + loss, the same tokens in both, is shown beside it."
-            if slower
-            else f"Against one sample at a time the packed row meets the 1x goal on all {len(rows)} models."
+            " ".join(verdicts)
+            + " With malloc as it is, a long row's activations are mapped afresh and zero-filled by the kernel at "
+            "every step while the short samples' are reused (the *head + loss* column: the same tokens in both "
+            "layouts); keeping freed memory (`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...`, jemalloc or tcmalloc "
+            "on CPU; PyTorch's caching allocator on a GPU) removes that cost of the row's size."
         )
         body = [
             formatted_table(rows, COLUMNS),
@@ -405,10 +442,10 @@ def main(argv: list[str] | None = None) -> int:
             "*packed vs alone*: the packed row against the same model run one sample at a time (training without "
             "packing at batch size 1; packing must never be slower). *packed vs padded*: against one right-padded "
             "batch of the same samples, beside the *slot bound* (padded slots / packed slots: the speed-up if time "
-            "were proportional to slots). The torch route runs each covered layer on the row's segments laid out as "
-            "a right-padded batch, so inside the mixers the packed row costs about what the padded batch does "
-            "(*mixer fwd: packed / padded*); only the other layers (attention, MLP, head) gain the slots packing "
-            "saves, and the speed-up over padded batches stays under the bound by the mixers' share. *torch route: "
+            "were proportional to slots). The torch route runs each covered layer on the row's segments, those of "
+            "similar length together as the rows of a right-padded batch (`sftpack.hybrid.length_groups`: padding "
+            "within 1.125x of the tokens), so inside the mixers the packed row costs about what the samples alone "
+            "cost; the other layers (attention, MLP, head) gain the slots packing saves. *torch route: "
             "step / leaking step*: the packed step against the same row with the mixers' state leaking across "
             "boundaries (the negative control, not exact: what the step would cost if keeping boundaries were "
             "free, as with the kernels' `seq_idx` / `cu_seqlens` on a GPU; under 1x where one long row costs the "
