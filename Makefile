@@ -1,6 +1,7 @@
 # make test: create .venv/ at the repository root, install sftpack with its test
 #            dependencies (through constraints.txt), lint and format-check with ruff,
-#            type-check src/ with mypy (settings in pyproject.toml), run the whole suite.
+#            type-check src/ with mypy (settings in pyproject.toml), run the whole suite
+#            on two workers (pytest-xdist; a file's tests stay on one worker).
 # make demo: same .venv/, then run the main job on the embedded default.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
@@ -20,7 +21,7 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: $(STAMP)
 	$(VENV)/bin/sftpack demo
