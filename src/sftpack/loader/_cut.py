@@ -46,11 +46,11 @@ class Cut(NamedTuple):
 class Cutter:
     """Source items to buffer items under one dataset's settings and model family."""
 
-    def __init__(
-        self, settings: LoaderSettings, family: Family | None, tokenizer: Tokenizer | None, processor: Any
-    ) -> None:
+    def __init__(self, settings: LoaderSettings, family: object, tokenizer: Tokenizer | None, processor: Any) -> None:
+        """``family``: anything :func:`~sftpack.multimodal.family_for` takes (resolved now), or
+        ``None`` (Qwen2-VL, resolved on first use)."""
         self.settings = settings
-        self._family = family
+        self._family: Family | None = None if family is None else family_for(family)
         self.named_family = family is not None
         self._tokenizer = tokenizer
         self._processor = processor  # the family's image processor (a transformers object: untyped)

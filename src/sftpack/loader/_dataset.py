@@ -58,9 +58,6 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .._base import non_negative_int
 from ..binpack import Algorithm
 from ..handoff import PackedBatch
-
-# The multimodal core's module (the package's own names would also load its exactness harness)
-from ..multimodal._family import Family, family_for
 from ..sample import DEFAULT_OVERLONG, Overlong
 from ._cut import Cutter
 from ._settings import LoaderSettings, Setting
@@ -81,6 +78,8 @@ from ._stream import RowStream
 
 if TYPE_CHECKING:  # pragma: no cover
     from megatron.core.packed_seq_params import PackedSeqParams
+
+    from ..multimodal import Family
 
 __all__ = ["PAD_BETWEEN_SEQS", "PackingDataset", "StateError"]
 
@@ -220,9 +219,7 @@ class PackingDataset(RowStream, IterableDataset):
             max_patches_per_row=max_patches_per_row,
             on_bad_row=on_bad_row,
         )
-        self.cutter: Cutter = Cutter(
-            self.settings, None if family is None else family_for(family), tokenizer, processor
-        )
+        self.cutter: Cutter = Cutter(self.settings, family, tokenizer, processor)
         self.source: Source = Source(samples, shuffle=self.settings.shuffle, seed=self.settings.seed)
         self._reset(epoch=0)
 

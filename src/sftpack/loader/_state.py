@@ -485,8 +485,17 @@ def restore_items(
     return buffer, ages, pending, last
 
 
+class Sized(Protocol):
+    """What :func:`check_pending` reads of a restored item (a loader's ``Item``)."""
+
+    @property
+    def length(self) -> int: ...
+    @property
+    def patches(self) -> int: ...
+
+
 def check_pending(
-    pending: Sequence[Sequence[Any]], pad_multiple: int, max_seq_len: int, max_patches: int | None
+    pending: Sequence[Sequence[Sized]], pad_multiple: int, max_seq_len: int, max_patches: int | None
 ) -> None:
     """Raise :class:`StateError` unless every restored pending row (of items with ``length`` and
     ``patches``) fits a row: ``max_seq_len`` padded slots and the patch budget ``max_patches``."""
