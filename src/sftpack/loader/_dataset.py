@@ -251,7 +251,7 @@ class PackingDataset(RowStream, IterableDataset):
         (``pad_between_seqs=False`` by default: the padded array for all four fields)."""
         return row.to_packed_seq_params(pad_between_seqs=self.settings.pad_between_seqs)
 
-    def _config(self) -> dict[str, Any]:
+    def _config(self) -> dict[str, object]:
         return self.settings.config(self.family.name if self.cutter.named_family else None)
 
     def _shard(self) -> tuple[int, int, int]:

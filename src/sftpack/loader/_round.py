@@ -36,7 +36,23 @@ class Round(NamedTuple):
 
 
 def plan_round(buffer: Sequence[Item], ages: Sequence[int], settings: LoaderSettings, *, flush: bool) -> Round:
-    """Plan ``buffer`` (its items ``ages`` rounds old) into rows; with ``flush`` every row is decided."""
+    """Plan ``buffer`` (its items ``ages`` rounds old) into rows; with ``flush`` every row is decided.
+
+    Sequences of 36, 20, 12 and 3 tokens in rows of 36: the full row is decided, the
+    under-filled one (35 of 36 slots) waits a round unless the buffer is flushed.
+
+    >>> from sftpack.loader._settings import LoaderSettings
+    >>> from sftpack.loader._source import cut_overlong
+    >>> s = LoaderSettings.check(max_seq_len=36, buffer_size=8, pad_multiple=1, algorithm="bfd",
+    ...     pad_between_seqs=False, overlong="split", seed=0, shuffle=False, max_wait=2, min_fill=0.99,
+    ...     num_epochs=1, rank=0, world_size=1, pad_id=0, max_patches_per_row=None, on_bad_row="error")
+    >>> buf = [cut_overlong(i, [1] * n, 36, s.overlong)[0][0] for i, n in enumerate([36, 20, 12, 3])]
+    >>> r = plan_round(buf, [0, 0, 0, 0], s, flush=False)
+    >>> [[it.ref[0] for it in row] for row in r.decided], [it.ref[0] for it in r.buffer], r.ages, r.held_rows
+    ([[0]], [1, 2, 3], [1, 1, 1], 1)
+    >>> [[it.ref[0] for it in row] for row in plan_round(buf, [0, 0, 0, 0], s, flush=True).decided]
+    [[0], [1, 2, 3]]
+    """
     s = settings
     lengths = np.fromiter((it.length for it in buffer), dtype=np.int64, count=len(buffer))
     cap = s.max_patches_per_row

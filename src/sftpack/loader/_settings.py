@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Generic, Protocol, TypeVar, overload
 
 from .._base import check_width, choose, non_negative_int, positive_int
 from ..binpack import Algorithm
@@ -71,7 +71,14 @@ class LoaderSettings:
         max_patches_per_row: object,
         on_bad_row: object,
     ) -> LoaderSettings:
-        """The arguments checked (each error names the argument, its value and the fix)."""
+        """The arguments checked (each error names the argument, its value and the fix).
+
+        >>> s = LoaderSettings.check(max_seq_len=36, buffer_size=8, pad_multiple=4, algorithm="bfd",
+        ...     pad_between_seqs=False, overlong="split", seed=0, shuffle=False, max_wait=2, min_fill=0.99,
+        ...     num_epochs=1, rank=None, world_size=None, pad_id=0, max_patches_per_row=None, on_bad_row="error")
+        >>> s.algorithm, s.rank, s.world_size, sorted(s.config(None))[:3]
+        (<Algorithm.BFD: 'bfd'>, 0, 1, ['algorithm', 'buffer_size', 'max_seq_len'])
+        """
         width = positive_int("max_seq_len", max_seq_len, who=_WHO)
         buffer = positive_int("buffer_size", buffer_size, who=_WHO)
         multiple = positive_int("pad_multiple", pad_multiple, who=_WHO)
@@ -111,10 +118,10 @@ class LoaderSettings:
             on_bad_row=bad_rows,
         )
 
-    def config(self, family_name: str | None) -> dict[str, Any]:
+    def config(self, family_name: str | None) -> dict[str, object]:
         """What a state records of the settings (``config``); the media ones (and the family's
         name, ``None``: not named) only when set, so a text dataset's config is the text one."""
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "max_seq_len": self.max_seq_len,
             "buffer_size": self.buffer_size,
             "pad_multiple": self.pad_multiple,
@@ -141,7 +148,17 @@ class HasSettings(Protocol):
 
 class Setting(Generic[T]):
     """A read-only attribute of an object with ``settings`` (a :class:`LoaderSettings`) that reads
-    the setting of the same name: ``max_seq_len = Setting[int]()`` in the class body."""
+    the setting of the same name: ``max_seq_len = Setting[int]()`` in the class body. It cannot be
+    set: a setting is fixed when the object is built (and a saved state records it).
+
+    >>> from sftpack.loader import PackingDataset
+    >>> ds = PackingDataset([[1, 2, 3]], max_seq_len=8, buffer_size=4)
+    >>> ds.max_seq_len, ds.max_seq_len is ds.settings.max_seq_len
+    (8, True)
+    >>> ds.max_wait = 0
+    Traceback (most recent call last):
+    AttributeError: PackingDataset.max_wait is a setting, fixed when the object is built (a saved state records it): build a new one with max_wait=0
+    """
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -155,3 +172,9 @@ class Setting(Generic[T]):
             return self
         value: T = getattr(obj.settings, self.name)
         return value
+
+    def __set__(self, obj: HasSettings, value: object) -> None:
+        raise AttributeError(
+            f"{type(obj).__name__}.{self.name} is a setting, fixed when the object is built (a saved state "
+            f"records it): build a new one with {self.name}={value!r}"
+        )

@@ -81,7 +81,7 @@ class RowStream:
         self._cursor = int(st["cursor"])
         return refs_needed(st)
 
-    def _rebuild(self, got: dict[int, Any]) -> None:
+    def _rebuild(self, got: dict[int, object]) -> None:
         """Buffer and decided rows of a restored state, from the re-read samples."""
         assert self._restore is not None
         self._buffer, self._ages, self._pending, self._last = restore_items(
