@@ -18,8 +18,16 @@ One concept per module:
 - ``_hold``: ``hold_back``, which under-filled rows wait; the rows themselves
   come from the one row planner, :func:`sftpack.handoff.pack_rows` (BFD on
   ``padded_lengths``, the cost the builder lays).
-- ``_dataset``: :class:`PackingDataset`: shares, buffer rounds, rows, exact resume; samples
-  with or without media (any mix), or conversations tokenized in the worker
+- ``_settings``: :class:`LoaderSettings <sftpack.loader._settings.LoaderSettings>`, the
+  dataset's arguments checked once into a frozen object (what a state's ``config`` records).
+- ``_cut``: a source item (a sample with or without media, or a conversation tokenized in
+  the worker) to buffer items under the over-long policy and the patch budget.
+- ``_round``: one buffer planned into rows, the under-filled ones held back (``_hold``).
+- ``_row``: a decided row of items laid as a :class:`~sftpack.PackedBatch` (its media too).
+- ``_stream``: the streaming engine, one share's position (epoch, cursor, buffer, decided
+  rows, counts) and the rounds that move it.
+- ``_dataset``: :class:`PackingDataset`, the engine over a source: shares, ``iter()``, exact
+  resume; samples with or without media (any mix), or conversations tokenized in the worker
   (rows with ``media`` planned under a token and a patch budget, ``max_patches_per_row``).
 - ``_state``: the index-only state and its checks (:class:`StateError`).
 - ``_stats``: :class:`LoaderStats` (samples in, rows out, fill, images and patches out,

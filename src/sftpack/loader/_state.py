@@ -47,22 +47,23 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from .._base import non_negative_int, positive_int
+from ..handoff.layout import padded_lengths
 
 __all__ = [
     "STATE_VERSION",
     "StateError",
     "check_fields",
     "check_loadable",
+    "check_pending",
     "check_refs",
     "check_share",
     "check_stats",
     "digest",
-    "enter_iter",
     "first_iter",
     "last_mark",
     "position",
@@ -401,20 +402,6 @@ def first_iter(restore: dict[str, Any] | None, in_worker: bool, skipped: bool) -
     return False, {**restore, "end_epoch": None}
 
 
-def enter_iter(ds: Any, in_worker: bool) -> bool:
-    """What an ``iter()`` of a loader dataset (a ``PackingDataset``: ``_restore``, ``_skipped``,
-    ``_active``, ``_end_epoch``) settles before it reads: ``True``
-    when it must yield nothing (:func:`first_iter`); else, with nothing to restore and no pass
-    running, the last ``iter()`` ended (or none ran), so this one starts the next epoch."""
-    skip, ds._restore = first_iter(ds._restore, in_worker, ds._skipped)
-    if skip:
-        ds._skipped = True
-        return True
-    if ds._restore is None and not ds._active:
-        ds._end_epoch = None
-    return False
-
-
 def check_share(state: dict[str, Any], shard: int, shards: int, num_workers: int, rank: int) -> None:
     """Raise :class:`StateError` unless the iterating worker owns the share the state was saved by."""
     if (state["shard"], state["num_shards"]) != (shard, shards):
@@ -496,3 +483,34 @@ def restore_items(
             )
         last = (src, got)
     return buffer, ages, pending, last
+
+
+class Sized(Protocol):
+    """What :func:`check_pending` reads of a restored item (a loader's ``Item``)."""
+
+    @property
+    def length(self) -> int: ...
+    @property
+    def patches(self) -> int: ...
+
+
+def check_pending(
+    pending: Sequence[Sequence[Sized]], pad_multiple: int, max_seq_len: int, max_patches: int | None
+) -> None:
+    """Raise :class:`StateError` unless every restored pending row (of items with ``length`` and
+    ``patches``) fits a row: ``max_seq_len`` padded slots and the patch budget ``max_patches``."""
+    for r, row in enumerate(pending):
+        cost = int(padded_lengths([it.length for it in row], pad_multiple).sum())
+        if cost > max_seq_len:
+            raise StateError(
+                f"state['pending'][{r}] holds {len(row)} sequences of {cost} padded slots, more than "
+                f"max_seq_len={max_seq_len}: the state was saved over other data (or edited); resume "
+                "with the same samples in the same order"
+            )
+        patches = sum(it.patches for it in row)
+        if max_patches is not None and patches > max_patches:
+            raise StateError(
+                f"state['pending'][{r}] holds {len(row)} sequences of {patches} vision patches, more than "
+                f"max_patches_per_row={max_patches}: the state was saved over other data (or edited); resume with "
+                "the same samples in the same order"
+            )

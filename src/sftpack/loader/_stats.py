@@ -21,9 +21,12 @@ writes a media count or reason only once it is non-zero).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ._source import Item
 
 __all__ = ["OVERLONG", "LoaderStats"]
 
@@ -110,6 +113,17 @@ class LoaderStats:
         self.tokens_dropped += tokens
         if reason != OVERLONG:
             self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def count_row(self, row: Sequence[Item], max_seq_len: int) -> None:
+        """Count one emitted row of ``max_seq_len`` slots holding ``row``'s items (and their media)."""
+        self.rows_out += 1
+        self.sequences_out += len(row)
+        self.real_tokens += sum([it.length for it in row])
+        self.slots += max_seq_len
+        for it in row:
+            if it.media is not None:
+                self.images_out += it.media.num_items
+                self.patches_out += it.media.num_patches
 
     def as_dict(self) -> dict[str, Any]:
         """The counts as flat numbers (what a state stores): every count, a media count only when

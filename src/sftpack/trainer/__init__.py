@@ -17,9 +17,12 @@ small transfer. ``benchmarks/bench_trainer.py`` measures packing against a bare
 boolean-mask gather of the real tokens, the least any packer must do (the numbers
 are in ``benchmarks/RESULTS.md``).
 
-The path itself is three modules:
+The path itself:
 
-- ``_step``: :func:`pack_step`.
+- ``_step``: :func:`pack_step`, made of three units: ``_step_input`` (the batch,
+  options and each row's length, checked), ``_step_layout`` (the row's shape in one
+  host transfer, its boundaries, its slots) and ``_step_media`` (the rows' media,
+  checked and laid at the packed offsets).
 - ``_plan``: :func:`plan_microbatches`, token-budget micro-batches balanced
   over data-parallel ranks (bins from :mod:`sftpack.binpack`).
 - ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``

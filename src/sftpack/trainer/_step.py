@@ -6,6 +6,10 @@ media (images) hand their samples' :class:`~sftpack.handoff.payload.Media` along
 (``media=``): laid at the packed offsets by :meth:`Media.lay
 <sftpack.handoff.payload.Media.lay>`, as :meth:`PackedBatch.from_samples
 <sftpack.PackedBatch.from_samples>` lays them.
+
+The steps, each its own unit: the input checked (``_step_input``: the options, each row's
+length), the row laid (``_step_layout``: the shape in one host transfer, the boundaries, the
+slots), the media checked and laid (``_step_media``).
 """
 
 from __future__ import annotations
@@ -16,29 +20,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._base import check_width, positive_int, round_up
 from ..handoff import PackedBatch, PackedBatchError
-from ..handoff.layout import check_pad_id
 from ..handoff.payload import Media
-from ..sample import IGNORE_INDEX
+from ._step_input import check_options, check_padding, source_lengths
+from ._step_layout import gather_slots, read_shape, segment_offsets
+from ._step_media import check_media, lay_media
 
 __all__ = ["pack_step"]
-
-
-def _positive_int(name: str, value: object, *, allow_none: bool = False) -> int | None:
-    return positive_int(name, value, error=PackedBatchError, allow_none=allow_none, who="pack_step")
-
-
-def _batch_tensor(name: str, t: Any, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise PackedBatchError(f"pack_step: {name} must be a torch.Tensor of shape {shape}, got {type(t).__name__}")
-    if tuple(t.shape) != shape:
-        raise PackedBatchError(
-            f"pack_step: {name} has shape {tuple(t.shape)} but input_ids has shape {shape}; give one entry per token"
-        )
-    if t.device != device:
-        raise PackedBatchError(f"pack_step: {name} is on {t.device} but input_ids is on {device}; move it first")
-    return t
 
 
 def pack_step(
@@ -122,227 +110,28 @@ def pack_step(
     >>> b.position_ids.tolist()[6:10]
     [6, 7, 0, 1]
     """
-    # ------------------------------------------------------------ options
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise PackedBatchError(f"pack_step: input_ids must be a (B, S) tensor, got {shape}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
-        raise PackedBatchError(f"pack_step: input_ids must hold integer ids, got {input_ids.dtype}")
-    B, S = (int(x) for x in input_ids.shape)
-    if B == 0 or S == 0:
-        raise PackedBatchError(f"pack_step: the batch is empty (shape {(B, S)})")
-    dev = input_ids.device
-    check_pad_id(pad_id, "pack_step")
-    if sequence_ids is not None and len(sequence_ids) != B:
-        raise PackedBatchError(f"pack_step: sequence_ids has {len(sequence_ids)} entries for a batch of B={B} rows")
-    parts = _media_parts(media, B, pad_id)
-    m = _positive_int("pad_multiple", pad_multiple)
-    row_mult = _positive_int("pad_to_multiple_of", pad_to_multiple_of, allow_none=True)
-    width = _positive_int("pad_to", pad_to, allow_none=True)
-    assert m is not None
-    # The row's tail is folded into the last segment, so the tail itself must be a
-    # multiple of the per-sequence multiple or the last segment loses its CP alignment.
-    if row_mult is not None and row_mult % m:
-        raise PackedBatchError(
-            f"pack_step: pad_to_multiple_of={row_mult} is not a multiple of pad_multiple={m}; the last sequence "
-            f"absorbs the row's tail and would lose its alignment: use pad_to_multiple_of={np.lcm(row_mult, m)}"
-        )
-    if width is not None:
-        multiple_name = "pad_to_multiple_of" if row_mult else "pad_multiple"
-        check_width(
-            width, row_mult or m, name="pad_to", multiple_name=multiple_name, who="pack_step", error=PackedBatchError
-        )
+    opts = check_options(input_ids, pad_id=pad_id, sequence_ids=sequence_ids)
+    parts = check_media(media, opts.B, pad_id)
+    opts = check_padding(opts, pad_multiple=pad_multiple, pad_to_multiple_of=pad_to_multiple_of, pad_to=pad_to)
     if lengths is not None and attention_mask is not None:
         raise PackedBatchError("pack_step: give lengths or attention_mask, not both")
     if loss_mask is not None and labels is not None:
         raise PackedBatchError("pack_step: give loss_mask or labels, not both")
-
-    # ------------------------------------------------------------ lengths
-    mask_not_right_padded = None
-    if attention_mask is not None:
-        am = _batch_tensor("attention_mask", attention_mask, (B, S), dev).bool()
-        lens_src = am.sum(1)
-        # Right-padded means no 0 -> 1 step along a row (one pass, cheaper than
-        # comparing with "column < length").
-        mask_not_right_padded = (am[:, 1:] > am[:, :-1]).any(1)
-    elif lengths is not None:
-        if isinstance(lengths, torch.Tensor):
-            lens_src = lengths.reshape(-1)
-        else:
-            lens_src = torch.as_tensor(np.asarray(lengths).reshape(-1))
-        if lens_src.dtype.is_floating_point or lens_src.dtype == torch.bool:
-            raise PackedBatchError(f"pack_step: lengths must be integers, got {lens_src.dtype}")
-        if lens_src.shape[0] != B:
-            raise PackedBatchError(f"pack_step: lengths has {lens_src.shape[0]} entries for a batch of B={B} rows")
-    else:
-        raise PackedBatchError("pack_step: give lengths (B,) or attention_mask (B, S) to say where each row ends")
-    lens_src = lens_src.to(torch.int64)
-
-    # One host transfer for everything the output shape and the checks need. It
-    # happens where `lengths` lives: a host-side lengths costs no device sync.
-    padded_src = round_up(lens_src, m)
-    nonempty = lens_src > 0
-    last = torch.argmax(nonempty.to(torch.int64) * torch.arange(1, B + 1, device=lens_src.device))
-    stats_parts = [
-        padded_src.sum(),
-        nonempty.sum(),
-        padded_src.max(),
-        padded_src[last],
-        lens_src.min(),
-        lens_src.max(),
-    ]
-    if mask_not_right_padded is not None:
-        stats_parts.append(mask_not_right_padded.any().to(torch.int64))
-    stats = torch.stack(stats_parts).tolist()
-    total, n, max_padded, last_padded, lmin, lmax = (int(x) for x in stats[:6])
-    if lmin < 0 or lmax > S:
-        bad = int(torch.nonzero((lens_src < 0) | (lens_src > S))[0, 0])
-        raise PackedBatchError(
-            f"pack_step: lengths[{bad}] = {int(lens_src[bad])} is outside [0, S={S}]; each row holds at most S tokens"
-        )
-    if mask_not_right_padded is not None and stats[6]:
-        bad = int(torch.nonzero(mask_not_right_padded)[0, 0])
-        raise PackedBatchError(
-            f"pack_step: attention_mask row {bad} is not right-padded (its ones are not a prefix); pack_step takes "
-            "right-padded batches: pad on the right in the collator, or give lengths of left-aligned rows"
-        )
-    if n == 0:
-        raise PackedBatchError(f"pack_step: every row of the [{B}, {S}] batch is empty; nothing to pack")
-
-    # ------------------------------------------------------------ row width
-    T = total
-    if row_mult is not None:
-        T = round_up(T, row_mult)
-    if width is not None:
-        if total > width:
-            raise PackedBatchError(
-                f"pack_step: {n} sequences take {total} slots after padding each to a multiple of {m}, more than "
-                f"pad_to={width}: lower the micro-batch token budget (plan_microbatches(token_budget={width}, "
-                f"pad_multiple={m})) or raise pad_to"
-            )
-        T = width
-    tail = T - total
-    max_seqlen = max(max_padded, last_padded + tail)
-
-    lens = lens_src.to(dev, non_blocking=True)
-    if n < B:  # rare: drop empty rows (one more read where `lengths` lives, only on this path)
-        kept = torch.nonzero(lens_src > 0).reshape(-1)
-        source_rows: tuple = tuple(kept.tolist())
-        rows = kept.to(dev, non_blocking=True)
-        lens = lens.index_select(0, rows)
-    else:
-        rows = torch.arange(B, device=dev)
-        source_rows = tuple(range(B))
-    padded = round_up(lens, m)
-    if tail:
-        padded = torch.cat([padded[:-1], padded[-1:] + tail])
-    cup = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(padded, 0, out=cup[1:])
-    cu = torch.zeros(n + 1, dtype=torch.int64, device=dev)
-    torch.cumsum(lens, 0, out=cu[1:])
-
-    # ------------------------------------------------------------ slots
-    # index_select rather than x[idx]: the generic advanced-indexing kernel is ~6x
-    # slower on CPU for 1-D gathers, and these gathers are most of the work.
-    seg = torch.repeat_interleave(torch.arange(n, device=dev), padded, output_size=T)
-    pos = torch.arange(T, device=dev) - cup.index_select(0, seg)
-    seg_len = lens.index_select(0, seg)
-    real = pos < seg_len
-    # Flat index of each slot's source token in the [B, S] batch. Padding slots may
-    # point past their row; clamp keeps them in bounds and `real` overwrites them.
-    src = (pos + (rows * S).index_select(0, seg)).clamp_(max=B * S - 1)
-    out_ids = torch.where(real, input_ids.reshape(-1).index_select(0, src).to(torch.int64), pad_id)
-    # Real tokens are contiguous in the row, so "the next token" of a real slot is the
-    # next slot whenever it is still real in the same sequence: shift, don't re-gather.
-    ok = torch.zeros_like(real)
-    ok[:-1] = (pos[:-1] + 1) < seg_len[:-1]
-    target = torch.empty_like(out_ids)
-    target[-1] = IGNORE_INDEX
-    if labels is not None:
-        lab = _batch_tensor("labels", labels, (B, S), dev).reshape(-1).index_select(0, src).to(torch.int64)
-        target[:-1] = lab[1:]
-        ok &= target != IGNORE_INDEX
-    else:
-        target[:-1] = out_ids[1:]
-        if loss_mask is not None:
-            lm = _batch_tensor("loss_mask", loss_mask, (B, S), dev).reshape(-1).index_select(0, src)
-            ok[:-1] &= lm[1:].bool()
-    out_labels = torch.where(ok, target, IGNORE_INDEX)
-
+    lens_src, not_right_padded = source_lengths(opts, lengths, attention_mask)
+    shape = read_shape(lens_src, not_right_padded, opts)
+    off = segment_offsets(lens_src, shape, opts)
+    slots = gather_slots(input_ids, off, shape.width, opts, loss_mask=loss_mask, labels=labels)
     batch = PackedBatch(
-        input_ids=out_ids,
-        labels=out_labels,
-        position_ids=pos,
-        cu_seqlens=cu.to(torch.int32),
-        cu_seqlens_padded=cup.to(torch.int32),
-        max_seqlen=int(max_seqlen),
-        sequence_ids=None if sequence_ids is None else tuple(sequence_ids[r] for r in source_rows),
-        source_rows=source_rows,
-        source_batch_size=B,
+        input_ids=slots.input_ids,
+        labels=slots.labels,
+        position_ids=slots.position_ids,
+        cu_seqlens=off.cu.to(torch.int32),
+        cu_seqlens_padded=off.cup.to(torch.int32),
+        max_seqlen=int(shape.max_seqlen),
+        sequence_ids=None if sequence_ids is None else tuple(sequence_ids[r] for r in off.source_rows),
+        source_rows=off.source_rows,
+        source_batch_size=opts.B,
     )
     if parts is not None:
-        batch.media = _lay(parts, batch, dev)
+        batch.media = lay_media(parts, batch, opts.device)
     return batch
-
-
-def _media_parts(media: Sequence[Media | None] | None, B: int, pad_id: int) -> list[Media | None] | None:
-    """``media`` checked against the batch: ``B`` entries of one kind and placeholder id
-    (never ``pad_id``); ``None`` when no row has media."""
-    if media is None:
-        return None
-    if isinstance(media, Media) or not isinstance(media, Sequence):
-        raise PackedBatchError(
-            f"pack_step: media must be a sequence of B={B} entries (a Media or None per row), got "
-            f"{type(media).__name__}"
-        )
-    parts = list(media)
-    if len(parts) != B:
-        raise PackedBatchError(f"pack_step: media has {len(parts)} entries for a batch of B={B} rows; give one per row")
-    real = [(b, m) for b, m in enumerate(parts) if m is not None]
-    for b, m in real:
-        if not isinstance(m, Media):
-            raise PackedBatchError(f"pack_step: media[{b}] is a {type(m).__name__}, not a Media or None")
-    if not real:
-        return None
-    b0, first = real[0]
-    for b, m in real:
-        if type(m) is not type(first) or int(m.token_id) != int(first.token_id):
-            raise PackedBatchError(
-                f"pack_step: media[{b0}] is a {type(first).__name__} with placeholder {first.token_id} but "
-                f"media[{b}] a {type(m).__name__} with placeholder {m.token_id}: one row feeds one vision tower"
-            )
-    if int(pad_id) == int(first.token_id):
-        raise PackedBatchError(
-            f"pack_step: pad_id {pad_id} is the media placeholder id; pad with another token (the tokenizer's pad)"
-        )
-    return parts
-
-
-def _lay(parts: list[Media | None], batch: PackedBatch, dev: torch.device) -> Media | None:
-    """The rows' media laid at their packed offsets (on the host, where the samples' media
-    live; one transfer of the boundaries), then moved to ``dev``."""
-    assert batch.source_rows is not None
-    cup = batch.cu_seqlens_padded.tolist()
-    lens = batch.seqlens.tolist()
-    kept = [parts[r] for r in batch.source_rows]
-    kept_rows = set(batch.source_rows)
-    dropped = [r for r, m in enumerate(parts) if m is not None and m.num_items and r not in kept_rows]
-    if dropped:
-        raise PackedBatchError(f"pack_step: row {dropped[0]} is empty (length 0) but media[{dropped[0]}] has items")
-    for r, m, L in zip(batch.source_rows, kept, lens):
-        pos = getattr(m, "positions", None)
-        if pos is not None and tuple(pos.shape) != (3, L):
-            raise PackedBatchError(
-                f"pack_step: media[{r}].positions has shape {tuple(pos.shape)} but row {r} holds {L} tokens: "
-                f"give each row its own sample's media, (3, {L}) positions"
-            )
-    if all(m is None for m in kept):  # media only on empty rows, without items
-        return None
-    out = Media.lay(
-        kept,
-        lengths=lens,
-        offsets=cup[:-1],
-        widths=[b - a for a, b in zip(cup[:-1], cup[1:])],
-        segments=[1] * len(kept),
-    )
-    return out.to(dev) if out.device != dev else out
