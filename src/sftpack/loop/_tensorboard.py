@@ -17,8 +17,9 @@ import os
 from typing import Any
 
 from .._optional import MissingDependency
+from ._parts import LoopState, Part, StepLog
 
-__all__ = ["SCALARS", "TensorBoardScalars"]
+__all__ = ["SCALARS", "TensorBoard", "TensorBoardScalars"]
 
 #: the scalar names, each a function of the step's log record (``StepLog.as_dict()``)
 SCALARS = {
@@ -53,3 +54,22 @@ class TensorBoardScalars:
 
     def close(self) -> None:
         self.writer.close()
+
+
+class TensorBoard(Part):
+    """The part (rank 0): a :class:`TensorBoardScalars` in ``log_dir`` from the start, fed each step."""
+
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self.log_dir = log_dir
+        self._scalars: TensorBoardScalars | None = None
+
+    def on_start(self, state: LoopState) -> None:
+        self._scalars = TensorBoardScalars(self.log_dir, resumed_from=state.start)
+
+    def on_step(self, state: LoopState, record: StepLog) -> None:
+        assert self._scalars is not None
+        self._scalars.write(record.as_dict())
+
+    def on_end(self, state: LoopState) -> None:
+        if self._scalars is not None:
+            self._scalars.close()
