@@ -71,3 +71,11 @@ def test_a_part_starts_after_the_resume_and_ends_on_an_error(samples, tmp_path):
     # resumed from step 2; the step-4 checkpoint is written after the part saw step 4
     assert part.calls == [("start", 2), ("step", 3), ("step", 4), ("end", 3)]
     assert (ckpt / "latest").read_text().strip() == "step_000004"
+
+
+def test_resume_without_a_folder_is_refused_before_any_part_starts(samples):
+    cfg = tiny_config(packing="trainer", steps=2)
+    part = Recorder()
+    with pytest.raises(ValueError, match=r"resume needs a checkpoint directory \(--checkpoint-dir\)"):
+        train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), resume="auto", parts=[part])
+    assert part.calls == []

@@ -218,9 +218,10 @@ def train(
         tensorboard: a folder for TensorBoard scalars of every step (rank 0;
             :mod:`~sftpack.loop._tensorboard`): the log's loss, lr, grad_norm,
             tokens_per_s, fill and eval_loss.
-        parts: more :class:`~sftpack.loop._parts.Part` s (a logger of one's own...), called on every
-            rank: ``on_start`` after the resume, ``on_step`` with each :class:`StepLog` after the
-            built-in parts and ``on_step`` and before the step's checkpoint, ``on_end`` at the end.
+        parts: parts of the caller's own (:class:`~sftpack.loop._parts.Part`: another logger...),
+            called on every rank: ``on_start`` after the resume, ``on_step`` with each
+            :class:`StepLog` after the built-in parts and the ``on_step`` callback and before the
+            step's checkpoint, ``on_end`` once at the end (also after an error).
 
     Returns:
         :class:`TrainResult`.

@@ -3,19 +3,15 @@
 :func:`~sftpack.loop.train` is a short loop (set up, resume, step, hand each step's
 :class:`StepLog` on); everything else a run does is a :class:`Part` it calls:
 
-=====================  ==========================================  ===============
-part                   what it does                                runs on
-=====================  ==========================================  ===============
-``Evaluation``         the held-out loss into ``StepLog.eval_loss``  every rank
-``JsonlLog``           one JSON line per step (``log=``)           rank 0
-``TensorBoard``        the step's scalars (``tensorboard=``)       rank 0
-``ProgressBar``        a tqdm bar (``progress=True``)              rank 0
-``OnStep``             the ``on_step=`` callback                   every rank
-(``parts=``)           a caller's own parts                        every rank
-``Checkpoints``        saves every N steps and when stopped        every rank
-=====================  ==========================================  ===============
+1. ``Evaluation`` (every rank): the held-out loss into ``StepLog.eval_loss``;
+2. ``TensorBoard`` (rank 0, ``tensorboard=``): the step's scalars;
+3. ``JsonlLog`` (rank 0, ``log=``): one JSON line per step;
+4. ``ProgressBar`` (rank 0, ``progress=True``): a tqdm bar;
+5. ``OnStep`` (every rank): the ``on_step=`` callback;
+6. a caller's own parts (every rank, ``parts=``);
+7. ``Checkpoints`` (every rank): saves every N steps and when the run is stopped.
 
-in that order (``Checkpoints`` also resumes the run, before any part starts). How the
+The loop calls them in that order (``Checkpoints`` also resumes the run, before any part starts). How the
 ranks share the model (one process, DDP or FSDP) is not a part but one
 :class:`~sftpack.loop._parallel.Parallel` chosen once, which the loop and the parts ask.
 
@@ -23,10 +19,14 @@ A new feature (another logger, say) is a new :class:`Part` in a file of its own 
 line where :func:`~sftpack.loop._loop.train` assembles its parts (or, from outside,
 ``train(..., parts=[MyPart()])``)::
 
-    class PrintLoss(Part):
+    class Losses(Part):  # each step's loss, on every rank
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+
         def on_step(self, state: LoopState, record: StepLog) -> None:
-            if state.rank == 0:
-                print(record.step, record.loss)
+            self.losses.append(record.loss)
+
+(``tests/loop/test_parts.py`` runs such a part).
 """
 
 from __future__ import annotations
