@@ -36,7 +36,7 @@ class Recorder(Part):
         self.calls.append(("end", len(state.logs)))
 
 
-def test_a_part_of_ones_own_sees_every_step_record(samples, tmp_path):
+def test_a_part_of_ones_own_sees_every_step_record(samples, tmp_path, capsys):
     cfg = tiny_config(packing="trainer", steps=4, eval_every=2, eval_fraction=0.25)
     train_samples, held = split_eval(cfg, samples)
     part, log = Recorder(), tmp_path / "log.jsonl"
@@ -46,12 +46,15 @@ def test_a_part_of_ones_own_sees_every_step_record(samples, tmp_path):
         model=tiny_model(),
         log=log,
         eval_samples=held,
+        progress=True,
         parts=[part],
     )
     assert part.calls == [("start", 0), ("step", 1), ("step", 2), ("step", 3), ("step", 4), ("end", 4)]
     assert part.records == out.logs
     assert [r.eval_loss is not None for r in part.records] == [False, True, False, True]
     assert [json.loads(line) for line in log.read_text().splitlines()] == [r.as_dict() for r in part.records]
+    bar = capsys.readouterr().err.rsplit("\r", 1)[-1]  # the progress bar part, as it ends
+    assert "4/4" in bar and f"eval_loss={out.logs[3].eval_loss:.4f}, loss={out.logs[3].loss:.4f}" in bar
 
 
 def test_a_part_starts_after_the_resume_and_ends_on_an_error(samples, tmp_path):
