@@ -21,9 +21,11 @@ import torch
 from ..sample import Sample
 from ._model import LossModule
 from ._options import TrainConfig
+from ._parallel import all_reduce
+from ._parts import LoopState, Part, StepLog
 from ._sources import TrainerSource, supervised_targets
 
-__all__ = ["EvalSet", "split_eval"]
+__all__ = ["EvalSet", "Evaluation", "split_eval"]
 
 
 def split_eval(config: TrainConfig, samples: Sequence[Sample]) -> tuple[list[Sample], list[Sample]]:
@@ -51,17 +53,6 @@ def split_eval(config: TrainConfig, samples: Sequence[Sample]) -> tuple[list[Sam
     picked = np.random.default_rng([config.seed, 1]).permutation(len(ids))[:n]
     held = {ids[i] for i in picked.tolist()}
     return [s for s in samples if s.conversation_id not in held], [s for s in samples if s.conversation_id in held]
-
-
-def _allreduce(t: torch.Tensor) -> torch.Tensor:
-    """``t`` summed over the ranks of the initialised default group, in place (alone: itself)."""
-    if (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    ):
-        torch.distributed.all_reduce(t)
-    return t
 
 
 class EvalSet:
@@ -117,4 +108,19 @@ class EvalSet:
                     total += module(mb.to(device) if device is not None else mb, n).double()
         finally:
             model.train(was_training)
-        return float(_allreduce(total))
+        return float(all_reduce(total))
+
+
+class Evaluation(Part):
+    """The part (every rank): ``record.eval_loss`` of every ``config.eval_every``-th step and of the
+    last, the loss of ``evals`` through the loss module the run's parallel choice evaluates with."""
+
+    def __init__(self, evals: EvalSet) -> None:
+        self.evals = evals
+
+    def on_step(self, state: LoopState, record: StepLog) -> None:
+        every = state.config.eval_every
+        if record.step == state.steps or (every and record.step % every == 0):
+            record.eval_loss = state.parallel.evaluate(
+                lambda loss_module: self.evals.loss(state.model, state.device, loss_module)
+            )

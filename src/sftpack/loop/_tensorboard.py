@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import importlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .._optional import MissingDependency
+from ._parts import LoopState, Part, StepLog
 
-__all__ = ["SCALARS", "TensorBoardScalars"]
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+
+__all__ = ["SCALARS", "TensorBoard"]
 
 #: the scalar names, each a function of the step's log record (``StepLog.as_dict()``)
 SCALARS = {
@@ -30,10 +34,14 @@ SCALARS = {
 }
 
 
-class TensorBoardScalars:
-    """A ``SummaryWriter`` in ``log_dir``; :meth:`write` adds one step's scalars."""
+class TensorBoard(Part):
+    """The part (rank 0): a ``SummaryWriter`` in ``log_dir`` from the start, each step's scalars added."""
 
-    def __init__(self, log_dir: str | os.PathLike[str], *, resumed_from: int = 0) -> None:
+    def __init__(self, log_dir: str | os.PathLike[str]) -> None:
+        self.log_dir = log_dir
+        self._writer: SummaryWriter | None = None  # imported when the run starts: an optional dependency
+
+    def on_start(self, state: LoopState) -> None:
         try:
             importlib.import_module("tensorboard")
             from torch.utils.tensorboard import SummaryWriter
@@ -42,14 +50,16 @@ class TensorBoardScalars:
                 "--tensorboard needs the tensorboard package: pip install 'sftpack[tensorboard]'"
             ) from e
         # purge_step: the events of the steps after a resumed run's checkpoint are dropped
-        self.writer = SummaryWriter(str(log_dir), purge_step=resumed_from + 1 if resumed_from else None)
+        self._writer = SummaryWriter(str(self.log_dir), purge_step=state.start + 1 if state.start else None)
 
-    def write(self, record: dict[str, Any]) -> None:
-        step = int(record["step"])
+    def on_step(self, state: LoopState, record: StepLog) -> None:
+        assert self._writer is not None
+        values = record.as_dict()
         for name, value in SCALARS.items():
-            self.writer.add_scalar(name, float(value(record)), step)
-        if record.get("eval_loss") is not None:
-            self.writer.add_scalar("eval_loss", float(record["eval_loss"]), step)
+            self._writer.add_scalar(name, float(value(values)), record.step)
+        if record.eval_loss is not None:
+            self._writer.add_scalar("eval_loss", float(record.eval_loss), record.step)
 
-    def close(self) -> None:
-        self.writer.close()
+    def on_end(self, state: LoopState) -> None:
+        if self._writer is not None:
+            self._writer.close()
