@@ -88,7 +88,7 @@ from ..sample import Conversation
 from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._json_array import MalformedArray, array_items
 from ._options import BadRowReason, FileSkipReason, OnBadRow, RowFormat, choose
-from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, BadRowError, DataFolder, _Bad, _read_row, detect_format
+from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, BadRowError, DataFolder, RowProblem, _read_row, detect_format
 
 __all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
 
@@ -328,7 +328,7 @@ class ConversationReader:
 
     # -- accounting
 
-    def _drop(self, src: _Source, location: str, bad: _Bad) -> None:
+    def _drop(self, src: _Source, location: str, bad: RowProblem) -> None:
         key = bad.reason.value
         self.stats.dropped[key] = self.stats.dropped.get(key, 0) + 1
         if self.on_bad_row is OnBadRow.ERROR:
@@ -351,20 +351,20 @@ class ConversationReader:
             fmt = detect_format(row)
             first = self._first
             if fmt is not None and first is not None and fmt is not first[0] and {fmt, first[0]} != _CHAT_LISTS:
-                raise _Bad(
+                raise RowProblem(
                     BadRowReason.MIXED_FORMATS,
                     f"a {fmt.value} row, but the file's first row ({first[1]}) is {first[0].value}",
                     f"keep one format per file: write this row as {first[0].value} too, or move it to a file of its own",
                 )
             messages, images, fmt = _read_row(row, self.role_map, base=base)
-        except _Bad as bad:
+        except RowProblem as bad:
             self._drop(src, location, bad)
             return None
         except (TypeError, ValueError, RecursionError) as e:  # a value no check foresaw: still one bad row
             self._drop(
                 src,
                 location,
-                _Bad(
+                RowProblem(
                     BadRowReason.MALFORMED_MESSAGE,
                     f"unusable row ({type(e).__name__}: {e})",
                     "write messages as {'role': str, 'content': str} objects",
@@ -515,7 +515,7 @@ class ConversationReader:
                 self._drop(
                     src,
                     location,
-                    _Bad(BadRowReason.INVALID_JSON, detail, "write one complete UTF-8 JSON object per line"),
+                    RowProblem(BadRowReason.INVALID_JSON, detail, "write one complete UTF-8 JSON object per line"),
                 )
                 continue
             if first and isinstance(row, list) and row and isinstance(row[0], dict):
@@ -621,7 +621,7 @@ class ConversationReader:
     def _missing_column(self, src: _Source, num_rows: int, names: list[str]) -> Iterator[Conversation]:
         if num_rows == 0:
             return iter(())
-        bad = _Bad(
+        bad = RowProblem(
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' column, nor another known format's (columns: {names})",
             "add a 'messages' column of {'role', 'content'} lists (or ShareGPT 'conversations', 'prompt' and "

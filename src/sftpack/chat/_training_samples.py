@@ -406,7 +406,7 @@ def start_training_samples(
     """
     from ..data import default_corpus
     from ._batch import tokenize_conversations
-    from ._tokenize import _as_item
+    from ._tokenize import as_item
 
     if tokenizer is None and (load_tokenizer is None or tokenizer_files is None):
         raise ValueError("start_training_samples: give a tokenizer, or load_tokenizer with tokenizer_files")
@@ -441,7 +441,7 @@ def start_training_samples(
         order = ids = None
         if seed is not None or key is not None or isinstance(convs, (list, tuple)) or conversations is None:
             # positions known: each conversation with its id, as the tokenizer would name it
-            items = [_as_item(c, i) for i, c in enumerate(convs)]
+            items = [as_item(c, i) for i, c in enumerate(convs)]
             convs = [Conversation(cid, payload, checked=checked) for cid, payload, checked in items]
             ids = [c.id for c in convs]
             order = (

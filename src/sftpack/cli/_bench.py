@@ -11,7 +11,7 @@ import argparse
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..chat._options import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions
+from ..chat import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions
 from ._common import (
     INPUTS_HELP,
     UsageError,

@@ -305,7 +305,7 @@ def decode_tokenizer(ds: PrepackedDataset, model: str | None = None, tokenizer: 
     the folder the prepack records (when it is there), else the embedded one (the family's
     for a prepack with images); refused (a usage error) when its fingerprint is not the
     prepack's, whose ids it would misread."""
-    from ..offline._fingerprint import tokenizer_fingerprint
+    from ..offline import tokenizer_fingerprint
 
     fp = ds.manifest["fingerprint"].get("tokenizer") or {}
     want = fp.get("sha256")
@@ -375,8 +375,7 @@ def _marks() -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..offline import PrepackedDataset, describe
-    from ..offline._describe import save_histograms_png
+    from ..offline import PrepackedDataset, describe, save_histograms_png
 
     if not args.decode and (args.tokenizer is not None or args.model is not None):
         raise UsageError("--tokenizer and --model are for --decode: add --decode, or drop them")

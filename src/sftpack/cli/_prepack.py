@@ -37,8 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``sftpack prepack``: :class:`~sftpack.offline.PrepackOptions`' fields, each
     declared there once (:func:`~._common.add_settings`), and the command's own."""
-    from ..chat._options import InputOptions
-    from ..offline._options import PrepackOptions  # loads torch: added when the command is used
+    from ..chat import InputOptions
+    from ..offline import PrepackOptions  # loads torch: added when the command is used
 
     p.add_argument(
         "inputs",
@@ -204,8 +204,7 @@ def _refuse_cp_over_state_layers(model: str, cp: int) -> None:
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs: the offline path loads torch, and `sftpack --help` should not
     from ..handoff import pad_multiple_for
-    from ..offline import prepack
-    from ..offline._format import check_row_width
+    from ..offline import check_row_width, prepack
 
     try:
         check_row_width(args.max_seq_len, "--max-seq-len")
@@ -256,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
     extra = None
     if args.split is not None:  # the reader picks the split; the manifest records which
         from ..chat import read_conversations
-        from ..offline._inputs import check_out_outside_inputs
+        from ..offline import (
+            check_out_outside_inputs,  # the offline path loads torch: imported when the command runs, not for `sftpack --help`
+        )
 
         check_out_outside_inputs(args.inputs, args.out)
         inputs = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
@@ -309,9 +310,8 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         _optional._need("PIL.Image", "multimodal", "reading images")
     except ImportError as e:
         raise UsageError(str(e)) from None
-    from ..multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError
-    from ..offline import prepack
-    from ..offline._local import KnownLength, input_total
+    from ..multimodal import OVER_PATCH_BUDGET, PatchBudgetError
+    from ..offline import KnownLength, input_total, prepack
 
     # the family (a --model folder's), then the options, checked before an image is read; what fails
     # after that is the data's (exit 1)
@@ -330,8 +330,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         }
     else:
         from ..chat import read_conversations
-        from ..offline._fingerprint import input_fingerprints
-        from ..offline._inputs import check_out_outside_inputs
+        from ..offline import check_out_outside_inputs, input_fingerprints
 
         check_out_outside_inputs(args.inputs, args.out)  # before a file is read, as for text
         reader = read_conversations(

@@ -20,7 +20,7 @@ import argparse
 import sys
 from typing import Any
 
-from ..chat._options import DEFAULT_MAX_SEQ_LEN, InputOptions
+from ..chat import DEFAULT_MAX_SEQ_LEN, InputOptions
 from ._common import INPUTS_HELP, UsageError, add_settings, has_images, positive, render_read_stats
 
 #: conversations checked by default (text; data with images)

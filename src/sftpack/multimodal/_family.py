@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .. import _optional
-from ..chat._tokenize import _backend
+from ..chat import fast_backend
 from ..exactness import mark_exact, norms_in_model_dtype
 from ..handoff.payload import ImageMedia, Media
 
@@ -286,7 +286,7 @@ class Family:
             raise UnsupportedModelError(
                 f"{type(processor).__name__} is not a {self.name} image processor {self.processor_wanted}"
             )
-        backend = _backend(tokenizer)
+        backend = fast_backend(tokenizer)
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         wanted = dict.fromkeys((*self.image_block, *self.marks().values(), *self.video_block))
         missing = [t for t in wanted if backend.token_to_id(t) is None or t not in specials]

@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import _optional
 from .._base import StrEnum
-from ..chat._rows import is_url  # its home is the reader's row checks; public here too
+from ..chat import is_url  # its home is the reader's row checks; public here too
 
 __all__ = [
     "MAX_ASPECT_RATIO",

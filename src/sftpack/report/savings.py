@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._types import Tokenizer
-from ..binpack import Algorithm, lower_bounds, pack, packing_stats
-from ..binpack._kernels import PLAIN_MAX_ITEMS
+from ..binpack import PLAIN_MAX_ITEMS, Algorithm, lower_bounds, pack, packing_stats
 from ..chat import ReadStats, TokenizeStats, tokenize_conversations
 
 __all__ = [

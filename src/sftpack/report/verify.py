@@ -228,7 +228,7 @@ def verify(
     for other layouts, which is no packing difference.
     """
     from .. import loop
-    from ..chat._cache_key import tokenizer_info
+    from ..chat import tokenizer_info
     from ..loop import _model
     from ..multimodal import family_for
 
@@ -326,7 +326,7 @@ def _check(
     tamper: Callable[[PackedBatch], PackedBatch] | None,
     bar: Any = None,
 ) -> PathCheck:
-    from ..multimodal._exactness import compare_packed_alone
+    from ..multimodal import compare_packed_alone
 
     worst = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
     tol = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
