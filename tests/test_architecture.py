@@ -53,11 +53,11 @@ def test_a_private_import_breaks_the_private_modules_contract(lint_available, tm
     one of the reader's private modules instead of ``sftpack.chat``."""
     shutil.copytree(SRC, tmp_path / "sftpack", ignore=shutil.ignore_patterns("__pycache__"))
     layout = tmp_path / "sftpack" / "report" / "layout.py"
-    layout.write_text(layout.read_text() + "\nfrom ..chat._rows import is_url  # a deliberate violation\n")
+    layout.write_text(layout.read_text() + "\nfrom ..chat._parts import is_url  # a deliberate violation\n")
     proc = _lint(ROOT / "pyproject.toml", tmp_path)
     assert proc.returncode != 0
     assert "No package imports another package's private modules BROKEN" in proc.stdout
-    assert "sftpack.report.layout -> sftpack.chat._rows" in proc.stdout
+    assert "sftpack.report.layout -> sftpack.chat._parts" in proc.stdout
 
 
 def _calls_outside_cli() -> list[str]:

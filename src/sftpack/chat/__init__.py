@@ -32,8 +32,9 @@ Private modules, one concept each:
 * ``_options``: the choices (``StrEnum``), validated up front.
 * ``_rows``: a row's schema (OpenAI ``messages``, ShareGPT ``conversations``,
   Alpaca, TRL prompt/completion or plain ``text``, detected from its fields as a
-  :class:`RowFormat`; a content a string or a list of text / image parts) and its
-  checks; :class:`BadRowError`.
+  :class:`RowFormat`) and its checks; ``_parts``: a content's list of text / image /
+  video parts, their sources resolved against the data folder; ``_bad_row``:
+  :class:`BadRowError` and ``RowProblem``, what a failed check raises.
 * ``_read``: :func:`read_conversations` streams JSONL / Parquet / Hugging
   Face datasets (folders searched recursively) with bounded memory; every bad row
   is either an exception naming file, line and fix, or a count under its reason
@@ -85,6 +86,8 @@ from ..data import CacheWarning
 from ..sample import Conversation  # its home is sftpack.sample, below sftpack.data; public here
 from ..sample import Overlong as Overlong  # aliases of sftpack.sample's (sftpack._ALIASES)
 from ..sample import OverlongError as OverlongError
+from ._bad_row import BadRowError
+from ._bad_row import RowProblem as RowProblem
 from ._batch import TokenizedConversations as TokenizedConversations
 from ._batch import TokenizeStats, tokenize_conversations
 from ._cache_entry import DEFAULT_MAX_SIZE as DEFAULT_MAX_SIZE
@@ -105,21 +108,20 @@ from ._options import InputOptions as InputOptions
 from ._options import Outcome as Outcome
 from ._options import RowFormat as RowFormat
 from ._options import SpecialTokensInContent as SpecialTokensInContent
-from ._read import BadFileError, ReadStats, read_conversations
+from ._parts import is_url as is_url
 from ._read import ConversationReader as ConversationReader
+from ._read import read_conversations
+from ._read_stats import BadFileError, ReadStats
 from ._render import ChatRenderer as ChatRenderer
 from ._render import TemplateError
 from ._render import chat_template_of as chat_template_of
 from ._render import renderer_for as renderer_for
 from ._rows import ROLES as ROLES
 from ._rows import SHAREGPT_ROLES as SHAREGPT_ROLES
-from ._rows import BadRowError
 from ._rows import FormattedMessages as FormattedMessages
-from ._rows import RowProblem as RowProblem
 from ._rows import checked_tool_calls as checked_tool_calls
 from ._rows import checked_tools as checked_tools
 from ._rows import detect_format as detect_format
-from ._rows import is_url as is_url
 from ._rows import validate_messages as validate_messages
 from ._tokenize import ConversationTemplateError, encode_conversation, tokenize_conversation
 from ._tokenize import Encoded as Encoded

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._types import Tokenizer
+from ._bad_row import RowProblem
 from ._options import BadRowReason, TrainOn
-from ._rows import FormattedMessages, RowProblem
+from ._rows import FormattedMessages
 
 __all__ = ["Ends", "ends_of", "plain_text"]
 

@@ -69,6 +69,7 @@ from .. import _optional
 from .._base import positive_int
 from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Conversation, Overlong, OverlongError, Sample, overlong_spans
+from ._bad_row import BadRowError, RowProblem
 from ._options import (
     BadRowReason,
     OnBadRow,
@@ -79,7 +80,7 @@ from ._options import (
 )
 from ._plain import Ends, ends_of, plain_text
 from ._render import ChatRenderer, TemplateError, renderer_for
-from ._rows import BadRowError, FormattedMessages, RowProblem, _messages
+from ._rows import FormattedMessages, _messages
 
 __all__ = [
     "ConversationTemplateError",
@@ -176,8 +177,7 @@ Item = tuple[Any, Any, bool]
 
 def as_item(obj: Any, index: int) -> Item:
     """One input (a :class:`Conversation`, a row mapping, or a list of messages) as ``(id, payload,
-    checked)``, its id taken from the row (``id`` / ``conversation_id``) or ``index``; the row checks
-    run later, in the worker that tokenizes it (a Ray tokenize actor's batches are made of these)."""
+    checked)``, the id the row's or ``index``; the row checks run later, in the worker."""
     if isinstance(obj, Conversation):
         return obj.id, obj.messages, obj.checked
     if isinstance(obj, Mapping):
@@ -476,9 +476,8 @@ def encode_pieces(
     text: str, template_specials: Sequence[tuple[int, int]] | None, tokenizer: Tokenizer
 ) -> tuple[np.ndarray, np.ndarray]:
     """Ids and ``(L, 2)`` character offsets of a rendered ``text``, special tokens only at the
-    ``template_specials`` character spans (where the chat template put them): every other piece
-    is encoded as plain text, so special-token text in the data stays text. The encoding of
-    every path that keeps special text (the text path's, and :mod:`sftpack.multimodal`'s)."""
+    ``template_specials`` spans (the chat template's): the rest is plain text, special-token text
+    in the data too (the text path's encoding and :mod:`sftpack.multimodal`'s)."""
     backend, plain = fast_backend(tokenizer), _text_backend(tokenizer)
     order: list[tuple[bool, int, int]] = []  # (is_special, start, end): text pieces between the template's specials
     pos = 0
