@@ -540,7 +540,7 @@ def _patchify_kernel() -> Any:
     global _kernel
     if _kernel is None:
         try:
-            import numba
+            import numba  # start-up: numba (~1 s) only for the compiled resize
         except ImportError:  # pragma: no cover - numba is a dependency of the package
             _kernel = _patchify_numpy
         else:

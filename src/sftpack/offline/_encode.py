@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from .._base import chunks, pool_results
+from ..chat import warm_tokenizer
 from ..sample import Sample
 from ._format import IMAGE_MEDIA_KIND, MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
@@ -264,7 +265,6 @@ def encoded(
 ) -> Iterator[tuple[dict[str, Any], list[tuple[Sample, Images]]]]:
     """:func:`encode` of every conversation (numbered from ``start``), in input order, in this
     process or ``num_proc`` forked ones."""
-    from ..chat import warm_tokenizer
 
     # every conversation with media is tokenized in pieces around its control tokens: the plain
     # copy of the tokenizer that takes is built here once, before the workers fork (each would
