@@ -48,6 +48,18 @@ def test_a_forbidden_import_breaks_a_contract(lint_available, tmp_path):
     assert "sftpack.handoff.build -> sftpack.trainer" in proc.stdout
 
 
+def test_a_private_import_breaks_the_private_modules_contract(lint_available, tmp_path):
+    """The private-module contract can fail: the same tree with the report layout importing
+    one of the reader's private modules instead of ``sftpack.chat``."""
+    shutil.copytree(SRC, tmp_path / "sftpack", ignore=shutil.ignore_patterns("__pycache__"))
+    layout = tmp_path / "sftpack" / "report" / "layout.py"
+    layout.write_text(layout.read_text() + "\nfrom ..chat._parts import is_url  # a deliberate violation\n")
+    proc = _lint(ROOT / "pyproject.toml", tmp_path)
+    assert proc.returncode != 0
+    assert "No package imports another package's private modules BROKEN" in proc.stdout
+    assert "sftpack.report.layout -> sftpack.chat._parts" in proc.stdout
+
+
 def _calls_outside_cli() -> list[str]:
     found = []
     for path in sorted(SRC.rglob("*.py")):

@@ -37,6 +37,7 @@ _CODE = re.compile(r"`([^`]+)`")
 FIELDS = {
     "independence": {"modules": "modules"},
     "forbidden": {"from": "source_modules", "forbids": "forbidden_modules"},
+    "private_modules": {"modules": "packages_with_private_modules"},
 }
 
 

@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
 def __getattr__(name: str) -> Any:
     """``PackedBatch`` on first use: importing the handoff loads torch, which takes seconds."""
     if name == "PackedBatch":
-        from .handoff import PackedBatch
+        from .handoff import PackedBatch  # start-up: the handoff loads torch; `import sftpack` must not
 
         return PackedBatch
     raise AttributeError(f"module 'sftpack' has no attribute {name!r}")

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import enum
 import numbers
+import os
 import sys
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from itertools import islice
 from typing import Any, Protocol, TypeVar, cast, overload
@@ -206,7 +208,7 @@ def _pool_context() -> Any:
     unsafe or missing), and spawn in a process where Ray runs: its threads (gRPC, the core
     worker) hold locks a forked child inherits and may never see released, so a forked worker
     can die or hang and the pool with it."""
-    import multiprocessing
+    import multiprocessing  # start-up: only worker pools need it; `import sftpack` loads this module
 
     ray = sys.modules.get("ray")
     in_ray = ray is not None and bool(getattr(ray, "is_initialized", lambda: False)())
@@ -228,8 +230,6 @@ def pool_results(
     Each worker runs the tokenizer single-threaded: ``TOKENIZERS_PARALLELISM`` is ``"false"`` while
     the pool starts (so the workers inherit it, and tokenizers does not warn in them that it
     disables its thread pool), and as it was afterwards."""
-    import os
-    from collections import deque
 
     ctx = _pool_context()
     saved = os.environ.get("TOKENIZERS_PARALLELISM")

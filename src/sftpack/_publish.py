@@ -2,7 +2,7 @@
 destination, then renamed into place, so that a reader sees all of it or none.
 
 One helper for every place sftpack writes something others may read while it is
-written: the tokenized-data cache entry (:mod:`sftpack.chat._cache_entry`), the
+written: the tokenized-data cache entry (:mod:`sftpack.chat`'s training cache), the
 built tokenizer (:mod:`sftpack.data`), the checkpoint's folder, manifest and
 ``latest`` pointer (:mod:`sftpack.loop._checkpoint`), and the prepack's partial
 folder (:mod:`sftpack.offline._publish`, which places it itself: it may only swap

@@ -58,7 +58,9 @@ live per family in ``_kernels_common`` (shared helpers, grouping by cost,
 records to bins), ``_kernels_fit`` (best and first fit), ``_kernels_next``
 (next fit, greedy knapsack) and ``_kernels_two`` (two budgets), ``_bins``
 (:class:`Bins`, :class:`HistogramBins`), ``_bounds`` (:func:`lower_bounds`,
-:func:`packing_stats`), ``_inputs`` (validation and grouping by cost).
+:func:`packing_stats`), ``_inputs`` (validation and grouping by cost). Out of ``__all__`` and
+importable from here (not from ``_kernels``): :data:`PLAIN_MAX_ITEMS`, the most sequences a
+pack runs as plain Python (the benchmarks time the first compiled call just past it).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from __future__ import annotations
 from ._bins import Bins, HistogramBins
 from ._bounds import LowerBounds, PackingStats, lower_bounds, packing_stats
 from ._inputs import MAX_CAPACITY
+from ._kernels import PLAIN_MAX_ITEMS as PLAIN_MAX_ITEMS
 from ._pack import Algorithm, pack, pack_histogram
 
 __all__ = [

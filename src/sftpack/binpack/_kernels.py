@@ -88,6 +88,7 @@ disk cache for this process: slower, never stale.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import sys
 import threading
@@ -140,7 +141,6 @@ def _sources_digest() -> str | None:
         files = _source_files()
         if not files or _IMPORTED_STAMPS is None or _file_stamps() != _IMPORTED_STAMPS:
             return None
-        import hashlib
 
         digest = hashlib.sha256()
         for path in files:
@@ -190,7 +190,7 @@ def load() -> None:
     with _lock:
         if _loaded:
             return
-        import numba
+        import numba  # start-up: numba (~1 s) loads at the first compiled pack
 
         digest = _sources_digest()
         compiled = {}

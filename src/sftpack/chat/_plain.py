@@ -13,7 +13,7 @@ as with every span edge. ``train_on='everything'`` trains the prompt too.
 Special-token text typed in a content stays text (``special_tokens_in_content``
 ``"text"``, the default): such a row, or one whose BOS / EOS string does not
 encode to its one id, is encoded in pieces around the BOS and EOS (``_tokenize``'s
-``_encode_pieces``); the others take the one ``encode_batch`` call.
+``encode_pieces``); the others take the one ``encode_batch`` call.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._types import Tokenizer
+from ._bad_row import RowProblem
 from ._options import BadRowReason, TrainOn
-from ._rows import FormattedMessages, _Bad
+from ._rows import FormattedMessages
 
 __all__ = ["Ends", "ends_of", "plain_text"]
 
@@ -82,10 +83,10 @@ def plain_text(
 ) -> tuple[str, list[Span], list[Span] | None, int]:
     """``(text, spans, specials, n_special)`` of a plain row (module docstring): its text, the
     trainable span, where BOS / EOS lie when it must be encoded in pieces (else None), and the
-    special-token strings in its contents. Raises ``_Bad`` when the tokenizer has no EOS."""
+    special-token strings in its contents. Raises ``RowProblem`` when the tokenizer has no EOS."""
     contents: Sequence[str] = [m["content"] for m in messages]
     if ends.eos is None:
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.TEMPLATE_ERROR,
             f"a {messages.format.value} row ends with the tokenizer's EOS, and this tokenizer has none",
             "use a tokenizer with an eos_token (tokenizer.eos_token = '...')",

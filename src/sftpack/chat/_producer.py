@@ -16,7 +16,10 @@ tokenizer workers too; it dies with the thread that forked it (Linux's
 
 from __future__ import annotations
 
+import ctypes
 import os
+import pickle
+import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,7 +79,7 @@ class _Producer:
     """
 
     def __init__(self, prepare: Callable[..., _Run]) -> None:
-        import multiprocessing
+        import multiprocessing  # start-up: only the forked producer needs it; `import sftpack.chat` does not
 
         ctx = multiprocessing.get_context("fork")
         self._conn, child_end = ctx.Pipe(duplex=False)
@@ -119,8 +122,6 @@ class _Producer:
             code = self._proc.exitcode
             how = f"exit code {code}"
             if code is not None and code < 0:
-                import signal
-
                 how = f"signal {signal.Signals(-code).name} (exit code {code})"
             self._error = RuntimeError(
                 f"the tokenizer process (pid {self.pid}) ended with {how} before it had sent all the samples"
@@ -165,7 +166,6 @@ class _Producer:
 
     def close(self) -> None:
         """Kill the child's process group (the child and its workers) and reap the child."""
-        import signal
 
         try:
             os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)  # type: ignore[arg-type]
@@ -177,8 +177,7 @@ class _Producer:
 
 def _produce(prepare: Callable[..., _Run], conn: Any, parents_end: Any, parent: int) -> None:
     """The body of the producer process (see :class:`_Producer`)."""
-    import multiprocessing
-    import signal
+    import multiprocessing  # start-up: only the forked producer needs it; `import sftpack.chat` does not
 
     parents_end.close()  # else a dead parent would not break the pipe
     # daemonic for the parent (terminated when it exits), not for itself: it starts the tokenizer's workers
@@ -221,11 +220,8 @@ def _produce(prepare: Callable[..., _Run], conn: Any, parents_end: Any, parent: 
 def _die_with(parent: int) -> None:
     """Linux: this process gets SIGKILL when ``parent`` (the process that forked it) ends,
     however it ends (an exception, Ctrl-C, ``os._exit``, killed)."""
-    import signal
 
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: it ends at its next send, on the broken pipe
         return
@@ -238,7 +234,6 @@ def _portable(e: BaseException) -> bytes:
     else a ``RuntimeError`` naming its type and message (an exception whose
     ``__init__`` takes other arguments than its ``args`` and that does not say how
     to rebuild it with ``__reduce__`` does not survive pickling)."""
-    import pickle
 
     try:
         blob = pickle.dumps(e)
@@ -251,7 +246,5 @@ def _portable(e: BaseException) -> bytes:
 
 
 def _rebuilt(blob: bytes) -> BaseException:
-    import pickle
-
     err = pickle.loads(blob)
     return err if isinstance(err, BaseException) else RuntimeError(repr(err))

@@ -1,10 +1,10 @@
 """Reading conversations from files, streaming, with every rejected row and file accounted for.
 
-(About 690 lines, on purpose: one reader whose file kinds share one set of
-accounting steps, ``_drop`` / ``_skip_file`` / ``_lose_tail``, which keep
-``read == kept + sum(dropped)`` true at every moment; split per format, each
-piece would need the reader's counters handed around. Finding the files is
-``_find``'s part.)
+(One reader whose file kinds share one set of accounting steps, ``_drop`` /
+``_skip_file`` / ``_lose_tail``, which keep ``read == kept + sum(dropped)`` true
+at every moment; split per format, each piece would need the reader's counters
+handed around. Finding the files is ``_find``'s part; what a pass reports, its
+counts and the error of a file it cannot read, ``_read_stats``'s.)
 
 File kinds (chosen by file name):
 
@@ -78,19 +78,21 @@ import logging
 import os
 import zlib
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .. import _optional
 from .._base import positive_int
 from ..sample import Conversation
+from ._bad_row import BadRowError, RowProblem
 from ._find import FileProblem, _pick_split, _resolve, _Source
 from ._json_array import MalformedArray, array_items
 from ._options import BadRowReason, FileSkipReason, OnBadRow, RowFormat, choose
-from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, BadRowError, DataFolder, _Bad, _read_row, detect_format
+from ._parts import DataFolder
+from ._read_stats import BadFileError, ReadStats
+from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, _read_row, detect_format
 
-__all__ = ["BadFileError", "ConversationReader", "ReadStats", "read_conversations"]
+__all__ = ["ConversationReader", "read_conversations"]
 
 logger = logging.getLogger("sftpack.chat")
 
@@ -99,111 +101,6 @@ _SNIFF = 1 << 16  # bytes looked at to tell a JSON Lines file from other text
 #: OSError), zlib.error; pyarrow ArrowInvalid (a ValueError), OSError.
 _GZIP_ERRORS = (OSError, EOFError, zlib.error)
 _CONTAINER_ERRORS = (*_GZIP_ERRORS, ValueError)
-
-
-class BadFileError(ValueError):
-    """A file that cannot be read (or the damaged rest of one), in ``on_bad_row='error'`` mode.
-
-    Attributes: ``path``, ``reason`` (a :class:`FileSkipReason`, or
-    ``BadRowReason.UNREADABLE_TAIL`` for damage after some rows), ``detail`` and ``fix``.
-    """
-
-    def __init__(self, path: str, reason: FileSkipReason | BadRowReason, detail: str, fix: str):
-        self.path, self.reason, self.detail, self.fix = path, reason, detail, fix
-        super().__init__(
-            f"{path}: {detail} [{reason.value}]. Fix: {fix}; or pass --on-bad-row skip (on_bad_row='skip' in "
-            "Python) to count such files "
-            "(stats.files_skipped, stats.dropped['unreadable_tail']) and read the rest."
-        )
-
-    def __reduce__(self) -> Any:
-        return (type(self), (self.path, self.reason, self.detail, self.fix))
-
-
-@dataclass(repr=False)
-class ReadStats:
-    """Counts of one pass over the sources: ``read == kept + sum(dropped.values())``.
-
-    Attributes:
-        read: rows seen (blank JSONL lines are not rows; the damaged tail of a
-            file counts as its rows where known, else as one).
-        kept: rows yielded as conversations.
-        images: image content parts in the kept rows (0 for text data).
-        formats: format (a :class:`RowFormat` value) -> kept rows of it;
-            ``sum(formats.values()) == kept``.
-        dropped: reason (a :class:`BadRowReason` value) -> rows left out for it.
-        files_read: files (and datasets) opened and read, wholly or up to damage.
-        files_skipped: reason (a :class:`FileSkipReason` value) -> files not read.
-        file_problems: every skipped file and every damaged tail, with its path
-            and what is wrong (for a report naming them).
-        media_files: image and video files the folder and glob searches found: the
-            data's media (read where its image parts name them), not data files, so
-            neither read as data nor skipped.
-    """
-
-    read: int = 0
-    kept: int = 0
-    dropped: dict[str, int] = field(default_factory=dict)
-    images: int = 0
-    formats: dict[str, int] = field(default_factory=dict)
-    files_read: int = 0
-    files_skipped: dict[str, int] = field(default_factory=dict)
-    file_problems: list[FileProblem] = field(default_factory=list)
-    media_files: int = 0
-
-    @property
-    def num_dropped(self) -> int:
-        """``sum(dropped.values())``."""
-        return sum(self.dropped.values())
-
-    def __repr__(self) -> str:  # the file fields only when a file was skipped or damaged
-        text = f"ReadStats(read={self.read}, kept={self.kept}, dropped={self.dropped}"
-        if set(self.formats) - {RowFormat.MESSAGES.value}:
-            text += f", formats={self.formats}"
-        if self.images:
-            text += f", images={self.images}"
-        if self.files_skipped or self.file_problems:
-            text += f", files_read={self.files_read}, files_skipped={self.files_skipped}"
-            text += f", file_problems=[{len(self.file_problems)} files]"
-        if self.media_files:
-            text += f", media_files={self.media_files}"
-        return text + ")"
-
-    def __getitem__(self, key: str) -> Any:
-        if key in (
-            *("read", "kept", "dropped", "images", "formats"),
-            *("files_read", "files_skipped", "file_problems", "media_files"),
-        ):
-            return getattr(self, key)
-        raise KeyError(key)
-
-    def as_dict(self, *, files: bool = False) -> dict[str, Any]:
-        """``read``, ``kept``, ``dropped`` and ``formats`` (JSON-ready; a stats dict of each key,
-        so that the dicts of several readers add up key by key), and ``images`` where an image
-        part was kept; with ``files=True`` also ``files_read``, ``files_skipped``,
-        ``file_problems`` (a list of dicts), and ``media_files`` where a search found one."""
-        out: dict[str, Any] = {"read": self.read, "kept": self.kept, "dropped": dict(self.dropped)}
-        out["formats"] = dict(sorted(self.formats.items()))
-        if self.images:
-            out["images"] = self.images
-        if files:
-            out["files_read"] = self.files_read
-            out["files_skipped"] = dict(self.files_skipped)
-            out["file_problems"] = [asdict(p) for p in self.file_problems]
-            if self.media_files:
-                out["media_files"] = self.media_files
-        return out
-
-    def _reset(self) -> None:
-        self.read = self.kept = self.images = self.files_read = 0
-        self.dropped.clear()
-        self.formats.clear()
-        self.files_skipped.clear()
-        self.file_problems.clear()
-
-    def _skip_file(self, problem: FileProblem) -> None:
-        self.files_skipped[problem.reason] = self.files_skipped.get(problem.reason, 0) + 1
-        self.file_problems.append(problem)
 
 
 # ---------------------------------------------------------------------------- sources
@@ -328,7 +225,7 @@ class ConversationReader:
 
     # -- accounting
 
-    def _drop(self, src: _Source, location: str, bad: _Bad) -> None:
+    def _drop(self, src: _Source, location: str, bad: RowProblem) -> None:
         key = bad.reason.value
         self.stats.dropped[key] = self.stats.dropped.get(key, 0) + 1
         if self.on_bad_row is OnBadRow.ERROR:
@@ -351,20 +248,20 @@ class ConversationReader:
             fmt = detect_format(row)
             first = self._first
             if fmt is not None and first is not None and fmt is not first[0] and {fmt, first[0]} != _CHAT_LISTS:
-                raise _Bad(
+                raise RowProblem(
                     BadRowReason.MIXED_FORMATS,
                     f"a {fmt.value} row, but the file's first row ({first[1]}) is {first[0].value}",
                     f"keep one format per file: write this row as {first[0].value} too, or move it to a file of its own",
                 )
             messages, images, fmt = _read_row(row, self.role_map, base=base)
-        except _Bad as bad:
+        except RowProblem as bad:
             self._drop(src, location, bad)
             return None
         except (TypeError, ValueError, RecursionError) as e:  # a value no check foresaw: still one bad row
             self._drop(
                 src,
                 location,
-                _Bad(
+                RowProblem(
                     BadRowReason.MALFORMED_MESSAGE,
                     f"unusable row ({type(e).__name__}: {e})",
                     "write messages as {'role': str, 'content': str} objects",
@@ -515,7 +412,7 @@ class ConversationReader:
                 self._drop(
                     src,
                     location,
-                    _Bad(BadRowReason.INVALID_JSON, detail, "write one complete UTF-8 JSON object per line"),
+                    RowProblem(BadRowReason.INVALID_JSON, detail, "write one complete UTF-8 JSON object per line"),
                 )
                 continue
             if first and isinstance(row, list) and row and isinstance(row[0], dict):
@@ -621,7 +518,7 @@ class ConversationReader:
     def _missing_column(self, src: _Source, num_rows: int, names: list[str]) -> Iterator[Conversation]:
         if num_rows == 0:
             return iter(())
-        bad = _Bad(
+        bad = RowProblem(
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' column, nor another known format's (columns: {names})",
             "add a 'messages' column of {'role', 'content'} lists (or ShareGPT 'conversations', 'prompt' and "

@@ -17,34 +17,19 @@ nothing but a :class:`BadRowError` (or a count) ever comes out of a row. Each me
 *and* the fix, because a user reading ``line 48113: ...`` should not need the
 source code to repair the file.
 
-Content parts (the reader's rows only, which know the data file's folder): a
-content may also be a list of ``{"type": "text", "text": ...}`` and
-``{"type": "image", ...}`` parts (Hugging Face's multimodal chat format). A
-conversation without an image part is text: each list of text parts is joined
-into one string (no separator), so it reads exactly as the same text written as
-strings. A conversation with an image part keeps every content as a list of parts
-(a string becomes one text part), each image part's source resolved: ``path`` (or
-``image``) as a path relative to the data file's folder (made absolute), ``bytes``,
-a Hugging Face ``{"bytes", "path"}`` image struct or a PIL image kept as given; a path
-whose file lies outside the data folder (absolute, ``../``, a symlink out of it) is a bad
-row, ``image_outside_data_dir``, unless the reader allows it (:class:`DataFolder`); a URL
-is a malformed row (nothing is downloaded); an image part without a source takes
-the next entry of the row's ``images`` list, which must hold exactly one entry per
-such part; an image in an assistant turn is a malformed row. Images are not opened
-here (that is the multimodal tokenizer's work).
+Content parts (text, image and video parts, their sources resolved against the data
+folder) are :mod:`._parts`'s; the errors a bad row raises, :mod:`._bad_row`'s.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from ._bad_row import BadRowError, RowProblem, _is_text, _short, _type_name
 from ._options import BadRowReason, RowFormat
+from ._parts import DataFolder, _images_column, _is_image_part, _parts
 
 __all__ = [
     "FORMAT_FIELDS",
@@ -53,7 +38,6 @@ __all__ = [
     "BadRowError",
     "FormattedMessages",
     "detect_format",
-    "is_url",
     "validate_messages",
 ]
 
@@ -76,90 +60,6 @@ SHAREGPT_ROLES: Mapping[str, str] = {
     "observation": "tool",
 }
 
-_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
-_SOURCES = ("path", "image", "bytes")  # the keys an image part names its image by
-
-
-@dataclass(frozen=True)
-class DataFolder:
-    """Where a row's media paths lead: ``path``, the folder a relative path is read from (the
-    data file's); ``within``, the real folders (symlinks resolved) a media file must lie in, or
-    empty: anywhere (``allow_outside_images``)."""
-
-    path: Path
-    within: tuple[str, ...] = ()
-
-    def holds(self, file: str) -> bool:
-        """Whether ``file``, its symlinks resolved, lies in one of the ``within`` folders (or there are none)."""
-        if not self.within:
-            return True
-        real = os.path.realpath(file)
-        return any(real == f or real.startswith(f.rstrip(os.sep) + os.sep) for f in self.within)
-
-
-def is_url(text: str) -> bool:
-    """Whether ``text`` is a URL (``scheme://...``: ``http``, ``ftp``, ``s3``, ``file``, ...), not a path.
-
-    >>> is_url("https://x/y.png"), is_url("imgs/y.png")
-    (True, False)
-    """
-    return _URL.match(text) is not None
-
-
-#: Both spellings: the CLI user reads the flag, the library user the argument.
-_SKIP_HINT = (
-    "or pass --on-bad-row skip (on_bad_row='skip' in Python) to leave such rows out (each counted in stats.dropped)"
-)
-
-
-class BadRowError(ValueError):
-    """A row that cannot be used, in ``on_bad_row='error'`` mode.
-
-    Attributes: ``source`` (file or dataset, or ``"conversation 'id'"`` when
-    the tokenizer finds it), ``location`` (``"line 7"`` / ``"row 6"``, or empty),
-    ``reason`` (:class:`BadRowReason`), ``detail`` and ``fix``.
-    """
-
-    def __init__(self, source: str, location: str, reason: BadRowReason, detail: str, fix: str):
-        self.source, self.location, self.reason, self.detail, self.fix = source, location, reason, detail, fix
-        where = f"{source}, {location}" if location else source
-        super().__init__(f"{where}: {detail} [{reason.value}]. Fix: {fix}; {_SKIP_HINT}.")
-
-    def __reduce__(self) -> Any:  # picklable across worker processes
-        return (type(self), (self.source, self.location, self.reason, self.detail, self.fix))
-
-
-class _Bad(Exception):
-    """Internal: why a row is unusable (turned into a count or a BadRowError)."""
-
-    def __init__(self, reason: BadRowReason, detail: str, fix: str):
-        super().__init__(detail)
-        self.reason, self.detail, self.fix = reason, detail, fix
-
-
-def _type_name(value: object) -> str:
-    if value is None:
-        return "null"
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _is_text(s: str) -> bool:
-    """Whether ``s`` encodes as UTF-8: JSON's ``"\\ud800"`` escapes give lone surrogates,
-    which no tokenizer accepts."""
-    if s.isascii():
-        return True
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _short(value: object, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
 
 def validate_messages(row: Any, role_map: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
     """Check one row and return its messages as ``[{"role": ..., "content": ...}, ...]``.
@@ -174,7 +74,7 @@ def validate_messages(row: Any, role_map: Mapping[str, str] | None = None) -> li
     """
     try:
         return _messages(row, role_map, allow_list=True)
-    except _Bad as bad:
+    except RowProblem as bad:
         raise ValueError(f"{bad.detail} [{bad.reason.value}]. Fix: {bad.fix}") from None
 
 
@@ -189,7 +89,7 @@ def _read_row(
     allow_list: bool = False,
     base: DataFolder | None = None,
 ) -> tuple[list[dict[str, Any]], int, RowFormat]:
-    """The row's checked messages, its number of image parts and its format; raises :class:`_Bad`.
+    """The row's checked messages, its number of image parts and its format; raises :class:`RowProblem`.
 
     ``base`` (the reader's: the data file's folder) accepts content parts, image paths
     relative to its ``path`` and kept within its ``within``; without it (the tokenizer's checks) a content must be a string.
@@ -200,7 +100,7 @@ def _read_row(
         out, images = _chat_list(row, "messages", False, role_map, base, None)
         return out, images, RowFormat.MESSAGES
     if not isinstance(row, dict):
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.NOT_AN_OBJECT,
             f"the row is a JSON {_type_name(row)}, not an object",
             "make each row one object (a line of a JSON Lines file, or an element of a JSON array file): "
@@ -209,7 +109,7 @@ def _read_row(
     fmt = detect_format(row)
     if fmt is None:
         keys = ", ".join(repr(k) for k in list(row)[:8]) or "none"
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' field, nor another known format's (the row's keys: {keys})",
             "give the row a 'messages' list of {'role', 'content'} objects (or ShareGPT 'conversations' of "
@@ -230,7 +130,7 @@ def _read_row(
     sharegpt = fmt is RowFormat.SHAREGPT
     msgs = row["conversations"] if sharegpt else row["messages"]
     out, images = _chat_list(msgs, "conversations" if sharegpt else "messages", sharegpt, role_map, base, row)
-    tools = _tools_column(row)
+    tools = checked_tools(row)
     if tools is not None:
         return FormattedMessages(out, fmt, tools=tools), images, fmt
     return out, images, fmt
@@ -249,13 +149,13 @@ def _chat_list(
     ``images_of``: the row whose ``images`` list feeds image parts without a source."""
     role_key, content_key = ("from", "value") if sharegpt else ("role", "content")
     if not isinstance(msgs, list):
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.MALFORMED_MESSAGE,
             f"'{field_name}' is a {_type_name(msgs)}, expected a list of objects",
             f"make '{field_name}' a list of {{'{role_key}', '{content_key}'}} objects",
         )
     if not msgs:
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.EMPTY_MESSAGES,
             f"'{field_name}' is empty",
             "remove the row, or give it at least a user and an assistant message",
@@ -267,7 +167,7 @@ def _chat_list(
     has_assistant = False
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.MALFORMED_MESSAGE,
                 f"message {i} is a {_type_name(m)}, expected an object",
                 f"write each message as {{'{role_key}': ..., '{content_key}': ...}}",
@@ -275,20 +175,20 @@ def _chat_list(
         rk = role_key if role_key in m else "role"
         ck = content_key if content_key in m else "content"
         if rk not in m:
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.MALFORMED_MESSAGE,
                 f"message {i} has no '{role_key}'",
                 f"give every message a '{role_key}'",
             )
         if ck not in m and not m.get("tool_calls"):
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.MALFORMED_MESSAGE,
                 f"message {i} has no '{content_key}'",
                 f"give every message a '{content_key}'",
             )
         raw_role, content = m[rk], m[ck] if ck in m else None
         if not isinstance(raw_role, str):
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.UNKNOWN_ROLE,
                 f"message {i} has a {_type_name(raw_role)} '{rk}' ({_short(raw_role)}), expected a string",
                 f"write the '{rk}' as a string: one of {', '.join(sorted(ROLES))}",
@@ -300,14 +200,14 @@ def _chat_list(
             role = SHAREGPT_ROLES.get(raw_role.lower(), raw_role)
         if role not in ROLES:
             known = ", ".join(sorted(ROLES))
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.UNKNOWN_ROLE,
                 f"message {i} has role {_short(raw_role)}, which is not one of {known}",
                 f"rename it in the data to one of {known} (in Python: role_map={{{raw_role!r}: 'assistant'}})",
             )
         calls = None
         if m.get("tool_calls") is not None:
-            calls = _tool_calls(m["tool_calls"], i, role)
+            calls = checked_tool_calls(m["tool_calls"], i, role)
             if content is None or (isinstance(content, str) and not content.strip()):
                 content = ""  # a turn that only calls tools: its calls are what the template writes
         parts: list[dict[str, Any]] | None = None
@@ -317,7 +217,7 @@ def _chat_list(
             if not n_images:  # text only: one string, as if it had been written as one
                 content = "".join(p["text"] for p in parts)
         elif isinstance(content, list) and base is None and any(_is_image_part(p) for p in content):
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.NON_STRING_CONTENT,
                 f"message {i} ({role}) holds image or video parts: this is the text path, which reads text only",
                 "tokenize conversations with images with sftpack.multimodal.tokenize_media_conversations",
@@ -325,7 +225,7 @@ def _chat_list(
         if n_images:
             for j, p in enumerate(parts or ()):
                 if p["type"] == "text" and not _is_text(p["text"]):
-                    raise _Bad(
+                    raise RowProblem(
                         BadRowReason.INVALID_TEXT,
                         f"{field_name}[{i}].{ck}[{j}].text holds a lone surrogate (an unpaired \\ud800-\\udfff "
                         "escape), not text",
@@ -333,24 +233,24 @@ def _chat_list(
                     )
         elif not isinstance(content, str):
             if isinstance(content, list) and not content and base is not None:
-                raise _Bad(
+                raise RowProblem(
                     BadRowReason.NON_STRING_CONTENT,
                     f"message {i} ({role}) has an empty list content, expected a string or a list of parts",
                     'give a string or a non-empty list of {"type": "text"|"image", ...} parts',
                 )
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.NON_STRING_CONTENT,
                 f"message {i} ({role}) has a {_type_name(content)} content, expected a string",
                 "flatten the content to one string (e.g. join the text parts)",
             )
         elif not content.strip() and calls is None:
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.EMPTY_CONTENT,
                 f"message {i} ({role}) has an empty content",
                 "remove the empty message or the row",
             )
         elif not _is_text(content):
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.INVALID_TEXT,
                 f"message {i} ({role}) holds a lone surrogate (an unpaired \\ud800-\\udfff escape), not text",
                 "fix the escape (a character outside the BMP is a surrogate *pair*) or remove the row",
@@ -366,13 +266,13 @@ def _chat_list(
         if calls is not None:
             out[-1]["tool_calls"] = calls
     if need_assistant and not has_assistant:
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.NO_ASSISTANT_TURN,
             f"none of the {len(out)} messages is from the assistant: nothing to train on",
             "remove the row, or add the assistant's answer",
         )
     if pool is not None and pool.used != len(pool.values):
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.MALFORMED_MESSAGE,
             f"'images' has {len(pool.values)} entries but {pool.used} image parts without a source take from it",
             "give 'images' exactly one entry per image part without a path",
@@ -398,27 +298,30 @@ def _json_object(value: Any, where: str, fix: str) -> Any:
     try:
         return json.loads(value)
     except ValueError as e:
-        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where} is a string that is not JSON ({e})", fix) from None
+        raise RowProblem(BadRowReason.MALFORMED_MESSAGE, f"{where} is a string that is not JSON ({e})", fix) from None
 
 
-def _tool_calls(calls: Any, i: int, role: str) -> list[dict[str, Any]]:
+def checked_tool_calls(calls: Any, i: int, role: str) -> list[dict[str, Any]]:
     """An assistant message's ``tool_calls``, checked and in one form: ``[{"type": "function",
     "function": {"name": str, "arguments": dict}}, ...]`` (arguments stored as a JSON string are
-    parsed, as chat templates write them with ``tojson``)."""
+    parsed, as chat templates write them with ``tojson``); ``i`` and ``role`` name the message in
+    the :class:`RowProblem` raised for calls that are malformed or not an assistant's."""
     where = f"message {i} ({role}).tool_calls"
     if role != "assistant":
-        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}: only an assistant turn calls tools", "move the calls")
+        raise RowProblem(
+            BadRowReason.MALFORMED_MESSAGE, f"{where}: only an assistant turn calls tools", "move the calls"
+        )
     if not isinstance(calls, list) or not calls:
-        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where} is not a non-empty list", _CALL_FIX)
+        raise RowProblem(BadRowReason.MALFORMED_MESSAGE, f"{where} is not a non-empty list", _CALL_FIX)
     out = []
     for j, call in enumerate(calls):
         f = call.get("function", call) if isinstance(call, dict) else None
         name = f.get("name") if isinstance(f, dict) else None
         if not isinstance(f, dict) or not isinstance(name, str) or not name:
-            raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}] has no function name", _CALL_FIX)
+            raise RowProblem(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}] has no function name", _CALL_FIX)
         args = _json_object(f.get("arguments", {}), f"{where}[{j}].arguments", _CALL_FIX)
         if not isinstance(args, dict):
-            raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}].arguments is not an object", _CALL_FIX)
+            raise RowProblem(BadRowReason.MALFORMED_MESSAGE, f"{where}[{j}].arguments is not an object", _CALL_FIX)
         entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": args}}
         if isinstance(call, dict) and isinstance(call.get("id"), str):
             entry["id"] = call["id"]
@@ -426,14 +329,17 @@ def _tool_calls(calls: Any, i: int, role: str) -> list[dict[str, Any]]:
     return out
 
 
-def _tools_column(row: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The row's ``tools`` (a list of JSON-schema objects, or that list as a JSON string), checked."""
+def checked_tools(row: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The row's ``tools`` column (a list of JSON-schema objects, or that list as a JSON string),
+    checked: ``None`` when absent or empty, else the list; a :class:`RowProblem` when malformed."""
     fix = 'give \'tools\' as a list of {"type": "function", "function": {"name": ..., "parameters": {...}}} schemas'
     tools = _json_object(row.get("tools"), "'tools'", fix)
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise _Bad(BadRowReason.MALFORMED_MESSAGE, f"'tools' is a {_type_name(tools)}, not a list of objects", fix)
+        raise RowProblem(
+            BadRowReason.MALFORMED_MESSAGE, f"'tools' is a {_type_name(tools)}, not a list of objects", fix
+        )
     return tools
 
 
@@ -534,23 +440,23 @@ def _string(row: dict[str, Any], key: str, what: str, *, empty: bool = False, op
     if value is None:
         if optional:
             return ""
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.MISSING_FIELD,
             f"'{key}' is missing in {where}",
             f"add the string field '{key}' to the row ({what})",
         )
     if not isinstance(value, str):
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.NON_STRING_CONTENT,
             f"'{key}' is a {_type_name(value)} in {where}, expected a string",
             f"write '{key}' as one string: {what}",
         )
     if not empty and not optional and not value.strip():
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.EMPTY_CONTENT, f"'{key}' is empty in {where}", f"give '{key}' {what}, or remove the row"
         )
     if not _is_text(value):
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.INVALID_TEXT,
             f"'{key}' holds a lone surrogate (an unpaired \\ud800-\\udfff escape), not text",
             "fix the escape (a character outside the BMP is a surrogate *pair*) or remove the row",
@@ -579,23 +485,23 @@ def _conversational(
     for key in ("prompt", "completion"):
         value = row.get(key)
         if value is None:
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.MISSING_FIELD,
                 f"'{key}' is missing in {_WHAT[RowFormat.CONVERSATIONAL_PROMPT_COMPLETION]}",
                 f"give the row a '{key}' list of {{'role', 'content'}} messages",
             )
         if not isinstance(value, list):
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.MALFORMED_MESSAGE,
                 f"'{key}' is a {_type_name(value)} but the other field a list",
                 "write 'prompt' and 'completion' both as strings (plain text) or both as lists of messages",
             )
         try:
             out, images = _chat_list(value, key, False, role_map, base, None, need_assistant=key == "completion")
-        except _Bad as bad:
-            raise _Bad(bad.reason, f"in '{key}': {bad.detail}", bad.fix) from None
+        except RowProblem as bad:
+            raise RowProblem(bad.reason, f"in '{key}': {bad.detail}", bad.fix) from None
         if images:
-            raise _Bad(
+            raise RowProblem(
                 BadRowReason.MALFORMED_MESSAGE,
                 f"'{key}' holds image parts, which prompt/completion rows do not take",
                 "write the row as 'messages' (prompt and completion in one list) to train on images",
@@ -603,158 +509,3 @@ def _conversational(
         lists[key] = out
     fmt = RowFormat.CONVERSATIONAL_PROMPT_COMPLETION
     return FormattedMessages(lists["prompt"] + lists["completion"], fmt, prompt_messages=len(lists["prompt"]))
-
-
-# ---------------------------------------------------------------------------- content parts
-
-
-def _is_image_part(part: Any) -> bool:
-    """An image or a video part (media the text path does not read)."""
-    return isinstance(part, dict) and part.get("type") in ("image", "video")
-
-
-def _is_pil(value: Any) -> bool:
-    return type(value).__module__.startswith("PIL.") and hasattr(value, "convert")
-
-
-class _Images:
-    """A row's ``images`` list, handed out to its source-less image parts in order."""
-
-    def __init__(self, values: list[Any]):
-        self.values, self.used = values, 0
-
-    def take(self, where: str, base: DataFolder) -> dict[str, Any]:
-        if self.used >= len(self.values):
-            raise _Bad(
-                BadRowReason.MALFORMED_MESSAGE,
-                f"{where}: image part {self.used + 1} without a source, but 'images' has {len(self.values)}",
-                "give 'images' one entry per image part without a path",
-            )
-        value = self.values[self.used]
-        self.used += 1
-        return _source(value, "image", f"images[{self.used - 1}]", base)
-
-
-def _images_column(row: dict[str, Any]) -> _Images | None:
-    column = row.get("images")
-    if column is None:
-        return None
-    if not isinstance(column, list):
-        raise _Bad(
-            BadRowReason.MALFORMED_MESSAGE,
-            f"'images': a {type(column).__name__}, not a list",
-            "give 'images' as a list of paths or image bytes",
-        )
-    return _Images(column)
-
-
-def _parts(
-    content: list[Any], where: str, role: str, base: DataFolder, pool: _Images | None
-) -> tuple[list[dict[str, Any]], int]:
-    """A content's parts, checked, image sources resolved, and how many are images."""
-    parts: list[dict[str, Any]] = []
-    images = 0
-    for j, p in enumerate(content):
-        part, is_image = _part(p, f"{where}[{j}]", base, pool)
-        if is_image and role == "assistant":
-            raise _Bad(
-                BadRowReason.MALFORMED_MESSAGE,
-                f"{where}[{j}]: an image in an assistant turn",
-                "move it to a user turn",
-            )
-        images += is_image
-        parts.append(part)
-    return parts, images
-
-
-def _part(part: Any, where: str, base: DataFolder, pool: _Images | None) -> tuple[dict[str, Any], bool]:
-    """One content part, its image source resolved; returns (part, is_image). Keys holding
-    None (a struct column's absent fields in Parquet / Arrow) are dropped; an image part
-    with no source takes the next entry of the row's ``images`` list, if it has one."""
-    if isinstance(part, dict):
-        part = {k: v for k, v in part.items() if v is not None}
-    if not isinstance(part, dict) or part.get("type") not in ("text", "image", "video"):
-        raise _Bad(
-            BadRowReason.MALFORMED_MESSAGE,
-            f"{where}: {str(part)[:60]!r} is not a text, image or video part",
-            'write parts as {"type": "text", "text": ...}, {"type": "image", "path": ...} or '
-            '{"type": "video", "path": ...} / {"type": "video", "frames": [...]}',
-        )
-    if part["type"] == "text":
-        if not isinstance(part.get("text"), str):
-            raise _Bad(BadRowReason.NON_STRING_CONTENT, f"{where}.text: not a string", "give it a string")
-        return part, False
-    if part["type"] == "video":
-        return _video_part(part, where, base), True
-    src = next((k for k in _SOURCES if k in part), None)
-    out = {k: v for k, v in part.items() if k not in _SOURCES}
-    if src is None:
-        if pool is None:
-            raise _Bad(
-                BadRowReason.MALFORMED_MESSAGE,
-                f"{where}: an image part with no path",
-                'give it "path": "<file relative to the data file>", or give the row an \'images\' list',
-            )
-        out.update(pool.take(where, base))
-        return out, True
-    if src == "bytes" and not isinstance(part[src], (bytes, bytearray, memoryview)):
-        out["bytes"] = part[src]  # left to the image loader, which names it (BadImageError)
-        return out, True
-    out.update(_source(part[src], src, where, base))
-    return out, True
-
-
-def _video_part(part: dict[str, Any], where: str, base: DataFolder) -> dict[str, Any]:
-    """A video part with its file (``path``) or its frames (``frames``, a list of image files)
-    resolved against the data file's folder; its other keys (``fps``) kept for the decoder,
-    which checks them and the files (``BadImageError`` naming the field)."""
-    out = dict(part)
-    if isinstance(part.get("path"), str):
-        out.update(_source(part["path"], "path", where, base))
-    elif isinstance(part.get("frames"), list):
-        out["frames"] = [
-            _source(f, f"frames[{k}]", where, base).get("path", f) if isinstance(f, str) else f
-            for k, f in enumerate(part["frames"])
-        ]
-    else:
-        raise _Bad(
-            BadRowReason.MALFORMED_MESSAGE,
-            f"{where}: a video part with neither 'path' (a video file) nor 'frames' (a list of image files)",
-            'write it as {"type": "video", "path": "clip.mp4"} or {"type": "video", "frames": ["f0.png", ...]}',
-        )
-    return out
-
-
-def _source(value: Any, key: str, where: str, base: DataFolder) -> dict[str, Any]:
-    """An image value (a path string, bytes, a ``{"bytes", "path"}`` struct as Hugging Face
-    stores an ``Image`` feature, or a PIL image) as the source keys of a part."""
-    if isinstance(value, dict) and ("bytes" in value or "path" in value):  # an Arrow Image struct
-        if value.get("bytes") is not None:
-            return {"bytes": value["bytes"]}
-        value = value.get("path")
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return {"bytes": bytes(value)}
-    if _is_pil(value):
-        return {"image": value}
-    if isinstance(value, str) and value:
-        if is_url(value):
-            raise _Bad(
-                BadRowReason.MALFORMED_MESSAGE,
-                f"{where}.{key}: a URL {value[:60]!r}",
-                "download the image and give its path",
-            )
-        path = os.fspath(Path(value) if os.path.isabs(value) else base.path / value)
-        if not base.holds(path):
-            raise _Bad(
-                BadRowReason.IMAGE_OUTSIDE_DATA_DIR,
-                f"{where}.{key}: {value[:80]!r} is outside the data folder {base.within[0]!r} "
-                f"(it resolves to {os.path.realpath(path)[:120]!r})",
-                "copy the file into the data folder and give its path relative to the data file, or, if you "
-                "trust the data, pass --allow-outside-images (allow_outside_images=True in Python)",
-            )
-        return {"path": path}
-    raise _Bad(
-        BadRowReason.MALFORMED_MESSAGE,
-        f"{where}.{key}: a {type(value).__name__}, not a path string or image bytes",
-        "give the image as a path string (or bytes)",
-    )

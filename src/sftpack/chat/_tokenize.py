@@ -69,6 +69,7 @@ from .. import _optional
 from .._base import positive_int
 from .._types import Tokenizer
 from ..sample import DEFAULT_OVERLONG, Conversation, Overlong, OverlongError, Sample, overlong_spans
+from ._bad_row import BadRowError, RowProblem
 from ._options import (
     BadRowReason,
     OnBadRow,
@@ -79,7 +80,7 @@ from ._options import (
 )
 from ._plain import Ends, ends_of, plain_text
 from ._render import ChatRenderer, TemplateError, renderer_for
-from ._rows import BadRowError, FormattedMessages, _Bad, _messages
+from ._rows import FormattedMessages, _messages
 
 __all__ = [
     "ConversationTemplateError",
@@ -156,7 +157,10 @@ def _options(
     return _Options(t, limit, o, b, sp)
 
 
-def _backend(tokenizer: Tokenizer) -> Any:
+def fast_backend(tokenizer: Tokenizer) -> Any:
+    """The ``tokenizers`` backend of a Hugging Face *fast* tokenizer (its ``backend_tokenizer``:
+    offsets, added tokens, ``encode_batch``); raises ``TypeError`` naming the fix for any other
+    tokenizer (sftpack maps trainable characters to tokens through the offsets)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None or not hasattr(backend, "encode_batch"):
         raise TypeError(
@@ -171,8 +175,9 @@ def _backend(tokenizer: Tokenizer) -> Any:
 Item = tuple[Any, Any, bool]
 
 
-def _as_item(obj: Any, index: int) -> Item:
-    """The id and the payload of one input; the row checks (``_checked``) run later, in the worker."""
+def as_item(obj: Any, index: int) -> Item:
+    """One input (a :class:`Conversation`, a row mapping, or a list of messages) as ``(id, payload,
+    checked)``, the id the row's or ``index``; the row checks run later, in the worker."""
     if isinstance(obj, Conversation):
         return obj.id, obj.messages, obj.checked
     if isinstance(obj, Mapping):
@@ -184,16 +189,16 @@ def _as_item(obj: Any, index: int) -> Item:
 
 
 def _checked(item: Item) -> Sequence[Mapping[str, Any]]:
-    """The item's messages, through the reader's row checks (raises ``_Bad``)."""
+    """The item's messages, through the reader's row checks (raises ``RowProblem``)."""
     _, payload, checked = item
     if checked:
         return payload
     try:
         return _messages(payload, None, allow_list=True)
-    except _Bad:
+    except RowProblem:
         raise
     except (TypeError, ValueError, RecursionError) as e:  # a value no check foresaw: still one bad row
-        raise _Bad(
+        raise RowProblem(
             BadRowReason.MALFORMED_MESSAGE,
             f"unusable row ({type(e).__name__}: {e})",
             "write messages as {'role': str, 'content': str} objects",
@@ -311,7 +316,7 @@ def _render_one(item: Item, ctx: _Context, opts: _Options) -> _Rendered:
     cid = item[0]
     try:
         messages = _checked(item)
-    except _Bad as bad:
+    except RowProblem as bad:
         return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
     if isinstance(messages, FormattedMessages) and not messages.template:
         return _render_plain(cid, messages, ctx, opts)
@@ -401,7 +406,7 @@ class _Context:
     @property
     def ends(self) -> Ends:
         if self._ends is None:
-            self._ends = ends_of(self.tokenizer, _backend(self.tokenizer))
+            self._ends = ends_of(self.tokenizer, fast_backend(self.tokenizer))
         return self._ends
 
 
@@ -411,7 +416,7 @@ def _render_plain(cid: Any, messages: FormattedMessages, ctx: _Context, opts: _O
         text, spans, specials, n_special = plain_text(
             messages, ctx.ends, opts.train_on, opts.special_tokens is SpecialTokensInContent.TEXT
         )
-    except _Bad as bad:
+    except RowProblem as bad:
         return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
     return _Rendered(cid, text, spans, specials, n_special)
 
@@ -451,7 +456,7 @@ def _text_backend(tokenizer: Tokenizer) -> Any:
         cached = None
     if cached is not None:
         return cached
-    copy = _optional.tokenizers().Tokenizer.from_str(_backend(tokenizer).to_str())
+    copy = _optional.tokenizers().Tokenizer.from_str(fast_backend(tokenizer).to_str())
     copy.encode_special_tokens = True
     try:
         _TEXT_BACKENDS[tokenizer] = copy
@@ -467,13 +472,16 @@ def warm_tokenizer(tokenizer: Tokenizer) -> None:
     _text_backend(tokenizer)
 
 
-def _encode_pieces(r: _Rendered, tokenizer: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """Ids and ``(L, 2)`` offsets of ``r.text``, special tokens only where the template put them."""
-    backend, plain = _backend(tokenizer), _text_backend(tokenizer)
-    text = r.text
+def encode_pieces(
+    text: str, template_specials: Sequence[tuple[int, int]] | None, tokenizer: Tokenizer
+) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and ``(L, 2)`` character offsets of a rendered ``text``, special tokens only at the
+    ``template_specials`` spans (the chat template's): the rest is plain text, special-token text
+    in the data too (the text path's encoding and :mod:`sftpack.multimodal`'s)."""
+    backend, plain = fast_backend(tokenizer), _text_backend(tokenizer)
     order: list[tuple[bool, int, int]] = []  # (is_special, start, end): text pieces between the template's specials
     pos = 0
-    for a, b in r.template_specials or []:
+    for a, b in template_specials or []:
         if a > pos:
             order.append((False, pos, a))
         order.append((True, a, b))
@@ -504,7 +512,7 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
             continue
         assert r.spans is not None
         if r.template_specials is not None:
-            ids, offsets = _encode_pieces(r, tokenizer)
+            ids, offsets = encode_pieces(r.text, r.template_specials, tokenizer)
             mask = mask_from_offsets(offsets, r.spans)
         else:
             enc = next(plain)
@@ -544,7 +552,7 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
 
 def _encode_many(items: Sequence[Item], tokenizer: Tokenizer, opts: _Options) -> list[Encoded]:
     """Check, render, tokenize (one ``encode_batch`` call) and mask a batch of conversations, in order."""
-    backend = _backend(tokenizer)
+    backend = fast_backend(tokenizer)
     rendered = _render(items, _Context(tokenizer), opts)
     return _finish(rendered, _encode_texts(backend, _plain_texts(rendered)), tokenizer, opts)
 
@@ -553,7 +561,7 @@ def _encode_stream(batches: Iterable[Sequence[Item]], tokenizer: Tokenizer, opts
     """:func:`_encode_many` over batches, pipelined: while a helper thread encodes
     batch ``k`` (Rust, the GIL released), this thread renders batch ``k + 1`` and
     then masks batch ``k``, so the Python work overlaps the encoding."""
-    backend = _backend(tokenizer)
+    backend = fast_backend(tokenizer)
     ctx = _Context(tokenizer)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sftpack-encode") as pool:
         pending = None
@@ -604,7 +612,7 @@ def encode_conversation(
 def _encode_one(messages: Any, tokenizer: Tokenizer, opts: _Options, conversation_id: Any) -> Encoded:
     """One conversation under ``opts``, named ``conversation_id`` (default: its own id or 0);
     a skipped one raised under ``on_bad_row='error'``."""
-    cid, payload, checked = _as_item(messages, 0)
+    cid, payload, checked = as_item(messages, 0)
     cid = cid if conversation_id is None else conversation_id
     enc = _encode_many([(cid, payload, checked)], tokenizer, opts)[0]
     if enc.skip is not None and opts.on_bad_row is OnBadRow.ERROR:

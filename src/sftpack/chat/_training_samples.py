@@ -21,12 +21,14 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from ..data import default_corpus
 from ..sample import Conversation, Sample
-from ._batch import TokenizeStats
+from ._batch import TokenizeStats, tokenize_conversations
 from ._cache_entry import DEFAULT_MAX_SIZE, EntryWriter, _cannot_write, read_entry
 from ._cache_key import cache_key, source_identity, tokenizer_files_identity, tokenizer_identity, tokenizer_info
 from ._options import OnBadRow, choose
 from ._producer import _BATCH, _positioned, _Producer, _Run
+from ._tokenize import as_item
 
 __all__ = [
     "CachedSamples",
@@ -404,9 +406,6 @@ def start_training_samples(
             holds no trainable token...): ``"error"`` raises naming it, ``"skip"`` counts it in
             ``stats.skipped`` and tokenizes the rest (as :func:`~sftpack.chat.tokenize_conversations`).
     """
-    from ..data import default_corpus
-    from ._batch import tokenize_conversations
-    from ._tokenize import _as_item
 
     if tokenizer is None and (load_tokenizer is None or tokenizer_files is None):
         raise ValueError("start_training_samples: give a tokenizer, or load_tokenizer with tokenizer_files")
@@ -441,7 +440,7 @@ def start_training_samples(
         order = ids = None
         if seed is not None or key is not None or isinstance(convs, (list, tuple)) or conversations is None:
             # positions known: each conversation with its id, as the tokenizer would name it
-            items = [_as_item(c, i) for i, c in enumerate(convs)]
+            items = [as_item(c, i) for i, c in enumerate(convs)]
             convs = [Conversation(cid, payload, checked=checked) for cid, payload, checked in items]
             ids = [c.id for c in convs]
             order = (

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import signal
 import sys
@@ -129,8 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _exit_at_once(rc: int) -> NoReturn:
     """Flush what the command wrote and end the process now (no module teardown)."""
-    import logging
-    import os
+    import logging  # start-up: only a run configures logging, not `sftpack --help`
 
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
@@ -144,7 +144,7 @@ def _exit_at_once(rc: int) -> NoReturn:
 def _say_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None) -> None:
     """A library warning, as the command's one line (not Python's file:line and source line), on a
     line of its own even while a progress bar is drawn (``tqdm.write`` moves the bars below it)."""
-    from .._progress import Bar
+    from .._progress import Bar  # start-up: tqdm loads with the first bar, not for `sftpack --help`
 
     Bar.write(f"sftpack: warning: {message}", file=sys.stderr)
 

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterable
+from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from ..chat._options import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions
+import numpy as np
+
+from ..chat import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions, read_conversations
+from ..data import default_corpus
+from ..report.savings import bench_lengths, bench_media, format_layouts, format_media_layouts
 from ._common import (
     INPUTS_HELP,
     UsageError,
@@ -87,14 +92,6 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from itertools import islice
-
-    import numpy as np
-
-    from ..chat import read_conversations
-    from ..data import default_corpus
-    from ..report.savings import bench_lengths, format_layouts
-
     if args.max_seq_len % args.pad_multiple:
         raise UsageError(
             f"--max-seq-len {args.max_seq_len} is not a multiple of --pad-multiple {args.pad_multiple} "
@@ -150,13 +147,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_images(args: argparse.Namespace) -> int:
     """Conversations with images: PATHS (read by :func:`sftpack.chat.read_conversations`) or easy-vqa."""
-    from itertools import islice
 
-    import numpy as np
-
-    from ..chat import read_conversations
-    from ..multimodal import vqa_corpus
-    from ..report.savings import bench_media, format_media_layouts
+    from ..multimodal import vqa_corpus  # start-up: multimodal loads torch; only --images needs it
 
     what = "--corpus vqa" if args.corpus == "vqa" else "data with images"
     if args.tokenizer is not None:

@@ -74,7 +74,7 @@ def _loader() -> Any:
     """PyYAML's safe loader, refusing aliases (``*name``) and a key given twice in one mapping
     (PyYAML would keep the last silently); each refusal a ``yaml.MarkedYAMLError`` at the
     alias or the second key."""
-    import yaml
+    import yaml  # start-up: yaml loads only when a --config file is read or written
 
     class Loader(yaml.SafeLoader):
         def compose_node(self, parent: Any, index: Any) -> Any:
@@ -109,7 +109,7 @@ def _loader() -> Any:
 
 
 def _load(path: str) -> dict[str, Any]:
-    import yaml
+    import yaml  # start-up: yaml loads only when a --config file is read or written
 
     try:
         text = Path(path).read_text(encoding="utf-8")

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from .._publish import Publish
+from ..data import default_corpus
 from ._common import UsageError, positive
 
 
@@ -58,8 +60,6 @@ def write_data(path: str, *, quick: bool) -> str:
     """The embedded chitchat conversations (400 with ``quick``) written to ``path`` as OpenAI-messages
     JSONL (atomically); the line that says so. Writing the same file again is a no-op; a file of
     other bytes is refused (a usage error), so a user's own data is never replaced."""
-    from .._publish import Publish
-    from ..data import default_corpus
 
     data = "".join(
         json.dumps({"messages": c.messages}, ensure_ascii=False) + "\n"

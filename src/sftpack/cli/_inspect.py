@@ -58,7 +58,7 @@ def _bar(n: int, most: int, width: int = 40) -> str:
 
 def describe_lines(ds: PrepackedDataset) -> list[str]:
     """The text ``sftpack inspect`` prints (without ``--row``)."""
-    from ..offline import describe
+    from ..offline import describe  # start-up: the offline path loads torch
 
     d = describe(ds)
     m = d.manifest
@@ -138,7 +138,7 @@ def row_layout(ds: PrepackedDataset, i: int) -> dict[str, Any]:
     """Row ``i``'s boundaries and counts from the index and its stored tokens only: what
     :meth:`PrepackedDataset.row` would build, without laying ``max_seq_len`` slots (a row
     is five int64 tensors of that width; drawing one must not cost that)."""
-    from ..handoff import padded_lengths
+    from ..handoff import padded_lengths  # start-up: the handoff loads torch
 
     _, mask, seqs = ds.row_arrays(i)
     real = seqs["length"].astype(np.int64)
@@ -156,9 +156,9 @@ def row_layout(ds: PrepackedDataset, i: int) -> dict[str, Any]:
 def _scaled(real: np.ndarray, padded: np.ndarray, cells: int) -> tuple[PackedBatch, int]:
     """A boundary-only ``PackedBatch`` of the row, shrunk to at most ``cells`` cells
     (one cell = ``k`` slots) for drawing, and ``k``."""
-    import torch
+    import torch  # start-up: not for `sftpack --help`
 
-    from ..handoff import PackedBatch
+    from ..handoff import PackedBatch  # start-up: the handoff loads torch
 
     real, padded = np.asarray(real), np.asarray(padded)
     T = int(padded.sum())
@@ -184,7 +184,7 @@ def row_lines(ds: PrepackedDataset, i: int, *, cells: int = 256) -> list[str]:
     """Row ``i`` drawn as ``sftpack map`` draws rows (one cell per slot, or per ``k`` slots
     for rows wider than ``cells``), with its boundaries and conversations. Memory: the row's
     stored tokens and ``cells`` cells, whatever ``max_seq_len``."""
-    from ..report.layout import draw_row
+    from ..report.layout import draw_row  # start-up: the drawing loads torch
 
     lay = row_layout(ds, i)
     real, padded, cu, cup, seqs = lay["real"], lay["padded"], lay["cu"], lay["cup"], lay["sequences"]
@@ -305,7 +305,7 @@ def decode_tokenizer(ds: PrepackedDataset, model: str | None = None, tokenizer: 
     the folder the prepack records (when it is there), else the embedded one (the family's
     for a prepack with images); refused (a usage error) when its fingerprint is not the
     prepack's, whose ids it would misread."""
-    from ..offline._fingerprint import tokenizer_fingerprint
+    from ..offline import tokenizer_fingerprint  # start-up: the offline path loads torch
 
     fp = ds.manifest["fingerprint"].get("tokenizer") or {}
     want = fp.get("sha256")
@@ -337,7 +337,7 @@ def decode_tokenizer(ds: PrepackedDataset, model: str | None = None, tokenizer: 
 
 
 def _family_tokenizer(ds: PrepackedDataset, model: str | None, folder: str | None) -> Any:
-    from ..multimodal import UnsupportedModelError, family_for
+    from ..multimodal import UnsupportedModelError, family_for  # start-up: multimodal loads torch
 
     family = (ds.manifest.get("media") or {}).get("family", "qwen2_vl")
     try:
@@ -375,8 +375,7 @@ def _marks() -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..offline import PrepackedDataset, describe
-    from ..offline._describe import save_histograms_png
+    from ..offline import PrepackedDataset, describe, save_histograms_png  # start-up: the offline path loads torch
 
     if not args.decode and (args.tokenizer is not None or args.model is not None):
         raise UsageError("--tokenizer and --model are for --decode: add --decode, or drop them")

@@ -12,7 +12,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..report.layout import render_map, save_map_png, worked_example
+    from ..report.layout import render_map, save_map_png, worked_example  # start-up: the drawing loads torch
 
     rows = worked_example()
     print(render_map(rows))

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from .. import _optional
+from ..chat import InputOptions, read_conversations
 from ._common import (
     INPUTS_HELP,
     UsageError,
@@ -37,8 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``sftpack prepack``: :class:`~sftpack.offline.PrepackOptions`' fields, each
     declared there once (:func:`~._common.add_settings`), and the command's own."""
-    from ..chat._options import InputOptions
-    from ..offline._options import PrepackOptions  # loads torch: added when the command is used
+    from ..offline import PrepackOptions  # loads torch: added when the command is used
 
     p.add_argument(
         "inputs",
@@ -186,9 +188,8 @@ def summary_lines(result: PrepackResult) -> list[str]:
 
 def _refuse_cp_over_state_layers(model: str, cp: int) -> None:
     """``--cp`` over a hybrid family's layers that carry state: one line, before any work."""
-    import json
 
-    from ..hybrid import refuse_context_parallel, state_layers_of_config
+    from ..hybrid import refuse_context_parallel, state_layers_of_config  # start-up: hybrid loads torch
 
     try:
         with open(os.path.join(model, "config.json"), encoding="utf-8") as f:
@@ -203,9 +204,8 @@ def _refuse_cp_over_state_layers(model: str, cp: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # imported when the command runs: the offline path loads torch, and `sftpack --help` should not
-    from ..handoff import pad_multiple_for
-    from ..offline import prepack
-    from ..offline._format import check_row_width
+    from ..handoff import pad_multiple_for  # start-up: the handoff loads torch
+    from ..offline import check_row_width, prepack  # start-up: the offline path loads torch
 
     try:
         check_row_width(args.max_seq_len, "--max-seq-len")
@@ -255,8 +255,7 @@ def run(args: argparse.Namespace) -> int:
     inputs: Any = args.inputs or None
     extra = None
     if args.split is not None:  # the reader picks the split; the manifest records which
-        from ..chat import read_conversations
-        from ..offline._inputs import check_out_outside_inputs
+        from ..offline import check_out_outside_inputs  # start-up: the offline path loads torch
 
         check_out_outside_inputs(args.inputs, args.out)
         inputs = read_conversations(args.inputs, on_bad_row=args.on_bad_row, split=args.split)
@@ -271,7 +270,7 @@ def run(args: argparse.Namespace) -> int:
 def _options(args: argparse.Namespace, pad_multiple: int, **more: Any) -> Any:
     """The run's :class:`~sftpack.offline.PrepackOptions`: the settings the flags give, ``pad_multiple``
     (from --pad-multiple or --cp/--tp) and ``more``; a bad value is a usage error."""
-    from ..offline import PrepackOptions
+    from ..offline import PrepackOptions  # start-up: the offline path loads torch
 
     try:
         return PrepackOptions(**{**given_settings(args, PrepackOptions), "pad_multiple": pad_multiple, **more})
@@ -301,7 +300,6 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
             "--family; assistant turns trained; over-long conversations split at text boundaries, dropped or "
             "refused, never cut inside an image)"
         )
-    from .. import _optional
 
     try:
         if vqa:
@@ -309,9 +307,8 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         _optional._need("PIL.Image", "multimodal", "reading images")
     except ImportError as e:
         raise UsageError(str(e)) from None
-    from ..multimodal._plan import OVER_PATCH_BUDGET, PatchBudgetError
-    from ..offline import prepack
-    from ..offline._local import KnownLength, input_total
+    from ..multimodal import OVER_PATCH_BUDGET, PatchBudgetError  # start-up: multimodal loads torch
+    from ..offline import KnownLength, input_total, prepack  # start-up: the offline path loads torch
 
     # the family (a --model folder's), then the options, checked before an image is read; what fails
     # after that is the data's (exit 1)
@@ -320,7 +317,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     options = _options(args, pad_multiple, images=True, limit=None if vqa else args.limit, **more)
     reader = None
     if vqa:
-        from ..multimodal import vqa_corpus
+        from ..multimodal import vqa_corpus  # start-up: multimodal loads torch
 
         # counted first (their image paths only, no pixels): the tokenize bar's total and ETA
         total = sum(1 for _ in vqa_corpus(seed=args.seed, limit=args.limit))
@@ -329,9 +326,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
             "corpus": {"name": "easy-vqa", "split": "train", "seed": args.seed, "limit": args.limit}
         }
     else:
-        from ..chat import read_conversations
-        from ..offline._fingerprint import input_fingerprints
-        from ..offline._inputs import check_out_outside_inputs
+        from ..offline import check_out_outside_inputs, input_fingerprints  # start-up: the offline path loads torch
 
         check_out_outside_inputs(args.inputs, args.out)  # before a file is read, as for text
         reader = read_conversations(

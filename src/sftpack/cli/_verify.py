@@ -20,7 +20,8 @@ import argparse
 import sys
 from typing import Any
 
-from ..chat._options import DEFAULT_MAX_SEQ_LEN, InputOptions
+from ..chat import DEFAULT_MAX_SEQ_LEN, InputOptions, read_conversations
+from ..data import default_corpus
 from ._common import INPUTS_HELP, UsageError, add_settings, has_images, positive, render_read_stats
 
 #: conversations checked by default (text; data with images)
@@ -89,7 +90,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _not_checked(e: BaseException) -> int:
     """The one line of a model that could not be checked, with what the user can do; exit 3."""
-    from ..attention import UnsupportedAttentionError
+    from ..attention import UnsupportedAttentionError  # start-up: attention loads torch
 
     text = " ".join(str(e).split())
     if isinstance(e, UnsupportedAttentionError):
@@ -111,12 +112,10 @@ def _not_checked(e: BaseException) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
+    import torch  # start-up: not for `sftpack --help`
 
-    from ..chat import read_conversations
-    from ..data import default_corpus
-    from ..multimodal import UnsupportedModelError
-    from ..report.verify import verify
+    from ..multimodal import UnsupportedModelError  # start-up: multimodal loads torch
+    from ..report.verify import verify  # start-up: the check loads torch and the paths
 
     images = bool(args.inputs) and has_images(args.inputs, split=args.split)
     if args.family is not None and not images:
@@ -143,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def bar(label: str, total: int) -> Any:
-        from .._progress import Bar
+        from .._progress import Bar  # start-up: tqdm loads with the first bar
 
         return Bar(total=total, desc=label, unit="micro-batch", leave=False)
 

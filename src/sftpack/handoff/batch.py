@@ -50,7 +50,7 @@ def packed_seq_params(
     with warnings.catch_warnings():
         # megatron-core announces its fallbacks when Transformer Engine is absent (CPU).
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.packed_seq_params import PackedSeqParams  # optional: Megatron only for this conversion
 
     if pad_between_seqs:
         q = kv = cu_seqlens

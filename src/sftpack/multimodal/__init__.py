@@ -33,18 +33,44 @@ The pieces, in pipeline order:
   row with media (:func:`sftpack.handoff.shard_for_cp`) through a Qwen-VL model.
 * :func:`vqa_corpus`: the easy-vqa conversations (the embedded multimodal default).
 
-The three paths build on these; see docs/multimodal.md.
+The three paths build on these; see docs/multimodal.md. The parts they take besides, importable
+from here too (never from the private modules: a contract in ``pyproject.toml``) and out of
+``__all__``:
+
+* per record and per sample: ``tokenize_record`` (one record to its samples or its drop reason),
+  ``split_sample`` (the over-long policy), ``check_patch_budget`` and its drop reason
+  ``OVER_PATCH_BUDGET``, ``EncodedImages`` (a conversation's images, encoded);
+* the stored pixels of a prepack: ``processor_settings`` / ``processor_from_settings`` (the
+  image processor as plain values and back), ``reproduces`` (whether the fast road is the
+  processor's own output), ``pixel_table``, ``PixelRecorder``, ``stored_items``,
+  ``image_values``, ``patchify_pixels``, ``patchify_frames``;
+* ``compare_packed_alone``: the packed-equals-alone comparison of :func:`check_packed`.
 """
 
 from __future__ import annotations
 
 from ._cp import cp_hidden, cp_vision_outputs
 from ._exactness import PackedCheck, check_packed
+from ._exactness import compare_packed_alone as compare_packed_alone
+from ._family import EncodedImages as EncodedImages
 from ._family import Family, UnsupportedModelError, family_for
 from ._images import BadImageError, BadImageReason, load_image
+from ._images import patchify_pixels as patchify_pixels
+from ._images import pixel_table as pixel_table
+from ._images import processor_from_settings as processor_from_settings
+from ._images import processor_settings as processor_settings
+from ._images import reproduces as reproduces
+from ._plan import OVER_PATCH_BUDGET as OVER_PATCH_BUDGET
 from ._plan import PatchBudgetError, plan_rows
+from ._plan import check_patch_budget as check_patch_budget
+from ._stored import PixelRecorder as PixelRecorder
+from ._stored import image_values as image_values
+from ._stored import stored_items as stored_items
 from ._tokenize import MediaTokenizeStats, tokenize_media_conversation, tokenize_media_conversations
+from ._tokenize import split_sample as split_sample
+from ._tokenize import tokenize_record as tokenize_record
 from ._video import EncodedVideos, VideoSampling
+from ._video import patchify_frames as patchify_frames
 from ._vqa import vqa_corpus
 
 __all__ = [

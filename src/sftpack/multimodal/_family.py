@@ -44,7 +44,9 @@ import numpy as np
 import torch
 
 from .. import _optional
-from ..chat._tokenize import _backend
+from .._train_attention import TRAIN_ATTENTION, register_train_attention
+from ..chat import chat_template_of, fast_backend, renderer_for
+from ..data import CHATML_TEMPLATE, chatml_template
 from ..exactness import mark_exact, norms_in_model_dtype
 from ..handoff.payload import ImageMedia, Media
 
@@ -196,7 +198,6 @@ class Family:
         """The family's model in the local folder ``model_dir`` (``save_pretrained``; never
         downloads), as :func:`seeded_model` prepares a tiny one: the language model on sftpack's
         training attention, the vision tower on ``vision_attention``, in training mode and ``dtype``."""
-        from .._train_attention import register_train_attention
 
         name = register_train_attention()
         try:
@@ -233,7 +234,6 @@ class Family:
     def default_chat_template(self) -> str:
         """The family's chat template when the tokenizer brings none of its own
         (:attr:`chat_template`, else ChatML writing the image and video blocks)."""
-        from ..data import chatml_template
 
         if self.chat_template is not None:
             return self.chat_template
@@ -245,8 +245,6 @@ class Family:
         only sftpack's text ChatML (:data:`sftpack.data.CHATML_TEMPLATE`, which cannot write an
         image). A trained model is saved with it (``sftpack train --save-model``), so that its
         folder's ``apply_chat_template`` writes image parts as the run did."""
-        from ..chat import chat_template_of
-        from ..data import CHATML_TEMPLATE
 
         own = chat_template_of(tokenizer)
         return own if own is not None and own != CHATML_TEMPLATE else self.default_chat_template()
@@ -259,7 +257,6 @@ class Family:
             UnsupportedModelError: the template does not write one image mark (:meth:`marks`) for an
                 image part (a template that writes no video is found at the first video part).
         """
-        from ..chat import renderer_for
 
         renderer = renderer_for(tokenizer, self.chat_template_for(tokenizer))
         bad = _probe(renderer, (("image", self.marks()["image"]),))  # video: counted per record
@@ -286,7 +283,7 @@ class Family:
             raise UnsupportedModelError(
                 f"{type(processor).__name__} is not a {self.name} image processor {self.processor_wanted}"
             )
-        backend = _backend(tokenizer)
+        backend = fast_backend(tokenizer)
         specials = {t.content for t in backend.get_added_tokens_decoder().values() if t.special}
         wanted = dict.fromkeys((*self.image_block, *self.marks().values(), *self.video_block))
         missing = [t for t in wanted if backend.token_to_id(t) is None or t not in specials]
@@ -438,7 +435,6 @@ def text_kwargs(model: Any, batch: Any, inputs: dict[str, Any], *, pad_between_s
     boundaries (``cu_seq_lens_q/k`` padded, ``max_length_q/k``, and with ``pad_between_seqs``
     the real ones as ``sftpack_cu_seqlens_real``). Any other attention gets nothing more:
     Hugging Face finds the boundaries where the text position row restarts."""
-    from .._train_attention import TRAIN_ATTENTION
 
     kw: dict[str, Any] = {**inputs, "use_cache": False}
     if model.config.get_text_config()._attn_implementation == TRAIN_ATTENTION:
@@ -467,7 +463,6 @@ def seeded_model(
     it was), in training mode and ``dtype``: the language model on ``text_attention`` (default
     sftpack's training attention), the vision tower on ``vision_attention``; in float64 its
     ``norm_classes`` (default Llama's) compute in float64 too."""
-    from .._train_attention import register_train_attention
 
     name = text_attention or register_train_attention()
     with torch.random.fork_rng(devices=[]):

@@ -40,7 +40,7 @@ import numpy as np
 
 from .. import _optional
 from .._base import StrEnum
-from ..chat._rows import is_url  # its home is the reader's row checks; public here too
+from ..chat import is_url  # its home is the reader's row checks; public here too
 
 __all__ = [
     "MAX_ASPECT_RATIO",
@@ -540,7 +540,7 @@ def _patchify_kernel() -> Any:
     global _kernel
     if _kernel is None:
         try:
-            import numba
+            import numba  # start-up: numba (~1 s) only for the compiled resize
         except ImportError:  # pragma: no cover - numba is a dependency of the package
             _kernel = _patchify_numpy
         else:

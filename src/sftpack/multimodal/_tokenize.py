@@ -46,10 +46,19 @@ from typing import Any
 
 import numpy as np
 
-from ..chat._options import RowFormat, TrainOn
-from ..chat._render import TemplateError
-from ..chat._rows import ROLES, FormattedMessages, _Bad, _tool_calls, _tools_column
-from ..chat._tokenize import _encode_pieces, _Rendered, mask_from_offsets, render_spans
+from ..chat import (
+    ROLES,
+    FormattedMessages,
+    RowFormat,
+    RowProblem,
+    TemplateError,
+    TrainOn,
+    checked_tool_calls,
+    checked_tools,
+    encode_pieces,
+    mask_from_offsets,
+    render_spans,
+)
 from ..sample import Overlong, OverlongError, Sample
 from ._family import MEDIA_KINDS, EncodedImages, Family, family_for
 from ._images import BadImageError, load_image
@@ -90,7 +99,7 @@ class _Rendering:
 def _render(messages: list[dict], record: Any, family: Family, renderer: Any, tokenizer: Any) -> _Rendering:
     """``messages`` through the family's chat template (contents as lists of parts; each media
     part handed to the template as ``{"type": kind}``) by the text path's rendering
-    (:func:`~sftpack.chat._tokenize.render_spans`): the same roles, ``tools`` (the messages'
+    (:func:`sftpack.chat.render_spans`): the same roles, ``tools`` (the messages'
     attribute, as the reader gives them) and ``tool_calls``, the same spans, every special-token
     text of the data kept as text, a template that ignores the tools refused."""
     if not messages:
@@ -107,8 +116,8 @@ def _render(messages: list[dict], record: Any, family: Family, renderer: Any, to
         content = msg.get("content")
         if extra.get("tool_calls") is not None:
             try:
-                extra["tool_calls"] = _tool_calls(extra["tool_calls"], i, role)
-            except _Bad as bad:
+                extra["tool_calls"] = checked_tool_calls(extra["tool_calls"], i, role)
+            except RowProblem as bad:
                 raise ValueError(f"record {record!r}, {bad.detail} ({bad.fix})") from None
             content = "" if content is None else content  # a turn that only calls tools
         parts: list[dict] = []
@@ -194,7 +203,7 @@ def _ids_and_mask(r: _Rendering, tokenizer: Any) -> tuple[np.ndarray, np.ndarray
     """``r.text``'s token ids, control tokens only where the template put them (the text path's
     piecewise encoding, :mod:`sftpack.chat`), and True where a token starts inside one of the
     trained character spans."""
-    ids, offsets = _encode_pieces(_Rendered(None, r.text, r.spans, r.controls), tokenizer)
+    ids, offsets = encode_pieces(r.text, r.controls, tokenizer)
     return ids, mask_from_offsets(offsets, r.spans)
 
 
@@ -489,7 +498,7 @@ def tokenize_record(
 def _with_tools(messages: list[dict], record: dict[str, Any], cid: Any) -> FormattedMessages:
     """A record's messages carrying its ``tools`` column (checked as the reader checks it)."""
     try:
-        tools = _tools_column(record)
-    except _Bad as bad:
+        tools = checked_tools(record)
+    except RowProblem as bad:
         raise ValueError(f"record {cid!r}, {bad.detail} ({bad.fix})") from None
     return FormattedMessages(messages, RowFormat.MESSAGES, tools=tools)

@@ -49,6 +49,7 @@ from functools import lru_cache
 from typing import Any, NoReturn
 
 import numpy as np
+import torch
 
 from .. import _optional
 from ._family import EncodedImages, UnsupportedModelError
@@ -163,7 +164,6 @@ def sample_indices(total: int, file_fps: float, fps: float, temporal_patch: int,
     """
     if sampling.rule == "qwen3_vl":
         return linspace_indices(total, file_fps, fps, sampling)
-    import torch
 
     top = math.floor(min(sampling.max_frames, total) / temporal_patch) * temporal_patch
     n = min(max(total / file_fps * fps, sampling.min_frames), top, total)

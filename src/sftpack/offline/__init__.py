@@ -30,7 +30,11 @@ One driver (``_driver``) runs every prepack over an engine that runs stages 1
 and 3: the local one (``_local``) or Ray's (``_ray``), the same bytes either
 way; the options are one validated :class:`PrepackOptions` (``_options``). The
 engine interface and the stage parts, for writing another engine, are the
-extension module :mod:`sftpack.offline.engine`.
+extension module :mod:`sftpack.offline.engine`. What ``sftpack prepack`` and ``inspect`` take
+besides, importable from here (never from the private modules: a contract in
+``pyproject.toml``) and out of ``__all__``: ``check_row_width``, ``check_out_outside_inputs``,
+``KnownLength`` and ``input_total`` (the tokenize bar's total), ``tokenizer_fingerprint``,
+``input_fingerprints`` and ``save_histograms_png``.
 
 The format (one row of two conversations, ``max_seq_len=16``)::
 
@@ -56,7 +60,14 @@ from . import engine as engine  # the extension module, sftpack.offline.engine
 from ._bridge import export_megatron_bridge, import_megatron_bridge
 from ._dataset import PrepackedDataset
 from ._describe import describe
+from ._describe import save_histograms_png as save_histograms_png
+from ._fingerprint import input_fingerprints as input_fingerprints
+from ._fingerprint import tokenizer_fingerprint as tokenizer_fingerprint
 from ._format import PrepackError, read_manifest
+from ._format import check_row_width as check_row_width
+from ._inputs import check_out_outside_inputs as check_out_outside_inputs
+from ._local import KnownLength as KnownLength
+from ._local import input_total as input_total
 from ._options import PrepackOptions
 from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl
 from ._plan import plan_rows as plan_rows  # not in __all__: benchmarks/bench_ray.py imports it here

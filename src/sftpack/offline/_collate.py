@@ -187,7 +187,7 @@ def load() -> Any:
     if _compiled is None:
         with _lock:
             if _compiled is None:
-                import numba
+                import numba  # start-up: numba (~1 s) only for the compiled collate
 
                 check = numba.njit(cache=True, nogil=True)(_check)
                 globals()["_check"] = check  # the kernel resolves its helper as a module global when it compiles

@@ -26,8 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from .._base import chunks, pool_results
+from ..chat import warm_tokenizer
 from ..sample import Sample
 from ._format import IMAGE_MEDIA_KIND, MEDIA_KIND, PrepackError
 from ._stage import Images, StagedMedia
@@ -55,7 +57,10 @@ class ImageSettings:
         """The manifest's ``media`` entry for the staged ``media``: what is stored, the family (its
         name and the settings its media payload depends on), totals, and what remakes the values
         (a patch family's processor settings; a fixed-size image family's value table)."""
-        from ..multimodal._images import pixel_table, processor_settings
+        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+            pixel_table,
+            processor_settings,
+        )
 
         fam = self.family
         entry: dict[str, Any] = {
@@ -107,8 +112,11 @@ def image_settings(
             family's must be transformers' ``Qwen2VLImageProcessorPil``, which the reader re-makes;
             a fixed-size image family's must rescale and normalise).
     """
-    from ..multimodal import family_for
-    from ..multimodal._images import pixel_table, reproduces
+    from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+        family_for,
+        pixel_table,
+        reproduces,
+    )
 
     fam = family_for(family)
     proc = processor if processor is not None else fam.image_processor()
@@ -129,9 +137,12 @@ def image_settings(
 def encode(conv: Any, index: int, st: ImageSettings) -> tuple[dict[str, Any], list[tuple[Sample, Images]]]:
     """Conversation number ``index`` to ``(stats delta, [(sample, images), ...])`` (plain arrays:
     cheap to send between processes)."""
-    from ..multimodal import MediaTokenizeStats, tokenize_media_conversations
-    from ..multimodal._plan import check_patch_budget
-    from ..multimodal._stored import PixelRecorder
+    from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+        MediaTokenizeStats,
+        PixelRecorder,
+        check_patch_budget,
+        tokenize_media_conversations,
+    )
 
     if isinstance(conv, dict):
         messages, cid = conv.get("messages"), conv.get("id")
@@ -211,7 +222,7 @@ def _images(s: Sample, st: ImageSettings, images: list[np.ndarray] | None = None
     """What a prepack stores of sample ``s``'s media: each item's placeholder start, grid, uint8
     pixels (the exact inverse of its values: :func:`~sftpack.multimodal._stored.stored_items`),
     kind and seconds; :data:`_NO_IMAGES` without media."""
-    from ..multimodal._stored import stored_items
+    from ..multimodal import stored_items  # multimodal loads only for media (~0.5 s over the offline path)
 
     media = s.media
     if media is None:  # a conversation without media
@@ -241,8 +252,6 @@ def _init_worker(settings: ImageSettings) -> None:
     # A sample's media are torch tensors (validated with torch reductions). A forked child whose
     # parent has run an OpenMP parallel region hangs in its first one (libgomp is not fork-safe):
     # one intra-op thread per worker never opens one (what torch's DataLoader workers do too).
-    import torch
-
     torch.set_num_threads(1)
     _worker_settings[:] = [settings]
 
@@ -256,7 +265,6 @@ def encoded(
 ) -> Iterator[tuple[dict[str, Any], list[tuple[Sample, Images]]]]:
     """:func:`encode` of every conversation (numbered from ``start``), in input order, in this
     process or ``num_proc`` forked ones."""
-    from ..chat._tokenize import warm_tokenizer
 
     # every conversation with media is tokenized in pieces around its control tokens: the plain
     # copy of the tokenizer that takes is built here once, before the workers fork (each would

@@ -24,7 +24,7 @@ import numpy as np
 
 from .._base import positive_int
 from ..chat import tokenize_conversations
-from ..data import default_tokenizer
+from ..data import _corpus, default_tokenizer
 from ..sample import Sample
 from ._encode import ImageCounts, encoded, stored_samples
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
@@ -77,7 +77,7 @@ def _source_rows(src: Any) -> int | None:
         return len(src.target) if hasattr(src.target, "__len__") else None
     path = Path(src.target)
     if src.kind == "parquet":
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # optional: pyarrow (the chat extra) only for Parquet inputs
 
         return int(pq.ParquetFile(path).metadata.num_rows)
     if path.suffix == ".gz":
@@ -99,8 +99,6 @@ def input_total(inputs: Any, reader: Any, limit: int | None) -> int | None:
         counts = [_source_rows(src) for src in reader.sources]
         n = None if None in counts else sum(c for c in counts if c is not None)
     elif inputs is None:
-        from ..data import _corpus
-
         n = len(_corpus())
     else:
         n = len(inputs) if hasattr(inputs, "__len__") else None

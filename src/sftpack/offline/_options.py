@@ -25,8 +25,15 @@ from typing import Any
 
 from .._base import StrEnum, choose, positive_int
 from ..binpack import Algorithm
-from ..chat import OnBadRow, TrainOn
-from ..chat._options import DEFAULT_MAX_SEQ_LEN, DEFAULT_ON_BAD_ROW, NO_PROGRESS_HELP, ON_BAD_ROW_HELP, OVERLONG_HELP
+from ..chat import (
+    DEFAULT_MAX_SEQ_LEN,
+    DEFAULT_ON_BAD_ROW,
+    NO_PROGRESS_HELP,
+    ON_BAD_ROW_HELP,
+    OVERLONG_HELP,
+    OnBadRow,
+    TrainOn,
+)
 from ..sample import Overlong
 from ._plan import BinPack
 
@@ -182,7 +189,10 @@ class PrepackOptions:
                     f"family={self.family!r} names the model of conversations with images: pass images=True"
                 )
             return
-        from ..multimodal import UnsupportedModelError, family_for
+        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+            UnsupportedModelError,
+            family_for,
+        )
 
         try:  # a name becomes its family with the class defaults; a configured family is kept as given
             put("family", family_for(self.family))
@@ -219,6 +229,6 @@ def _is_family(obj: Any) -> bool:
     """Whether ``obj`` is a :class:`~sftpack.multimodal.Family` (multimodal imported only when it may be one)."""
     if isinstance(obj, (str, type(None), int, float)):
         return False
-    from ..multimodal import Family
+    from ..multimodal import Family  # multimodal loads only for media (~0.5 s over the offline path)
 
     return isinstance(obj, Family)

@@ -33,7 +33,7 @@ def import_ray() -> ModuleType:
     try:
         import ray.data  # noqa: F401 - loads the submodule the engine uses as ray.data
 
-        import ray
+        import ray  # optional: Ray (the ray extra) only for engine='ray'
     except ImportError as e:
         raise ImportError(
             f"the Ray engine needs Ray Data ({e}): pip install 'sftpack[ray]', or use engine='local'"

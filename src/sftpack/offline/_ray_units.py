@@ -41,8 +41,7 @@ import numpy as np
 from .. import _optional
 from .._base import chunks, positive_int
 from .._types import Tokenizer, TokenizerSpec
-from ..chat import Conversation, ConversationReader, OnBadRow, tokenize_conversations
-from ..chat._tokenize import _as_item
+from ..chat import Conversation, ConversationReader, OnBadRow, as_item, tokenize_conversations
 from ..data import default_tokenizer
 from ._encode import ImageCounts, ImageSettings, encoded
 from ._fingerprint import tokenizer_fingerprint
@@ -85,7 +84,7 @@ class Unit:
 
 def _as_conversations(items: Iterable[Any], start: int) -> list[Conversation]:
     """Items as :class:`Conversation` with the id the tokenizer would give at their global position."""
-    return [Conversation(*_as_item(obj, start + i)) for i, obj in enumerate(items)]
+    return [Conversation(*as_item(obj, start + i)) for i, obj in enumerate(items)]
 
 
 def make_units(inputs: Inputs, staging: Path, *, unit_size: int, raw: bool = False) -> tuple[list[Unit], bool]:

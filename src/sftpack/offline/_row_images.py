@@ -38,8 +38,11 @@ class MediaReader:
     """
 
     def __init__(self, path: Path, manifest: dict[str, Any], arrays: dict[str, np.ndarray]):
-        from ..multimodal import family_for
-        from ..multimodal._images import processor_from_settings, processor_settings
+        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+            family_for,
+            processor_from_settings,
+            processor_settings,
+        )
 
         self.path = Path(path)
         self.entry = manifest["media"]
@@ -158,9 +161,11 @@ class MediaReader:
         """The values of the items ``images`` (numbers, in order) remade from the stored pixels into
         one buffer, each straight into its slice: ``(P, D)`` float32 patches of a patch family
         (what a row's or a batch's ``pixel_values`` holds), ``(I, 3, H, W)`` float32 of fixed-size images."""
-        from ..multimodal._images import patchify_pixels
-        from ..multimodal._stored import image_values
-        from ..multimodal._video import patchify_frames
+        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+            image_values,
+            patchify_frames,
+            patchify_pixels,
+        )
 
         im = self.images[images]
         if not self.patches:
@@ -220,8 +225,10 @@ class MediaReader:
         Raises:
             PackedBatchError: the laid media do not fit the batch's tokens (a damaged index, read
                 with ``verify=None``), checked before any pixel is made."""
-        from ..multimodal._family import EncodedImages
-        from ..multimodal._video import EncodedVideos
+        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+            EncodedImages,
+            EncodedVideos,
+        )
 
         idx = self.image_range(rows)
         im = self.images[idx]

@@ -24,6 +24,7 @@ from ..handoff import PackedBatch
 from ..handoff.payload import PatchMedia
 from ..loop import compact_vocabulary
 from ..loss import token_mean_loss
+from ..multimodal import check_packed, family_for, plan_rows, tokenize_media_conversations, vqa_corpus
 from ..sample import IGNORE_INDEX
 from .layout import draw_row_to_scale
 
@@ -81,8 +82,7 @@ class _Compact:
     model's tower casts them exactly."""
 
     def __init__(self, samples: list[Any]) -> None:
-        from ..loop._model import media_token_ids
-        from ..multimodal import family_for
+        from ..loop._model import media_token_ids  # TEMPORARY private import (see pyproject.toml)
 
         self.family = family_for()
         tok = self.family.tokenizer()
@@ -112,7 +112,6 @@ def _settings(quick: bool) -> dict[str, int]:
 
 def media_section(checks: dict[str, bool], summary: MediaSummary, *, seed: int, quick: bool) -> Iterator[str]:
     """The section's lines; records its checks in ``checks`` and its numbers in ``summary``."""
-    from ..multimodal import family_for, plan_rows, tokenize_media_conversations, vqa_corpus
 
     cfg = _settings(quick)
     t0 = time.perf_counter()
@@ -180,8 +179,6 @@ def media_section(checks: dict[str, bool], summary: MediaSummary, *, seed: int, 
 
 
 def _exactness(checks: dict[str, bool], m: MediaSummary, *, seed: int) -> Iterator[str]:
-    from ..multimodal import check_packed, family_for, tokenize_media_conversations, vqa_corpus
-
     family = family_for()
     convs = list(vqa_corpus(seed=seed, limit=6, min_side=56, max_side=112))
     small = list(tokenize_media_conversations(convs, tokenizer=family.tokenizer(), processor=family.image_processor()))
@@ -220,8 +217,7 @@ def step_times(
     attention) and as a right-padded ``[B, S]`` batch through ``padded_model`` (Hugging
     Face sdpa and a mask), the two alternating step by step after one untimed step of each
     on ``warm_up``. Batch building is not timed."""
-    from ..loop._micro_batch import padded_micro_batch
-    from ..multimodal import family_for
+    from ..loop._micro_batch import padded_micro_batch  # TEMPORARY private import (see pyproject.toml)
 
     family = family_for(packed_model)
 

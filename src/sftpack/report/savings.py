@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._types import Tokenizer
-from ..binpack import Algorithm, lower_bounds, pack, packing_stats
-from ..binpack._kernels import PLAIN_MAX_ITEMS
+from ..binpack import PLAIN_MAX_ITEMS, Algorithm, lower_bounds, pack, packing_stats
 from ..chat import ReadStats, TokenizeStats, tokenize_conversations
 
 __all__ = [
@@ -341,8 +340,12 @@ def bench_media(
     family's: images to patches, placeholders expanded; over-long ones split at text boundaries)
     and compare the packers' layouts with and without ``max_patches`` vision patches per row
     (``progress``: a tqdm bar over the conversations, for the CLI)."""
-    from .._progress import Bar
-    from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
+    from .._progress import Bar  # start-up: `sftpack bench` loads no tqdm without a bar
+    from ..multimodal import (  # start-up: multimodal loads torch; text benches do not
+        MediaTokenizeStats,
+        family_for,
+        tokenize_media_conversations,
+    )
 
     t0 = time.perf_counter()
     stats = MediaTokenizeStats()

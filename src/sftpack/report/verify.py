@@ -23,14 +23,20 @@ probability below 1e-20), ``2 * 10 * sqrt(n) * u`` with ``u = 2**-24``.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from .. import loop
+from .._optional import from_pretrained
+from ..chat import tokenize_conversations, tokenizer_info
+from ..data import default_tokenizer
 from ..exactness import (
     UNIT_ROUNDOFF,
     PackingProbe,
@@ -43,6 +49,7 @@ from ..exactness import (
 from ..handoff import PackedBatch
 from ..handoff.unpack import unpack
 from ..hybrid import CoveredLayer, covered_layers, rounding_dtype
+from ..loop import TrainConfig, make_source
 from ..sample import Sample
 
 __all__ = ["PATHS", "PathCheck", "VerifyReport", "rounding_chain", "tolerance", "verify"]
@@ -151,7 +158,6 @@ def _micro_batches(
     """The micro-batches ``sftpack train`` would run for ``samples`` on ``path`` in ``mode``
     (:func:`sftpack.loop.make_source`), covering every sample: the trainer's one step of all
     of them, every row of the prepack, the loader's rows until each sample was seen."""
-    from ..loop import TrainConfig, make_source
 
     per_step = {"trainer": len(samples), "offline": len(prepacked) if prepacked is not None else 1}.get(path, 1)
     config = TrainConfig(packing=path, steps=1, batch_size=per_step, boundaries=mode, **settings)
@@ -227,10 +233,8 @@ def verify(
     The model runs with dropout off (``eval()``; gradients still flow): dropout draws other masks
     for other layouts, which is no packing difference.
     """
-    from .. import loop
-    from ..chat._cache_key import tokenizer_info
-    from ..loop import _model
-    from ..multimodal import family_for
+    from ..loop import _model  # TEMPORARY private import (see pyproject.toml)
+    from ..multimodal import family_for  # start-up: multimodal (~0.5 s) only for images
 
     if dtype not in UNIT_ROUNDOFF:
         raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
@@ -326,7 +330,7 @@ def _check(
     tamper: Callable[[PackedBatch], PackedBatch] | None,
     bar: Any = None,
 ) -> PathCheck:
-    from ..multimodal._exactness import compare_packed_alone
+    from ..multimodal import compare_packed_alone  # start-up: multimodal (~0.5 s) only for images
 
     worst = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
     tol = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
@@ -410,9 +414,6 @@ def _first_differing(
 
 
 def _is_vlm_folder(model: str | os.PathLike[str]) -> bool:
-    import json
-    from pathlib import Path
-
     cfg = Path(model) / "config.json"
     try:
         data = json.loads(cfg.read_text(encoding="utf-8"))
@@ -426,10 +427,7 @@ def _tokenizer(model: str | os.PathLike[str] | None, fam: Any) -> tuple[Any, Any
     if fam is not None:
         return fam.tokenizer(model), fam.image_processor(model)
     if model is None:
-        from ..data import default_tokenizer
-
         return default_tokenizer(), None
-    from .._optional import from_pretrained
 
     return from_pretrained("AutoTokenizer", model, local_files_only=True), None
 
@@ -440,12 +438,10 @@ def _samples(
     """The samples ``sftpack train`` tokenizes (over-long conversations split), and the
     conversations the tokenizer left out by reason."""
     if fam is None:
-        from ..chat import tokenize_conversations
-
         got = tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split", on_bad_row=on_bad_row)
         samples = list(got)
         return samples, {k: v for k, v in got.stats.skipped.items() if v}
-    from ..loop._setup import media_samples
+    from ..loop._setup import media_samples  # TEMPORARY private import (see pyproject.toml)
 
     samples, media = media_samples(
         convs, max_seq_len=max_seq_len, family=fam, tokenizer=tok, processor=processor, on_bad_row=on_bad_row
@@ -464,7 +460,7 @@ def _prepack(
     seed: int,
     on_bad_row: str,
 ) -> Any:
-    from ..offline import PrepackedDataset, prepack
+    from ..offline import PrepackedDataset, prepack  # start-up: the offline path only for --paths offline
 
     out = os.path.join(tmp, "prepack")
     extra: dict[str, Any] = {}

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from ... import _optional
+from ...data import default_tokenizer
 from ...handoff import PackedBatch, PackedBatchError
 from ...handoff.payload import ImageMedia
 from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model
@@ -84,8 +85,6 @@ HF_REFUSAL = (
 
 @lru_cache(maxsize=1)
 def _tokenizer() -> Any:
-    from ...data import default_tokenizer
-
     tok = copy.deepcopy(default_tokenizer())
     tok.add_special_tokens(
         {"bos_token": BOS, "additional_special_tokens": [TURN_START, TURN_END, BOI, EOI, SOFT]},

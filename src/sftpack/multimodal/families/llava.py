@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ... import _optional
+from ...data import default_tokenizer
 from ...exactness import small_text_config
 from ...handoff import PackedBatch, PackedBatchError
 from ...handoff.payload import ImageMedia
@@ -71,8 +72,6 @@ LLAVA_TEMPLATE = (
 
 @lru_cache(maxsize=1)
 def _tokenizer() -> Any:
-    from ...data import default_tokenizer
-
     tok = copy.deepcopy(default_tokenizer())
     tok.add_special_tokens(
         {"eos_token": "</s>", "additional_special_tokens": [IMAGE]}, replace_extra_special_tokens=False

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ... import _optional
+from ...data import default_tokenizer
 from ...exactness import small_text_config
 from ...handoff import PackedBatch
 from ...handoff.payload import PatchMedia
@@ -72,8 +73,6 @@ QWEN2VL_IDS = dict(zip(QWEN2VL_SPECIALS, range(151646, 151657)))
 
 @lru_cache(maxsize=1)
 def _tokenizer() -> Any:
-    from ...data import default_tokenizer
-
     tok = copy.deepcopy(default_tokenizer())
     tok.add_special_tokens({"additional_special_tokens": list(QWEN2VL_SPECIALS)}, replace_extra_special_tokens=False)
     got = dict(zip(QWEN2VL_SPECIALS, tok.convert_tokens_to_ids(list(QWEN2VL_SPECIALS))))
