@@ -23,9 +23,7 @@ import numpy as np
 from .._types import Tokenizer
 
 # The multimodal core's modules (the package's own names would also load its exactness harness)
-from ..multimodal._family import Family, family_for
-from ..multimodal._plan import check_patch_budget
-from ..multimodal._tokenize import split_sample, tokenize_record
+from ..multimodal import Family, check_patch_budget, family_for, split_sample, tokenize_record
 from ..sample import Overlong, OverlongError, Sample
 from ._settings import LoaderSettings
 from ._source import Item, cut_overlong, is_conversation

@@ -80,10 +80,15 @@ from .._types import Tokenizer
 from ..chat import tokenize_conversation
 from ..handoff import PackedBatch, build_row, pack_rows
 from ..handoff.layout import check_pad_id
-from ..multimodal._family import Family, family_for
-from ..multimodal._images import BadImageError, BadImageReason, load_image
-from ..multimodal._plan import check_patch_budget
-from ..multimodal._tokenize import tokenize_media_conversation
+from ..multimodal import (
+    BadImageError,
+    BadImageReason,
+    Family,
+    check_patch_budget,
+    family_for,
+    load_image,
+    tokenize_media_conversation,
+)
 from ..sample import DEFAULT_OVERLONG, Overlong, OverlongError, overlong_spans
 from ..sample import Sample as SftSample
 from ._energon_base import CheckedTaskEncoder, crude_json, sample_where

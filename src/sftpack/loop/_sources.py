@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..chat._training_samples import ConversationSamples, conversation_order
+from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
