@@ -87,6 +87,8 @@ API = {
         "boundaries_of",
         "hf_attention_forward",
         "register_hf_attention",
+        "TRAIN_ATTENTION",
+        "register_train_attention",
     ],
     "sftpack.loss": [
         "count_label_tokens",

@@ -37,6 +37,8 @@ __all__ = [
     "boundaries_of",
     "hf_attention_forward",
     "register_hf_attention",
+    "TRAIN_ATTENTION",
+    "register_train_attention",
 ]
 
 
@@ -329,3 +331,15 @@ def register_hf_attention(name: str = HF_ATTENTION_NAME) -> str:
     _optional.transformers().AttentionInterface.register(name, hf_attention_forward)
     _optional.transformers("masking_utils").AttentionMaskInterface.register(name, lambda *args, **kwargs: None)
     return name
+
+
+#: the attention name sftpack's training registers (:func:`register_train_attention`): the training
+#: loop's text models, the multimodal families' models and the exactness guard run packed rows
+#: under it, and a model saved by ``sftpack train`` is loaded back with it
+TRAIN_ATTENTION = "sftpack_varlen_train"
+
+
+def register_train_attention() -> str:
+    """Register :func:`hf_attention_forward` as :data:`TRAIN_ATTENTION` (:func:`register_hf_attention`
+    under the training's name); returns the name."""
+    return register_hf_attention(TRAIN_ATTENTION)

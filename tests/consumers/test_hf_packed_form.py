@@ -19,8 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sftpack._train_attention import TRAIN_ATTENTION, register_train_attention
-from sftpack.attention import HF_ATTENTION_NAME, register_hf_attention
+from sftpack.attention import HF_ATTENTION_NAME, TRAIN_ATTENTION, register_hf_attention, register_train_attention
 from sftpack.loop import build_model
 
 transformers = pytest.importorskip("transformers")

@@ -152,7 +152,7 @@ def test_hugging_faces_other_packed_form_positions_restarting_is_kept_apart_too(
 def test_keep_apart_changes_no_parameter_key_or_class_and_is_idempotent(folders):
     from transformers import AutoModelForCausalLM
 
-    from sftpack._train_attention import register_train_attention
+    from sftpack.attention import register_train_attention
 
     model = AutoModelForCausalLM.from_pretrained(folders["qwen3_5"], attn_implementation=register_train_attention())
     keys, classes = list(model.state_dict()), [type(m) for m in model.modules()]

@@ -175,7 +175,7 @@ def test_the_library_train_keeps_a_hybrid_model_it_is_given_apart(folders):
     covers its layers before the guard, which then passes."""
     from transformers import AutoModelForCausalLM
 
-    from sftpack._train_attention import register_train_attention
+    from sftpack.attention import register_train_attention
     from sftpack.hybrid import covered_layers
 
     cfg = TrainConfig(packing="loader", steps=1, batch_size=1, max_seq_len=64, device="cpu")

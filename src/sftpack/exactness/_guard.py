@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .._train_attention import TRAIN_ATTENTION
+from ..attention import TRAIN_ATTENTION
 from ..handoff import PackedBatch
 from ..hybrid import layer_kind, rounding_dtype
 from ..sample import Sample

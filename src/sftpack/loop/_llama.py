@@ -16,7 +16,7 @@ op:
   ``normal(0, 0.02)`` of the body, then the head's);
 * the forward pass uses the same ops in the same order: RMSNorm in at least
   float32, rotary angles in float32, GQA, SiLU MLP, and attention through
-  :mod:`sftpack._train_attention`, the function ``build_model`` registers with
+  :mod:`sftpack.attention`, the function ``build_model`` registers with
   transformers.
 
 ``tests/loop/test_llama.py`` pins all three: equal weights, float32 outputs
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._train_attention import TRAIN_ATTENTION, _train_attention
+from ..attention import TRAIN_ATTENTION, hf_attention_forward
 
 __all__ = ["SmallLlama", "SmallLlamaConfig", "build_small_llama"]
 
@@ -153,7 +153,7 @@ class Attention(nn.Module):
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)
         q = (q * c) + (_rotate_half(q) * s)
         k = (k * c) + (_rotate_half(k) * s)
-        out, _ = _train_attention(self, q, k, v, None, scaling=self.scaling, **bounds)
+        out, _ = hf_attention_forward(self, q, k, v, None, scaling=self.scaling, **bounds)
         return self.o_proj(out.reshape(*x.shape[:-1], -1).contiguous())
 
 

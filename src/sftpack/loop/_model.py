@@ -7,7 +7,7 @@ the tokenizer's vocabulary: transformers' ``LlamaForCausalLM``, or with
 weights in plain torch (``sftpack train``'s default: no transformers modeling
 import); ``load_model(DIR)`` opens a local folder instead.
 Packed rows run through variable-length attention, registered with transformers
-as :data:`TRAIN_ATTENTION` (defined in :mod:`sftpack._train_attention`): on CPU one causal 4-D SDPA call per segment (the fused
+as :data:`TRAIN_ATTENTION` (defined in :mod:`sftpack.attention`): on CPU one causal 4-D SDPA call per segment (the fused
 flash kernel: exact, differentiable, and much faster on long segments than the 3-D
 call of :func:`sftpack.attention.varlen_attention`, which materialises the scores),
 on CUDA :func:`sftpack.attention.varlen_attention` (flash-attn when installed);
@@ -50,7 +50,7 @@ from torch import nn
 
 from .._base import StrEnum, choose
 from .._optional import CustomCodeError, flash_attn_varlen_func, from_pretrained, transformers
-from .._train_attention import TRAIN_ATTENTION, register_train_attention
+from ..attention import TRAIN_ATTENTION, register_train_attention
 from ..exactness import PackingProbe, mark_exact, norms_in_model_dtype, require_exact_packing
 from ..head import fused_linear_cross_entropy
 from ..hybrid import keep_apart

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from .._train_attention import TRAIN_ATTENTION
+from ..attention import TRAIN_ATTENTION
 from ..handoff import CPShard, PackedBatchError
 from ..hybrid import covered_layers, refuse_context_parallel
 from ._family import Family, family_for

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 from .. import _optional
-from .._train_attention import TRAIN_ATTENTION, register_train_attention
+from ..attention import TRAIN_ATTENTION, register_train_attention
 from ..chat import chat_template_of, fast_backend, renderer_for
 from ..data import CHATML_TEMPLATE, chatml_template
 from ..exactness import mark_exact, norms_in_model_dtype
