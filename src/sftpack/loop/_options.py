@@ -4,13 +4,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._base import StrEnum, choose, positive_int
 from ..chat._options import DEFAULT_MAX_SEQ_LEN
 
-__all__ = ["Boundaries", "NonFinite", "Packing", "Schedule", "TrainConfig"]
+__all__ = ["Boundaries", "ConfigError", "NonFinite", "Packing", "Schedule", "TrainConfig"]
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work (together). ``template`` names each setting as ``{name}``:
+    ``str()`` spells it as the setting's name, :meth:`spelled` as anything else (the command's
+    flag: ``--name``)."""
+
+    def __init__(self, template: str, *settings: str) -> None:
+        self.template, self.settings = template, settings
+        super().__init__(self.spelled(lambda name: name))
+
+    def spelled(self, spell: Callable[[str], str]) -> str:
+        text = self.template
+        for name in self.settings:
+            text = text.replace("{" + name + "}", spell(name))
+        return text
 
 
 class Packing(StrEnum):
