@@ -18,7 +18,11 @@ from sftpack._optional import MissingDependency, _need
 PUBLIC = [
     "CheckpointError",
     "ConfigError",
+    "DataSettings",
+    "InputSettings",
+    "ModelSettings",
     "NonFiniteError",
+    "OutputSettings",
     "PackingCollator",
     "PaddedCollator",
     "ReplaySource",
@@ -50,7 +54,10 @@ OLD_TRAIN_NAMES = {
     "tokenized_samples", "train", "verify_checkpoint",
 }  # fmt: skip
 #: public names of the loop that came after the alias (the alias keeps its old names only)
-NEWER_THAN_THE_ALIAS = {"ConfigError", "RunConfig", "check_model_dir", "require_exact"}
+NEWER_THAN_THE_ALIAS = {
+    "ConfigError", "DataSettings", "InputSettings", "ModelSettings", "OutputSettings", "RunConfig", "check_model_dir",
+    "require_exact",
+}  # fmt: skip
 
 
 def test_the_public_names_are_pinned_and_the_namespace_holds_no_others():

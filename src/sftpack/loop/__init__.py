@@ -25,8 +25,9 @@ resume and DDP are the text run's (FSDP is text-only for now). The log adds ``im
 
 The public names (``__all__``):
 
-- a whole run as ``sftpack train`` runs it: :class:`RunConfig` (the input, data, model, training
-  and output settings; ``RunConfig(...).build().run()``), :class:`ConfigError` (settings that
+- a whole run as ``sftpack train`` runs it: :class:`RunConfig` (``RunConfig(...).build().run()``)
+  and its parts :class:`InputSettings`, :class:`DataSettings`, :class:`ModelSettings`,
+  :class:`OutputSettings` (with :class:`TrainConfig`), :class:`ConfigError` (settings that
   cannot work together, naming them);
 - run: :class:`TrainConfig` (every option, validated), :func:`train`, :func:`resolve_device`
   (the device a run trains on), :func:`check_model_dir` (a ``save_model`` folder, checked
@@ -116,6 +117,10 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._options import TrainConfig as TrainConfig
     from ._plot import plot_training as plot_training
     from ._run_config import RunConfig as RunConfig
+    from ._run_parts import DataSettings as DataSettings
+    from ._run_parts import InputSettings as InputSettings
+    from ._run_parts import ModelSettings as ModelSettings
+    from ._run_parts import OutputSettings as OutputSettings
     from ._setup import compact_vocabulary as compact_vocabulary
     from ._setup import make_source as make_source
     from ._setup import tokenized_samples as tokenized_samples
@@ -126,6 +131,10 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
 _HOMES = {
     "CheckpointError": "_checkpoint",
     "ConfigError": "_options",
+    "DataSettings": "_run_parts",
+    "InputSettings": "_run_parts",
+    "ModelSettings": "_run_parts",
+    "OutputSettings": "_run_parts",
     "NonFiniteError": "_loop",
     "PackingCollator": "_hf",
     "PaddedCollator": "_hf",

@@ -83,7 +83,8 @@ class Run:
                 return result
             self.data.finish()
             report(self, result)
-            save(self, result, **self.data.saving())
+            if self.config.output.save_model is not None:  # a text run's tokenizer is loaded here only for it
+                save(self, result, **self.data.saving())
             return result
         except BaseException as e:
             error = e

@@ -47,8 +47,7 @@ class RunConfig:
     conversations), ``data`` (prepack, cache, vocabulary), ``model``, ``train``
     (:class:`~sftpack.loop.TrainConfig`) and ``output``.
 
-    >>> from sftpack.loop import RunConfig, TrainConfig
-    >>> from sftpack.loop._run_parts import DataSettings
+    >>> from sftpack.loop import DataSettings, RunConfig, TrainConfig
     >>> RunConfig(train=TrainConfig(packing="trainer"), data=DataSettings(prepacked="rows")).check()
     Traceback (most recent call last):
     ...
