@@ -197,7 +197,7 @@ def add_settings(parser: Any, options: type, *names: str) -> None:
             kwargs["type"] = float
         if "metavar" in meta:
             kwargs["metavar"] = meta["metavar"]
-        parser.add_argument(meta.get("flag", "--" + name.replace("_", "-")), **kwargs)
+        parser.add_argument(_flag(f), **kwargs)
 
 
 def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -225,8 +225,20 @@ def _usage(e: ConfigError) -> UsageError:
 
 
 def flag_of(name: str) -> str:
-    """The flag of the setting ``name``: ``--`` and the name with dashes (``progress``: ``--no-progress``)."""
-    return {"progress": "--no-progress"}.get(name, "--" + name.replace("_", "-"))
+    """The flag of the run setting ``name`` (a field of a :class:`~sftpack.loop.RunConfig` part):
+    its metadata's ``"flag"``, else ``--`` and the name with dashes (:func:`add_settings`)."""
+    from ..loop._run_parts import PARTS
+
+    for part in PARTS.values():
+        for f in dataclasses.fields(part):
+            if f.name == name:
+                return _flag(f)
+    return "--" + name.replace("_", "-")
+
+
+def _flag(f: dataclasses.Field) -> str:
+    """The flag of the setting ``f``: its metadata's ``"flag"``, else ``--`` and its name with dashes."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
 @contextlib.contextmanager

@@ -90,7 +90,7 @@ class TextData:
         from ..chat._training_samples import Pending, start_training_samples
 
         cfg = self.run.config
-        inp, data, tok_path = cfg.input, cfg.data, cfg.model.tokenizer
+        inp, data, tok_path = cfg.input, cfg.data, self.tokenizer.path  # the model folder's own, when it has one
         if data.prepacked:
             return
         if tok_path is not None and not Path(tok_path).is_dir():
