@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -15,19 +16,17 @@ __all__ = ["Boundaries", "ConfigError", "NonFinite", "Packing", "Schedule", "Tra
 
 
 class ConfigError(ValueError):
-    """Settings that cannot work (together). ``template`` names each setting as ``{name}``:
-    ``str()`` spells it as the setting's name, :meth:`spelled` as anything else (the command's
-    flag: ``--name``)."""
+    """Settings that cannot work (together). ``template`` names each setting as ``{name}``
+    (``settings``: those names, in order): ``str()`` spells it as the setting's name,
+    :meth:`spelled` as anything else (``sftpack train``'s flag: ``--name``)."""
 
-    def __init__(self, template: str, *settings: str) -> None:
-        self.template, self.settings = template, settings
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self.settings = tuple(dict.fromkeys(re.findall(r"\{([a-z_]+)\}", template)))
         super().__init__(self.spelled(lambda name: name))
 
     def spelled(self, spell: Callable[[str], str]) -> str:
-        text = self.template
-        for name in self.settings:
-            text = text.replace("{" + name + "}", spell(name))
-        return text
+        return re.sub(r"\{([a-z_]+)\}", lambda m: spell(m.group(1)), self.template)
 
 
 class Packing(StrEnum):

@@ -107,7 +107,7 @@ class Run:
         try:
             resolve_device(cfg.device)
         except ValueError as e:
-            raise ConfigError(f"{{device}} {e}", "device") from None
+            raise ConfigError(f"{{device}} {e}") from None
         self._join()
         self.data.load()
         model = self.data.early_model()

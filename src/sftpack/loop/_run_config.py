@@ -69,9 +69,7 @@ class RunConfig:
         given = dict(settings)
         if given.get("steps") is not None and given.get("epochs") is not None:
             raise ConfigError(
-                f"give {{steps}} or {{epochs}}, not both ({{steps}} {given['steps']}, {{epochs}} {given['epochs']})",
-                "steps",
-                "epochs",
+                f"give {{steps}} or {{epochs}}, not both ({{steps}} {given['steps']}, {{epochs}} {given['epochs']})"
             )
         if given.get("steps") is None and given.get("epochs") is None:
             given["steps"] = default_steps
@@ -114,9 +112,7 @@ class RunConfig:
         settings); returns :attr:`images` (the data's kind decides some rules)."""
         inp, model, cfg = self.input, self.model, self.train
         if inp.corpus == "vqa" and inp.inputs:
-            raise ConfigError(
-                "{corpus} picks the embedded data used when no INPUT is given: not with INPUT files", "corpus"
-            )
+            raise ConfigError("{corpus} picks the embedded data used when no INPUT is given: not with INPUT files")
         images = self.images
         if model.model_impl is not None and (model.model or images):
             raise ConfigError(
@@ -127,21 +123,14 @@ class RunConfig:
                     else "{corpus} vqa"
                     if inp.corpus == "vqa"
                     else "data with images (it trains a vision-language model)"
-                ),
-                "model_impl",
-                "model",
-                "corpus",
+                )
             )
         if not images and inp.image_sides is not None:
-            raise ConfigError(
-                "{image_sides} sizes the images of {corpus} vqa: give {corpus} vqa", "image_sides", "corpus"
-            )
+            raise ConfigError("{image_sides} sizes the images of {corpus} vqa: give {corpus} vqa")
         if not images and cfg.max_patches_per_row is not None:
             raise ConfigError(
                 "{max_patches_per_row} is the vision-patch budget of data with images (INPUT files with image parts, "
-                "or {corpus} vqa); this data has none",
-                "max_patches_per_row",
-                "corpus",
+                "or {corpus} vqa); this data has none"
             )
         self._check_outputs()
         self._check_eval_and_inputs()
@@ -150,13 +139,10 @@ class RunConfig:
 
     def _check_outputs(self) -> None:
         out, resume = self.output, self.resume
-        names = ("resume", "resume_if_any", "checkpoint_dir", "overwrite_checkpoints", "checkpoint_every")
         if out.resume and out.resume_if_any:
-            raise ConfigError("give {resume} or {resume_if_any}, not both", *names)
+            raise ConfigError("give {resume} or {resume_if_any}, not both")
         if resume and not out.checkpoint_dir:
-            raise ConfigError(
-                ("{resume_if_any}" if out.resume_if_any else "{resume}") + " needs {checkpoint_dir}", *names
-            )
+            raise ConfigError(("{resume_if_any}" if out.resume_if_any else "{resume}") + " needs {checkpoint_dir}")
         if out.overwrite_checkpoints and (resume or not out.checkpoint_dir):
             raise ConfigError(
                 "{overwrite_checkpoints} starts a fresh run in {checkpoint_dir} over another run's checkpoints: "
@@ -164,124 +150,92 @@ class RunConfig:
                     "not with {resume} or {resume_if_any}, which continue that run"
                     if resume
                     else "give {checkpoint_dir}"
-                ),
-                *names,
+                )
             )
         if self.train.checkpoint_every and not out.checkpoint_dir:
-            raise ConfigError("{checkpoint_every} needs {checkpoint_dir}", *names)
+            raise ConfigError("{checkpoint_every} needs {checkpoint_dir}")
 
     def _check_eval_and_inputs(self) -> None:
         inp, data, cfg, out = self.input, self.data, self.train, self.output
-        names: tuple[str, ...] = (
-            "eval_fraction",
-            "eval_file",
-            "eval_every",
-            "prepacked",
-            "vocab",
-            "split",
-            "chat_template",
-        )
-        names = (*names, "save_model", "overwrite_model")
         if cfg.eval_fraction and inp.eval_file is not None:
-            raise ConfigError("give {eval_fraction} or {eval_file}, not both", *names)
+            raise ConfigError("give {eval_fraction} or {eval_file}, not both")
         if cfg.eval_every is not None and not cfg.eval_fraction and inp.eval_file is None:
-            raise ConfigError("{eval_every} needs an eval set: give {eval_fraction} F or {eval_file} PATH", *names)
+            raise ConfigError("{eval_every} needs an eval set: give {eval_fraction} F or {eval_file} PATH")
         if cfg.eval_fraction and data.prepacked:
             raise ConfigError(
                 "{eval_fraction} holds out conversations before packing, but a {prepacked} folder's rows are already "
-                "packed: give {eval_file} PATH, or prepack only the training conversations",
-                *names,
+                "packed: give {eval_file} PATH, or prepack only the training conversations"
             )
         if inp.eval_file is not None and not Path(inp.eval_file).exists():
-            raise ConfigError(f"{{eval_file}} {inp.eval_file}: no such file", *names)
+            raise ConfigError(f"{{eval_file}} {inp.eval_file}: no such file")
         if inp.eval_file is not None and data.vocab == "data":
             raise ConfigError(
-                "{eval_file} with {vocab} data: the eval file's ids are not the data's; use {eval_fraction}", *names
+                "{eval_file} with {vocab} data: the eval file's ids are not the data's; use {eval_fraction}"
             )
         for name in ("split", "chat_template"):
             if getattr(inp, name) is not None and data.prepacked:
                 raise ConfigError(
                     f"{{{name}}}: a {{prepacked}} folder's conversations were read and tokenized by sftpack prepack: "
-                    f"give {{{name}}} to sftpack prepack, or train on the INPUT files",
-                    *names,
+                    f"give {{{name}}} to sftpack prepack, or train on the INPUT files"
                 )
         if inp.split is not None and not inp.inputs:
-            raise ConfigError(
-                "{split} picks the split of a saved DatasetDict among the INPUT files: give INPUT files", *names
-            )
+            raise ConfigError("{split} picks the split of a saved DatasetDict among the INPUT files: give INPUT files")
         if out.save_model is not None and data.vocab == "data":
             raise ConfigError(
                 "{save_model} with {vocab} data: that model's ids are the data's, renumbered, not the tokenizer's, so "
-                "the saved folder could not be used with its tokenizer; train with {vocab} tokenizer (the default)",
-                *names,
+                "the saved folder could not be used with its tokenizer; train with {vocab} tokenizer (the default)"
             )
         if out.overwrite_model and out.save_model is None:
-            raise ConfigError("{overwrite_model} replaces the folder of {save_model} DIR: give {save_model}", *names)
+            raise ConfigError("{overwrite_model} replaces the folder of {save_model} DIR: give {save_model}")
         if out.save_model is not None:  # a path that cannot take the model costs no training
             from ._model_dir import check_model_dir
 
             try:
                 check_model_dir(out.save_model, overwrite=out.overwrite_model)
             except ValueError as e:
-                raise ConfigError(f"{{save_model}} {e}", "save_model") from None
+                raise ConfigError(f"{{save_model}} {e}") from None
 
     def _check_data(self, images: bool) -> None:
         inp, data, model, cfg = self.input, self.data, self.model, self.train
-        names: tuple[str, ...] = (
-            "prepacked",
-            "packing",
-            "vocab",
-            "model",
-            "no_cache",
-            "cache_dir",
-            "cache_max_size",
-            "fsdp",
-        )
-        names = (*names, "chat_template", "image_sides", "eval_fraction", "eval_file", "max_seq_len", "pad_multiple")
         if data.prepacked and cfg.packing is not Packing.OFFLINE:
-            raise ConfigError("{prepacked} is for {packing} offline", *names)
+            raise ConfigError("{prepacked} is for {packing} offline")
         if data.vocab == "data" and (model.model or data.prepacked):
             raise ConfigError(
                 "{vocab} data renumbers the ids of INPUT files or the corpus for the default model: "
-                "not with {model} or {prepacked}",
-                *names,
+                "not with {model} or {prepacked}"
             )
         if data.prepacked and inp.inputs:
-            raise ConfigError("give either INPUT files or {prepacked}, not both", *names)
+            raise ConfigError("give either INPUT files or {prepacked}, not both")
         if data.no_cache and (data.cache_dir or data.cache_max_size is not None):
             raise ConfigError(
-                "give " + ("{cache_dir}" if data.cache_dir else "{cache_max_size}") + " or {no_cache}, not both", *names
+                "give " + ("{cache_dir}" if data.cache_dir else "{cache_max_size}") + " or {no_cache}, not both"
             )
         if images:
             if cfg.fsdp:
                 raise ConfigError(
                     "{fsdp} trains text models only for now (a vision-language model's tower is not sharded): "
-                    "train data with images without {fsdp}",
-                    *names,
+                    "train data with images without {fsdp}"
                 )
             if data.prepacked:
                 raise ConfigError(
-                    "{prepacked} is a text prepack's folder: data with images is prepacked by the run itself", *names
+                    "{prepacked} is a text prepack's folder: data with images is prepacked by the run itself"
                 )
             if inp.chat_template is not None:
                 raise ConfigError(
-                    "{chat_template}: data with images is rendered with the model family's own template; drop it",
-                    *names,
+                    "{chat_template}: data with images is rendered with the model family's own template; drop it"
                 )
             if data.cache_dir or data.cache_max_size is not None:
                 raise ConfigError(
                     ("{cache_dir}" if data.cache_dir else "{cache_max_size}")
-                    + ": data with images is tokenized by each run, not cached; drop it",
-                    *names,
+                    + ": data with images is tokenized by each run, not cached; drop it"
                 )
             lo, hi = inp.image_sides or IMAGE_SIDES
             if lo > hi:
-                raise ConfigError(f"{{image_sides}} {lo} {hi}: MIN must not exceed MAX", *names)
+                raise ConfigError(f"{{image_sides}} {lo} {hi}: MIN must not exceed MAX")
             if cfg.eval_fraction and cfg.packing is Packing.OFFLINE:
                 raise ConfigError(
                     "{eval_fraction} with {packing} offline on data with images: the run prepacks the conversations "
-                    "themselves, held-out ones too; give {eval_file} PATH, or another {packing}",
-                    *names,
+                    "themselves, held-out ones too; give {eval_file} PATH, or another {packing}"
                 )
         if data.prepacked:
             manifest = prepack_manifest(data.prepacked)
@@ -290,8 +244,7 @@ class RunConfig:
                 if given != have:
                     raise ConfigError(
                         f"{{{key}}} {given} but {data.prepacked} was prepacked with {key}={have}: leave {{{key}}} out "
-                        f"({{prepacked}} takes it from the prepack) or prepack again with {{{key}}} {given}",
-                        *names,
+                        f"({{prepacked}} takes it from the prepack) or prepack again with {{{key}}} {given}"
                     )
         elif inp.chat_template is not None:
             from ._run_inputs import read_chat_template

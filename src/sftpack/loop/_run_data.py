@@ -166,9 +166,7 @@ class TextData:
                     raise ConfigError(
                         f"{{model}} {folder} has a vocabulary of {model_vocab:,} ids, smaller than {whose} "
                         f"{size:,}: ids >= {model_vocab:,} have no embedding; give the tokenizer the model was "
-                        "trained with ({tokenizer} DIR) or a model whose vocabulary covers it",
-                        "model",
-                        "tokenizer",
+                        "trained with ({tokenizer} DIR) or a model whose vocabulary covers it"
                     )
         elif data_vocab > self.vocab_size:
             self.vocab_size = data_vocab  # a prepack of ids beyond this tokenizer (it records none)

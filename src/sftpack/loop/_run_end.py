@@ -27,7 +27,7 @@ def eval_samples(run: RunState, samples: Any, tokenize: Callable[[Any], list[Any
         try:
             samples, held = split_eval(cfg, samples)
         except ValueError as e:
-            raise ConfigError(f"{{eval_fraction}}: {e}", "eval_fraction") from None
+            raise ConfigError(f"{{eval_fraction}}: {e}") from None
         what = f"{len({s.conversation_id for s in held}):,} conversations held out"
         never = ", never trained on"
     elif inp.eval_file is not None:

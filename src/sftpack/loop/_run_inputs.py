@@ -46,8 +46,7 @@ def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
         except (OSError, ValueError) as e:
             raise ConfigError(
                 f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "
-                "written by tokenizer.save_pretrained(), or leave {tokenizer} out for the embedded Qwen tokenizer",
-                "tokenizer",
+                "written by tokenizer.save_pretrained(), or leave {tokenizer} out for the embedded Qwen tokenizer"
             ) from None
     if chat_template is None:
         return tok
@@ -62,10 +61,10 @@ def read_chat_template(path: str) -> str:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(
-            f"{{chat_template}} {path}: cannot read it ({e.__class__.__name__}); give a Jinja file", "chat_template"
+            f"{{chat_template}} {path}: cannot read it ({e.__class__.__name__}); give a Jinja file"
         ) from None
     if not text.strip():
-        raise ConfigError(f"{{chat_template}} {path}: the file is empty; give a Jinja chat template", "chat_template")
+        raise ConfigError(f"{{chat_template}} {path}: the file is empty; give a Jinja chat template")
     return text
 
 
@@ -73,9 +72,7 @@ def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
     """The folder a tokenizer is loaded from: the ``model`` folder's own, else ``tokenizer``'s
     (``None``: the embedded one); both given is refused."""
     if model is not None and tokenizer is not None:
-        raise ConfigError(
-            "{tokenizer}: a {model} folder brings its own tokenizer; drop {tokenizer}", "tokenizer", "model"
-        )
+        raise ConfigError("{tokenizer}: a {model} folder brings its own tokenizer; drop {tokenizer}")
     return model or tokenizer
 
 
@@ -87,9 +84,7 @@ def vlm_family(model: str | None, family: str | None = None) -> Any:
     from ..multimodal import UnsupportedModelError, family_for
 
     if model is not None and family is not None:
-        raise ConfigError(
-            "{family}: the family of a {model} folder is its config.model_type; drop {family}", "family", "model"
-        )
+        raise ConfigError("{family}: the family of a {model} folder is its config.model_type; drop {family}")
     try:
         return family_for(model if model is not None else family)
     except UnsupportedModelError as e:
