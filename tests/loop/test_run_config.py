@@ -107,3 +107,23 @@ def test_every_option_of_train_is_a_setting_of_one_part():
     config = RunConfig.from_settings({"limit": 5, "vocab": "data", "lr": 0.5, "log": "x.jsonl", "clip_norm": 0})
     assert (config.input.limit, config.data.vocab, config.train.lr, config.output.log) == (5, "data", 0.5, "x.jsonl")
     assert config.train.clip_norm is None  # 0: off, as --clip-norm 0
+
+
+def test_a_model_folders_own_tokenizer_keys_the_cache(chat, tmp_path, capsys):
+    """``--model DIR`` with a tokenizer in it tokenizes with that tokenizer, and its cache entry is
+    keyed by that tokenizer's files: a run given the same folder as ``--tokenizer`` reads it back."""
+    import shutil
+
+    from sftpack.loop import build_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(chat / "tok", folder)
+    vocab = len(json.loads((folder / "tokenizer.json").read_text())["model"]["vocab"])
+    build_model(vocab + 64, dim=16, layers=1, heads=2, kv_heads=1).save_pretrained(folder)
+    common = [str(chat / "chat.jsonl"), "--steps", "1", "--batch-size", "4", "--max-seq-len", "256", "--no-progress"]
+    common += ["--cache-dir", str(tmp_path / "cache"), "--device", "cpu"]
+    assert main(["train", *common, "--model", str(folder)]) == 0
+    assert "; cached in " in capsys.readouterr().out
+    small = ["--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"]
+    assert main(["train", *common, "--tokenizer", str(folder), *small]) == 0
+    assert "; read from the cache (" in capsys.readouterr().out
