@@ -94,6 +94,14 @@ def test_a_broken_rule_names_its_settings_in_each_spelling(tmp_path, capsys):
         RunConfig(output=out).check()
     assert main(["train", "--resume-if-any"]) == 2
     assert "--resume-if-any needs --checkpoint-dir" in capsys.readouterr().err
+    # what a run with images does not take yet is refused by the config, not by the command
+    vqa = InputSettings(corpus="vqa")
+    with pytest.raises(ConfigError, match="^cache_dir: data with images is tokenized by each run, not cached"):
+        RunConfig(input=vqa, data=DataSettings(cache_dir=str(tmp_path))).check()
+    with pytest.raises(ConfigError, match="^fsdp trains text models only for now"):
+        RunConfig(input=vqa, train=TrainConfig(fsdp=True)).check()
+    assert main(["train", "--corpus", "vqa", "--cache-max-size", "1G"]) == 2
+    assert "--cache-max-size: data with images is tokenized by each run" in capsys.readouterr().err
 
 
 def test_every_option_of_train_is_a_setting_of_one_part():
