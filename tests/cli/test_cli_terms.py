@@ -169,7 +169,7 @@ def _help(command: str) -> dict[str, str]:
 
 
 def test_every_command_has_and_states_the_same_defaults():
-    from sftpack.cli._train import _layout
+    from sftpack.cli._train import run_config
 
     for command, extra in READERS.items():
         helps = _help(command)
@@ -183,8 +183,8 @@ def test_every_command_has_and_states_the_same_defaults():
             continue
         assert "--chat-template" in helps
         assert f"default {DEFAULT_MAX_SEQ_LEN}" in helps["--max-seq-len"], command
-        if command == "train":
-            _layout(args, None)  # what a run without --prepacked gets
+        if command == "train":  # what a run without --prepacked gets
+            args.max_seq_len = run_config(args).train.max_seq_len
         assert args.max_seq_len == DEFAULT_MAX_SEQ_LEN, command
     for command in ("prepack", "bench"):
         assert "split_labels_lost" in _help(command)["--overlong"]

@@ -60,12 +60,11 @@ def test_the_command_defaults_that_differ_are_the_declared_ones():
     args, _ = _actions(["train"])
     # --steps and --epochs are exclusive: both unset in the parser; the command's default steps
     # (CLI_STEPS) differ from the library's (DEFAULT_STEPS) and are applied when neither is given
-    from sftpack.cli._train_options import check_options
+    from sftpack.cli._train import run_config
     from sftpack.loop._options import CLI_STEPS, DEFAULT_STEPS
 
     assert args.steps is None and args.epochs is None
-    check_options(args)
-    assert args.steps == CLI_STEPS != DEFAULT_STEPS == TrainConfig().steps
+    assert run_config(args).train.steps == CLI_STEPS != DEFAULT_STEPS == TrainConfig().steps
     args, _ = _actions(["prepack", "--out", "out"])
     assert args.pad_multiple is None and args.workers is None and args.progress is True
 
@@ -104,7 +103,10 @@ def test_each_flag_gives_its_setting(command):
 
 
 def test_train_flags_make_the_run_config():
-    from sftpack.cli._train import _config
+    from sftpack.cli._train import run_config
+
+    def _config(args):
+        return run_config(args).train
 
     argv, expected = ["train"], {}
     for f in dataclasses.fields(TrainConfig):

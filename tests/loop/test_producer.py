@@ -207,10 +207,11 @@ def test_a_killed_producer_gives_a_clear_error_and_leaves_no_process(tok, tmp_pa
 DRIVER = """
 import sys
 from sftpack.chat import _producer
-from sftpack.cli import _train, main
+from sftpack.cli import main
+from sftpack.loop import _run_data
 
 loads, producers = [], []
-get, init = _train._Tokenizer.get, _producer._Producer.__init__
+get, init = _run_data.Tokenizer.get, _producer._Producer.__init__
 
 def counted_get(self):
     loads.append(1)
@@ -220,7 +221,7 @@ def counted_init(self, prepare):
     init(self, prepare)
     producers.append(self.pid)
 
-_train._Tokenizer.get, _producer._Producer.__init__ = counted_get, counted_init
+_run_data.Tokenizer.get, _producer._Producer.__init__ = counted_get, counted_init
 rc = main(sys.argv[1:])
 print("RESULT", rc, "producers", len(producers), "loads", len(loads), "pids", *producers)
 """

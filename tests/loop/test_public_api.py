@@ -17,11 +17,17 @@ from sftpack._optional import MissingDependency, _need
 #: the loop's public names: what a user imports (the rest lives in its private modules)
 PUBLIC = [
     "CheckpointError",
+    "ConfigError",
+    "DataSettings",
+    "InputSettings",
+    "ModelSettings",
     "NonFiniteError",
+    "OutputSettings",
     "PackingCollator",
     "PaddedCollator",
     "ReplaySource",
     "RowsCollator",
+    "RunConfig",
     "TrainConfig",
     "build_model",
     "check_model_dir",
@@ -48,7 +54,10 @@ OLD_TRAIN_NAMES = {
     "tokenized_samples", "train", "verify_checkpoint",
 }  # fmt: skip
 #: public names of the loop that came after the alias (the alias keeps its old names only)
-NEWER_THAN_THE_ALIAS = {"check_model_dir", "require_exact"}
+NEWER_THAN_THE_ALIAS = {
+    "ConfigError", "DataSettings", "InputSettings", "ModelSettings", "OutputSettings", "RunConfig", "check_model_dir",
+    "require_exact",
+}  # fmt: skip
 
 
 def test_the_public_names_are_pinned_and_the_namespace_holds_no_others():

@@ -9,23 +9,25 @@ import argparse
 import contextlib
 import dataclasses
 import enum
-import itertools
-import json
 import os
 import signal
 import typing
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ..loop import _run_inputs as _inputs
+from ..loop._options import ConfigError
+from ..loop._run_inputs import counts_text, has_images, render_read_stats
+
 if TYPE_CHECKING:
-    from ..chat import ReadStats, TokenizeStats
+    from ..chat import TokenizeStats
 
 __all__ = [
     "INPUTS_HELP",
     "Terminated",
     "UsageError",
     "add_settings",
+    "flag_of",
     "given_settings",
     "has_images",
     "load_tokenizer",
@@ -37,6 +39,7 @@ __all__ = [
     "sigterm_deferred",
     "sigterm_handled",
     "tokenizer_folder",
+    "usage_errors",
     "vlm_family",
     "vlm_setup",
 ]
@@ -177,7 +180,12 @@ def add_settings(parser: Any, options: type, *names: str) -> None:
         }
         kinds = typing.get_args(hints[name]) or (hints[name],)
         enums = [k for k in kinds if isinstance(k, type) and issubclass(k, enum.Enum)]
-        if enums:
+        if "nargs" in meta:
+            kwargs["nargs"] = meta["nargs"]
+            kwargs["type"] = {1: positive, 0: non_negative, None: None}[meta.get("min")]
+        elif "parse" in meta:
+            kwargs["type"] = _argument_type(meta["parse"])
+        elif enums:
             kwargs["choices"] = [m.value for m in enums[0]]
         elif "choices" in meta:
             kwargs["choices"] = list(meta["choices"])
@@ -189,7 +197,19 @@ def add_settings(parser: Any, options: type, *names: str) -> None:
             kwargs["type"] = float
         if "metavar" in meta:
             kwargs["metavar"] = meta["metavar"]
-        parser.add_argument(meta.get("flag", "--" + name.replace("_", "-")), **kwargs)
+        parser.add_argument(_flag(f), **kwargs)
+
+
+def _argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse type: ``parse(text)``, its ``ValueError`` the option's error message."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return convert
 
 
 def given_settings(args: argparse.Namespace, options: type) -> dict[str, Any]:
@@ -199,177 +219,66 @@ def given_settings(args: argparse.Namespace, options: type) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
 
+def _usage(e: ConfigError) -> UsageError:
+    """``e`` as a usage error, each setting it names spelled as its flag."""
+    return UsageError(e.spelled(flag_of))
+
+
+def flag_of(name: str) -> str:
+    """The flag of the run setting ``name`` (a field of a :class:`~sftpack.loop.RunConfig` part):
+    its metadata's ``"flag"``, else ``--`` and the name with dashes (:func:`add_settings`)."""
+    from ..loop._run_parts import PARTS
+
+    for part in PARTS.values():
+        for f in dataclasses.fields(part):
+            if f.name == name:
+                return _flag(f)
+    return "--" + name.replace("_", "-")
+
+
+def _flag(f: dataclasses.Field) -> str:
+    """The flag of the setting ``f``: its metadata's ``"flag"``, else ``--`` and its name with dashes."""
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+@contextlib.contextmanager
+def usage_errors() -> Iterator[None]:
+    """Inside: a :class:`~sftpack.loop._run_config.ConfigError` (settings that cannot work) is
+    raised as a :class:`UsageError` in the flags' spelling."""
+    try:
+        yield
+    except ConfigError as e:
+        raise _usage(e) from None
+
+
 def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
-    """The tokenizer in a local folder, or the embedded Qwen one; with ``chat_template`` (a Jinja
-    file, ``--chat-template``) a copy of it rendering conversations with that template."""
-    from ..data import default_tokenizer
-
-    if path is None:
-        tok = default_tokenizer()
-    else:
-        from .._optional import CustomCodeError, from_pretrained
-
-        try:
-            tok = from_pretrained("AutoTokenizer", path, local_files_only=True)
-        except CustomCodeError:
-            raise
-        except (OSError, ValueError) as e:
-            raise UsageError(
-                f"cannot load a tokenizer from {path!r} ({' '.join(str(e).split())[:200]}); give a local folder "
-                "written by tokenizer.save_pretrained(), or leave --tokenizer out for the embedded Qwen tokenizer"
-            ) from None
-    if chat_template is None:
-        return tok
-    import copy
-
-    tok = copy.deepcopy(tok) if path is None else tok  # the embedded one is shared within the process
-    tok.chat_template = read_chat_template(chat_template)
-    return tok
+    """:func:`sftpack.loop._run_inputs.load_tokenizer`, a refusal as a usage error."""
+    with usage_errors():
+        return _inputs.load_tokenizer(path, chat_template)
 
 
 def read_chat_template(path: str) -> str:
     """The text of the ``--chat-template`` file ``path``; a missing or empty file is a usage error."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(
-            f"--chat-template {path}: cannot read it ({e.__class__.__name__}); give a Jinja file"
-        ) from None
-    if not text.strip():
-        raise UsageError(f"--chat-template {path}: the file is empty; give a Jinja chat template")
-    return text
+    with usage_errors():
+        return _inputs.read_chat_template(path)
 
 
 def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
-    """The folder a command's tokenizer is loaded from: the ``--model`` folder's own, else
-    ``--tokenizer``'s (``None``: the embedded one); both given is a usage error."""
-    if model is not None and tokenizer is not None:
-        raise UsageError("--tokenizer: a --model folder brings its own tokenizer; drop --tokenizer")
-    return model or tokenizer
+    """The folder a command's tokenizer is loaded from (:func:`sftpack.loop._run_inputs.tokenizer_folder`)."""
+    with usage_errors():
+        return _inputs.tokenizer_folder(model, tokenizer)
 
 
 def vlm_family(model: str | None, family: str | None = None) -> Any:
-    """The model family of a run with images: the vision-language model folder ``model``'s (from
-    its ``config.model_type``, configured by its config), else ``family``'s (default Qwen2-VL).
-    A folder of another model type is a usage error in one line, before any work; nothing else
-    is loaded (:func:`vlm_setup` loads the tokenizer and image processor too)."""
-    from ..multimodal import UnsupportedModelError, family_for
-
-    if model is not None and family is not None:
-        raise UsageError("--family: the family of a --model folder is its config.model_type; drop --family")
-    try:
-        return family_for(model if model is not None else family)
-    except UnsupportedModelError as e:
-        raise UsageError(str(e)) from None
+    """The model family of a run with images (:func:`sftpack.loop._run_inputs.vlm_family`)."""
+    with usage_errors():
+        return _inputs.vlm_family(model, family)
 
 
 def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
-    """``(family, tokenizer, image processor)`` of a run with images: those of the vision-language
-    model folder ``model`` (:func:`vlm_family`), else of ``family``'s tiny model (default Qwen2-VL;
-    its tokenizer from ``tokenizer`` when given). A folder of another model type is a usage error
-    in one line, before any work."""
-    from ..multimodal import UnsupportedModelError
-
-    folder = tokenizer_folder(model, tokenizer)
-    fam = vlm_family(model, family)
-    try:
-        return fam, fam.tokenizer(folder), fam.image_processor(model)
-    except UnsupportedModelError as e:
-        raise UsageError(str(e)) from None
-
-
-def _record_has_images(obj: Any) -> bool:
-    """A conversation (a JSON object, or a read ``Conversation``) with an image or video part or a
-    non-empty ``images`` list."""
-    if isinstance(obj, dict):
-        if obj.get("images"):
-            return True
-        messages = obj.get("messages") or obj.get("conversations") or ()
-    else:
-        messages = getattr(obj, "messages", None) or ()
-    for m in messages if isinstance(messages, list) else ():
-        content = m.get("content", m.get("value")) if isinstance(m, dict) else None
-        if isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type") in ("image", "video") for p in content
-        ):
-            return True
-    return False
-
-
-def _json_array(path: Path) -> bool:
-    """Whether the file's first non-blank byte is ``[`` (a JSON array of records, not JSON Lines)."""
-    with open(path, "rb") as fh:
-        head = fh.read(4096).lstrip()
-    return head[:1] == b"["
-
-
-def has_images(paths: Sequence[str], records: int = 64, split: str | None = None) -> bool:
-    """Whether the inputs hold conversations with images: image or video parts (``{"type": "image",
-    ...}``) or an ``images`` list in the first ``records`` records of any of their data files (what
-    ``sftpack train``, ``prepack``, ``bench`` and ``verify`` decide the data's kind by: a run has one
-    model, so one such file makes it an image run, whose text-only conversations are text-only
-    samples). The files are those the reader finds (:func:`sftpack.chat.read_conversations`:
-    every data file of a folder or glob, not its images), each looked at. Plain JSONL is read here
-    line by line; other sources (``.gz``, JSON arrays, Parquet, saved datasets) through the reader's
-    first records. A path the reader refuses is left to the command's reader, which says why."""
-    from ..chat import ConversationReader, read_conversations
-
-    try:
-        found = read_conversations(list(paths), on_bad_row="skip", split=split)
-    except (OSError, ValueError):  # a missing path, an unknown kind: the command's reader says why
-        return False
-    for src in found.sources:
-        f = src.target
-        if src.kind == "jsonl" and not f.name.lower().endswith(".gz") and not _json_array(f):
-            with open(f, encoding="utf-8", errors="replace") as fh:
-                for line in itertools.islice(fh, records):
-                    if '"image' not in line and '"video' not in line:  # most text lines stop here, unparsed
-                        continue
-                    try:
-                        if _record_has_images(json.loads(line)):
-                            return True
-                    except ValueError:
-                        continue
-            continue
-        one = ConversationReader([src], found.on_bad_row, None, found.batch_size, allow_outside_images=True)
-        try:
-            if any(_record_has_images(conv) for conv in itertools.islice(one, records)):
-                return True
-        except Exception:  # not readable as conversations: the command's reader will say why
-            continue
-    return False
-
-
-def _reasons(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items())) or "none"
-
-
-def render_read_stats(rs: ReadStats, *, max_files: int = 10) -> str:
-    """The reader's accounting in words: rows read/kept/dropped by reason, the rows kept of
-    each format, and every file that was not read (or only partly), with its reason."""
-    formats = getattr(rs, "formats", None) or {}
-    lines = [f"  read {rs.read:,} rows: {rs.kept:,} kept, dropped: {_reasons(rs.dropped)}"]
-    if rs.dropped:
-        lines.append(
-            "  (left out by --on-bad-row skip; --on-bad-row error stops at the first, naming its file and line)"
-        )
-    if formats:
-        lines.append(f"  formats: {_reasons(formats)} (rows kept)")
-    skipped = getattr(rs, "files_skipped", {}) or {}
-    problems = list(getattr(rs, "file_problems", []) or [])
-    media = getattr(rs, "media_files", 0)
-    if skipped or problems:
-        lines.append(f"  files: {getattr(rs, 'files_read', 0):,} read, not read: {_reasons(skipped)}")
-        for p in problems[:max_files]:
-            lost = f", {p.rows_lost:,} rows lost" if getattr(p, "rows_lost", None) else ""
-            lines.append(f"    {p.path}: {p.reason} ({p.detail}{lost})")
-        if len(problems) > max_files:
-            lines.append(f"    ... and {len(problems) - max_files:,} more")
-    if media:
-        lines.append(
-            f"  {media:,} image/video files beside the data: media, read where image parts name them, not data files"
-        )
-    return "\n".join(lines)
+    """``(family, tokenizer, image processor)`` of a run with images (:func:`sftpack.loop._run_inputs.vlm_setup`)."""
+    with usage_errors():
+        return _inputs.vlm_setup(model, tokenizer, family)
 
 
 def render_tokenize_stats(st: TokenizeStats, samples: int, seconds: float) -> str:
@@ -380,7 +289,7 @@ def render_tokenize_stats(st: TokenizeStats, samples: int, seconds: float) -> st
         f"{st.truncated:,} truncated, {st.dropped:,} dropped, {sum(skipped.values()):,} skipped) in {seconds:.1f} s"
     ]
     if skipped:
-        lines.append(f"  skipped: {_reasons(skipped)}")
+        lines.append(f"  skipped: {counts_text(skipped)}")
     lost = [f"{st.tokens_lost:,} tokens lost"]
     if hasattr(st, "labels_lost"):
         lost.append(

@@ -25,6 +25,10 @@ resume and DDP are the text run's (FSDP is text-only for now). The log adds ``im
 
 The public names (``__all__``):
 
+- a whole run as ``sftpack train`` runs it: :class:`RunConfig` (``RunConfig(...).build().run()``)
+  and its parts :class:`InputSettings`, :class:`DataSettings`, :class:`ModelSettings`,
+  :class:`OutputSettings` (with :class:`TrainConfig`), :class:`ConfigError` (settings that
+  cannot work together, naming them);
 - run: :class:`TrainConfig` (every option, validated), :func:`train`, :func:`resolve_device`
   (the device a run trains on), :func:`check_model_dir` (a ``save_model`` folder, checked
   before training), :func:`require_exact` (the guard :func:`train` runs first: packing exact
@@ -48,6 +52,10 @@ The parts behind them, importable from their modules (no second public path):
 - ``_sources``: the per-path sources of micro-batches with resumable positions
   (``Source`` and one class per path); ``_micro_batch``: the baseline's right-padded
   ``PaddedMicroBatch``;
+- ``_run_parts``: :class:`RunConfig`'s parts (``InputSettings``, ``DataSettings``, ``ModelSettings``,
+  ``OutputSettings``); ``_run_config``: :class:`RunConfig`, its rules; ``_run``: ``Run``, what ``build()`` returns (one lane for text and
+  images); ``_run_data``: its data side (``TextData``, ``MediaData``); ``_run_end``: the eval set, the
+  report, the model folder; ``_run_inputs``: whether data holds images, the tokenizer, the family;
 - ``_setup``: from options and data to a source; the supervised-target checks;
   ``media_samples`` (conversations with images to samples);
 - ``_model``: the attention registered with transformers, ``LossModule`` (model +
@@ -105,8 +113,14 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._model import load_model as load_model
     from ._model import require_exact as require_exact
     from ._model_dir import check_model_dir as check_model_dir
+    from ._options import ConfigError as ConfigError
     from ._options import TrainConfig as TrainConfig
     from ._plot import plot_training as plot_training
+    from ._run_config import RunConfig as RunConfig
+    from ._run_parts import DataSettings as DataSettings
+    from ._run_parts import InputSettings as InputSettings
+    from ._run_parts import ModelSettings as ModelSettings
+    from ._run_parts import OutputSettings as OutputSettings
     from ._setup import compact_vocabulary as compact_vocabulary
     from ._setup import make_source as make_source
     from ._setup import tokenized_samples as tokenized_samples
@@ -116,11 +130,17 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
 #: settings (``TrainConfig``: ``sftpack train``'s options are built from its fields) loads no torch
 _HOMES = {
     "CheckpointError": "_checkpoint",
+    "ConfigError": "_options",
+    "DataSettings": "_run_parts",
+    "InputSettings": "_run_parts",
+    "ModelSettings": "_run_parts",
+    "OutputSettings": "_run_parts",
     "NonFiniteError": "_loop",
     "PackingCollator": "_hf",
     "PaddedCollator": "_hf",
     "ReplaySource": "_sources",
     "RowsCollator": "_hf",
+    "RunConfig": "_run_config",
     "TrainConfig": "_options",
     "build_model": "_model",
     "check_model_dir": "_model_dir",

@@ -4,13 +4,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._base import StrEnum, choose, positive_int
 from ..chat._options import DEFAULT_MAX_SEQ_LEN
 
-__all__ = ["Boundaries", "NonFinite", "Packing", "Schedule", "TrainConfig"]
+__all__ = ["Boundaries", "ConfigError", "NonFinite", "Packing", "Schedule", "TrainConfig"]
+
+
+class ConfigError(ValueError):
+    """Settings that cannot work (together). ``template`` names each setting as ``{name}``
+    (``settings``: those names, in order): ``str()`` spells it as the setting's name,
+    :meth:`spelled` as anything else (``sftpack train``'s flag: ``--name``)."""
+
+    def __init__(self, template: str) -> None:
+        self.template = template
+        self.settings = tuple(dict.fromkeys(re.findall(r"\{([a-z_]+)\}", template)))
+        super().__init__(self.spelled(lambda name: name))
+
+    def spelled(self, spell: Callable[[str], str]) -> str:
+        return re.sub(r"\{([a-z_]+)\}", lambda m: spell(m.group(1)), self.template)
 
 
 class Packing(StrEnum):
