@@ -15,9 +15,9 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..loop import _run_inputs as _inputs
-from ..loop._options import ConfigError
-from ..loop._run_inputs import counts_text, has_images, render_read_stats
+from ..loop import ConfigError
+from ..loop import inputs as _inputs
+from ..loop.inputs import counts_text, has_images, render_read_stats
 
 if TYPE_CHECKING:
     from ..chat import TokenizeStats
@@ -227,9 +227,9 @@ def _usage(e: ConfigError) -> UsageError:
 def flag_of(name: str) -> str:
     """The flag of the run setting ``name`` (a field of a :class:`~sftpack.loop.RunConfig` part):
     its metadata's ``"flag"``, else ``--`` and the name with dashes (:func:`add_settings`)."""
-    from ..loop._run_parts import PARTS
+    from ..loop import RunConfig
 
-    for part in PARTS.values():
+    for part in RunConfig.parts().values():
         for f in dataclasses.fields(part):
             if f.name == name:
                 return _flag(f)
@@ -252,7 +252,7 @@ def usage_errors() -> Iterator[None]:
 
 
 def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
-    """:func:`sftpack.loop._run_inputs.load_tokenizer`, a refusal as a usage error."""
+    """:func:`sftpack.loop.inputs.load_tokenizer`, a refusal as a usage error."""
     with usage_errors():
         return _inputs.load_tokenizer(path, chat_template)
 
@@ -264,19 +264,19 @@ def read_chat_template(path: str) -> str:
 
 
 def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
-    """The folder a command's tokenizer is loaded from (:func:`sftpack.loop._run_inputs.tokenizer_folder`)."""
+    """The folder a command's tokenizer is loaded from (:func:`sftpack.loop.inputs.tokenizer_folder`)."""
     with usage_errors():
         return _inputs.tokenizer_folder(model, tokenizer)
 
 
 def vlm_family(model: str | None, family: str | None = None) -> Any:
-    """The model family of a run with images (:func:`sftpack.loop._run_inputs.vlm_family`)."""
+    """The model family of a run with images (:func:`sftpack.loop.inputs.vlm_family`)."""
     with usage_errors():
         return _inputs.vlm_family(model, family)
 
 
 def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
-    """``(family, tokenizer, image processor)`` of a run with images (:func:`sftpack.loop._run_inputs.vlm_setup`)."""
+    """``(family, tokenizer, image processor)`` of a run with images (:func:`sftpack.loop.inputs.vlm_setup`)."""
     with usage_errors():
         return _inputs.vlm_setup(model, tokenizer, family)
 

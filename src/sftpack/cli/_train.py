@@ -58,12 +58,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The run the flags give: each flag is the setting of its name (``--clip-norm 0``: off;
-    neither ``--steps`` nor ``--epochs``: the command's :data:`~sftpack.loop._options.CLI_STEPS`)."""
-    from ..loop._options import CLI_STEPS
-    from ..loop._run_config import RunConfig
+    neither ``--steps`` nor ``--epochs``: the command's default, :meth:`~sftpack.loop.RunConfig.from_flags`)."""
+    from ..loop import RunConfig
 
     with usage_errors():
-        return RunConfig.from_settings(vars(args), default_steps=CLI_STEPS)
+        return RunConfig.from_flags(vars(args))
 
 
 def stopped_line(result: Any, model: Any = None) -> str:

@@ -18,8 +18,7 @@ __all__ = ["add_arguments"]
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
-    from ..loop._options import TrainConfig
-    from ..loop._run_parts import DataSettings, InputSettings, ModelSettings, OutputSettings
+    from ..loop import DataSettings, InputSettings, ModelSettings, OutputSettings, TrainConfig
 
     t.add_argument(
         "inputs", nargs="*", metavar="INPUT", help=f"chat files: {INPUTS_HELP} (default: the embedded corpus)"

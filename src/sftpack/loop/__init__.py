@@ -40,6 +40,13 @@ The public names (``__all__``):
 - model: :func:`build_model` (a small Llama, nothing downloaded: transformers'
   ``LlamaForCausalLM``, or with ``impl="torch"`` the same network in plain torch),
   :func:`load_model` (a local folder), :func:`default_attention`;
+- images: :func:`media_samples` (conversations with images to samples), :func:`build_media_model`
+  (a vision-language family's tiny model), :func:`media_token_ids` (the family's image and video
+  token ids), :func:`padded_micro_batch` (the unpacked baseline's right-padded micro-batch);
+- the run: :class:`RunConfig` (every setting of ``sftpack train``, its parts :class:`InputSettings`,
+  :class:`DataSettings`, :class:`ModelSettings`, :class:`OutputSettings`, and :class:`ConfigError`),
+  ``RunConfig.build()`` the runnable ``Run``; :mod:`sftpack.loop.inputs`, a public module: what a
+  run reads before it trains (whether data holds images, the tokenizer, the family), shared by every command;
 - Hugging Face ``Trainer``: :class:`PackingCollator`, :class:`RowsCollator`,
   :class:`PaddedCollator`;
 - errors to catch: :class:`CheckpointError`, :class:`NonFiniteError`;
@@ -55,7 +62,7 @@ The parts behind them, importable from their modules (no second public path):
 - ``_run_parts``: :class:`RunConfig`'s parts (``InputSettings``, ``DataSettings``, ``ModelSettings``,
   ``OutputSettings``); ``_run_config``: :class:`RunConfig`, its rules; ``_run``: ``Run``, what ``build()`` returns (one lane for text and
   images); ``_run_data``: its data side (``TextData``, ``MediaData``); ``_run_end``: the eval set, the
-  report, the model folder; ``_run_inputs``: whether data holds images, the tokenizer, the family;
+  report, the model folder; ``inputs`` (public: the other commands read their inputs with it too): whether data holds images, the tokenizer, the family;
 - ``_setup``: from options and data to a source; the supervised-target checks;
   ``media_samples`` (conversations with images to samples);
 - ``_model``: the attention registered with transformers, ``LossModule`` (model +
@@ -108,9 +115,12 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._loop import NonFiniteError as NonFiniteError
     from ._loop import resolve_device as resolve_device
     from ._loop import train as train
+    from ._micro_batch import padded_micro_batch as padded_micro_batch
+    from ._model import build_media_model as build_media_model
     from ._model import build_model as build_model
     from ._model import default_attention as default_attention
     from ._model import load_model as load_model
+    from ._model import media_token_ids as media_token_ids
     from ._model import require_exact as require_exact
     from ._model_dir import check_model_dir as check_model_dir
     from ._options import ConfigError as ConfigError
@@ -123,6 +133,7 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._run_parts import OutputSettings as OutputSettings
     from ._setup import compact_vocabulary as compact_vocabulary
     from ._setup import make_source as make_source
+    from ._setup import media_samples as media_samples
     from ._setup import tokenized_samples as tokenized_samples
     from ._sources import ReplaySource as ReplaySource
 
@@ -142,12 +153,16 @@ _HOMES = {
     "RowsCollator": "_hf",
     "RunConfig": "_run_config",
     "TrainConfig": "_options",
+    "build_media_model": "_model",
     "build_model": "_model",
     "check_model_dir": "_model_dir",
     "compact_vocabulary": "_setup",
     "default_attention": "_model",
     "load_model": "_model",
     "make_source": "_setup",
+    "media_samples": "_setup",
+    "media_token_ids": "_model",
+    "padded_micro_batch": "_micro_batch",
     "plot_training": "_plot",
     "require_exact": "_model",
     "resolve_device": "_loop",

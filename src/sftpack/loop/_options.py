@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._base import StrEnum, choose, positive_int
-from ..chat._options import DEFAULT_MAX_SEQ_LEN
+from ..chat import DEFAULT_MAX_SEQ_LEN
 
 __all__ = ["Boundaries", "ConfigError", "NonFinite", "Packing", "Schedule", "TrainConfig"]
 

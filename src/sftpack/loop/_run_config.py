@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from ._options import ConfigError, Packing, TrainConfig
+from ._options import CLI_STEPS, ConfigError, Packing, TrainConfig
 from ._run_parts import (
     IMAGE_SIDES,
     PARTS,
@@ -60,6 +60,18 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputSettings = field(default_factory=OutputSettings)
 
+    @staticmethod
+    def parts() -> dict[str, type]:
+        """Each part of a run by its attribute (``input``, ``data``, ``model``, ``train``,
+        ``output``), with its settings' class: the fields the flags of ``sftpack train`` come from."""
+        return dict(PARTS)
+
+    @classmethod
+    def from_flags(cls, settings: Mapping[str, Any]) -> RunConfig:
+        """:meth:`from_settings` as ``sftpack train`` reads its flags: neither ``steps`` nor
+        ``epochs`` gives the command's default (``CLI_STEPS``, more than the library's)."""
+        return cls.from_settings(settings, default_steps=CLI_STEPS)
+
     @classmethod
     def from_settings(cls, settings: Mapping[str, Any], *, default_steps: int | None = None) -> RunConfig:
         """The run of flat ``settings`` (each part's fields by name, as ``sftpack train``'s flags
@@ -97,7 +109,7 @@ class RunConfig:
     @property
     def images(self) -> bool:
         """Whether the data holds images: ``corpus="vqa"``, or INPUT files with image parts."""
-        from ._run_inputs import has_images
+        from .inputs import has_images
 
         inp = self.input
         return inp.corpus == "vqa" or bool(inp.inputs and has_images(inp.inputs, split=inp.split))
@@ -247,7 +259,7 @@ class RunConfig:
                         f"({{prepacked}} takes it from the prepack) or prepack again with {{{key}}} {given}"
                     )
         elif inp.chat_template is not None:
-            from ._run_inputs import read_chat_template
+            from .inputs import read_chat_template
 
             read_chat_template(inp.chat_template)  # a missing or empty file: one line, before any work
 

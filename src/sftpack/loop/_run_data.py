@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ._options import ConfigError, Packing
-from ._run_inputs import load_tokenizer, render_read_stats, vlm_setup
 from ._run_parts import IMAGE_SIDES, VQA_LIMIT, RunState, prepack_manifest
+from .inputs import load_tokenizer, render_read_stats, vlm_setup
 
 __all__ = ["MediaData", "TextData"]
 
@@ -84,10 +84,15 @@ class TextData:
         no other thread), at a lower priority than this one: it loads the tokenizer, reads the
         input, orders it and tokenizes it (``num_proc`` > 1: with its own worker processes); a
         background thread here collects its samples and writes the cache entry."""
-        from ..chat import read_conversations
-        from ..chat._cache_entry import DEFAULT_MAX_SIZE, default_cache_dir
-        from ..chat._cache_key import default_tokenizer_files, source_identity
-        from ..chat._training_samples import Pending, start_training_samples
+        from ..chat import (
+            DEFAULT_MAX_SIZE,
+            Pending,
+            default_cache_dir,
+            default_tokenizer_files,
+            read_conversations,
+            source_identity,
+            start_training_samples,
+        )
 
         cfg = self.run.config
         inp, data, tok_path = cfg.input, cfg.data, self.tokenizer.path  # the model folder's own, when it has one
@@ -141,7 +146,7 @@ class TextData:
     def load(self) -> None:
         """What training needs of the tokenizer (from the cache entry, else the tokenizer's process),
         checked against a model folder's vocabulary and a prepack's."""
-        from ..chat._cache_key import tokenizer_info
+        from ..chat import tokenizer_info
         from ._setup import model_vocab_size
 
         run = self.run
@@ -353,8 +358,7 @@ class MediaData:
     def load(self) -> None:
         """The run's one tokenization (images processed with it): every path trains on these
         samples, the offline one on a prepack of them."""
-        from ..chat import read_conversations
-        from ..chat._cache_key import tokenizer_info
+        from ..chat import read_conversations, tokenizer_info
         from ..multimodal import vqa_corpus
         from ._model import media_token_ids
         from ._setup import check_targets, compact_vocabulary

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from ..chat._options import NO_PROGRESS_HELP, InputOptions
+from ..chat import NO_PROGRESS_HELP, InputOptions
 from ._options import TrainConfig
 
 __all__ = [
@@ -39,7 +39,7 @@ IMAGE_SIDES = (56, 224)
 
 def _size(text: str) -> int:
     """A size in bytes from ``10G``, ``500M`` (binary units), or a ``ValueError`` saying what is taken."""
-    from ..chat._cache_entry import parse_size
+    from ..chat import parse_size
 
     return parse_size(text)
 

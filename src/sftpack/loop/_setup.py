@@ -11,8 +11,7 @@ import numpy as np
 
 from .._optional import CustomCodeError, from_pretrained
 from .._types import Tokenizer
-from ..chat._cache_entry import default_cache_dir
-from ..chat._training_samples import ConversationSamples, start_training_samples
+from ..chat import ConversationSamples, default_cache_dir, start_training_samples
 from ..loader import PackingDataset
 from ..offline import PrepackedDataset
 from ..sample import Sample

@@ -82,7 +82,7 @@ class _Compact:
     model's tower casts them exactly."""
 
     def __init__(self, samples: list[Any]) -> None:
-        from ..loop._model import media_token_ids  # TEMPORARY private import (see pyproject.toml)
+        from ..loop import media_token_ids
 
         self.family = family_for()
         tok = self.family.tokenizer()
@@ -217,7 +217,7 @@ def step_times(
     attention) and as a right-padded ``[B, S]`` batch through ``padded_model`` (Hugging
     Face sdpa and a mask), the two alternating step by step after one untimed step of each
     on ``warm_up``. Batch building is not timed."""
-    from ..loop._micro_batch import padded_micro_batch  # TEMPORARY private import (see pyproject.toml)
+    from ..loop import padded_micro_batch
 
     family = family_for(packed_model)
 

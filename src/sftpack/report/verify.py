@@ -233,7 +233,6 @@ def verify(
     The model runs with dropout off (``eval()``; gradients still flow): dropout draws other masks
     for other layouts, which is no packing difference.
     """
-    from ..loop import _model  # TEMPORARY private import (see pyproject.toml)
     from ..multimodal import family_for  # start-up: multimodal (~0.5 s) only for images
 
     if dtype not in UNIT_ROUNDOFF:
@@ -262,14 +261,14 @@ def verify(
         net = fam.pretrained(model, dtype=dtype) if fam is not None else loop.load_model(os.fspath(model), dtype=dtype)
         what = os.fspath(model)
     else:  # a tiny model over the ids of the data, renumbered (its head is then small: a quick check)
-        keep = _model.media_token_ids(fam, tok).values() if fam is not None else ()
+        keep = loop.media_token_ids(fam, tok).values() if fam is not None else ()
         samples, vocab = loop.compact_vocabulary(samples, keep=keep)
         pad_id = 0
         if fam is None:
             net = loop.build_model(len(vocab), seed=seed, dtype=dtype, impl="transformers")
             what = f"a tiny Llama built from a config (seed {seed}), over the {len(vocab):,} ids of the data"
         else:
-            net = _model.build_media_model(fam, tok, vocab=vocab, seed=seed, dtype=dtype)
+            net = loop.build_media_model(fam, tok, vocab=vocab, seed=seed, dtype=dtype)
             what = f"a tiny {fam.name} built from a config (seed {seed}), over the {len(vocab):,} ids of the data"
     # dropout off (gradients still flow): its masks are drawn anew for every layout, so with it on
     # packed and alone would differ by chance, not by packing (GPT-2's and OPT's configs default to 0.1)
@@ -441,7 +440,7 @@ def _samples(
         got = tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split", on_bad_row=on_bad_row)
         samples = list(got)
         return samples, {k: v for k, v in got.stats.skipped.items() if v}
-    from ..loop._setup import media_samples  # TEMPORARY private import (see pyproject.toml)
+    from ..loop import media_samples
 
     samples, media = media_samples(
         convs, max_seq_len=max_seq_len, family=fam, tokenizer=tok, processor=processor, on_bad_row=on_bad_row
