@@ -20,11 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..chat import ReadStats, TokenizeStats
+    from ..multimodal import Family
 
 __all__ = [
     "INPUTS_HELP",
     "Terminated",
     "UsageError",
+    "FAMILY_HELP",
+    "add_family",
     "add_settings",
     "given_settings",
     "has_images",
@@ -248,11 +251,50 @@ def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
     return model or tokenizer
 
 
-def vlm_family(model: str | None, family: str | None = None) -> Any:
-    """The model family of a run with images: the vision-language model folder ``model``'s (from
-    its ``config.model_type``, configured by its config), else ``family``'s (default Qwen2-VL).
-    A folder of another model type is a usage error in one line, before any work; nothing else
-    is loaded (:func:`vlm_setup` loads the tokenizer and image processor too)."""
+#: What ``--family`` means, on every command that takes it (:func:`add_family`); ``%(choices)s``:
+#: the registry's names (:func:`sftpack.multimodal.family_names`)
+FAMILY_HELP = (
+    "the vision-language model family of the data with images and of its model: %(choices)s "
+    "(default: the --model folder's, its config.model_type; else qwen2_vl)"
+)
+
+
+class _FamilyNames(Sequence[str]):
+    """The registry's family names (:func:`sftpack.multimodal.family_names`), read the first time
+    argparse asks for them: when ``--family`` is given or a command's help is shown (start-up:
+    multimodal loads torch, which building the parser must not)."""
+
+    def _names(self) -> tuple[str, ...]:
+        from ..multimodal import family_names  # start-up: multimodal loads torch
+
+        return family_names()
+
+    @typing.overload
+    def __getitem__(self, i: int) -> str: ...
+    @typing.overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+def add_family(parser: Any) -> None:
+    """``--family`` on ``parser`` (or an argument group), one meaning on every command
+    (:data:`FAMILY_HELP`), its choices the registry's (:func:`sftpack.multimodal.family_names`).
+    Unset, it is ``None``: :func:`vlm_family` then takes the ``--model`` folder's family, else
+    the default."""
+    parser.add_argument("--family", choices=_FamilyNames(), metavar="FAMILY", help=FAMILY_HELP)
+
+
+def vlm_family(model: str | None, family: str | None = None) -> Family:
+    """The model family of a run with images (what ``--family`` means, :data:`FAMILY_HELP`): the
+    vision-language model folder ``model``'s (from its ``config.model_type``, configured by its
+    config), else ``family``'s (default :data:`sftpack.multimodal.DEFAULT_FAMILY`, Qwen2-VL).
+    Both given is a usage error (the folder names its family), as is a folder of another model
+    type, in one line, before any work; nothing else is loaded (:func:`vlm_setup` loads the
+    tokenizer and image processor too)."""
     from ..multimodal import UnsupportedModelError, family_for
 
     if model is not None and family is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, overload
 
 from .._base import StrEnum, choose, positive_int
 from ..binpack import Algorithm
@@ -36,6 +36,31 @@ from ..chat import (
 )
 from ..sample import Overlong
 from ._plan import BinPack
+
+
+class _FamilyNames(Sequence[str]):
+    """The registry's family names (:func:`sftpack.multimodal.family_names`), read the first time
+    they are asked for: when ``--family`` is given or its help shown (start-up: multimodal loads
+    torch, which building the parser must not)."""
+
+    def _names(self) -> tuple[str, ...]:
+        from ..multimodal import family_names  # start-up: multimodal loads torch
+
+        return family_names()
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+
+#: the family setting's choices: the registry's names, read when first asked for
+FAMILY_NAMES: Sequence[str] = _FamilyNames()
 
 __all__ = ["Engine", "PrepackOptions"]
 
@@ -122,12 +147,13 @@ class PrepackOptions:
         default=False, metadata={"help": NO_PROGRESS_HELP, "flag": "--no-progress", "cli_default": True}
     )
     images: bool = False
+    #: a name of the registry (``sftpack.multimodal.family_names()``) or a configured ``Family``
     family: str = field(
         default="qwen2_vl",
         metadata={
-            "help": "the vision-language model family the rows are for (default {default})",
+            "help": "the vision-language model family the rows are for (the CLI's --family: sftpack.cli's add_family)",
             "cli_default": None,
-            "choices": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3"),
+            "choices": FAMILY_NAMES,
         },
     )
     max_patches_per_row: int | None = field(
