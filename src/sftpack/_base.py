@@ -23,11 +23,12 @@ import numbers
 import os
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from typing import Any, Protocol, TypeVar, cast, overload
 
 __all__ = [
+    "LazyChoices",
     "StrEnum",
     "check_width",
     "choose",
@@ -252,3 +253,22 @@ def pool_results(
     finally:
         pool.terminate()
         pool.join()
+
+
+class LazyChoices(Sequence[str]):
+    """An argparse ``choices`` list read from ``load`` the first time it is asked for (when the
+    option is given or its help shown), so that building a parser loads nothing: e.g. the model
+    families' names, whose registry loads torch."""
+
+    def __init__(self, load: Callable[[], Sequence[str]]) -> None:
+        self._load = load
+
+    @overload
+    def __getitem__(self, i: int) -> str: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[str]: ...
+    def __getitem__(self, i: int | slice) -> str | Sequence[str]:
+        return self._load()[i]
+
+    def __len__(self) -> int:
+        return len(self._load())

@@ -20,6 +20,7 @@ from ..report.savings import bench_lengths, bench_media, format_layouts, format_
 from ._common import (
     INPUTS_HELP,
     UsageError,
+    add_family,
     add_settings,
     has_images,
     load_tokenizer,
@@ -80,6 +81,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a local Hugging Face model folder: its tokenizer; with images its family (config.model_type), "
         "tokenizer and image processor",
     )
+    add_family(b)
     b.add_argument("--limit", type=positive, help="first N conversations only")
     b.add_argument("--num-proc", type=positive, default=1, help="tokenizer worker processes (text data)")
     b.add_argument("--seed", type=int, default=0)
@@ -105,6 +107,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             "--max-patches-per-row is the vision-patch budget of --corpus vqa or data with image parts; text rows "
             "have no patches"
+        )
+    if args.family is not None:
+        raise UsageError(
+            f"--family {args.family} names the model of data with images: these inputs have no image parts"
         )
     tok = load_tokenizer(tokenizer_folder(args.model, args.tokenizer), args.chat_template)
     conversations: Iterable[Conversation]
@@ -166,7 +172,7 @@ def _run_images(args: argparse.Namespace) -> int:
     if args.num_proc != 1:
         raise UsageError(f"--num-proc: not offered with {what} (tokenized and its images processed in this process)")
     # a folder of an unsupported model type: one line, before any work; loaded once, used by bench_media
-    family, tok, processor = vlm_setup(args.model)
+    family, tok, processor = vlm_setup(args.model, None, args.family)
     max_patches = args.max_patches if args.max_patches is not None else 2 * args.max_seq_len
     read_stats = None
     conversations: Iterable[Any]

@@ -15,17 +15,20 @@ import typing
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._base import LazyChoices
 from ..loop import ConfigError
 from ..loop import inputs as _inputs
 from ..loop.inputs import counts_text, has_images, render_read_stats
 
 if TYPE_CHECKING:
     from ..chat import TokenizeStats
+    from ..multimodal import Family
 
 __all__ = [
     "INPUTS_HELP",
     "Terminated",
     "UsageError",
+    "add_family",
     "add_settings",
     "flag_of",
     "given_settings",
@@ -187,8 +190,8 @@ def add_settings(parser: Any, options: type, *names: str) -> None:
             kwargs["type"] = _argument_type(meta["parse"])
         elif enums:
             kwargs["choices"] = [m.value for m in enums[0]]
-        elif "choices" in meta:
-            kwargs["choices"] = list(meta["choices"])
+        elif "choices" in meta:  # a LazyChoices stays lazy: read when the option is given or its help shown
+            kwargs["choices"] = meta["choices"] if isinstance(meta["choices"], LazyChoices) else list(meta["choices"])
         elif bool in kinds:
             kwargs["action"] = "store_false" if default else "store_true"
         elif int in kinds:
@@ -269,8 +272,17 @@ def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
         return _inputs.tokenizer_folder(model, tokenizer)
 
 
-def vlm_family(model: str | None, family: str | None = None) -> Any:
-    """The model family of a run with images (:func:`sftpack.loop.inputs.vlm_family`)."""
+def add_family(parser: Any) -> None:
+    """``--family`` on ``parser`` (or an argument group), one meaning on every command
+    (:data:`sftpack.loop.inputs.FAMILY_HELP`), its choices the registry's (:func:`sftpack.multimodal.family_names`).
+    Unset, it is ``None``: :func:`vlm_family` then takes the ``--model`` folder's family, else
+    the default."""
+    parser.add_argument("--family", choices=_inputs.FAMILY_NAMES, metavar="FAMILY", help=_inputs.FAMILY_HELP)
+
+
+def vlm_family(model: str | None, family: str | None = None) -> Family:
+    """The model family of a run with images, what ``--family`` means (:data:`sftpack.loop.inputs.FAMILY_HELP`;
+    :func:`sftpack.loop.inputs.vlm_family`), a refusal as a usage error."""
     with usage_errors():
         return _inputs.vlm_family(model, family)
 

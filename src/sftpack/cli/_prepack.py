@@ -12,6 +12,7 @@ from ..chat import InputOptions, read_conversations
 from ._common import (
     INPUTS_HELP,
     UsageError,
+    add_family,
     add_settings,
     given_settings,
     has_images,
@@ -87,7 +88,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
         "tokenizer and image processor and stored with their resized pixels. Not with --tokenizer, --train-on "
         "(assistant turns are trained) or --overlong truncate (never a cut inside an image).",
     )
-    add_settings(img, PrepackOptions, "family", "max_patches_per_row")
+    add_family(img)
+    add_settings(img, PrepackOptions, "max_patches_per_row")
     add_settings(p, PrepackOptions, "limit", "overwrite", "progress")
 
 
@@ -313,8 +315,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
     # the family (a --model folder's), then the options, checked before an image is read; what fails
     # after that is the data's (exit 1)
     family, tok, processor = vlm_setup(args.model, None, args.family)
-    more: dict[str, Any] = {"family": family} if args.model is not None else {}
-    options = _options(args, pad_multiple, images=True, limit=None if vqa else args.limit, **more)
+    options = _options(args, pad_multiple, images=True, limit=None if vqa else args.limit, family=family)
     reader = None
     if vqa:
         from ..multimodal import vqa_corpus  # start-up: multimodal loads torch

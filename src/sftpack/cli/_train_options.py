@@ -45,7 +45,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         *("pad_multiple", "boundaries", "buffer_size", "max_patches_per_row", "allow_inexact_packing"),
     )
     m = t.add_argument_group("model")
-    add_settings(m, ModelSettings, "model", "tokenizer")
+    add_settings(m, ModelSettings, "model", "tokenizer", "family")
     add_settings(m, DataSettings, "vocab")
     add_settings(m, ModelSettings, "model_impl")
     add_settings(m, TrainConfig, "dim", "layers", "heads", "kv_heads", "device", "fsdp")

@@ -22,7 +22,7 @@ from typing import Any
 
 from ..chat import DEFAULT_MAX_SEQ_LEN, InputOptions, read_conversations
 from ..data import default_corpus
-from ._common import INPUTS_HELP, UsageError, add_settings, has_images, positive, render_read_stats
+from ._common import INPUTS_HELP, UsageError, add_family, add_settings, has_images, positive, render_read_stats
 
 #: conversations checked by default (text; data with images)
 TEXT_LIMIT, IMAGE_LIMIT = 8, 2
@@ -49,10 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a local model folder (save_pretrained: config, weights, tokenizer; for a vision-language model its "
         "preprocessor_config.json); default: a tiny model built from a config over the data's ids",
     )
-    v.add_argument(
-        "--family",
-        help="data with images and no --model: the tiny vision-language model's family (default qwen2_vl)",
-    )
+    add_family(v)
     v.add_argument(
         "--limit",
         type=positive,

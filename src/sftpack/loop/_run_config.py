@@ -137,6 +137,10 @@ class RunConfig:
                     else "data with images (it trains a vision-language model)"
                 )
             )
+        if not images and model.family is not None:
+            raise ConfigError(
+                f"{{family}} {model.family} names the model of data with images: these inputs have no image parts"
+            )
         if not images and inp.image_sides is not None:
             raise ConfigError("{image_sides} sizes the images of {corpus} vqa: give {corpus} vqa")
         if not images and cfg.max_patches_per_row is not None:

@@ -365,7 +365,7 @@ class MediaData:
 
         run, cfg = self.run, self.run.config
         inp = cfg.input
-        self.family, self.tok, self.processor = vlm_setup(cfg.model.model, cfg.model.tokenizer)
+        self.family, self.tok, self.processor = vlm_setup(cfg.model.model, cfg.model.tokenizer, cfg.model.family)
         vqa = inp.corpus == "vqa"
         lo, hi = inp.image_sides or IMAGE_SIDES
         limit = inp.limit or (VQA_LIMIT if vqa else None)

@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 
 from ..chat import NO_PROGRESS_HELP, InputOptions
 from ._options import TrainConfig
+from .inputs import FAMILY_HELP, FAMILY_NAMES
 
 __all__ = [
     "IMAGE_SIDES",
@@ -150,6 +151,9 @@ class ModelSettings:
             "(LlamaForCausalLM itself); not with --model, which always loads with transformers",
             "choices": ("torch", "transformers"),
         },
+    )
+    family: str | None = field(
+        default=None, metadata={"help": FAMILY_HELP, "choices": FAMILY_NAMES, "metavar": "FAMILY"}
     )
     dtype: str | None = field(
         default=None,

@@ -12,12 +12,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .._base import LazyChoices
 from ._options import ConfigError
 
 if TYPE_CHECKING:
     from ..chat import ReadStats
 
 __all__ = [
+    "FAMILY_HELP",
+    "FAMILY_NAMES",
     "counts_text",
     "has_images",
     "load_tokenizer",
@@ -74,6 +77,24 @@ def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
     if model is not None and tokenizer is not None:
         raise ConfigError("{tokenizer}: a {model} folder brings its own tokenizer; drop {tokenizer}")
     return model or tokenizer
+
+
+#: What a run's ``family`` (``--family``) means, on every command that takes it; ``%(choices)s``:
+#: the registry's names (:data:`FAMILY_NAMES`)
+FAMILY_HELP = (
+    "the vision-language model family of the data with images and of its model: %(choices)s "
+    "(default: the --model folder's, its config.model_type; else qwen2_vl)"
+)
+
+
+def _family_names() -> Sequence[str]:
+    from ..multimodal import family_names  # start-up: multimodal loads torch, which building a parser must not
+
+    return family_names()
+
+
+#: the registry's family names (:func:`sftpack.multimodal.family_names`), read when first asked for
+FAMILY_NAMES: Sequence[str] = LazyChoices(_family_names)
 
 
 def vlm_family(model: str | None, family: str | None = None) -> Any:

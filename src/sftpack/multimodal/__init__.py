@@ -37,6 +37,8 @@ The three paths build on these; see docs/multimodal.md. The parts they take besi
 from here too (never from the private modules: a contract in ``pyproject.toml``) and out of
 ``__all__``:
 
+* the registry: ``family_names`` (every command's ``--family`` choices) and ``DEFAULT_FAMILY``
+  (the family of a run that names none);
 * per record and per sample: ``tokenize_record`` (one record to its samples or its drop reason),
   ``split_sample`` (the over-long policy), ``check_patch_budget`` and its drop reason
   ``OVER_PATCH_BUDGET``, ``EncodedImages`` (a conversation's images, encoded);
@@ -52,8 +54,10 @@ from __future__ import annotations
 from ._cp import cp_hidden, cp_vision_outputs
 from ._exactness import PackedCheck, check_packed
 from ._exactness import compare_packed_alone as compare_packed_alone
+from ._family import DEFAULT_FAMILY as DEFAULT_FAMILY
 from ._family import EncodedImages as EncodedImages
 from ._family import Family, UnsupportedModelError, family_for
+from ._family import family_names as family_names
 from ._images import BadImageError, BadImageReason, load_image
 from ._images import patchify_pixels as patchify_pixels
 from ._images import pixel_table as pixel_table

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from .._base import StrEnum, choose, positive_int
+from .._base import LazyChoices, StrEnum, choose, positive_int
 from ..binpack import Algorithm
 from ..chat import (
     DEFAULT_MAX_SEQ_LEN,
@@ -36,6 +36,17 @@ from ..chat import (
 )
 from ..sample import Overlong
 from ._plan import BinPack
+
+
+def _family_names() -> tuple[str, ...]:
+    """The registry's family names (:func:`sftpack.multimodal.family_names`)."""
+    from ..multimodal import family_names  # start-up: multimodal loads torch, which building the parser must not
+
+    return family_names()
+
+
+#: the family setting's choices: the registry's names, read when first asked for
+FAMILY_NAMES: Sequence[str] = LazyChoices(_family_names)
 
 __all__ = ["Engine", "PrepackOptions"]
 
@@ -122,12 +133,13 @@ class PrepackOptions:
         default=False, metadata={"help": NO_PROGRESS_HELP, "flag": "--no-progress", "cli_default": True}
     )
     images: bool = False
+    #: a name of the registry (``sftpack.multimodal.family_names()``) or a configured ``Family``
     family: str = field(
         default="qwen2_vl",
         metadata={
-            "help": "the vision-language model family the rows are for (default {default})",
+            "help": "the vision-language model family the rows are for (the CLI's --family: sftpack.cli's add_family)",
             "cli_default": None,
-            "choices": ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava", "gemma3"),
+            "choices": FAMILY_NAMES,
         },
     )
     max_patches_per_row: int | None = field(

@@ -41,7 +41,7 @@ from ... import _optional
 from ...data import default_tokenizer
 from ...handoff import PackedBatch, PackedBatchError
 from ...handoff.payload import ImageMedia
-from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model
+from .._family import EncodedImages, Family, ImageProcessor, UnsupportedModelError, VisionLanguageModel, seeded_model
 
 __all__ = ["GEMMA3_TEMPLATE", "Gemma3", "gemma3_tokenizer", "packed_masks"]
 
@@ -105,7 +105,7 @@ def _image_processor(size: int) -> Any:
     return _optional.transformers().Gemma3ImageProcessorPil(size={"height": size, "width": size})
 
 
-def _side(processor: Any) -> int | None:
+def _side(processor: ImageProcessor) -> int | None:
     size = getattr(processor, "size", None)
     h = size.get("height") if isinstance(size, dict) else getattr(size, "height", None)
     w = size.get("width") if isinstance(size, dict) else getattr(size, "width", None)
@@ -138,7 +138,7 @@ def _gemma_rms_norm(self: Any, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
-def _norms_in_float64(model: Any) -> Any:
+def _norms_in_float64(model: VisionLanguageModel) -> Any:
     """A float64 Gemma 3 with its RMSNorms in float64 (they upcast to float32 otherwise, so two
     groupings of the same tokens could differ by a float32 rounding step)."""
     if model.dtype == torch.float64:
@@ -190,14 +190,14 @@ class Gemma3(Family):
     def _default_image_processor(self) -> Any:
         return _image_processor(self.image_size)
 
-    def takes_processor(self, processor: Any) -> bool:
+    def takes_processor(self, processor: ImageProcessor) -> bool:
         return (
             type(processor).__name__.startswith("Gemma3ImageProcessor")
             and not getattr(processor, "do_pan_and_scan", False)
             and _side(processor) == self.image_size
         )
 
-    def check(self, tokenizer: Any, processor: Any) -> None:
+    def check(self, tokenizer: Any, processor: ImageProcessor) -> None:
         """The base checks, and the tokenizer's ``<image_soft_token>`` at the config's ``image_token_index``."""
         super().check(tokenizer, processor)
         got = self.placeholder_id(tokenizer)
@@ -217,7 +217,7 @@ class Gemma3(Family):
         repeated to the image's count afterwards)."""
         return f"\n\n{BOI}{SOFT}{EOI}\n\n"
 
-    def encode_images(self, images: list[Any], processor: Any) -> EncodedImages:
+    def encode_images(self, images: list[Any], processor: ImageProcessor) -> EncodedImages:
         if images:
             pv = np.ascontiguousarray(processor(images=images, return_tensors="np")["pixel_values"], dtype=np.float32)
         else:
@@ -303,7 +303,9 @@ class Gemma3(Family):
             weight.copy_(torch.randn(weight.shape, dtype=torch.float64).mul_(cfg.initializer_range).to(weight.dtype))
         return _norms_in_float64(model)
 
-    def packed_hidden(self, model: Any, batch: PackedBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
+    def packed_hidden(
+        self, model: VisionLanguageModel, batch: PackedBatch, *, pad_between_seqs: bool = True
+    ) -> torch.Tensor:
         """``(T, H)`` hidden states of a packed Gemma 3 row: the tower and projector once over the
         row's images (one image per batch entry), their features replacing the soft tokens'
         embeddings in row order, the language model on the 1-D positions and :func:`packed_masks`
@@ -351,7 +353,7 @@ class Gemma3(Family):
         soft tokens see each other both ways (without them its mask is causal throughout)."""
         return {"token_type_ids": (input_ids == media.token_id).to(torch.int64)}
 
-    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: ImageMedia) -> dict[str, Any]:
+    def _alone_media(self, model: VisionLanguageModel, input_ids: torch.Tensor, media: ImageMedia) -> dict[str, Any]:
         """``model(input_ids, pixel_values, token_type_ids)``: Hugging Face's own mask (its soft
         tokens bidirectional within each image, from ``token_type_ids``), tower and scatter."""
         return {"pixel_values": media.pixel_values.to(model.dtype), **self.padded_kwargs(input_ids, media)}

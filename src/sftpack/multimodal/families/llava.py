@@ -44,7 +44,15 @@ from ...data import default_tokenizer
 from ...exactness import small_text_config
 from ...handoff import PackedBatch, PackedBatchError
 from ...handoff.payload import ImageMedia
-from .._family import EncodedImages, Family, UnsupportedModelError, seeded_model, text_kwargs
+from .._family import (
+    EncodedImages,
+    Family,
+    ImageProcessor,
+    UnsupportedModelError,
+    VisionLanguageModel,
+    seeded_model,
+    text_kwargs,
+)
 
 __all__ = ["IMAGE", "LLAVA_TEMPLATE", "Llava", "llava_image_tokens", "llava_tokenizer"]
 
@@ -86,7 +94,7 @@ def llava_tokenizer() -> Any:
     return _tokenizer()
 
 
-def _crop_side(processor: Any) -> int | None:
+def _crop_side(processor: ImageProcessor) -> int | None:
     """The side of a CLIP-style processor's square crop (``None``: not one)."""
     crop = getattr(processor, "crop_size", None)
     h = crop.get("height") if isinstance(crop, dict) else getattr(crop, "height", None)
@@ -176,7 +184,7 @@ class Llava(Family):
     def _default_tokenizer(self) -> Any:
         return llava_tokenizer()
 
-    def check(self, tokenizer: Any, processor: Any) -> None:
+    def check(self, tokenizer: Any, processor: ImageProcessor) -> None:
         """The base checks, and the tokenizer's ``<image>`` at the config's ``image_token_index``."""
         super().check(tokenizer, processor)
         got = int(tokenizer.convert_tokens_to_ids(IMAGE))
@@ -189,10 +197,10 @@ class Llava(Family):
     def _default_image_processor(self) -> Any:
         return _image_processor(self.image_size)
 
-    def takes_processor(self, processor: Any) -> bool:
+    def takes_processor(self, processor: ImageProcessor) -> bool:
         return _crop_side(processor) is not None
 
-    def encode_images(self, images: list[Any], processor: Any) -> EncodedImages:
+    def encode_images(self, images: list[Any], processor: ImageProcessor) -> EncodedImages:
         if images:
             pv = np.ascontiguousarray(processor(images=images, return_tensors="np")["pixel_values"], dtype=np.float32)
         else:
@@ -221,7 +229,9 @@ class Llava(Family):
             **sizes,
         )
 
-    def packed_hidden(self, model: Any, batch: PackedBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
+    def packed_hidden(
+        self, model: VisionLanguageModel, batch: PackedBatch, *, pad_between_seqs: bool = True
+    ) -> torch.Tensor:
         """``(T, H)`` hidden states of a packed LLaVA row.
 
         The vision tower and projector run once over all the row's images (one image per
@@ -249,7 +259,7 @@ class Llava(Family):
         inputs = {"inputs_embeds": embeds.unsqueeze(0), "position_ids": b.position_ids.unsqueeze(0)}
         return model.model(**text_kwargs(model, b, inputs, pad_between_seqs=pad_between_seqs)).last_hidden_state[0]
 
-    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: ImageMedia) -> dict[str, Any]:
+    def _alone_media(self, model: VisionLanguageModel, input_ids: torch.Tensor, media: ImageMedia) -> dict[str, Any]:
         """``model(input_ids, pixel_values)``: its vision tower, its own feature scatter, its own positions."""
         return {"pixel_values": media.pixel_values.to(model.dtype)}
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import copy
 import os
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -44,7 +44,15 @@ from ...data import default_tokenizer
 from ...exactness import small_text_config
 from ...handoff import PackedBatch
 from ...handoff.payload import PatchMedia
-from .._family import EncodedImages, Family, seeded_model, text_kwargs
+from .._family import (
+    EncodedImages,
+    Family,
+    ImageProcessor,
+    PatchProcessor,
+    VisionLanguageModel,
+    seeded_model,
+    text_kwargs,
+)
 from .._images import image_processor, process_images
 from .._video import EncodedVideos, VideoSampling, encode_videos, read_video_settings, video_processor_for
 
@@ -200,7 +208,7 @@ class Qwen2VL(Family):
             self.video_sampling = self.video_settings(model_dir)
         return processor
 
-    def video_processor(self, processor: Any) -> Any:
+    def video_processor(self, processor: ImageProcessor) -> Any:
         """The image processor as the video settings make frames' values (their mean, std and
         limits; :func:`~sftpack.multimodal._video.video_processor_for`)."""
         return video_processor_for(processor, self.video_sampling)
@@ -211,21 +219,21 @@ class Qwen2VL(Family):
     def _default_image_processor(self) -> Any:
         return image_processor()
 
-    def check(self, tokenizer: Any, processor: Any) -> None:
+    def check(self, tokenizer: Any, processor: ImageProcessor) -> None:
         """The base's checks, and the video settings' patch sizes must be ``processor``'s (a
         folder's video processor file of other sizes is refused here, before any record)."""
         super().check(tokenizer, processor)
         video_processor_for(processor, self.video_sampling)
 
-    def takes_processor(self, processor: Any) -> bool:
+    def takes_processor(self, processor: ImageProcessor) -> bool:
         sizes = [getattr(processor, a, None) for a in ("patch_size", "temporal_patch_size", "merge_size")]
         ints = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in sizes)
         return ints and "image_grid_thw" in (getattr(processor, "model_input_names", None) or ())
 
-    def encode_images(self, images: list[Any], processor: Any) -> EncodedImages:
+    def encode_images(self, images: list[Any], processor: ImageProcessor) -> EncodedImages:
         patches = process_images(images, processor)
         grid = patches.image_grid_thw
-        merge = int(processor.merge_size)
+        merge = int(cast(PatchProcessor, processor).merge_size)  # check(): a patch processor
         return EncodedImages(patches.pixel_values, patches.tokens_per_image(merge), grid, merge)
 
     def _media_fields(
@@ -242,7 +250,7 @@ class Qwen2VL(Family):
 
     # ------------------------------------------------------------------ video
     def encode_videos(
-        self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
+        self, videos: list[dict], processor: ImageProcessor, *, record: Any = None, fields: list[str] | None = None
     ) -> EncodedVideos:
         """Patches and placeholder counts of one conversation's video parts (in order), their
         frames sampled, resized and normalised by :attr:`video_sampling` (the model folder's video
@@ -331,7 +339,7 @@ class Qwen2VL(Family):
         model_class = getattr(_optional.transformers(), self.model_class)
         return seeded_model(model_class, cfg, **build, norm_classes=self.norm_classes)
 
-    def vision_outputs(self, model: Any, media: PatchMedia) -> Any:
+    def vision_outputs(self, model: VisionLanguageModel, media: PatchMedia) -> Any:
         """The vision tower over the row's items (images and videos), one attention segment per
         frame, its features split per item (``pooler_output``)."""
         hf = _optional.transformers("modeling_outputs")
@@ -343,7 +351,7 @@ class Qwen2VL(Family):
             last_hidden_state=out.last_hidden_state, pooler_output=torch.split(out.pooler_output, sizes)
         )
 
-    def encoder_outputs(self, model: Any, media: PatchMedia) -> dict[str, Any]:
+    def encoder_outputs(self, model: VisionLanguageModel, media: PatchMedia) -> dict[str, Any]:
         """The model's ``mm_encoder_outputs`` for a row: the tower run once over every item
         (:meth:`vision_outputs`; an item's features depend on it alone), the features of the
         images under ``"image"`` and those of the videos under ``"video"``, each in row order."""
@@ -358,7 +366,9 @@ class Qwen2VL(Family):
             for kind, (_, _, idx) in media.by_kind().items()
         }
 
-    def packed_hidden(self, model: Any, batch: PackedBatch, *, pad_between_seqs: bool = True) -> torch.Tensor:
+    def packed_hidden(
+        self, model: VisionLanguageModel, batch: PackedBatch, *, pad_between_seqs: bool = True
+    ) -> torch.Tensor:
         """``(T, H)`` hidden states of a packed row: the vision tower over the row's per-image
         boundaries, the language model over ``batch.to_hf_kwargs()`` (its tower inputs and
         labels dropped; with ``pad_between_seqs`` the real boundaries added as
@@ -377,7 +387,7 @@ class Qwen2VL(Family):
             kw["mm_encoder_outputs"] = self.encoder_outputs(model, media)
         return model.model(**kw).last_hidden_state[0]
 
-    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
+    def _alone_media(self, model: VisionLanguageModel, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
         """Hugging Face's own way: the model computes the MRoPE positions (``get_rope_index``)
         and runs its vision tower itself (images and videos apart); one causal sequence, no
         boundaries. ``mm_token_type_ids``: 1 at image placeholders, 2 at video ones."""

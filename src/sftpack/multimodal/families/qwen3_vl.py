@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -69,7 +69,7 @@ import torch
 from ... import _optional
 from ...exactness import small_text_config
 from ...handoff.payload import PatchMedia
-from .._family import EncodedImages, UnsupportedModelError
+from .._family import EncodedImages, ImageProcessor, PatchProcessor, UnsupportedModelError, VisionLanguageModel
 from .._images import _pil_processor_class
 from .._video import (
     DEFAULT_FPS,
@@ -190,7 +190,7 @@ class Qwen3VL(Qwen2VL):
     def _default_image_processor(self) -> Any:
         return qwen3vl_image_processor(*self.sizes)
 
-    def check(self, tokenizer: Any, processor: Any) -> None:
+    def check(self, tokenizer: Any, processor: ImageProcessor) -> None:
         """Qwen2-VL's checks, and the processor's patch, temporal patch and merge sizes must be the model's."""
         super().check(tokenizer, processor)
         got = tuple(int(getattr(processor, a)) for a in ("patch_size", "temporal_patch_size", "merge_size"))
@@ -201,12 +201,12 @@ class Qwen3VL(Qwen2VL):
             )
 
     def encode_videos(
-        self, videos: list[dict], processor: Any, *, record: Any = None, fields: list[str] | None = None
+        self, videos: list[dict], processor: ImageProcessor, *, record: Any = None, fields: list[str] | None = None
     ) -> TimedVideos:
         """Patches, placeholder counts per temporal slice and timestamps of one conversation's video
         parts (in order; see the module text). ``record`` and ``fields`` (each part's) are named in errors."""
         enc = encode_videos(videos, processor, sampling=self.video_sampling, record=record, fields=fields)
-        t = int(processor.temporal_patch_size)
+        t = int(cast(PatchProcessor, processor).temporal_patch_size)  # check(): a patch processor
         stamps = []
         for i, part in enumerate(videos):
             fps = _fps(part, record, fields[i] if fields is not None else f"videos[{i}]")
@@ -256,7 +256,7 @@ class Qwen3VL(Qwen2VL):
             videos = videos.slices()
         return super().media(input_ids, runs, images, token_id, videos=videos, video_runs=video_runs)
 
-    def _alone_media(self, model: Any, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
+    def _alone_media(self, model: VisionLanguageModel, input_ids: torch.Tensor, media: PatchMedia) -> dict[str, Any]:
         """Qwen2-VL's (the model runs its tower and ``get_rope_index`` itself), each run of
         consecutive slices of one size joined back into one ``(t, h, w)`` video grid, as the
         processor's ``video_grid_thw`` has it (two videos of one size back to back become one grid:
@@ -319,7 +319,7 @@ class Qwen3VL(Qwen2VL):
             **{k: v for k, v in token_ids.items() if k != "video_token_id"},
         )
 
-    def vision_outputs(self, model: Any, media: PatchMedia) -> Any:
+    def vision_outputs(self, model: VisionLanguageModel, media: PatchMedia) -> Any:
         """The vision tower over the row's items (one attention segment per frame), its merged
         output and each deepstack map split per item, as the model's ``mm_encoder_outputs`` take them."""
         hf = _optional.transformers("models.qwen3_vl.modeling_qwen3_vl")
@@ -333,7 +333,7 @@ class Qwen3VL(Qwen2VL):
             deepstack_features=[torch.split(f, sizes) for f in out.deepstack_features],
         )
 
-    def encoder_outputs(self, model: Any, media: PatchMedia) -> dict[str, Any]:
+    def encoder_outputs(self, model: VisionLanguageModel, media: PatchMedia) -> dict[str, Any]:
         """The model's ``mm_encoder_outputs`` for a row: the tower once over every item
         (:meth:`vision_outputs`), the images' merged features and deepstack maps under ``"image"``,
         the video slices' under ``"video"``, each in row order (the model lays each kind's deepstack
