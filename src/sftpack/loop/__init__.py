@@ -49,6 +49,10 @@ The public names (``__all__``):
   run reads before it trains (whether data holds images, the tokenizer, the family), shared by every command;
 - Hugging Face ``Trainer``: :class:`PackingCollator`, :class:`RowsCollator`,
   :class:`PaddedCollator`;
+- the loop's parts: :class:`Part` (hooks at the start, after every step and at the end: a
+  logger of your own is a ``Part`` passed as ``train(parts=[...])`` or
+  ``RunConfig.build().run(parts=[...])``), what it sees, :class:`LoopState`, and each step's
+  record, :class:`StepLog`;
 - errors to catch: :class:`CheckpointError`, :class:`NonFiniteError`;
 - :func:`plot_training` (loss and tokens/s curves).
 
@@ -125,6 +129,9 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._model_dir import check_model_dir as check_model_dir
     from ._options import ConfigError as ConfigError
     from ._options import TrainConfig as TrainConfig
+    from ._parts import LoopState as LoopState
+    from ._parts import Part as Part
+    from ._parts import StepLog as StepLog
     from ._plot import plot_training as plot_training
     from ._run_config import RunConfig as RunConfig
     from ._run_parts import DataSettings as DataSettings
@@ -146,6 +153,9 @@ _HOMES = {
     "InputSettings": "_run_parts",
     "ModelSettings": "_run_parts",
     "OutputSettings": "_run_parts",
+    "LoopState": "_parts",
+    "Part": "_parts",
+    "StepLog": "_parts",
     "NonFiniteError": "_loop",
     "PackingCollator": "_hf",
     "PaddedCollator": "_hf",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +22,7 @@ from ._run_parts import RunSettings
 
 if TYPE_CHECKING:
     from ._loop import TrainResult
+    from ._parts import Part
 
 __all__ = ["Run"]
 
@@ -68,8 +69,11 @@ class Run:
         self.data: TextData | MediaData = MediaData(self) if images else TextData(self)
         self._workdir: tempfile.TemporaryDirectory[str] | None = None
 
-    def run(self, stop: StopSignal | None = None) -> TrainResult:
+    def run(self, stop: StopSignal | None = None, parts: Sequence[Part] = ()) -> TrainResult:
         """Train: the data, the model, the source, the loop, the report and ``save_model``.
+        ``parts``: the caller's own parts of the loop (:class:`~sftpack.loop.Part`: a logger of
+        its own...), called after the run's and before its checkpoints
+        (:func:`~sftpack.loop.train`'s ``parts``).
         ``stop``: a stop signal (``sftpack train``: SIGTERM) entered around the loop alone; when it
         says stop, the loop ends after its step, :attr:`stopped` is set, ``save_model`` is written
         when the run was complete or nothing else keeps it (no ``checkpoint_dir``), and the result
@@ -77,7 +81,7 @@ class Run:
         error: BaseException | None = None
         try:
             source, model, held = self._prepare()
-            result = self._train(source, model, held, stop or _never)
+            result = self._train(source, model, held, stop or _never, parts)
             if self.stopped:
                 self.data.abort(None)
                 return result
@@ -143,7 +147,7 @@ class Run:
         self.rank, self.world = init_distributed()
         self.say = self._say_all if self.rank == 0 else _quiet
 
-    def _train(self, source: Any, model: Any, held: Any, stop: StopSignal) -> TrainResult:
+    def _train(self, source: Any, model: Any, held: Any, stop: StopSignal, parts: Sequence[Part]) -> TrainResult:
         """:func:`~sftpack.loop.train` under the run's settings, ``stop`` entered around it."""
         from ._loop import train
 
@@ -163,6 +167,7 @@ class Run:
                 on_step=lambda rec: self.mark(f"step {rec.step}") if rec.step == 1 else None,
                 eval_samples=held,
                 tensorboard=out.tensorboard,
+                parts=parts,
             )
         if stopping():
             self.stopped = True
