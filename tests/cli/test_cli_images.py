@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from sftpack.cli import main
+from tests.helpers import save_vlm_folder
 from tests.ray.conftest import ray_cluster  # noqa: F401 - tests/ray's one private Ray, for the --engine ray test
 
 pytest.importorskip("PIL")
@@ -210,9 +211,7 @@ def test_prepack_engine_ray_with_a_model_folder_writes_the_local_engines_bytes(d
     """A user's folder (Qwen2.5-VL: its configuration travels with its family) on Ray's actors:
     the local engine's bytes."""
     pytest.importorskip("ray")
-    from tests.multimodal.test_model_folders import _folder
-
-    folder = _folder(str(tmp_path / "qwen2_5_vl"), "qwen2_5_vl")
+    folder = save_vlm_folder(str(tmp_path / "qwen2_5_vl"), "qwen2_5_vl")
     local, ray = tmp_path / "local.prepack", tmp_path / "ray.prepack"
     assert _prepack(data, local, "--model", folder) == 0
     assert _prepack(data, ray, "--model", folder, "--engine", "ray", "--workers", "2") == 0

@@ -181,7 +181,7 @@ def test_a_folders_processor_template_is_used_when_its_tokenizer_has_none(tmp_pa
     family's tokenizer of the folder takes it, as ``AutoProcessor`` would."""
     from sftpack.multimodal.families.llava import Llava
     from sftpack.testing import tiny_chat_tokenizer
-    from tests.multimodal.test_model_folders import LLAVA_15_TEMPLATE
+    from tests.helpers import LLAVA_15_TEMPLATE
 
     tok = tiny_chat_tokenizer("chatml")
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]}, replace_extra_special_tokens=False)
