@@ -287,6 +287,29 @@ def max_loss_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def train_args(
+    data: Any,
+    *extra: str,
+    tokenizer: Any = None,
+    steps: int | None = 1,
+    batch_size: int = 4,
+    max_seq_len: int = 64,
+    dim: int = 16,
+    layers: int = 1,
+) -> list[str]:
+    """The arguments of ``sftpack train DATA`` on the commands' tiny model (``dim`` wide,
+    ``layers`` deep, 2 heads, 1 key-value head) for ``steps`` steps (``None``: no ``--steps``) of
+    ``batch_size`` rows ``max_seq_len`` wide, with ``--tokenizer`` when one is given, then ``extra``."""
+    args = ["train", str(data)]
+    if tokenizer is not None:
+        args += ["--tokenizer", str(tokenizer)]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    args += ["--batch-size", str(batch_size), "--max-seq-len", str(max_seq_len)]
+    args += ["--dim", str(dim), "--layers", str(layers), "--heads", "2", "--kv-heads", "1"]
+    return [*args, *extra]
+
+
 def counting_conversations(n: int = 30) -> list[list[dict[str, str]]]:
     """``n`` two-turn conversations whose lengths cycle (user: ``i % 4 + 1`` counts,
     assistant: ``i % 9 + 1`` triples), so that conversation ``i`` reads as its index."""

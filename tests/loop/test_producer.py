@@ -23,7 +23,7 @@ from sftpack.chat._cache_key import tokenizer_info
 from sftpack.chat._training_samples import Pending, start_training_samples
 from sftpack.loop import TrainConfig, make_source
 from sftpack.testing import tiny_chat_tokenizer
-from tests.helpers import counting_conversations
+from tests.helpers import counting_conversations, train_args
 
 #: a liveness guard for waits on another process (never a measured time)
 GUARD_S = 120
@@ -232,9 +232,8 @@ def test_sftpack_train_tokenizes_in_the_producer_on_a_miss(tok, tmp_path):
     chat = tmp_path / "chat.jsonl"
 
     chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in counting_conversations(40)))
-    args = ["train", str(chat), "--steps", "1", "--batch-size", "4", "--max-seq-len", "64", "--tokenizer",
-            str(files), "--cache-dir", str(tmp_path / "cache"), "--dim", "16", "--layers", "1", "--heads", "2",
-            "--kv-heads", "1", "--num-proc", "2", "--device", "cpu"]  # fmt: skip
+    more = ["--cache-dir", str(tmp_path / "cache"), "--num-proc", "2", "--device", "cpu"]
+    args = train_args(chat, *more, tokenizer=files)
     out = subprocess.run(
         [sys.executable, "-c", DRIVER, *args], capture_output=True, text=True, timeout=600, check=False
     )
