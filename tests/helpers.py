@@ -490,13 +490,28 @@ def positions_not_restarted(batch: PackedBatch) -> PackedBatch:
     return dataclasses.replace(batch, position_ids=torch.arange(len(batch.position_ids)), media=media)
 
 
+def packed_vs_alone(fam: Any, model: Any, samples: list[Sample], row: PackedBatch) -> tuple[float, float, dict]:
+    """The largest differences (logits, loss, gradients by part) between ``row`` run packed through
+    ``fam``'s packed forward and each of ``samples`` run alone the model's own way
+    (:func:`sftpack.multimodal._exactness.compare_packed_alone`)."""
+    from sftpack.multimodal._exactness import compare_packed_alone
+
+    logits, loss, grads, _, _ = compare_packed_alone(
+        model,
+        samples,
+        row,
+        alone=fam.alone_logits,
+        packed=lambda: fam.packed_logits(model, row),
+        part_of=fam.part_of,
+    )
+    return logits, loss, grads
+
+
 def check_prepacked_rows(fam: Any, folder: str, data: Path, rows: list[PackedBatch]) -> None:
     """Each prepacked row through the folder's own HF class (float64) equals each of its samples
     alone within FOLDER_TOL; the negative control fails by FOLDER_BUG: the same row with positions
     not restarted (a row of several samples, MRoPE families) or its images shifted by one (LLaVA
     and Gemma 3, whose tiny models barely move with a position shift: a row of two or more images)."""
-    from sftpack.multimodal._exactness import compare_packed_alone
-
     model = fam.pretrained(folder, dtype=torch.float64)
     samples = {s.conversation_id: s for s in folder_samples(fam, folder, data)}
     controlled = 0
@@ -508,14 +523,7 @@ def check_prepacked_rows(fam: Any, folder: str, data: Path, rows: list[PackedBat
         )
         controlled += telling
         for bad, run in ((False, row), (True, control)):
-            logits, loss, grads, _, _ = compare_packed_alone(
-                model,
-                chosen,
-                run,
-                alone=fam.alone_logits,
-                packed=lambda run=run: fam.packed_logits(model, run),
-                part_of=fam.part_of,
-            )
+            logits, loss, grads = packed_vs_alone(fam, model, chosen, run)
             if not bad:
                 assert max(logits, loss, *grads.values()) <= FOLDER_TOL
             elif telling:

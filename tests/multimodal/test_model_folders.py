@@ -22,13 +22,13 @@ import torch
 from sftpack import PackedBatch
 from sftpack.cli import main
 from sftpack.multimodal import family_for
-from sftpack.multimodal._exactness import compare_packed_alone
 from sftpack.offline import PrepackedDataset
 from tests.helpers import (
     FOLDER_BUG,
     FOLDER_TOL,
     check_prepacked_rows,
     folder_samples,
+    packed_vs_alone,
     save_vlm_folder,
     write_folder_data,
 )
@@ -103,14 +103,7 @@ def test_rows_of_an_image_family_folder_equal_each_sample_alone_through_hf(name,
     pixels = row.media.pixel_values.roll(1, 0)
     shifted = dataclasses.replace(row, media=dataclasses.replace(row.media, pixel_values=pixels))
     for bad, run in ((False, row), (True, shifted)):
-        logits, loss, grads, _, _ = compare_packed_alone(
-            model,
-            samples,
-            run,
-            alone=fam.alone_logits,
-            packed=lambda run=run: fam.packed_logits(model, run),
-            part_of=fam.part_of,
-        )
+        logits, loss, grads = packed_vs_alone(fam, model, samples, run)
         if bad:
             assert logits > BUG
         else:
