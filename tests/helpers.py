@@ -4,8 +4,12 @@
 - Chat: tiny tokenizers per template style (``tok_of``), message builders (``U``, ``A``,
   ``S``), bad JSONL lines and hypothesis strategies for rows of anything.
 - Training loop: the tiny setup (random conversations over a 97-id vocabulary and a
-  two-block Llama of width 16, small enough for many 20-step runs per test file) and
-  the differences the equality tests compare.
+  two-block Llama of width 16, small enough for many 20-step runs per test file), the
+  differences the equality tests compare, and ``train_args`` (``sftpack train`` on the
+  commands' tiny model).
+- Vision-language model folders and images: a small tokenizer of each family's own kind
+  (``tiny_vlm_tokenizer``), a user's folder (``save_vlm_folder``), the folder tests' data and
+  row checks (``write_folder_data``, ``check_prepacked_rows``, ``packed_vs_alone``), PNG writers.
 """
 
 from __future__ import annotations
