@@ -4,12 +4,17 @@
 - Chat: tiny tokenizers per template style (``tok_of``), message builders (``U``, ``A``,
   ``S``), bad JSONL lines and hypothesis strategies for rows of anything.
 - Training loop: the tiny setup (random conversations over a 97-id vocabulary and a
-  two-block Llama of width 16, small enough for many 20-step runs per test file) and
-  the differences the equality tests compare.
+  two-block Llama of width 16, small enough for many 20-step runs per test file), the
+  differences the equality tests compare, and ``train_args`` (``sftpack train`` on the
+  commands' tiny model).
+- Vision-language model folders and images: a small tokenizer of each family's own kind
+  (``tiny_vlm_tokenizer``), a user's folder (``save_vlm_folder``), the folder tests' data and
+  row checks (``write_folder_data``, ``check_prepacked_rows``, ``packed_vs_alone``), PNG writers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -286,6 +291,29 @@ def max_loss_diff(a, b) -> float:
     return max(abs(x - y) for x, y in zip(a, b))
 
 
+def train_args(
+    data: Any,
+    *extra: str,
+    tokenizer: Any = None,
+    steps: int | None = 1,
+    batch_size: int = 4,
+    max_seq_len: int = 64,
+    dim: int = 16,
+    layers: int = 1,
+) -> list[str]:
+    """The arguments of ``sftpack train DATA`` on the commands' tiny model (``dim`` wide,
+    ``layers`` deep, 2 heads, 1 key-value head) for ``steps`` steps (``None``: no ``--steps``) of
+    ``batch_size`` rows ``max_seq_len`` wide, with ``--tokenizer`` when one is given, then ``extra``."""
+    args = ["train", str(data)]
+    if tokenizer is not None:
+        args += ["--tokenizer", str(tokenizer)]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    args += ["--batch-size", str(batch_size), "--max-seq-len", str(max_seq_len)]
+    args += ["--dim", str(dim), "--layers", str(layers), "--heads", "2", "--kv-heads", "1"]
+    return [*args, *extra]
+
+
 def counting_conversations(n: int = 30) -> list[list[dict[str, str]]]:
     """``n`` two-turn conversations whose lengths cycle (user: ``i % 4 + 1`` counts,
     assistant: ``i % 9 + 1`` triples), so that conversation ``i`` reads as its index."""
@@ -316,3 +344,192 @@ def load_models_leaking(monkeypatch: Any) -> None:
         return model
 
     monkeypatch.setattr(sftpack.loop, "load_model", leaky)
+
+
+# ------------------------------------------------------------------ vision-language model folders
+#: Hugging Face's LLaVA-1.5 conversation format as its llava-1.5 folders' template writes it
+#: (written here, not copied): ``USER: <image>\\n... ASSISTANT: ...``, images first, each text
+#: followed by a space, the assistant's text marked with {% generation %}; no end-of-turn token.
+LLAVA_15_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for part in message['content'] if part['type'] == 'image' %}{{ '<image>\\n' }}{% endfor %}"
+    "{% for part in message['content'] if part['type'] == 'text' %}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ part['text'] + ' ' }}{% endgeneration %}"
+    "{% else %}{{ part['text'] + ' ' }}{% endif %}"
+    "{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def tiny_vlm_tokenizer(name: str) -> Any:
+    """A small tokenizer of the vision-language family ``name``'s own kind (byte-level BPE, ~290
+    ids, so a float64 run of a tiny folder's model is quick, where the embedded Qwen one has
+    151,657): the Qwen-VL families' ChatML with Qwen2-VL's special tokens (the family writes its
+    image and video blocks, as with the embedded tokenizer), LLaVA-1.5's ``<image>`` with its
+    template, or Gemma 3's tokens with its template. A fresh tokenizer each call."""
+    from sftpack.multimodal.families import gemma3
+    from sftpack.multimodal.families.qwen2_vl import QWEN2VL_SPECIALS
+
+    tok = tiny_chat_tokenizer("chatml")
+    if name in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl"):
+        tok.add_special_tokens(
+            {"additional_special_tokens": list(QWEN2VL_SPECIALS)}, replace_extra_special_tokens=False
+        )
+    elif name == "llava":
+        tok.add_special_tokens({"additional_special_tokens": ["<image>"]}, replace_extra_special_tokens=False)
+        tok.chat_template = LLAVA_15_TEMPLATE
+    elif name == "gemma3":
+        specials = [gemma3.TURN_START, gemma3.TURN_END, gemma3.BOI, gemma3.EOI, gemma3.SOFT]
+        tok.add_special_tokens({"bos_token": gemma3.BOS, "additional_special_tokens": specials})
+        tok.chat_template = gemma3.GEMMA3_TEMPLATE
+    else:
+        raise ValueError(f"tiny_vlm_tokenizer: no tiny tokenizer for {name!r}")
+    return tok
+
+
+def save_vlm_folder(root: str, name: str, *, seed: int = 5, **sizes: Any) -> str:
+    """A user's model folder of the vision-language family ``name`` written into ``root``
+    (``save_pretrained`` of a tiny seeded model built from a config, :func:`tiny_vlm_tokenizer`'s
+    tokenizer and the family's image processor; nothing downloaded); ``sizes``:
+    :func:`sftpack.loop._model.build_media_model`'s (``dim``, ``layers``, ``heads``, ``kv_heads``).
+    Returns ``root``."""
+    from sftpack.loop._model import build_media_model
+    from sftpack.multimodal import family_for
+
+    fam = family_for(name)
+    tok = tiny_vlm_tokenizer(name)
+    build_media_model(fam, tok, seed=seed, **sizes).save_pretrained(root)
+    tok.save_pretrained(root)
+    fam.image_processor().save_pretrained(root)
+    return root
+
+
+#: float64 exactness bound of a folder's rows against each sample alone, and what a bug moves the
+#: logits by at least (tests/multimodal/test_model_folders.py derives both)
+FOLDER_TOL, FOLDER_BUG = 1e-10, 1e-6
+
+
+def save_png(path: Path, size: tuple[int, int], colour: tuple[int, int, int] = (200, 30, 30)) -> Path:
+    """A one-colour RGB PNG of ``size`` (w, h) at ``path`` (its folder made); returns ``path``."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, colour).save(path)
+    return path
+
+
+def png_bytes(w: int = 56, h: int = 56, colour: tuple[int, int, int] = (200, 30, 30)) -> bytes:
+    """The bytes of a one-colour ``w x h`` RGB PNG."""
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (w, h), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def image_conv(*parts: dict, answer: str) -> dict:
+    """A row of one user turn of ``parts`` and the assistant's ``answer``."""
+    return {"messages": [{"role": "user", "content": list(parts)}, {"role": "assistant", "content": answer}]}
+
+
+def write_rows(path: Path, rows: list[Any]) -> Path:
+    """``rows`` (JSON values, or lines as they are) one a line at ``path`` (its folder made)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def write_folder_data(root: Path) -> Path:
+    """The model-folder tests' data in ``root``: ``mine.jsonl``, four conversations (a red 56x56
+    image, a green 84x56 one, text only, both images), and the two PNGs."""
+    save_png(root / "a.png", (56, 56), (200, 30, 30))
+    save_png(root / "b.png", (84, 56), (30, 200, 30))
+    text = {"type": "text", "text": "What colour is it?"}
+    return write_rows(
+        root / "mine.jsonl",
+        [
+            image_conv({"type": "image", "path": "a.png"}, text, answer="Red."),
+            image_conv({"type": "image", "path": "b.png"}, text, answer="Green."),
+            {"messages": [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi there."}]},
+            image_conv({"type": "image", "path": "b.png"}, {"type": "image", "path": "a.png"}, text, answer="Both."),
+        ],
+    )
+
+
+def folder_samples(fam: Any, path: str, data: Path) -> list[Sample]:
+    """The folder's own samples of ``data`` (ids as the reader gives them: file:line)."""
+    from sftpack.chat import read_conversations
+    from sftpack.loop._setup import media_samples
+
+    tok, proc = fam.tokenizer(path), fam.image_processor(path)
+    samples, _ = media_samples(
+        read_conversations([str(data)]), max_seq_len=256, family=fam, tokenizer=tok, processor=proc
+    )
+    return samples
+
+
+def images_shifted(batch: PackedBatch) -> PackedBatch:
+    """The row with its images shifted by one (each image's pixels on the next one's placeholders)."""
+    media = batch.media
+    return dataclasses.replace(batch, media=dataclasses.replace(media, pixel_values=media.pixel_values.roll(1, 0)))
+
+
+def shifts(batch: PackedBatch) -> bool:
+    """Whether shifting the row's images by one changes them (two or more images, not all equal)."""
+    pv = batch.media.pixel_values
+    return pv.shape[0] > 1 and not torch.equal(pv, pv.roll(1, 0))
+
+
+def positions_not_restarted(batch: PackedBatch) -> PackedBatch:
+    """The row with its positions running on across its sequences (the MRoPE rows too, where the
+    family has them; LLaVA and Gemma 3 take the text's)."""
+    media = batch.media
+    if getattr(media, "positions", None) is not None:
+        positions = media.positions.clone()
+        positions[:] = torch.arange(positions.shape[-1])
+        media = dataclasses.replace(media, positions=positions)
+    return dataclasses.replace(batch, position_ids=torch.arange(len(batch.position_ids)), media=media)
+
+
+def packed_vs_alone(fam: Any, model: Any, samples: list[Sample], row: PackedBatch) -> tuple[float, float, dict]:
+    """The largest differences (logits, loss, gradients by part) between ``row`` run packed through
+    ``fam``'s packed forward and each of ``samples`` run alone the model's own way
+    (:func:`sftpack.multimodal._exactness.compare_packed_alone`)."""
+    from sftpack.multimodal._exactness import compare_packed_alone
+
+    logits, loss, grads, _, _ = compare_packed_alone(
+        model,
+        samples,
+        row,
+        alone=fam.alone_logits,
+        packed=lambda: fam.packed_logits(model, row),
+        part_of=fam.part_of,
+    )
+    return logits, loss, grads
+
+
+def check_prepacked_rows(fam: Any, folder: str, data: Path, rows: list[PackedBatch]) -> None:
+    """Each prepacked row through the folder's own HF class (float64) equals each of its samples
+    alone within FOLDER_TOL; the negative control fails by FOLDER_BUG: the same row with positions
+    not restarted (a row of several samples, MRoPE families) or its images shifted by one (LLaVA
+    and Gemma 3, whose tiny models barely move with a position shift: a row of two or more images)."""
+    model = fam.pretrained(folder, dtype=torch.float64)
+    samples = {s.conversation_id: s for s in folder_samples(fam, folder, data)}
+    controlled = 0
+    for row in rows:
+        chosen = [samples[i] for i in row.sequence_ids]
+        mrope = getattr(row.media, "positions", None) is not None
+        control, telling = (
+            (positions_not_restarted(row), len(chosen) > 1) if mrope else (images_shifted(row), shifts(row))
+        )
+        controlled += telling
+        for bad, run in ((False, row), (True, control)):
+            logits, loss, grads = packed_vs_alone(fam, model, chosen, run)
+            if not bad:
+                assert max(logits, loss, *grads.values()) <= FOLDER_TOL
+            elif telling:
+                assert logits > FOLDER_BUG
+    assert controlled  # the control ran on at least one row

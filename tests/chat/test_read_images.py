@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from sftpack.chat import BadFileError, BadRowError, read_conversations, tokenize_conversations, validate_messages
-from tests.helpers import tok_of
+from tests.helpers import save_png, tok_of
 
 pytest.importorskip("PIL")
 
@@ -47,13 +47,6 @@ def _tokenize(convs: Any, tok: Any, proc: Any, **kw: Any) -> list[Any]:
 
 
 # ============================================================================ tests/multimodal/test_read.py
-
-
-def _png(path: Path, size: tuple[int, int]) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, (200, 30, 30)).save(path)
 
 
 def _turns(*user_parts: Any, answer: Any = "A red square.") -> list[dict[str, Any]]:
@@ -82,8 +75,8 @@ def _write(path: Path, rows: list[Any]) -> Path:
 def test_image_paths_are_relative_to_the_file_and_samples_carry_the_images(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tok: Any, proc: Any
 ) -> None:
-    _png(tmp_path / "data" / "imgs" / "a.png", (56, 84))
-    _png(tmp_path / "data" / "b.png", (112, 56))
+    save_png(tmp_path / "data" / "imgs" / "a.png", (56, 84))
+    save_png(tmp_path / "data" / "b.png", (112, 56))
     _write(tmp_path / "data" / "chat.jsonl", [GOOD[0], "", GOOD[1]])
     monkeypatch.chdir(tmp_path)  # not the file's folder: the paths must still resolve
     reader = read_conversations("data/chat.jsonl")
@@ -162,7 +155,7 @@ def test_bad_lines_are_counted_or_named_by_file_line_and_field(tmp_path: Path) -
 def test_a_missing_image_is_named_by_file_line_and_field_or_counted(tmp_path: Path, tok: Any, proc: Any) -> None:
     from sftpack.multimodal import BadImageError, MediaTokenizeStats
 
-    _png(tmp_path / "imgs" / "a.png", (56, 56))
+    save_png(tmp_path / "imgs" / "a.png", (56, 56))
     missing = {"messages": _turns({"type": "text", "text": "Look:"}, {"type": "image", "path": "imgs/gone.png"})}
     path = _write(tmp_path / "chat.jsonl", [GOOD[0], missing])
     with pytest.raises(BadImageError, match=r"chat.jsonl:2', messages\[0\]\.content\[1\]\.path: no file"):

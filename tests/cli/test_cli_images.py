@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from sftpack.cli import main
+from tests.helpers import image_conv, save_png, save_vlm_folder, write_rows
 from tests.ray.conftest import ray_cluster  # noqa: F401 - tests/ray's one private Ray, for the --engine ray test
 
 pytest.importorskip("PIL")
@@ -23,37 +24,21 @@ MAX_SEQ_LEN = 512
 BUDGET = 100  # vision patches per row: the 5 images (16, 24, and 16 + 24 + 48 in one conversation) need 2 rows
 
 
-def _png(path: Path, size: tuple[int, int], colour: tuple[int, int, int]) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", size, colour).save(path)
-
-
-def _conv(*parts: dict, answer: str) -> dict:
-    return {"messages": [{"role": "user", "content": list(parts)}, {"role": "assistant", "content": answer}]}
-
-
-def _write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> Path:
     """``my_images.jsonl`` and its PNGs (``a.png``, ``imgs/b.png``, ``imgs/c.png``), in a folder of their own."""
     root = tmp_path_factory.mktemp("mine")
-    _png(root / "a.png", (56, 56), (200, 30, 30))
-    _png(root / "imgs" / "b.png", (84, 56), (30, 200, 30))
-    _png(root / "imgs" / "c.png", (112, 84), (30, 30, 200))
+    save_png(root / "a.png", (56, 56), (200, 30, 30))
+    save_png(root / "imgs" / "b.png", (84, 56), (30, 200, 30))
+    save_png(root / "imgs" / "c.png", (112, 84), (30, 30, 200))
     text = {"type": "text", "text": "What colour is it?"}
-    return _write(
+    return write_rows(
         root / "my_images.jsonl",
         [
-            _conv({"type": "image", "path": "a.png"}, text, answer="Red."),
-            _conv({"type": "image", "path": "imgs/b.png"}, text, answer="Green."),
+            image_conv({"type": "image", "path": "a.png"}, text, answer="Red."),
+            image_conv({"type": "image", "path": "imgs/b.png"}, text, answer="Green."),
             {"messages": [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi there."}]},
-            _conv(
+            image_conv(
                 {"type": "image", "path": "a.png"},
                 {"type": "text", "text": "And these two?"},
                 {"type": "image", "path": "imgs/b.png"},
@@ -67,11 +52,11 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bad(data: Path) -> Path:
     """Beside ``data``: line 2's image part names a file that is not there."""
-    return _write(
+    return write_rows(
         data.parent / "bad.jsonl",
         [
-            _conv({"type": "image", "path": "a.png"}, {"type": "text", "text": "Colour?"}, answer="Red."),
-            _conv({"type": "image", "path": "imgs/missing.png"}, {"type": "text", "text": "And?"}, answer="None."),
+            image_conv({"type": "image", "path": "a.png"}, {"type": "text", "text": "Colour?"}, answer="Red."),
+            image_conv({"type": "image", "path": "imgs/missing.png"}, {"type": "text", "text": "And?"}, answer="None."),
         ],
     )
 
@@ -110,10 +95,10 @@ def prepacked(data: Path, tmp_path_factory) -> Path:
 def test_has_images_finds_image_parts_in_files_folders_and_globs(data, tmp_path):
     from sftpack.cli._common import has_images
 
-    text = _write(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    text = write_rows(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     assert has_images([str(data)]) and has_images([str(data.parent)]) and has_images([str(data.parent / "*.jsonl")])
     assert not has_images([str(text)]) and not has_images([str(tmp_path / "none.jsonl")])
-    sharegpt = _write(
+    sharegpt = write_rows(
         tmp_path / "sharegpt.jsonl",
         [{"conversations": [{"from": "human", "value": [{"type": "image", "path": "x.png"}]}]}],
     )
@@ -210,9 +195,7 @@ def test_prepack_engine_ray_with_a_model_folder_writes_the_local_engines_bytes(d
     """A user's folder (Qwen2.5-VL: its configuration travels with its family) on Ray's actors:
     the local engine's bytes."""
     pytest.importorskip("ray")
-    from tests.multimodal.test_model_folders import _folder
-
-    folder = _folder(str(tmp_path / "qwen2_5_vl"), "qwen2_5_vl")
+    folder = save_vlm_folder(str(tmp_path / "qwen2_5_vl"), "qwen2_5_vl")
     local, ray = tmp_path / "local.prepack", tmp_path / "ray.prepack"
     assert _prepack(data, local, "--model", folder) == 0
     assert _prepack(data, ray, "--model", folder, "--engine", "ray", "--workers", "2") == 0
@@ -285,7 +268,7 @@ def test_prepack_family_takes_the_supported_families_only(data, tmp_path, capsys
 
 
 def test_image_options_on_text_data_are_refused(tmp_path, capsys):
-    text = _write(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    text = write_rows(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     args = ["prepack", str(text), "--out", str(tmp_path / "never")]
     assert main([*args, "--family", "qwen2_5_vl"]) == 2
     assert "--family qwen2_5_vl names the model of data with images" in capsys.readouterr().err
@@ -298,7 +281,7 @@ def test_image_options_on_text_data_are_refused(tmp_path, capsys):
 def test_a_model_folder_with_another_tokenizer_is_refused(data, tmp_path, capsys):
     """--model brings its own tokenizer: --tokenizer beside it is a usage error, on text data
     (bench, prepack) and on data with images (train), before any work."""
-    text = _write(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    text = write_rows(tmp_path / "text.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
     both = ["--model", str(tmp_path / "m"), "--tokenizer", str(tmp_path / "t")]
     for argv in (
         ["bench", str(text), *both],

@@ -19,6 +19,7 @@ import pytest
 
 from sftpack.cli import main
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import train_args
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -209,16 +210,8 @@ def test_the_trainer_block_of_the_docs_reruns_and_reads_the_users_file(tmp_path,
 
 
 def _train(data: Path, tok_dir: Path, tmp_path: Path, *extra: str) -> list[str]:
-    return [
-        "train",
-        str(data),
-        "--tokenizer",
-        str(tok_dir),
-        *("--steps", "2", "--batch-size", "4", "--max-seq-len", "128"),
-        *("--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"),
-        *("--log", str(tmp_path / "log.jsonl"), "--cache-dir", str(tmp_path / "cache")),
-        *extra,
-    ]
+    more = ["--log", str(tmp_path / "log.jsonl"), "--cache-dir", str(tmp_path / "cache"), *extra]
+    return train_args(data, *more, tokenizer=tok_dir, steps=2, max_seq_len=128)
 
 
 def test_train_no_progress_and_whole_steps_on_the_plot(tmp_path, tok_dir, capsys, monkeypatch):

@@ -19,24 +19,24 @@ import pytest
 
 from sftpack.cli import main
 from sftpack.multimodal import family_for
-from tests.multimodal.test_model_folders import data  # noqa: F401 - fixture: the folder tests' four conversations
+from tests.helpers import save_vlm_folder, write_folder_data
 
 pytest.importorskip("PIL")
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> str:
-    """A user's Qwen2-VL folder: a tiny model (built from a config, nothing downloaded), the
-    tokenizer with its chat template, the image processor."""
-    from sftpack.loop._model import build_media_model
+def data(tmp_path_factory) -> Path:
+    """The model-folder tests' four conversations (:func:`tests.helpers.write_folder_data`)."""
+    return write_folder_data(tmp_path_factory.mktemp("vlm-data"))
 
-    root = str(tmp_path_factory.mktemp("qwen2_vl-folder"))
-    fam = family_for("qwen2_vl")
-    tok = fam.tokenizer()
-    build_media_model(fam, tok, dim=16, layers=1, heads=2, kv_heads=1).save_pretrained(root)
-    tok.save_pretrained(root)
-    fam.image_processor().save_pretrained(root)
-    return root
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> str:
+    """A user's Qwen2-VL folder: a tiny model (built from a config, nothing downloaded), a small
+    tokenizer of its kind with its chat template, the image processor."""
+    return save_vlm_folder(
+        str(tmp_path_factory.mktemp("qwen2_vl-folder")), "qwen2_vl", dim=16, layers=1, heads=2, kv_heads=1
+    )
 
 
 def _counting(monkeypatch, cls: type, *names: str) -> Counter:
@@ -54,7 +54,7 @@ def _counting(monkeypatch, cls: type, *names: str) -> Counter:
     return calls
 
 
-def test_train_offline_with_images_tokenizes_each_conversation_once(data, folder, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_train_offline_with_images_tokenizes_each_conversation_once(data, folder, tmp_path, monkeypatch, capsys):
     """``Family.encode_images`` runs once per conversation tokenized (images or none): as many
     calls as conversations read, on the offline path (the tiny model, and a user's ``--model``
     folder) as on the trainer path."""
@@ -71,7 +71,7 @@ def test_train_offline_with_images_tokenizes_each_conversation_once(data, folder
         assert ("prepacked into" in out) == (packing == "offline"), out  # offline: a prepack of the samples
 
 
-def test_a_prepack_of_samples_with_images_is_the_prepack_of_their_conversations(data, tmp_path):  # noqa: F811
+def test_a_prepack_of_samples_with_images_is_the_prepack_of_their_conversations(data, tmp_path):
     """What the offline run writes (``prepack_samples(images=True)`` of the samples it tokenized)
     is byte for byte what ``prepack(images=True)`` writes of the same conversations (every file
     but the manifest, whose source and reading counts differ); negative control: without one
@@ -96,7 +96,7 @@ def test_a_prepack_of_samples_with_images_is_the_prepack_of_their_conversations(
     }
 
 
-def test_bench_model_loads_the_folders_tokenizer_and_image_processor_once(data, folder, monkeypatch, capsys):  # noqa: F811
+def test_bench_model_loads_the_folders_tokenizer_and_image_processor_once(data, folder, monkeypatch, capsys):
     calls = _counting(monkeypatch, type(family_for(folder)), "tokenizer", "image_processor")
     assert main(["bench", str(data), "--model", folder, "--max-seq-len", "256"]) == 0
     out = capsys.readouterr().out
@@ -104,7 +104,7 @@ def test_bench_model_loads_the_folders_tokenizer_and_image_processor_once(data, 
     assert calls == {"tokenizer": 1, "image_processor": 1}, calls
 
 
-def test_bench_model_still_refuses_an_unsupported_folder_before_any_work(data, tmp_path, monkeypatch, capsys):  # noqa: F811
+def test_bench_model_still_refuses_an_unsupported_folder_before_any_work(data, tmp_path, monkeypatch, capsys):
     import json
 
     other = tmp_path / "mistral"

@@ -95,15 +95,6 @@ def _prepare(root, convs, damage=None) -> dict:
     return refs
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     convs = list(vqa_corpus(seed=2, limit=N, min_side=56, max_side=112))

@@ -5,7 +5,6 @@ import os
 import time
 
 import pytest
-import torch
 import torch.multiprocessing as mp
 
 from sftpack.testing import tiny_chat_tokenizer
@@ -21,16 +20,6 @@ def samples():
 def cache_in_tmp(tmp_path_factory, monkeypatch):
     """``sftpack train`` caches tokenized data: never in the user's ~/.cache from a test."""
     monkeypatch.setenv("SFTPACK_CACHE_DIR", str(tmp_path_factory.mktemp("sftpack-cache")))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster and steadier than several threads
-    contending with other processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,7 @@ from sftpack.cli import main
 from sftpack.loop import TrainConfig, make_source, tokenized_samples
 from sftpack.sample import Sample
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import train_args
 
 
 def _convs(n=30, extra=""):
@@ -176,27 +177,7 @@ def test_cached_samples_give_the_eager_batches(tok, tmp_path):
 
 
 def _cli(chat, *extra):
-    return [
-        "train",
-        str(chat / "chat.jsonl"),
-        "--tokenizer",
-        str(chat / "tok"),
-        "--steps",
-        "1",
-        "--batch-size",
-        "4",
-        "--max-seq-len",
-        "64",
-        "--dim",
-        "16",
-        "--layers",
-        "1",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        *extra,
-    ]
+    return train_args(chat / "chat.jsonl", *extra, tokenizer=chat / "tok")
 
 
 def test_cli_reuses_the_cache_and_no_cache_writes_nothing(chat, tmp_path, capsys, monkeypatch):

@@ -33,6 +33,7 @@ from sftpack.chat._training_samples import start_training_samples
 from sftpack.cli import main
 from sftpack.loop import tokenized_samples
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import train_args
 
 
 def _convs(n=30):
@@ -142,9 +143,8 @@ def full_disk(tmp_path):
 
 
 def test_cli_trains_without_the_cache_on_a_full_disk(chat, full_disk, tmp_path, capsys):
-    args = ["train", str(chat / "chat.jsonl"), "--tokenizer", str(chat / "tok"), "--steps", "1"]
-    args += ["--batch-size", "4", "--max-seq-len", "64", "--dim", "16", "--layers", "1", "--heads", "2"]
-    args += ["--kv-heads", "1", "--cache-dir", str(full_disk), "--log", str(tmp_path / "log.jsonl")]
+    more = ["--cache-dir", str(full_disk), "--log", str(tmp_path / "log.jsonl")]
+    args = train_args(chat / "chat.jsonl", *more, tokenizer=chat / "tok")
     assert main(args) == 0
     said = capsys.readouterr()
     assert "not cached" in said.out and "cached in" not in said.out

@@ -19,7 +19,7 @@ from sftpack.cli import main
 from sftpack.loop import CheckpointError, make_source, train
 from sftpack.loop._checkpoint import latest_checkpoint, verify_checkpoint
 from sftpack.testing import tiny_chat_tokenizer
-from tests.helpers import max_param_diff, tiny_config, tiny_model
+from tests.helpers import max_param_diff, tiny_config, tiny_model, train_args
 
 CFG = {"packing": "trainer", "steps": 6, "checkpoint_every": 2}
 
@@ -156,28 +156,8 @@ def test_cli_prints_one_line_naming_the_file(samples, tmp_path, capsys):
                 {"role": "assistant", "content": "one two " * (i + 1)},
             ]
             f.write(json.dumps({"messages": msgs}) + "\n")
-    base = [
-        "train",
-        str(chat),
-        "--tokenizer",
-        str(tmp_path / "tok"),
-        "--steps",
-        "2",
-        "--batch-size",
-        "2",
-        "--max-seq-len",
-        "128",
-        "--dim",
-        "16",
-        "--layers",
-        "1",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--checkpoint-dir",
-        str(tmp_path / "ckpt"),
-    ]
+    ckpt = ["--checkpoint-dir", str(tmp_path / "ckpt")]
+    base = train_args(chat, *ckpt, tokenizer=tmp_path / "tok", steps=2, batch_size=2, max_seq_len=128)
     assert main([*base, "--checkpoint-every", "2"]) == 0
     state = tmp_path / "ckpt" / "step_000002" / "state.pt"
     _empty(state)

@@ -34,42 +34,15 @@ import torch
 from sftpack.cli import main
 from sftpack.loop import CheckpointError, make_source, train
 from sftpack.loop._checkpoint import latest_checkpoint
-from tests.helpers import tiny_config, tiny_model
+from tests.helpers import tiny_config, tiny_model, train_args
 
 #: enough steps that SIGTERM, sent once the first step is logged, lands well before the last
 STEPS = 200
 
 
 def _args(chat, ckpt, log, cache, *extra, steps=STEPS):
-    return [
-        "train",
-        str(chat / "chat.jsonl"),
-        "--tokenizer",
-        str(chat / "tok"),
-        "--steps",
-        str(steps),
-        "--batch-size",
-        "2",
-        "--max-seq-len",
-        "64",
-        "--dim",
-        "8",
-        "--layers",
-        "1",
-        "--heads",
-        "2",
-        "--kv-heads",
-        "1",
-        "--vocab",
-        "data",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--log",
-        str(log),
-        "--cache-dir",
-        str(cache),
-        *extra,
-    ]
+    more = ["--vocab", "data", "--checkpoint-dir", str(ckpt), "--log", str(log), "--cache-dir", str(cache), *extra]
+    return train_args(chat / "chat.jsonl", *more, tokenizer=chat / "tok", steps=steps, batch_size=2, dim=8)
 
 
 def _losses(log: Path) -> list[float]:

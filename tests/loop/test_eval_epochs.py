@@ -19,7 +19,7 @@ from sftpack.loop import TrainConfig, make_source, train
 from sftpack.loop._eval import EvalSet, split_eval
 from sftpack.offline import prepack_samples
 from sftpack.sample import Sample
-from tests.helpers import tiny_config, tiny_model
+from tests.helpers import tiny_config, tiny_model, train_args
 from tests.loop.test_equality import LOSS_TOL_64
 
 
@@ -140,20 +140,8 @@ def test_settings_are_checked():
 
 
 def _cli(chat, tmp_path, *extra):
-    return [
-        "train",
-        str(chat / "chat.jsonl"),
-        "--tokenizer",
-        str(chat / "tok"),
-        "--batch-size",
-        "4",
-        "--max-seq-len",
-        "256",
-        *("--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"),
-        "--log",
-        str(tmp_path / "run.jsonl"),
-        *extra,
-    ]
+    log = ["--log", str(tmp_path / "run.jsonl")]
+    return train_args(chat / "chat.jsonl", *log, *extra, tokenizer=chat / "tok", steps=None, max_seq_len=256)
 
 
 def test_cli_epochs_and_eval(chat, tmp_path, capsys):

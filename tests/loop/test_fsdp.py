@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from sftpack.loop import CheckpointError, ReplaySource, build_model, make_source, train
 from sftpack.loop._fsdp import full_state
-from tests.helpers import TINY_VOCAB, tiny_config, tiny_model, tiny_samples
+from tests.helpers import TINY_VOCAB, tiny_config, tiny_model, tiny_samples, train_args
 from tests.loop.conftest import run_ranks
 
 WORLD = 2
@@ -244,10 +244,9 @@ def test_cli_fsdp_one_process_saves_the_whole_model(chat, tmp_path):
     from transformers import AutoModelForCausalLM
 
     ckpt, out = tmp_path / "ckpt", tmp_path / "model"
-    argv = ["train", str(chat / "chat.jsonl"), "--tokenizer", str(chat / "tok"), "--fsdp", "--device", "cpu"]
-    argv += ["--steps", "3", "--batch-size", "4", "--max-seq-len", "256", "--dim", "16", "--layers", "2"]
-    argv += ["--heads", "2", "--kv-heads", "1", "--num-proc", "1", "--save-model", str(out)]
-    argv += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    more = ["--fsdp", "--device", "cpu", "--num-proc", "1", "--save-model", str(out)]
+    more += ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+    argv = train_args(chat / "chat.jsonl", *more, tokenizer=chat / "tok", steps=3, max_seq_len=256, layers=2)
     run_ranks(_cli_worker, (argv, str(tmp_path / "rc")), 1)  # its own process: the one-rank group dies with it
     assert (tmp_path / "rc").read_text() == "0"
     final = torch.load(ckpt / "step_000003" / "state.pt", weights_only=False)["model"]

@@ -14,6 +14,7 @@ from sftpack.cli import main
 from sftpack.loop import TrainConfig, build_model, make_source, train
 from sftpack.loop._export import save_model
 from sftpack.testing import samples_from_lengths, tiny_chat_tokenizer
+from tests.helpers import train_args
 
 SHAPE = {"dim": 16, "layers": 2, "heads": 2, "kv_heads": 1}
 CHAT = [
@@ -63,20 +64,7 @@ def test_saved_folder_loads_with_the_trained_weights_and_logits(impl, tmp_path):
 
 
 def _cli(chat, tmp_path, *extra):
-    return [
-        "train",
-        str(chat / "chat.jsonl"),
-        "--tokenizer",
-        str(chat / "tok"),
-        "--steps",
-        "3",
-        "--batch-size",
-        "4",
-        "--max-seq-len",
-        "256",
-        *("--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"),
-        *extra,
-    ]
+    return train_args(chat / "chat.jsonl", *extra, tokenizer=chat / "tok", steps=3, max_seq_len=256)
 
 
 def test_a_float64_model_is_saved_in_float64_bit_for_bit(tmp_path):

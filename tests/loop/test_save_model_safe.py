@@ -26,25 +26,13 @@ from sftpack.cli import main
 from sftpack.loop._export import save_model
 from sftpack.loop._model_dir import check_model_dir
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import train_args
 from tests.loop.test_checkpoint_safety import _sftpack, _wait_for
-
-SHAPE = ("--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1")
 
 
 def _train(chat, out, log, *extra, steps=2):
-    return [
-        "train",
-        str(chat / "chat.jsonl"),
-        "--tokenizer",
-        str(chat / "tok"),
-        *("--steps", str(steps), "--batch-size", "2", "--max-seq-len", "64"),
-        *SHAPE,
-        "--log",
-        str(log),
-        "--save-model",
-        str(out),
-        *extra,
-    ]
+    more = ["--log", str(log), "--save-model", str(out), *extra]
+    return train_args(chat / "chat.jsonl", *more, tokenizer=chat / "tok", steps=steps, batch_size=2)
 
 
 def _tree(root: Path) -> dict[str, bytes]:

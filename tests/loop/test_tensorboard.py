@@ -11,27 +11,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from sftpack.cli import main
 from sftpack.loop._tensorboard import SCALARS
+from tests.helpers import train_args
 
 
 def _args(chat, tmp_path, *extra):
-    return [
-        "train",
-        str(chat / "chat.jsonl"),
-        "--tokenizer",
-        str(chat / "tok"),
-        "--steps",
-        "4",
-        "--batch-size",
-        "4",
-        "--max-seq-len",
-        "256",
-        *("--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"),
-        "--eval-fraction",
-        "0.25",
-        "--eval-every",
-        "2",
-        *extra,
-    ]
+    evals = ["--eval-fraction", "0.25", "--eval-every", "2"]
+    return train_args(chat / "chat.jsonl", *evals, *extra, tokenizer=chat / "tok", steps=4, max_seq_len=256)
 
 
 def _scalars(folder) -> dict[str, list[tuple[int, float]]]:

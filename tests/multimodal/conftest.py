@@ -145,15 +145,6 @@ def model(renumbered):
     return renumbered.model()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is faster and steadier on a shared machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
 def sdpa_model(renumbered, model):
     """The same weights, the language model on Hugging Face's sdpa (boundaries from the text positions)."""

@@ -10,13 +10,11 @@ models), LLaVA an ``ImageMedia`` with the text's 1-D positions.
 
 from __future__ import annotations
 
-import io
 import json
 
 import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from sftpack import PackedBatch
 from sftpack.handoff.payload import ImageMedia, PatchMedia
@@ -25,6 +23,7 @@ from sftpack.multimodal.families.gemma3 import Gemma3
 from sftpack.multimodal.families.llava import Llava
 from sftpack.multimodal.families.qwen2_5_vl import Qwen25VL
 from sftpack.multimodal.families.qwen2_vl import Qwen2VL
+from tests.helpers import png_bytes
 from tests.multimodal.conftest import Renumbered
 
 hf = pytest.importorskip("transformers")
@@ -32,14 +31,8 @@ hf = pytest.importorskip("transformers")
 FAMILIES = {"qwen2_vl": Qwen2VL, "qwen2_5_vl": Qwen25VL, "llava": Llava, "gemma3": Gemma3}
 
 
-def _png(w: int, h: int) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), (200, 30, 30)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _conv(*sizes: tuple[int, int]) -> list[dict]:
-    images = [{"type": "image", "bytes": _png(w, h)} for w, h in sizes]
+    images = [{"type": "image", "bytes": png_bytes(w, h)} for w, h in sizes]
     return [
         {"role": "user", "content": [*images, {"type": "text", "text": "What is it?"}]},
         {"role": "assistant", "content": "A red square."},

@@ -18,17 +18,11 @@ import pytest
 
 from sftpack.chat import BadRowError, read_conversations
 from sftpack.cli import main
+from tests.helpers import save_png
 
 pytest.importorskip("PIL")
 
 ASK = {"type": "text", "text": "What colour is it?"}
-
-
-def _png(path: Path, colour: tuple[int, int, int]) -> None:
-    from PIL import Image
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    Image.new("RGB", (56, 56), colour).save(path)
 
 
 def _conv(path: str) -> dict:
@@ -45,8 +39,8 @@ def data(tmp_path_factory) -> Path:
     """``data/chat.jsonl``: line 1 inside, lines 2-4 outside (absolute, ``../``, a symlink out), line 5
     a symlink inside to a file inside; ``secret/s.png`` lies beside ``data/``."""
     root = tmp_path_factory.mktemp("paths")
-    _png(root / "secret" / "s.png", (200, 30, 30))
-    _png(root / "data" / "imgs" / "ok.png", (30, 200, 30))
+    save_png(root / "secret" / "s.png", (56, 56), (200, 30, 30))
+    save_png(root / "data" / "imgs" / "ok.png", (56, 56), (30, 200, 30))
     os.symlink(root / "secret" / "s.png", root / "data" / "imgs" / "out.png")
     os.symlink(root / "data" / "imgs" / "ok.png", root / "data" / "in.png")
     rows = [
@@ -79,7 +73,7 @@ def test_the_reader_counts_paths_outside_the_data_folder(data: Path) -> None:
 def test_a_folder_searched_is_the_data_folder_of_the_files_in_it(data: Path, tmp_path: Path) -> None:
     """``../`` from a sub-folder's file stays inside the folder the user named: allowed."""
     root = tmp_path / "set"
-    _png(root / "images" / "a.png", (1, 2, 3))
+    save_png(root / "images" / "a.png", (56, 56), (1, 2, 3))
     (root / "train").mkdir()
     (root / "train" / "chat.jsonl").write_text(json.dumps(_conv("../images/a.png")) + "\n")
     reader = read_conversations(root, on_bad_row="skip")

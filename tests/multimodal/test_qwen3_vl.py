@@ -30,6 +30,8 @@ positions: identical positions give identical angles in both runs.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -43,8 +45,8 @@ from sftpack.multimodal._exactness import compare_packed_alone
 from sftpack.multimodal.families.qwen2_vl import mrope_positions
 from sftpack.multimodal.families.qwen3_vl import Qwen3VL
 from sftpack.offline import PrepackedDataset
+from tests.helpers import check_prepacked_rows, save_vlm_folder, write_folder_data
 from tests.multimodal.conftest import Renumbered, assert_exact_with_tower, noise_conversations, positions_1d
-from tests.multimodal.test_model_folders import _positions_not_restarted, check_prepacked_rows, data  # noqa: F401
 
 TOL = 1e-10  # float64; see the docstring
 # What a bug moves something by, at least: 1-D positions or a sample's deepstack maps on another
@@ -188,24 +190,19 @@ def _exact_lines(out: str) -> int:
 
 
 @pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    """The model-folder tests' four conversations (:func:`tests.helpers.write_folder_data`)."""
+    return write_folder_data(tmp_path_factory.mktemp("vlm-data"))
+
+
+@pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> str:
-    """A user's Qwen3-VL folder (``save_pretrained`` of a model, its tokenizer and image processor,
-    as tests/multimodal/test_model_folders.py writes them), the model 16 wide: its 151,657-id
-    vocabulary makes each float64 pass cost ~0.1 s a sample at width 64, a quarter of it here."""
-    return qwen3_folder(str(tmp_path_factory.mktemp("qwen3_vl")))
+    """A user's Qwen3-VL folder (``save_pretrained`` of a model, a small tokenizer of its kind and
+    its image processor, :func:`tests.helpers.save_vlm_folder`), the model 16 wide."""
+    return save_vlm_folder(str(tmp_path_factory.mktemp("qwen3_vl")), "qwen3_vl", dim=16, heads=2, kv_heads=1)
 
 
-def qwen3_folder(root: str) -> str:
-    """:func:`folder` written into ``root``."""
-    fam = family_for("qwen3_vl")
-    tok, proc = fam.tokenizer(), fam.image_processor()
-    fam.tiny_model(tok, dim=16, heads=2, kv_heads=1, vision_dim=16, vision_heads=2, seed=5).save_pretrained(root)
-    tok.save_pretrained(root)
-    proc.save_pretrained(root)
-    return root
-
-
-def test_verify_passes_on_the_users_folder(folder, data, capsys):  # noqa: F811
+def test_verify_passes_on_the_users_folder(folder, data, capsys):
     """The trainer's and the offline path (a prepack stored for patch 16, read back); the loader's
     builds its rows through the same family seam and is verified for the other families in
     tests/multimodal/test_model_folders.py (each path here costs ~3 s over the full vocabulary)."""
@@ -217,14 +214,14 @@ def test_verify_passes_on_the_users_folder(folder, data, capsys):  # noqa: F811
     assert _exact_lines(out) == 4 and "not offered" not in out  # trainer and offline, both modes
 
 
-def test_verify_of_the_tiny_family_needs_no_processor_by_hand(data, capsys):  # noqa: F811
+def test_verify_of_the_tiny_family_needs_no_processor_by_hand(data, capsys):
     rc = main(["verify", str(data), "--family", "qwen3_vl", "--max-seq-len", "256", "--paths", "trainer"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "qwen3_vl" in out and _exact_lines(out) == 2
 
 
-def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(folder, data, tmp_path):  # noqa: F811
+def test_prepacked_rows_of_the_folder_equal_each_sample_alone_through_hf(folder, data, tmp_path):
     out = tmp_path / "rows"
     assert main(["prepack", str(data), "--model", folder, "--out", str(out), "--max-seq-len", "256"]) == 0
     ds = PrepackedDataset(out)

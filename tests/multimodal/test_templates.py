@@ -13,11 +13,9 @@ family and the field.
 from __future__ import annotations
 
 import copy
-import io
 import json
 
 import pytest
-from PIL import Image
 
 from sftpack.chat import ChatRenderer, tokenize_conversation
 from sftpack.data import CHATML_TEMPLATE, chatml_template
@@ -28,6 +26,7 @@ from sftpack.multimodal import (
     tokenize_media_conversation,
     tokenize_media_conversations,
 )
+from tests.helpers import png_bytes
 
 FAMILIES = ["qwen2_vl", "llava", "gemma3"]
 
@@ -55,15 +54,12 @@ QWEN_WITH_SYSTEM = (
 )
 
 
-def _png() -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (40, 40), (200, 30, 30)).save(buf, format="PNG")
-    return buf.getvalue()
-
-
 def _with_image() -> list[dict]:
     return [
-        {"role": "user", "content": [{"type": "image", "bytes": _png()}, {"type": "text", "text": "Colour?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "bytes": png_bytes(40, 40)}, {"type": "text", "text": "Colour?"}],
+        },
         {"role": "assistant", "content": "Red."},
     ]
 
@@ -181,7 +177,7 @@ def test_a_folders_processor_template_is_used_when_its_tokenizer_has_none(tmp_pa
     family's tokenizer of the folder takes it, as ``AutoProcessor`` would."""
     from sftpack.multimodal.families.llava import Llava
     from sftpack.testing import tiny_chat_tokenizer
-    from tests.multimodal.test_model_folders import LLAVA_15_TEMPLATE
+    from tests.helpers import LLAVA_15_TEMPLATE
 
     tok = tiny_chat_tokenizer("chatml")
     tok.add_special_tokens({"additional_special_tokens": ["<image>"]}, replace_extra_special_tokens=False)

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from sftpack import Sample
 from sftpack.handoff.payload import PatchMedia
@@ -20,12 +18,7 @@ from sftpack.multimodal import (
 )
 from sftpack.multimodal.families.qwen2_vl import IMAGE_PAD, QWEN2VL_SPECIALS
 from sftpack.sample import OverlongError
-
-
-def _png(w: int, h: int, color=(200, 30, 30)) -> bytes:
-    buf = io.BytesIO()
-    Image.new("RGB", (w, h), color).save(buf, format="PNG")
-    return buf.getvalue()
+from tests.helpers import png_bytes
 
 
 def _conv(*images: dict, answer: str = "A red square.") -> list[dict]:
@@ -48,7 +41,10 @@ def test_special_tokens_sit_at_qwen2_vls_ids(tok):
 def test_placeholders_expand_as_the_processor_does(tok, proc):
     """Qwen2VLProcessor replaces each <|image_pad|> in the text by grid.prod() // merge**2 copies and
     tokenizes the result (it cannot be built here without torchvision); the same on our side."""
-    parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
+    parts = [
+        {"type": "image", "bytes": png_bytes(100, 60)},
+        {"type": "image", "bytes": png_bytes(30, 200, (0, 0, 255))},
+    ]
     (s,) = tokenize_media_conversation(_conv(*parts), tokenizer=tok, processor=proc, conversation_id="c")
     assert isinstance(s, Sample) and isinstance(s.media, PatchMedia)
     grids = s.media.grid_thw.tolist()
@@ -85,7 +81,7 @@ def test_loss_mask_is_the_assistants_answers_only(tok, vqa_samples):
 
 
 def test_resize_gives_images_their_own_sizes(tok, proc):
-    part = {"type": "image", "bytes": _png(64, 64), "resize": [112, 56]}
+    part = {"type": "image", "bytes": png_bytes(64, 64), "resize": [112, 56]}
     (s,) = tokenize_media_conversation(_conv(part), tokenizer=tok, processor=proc)
     assert s.media.grid_thw.tolist() == [[1, 4, 8]]  # 56 / 14 rows, 112 / 14 columns
 
@@ -101,7 +97,7 @@ def test_resize_gives_images_their_own_sizes(tok, proc):
     ],
 )
 def test_a_bad_image_is_an_error_naming_record_and_field_or_a_count(tok, proc, part, reason, field):
-    good = {"id": "good", "messages": _conv({"type": "image", "bytes": _png(56, 56)})}
+    good = {"id": "good", "messages": _conv({"type": "image", "bytes": png_bytes(56, 56)})}
     bad = {"id": "bad-7", "messages": _conv(part)}
     with pytest.raises(BadImageError) as e:
         list(tokenize_media_conversations([good, bad], tokenizer=tok, processor=proc))
@@ -123,13 +119,13 @@ def test_a_malformed_record_names_its_field(tok, proc):
 
 
 def test_overlong_splits_only_at_text_boundaries(tok, proc):
-    parts = [{"type": "image", "bytes": _png(112, 112)}, {"type": "text", "text": "one two three " * 8}]
+    parts = [{"type": "image", "bytes": png_bytes(112, 112)}, {"type": "text", "text": "one two three " * 8}]
     msgs = [
         {"role": "user", "content": parts},
         {"role": "assistant", "content": "four five six " * 8},
         {
             "role": "user",
-            "content": [{"type": "image", "bytes": _png(84, 84, (9, 9, 9))}, {"type": "text", "text": "And?"}],
+            "content": [{"type": "image", "bytes": png_bytes(84, 84, (9, 9, 9))}, {"type": "text", "text": "And?"}],
         },
         {"role": "assistant", "content": "seven."},
     ]
@@ -190,7 +186,10 @@ def test_ids_and_patches_equal_the_real_qwen2vl_processor(tok, proc, monkeypatch
 
     monkeypatch.setattr(processing_utils.ProcessorMixin, "check_argument_for_proper_class", lambda *a, **k: None)
     hf_proc = transformers.Qwen2VLProcessor(image_processor=proc, tokenizer=tok, video_processor=None)
-    parts = [{"type": "image", "bytes": _png(100, 60)}, {"type": "image", "bytes": _png(30, 200, (0, 0, 255))}]
+    parts = [
+        {"type": "image", "bytes": png_bytes(100, 60)},
+        {"type": "image", "bytes": png_bytes(30, 200, (0, 0, 255))},
+    ]
     (s,) = tokenize_media_conversation(_conv(*parts), tokenizer=tok, processor=proc)
     text = (
         "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|><|vision_start|><|image_pad|><|vision_end|>"

@@ -44,6 +44,7 @@ from sftpack.multimodal import BadImageError, check_packed, family_for, tokenize
 from sftpack.multimodal._images import image_processor, resize_image
 from sftpack.multimodal._plan import plan_rows
 from sftpack.multimodal._video import VideoSampling, encode_videos, patchify_frames, sample_indices
+from tests.helpers import packed_vs_alone
 from tests.multimodal.conftest import noise_image
 
 TOL = 1e-10  # float64; see the docstring
@@ -467,7 +468,6 @@ def test_the_loader_and_trainer_paths_carry_videos(family_samples):
     """The loader's rows (under a token and a patch budget) and the trainer's packed padded batch,
     each row through the family's packed run, equal their samples alone (logits, loss, gradients)."""
     from sftpack.loader import PackingDataset
-    from sftpack.multimodal._exactness import compare_packed_alone
     from sftpack.trainer import pack_step
 
     fam, samples, model = family_samples
@@ -486,12 +486,5 @@ def test_the_loader_and_trainer_paths_carry_videos(family_samples):
                      sequence_ids=[s.conversation_id for s in samples], media=[s.media for s in samples])  # fmt: skip
     for row in [*rows, step]:
         items = [by_id[c] for c in row.sequence_ids]
-        d_logit, d_loss, grads, _, _ = compare_packed_alone(
-            model,
-            items,
-            row,
-            alone=fam.alone_logits,
-            packed=lambda row=row: fam.packed_logits(model, row),
-            part_of=fam.part_of,
-        )
+        d_logit, d_loss, grads = packed_vs_alone(fam, model, items, row)
         assert max(d_logit, d_loss, *grads.values()) <= TOL, (row.sequence_ids, d_logit, d_loss, grads)

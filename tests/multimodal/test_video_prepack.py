@@ -23,9 +23,8 @@ import torch
 from sftpack.cli import main
 from sftpack.multimodal import family_for
 from sftpack.offline import PrepackedDataset
+from tests.helpers import check_prepacked_rows, folder_samples, save_vlm_folder
 from tests.multimodal.conftest import noise_image
-from tests.multimodal.test_model_folders import _folder, _samples, check_prepacked_rows
-from tests.multimodal.test_qwen3_vl import qwen3_folder
 from tests.multimodal.test_video import _write_clip
 
 pytest.importorskip("av")
@@ -66,7 +65,10 @@ def data(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])  # Qwen2-VL's: verify below
 def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp_path, tmp_path_factory, capsys):
     root = str(tmp_path_factory.mktemp(f"{name}-video"))
-    path = qwen3_folder(root) if name == "qwen3_vl" else _folder(root, name)
+    sizes = (
+        {"dim": 16, "heads": 2, "kv_heads": 1} if name == "qwen3_vl" else {}
+    )  # as tests/multimodal/test_qwen3_vl.py's
+    path = save_vlm_folder(root, name, **sizes)
     out = tmp_path / "rows"
     assert main(["prepack", str(data), "--model", path, "--out", str(out), "--max-seq-len", "512"]) == 0
     ds = PrepackedDataset(out)
@@ -74,7 +76,7 @@ def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp
     assert media["family"] == name and ds.manifest["counts"]["dropped"] == {}
     records = np.load(out / "images.npy")
     fam = family_for(path)
-    samples = {s.conversation_id: s for s in _samples(fam, path, data)}
+    samples = {s.conversation_id: s for s in folder_samples(fam, path, data)}
     in_memory = [s.media for s in samples.values() if s.media is not None]
     # every item stored: 2 images and 3 videos (Qwen3-VL: one item per temporal slice), each video
     # item with its frames (temporal patch 2 per slice), an image with one
@@ -96,7 +98,7 @@ def test_prepacked_video_rows_equal_each_sample_alone_through_hf(name, data, tmp
 
 def test_verify_takes_video_data_on_the_offline_path(data, tmp_path_factory, capsys):
     """Qwen2-VL's folder (Qwen2.5-VL's and Qwen3-VL's rows are checked above, the same way)."""
-    path = _folder(str(tmp_path_factory.mktemp("qwen2_vl-verify")), "qwen2_vl")
+    path = save_vlm_folder(str(tmp_path_factory.mktemp("qwen2_vl-verify")), "qwen2_vl")
     rc = main(["verify", str(data), "--model", path, "--max-seq-len", "512", "--paths", "offline", "--limit", "5"])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -109,7 +111,7 @@ def test_videos_normalised_by_the_folders_video_settings_are_stored_exactly(data
     and std): the prepack stores the frames and remakes the videos' values by the video settings
     (kept in the manifest), the images' by the image processor, both bit for bit."""
     root = str(tmp_path_factory.mktemp("qwen2_vl-video-settings"))
-    path = _folder(root, "qwen2_vl")
+    path = save_vlm_folder(root, "qwen2_vl")
     video = {
         "image_mean": [0.5, 0.5, 0.5],
         "image_std": [0.25, 0.5, 0.75],
@@ -123,7 +125,7 @@ def test_videos_normalised_by_the_folders_video_settings_are_stored_exactly(data
     media = ds.manifest["media"]
     assert media["video_processor"]["image_std"] == [0.25, 0.5, 0.75] != media["processor"]["image_std"]
     fam = family_for(path)
-    samples = {s.conversation_id: s for s in _samples(fam, path, data)}
+    samples = {s.conversation_id: s for s in folder_samples(fam, path, data)}
     seen = 0
     for i in range(len(ds)):
         row = ds[i]

@@ -50,14 +50,6 @@ def model(renumbered):
     return renumbered.model()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _same(a, b, where: str = "") -> None:
     assert type(a) is type(b), where
     for f in dataclasses.fields(a):
