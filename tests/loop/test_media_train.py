@@ -145,7 +145,7 @@ class _OneDPositions(TrainerSource):
 
 def test_negative_control_1d_positions_moves_the_loss(data, padded_run):
     cfg = _config("trainer", steps=1)
-    bad = _OneDPositions(data.samples, token_budget=256, batch_size=4, seed=0, pad_id=data.pad_id)
+    bad = _OneDPositions(data.samples, micro_batch_tokens=256, batch_size=4, seed=0, pad_id=data.pad_id)
     run = _run(data, cfg, source=bad)
     assert abs(run.losses[0] - padded_run.losses[0]) > BUG
 

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._base import positive_int, renamed
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
 from ..loader import PackingDataset
@@ -344,24 +345,31 @@ class PaddedSource(_SampleSource):
 
 class TrainerSource(_SampleSource):
     """The trainer path: the step's conversations binned into micro-batches of at
-    most ``token_budget`` padded tokens, the same number per rank
+    most ``micro_batch_tokens`` padded tokens (their row width: ``TrainConfig``'s
+    ``micro_batch_tokens or max_seq_len``, the ``max_seq_len`` of
+    :func:`~sftpack.trainer.plan_microbatches`), the same number per rank
     (:func:`~sftpack.trainer.plan_microbatches`; with ``max_patches``, at most that
     many vision patches each too), each packed at the step from its right-padded
     batch and its samples' media (:func:`~sftpack.trainer.pack_step`). ``draw``: how the
     step's conversations are drawn and dealt, as for :class:`PaddedSource` (``batch_size``,
-    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``)."""
+    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``). ``token_budget``: the
+    deprecated spelling of ``micro_batch_tokens`` (with a ``DeprecationWarning``, until the next
+    release)."""
 
     def __init__(
         self,
         samples: Sequence[Sample] | ConversationSamples,
         *,
-        token_budget: int,
+        micro_batch_tokens: int | None = None,
         pad_multiple: int = 1,
         max_patches: int | None = None,
+        token_budget: int | None = None,
         **draw: Any,
     ) -> None:
         super().__init__(samples, **draw)
-        self.token_budget, self.pad_multiple = token_budget, pad_multiple
+        width = renamed("TrainerSource", "micro_batch_tokens", micro_batch_tokens, "token_budget", token_budget)
+        self.micro_batch_tokens = positive_int("micro_batch_tokens", width, who="TrainerSource")
+        self.pad_multiple = pad_multiple
         self.max_patches = max_patches
 
     def next_step(self) -> list[MicroBatch]:
@@ -375,7 +383,7 @@ class TrainerSource(_SampleSource):
             }
         plan = plan_microbatches(
             lengths,
-            self.token_budget,
+            self.micro_batch_tokens,
             dp_size=self.world,
             pad_multiple=self.pad_multiple,
             min_microbatches=self.grad_accum,
@@ -401,7 +409,7 @@ class TrainerSource(_SampleSource):
     def fingerprint(self) -> str:
         key: dict[str, Any] = {
             "base": super().fingerprint(),
-            "budget": self.token_budget,
+            "budget": self.micro_batch_tokens,  # the key the fingerprint has always had: checkpoints still match
             "pad_multiple": self.pad_multiple,
         }
         if self.max_patches is not None:  # a text run's fingerprint stays what it was

@@ -23,8 +23,9 @@ The path itself:
   options and each row's length, checked), ``_step_layout`` (the row's shape in one
   host transfer, its boundaries, its slots) and ``_step_media`` (the rows' media,
   checked and laid at the packed offsets).
-- ``_plan``: :func:`plan_microbatches`, token-budget micro-batches balanced
-  over data-parallel ranks (bins from :mod:`sftpack.binpack`).
+- ``_plan``: :func:`plan_microbatches`, micro-batches of at most ``max_seq_len``
+  padded tokens (the row width, as everywhere in sftpack) balanced over data-parallel
+  ranks (bins from :mod:`sftpack.binpack`).
 - ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``
   batch an unpacked loader hands over (the input of :func:`pack_step`).
 
