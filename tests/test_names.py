@@ -1,9 +1,11 @@
-"""One name for the row width: ``max_seq_len`` (issue 40, item 5).
+"""One name for one thing (issue 40, item 5): the row width is ``max_seq_len``, the patch
+budget ``max_patches_per_row``.
 
 Every keyword renamed to ``max_seq_len`` (or, on the loop's trainer path, to
-``micro_batch_tokens``) still takes its old spelling for one release: the call warns with a
-``DeprecationWarning`` that names the new keyword and gives what the new spelling gives;
-both spellings at once are refused; the new spelling does not warn.
+``micro_batch_tokens``) or to ``max_patches_per_row`` still takes its old spelling for one
+release: the call warns with a ``DeprecationWarning`` that names the new keyword and gives
+what the new spelling gives; both spellings at once are refused; the new spelling does not
+warn.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from sftpack import PackedBatch
 from sftpack.exactness import rounding_chain, tiny_llama
-from sftpack.handoff import build_row
+from sftpack.handoff import build_row, pack_rows
 from sftpack.handoff.build import build_parts
 from sftpack.handoff.layout import lay_row
 from sftpack.loop._sources import TrainerSource
@@ -137,6 +139,36 @@ def test_trainer_source_token_budget():
         assert_same_batch(a, b)
 
 
+# ------------------------------------------------------------------ the patch budget
+def test_pack_rows_max_patches():
+    kw = {"max_seq_len": 32, "pad_multiple": 4, "patches": [16, 16, 4]}
+    want = _new(lambda: pack_rows([8, 8, 8], max_patches_per_row=20, **kw)).to_lists()
+    got = _old(lambda: pack_rows([8, 8, 8], max_patches=20, **kw), "max_patches", "max_patches_per_row")
+    assert got.to_lists() == want == [[0, 2], [1]]  # without the budget the three share one row
+    assert pack_rows([8, 8, 8], **kw).to_lists() == [[0, 1, 2]]
+
+
+def test_plan_microbatches_max_patches_per_microbatch():
+    kw = {"max_seq_len": 32, "pad_multiple": 4, "patches": [16, 16, 4]}
+    want = _new(lambda: plan_microbatches([8, 8, 8], max_patches_per_row=20, **kw))
+    got = _old(
+        lambda: plan_microbatches([8, 8, 8], max_patches_per_microbatch=20, **kw),
+        "max_patches_per_microbatch",
+        "max_patches_per_row",
+    )
+    assert [m.tolist() for m in got[0]] == [m.tolist() for m in want[0]]
+    assert np.array_equal(got.patches, want.patches) and int(want.patches.max()) <= 20 and want.num_microbatches == 2
+
+
+def test_trainer_source_max_patches():
+    samples = samples_from_lengths([5, 10, 3, 8])
+    draw = {"micro_batch_tokens": 64, "batch_size": 4, "seed": 0}
+    new = _new(lambda: TrainerSource(samples, max_patches_per_row=7, **draw))
+    old = _old(lambda: TrainerSource(samples, max_patches=7, **draw), "max_patches", "max_patches_per_row")
+    assert old.max_patches_per_row == new.max_patches_per_row == 7
+    assert old.fingerprint() == new.fingerprint() != TrainerSource(samples, **draw).fingerprint()
+
+
 @pytest.mark.parametrize(
     "call",
     [
@@ -144,6 +176,7 @@ def test_trainer_source_token_budget():
         lambda: PackedBatch.from_samples(SAMPLES, max_seq_len=24, row_width=24),
         lambda: pack_step(torch.ones(1, 4, dtype=torch.long), [4], max_seq_len=4, pad_to=4),
         lambda: plan_microbatches([4], 8, token_budget=8),
+        lambda: pack_rows([4], max_seq_len=8, patches=[1], max_patches_per_row=2, max_patches=2),
     ],
 )
 def test_both_spellings_are_refused(call):

@@ -183,7 +183,7 @@ def test_rows_are_the_planners_rows_with_media_in_row_order(prepared, runs):
             pad_multiple=MULT,
             algorithm="bfd",
             patches=np.array([s.num_patches for s in chunk]),
-            max_patches=PATCHES,
+            max_patches_per_row=PATCHES,
         ):
             want.append(
                 PackedBatch.from_samples(

@@ -166,7 +166,7 @@ def test_bad_settings_are_refused_with_a_clear_error(data):
         make_source(_config("trainer", max_seq_len=16), samples=data.samples)
     with pytest.raises(ValueError, match="pad_id .* is the media placeholder id"):
         make_source(_config("none"), samples=data.samples, pad_id=data.samples[0].media.token_id).next_step()
-    with pytest.raises(ValueError, match="vision patches, more than max_patches_per_microbatch=1"):
+    with pytest.raises(ValueError, match="vision patches, more than max_patches_per_row=1"):
         make_source(_config("trainer", max_patches_per_row=1), samples=data.samples, pad_id=data.pad_id).next_step()
 
 

@@ -97,12 +97,13 @@ def pack_rows(
     algorithm: str = "bfd",
     seed: int = 0,
     patches: ArrayLike | None = None,
+    max_patches_per_row: int | None = None,
     max_patches: int | None = None,
 ) -> Bins:
     """The one row planner: bin-pack sequences into rows of ``max_seq_len`` slots, each
     costed at :func:`padded_lengths` (what :func:`lay_row` lays, so a planned row
     never overflows), each row listing its sequences in input order, rows in the
-    packer's order; with ``max_patches``, under a second budget too.
+    packer's order; with ``max_patches_per_row``, under a second budget too.
 
     Args:
         lengths: ``(n,)`` real lengths, each ``>= 1`` with
@@ -111,9 +112,12 @@ def pack_rows(
         pad_multiple: per-sequence pad multiple (``2 * CP``).
         algorithm: a :func:`sftpack.binpack.pack` algorithm.
         seed: for ``first_fit_shuffle``.
-        patches: ``(n,)`` the vision patches of each sequence, with ``max_patches`` (the
-            weights of :func:`sftpack.binpack.pack`'s second budget).
-        max_patches: a row's ``patches`` sum to at most this (``max_weight_per_bin``).
+        patches: ``(n,)`` the vision patches of each sequence, with ``max_patches_per_row``
+            (the weights of :func:`sftpack.binpack.pack`'s second budget).
+        max_patches_per_row: the patch budget: a row's ``patches`` sum to at most this
+            (``max_weight_per_bin``).
+        max_patches: the deprecated spelling of ``max_patches_per_row`` (accepted, with a
+            ``DeprecationWarning``, until the next release).
 
     Returns:
         :class:`sftpack.binpack.Bins` of indices into ``lengths`` (``.order`` and
@@ -121,16 +125,17 @@ def pack_rows(
 
     >>> [r.tolist() for r in pack_rows([5, 10, 30, 20], max_seq_len=36, pad_multiple=4)]
     [[2], [1, 3], [0]]
-    >>> pack_rows([8, 8, 8], max_seq_len=32, pad_multiple=4, patches=[16, 16, 4], max_patches=20).to_lists()
+    >>> pack_rows([8, 8, 8], max_seq_len=32, pad_multiple=4, patches=[16, 16, 4], max_patches_per_row=20).to_lists()
     [[0, 2], [1]]
     """
+    cap = renamed("pack_rows", "max_patches_per_row", max_patches_per_row, "max_patches", max_patches)
     bins = pack(
         padded_lengths(lengths, pad_multiple),
         max_seq_len,
         algorithm,
         seed=seed,
         weights=patches,
-        max_weight_per_bin=max_patches,
+        max_weight_per_bin=cap,
     )
     n = bins.order.shape[0]
     if n == 0:

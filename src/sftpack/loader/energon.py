@@ -403,7 +403,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
             pad_multiple=self.pad_multiple,
             algorithm=self.algorithm,
             patches=patches,
-            max_patches=None if patches is None else cap,
+            max_patches_per_row=None if patches is None else cap,
         )
         groups = [[kept[i] for i in row.tolist()] for row in rows]
         groups[0].extend(left)

@@ -155,7 +155,7 @@ def _bin_pack(
         algorithm=algorithm,
         seed=seed,
         patches=patches,
-        max_patches=max_weight,
+        max_patches_per_row=max_weight,
     )
     order = np.asarray(bins.order, dtype=np.int64).copy()
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()

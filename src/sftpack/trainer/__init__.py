@@ -35,7 +35,7 @@ pads their tokens like any others, and :func:`pack_step` takes their media with
 without) and lays it at the packed offsets, so the row is field for field what
 :meth:`PackedBatch.from_samples <sftpack.PackedBatch.from_samples>` builds;
 :func:`plan_microbatches` takes their vision patches as a second budget
-(``patches=``, ``max_patches_per_microbatch=``).
+(``patches=``, ``max_patches_per_row=``).
 
 What every path shares lives in :mod:`sftpack.handoff` and is imported from
 there (:func:`~sftpack.handoff.pad_multiple_for`, :func:`~sftpack.handoff.shard_for_cp`,

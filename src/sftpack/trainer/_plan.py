@@ -17,7 +17,7 @@ that still has room, which keeps the slowest rank within one bin of the mean.
 attention FLOPs) instead of its tokens.
 
 Samples with images bring a second size, their vision patches (what the vision
-tower's activations grow with): given ``patches`` and ``max_patches_per_microbatch``
+tower's activations grow with): given ``patches`` and ``max_patches_per_row``
 (``sftpack train --max-patches-per-row``), every micro-batch holds at most that many
 (the bin packer's second budget), so one image-heavy micro-batch cannot exhaust the
 tower's memory while its neighbours hold none.
@@ -119,8 +119,9 @@ def plan_microbatches(
     max_sequences_per_microbatch: int | None = None,
     seed: int = 0,
     patches: ArrayLike | None = None,
-    max_patches_per_microbatch: int | None = None,
+    max_patches_per_row: int | None = None,
     token_budget: int | None = None,
+    max_patches_per_microbatch: int | None = None,
 ) -> MicrobatchPlan:
     """Split a global batch into micro-batches of at most ``max_seq_len`` padded tokens,
     balanced over ranks.
@@ -141,9 +142,10 @@ def plan_microbatches(
         seed: for shuffling algorithms.
         patches: ``(n,)`` vision patches of each sequence (``sample.num_patches``: 0
             for one without images), the second size of multimodal samples.
-        max_patches_per_microbatch: the second budget: a micro-batch's patches sum to
+        max_patches_per_row: the second budget: a micro-batch's patches sum to
             at most this (needs ``patches``). ``None``: patches only counted.
-        token_budget: the deprecated spelling of ``max_seq_len`` (accepted, with a
+        token_budget, max_patches_per_microbatch: the deprecated spellings of
+            ``max_seq_len`` and ``max_patches_per_row`` (accepted, with a
             ``DeprecationWarning``, until the next release).
 
     Returns:
@@ -193,7 +195,14 @@ def plan_microbatches(
             f"{int(padded[i])}"
         )
 
-    patch_w, cap = _patches(patches, max_patches_per_microbatch, n)
+    per_row = renamed(
+        "plan_microbatches",
+        "max_patches_per_row",
+        max_patches_per_row,
+        "max_patches_per_microbatch",
+        max_patches_per_microbatch,
+    )
+    patch_w, cap = _patches(patches, per_row, n)
     try:
         bins = binpack.pack(
             arr,
@@ -250,9 +259,9 @@ def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.nda
     """``patches`` as ``(n,)`` int64 and the budget, checked (every sequence within it)."""
     if patches is None:
         if cap is not None:
-            raise PlanError("max_patches_per_microbatch needs patches: the vision patches of each sequence")
+            raise PlanError("max_patches_per_row needs patches: the vision patches of each sequence")
         return None, None
-    budget = None if cap is None else positive_int("max_patches_per_microbatch", cap, error=PlanError)
+    budget = None if cap is None else positive_int("max_patches_per_row", cap, error=PlanError)
     w = np.asarray(patches.detach().cpu().numpy() if hasattr(patches, "detach") else patches)
     if w.shape != (n,) or w.dtype.kind not in "iu":
         raise PlanError(f"patches must be a 1-D integer array of {n} entries, got shape {w.shape} dtype {w.dtype}")
@@ -263,7 +272,7 @@ def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.nda
     if budget is not None and n and w.max() > budget:
         i = int(np.argmax(w))
         raise PlanError(
-            f"sequence {i} has {int(w[i]):,} vision patches, more than max_patches_per_microbatch={budget:,}: no "
+            f"sequence {i} has {int(w[i]):,} vision patches, more than max_patches_per_row={budget:,}: no "
             f"micro-batch can hold it; raise the patch budget to at least {int(w[i]):,} (--max-patches-per-row) "
             "or make its images smaller"
         )
