@@ -9,6 +9,9 @@
   and strings refused).
 - :func:`check_width`: the one check that a row width is a multiple of the
   per-sequence pad multiple (the last sequence absorbs a row's tail).
+- :func:`renamed`: the one way a renamed keyword keeps its old spelling for one
+  release (a ``DeprecationWarning`` naming the new one); :func:`warn_renamed` the
+  warning itself (for a renamed attribute).
 - :func:`pool_results`: the worker pool that tokenizes (text and images), results in
   input order (:func:`_pool_context`: how its workers start); :func:`chunks`: its tasks
   (and any other stream cut into lists).
@@ -22,6 +25,7 @@ import enum
 import numbers
 import os
 import sys
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
@@ -36,7 +40,9 @@ __all__ = [
     "non_negative_int",
     "pool_results",
     "positive_int",
+    "renamed",
     "round_up",
+    "warn_renamed",
 ]
 
 if sys.version_info >= (3, 11):
@@ -190,6 +196,39 @@ def check_width(
             f"absorbs the row's tail and would lose its alignment; use {use}"
         )
     return width
+
+
+def warn_renamed(who: str, old: str, new: str, *, stacklevel: int = 3) -> None:
+    """The ``DeprecationWarning`` of a renamed keyword or attribute: ``who``'s ``old`` is now
+    ``new`` (the same value), and the old spelling goes in the next release. ``stacklevel``:
+    as for :func:`warnings.warn`, counted from the caller of this function (3: the caller of
+    the function that calls it)."""
+    warnings.warn(
+        f"{who}: {old} is deprecated and will be removed in the next release of sftpack; use {new} "
+        "(the same value, under the name every sftpack API uses)",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def renamed(who: str, new: str, value: T | None, old: str, old_value: T | None) -> T | None:
+    """The value of the renamed keyword ``new``: ``value``, or ``old_value`` given under the
+    old spelling ``old`` (accepted for one release, with :func:`warn_renamed`'s warning
+    pointing at the caller of ``who``). Both given: ``TypeError``. ``None`` means not given.
+
+    >>> renamed("pack_step", "max_seq_len", 64, "pad_to", None)
+    64
+    >>> renamed("pack_step", "max_seq_len", 64, "pad_to", 64)
+    Traceback (most recent call last):
+    ...
+    TypeError: pack_step: give max_seq_len= only (pad_to= is its old spelling)
+    """
+    if old_value is None:
+        return value
+    if value is not None:
+        raise TypeError(f"{who}: give {new}= only ({old}= is its old spelling)")
+    warn_renamed(who, f"{old}=", f"{new}=", stacklevel=4)
+    return old_value
 
 
 def chunks(items: Iterable[T], size: int) -> Iterator[list[T]]:

@@ -120,7 +120,7 @@ def test_damaged_corpus_end_to_end_accounting(
                 np.concatenate([s.input_ids for s in members]),
                 np.concatenate([s.loss_mask for s in members]),
                 [len(s) for s in members],
-                row_width=capacity,
+                max_seq_len=capacity,
                 pad_multiple=pad_multiple,
                 sequence_ids=[s.conversation_id for s in members],
             )

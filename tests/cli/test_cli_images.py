@@ -130,7 +130,7 @@ def test_prepack_of_a_file_with_image_parts_reads_back_as_tokenizing_it(data, pr
         seqs = ds.row_sequences(r)
         keys = [(ds.conversation_id(int(i)), int(k)) for i, k in zip(seqs["conversation"], seqs["piece"])]
         built = PackedBatch.from_samples(
-            [in_memory[k] for k in keys], row_width=MAX_SEQ_LEN, pad_multiple=1, pad_id=m["pad_id"]
+            [in_memory[k] for k in keys], max_seq_len=MAX_SEQ_LEN, pad_multiple=1, pad_id=m["pad_id"]
         )
         _same(row, built)
         seen += len(keys)

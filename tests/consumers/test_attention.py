@@ -32,7 +32,7 @@ def _block_mask(cu: list[int], cup: list[int], T: int, pad_between_seqs: bool) -
 @pytest.mark.parametrize("pad_between_seqs", [True, False])
 @pytest.mark.parametrize("lens,pm,width", [([5, 10], 4, None), ([1, 1, 7, 3], 8, 40), ([16], 1, None)])
 def test_matches_block_diagonal_mask(pad_between_seqs, lens, pm, width):
-    b = PackedBatch.from_samples(samples_from_lengths(lens), pad_multiple=pm, row_width=width)
+    b = PackedBatch.from_samples(samples_from_lengths(lens), pad_multiple=pm, max_seq_len=width)
     T, H, Hkv, D = b.num_tokens, 4, 2, 8
     g = torch.Generator().manual_seed(0)
     f64 = torch.float64

@@ -59,7 +59,7 @@ def _data_parallel(rank: int) -> dict[str, float]:
     lengths = [23, 5, 17, 9, 31, 2, 12, 7, 19, 4, 26, 11]
     samples = random_samples(lengths, VOCAB, seed=7)
     m = 4
-    plan = plan_microbatches(lengths, token_budget=48, dp_size=WORLD, pad_multiple=m)
+    plan = plan_microbatches(lengths, max_seq_len=48, dp_size=WORLD, pad_multiple=m)
     model = TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=F64)
     ddp = torch.nn.parallel.DistributedDataParallel(model)  # averages gradients over the ranks
     mine = [pack_step(*_padded([samples[i] for i in mb]), pad_multiple=m) for mb in plan[rank]]
@@ -144,7 +144,7 @@ class _OneLayer(torch.nn.Module):
 def _context_parallel(rank: int) -> dict[str, float]:
     samples = random_samples([5, 10, 1, 22, 7], VOCAB, seed=11)
     a = pad_multiple_for(cp_size=WORLD)
-    row = pack_step(*_padded(samples), pad_multiple=a.seq_multiple, pad_to=64)
+    row = pack_step(*_padded(samples), pad_multiple=a.seq_multiple, max_seq_len=64)
     shard = shard_for_cp(row, WORLD, rank).validate()
 
     # The shard put back together from every rank's pieces is the row.

@@ -77,7 +77,7 @@ def _row(lens, pad_multiple, fixed_width, seed):
     samples = random_samples(lens, VOCAB, seed=seed)
     padded = sum(-(-n // pad_multiple) * pad_multiple for n in lens)
     width = padded + 5 * pad_multiple if fixed_width else None
-    return samples, PackedBatch.from_samples(samples, pad_multiple=pad_multiple, row_width=width).validate()
+    return samples, PackedBatch.from_samples(samples, pad_multiple=pad_multiple, max_seq_len=width).validate()
 
 
 @pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real+padded", "padded-for-both"])

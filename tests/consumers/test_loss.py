@@ -72,13 +72,13 @@ def grads(model) -> list[torch.Tensor]:
     return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
-def run_packed(model, forward, samples, splits, *, pad_multiple, mode="token", pad_to=None):
+def run_packed(model, forward, samples, splits, *, pad_multiple, mode="token", max_seq_len=None):
     """One optimizer step's worth of micro-batches, each packed at the step by pack_step."""
     model.zero_grad(set_to_none=True)
     batches = []
     for idx in splits:
         ids, L, mask = padded_batch([samples[i] for i in idx])
-        batches.append(pack_step(ids, L, mask, pad_multiple=pad_multiple, pad_to=pad_to))
+        batches.append(pack_step(ids, L, mask, pad_multiple=pad_multiple, max_seq_len=max_seq_len))
     n_tok = count_label_tokens(batches)  # no process group: nothing to all-reduce
     n_seq = count_sequences(batches)
     total = torch.zeros((), dtype=F64)
@@ -168,7 +168,7 @@ def test_fixed_width_microbatches_are_exact():
     """Pipeline parallelism: every micro-batch at one width, the last sequence absorbing the tail."""
     samples = random_samples([7, 3, 12, 9, 1], VOCAB, seed=3)
     model = plain_model()
-    got = run_packed(model, forward_plain, samples, [[0, 1], [2], [3, 4]], pad_multiple=4, pad_to=16)
+    got = run_packed(model, forward_plain, samples, [[0, 1], [2], [3, 4]], pad_multiple=4, max_seq_len=16)
     logit, loss, grad = diffs(got, run_reference(model, reference_plain, samples))
     assert logit <= TOL and loss <= TOL and grad <= TOL, (logit, loss, grad)
 

@@ -103,7 +103,7 @@ def test_build_row_copy_strategies_agree(monkeypatch, n, pad_multiple):
     rows = []
     for limit in (0, 10_000):
         monkeypatch.setattr(layout, "_SLICE_COPY_MAX", limit)
-        rows.append(build_row(ids, mask, lengths, row_width=width, pad_multiple=pad_multiple).validate())
+        rows.append(build_row(ids, mask, lengths, max_seq_len=width, pad_multiple=pad_multiple).validate())
     for name in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
         assert torch.equal(getattr(rows[0], name), getattr(rows[1], name)), name
     # and the labels are what the contract says: next token where it is trainable, same sequence
@@ -126,13 +126,13 @@ def test_build_row_refuses_a_negative_token_id_naming_the_sequence():
         match=r"build_row: sequence 1, id 'b' holds token id -3 at input position 4: "
         r"token ids must be non-negative",
     ):
-        build_row(ids, np.ones(6, bool), [3, 3], row_width=8, sequence_ids=["a", "b"])
+        build_row(ids, np.ones(6, bool), [3, 3], max_seq_len=8, sequence_ids=["a", "b"])
     with pytest.raises(PackedBatchError, match=r"build_row: sequence 0 holds token id -1 at input position 0"):
-        build_row(np.array([-1, 4]), np.ones(2, bool), [2], row_width=4)  # no sequence ids given: none named
+        build_row(np.array([-1, 4]), np.ones(2, bool), [2], max_seq_len=4)  # no sequence ids given: none named
     with pytest.raises(PackedBatchError, match=r"sequence 1, id 'c7' holds token id -2 at input position 3"):
         PackedBatch.from_samples([[1, 2], {"input_ids": [3, -2], "conversation_id": "c7"}])
     # the same ids, non-negative, build (the check is not a blanket refusal)
-    build_row(np.abs(ids), np.ones(6, bool), [3, 3], row_width=8, sequence_ids=["a", "b"]).validate()
+    build_row(np.abs(ids), np.ones(6, bool), [3, 3], max_seq_len=8, sequence_ids=["a", "b"]).validate()
 
 
 @pytest.mark.parametrize("pad_id", [-1, -100, np.int64(-7)])
@@ -141,7 +141,7 @@ def test_a_negative_pad_id_is_refused_by_every_row_builder(pad_id):
         rf"pad_id must be a non-negative integer, got \S*{int(pad_id)}\S*; padding slots are fed to the embedding.*>= 0"
     )
     with pytest.raises(PackedBatchError, match="build_row: " + msg):
-        build_row(np.arange(1, 4), np.ones(3, bool), [3], row_width=4, pad_id=pad_id)
+        build_row(np.arange(1, 4), np.ones(3, bool), [3], max_seq_len=4, pad_id=pad_id)
     with pytest.raises(PackedBatchError, match="build_row: " + msg):
         PackedBatch.from_samples(samples_from_lengths([3]), pad_id=pad_id)
     with pytest.raises(PackedBatchError, match="pack_step: " + msg):
@@ -149,7 +149,7 @@ def test_a_negative_pad_id_is_refused_by_every_row_builder(pad_id):
 
 
 def test_validate_refuses_a_negative_id_naming_the_slot_and_segment():
-    good = PackedBatch.from_samples(samples_from_lengths([3, 2]), row_width=8).validate()
+    good = PackedBatch.from_samples(samples_from_lengths([3, 2]), max_seq_len=8).validate()
     for slot, what in ((6, "segment 1"), (1, "segment 0")):
         bad = good.to("cpu")
         bad.input_ids = good.input_ids.clone()

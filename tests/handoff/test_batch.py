@@ -18,8 +18,8 @@ A, B = samples_from_lengths([5, 10])  # ids 1000.. and 2000..
 # ---------------------------------------------------------------- worked example
 WORKED = [
     # path, kwargs, width, cu_seqlens, cu_seqlens_padded
-    ("offline", dict(row_width=16), 16, [0, 5, 15], [0, 5, 16]),
-    ("loader", dict(row_width=36, pad_multiple=4), 36, [0, 5, 15], [0, 8, 36]),
+    ("offline", dict(max_seq_len=16), 16, [0, 5, 15], [0, 5, 16]),
+    ("loader", dict(max_seq_len=36, pad_multiple=4), 36, [0, 5, 15], [0, 8, 36]),
     ("trainer", dict(pad_multiple=4), 20, [0, 5, 15], [0, 8, 20]),
 ]
 
@@ -132,14 +132,14 @@ def test_validate_rejects_labels_crossing_boundaries(slot, what):
 def test_from_samples_errors():
     with pytest.raises(PackedBatchError, match="at least one sample"):
         PackedBatch.from_samples([])
-    with pytest.raises(PackedBatchError, match="take 20 slots .* more than row_width=16"):
-        PackedBatch.from_samples([A, B], pad_multiple=4, row_width=16)
+    with pytest.raises(PackedBatchError, match="take 20 slots .* more than max_seq_len=16"):
+        PackedBatch.from_samples([A, B], pad_multiple=4, max_seq_len=16)
     # A width that is not a multiple of the per-sequence pad would leave the last
     # segment (which absorbs the tail) misaligned: refused, with both fixes.
     with pytest.raises(
-        PackedBatchError, match="row_width=22 is not a multiple of pad_multiple=4.*use row_width=24 or 20"
+        PackedBatchError, match="max_seq_len=22 is not a multiple of pad_multiple=4.*use max_seq_len=24 or 20"
     ):
-        PackedBatch.from_samples([A, B], pad_multiple=4, row_width=22)
+        PackedBatch.from_samples([A, B], pad_multiple=4, max_seq_len=22)
     with pytest.raises(PackedBatchError, match="pad_multiple must be a positive integer"):
         PackedBatch.from_samples([A], pad_multiple=0)
     with pytest.raises(ValueError, match="has no tokens"):
@@ -163,7 +163,7 @@ def test_from_samples_properties(lens, pad_multiple, extra, data):
     samples = [Sample(rng.integers(1, 50, n), rng.random(n) < 0.6, i) for i, n in enumerate(lens)]
     padded = [-(-n // pad_multiple) * pad_multiple for n in lens]
     width = sum(padded) + extra * pad_multiple if data.draw(st.booleans()) else None
-    b = PackedBatch.from_samples(samples, pad_multiple=pad_multiple, row_width=width, pad_id=0).validate()
+    b = PackedBatch.from_samples(samples, pad_multiple=pad_multiple, max_seq_len=width, pad_id=0).validate()
     assert b.num_tokens == (width or sum(padded))
     cu = b.cu_seqlens.tolist()
     assert cu == [0, *np.cumsum(lens).tolist()]
@@ -179,7 +179,7 @@ def test_from_samples_properties(lens, pad_multiple, extra, data):
 
 
 def test_concat_and_dataloader_collate():
-    rows = [PackedBatch.from_samples(samples_from_lengths(ls), row_width=8) for ls in ([3, 4], [8], [1, 1, 1])]
+    rows = [PackedBatch.from_samples(samples_from_lengths(ls), max_seq_len=8) for ls in ([3, 4], [8], [1, 1, 1])]
     b = PackedBatch.concat(rows).validate()
     assert b.cu_seqlens.tolist() == [0, 3, 7, 15, 16, 17, 18]
     assert b.cu_seqlens_padded.tolist() == [0, 3, 8, 16, 17, 18, 24]
@@ -214,7 +214,7 @@ def _mm_rows():
     c = _patch_sample(2, [5, 6, 7], [])
     return (
         PackedBatch.from_samples([a, b], pad_multiple=4, pad_id=151643),
-        PackedBatch.from_samples([c], row_width=8, pad_id=151643),
+        PackedBatch.from_samples([c], max_seq_len=8, pad_id=151643),
     )
 
 

@@ -108,7 +108,7 @@ def test_cp_shards_cover_every_slot_once_and_reassemble(lens, cp, extra, seed):
     ids, L, mask = padded_batch(samples, pad_id=PAD)
     m = pad_multiple_for(cp_size=cp).seq_multiple
     width = sum(-(-n // m) * m for n in lens) + extra * 2 * cp  # the tail keeps the last segment aligned
-    row = pack_step(ids, L, mask, pad_multiple=m, pad_to=width, pad_id=PAD)
+    row = pack_step(ids, L, mask, pad_multiple=m, max_seq_len=width, pad_id=PAD)
     shards = [shard_for_cp(row, cp, r).validate() for r in range(cp)]
     slots = torch.cat([s.slot_index for s in shards])
     assert sorted(slots.tolist()) == list(range(row.num_tokens))  # every slot exactly once

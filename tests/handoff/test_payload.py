@@ -116,7 +116,7 @@ def test_rows_laid_end_to_end_are_the_row_of_all_samples(kind, pad_multiple):
 
 def test_lay_is_what_from_samples_and_concat_call():
     samples = _patch_samples()
-    row = PackedBatch.from_samples(samples, pad_multiple=4, row_width=44, pad_id=PAD)
+    row = PackedBatch.from_samples(samples, pad_multiple=4, max_seq_len=44, pad_id=PAD)
     cup = row.cu_seqlens_padded.tolist()
     laid = PatchMedia.lay(
         [s.media for s in samples],

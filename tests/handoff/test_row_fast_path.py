@@ -29,7 +29,7 @@ from sftpack.handoff.layout import RowArrays, lay_row
 _PREVIOUS_SLICE_COPY_MAX = 32
 
 
-def _previous_lay_row(ids, mask, real, *, row_width, pad_multiple, pad_id) -> RowArrays:
+def _previous_lay_row(ids, mask, real, *, max_seq_len, pad_multiple, pad_id) -> RowArrays:
     """The layout of ``lay_row`` before issue 18 (inputs already checked)."""
     real = np.asarray(real, dtype=np.int64)
     n = real.shape[0]
@@ -37,9 +37,9 @@ def _previous_lay_row(ids, mask, real, *, row_width, pad_multiple, pad_id) -> Ro
     m = pad_multiple
     padded = -(-real // m) * m
     total = int(padded.sum())
-    if row_width is not None:
-        padded[-1] += row_width - total
-        total = row_width
+    if max_seq_len is not None:
+        padded[-1] += max_seq_len - total
+        total = max_seq_len
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(real, out=cu[1:])
     cup = np.zeros(n + 1, dtype=np.int64)
@@ -112,7 +112,7 @@ def rows(draw):
 @given(rows())
 def test_lay_row_lays_the_previous_bytes(case):
     ids, mask, lengths, width, m, pad_id = case
-    kw = {"row_width": width, "pad_multiple": m, "pad_id": pad_id}
+    kw = {"max_seq_len": width, "pad_multiple": m, "pad_id": pad_id}
     want = _previous_lay_row(ids, mask, lengths, **kw)
     assert_same_arrays(lay_row(ids, mask, lengths, **kw), want)
     # the tensors too (build_row), with sequence ids
@@ -131,7 +131,7 @@ def test_build_parts_lays_the_previous_bytes(case):
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     id_parts = [ids[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])]
     mask_parts = [mask[a:b].copy() for a, b in zip(bounds[:-1], bounds[1:])]
-    kw = {"row_width": width, "pad_multiple": m, "pad_id": pad_id}
+    kw = {"max_seq_len": width, "pad_multiple": m, "pad_id": pad_id}
     want = _previous_lay_row(ids, mask, lengths, **kw)
     sids = list(range(len(lengths)))
     got = build_parts(id_parts, mask_parts, lengths, sequence_ids=sids, **kw)
@@ -147,7 +147,7 @@ def test_build_parts_takes_any_integer_ids_and_0_1_masks(case):
     ids, mask, lengths, width, m, pad_id = case
     bounds = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     cut = list(zip(bounds[:-1], bounds[1:]))
-    kw = {"row_width": width, "pad_multiple": m, "pad_id": pad_id}
+    kw = {"max_seq_len": width, "pad_multiple": m, "pad_id": pad_id}
     want = _previous_lay_row(ids.astype(np.int64), mask.astype(bool), lengths, **kw)
     got = build_parts([ids[a:b] for a, b in cut], [mask[a:b] for a, b in cut], lengths, **kw)
     assert_same_batch(got, PackedBatch.from_row(want))
@@ -164,8 +164,8 @@ def test_cp_shards_and_kernel_boundaries_are_the_previous_ones(cp, pad_between_s
         n_tok = sum(lengths)
         ids, mask = rng.integers(0, 50_000, n_tok), rng.random(n_tok) < 0.6
         width = sum(-(-k // m) * m for k in lengths) + m * int(rng.integers(0, 4))
-        got = build_row(ids, mask, lengths, row_width=width, pad_multiple=m)
-        want = PackedBatch.from_row(_previous_lay_row(ids, mask, lengths, row_width=width, pad_multiple=m, pad_id=0))
+        got = build_row(ids, mask, lengths, max_seq_len=width, pad_multiple=m)
+        want = PackedBatch.from_row(_previous_lay_row(ids, mask, lengths, max_seq_len=width, pad_multiple=m, pad_id=0))
         got.validate()
         for rank in range(cp):
             a, b = shard_for_cp(got, cp, rank), shard_for_cp(want, cp, rank)
@@ -178,7 +178,9 @@ def test_cp_shards_and_kernel_boundaries_are_the_previous_ones(cp, pad_between_s
 
 
 def test_build_parts_refuses_a_row_that_does_not_fit():
-    with pytest.raises(ValueError, match="take 16 slots after padding each to a multiple of 4, more than row_width=12"):
+    with pytest.raises(
+        ValueError, match="take 16 slots after padding each to a multiple of 4, more than max_seq_len=12"
+    ):
         build_parts(
-            [np.arange(5), np.arange(7)], [np.ones(5, bool), np.ones(7, bool)], [5, 7], row_width=12, pad_multiple=4
+            [np.arange(5), np.arange(7)], [np.ones(5, bool), np.ones(7, bool)], [5, 7], max_seq_len=12, pad_multiple=4
         )

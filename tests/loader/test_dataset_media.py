@@ -94,7 +94,7 @@ def test_rows_are_full_width_with_every_sample_once_and_media_in_row_order(renum
         items = [by_id[c] for c in row.sequence_ids]
         seen += row.sequence_ids
         # the row is its samples laid in order with their media: patches, grids, placeholder runs
-        built = PackedBatch.from_samples(items, row_width=WIDTH, pad_multiple=4, pad_id=renumbered.pad_id)
+        built = PackedBatch.from_samples(items, max_seq_len=WIDTH, pad_multiple=4, pad_id=renumbered.pad_id)
         assert sig(row) == sig(built)
         assert torch.equal(row.media.pixel_values, torch.cat([s.media.pixel_values for s in items]))
         assert row.media.grid_thw.tolist() == [g for s in items for g in s.media.grid_thw.tolist()]
@@ -367,7 +367,7 @@ def test_text_and_media_samples_share_rows_each_equal_to_from_samples(renumbered
         has = [s.media is not None for s in samples]
         kinds.add("mixed" if any(has) and not all(has) else "media" if all(has) else "text")
         # a row holding media (or text only) is PackedBatch.from_samples of its samples, field for field
-        same_fields(row, PackedBatch.from_samples(samples, row_width=WIDTH, pad_multiple=4, pad_id=renumbered.pad_id))
+        same_fields(row, PackedBatch.from_samples(samples, max_seq_len=WIDTH, pad_multiple=4, pad_id=renumbered.pad_id))
     assert "mixed" in kinds
     assert sorted(c for r in rows for c in r.sequence_ids) == sorted(by_id)
     st = ds.stats

@@ -174,11 +174,11 @@ def test_rows_are_the_planners_rows_with_media_in_row_order(prepared, runs):
             pad_multiple=MULT,
             algorithm="bfd",
             patches=np.array([s.num_patches for s in chunk]),
-            max_patches=PATCHES,
+            max_patches_per_row=PATCHES,
         ):
             want.append(
                 PackedBatch.from_samples(
-                    [chunk[i] for i in row], row_width=WIDTH, pad_multiple=MULT, pad_id=_QWEN2VL_PAD
+                    [chunk[i] for i in row], max_seq_len=WIDTH, pad_multiple=MULT, pad_id=_QWEN2VL_PAD
                 )
             )
     assert [sig(b.validate()) for b in batches] == [sig(w) for w in want]
@@ -398,6 +398,6 @@ def test_conversations_with_and_without_images_share_the_one_encoder(tmp_path):
     assert any(samples[c].media is None or samples[c].media.num_items == 0 for b in batches for c in b.sequence_ids)
     for b in batches:
         want = PackedBatch.from_samples(
-            [samples[c] for c in b.sequence_ids], row_width=WIDTH, pad_multiple=MULT, pad_id=_QWEN2VL_PAD
+            [samples[c] for c in b.sequence_ids], max_seq_len=WIDTH, pad_multiple=MULT, pad_id=_QWEN2VL_PAD
         )
         assert b.dropped == () and sig(b) == sig(want)

@@ -123,7 +123,7 @@ def _previous_build(self: PackingDataset, row: list[Item]) -> PackedBatch:
     mask = np.concatenate([it.loss_mask for it in row])
     lengths = np.fromiter((it.length for it in row), dtype=np.int64, count=len(row))
     laid = _previous_lay_row(
-        ids, mask, lengths, row_width=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
+        ids, mask, lengths, max_seq_len=self.max_seq_len, pad_multiple=self.pad_multiple, pad_id=self.pad_id
     )
     return PackedBatch.from_row(laid, sequence_ids=[it.sequence_id for it in row])
 

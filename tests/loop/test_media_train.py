@@ -145,7 +145,7 @@ class _OneDPositions(TrainerSource):
 
 def test_negative_control_1d_positions_moves_the_loss(data, padded_run):
     cfg = _config("trainer", steps=1)
-    bad = _OneDPositions(data.samples, token_budget=256, batch_size=4, seed=0, pad_id=data.pad_id)
+    bad = _OneDPositions(data.samples, micro_batch_tokens=256, batch_size=4, seed=0, pad_id=data.pad_id)
     run = _run(data, cfg, source=bad)
     assert abs(run.losses[0] - padded_run.losses[0]) > BUG
 
@@ -166,7 +166,7 @@ def test_bad_settings_are_refused_with_a_clear_error(data):
         make_source(_config("trainer", max_seq_len=16), samples=data.samples)
     with pytest.raises(ValueError, match="pad_id .* is the media placeholder id"):
         make_source(_config("none"), samples=data.samples, pad_id=data.samples[0].media.token_id).next_step()
-    with pytest.raises(ValueError, match="vision patches, more than max_patches_per_microbatch=1"):
+    with pytest.raises(ValueError, match="vision patches, more than max_patches_per_row=1"):
         make_source(_config("trainer", max_patches_per_row=1), samples=data.samples, pad_id=data.pad_id).next_step()
 
 

@@ -194,7 +194,7 @@ def test_rows_read_back_equal_the_contract_row_of_their_samples():
 
     out = prepack_samples(samples, tempfile.mkdtemp() + "/ab", max_seq_len=16).path
     row = PrepackedDataset(out)[0]
-    want = PackedBatch.from_samples(samples, row_width=16)
+    want = PackedBatch.from_samples(samples, max_seq_len=16)
     for f in ("input_ids", "labels", "position_ids", "cu_seqlens", "cu_seqlens_padded"):
         assert torch.equal(getattr(row, f), getattr(want, f)), f
     assert row.max_seqlen == want.max_seqlen and row.sequence_ids == (0, 1)

@@ -174,7 +174,7 @@ def test_rows_read_back_equal_rows_built_in_memory(written, in_memory):
     for r in range(len(ds)):
         row = ds[r].validate()
         samples = _row_samples(ds, r, in_memory)
-        built = PackedBatch.from_samples(samples, row_width=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE, pad_id=PAD)
+        built = PackedBatch.from_samples(samples, max_seq_len=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE, pad_id=PAD)
         _same(row, built)
         assert row.num_tokens == MAX_SEQ_LEN and int(row.media.grid_thw.prod(dim=1).sum()) <= MAX_PATCHES
         imgs = ds.row_images(r)
@@ -191,7 +191,7 @@ def test_rows_read_back_equal_rows_built_in_memory(written, in_memory):
 def _built(ds, r, in_memory):
     """Row ``r`` built in memory from its samples (the reference every read is held to)."""
     samples = _row_samples(ds, r, in_memory)
-    return PackedBatch.from_samples(samples, row_width=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE, pad_id=PAD)
+    return PackedBatch.from_samples(samples, max_seq_len=MAX_SEQ_LEN, pad_multiple=PAD_MULTIPLE, pad_id=PAD)
 
 
 def _equal(a, b):

@@ -43,7 +43,7 @@ def test_keep_rows_reads_its_sizes_when_planning_and_can_size_the_rows():
     sizes += [2, 3]  # filled after the planner was made, as an importer's samples stream
     plan = planner.plan([5, 10, 3, 8, 6])
     # widest row: [3, 8, 6] padded to 4, 8, 8 = 20 slots
-    assert plan.row_width == 20 and plan.pad_multiple == 4 and plan.row_offsets.tolist() == [0, 2, 5]
+    assert plan.max_seq_len == 20 and plan.pad_multiple == 4 and plan.row_offsets.tolist() == [0, 2, 5]
     assert planner.fingerprint() == {"algorithm": "kept from the source", "seed": None}
     with pytest.raises(PrepackError, match="row_sizes add up to 5 samples but 4 came in"):
         planner.plan([5, 10, 3, 8])
@@ -78,7 +78,7 @@ def test_the_width_check_gives_one_message_per_problem(width, multiple, message)
 
 def test_rows_recorded_by_stage_1_are_kept_and_bin_packing_refuses_them():
     plan = KeepRows(None, None, pad_multiple=1).plan([5, 10, 3, 8, 6], np.array([1, 4]))
-    assert plan.row_offsets.tolist() == [0, 1, 5] and plan.row_width == 27
+    assert plan.row_offsets.tolist() == [0, 1, 5] and plan.max_seq_len == 27
     with pytest.raises(ValueError, match="KeepRows needs the row sizes"):
         KeepRows(None, 32).plan([5, 10])
     with pytest.raises(ValueError, match="bin packing plans its own rows, but the samples came in rows"):

@@ -213,6 +213,6 @@ def test_a_row_wider_than_the_limit_is_refused_up_front(chat_file, tok, tmp_path
     # the limit itself is accepted (the plan is checked, not built here)
     from sftpack.offline.engine import plan_rows
 
-    assert plan_rows([5, 10], max_seq_len=MAX_ROW_WIDTH).row_width == MAX_ROW_WIDTH
+    assert plan_rows([5, 10], max_seq_len=MAX_ROW_WIDTH).max_seq_len == MAX_ROW_WIDTH
     with pytest.raises(ValueError, match="wider than sftpack's limit"):
         plan_rows([5, 10], max_seq_len=MAX_ROW_WIDTH + 1)

@@ -105,10 +105,10 @@ def _demo_summary():
         "trainer": PathSummary("trainer", fill=1.0, losses=[3.0, 2.7, 2.1], tokens_per_s=800.0),
         "none": PathSummary("none", fill=0.4, losses=[3.0, 2.7, 2.1], tokens_per_s=400.0),
     }
-    summary["offline"].first_rows = [PackedBatch.from_samples(samples[:3], row_width=300)]
-    summary["loader"].first_rows = [PackedBatch.from_samples(samples[3:], row_width=300)]
+    summary["offline"].first_rows = [PackedBatch.from_samples(samples[:3], max_seq_len=300)]
+    summary["loader"].first_rows = [PackedBatch.from_samples(samples[3:], max_seq_len=300)]
     summary["trainer"].first_rows = [pack_step(ids, lens, mask, pad_id=0)]  # 370 real slots: wider than 300
-    summary["none"].first_rows = [PackedBatch.from_samples([x], row_width=200) for x in samples[:2]]
+    summary["none"].first_rows = [PackedBatch.from_samples([x], max_seq_len=200) for x in samples[:2]]
     return summary
 
 

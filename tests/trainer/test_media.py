@@ -82,9 +82,9 @@ def test_packed_from_padded_is_the_built_row(renumbered, pad_multiple, width):
     items = renumbered.samples
     padded = Padded(items, renumbered.pad_id)
     assert padded.ids.shape == (len(items), max(len(s) for s in items))
-    got = padded.pack(pad_multiple=pad_multiple, pad_to=width, pad_id=renumbered.pad_id).validate()
+    got = padded.pack(pad_multiple=pad_multiple, max_seq_len=width, pad_id=renumbered.pad_id).validate()
     assert got.num_media_items == sum(s.media.num_items for s in items) >= 8
-    want = PackedBatch.from_samples(items, pad_multiple=pad_multiple, row_width=width, pad_id=renumbered.pad_id)
+    want = PackedBatch.from_samples(items, pad_multiple=pad_multiple, max_seq_len=width, pad_id=renumbered.pad_id)
     assert type(got) is type(want) and want.media is not None
     _same(got, want)
     assert torch.equal(got.media.vision_cu_seqlens, want.media.vision_cu_seqlens)

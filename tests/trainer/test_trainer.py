@@ -70,17 +70,19 @@ def test_row_width_options():
     b = pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=16).validate()
     assert b.cu_seqlens_padded.tolist() == [0, 8, 32] and b.max_seqlen == 24
     # Pipeline parallelism: one fixed width.
-    b = pack_step(ids, lens, pad_multiple=4, pad_to=24, pad_id=PAD).validate()
+    b = pack_step(ids, lens, pad_multiple=4, max_seq_len=24, pad_id=PAD).validate()
     assert b.cu_seqlens_padded.tolist() == [0, 8, 24] and b.max_seqlen == 16
-    assert_same_batch(b, PackedBatch.from_samples([A, B], pad_multiple=4, row_width=24, pad_id=PAD))
-    with pytest.raises(PackedBatchError, match=r"2 sequences take 20 slots .* multiple of 4, more than pad_to=16"):
-        pack_step(ids, lens, pad_multiple=4, pad_to=16)
-    with pytest.raises(PackedBatchError, match=r"pad_to=22 is not a multiple of pad_multiple=4.*use pad_to=24"):
-        pack_step(ids, lens, pad_multiple=4, pad_to=22)
+    assert_same_batch(b, PackedBatch.from_samples([A, B], pad_multiple=4, max_seq_len=24, pad_id=PAD))
+    with pytest.raises(PackedBatchError, match=r"2 sequences take 20 slots .* multiple of 4, more than max_seq_len=16"):
+        pack_step(ids, lens, pad_multiple=4, max_seq_len=16)
+    with pytest.raises(
+        PackedBatchError, match=r"max_seq_len=22 is not a multiple of pad_multiple=4.*use max_seq_len=24"
+    ):
+        pack_step(ids, lens, pad_multiple=4, max_seq_len=22)
     with pytest.raises(PackedBatchError, match=r"pad_to_multiple_of=6 is not a multiple of pad_multiple=4.*=12"):
         pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=6)
-    with pytest.raises(PackedBatchError, match=r"pad_to=40 is not a multiple of pad_to_multiple_of=16"):
-        pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=16, pad_to=40)
+    with pytest.raises(PackedBatchError, match=r"max_seq_len=40 is not a multiple of pad_to_multiple_of=16"):
+        pack_step(ids, lens, pad_multiple=4, pad_to_multiple_of=16, max_seq_len=40)
 
 
 def test_empty_rows_are_skipped_and_recorded():
@@ -163,14 +165,17 @@ def test_pack_step_matches_contract_and_row_builder(case):
     if width == "multiple":
         kw["pad_to_multiple_of"] = 4 * m
     elif width == "fixed":
-        kw["pad_to"] = total + m * int(rng.integers(0, 4))
+        kw["max_seq_len"] = total + m * int(rng.integers(0, 4))
     b = pack_step(ids, torch.tensor(lens), mask, pad_multiple=m, pad_id=PAD, **kw).validate()
 
     # Field by field against the contract's row builder on the same sequences.
-    ref = PackedBatch.from_samples(samples, pad_multiple=m, row_width=b.num_tokens, pad_id=PAD)
+    ref = PackedBatch.from_samples(samples, pad_multiple=m, max_seq_len=b.num_tokens, pad_id=PAD)
     assert_same_batch(b, ref)
     assert b.source_rows == tuple(kept)
-    assert b.num_tokens == {"tight": total, "multiple": -(-total // (4 * m)) * 4 * m, "fixed": kw.get("pad_to")}[width]
+    assert (
+        b.num_tokens
+        == {"tight": total, "multiple": -(-total // (4 * m)) * 4 * m, "fixed": kw.get("max_seq_len")}[width]
+    )
     assert b.cu_seqlens.tolist() == [0, *np.cumsum([lens[k] for k in kept]).tolist()]
     assert all(p % m == 0 for p in b.padded_seqlens.tolist())
     assert b.num_label_tokens == sum(int(s.loss_mask[1:].sum()) for s in samples)
@@ -237,7 +242,7 @@ def test_plan_microbatches_properties(lens, dp, m, cost, algorithm):
 
 
 def test_plan_feeds_pack_step_at_a_fixed_width():
-    """The planner charges what pack_step pads: every micro-batch fits pad_to=budget."""
+    """The planner charges what pack_step pads: every micro-batch fits max_seq_len=budget."""
     rng = np.random.default_rng(0)
     lens = rng.integers(1, 30, 40)
     samples = [Sample(rng.integers(1, 50, n), np.ones(n, bool), i) for i, n in enumerate(lens)]
@@ -246,14 +251,14 @@ def test_plan_feeds_pack_step_at_a_fixed_width():
     for rank in plan.microbatches:
         for mb in rank:
             ids, L, mask = padded_batch([samples[i] for i in mb])
-            b = pack_step(ids, L, mask, pad_to=64, **{"pad_multiple": a.seq_multiple}).validate()
+            b = pack_step(ids, L, mask, max_seq_len=64, **{"pad_multiple": a.seq_multiple}).validate()
             assert b.num_tokens == 64
             a.check(b)
     assert plan.imbalance < 1.5
 
 
 def test_plan_errors():
-    over = r"sequence 1 has 10 tokens, 12 once padded to a multiple of 4, more than token_budget=11"
+    over = r"sequence 1 has 10 tokens, 12 once padded to a multiple of 4, more than max_seq_len=11"
     with pytest.raises(PlanError, match=over):
         plan_microbatches([5, 10], 11, pad_multiple=4)
     with pytest.raises(PlanError, match="cost='flops' is not valid: choose one of 'tokens', 'attention'"):

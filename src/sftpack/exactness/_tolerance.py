@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .._base import positive_int, renamed
+
 #: unit roundoff of each dtype a comparison may run in
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24}
 #: the config keys of a feed-forward block's width, by the names Hugging Face's configs use
@@ -41,19 +43,24 @@ def _widest_matmul(model: Any) -> int:
     return widest
 
 
-def rounding_chain(model: Any, row_width: int, patches: int = 0) -> int:
+def rounding_chain(
+    model: Any, max_seq_len: int | None = None, patches: int = 0, *, row_width: int | None = None
+) -> int:
     """An upper bound of the longest chain of roundings (terms of one sum, summed along one
-    path) in one forward and backward pass of ``model`` over a row of ``row_width`` slots
+    path) in one forward and backward pass of ``model`` over a row of ``max_seq_len`` slots
     holding ``patches`` vision patches: per language layer the hidden width, the widest
     feed-forward or projection (the config's MLP width, ``intermediate_size``, OPT's
     ``ffn_dim``, GPT-2's ``n_inner``... or the longest dot product of any of the model's linear
     maps, whichever is larger) and the row (attention and the gradients' sums over tokens), per
     vision layer the same over the patches, twice (forward and backward), plus the vocabulary
-    (the softmax) and the row (the loss).
+    (the softmax) and the row (the loss). ``row_width``: the deprecated spelling of
+    ``max_seq_len`` (accepted, with a ``DeprecationWarning``, until the next release).
 
     Raises:
-        ValueError: a config that names no layer count or vocabulary (nothing to bound).
+        ValueError: a config that names no layer count or vocabulary (nothing to bound), or
+            no positive ``max_seq_len``.
     """
+    width = positive_int("max_seq_len", renamed("rounding_chain", "max_seq_len", max_seq_len, "row_width", row_width))
     cfg = model.config
     text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     layers = _int_of(text, "num_hidden_layers", "n_layer", "num_layers")
@@ -69,14 +76,14 @@ def rounding_chain(model: Any, row_width: int, patches: int = 0) -> int:
             f"{type(model).__name__}: its config names no {' or '.join(missing)}, so no tolerance can be derived "
             "from the model's shape: this model cannot be checked"
         )
-    n = layers * (hidden + mlp + row_width)
+    n = layers * (hidden + mlp + width)
     vision = getattr(cfg, "vision_config", None)
     if vision is not None and patches:
         width = int(getattr(vision, "embed_dim", 0) or getattr(vision, "hidden_size", 0))
         vmlp = int(getattr(vision, "intermediate_size", 0) or width * getattr(vision, "mlp_ratio", 4))
         depth = int(getattr(vision, "depth", 0) or getattr(vision, "num_hidden_layers", 0))
         n += depth * (width + vmlp + patches)
-    return 2 * n + vocab + row_width
+    return 2 * n + vocab + width
 
 
 def tolerance(chain: int, dtype: torch.dtype, magnitude: float) -> float:

@@ -84,7 +84,7 @@ class Alignment:
         return {"pad_multiple": self.seq_multiple, "pad_to_multiple_of": self.row_multiple}
 
     def fixed_width(self, width: int) -> int:
-        """Check a fixed row width (pipeline parallelism's ``pad_to``); return it."""
+        """Check a fixed row width (pipeline parallelism's ``max_seq_len`` of :func:`~sftpack.trainer.pack_step`); return it."""
         _size("width", width)
         if width % self.row_multiple:
             up = round_up(width, self.row_multiple)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .._base import renamed
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from .errors import PackedBatchError
 from .layout import RowArrays, lay_row
@@ -323,9 +324,10 @@ class PackedBatch:
         samples: Iterable[Sample | dict | Sequence[int]],
         *,
         pad_multiple: int = 1,
-        row_width: int | None = None,
+        max_seq_len: int | None = None,
         pad_id: int = 0,
         device: torch.device | str | None = None,
+        row_width: int | None = None,
     ) -> PackedBatch:
         """Lay tokenized samples end to end in one row (what
         :func:`sftpack.handoff.build_row` does from flat arrays).
@@ -335,16 +337,19 @@ class PackedBatch:
                 ``loss_mask``, or bare id sequences, all tokens trainable).
             pad_multiple: pad each sequence to a multiple of this (``2 * CP`` for
                 context parallelism, see :func:`sftpack.handoff.pad_multiple_for`).
-            row_width: fixed row width ``T``, a multiple of ``pad_multiple``; the tail
+            max_seq_len: fixed row width ``T``, a multiple of ``pad_multiple``; the tail
                 padding is folded into the last segment. ``None``: the row is exactly
                 as wide as its padded sequences.
             pad_id: token id written into padding slots.
             device: where to put the tensors.
+            row_width: the deprecated spelling of ``max_seq_len`` (accepted, with a
+                ``DeprecationWarning``, until the next release).
 
         Raises:
-            PackedBatchError: no samples, a ``row_width`` that is not a multiple of
-                ``pad_multiple``, or padded sequences that do not fit ``row_width``.
+            PackedBatchError: no samples, a ``max_seq_len`` that is not a multiple of
+                ``pad_multiple``, or padded sequences that do not fit ``max_seq_len``.
         """
+        max_seq_len = renamed("PackedBatch.from_samples", "max_seq_len", max_seq_len, "row_width", row_width)
         items = [as_sample(s, i) for i, s in enumerate(samples)]
         if not items:
             raise PackedBatchError("PackedBatch.from_samples needs at least one sample, got none")
@@ -353,7 +358,7 @@ class PackedBatch:
             np.concatenate([s.input_ids for s in items]),
             np.concatenate([s.loss_mask for s in items]),
             np.fromiter((len(s) for s in items), dtype=np.int64, count=len(items)),
-            row_width=row_width,
+            max_seq_len=max_seq_len,
             pad_multiple=pad_multiple,
             pad_id=pad_id,
             sequence_ids=ids,
@@ -398,8 +403,8 @@ class PackedBatch:
         ``PackedBatch`` rows.
 
         >>> from sftpack.testing import samples_from_lengths
-        >>> a = PackedBatch.from_samples(samples_from_lengths([3]), row_width=4)
-        >>> b = PackedBatch.from_samples(samples_from_lengths([2, 2]), row_width=4)
+        >>> a = PackedBatch.from_samples(samples_from_lengths([3]), max_seq_len=4)
+        >>> b = PackedBatch.from_samples(samples_from_lengths([2, 2]), max_seq_len=4)
         >>> PackedBatch.concat([a, b]).cu_seqlens_padded.tolist()
         [0, 4, 6, 8]
         """

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from numpy.typing import ArrayLike
 
+from .._base import renamed
 from .batch import PackedBatch
 from .layout import fit_parts, join_parts, lay_row
 
@@ -28,29 +29,32 @@ def build_row(
     loss_mask: ArrayLike,
     lengths: ArrayLike,
     *,
-    row_width: int | None = None,
+    max_seq_len: int | None = None,
     pad_multiple: int = 1,
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
     device: torch.device | str | None = None,
+    row_width: int | None = None,
 ) -> PackedBatch:
     """One contract row from flat arrays, as a :class:`~sftpack.PackedBatch`.
 
     The arguments, the layout and the refusals (:class:`PackedBatchError`) are those of
     :func:`~sftpack.handoff.layout.lay_row`, which computes the row in numpy; ``device``
     says where to put the tensors (default: CPU). Per-slot fields are ``int64``,
-    boundaries ``int32``.
+    boundaries ``int32``. ``row_width``: the deprecated spelling of ``max_seq_len``
+    (accepted, with a ``DeprecationWarning``, until the next release).
 
     >>> import numpy as np
-    >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
+    >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], max_seq_len=36, pad_multiple=4)
     >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
+    max_seq_len = renamed("build_row", "max_seq_len", max_seq_len, "row_width", row_width)
     row = lay_row(
         input_ids,
         loss_mask,
         lengths,
-        row_width=row_width,
+        max_seq_len=max_seq_len,
         pad_multiple=pad_multiple,
         pad_id=pad_id,
         sequence_ids=sequence_ids,
@@ -63,10 +67,11 @@ def build_parts(
     mask_parts: Sequence[np.ndarray],
     lengths: Sequence[int],
     *,
-    row_width: int | None = None,
+    max_seq_len: int | None = None,
     pad_multiple: int = 1,
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
+    row_width: int | None = None,
 ) -> PackedBatch:
     """The row :func:`build_row` builds, from each sequence's own arrays (not laid end to end
     first), for a caller that has already checked them: nothing is validated here but the fit
@@ -77,15 +82,18 @@ def build_parts(
         id_parts: ``N`` 1-D integer arrays, the token ids of each sequence, all ``>= 0``.
         mask_parts: ``N`` 1-D bool (or 0/1) arrays, the loss mask of each sequence.
         lengths: ``N`` Python ints ``>= 1``, each the length of its parts.
-        row_width, pad_multiple, pad_id, sequence_ids: as for :func:`build_row`; the padded
-            sequences must fit ``row_width``.
+        max_seq_len, pad_multiple, pad_id, sequence_ids: as for :func:`build_row`; the padded
+            sequences must fit ``max_seq_len``.
+        row_width: the deprecated spelling of ``max_seq_len`` (accepted, with a
+            ``DeprecationWarning``, until the next release).
 
     >>> b = build_parts([np.arange(1, 6), np.arange(6, 16)], [np.ones(5, bool), np.ones(10, bool)], [5, 10],
-    ...                 row_width=36, pad_multiple=4)
+    ...                 max_seq_len=36, pad_multiple=4)
     >>> b.cu_seqlens.tolist(), b.cu_seqlens_padded.tolist(), b.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
-    padded = fit_parts(lengths, row_width, pad_multiple)
+    max_seq_len = renamed("build_parts", "max_seq_len", max_seq_len, "row_width", row_width)
+    padded = fit_parts(lengths, max_seq_len, pad_multiple)
     ids, labels, positions = join_parts(id_parts, mask_parts, lengths, padded, pad_id)
     return wrap_parts(ids, labels, positions, lengths, padded, sequence_ids)
 

@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 from numpy.typing import ArrayLike
 
-from .._base import check_width, non_negative_int, positive_int, round_up
+from .._base import check_width, non_negative_int, positive_int, renamed, round_up
 from ..binpack import Bins, pack
 from ..sample import IGNORE_INDEX
 from .errors import PackedBatchError
@@ -97,12 +97,13 @@ def pack_rows(
     algorithm: str = "bfd",
     seed: int = 0,
     patches: ArrayLike | None = None,
+    max_patches_per_row: int | None = None,
     max_patches: int | None = None,
 ) -> Bins:
     """The one row planner: bin-pack sequences into rows of ``max_seq_len`` slots, each
     costed at :func:`padded_lengths` (what :func:`lay_row` lays, so a planned row
     never overflows), each row listing its sequences in input order, rows in the
-    packer's order; with ``max_patches``, under a second budget too.
+    packer's order; with ``max_patches_per_row``, under a second budget too.
 
     Args:
         lengths: ``(n,)`` real lengths, each ``>= 1`` with
@@ -111,9 +112,12 @@ def pack_rows(
         pad_multiple: per-sequence pad multiple (``2 * CP``).
         algorithm: a :func:`sftpack.binpack.pack` algorithm.
         seed: for ``first_fit_shuffle``.
-        patches: ``(n,)`` the vision patches of each sequence, with ``max_patches`` (the
-            weights of :func:`sftpack.binpack.pack`'s second budget).
-        max_patches: a row's ``patches`` sum to at most this (``max_weight_per_bin``).
+        patches: ``(n,)`` the vision patches of each sequence, with ``max_patches_per_row``
+            (the weights of :func:`sftpack.binpack.pack`'s second budget).
+        max_patches_per_row: the patch budget: a row's ``patches`` sum to at most this
+            (``max_weight_per_bin``).
+        max_patches: the deprecated spelling of ``max_patches_per_row`` (accepted, with a
+            ``DeprecationWarning``, until the next release).
 
     Returns:
         :class:`sftpack.binpack.Bins` of indices into ``lengths`` (``.order`` and
@@ -121,16 +125,17 @@ def pack_rows(
 
     >>> [r.tolist() for r in pack_rows([5, 10, 30, 20], max_seq_len=36, pad_multiple=4)]
     [[2], [1, 3], [0]]
-    >>> pack_rows([8, 8, 8], max_seq_len=32, pad_multiple=4, patches=[16, 16, 4], max_patches=20).to_lists()
+    >>> pack_rows([8, 8, 8], max_seq_len=32, pad_multiple=4, patches=[16, 16, 4], max_patches_per_row=20).to_lists()
     [[0, 2], [1]]
     """
+    cap = renamed("pack_rows", "max_patches_per_row", max_patches_per_row, "max_patches", max_patches)
     bins = pack(
         padded_lengths(lengths, pad_multiple),
         max_seq_len,
         algorithm,
         seed=seed,
         weights=patches,
-        max_weight_per_bin=max_patches,
+        max_weight_per_bin=cap,
     )
     n = bins.order.shape[0]
     if n == 0:
@@ -172,10 +177,11 @@ def lay_row(
     loss_mask: ArrayLike,
     lengths: ArrayLike,
     *,
-    row_width: int | None = None,
+    max_seq_len: int | None = None,
     pad_multiple: int = 1,
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
+    row_width: int | None = None,
 ) -> RowArrays:
     """One contract row from flat arrays, as numpy arrays (see :func:`sftpack.handoff.build_row`).
 
@@ -186,12 +192,14 @@ def lay_row(
             produce. The target of token ``j`` is trainable iff token ``j+1`` is and
             belongs to the same sequence.
         lengths: ``(N,)`` real length of each sequence, each ``>= 1``.
-        row_width: fixed row width ``T`` (a multiple of ``pad_multiple``); the tail
+        max_seq_len: fixed row width ``T`` (a multiple of ``pad_multiple``); the tail
             padding is folded into the last segment. ``None``: exactly as wide as
             the padded sequences.
         pad_multiple: pad each sequence to a multiple of this (``2*CP``).
         pad_id: integer id written into padding slots.
         sequence_ids: ``N`` ids, one per sequence (the conversation each holds).
+        row_width: the deprecated spelling of ``max_seq_len`` (accepted, with a
+            ``DeprecationWarning``, until the next release).
 
     Returns:
         :class:`RowArrays`.
@@ -199,13 +207,14 @@ def lay_row(
     Raises:
         PackedBatchError: mismatched sizes, a non-integer dtype, a negative token id or
             ``pad_id``, an empty sequence,
-            a ``row_width`` that is not a multiple of ``pad_multiple``, or padded
-            sequences that do not fit ``row_width`` (the message gives the numbers).
+            a ``max_seq_len`` that is not a multiple of ``pad_multiple``, or padded
+            sequences that do not fit ``max_seq_len`` (the message gives the numbers).
 
-    >>> r = lay_row(np.arange(1, 16), np.ones(15, bool), [5, 10], row_width=36, pad_multiple=4)
+    >>> r = lay_row(np.arange(1, 16), np.ones(15, bool), [5, 10], max_seq_len=36, pad_multiple=4)
     >>> r.cu_seqlens.tolist(), r.cu_seqlens_padded.tolist(), r.max_seqlen
     ([0, 5, 15], [0, 8, 36], 28)
     """
+    max_seq_len = renamed("lay_row", "max_seq_len", max_seq_len, "row_width", row_width)
     m = positive_int("pad_multiple", pad_multiple, error=PackedBatchError)
     check_pad_id(pad_id, "build_row", PackedBatchError)
     ids = _int_ids("input_ids", input_ids)
@@ -239,36 +248,36 @@ def lay_row(
         )
     padded = round_up(real, m)
     total = int(padded.sum())
-    if row_width is not None:
-        row_width = positive_int("row_width", row_width, error=PackedBatchError)
-        check_width(row_width, m, name="row_width", who="build_row", error=PackedBatchError)
-        if total > row_width:
+    if max_seq_len is not None:
+        max_seq_len = positive_int("max_seq_len", max_seq_len, error=PackedBatchError)
+        check_width(max_seq_len, m, name="max_seq_len", who="build_row", error=PackedBatchError)
+        if total > max_seq_len:
             raise PackedBatchError(
                 f"{n} sequences of {n_tok} tokens take {total} slots after padding each to a multiple of {m}, "
-                f"more than row_width={row_width}: pack fewer sequences per row (sftpack.binpack with "
-                "cost_multiple=pad_multiple) or raise row_width"
+                f"more than max_seq_len={max_seq_len}: pack fewer sequences per row (sftpack.binpack with "
+                "cost_multiple=pad_multiple) or raise max_seq_len"
             )
     mask_b = mask.astype(bool, copy=False)
     if n > _SLICE_COPY_MAX:
-        return _lay_scatter(ids, mask_b, real, padded, row_width, pad_id)
+        return _lay_scatter(ids, mask_b, real, padded, max_seq_len, pad_id)
     lens = real.tolist()
-    return _lay_segments(None, None, lens, padded.tolist(), row_width, pad_id, ids, mask_b)
+    return _lay_segments(None, None, lens, padded.tolist(), max_seq_len, pad_id, ids, mask_b)
 
 
-def fit_parts(lengths: Sequence[int], row_width: int | None, pad_multiple: int) -> list[int]:
+def fit_parts(lengths: Sequence[int], max_seq_len: int | None, pad_multiple: int) -> list[int]:
     """The slots each sequence of a row takes (its length rounded up to ``pad_multiple``),
     the row's tail folded into the last: what :func:`join_parts` lays. Raises
-    :class:`PackedBatchError` when the padded sequences do not fit ``row_width``."""
+    :class:`PackedBatchError` when the padded sequences do not fit ``max_seq_len``."""
     m = pad_multiple
     padded = [-(-k // m) * m for k in lengths] if m != 1 else list(lengths)
     total = sum(padded)
-    if row_width is not None:
-        if total > row_width:
+    if max_seq_len is not None:
+        if total > max_seq_len:
             raise PackedBatchError(
                 f"{len(padded)} sequences take {total} slots after padding each to a multiple of {m}, "
-                f"more than row_width={row_width}: plan rows with sftpack.handoff.pack_rows"
+                f"more than max_seq_len={max_seq_len}: plan rows with sftpack.handoff.pack_rows"
             )
-        padded[-1] += row_width - total  # the row's tail folds into the last segment
+        padded[-1] += max_seq_len - total  # the row's tail folds into the last segment
     return padded
 
 
@@ -354,7 +363,7 @@ def _lay_segments(
     mask_parts: Sequence[np.ndarray] | None,
     real: Sequence[int],
     padded: list[int],
-    row_width: int | None,
+    max_seq_len: int | None,
     pad_id: int,
     ids: np.ndarray | None = None,
     mask: np.ndarray | None = None,
@@ -371,9 +380,9 @@ def _lay_segments(
     n_tok = sum(real)
     total = sum(padded)
     one_block = n == 1 or padded[:-1] == list(real[:-1])
-    if row_width is not None:
-        padded[-1] += row_width - total  # the row's tail folds into the last segment
-        total = row_width
+    if max_seq_len is not None:
+        padded[-1] += max_seq_len - total  # the row's tail folds into the last segment
+        total = max_seq_len
     cu = np.array([0, *accumulate(real)], dtype=np.int64)  # (cheaper than np.cumsum for a few Python ints)
     cup = np.array([0, *accumulate(padded)], dtype=np.int64)
     out_ids = np.empty(total, dtype=np.int64)
@@ -423,7 +432,7 @@ def _lay_scatter(
     mask_b: np.ndarray,
     real: np.ndarray,
     padded: np.ndarray,
-    row_width: int | None,
+    max_seq_len: int | None,
     pad_id: int,
 ) -> RowArrays:
     """A row of many sequences, laid by one vectorised scatter (the ids, sequences laid
@@ -432,9 +441,9 @@ def _lay_scatter(
     n_tok = int(ids.shape[0])
     padded = padded.copy()
     total = int(padded.sum())
-    if row_width is not None:
-        padded[-1] += row_width - total
-        total = row_width
+    if max_seq_len is not None:
+        padded[-1] += max_seq_len - total
+        total = max_seq_len
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(real, out=cu[1:])
     cup = np.zeros(n + 1, dtype=np.int64)

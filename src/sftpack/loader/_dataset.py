@@ -29,7 +29,7 @@ Samples with media (a :class:`~sftpack.Sample` whose ``media`` holds its images,
 in any mix with text-only ones) take the same road: each is costed at its padded
 length (vision placeholders count), planned under the optional second budget
 ``max_patches_per_row`` (the vision tower's memory grows with a row's patches,
-not its tokens: ``pack_rows(max_patches=...)``, and a row's fill is the larger of
+not its tokens: ``pack_rows(max_patches_per_row=...)``, and a row's fill is the larger of
 its token and patch fill), split over-long at text boundaries only (never inside an image
 block; each piece carries its own media, :meth:`~sftpack.handoff.payload.Media.piece`),
 and a row holding media gets their payload laid in row order

@@ -66,7 +66,7 @@ def plan_round(buffer: Sequence[Item], ages: Sequence[int], settings: LoaderSett
         algorithm=s.algorithm,
         seed=s.seed,
         patches=patches,
-        max_patches=None if patches is None else cap,
+        max_patches_per_row=None if patches is None else cap,
     )
     order, offsets = bins.order, bins.offsets
     bounds = offsets.tolist()

@@ -403,7 +403,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
             pad_multiple=self.pad_multiple,
             algorithm=self.algorithm,
             patches=patches,
-            max_patches=None if patches is None else cap,
+            max_patches_per_row=None if patches is None else cap,
         )
         groups = [[kept[i] for i in row.tolist()] for row in rows]
         groups[0].extend(left)
@@ -416,7 +416,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
         if any(getattr(s, "media", None) is not None for s in kept):  # laid with their media, in row order
             row = PackedBatch.from_samples(
                 [SftSample(s.input_ids, s.loss_mask, s.conversation_id, media=s.media) for s in kept],
-                row_width=self.max_seq_len,
+                max_seq_len=self.max_seq_len,
                 pad_multiple=self.pad_multiple,
                 pad_id=self.pad_id,
             )
@@ -425,7 +425,7 @@ class PackingTaskEncoder(CheckedTaskEncoder):
                 np.concatenate([s.input_ids for s in kept]),
                 np.concatenate([s.loss_mask for s in kept]),
                 np.fromiter((s.input_ids.shape[0] for s in kept), dtype=np.int64, count=len(kept)),
-                row_width=self.max_seq_len,
+                max_seq_len=self.max_seq_len,
                 pad_multiple=self.pad_multiple,
                 pad_id=self.pad_id,
                 sequence_ids=[s.conversation_id for s in kept],

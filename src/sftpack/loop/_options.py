@@ -88,13 +88,16 @@ class TrainConfig:
         batch_size: per optimizer step, over all ranks: *conversations* for
             ``trainer`` and ``none`` (the same conversations for both, given the
             seed), *rows* of ``max_seq_len`` slots for ``offline`` and ``loader``.
-        max_seq_len: row width (offline, loader) and token budget of one packed
-            micro-batch (trainer); conversations are at most this long.
+        max_seq_len: the row width, sftpack's one name for it: the slots of one packed
+            row (offline, loader) or micro-batch (trainer, unless ``micro_batch_tokens``);
+            conversations are split to at most this long.
         grad_accum: micro-batches per rank per step, at least (gradient accumulation).
             The trainer path may use more: its micro-batches are token-budget bins.
-        micro_batch_tokens: the trainer path's token budget of one packed
-            micro-batch (default ``max_seq_len``). Larger budgets mean fewer, wider
-            forward passes (less per-call overhead, more activation memory).
+        micro_batch_tokens: the trainer path only: the row width of one packed
+            micro-batch when it should be wider than ``max_seq_len`` (default: ``max_seq_len``),
+            while conversations are still split at ``max_seq_len``: a distinct setting
+            (docs/contract.md, "One name for the row width"). Wider micro-batches mean
+            fewer forward passes (less per-call overhead, more activation memory).
         max_patches_per_row: data with images: the vision patches one packed row or
             micro-batch may hold (the bin packer's second budget, on the trainer and
             loader paths; ``None``: tokens alone decide).
@@ -156,8 +159,8 @@ class TrainConfig:
     max_seq_len: int = field(
         default=DEFAULT_MAX_SEQ_LEN,
         metadata={
-            "help": "row width / micro-batch token budget; longer conversations are split (default {default}; with "
-            "--prepacked: the prepack's)",
+            "help": "the row width: slots per packed row (offline, loader) or micro-batch (trainer); longer "
+            "conversations are split (default {default}; with --prepacked: the prepack's)",
             "cli_default": None,
             "min": 1,
         },

@@ -233,9 +233,9 @@ def make_source(
         else:
             source = TrainerSource(
                 samples,
-                token_budget=config.micro_batch_tokens or config.max_seq_len,
+                micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
                 pad_multiple=config.pad_multiple,
-                max_patches=config.max_patches_per_row,
+                max_patches_per_row=config.max_patches_per_row,
                 **common,
             )
         source.max_seq_len = config.max_seq_len

@@ -27,7 +27,7 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
 
 Samples with images (``sample.media``) go through the same sources: the trainer
 path hands each micro-batch's media to :func:`~sftpack.trainer.pack_step` (and, with
-``max_patches``, plans under a vision-patch budget too), the baseline's padded
+``max_patches_per_row``, plans under a vision-patch budget too), the baseline's padded
 micro-batch carries its rows' media laid over the ``[b, S]`` slots
 (:attr:`PaddedMicroBatch.media`), and the loader and offline paths hand rows whose
 ``media`` their own builders laid. :class:`RenumberedSource` maps a prepack's ids
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._base import positive_int, renamed
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
 from ..loader import PackingDataset
@@ -344,38 +345,48 @@ class PaddedSource(_SampleSource):
 
 class TrainerSource(_SampleSource):
     """The trainer path: the step's conversations binned into micro-batches of at
-    most ``token_budget`` padded tokens, the same number per rank
-    (:func:`~sftpack.trainer.plan_microbatches`; with ``max_patches``, at most that
+    most ``micro_batch_tokens`` padded tokens (their row width: ``TrainConfig``'s
+    ``micro_batch_tokens or max_seq_len``, the ``max_seq_len`` of
+    :func:`~sftpack.trainer.plan_microbatches`), the same number per rank
+    (:func:`~sftpack.trainer.plan_microbatches`; with ``max_patches_per_row``, at most that
     many vision patches each too), each packed at the step from its right-padded
     batch and its samples' media (:func:`~sftpack.trainer.pack_step`). ``draw``: how the
     step's conversations are drawn and dealt, as for :class:`PaddedSource` (``batch_size``,
-    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``)."""
+    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``). ``token_budget`` and ``max_patches``:
+    the deprecated spellings of ``micro_batch_tokens`` and ``max_patches_per_row`` (with a ``DeprecationWarning``, until the next
+    release)."""
 
     def __init__(
         self,
         samples: Sequence[Sample] | ConversationSamples,
         *,
-        token_budget: int,
+        micro_batch_tokens: int | None = None,
         pad_multiple: int = 1,
+        max_patches_per_row: int | None = None,
+        token_budget: int | None = None,
         max_patches: int | None = None,
         **draw: Any,
     ) -> None:
         super().__init__(samples, **draw)
-        self.token_budget, self.pad_multiple = token_budget, pad_multiple
-        self.max_patches = max_patches
+        width = renamed("TrainerSource", "micro_batch_tokens", micro_batch_tokens, "token_budget", token_budget)
+        self.micro_batch_tokens = positive_int("micro_batch_tokens", width, who="TrainerSource")
+        self.pad_multiple = pad_multiple
+        self.max_patches_per_row = renamed(
+            "TrainerSource", "max_patches_per_row", max_patches_per_row, "max_patches", max_patches
+        )
 
     def next_step(self) -> list[MicroBatch]:
         chosen = self._take()
         lengths = np.fromiter((len(s) for s in chosen), dtype=np.int64, count=len(chosen))
         patches: dict[str, Any] = {}
-        if self.max_patches is not None:
+        if self.max_patches_per_row is not None:
             patches = {
                 "patches": np.fromiter((s.num_patches for s in chosen), dtype=np.int64, count=len(chosen)),
-                "max_patches_per_microbatch": self.max_patches,
+                "max_patches_per_row": self.max_patches_per_row,
             }
         plan = plan_microbatches(
             lengths,
-            self.token_budget,
+            self.micro_batch_tokens,
             dp_size=self.world,
             pad_multiple=self.pad_multiple,
             min_microbatches=self.grad_accum,
@@ -401,11 +412,11 @@ class TrainerSource(_SampleSource):
     def fingerprint(self) -> str:
         key: dict[str, Any] = {
             "base": super().fingerprint(),
-            "budget": self.token_budget,
+            "budget": self.micro_batch_tokens,  # the key the fingerprint has always had: checkpoints still match
             "pad_multiple": self.pad_multiple,
         }
-        if self.max_patches is not None:  # a text run's fingerprint stays what it was
-            key["max_patches"] = self.max_patches
+        if self.max_patches_per_row is not None:  # a text run's fingerprint stays what it was
+            key["max_patches"] = self.max_patches_per_row  # the key it has always had: checkpoints still match
         return _hash(key)
 
 

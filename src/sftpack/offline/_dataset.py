@@ -521,7 +521,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 ids,
                 mask,
                 seqs["length"],
-                row_width=self.max_seq_len,
+                max_seq_len=self.max_seq_len,
                 pad_multiple=self.pad_multiple,
                 pad_id=self.pad_id,
                 sequence_ids=[self.conversation_id(int(c)) for c in seqs["conversation"]],

@@ -138,7 +138,7 @@ def _check_identity(counts: dict[str, Any]) -> None:
 
 
 def _counts(staged: StagedSamples, plan: RowPlan, reading: dict[str, Any]) -> dict[str, Any]:
-    rows, width = plan.num_rows, plan.row_width
+    rows, width = plan.num_rows, plan.max_seq_len
     slots = rows * width
     counts = {
         "packed_conversations": staged.num_conversations,
@@ -192,7 +192,7 @@ def build_manifest(
     fingerprint = dict(
         fingerprint,
         sftpack_version=__version__,
-        max_seq_len=plan.row_width,
+        max_seq_len=plan.max_seq_len,
         pad_multiple=plan.pad_multiple,
         pad_id=int(pad_id),
     )
@@ -203,7 +203,7 @@ def build_manifest(
             "format_version": MEDIA_FORMAT_VERSION if media is not None else FORMAT_VERSION,
             "sftpack_version": __version__,
             "source": source,
-            "max_seq_len": plan.row_width,
+            "max_seq_len": plan.max_seq_len,
             "pad_multiple": plan.pad_multiple,
             "pad_id": int(pad_id),
             "pad_between_seqs": True,

@@ -13,7 +13,7 @@ A :class:`RowPlan` also fixes where every sequence lands in ``tokens.npy``,
 so stage 3 can write any range of rows independently (in parallel, in any
 order) and still produce the same bytes::
 
-    lengths        [5, 10, 3, 8, 6]                   capacity 16
+    lengths        [5, 10, 3, 8, 6]                   max_seq_len 16
     order          [1, 4, 0, 2, 3]                    rows: [1, 4] and [0, 2, 3]
     row_offsets    [0, 2, 5]
     starts         [0, 10, 16, 21, 24]                (output token offset of each sequence)
@@ -53,7 +53,7 @@ class RowPlan:
         row_offsets: ``(R+1,)`` int64: row ``r`` holds ``order[row_offsets[r]:row_offsets[r+1]]``.
         lengths: ``(S,)`` int64 length of every output sequence (``lengths_in[order]``).
         starts: ``(S,)`` int64 offset of every output sequence in ``tokens.npy``.
-        row_width: ``max_seq_len``; pad_multiple: the per-sequence multiple.
+        max_seq_len: the row width; pad_multiple: the per-sequence multiple.
         l1, l2: lower bounds on the row count (on padded costs).
     """
 
@@ -61,7 +61,7 @@ class RowPlan:
     row_offsets: np.ndarray
     lengths: np.ndarray
     starts: np.ndarray
-    row_width: int
+    max_seq_len: int
     pad_multiple: int
     l1: int
     l2: int
@@ -155,7 +155,7 @@ def _bin_pack(
         algorithm=algorithm,
         seed=seed,
         patches=patches,
-        max_patches=max_weight,
+        max_patches_per_row=max_weight,
     )
     order = np.asarray(bins.order, dtype=np.int64).copy()
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()

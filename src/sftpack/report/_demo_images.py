@@ -143,7 +143,9 @@ def media_section(checks: dict[str, bool], summary: MediaSummary, *, seed: int, 
     width, budget = cfg["max_seq_len"], cfg["max_patches"]
     free = pack(lengths, width, "ffd")
     rows = plan_rows(lengths, patches, max_seq_len=width, max_patches=budget)
-    built = [PackedBatch.from_samples([samples[i] for i in r], row_width=width, pad_id=PAD_ID).validate() for r in rows]
+    built = [
+        PackedBatch.from_samples([samples[i] for i in r], max_seq_len=width, pad_id=PAD_ID).validate() for r in rows
+    ]
     row_patches = [0 if b.media is None else b.media.num_patches for b in built]
     free_patches = [int(patches[np.asarray(r)].sum()) for r in free]
     m.rows, m.rows_tokens_only = len(built), len(free)

@@ -338,7 +338,7 @@ def _text_story(
     n = summary["none"]
     n.rows, n.fill = len(batches), real / padded_slots
     widest = int(lengths[batches[0]].max())
-    n.first_rows = [PackedBatch.from_samples([samples[i]], row_width=widest) for i in batches[0][:3]]
+    n.first_rows = [PackedBatch.from_samples([samples[i]], max_seq_len=widest) for i in batches[0][:3]]
     yield (
         f"  trainer  {s.rows:,} padded batches of 8 packed at the step in {s.pack_seconds:.2f} s: fill {s.fill:.2%} "
         f"(the same batches padded: {n.fill:.2%})"

@@ -54,7 +54,7 @@ def _worked_samples() -> list[Sample]:
 def worked_example() -> list[MapRow]:
     """The three rows of ``docs/contract.md`` section 2 (the worked example), each built by the library."""
     a, b = _worked_samples()
-    offline = PackedBatch.from_samples([a, b], row_width=16)
+    offline = PackedBatch.from_samples([a, b], max_seq_len=16)
     loader = worked_example_row()
     ids = torch.zeros(2, 10, dtype=torch.long)
     ids[0, :5] = torch.from_numpy(a.input_ids)

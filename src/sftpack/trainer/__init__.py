@@ -23,8 +23,9 @@ The path itself:
   options and each row's length, checked), ``_step_layout`` (the row's shape in one
   host transfer, its boundaries, its slots) and ``_step_media`` (the rows' media,
   checked and laid at the packed offsets).
-- ``_plan``: :func:`plan_microbatches`, token-budget micro-batches balanced
-  over data-parallel ranks (bins from :mod:`sftpack.binpack`).
+- ``_plan``: :func:`plan_microbatches`, micro-batches of at most ``max_seq_len``
+  padded tokens (the row width, as everywhere in sftpack) balanced over data-parallel
+  ranks (bins from :mod:`sftpack.binpack`).
 - ``_padded``: :func:`padded_batch`, samples to the right-padded ``[B, S]``
   batch an unpacked loader hands over (the input of :func:`pack_step`).
 
@@ -34,7 +35,7 @@ pads their tokens like any others, and :func:`pack_step` takes their media with
 without) and lays it at the packed offsets, so the row is field for field what
 :meth:`PackedBatch.from_samples <sftpack.PackedBatch.from_samples>` builds;
 :func:`plan_microbatches` takes their vision patches as a second budget
-(``patches=``, ``max_patches_per_microbatch=``).
+(``patches=``, ``max_patches_per_row=``).
 
 What every path shares lives in :mod:`sftpack.handoff` and is imported from
 there (:func:`~sftpack.handoff.pad_multiple_for`, :func:`~sftpack.handoff.shard_for_cp`,

@@ -1,7 +1,7 @@
-"""Micro-batches under a token budget, dealt evenly to data-parallel ranks.
+"""Micro-batches of at most ``max_seq_len`` padded tokens, dealt evenly to data-parallel ranks.
 
 A global batch of sequences is split into micro-batches whose padded tokens fit
-the budget (one packed row each, built at the step by
+the row width ``max_seq_len`` (one packed row each, built at the step by
 :func:`~sftpack.trainer.pack_step`). The bins come from
 :func:`sftpack.binpack.pack` with ``cost_multiple=pad_multiple``: the planner
 charges every sequence exactly what ``pack_step`` will pad it to, so a planned
@@ -17,7 +17,7 @@ that still has room, which keeps the slowest rank within one bin of the mean.
 attention FLOPs) instead of its tokens.
 
 Samples with images bring a second size, their vision patches (what the vision
-tower's activations grow with): given ``patches`` and ``max_patches_per_microbatch``
+tower's activations grow with): given ``patches`` and ``max_patches_per_row``
 (``sftpack train --max-patches-per-row``), every micro-batch holds at most that many
 (the bin packer's second budget), so one image-heavy micro-batch cannot exhaust the
 tower's memory while its neighbours hold none.
@@ -33,7 +33,7 @@ import numpy as np
 from numpy.typing import ArrayLike
 
 from .. import binpack
-from .._base import StrEnum, choose, positive_int, round_up
+from .._base import StrEnum, choose, positive_int, renamed, round_up, warn_renamed
 
 __all__ = ["CostModel", "MicrobatchPlan", "PlanError", "plan_microbatches"]
 
@@ -59,8 +59,10 @@ class MicrobatchPlan:
             Every index appears exactly once over all ranks.
         loads: ``(dp_size, M)`` int64 cost of each micro-batch under ``cost``.
         tokens: ``(dp_size, M)`` int64 padded tokens of each micro-batch
-            (``<= token_budget``).
-        token_budget, pad_multiple, cost: the settings it was planned with.
+            (``<= max_seq_len``).
+        max_seq_len, pad_multiple, cost: the settings it was planned with (``token_budget``:
+            the deprecated name of ``max_seq_len``, read with a ``DeprecationWarning`` until
+            the next release).
         patches: ``(dp_size, M)`` vision patches of each micro-batch, when planned with
             ``patches`` (else ``None``).
     """
@@ -68,12 +70,18 @@ class MicrobatchPlan:
     microbatches: list[list[np.ndarray]]
     loads: np.ndarray
     tokens: np.ndarray
-    token_budget: int
+    max_seq_len: int
     pad_multiple: int
     cost: CostModel
     meta: dict[str, Any] = field(default_factory=dict)
     #: ``(dp_size, M)`` vision patches of each micro-batch (``None``: planned without ``patches``)
     patches: np.ndarray | None = None
+
+    @property
+    def token_budget(self) -> int:
+        """Deprecated: :attr:`max_seq_len` (the same value)."""
+        warn_renamed("MicrobatchPlan", "token_budget", "max_seq_len", stacklevel=3)
+        return self.max_seq_len
 
     @property
     def dp_size(self) -> int:
@@ -101,7 +109,7 @@ class MicrobatchPlan:
 
 def plan_microbatches(
     lengths: ArrayLike,
-    token_budget: int,
+    max_seq_len: int | None = None,
     *,
     dp_size: int = 1,
     cost: CostModel | str = "tokens",
@@ -111,13 +119,17 @@ def plan_microbatches(
     max_sequences_per_microbatch: int | None = None,
     seed: int = 0,
     patches: ArrayLike | None = None,
+    max_patches_per_row: int | None = None,
+    token_budget: int | None = None,
     max_patches_per_microbatch: int | None = None,
 ) -> MicrobatchPlan:
-    """Split a global batch into token-budget micro-batches, balanced over ranks.
+    """Split a global batch into micro-batches of at most ``max_seq_len`` padded tokens,
+    balanced over ranks.
 
     Args:
         lengths: ``(n,)`` real lengths of the global batch's sequences (>= 1 each).
-        token_budget: padded tokens one micro-batch may hold (its packed row width).
+        max_seq_len: padded tokens one micro-batch may hold: its packed row width, the
+            ``max_seq_len`` of :func:`~sftpack.trainer.pack_step` (required).
         dp_size: data-parallel ranks; each gets the same number of micro-batches.
         cost: ``"tokens"`` or ``"attention"`` (:class:`CostModel`): what is balanced
             across ranks. Bins are always bounded by tokens (memory).
@@ -130,25 +142,29 @@ def plan_microbatches(
         seed: for shuffling algorithms.
         patches: ``(n,)`` vision patches of each sequence (``sample.num_patches``: 0
             for one without images), the second size of multimodal samples.
-        max_patches_per_microbatch: the second budget: a micro-batch's patches sum to
+        max_patches_per_row: the second budget: a micro-batch's patches sum to
             at most this (needs ``patches``). ``None``: patches only counted.
+        token_budget, max_patches_per_microbatch: the deprecated spellings of
+            ``max_seq_len`` and ``max_patches_per_row`` (accepted, with a
+            ``DeprecationWarning``, until the next release).
 
     Returns:
         :class:`MicrobatchPlan`.
 
     Raises:
         PlanError: fewer sequences than ``dp_size * min_microbatches`` (some rank
-            would get nothing), a sequence over the budget once padded (or over the
+            would get nothing), a sequence over ``max_seq_len`` once padded (or over the
             patch budget), bad options.
 
-    >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7], token_budget=16, dp_size=2, pad_multiple=4)
+    >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7], max_seq_len=16, dp_size=2, pad_multiple=4)
     >>> [[mb.tolist() for mb in rank] for rank in plan.microbatches]
     [[[0, 3], [1]], [[4, 5], [2]]]
     >>> plan.tokens.tolist()  # padded tokens per micro-batch (each <= 16)
     [[16, 12], [16, 4]]
     """
     cost = choose(CostModel, cost, "cost", PlanError)
-    token_budget = positive_int("token_budget", token_budget, error=PlanError)
+    width = renamed("plan_microbatches", "max_seq_len", max_seq_len, "token_budget", token_budget)
+    max_seq_len = positive_int("max_seq_len", width, error=PlanError, who="plan_microbatches")
     dp_size = positive_int("dp_size", dp_size, error=PlanError)
     pad_multiple = positive_int("pad_multiple", pad_multiple, error=PlanError)
     per_rank = 1 if min_microbatches is None else int(min_microbatches)
@@ -170,20 +186,27 @@ def plan_microbatches(
         i = int(np.flatnonzero(arr < 1)[0])
         raise PlanError(f"lengths[{i}] = {int(arr[i])}: drop empty sequences before planning")
     padded = round_up(arr, pad_multiple)
-    over = np.flatnonzero(padded > token_budget)
+    over = np.flatnonzero(padded > max_seq_len)
     if over.size:
         i = int(over[0])
         raise PlanError(
             f"sequence {i} has {int(arr[i])} tokens, {int(padded[i])} once padded to a multiple of {pad_multiple}, "
-            f"more than token_budget={token_budget}: truncate it when tokenizing or raise the budget to "
+            f"more than max_seq_len={max_seq_len}: truncate it when tokenizing or raise max_seq_len to "
             f"{int(padded[i])}"
         )
 
-    patch_w, cap = _patches(patches, max_patches_per_microbatch, n)
+    per_row = renamed(
+        "plan_microbatches",
+        "max_patches_per_row",
+        max_patches_per_row,
+        "max_patches_per_microbatch",
+        max_patches_per_microbatch,
+    )
+    patch_w, cap = _patches(patches, per_row, n)
     try:
         bins = binpack.pack(
             arr,
-            int(token_budget),
+            int(max_seq_len),
             algorithm,
             cost_multiple=int(pad_multiple),
             max_items_per_bin=max_sequences_per_microbatch,
@@ -197,7 +220,7 @@ def plan_microbatches(
         # Typically: the sequences need more micro-batches than can be dealt evenly
         # (3 long sequences, 2 ranks: 4 micro-batches needed, only 3 sequences).
         raise PlanError(
-            f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {token_budget} "
+            f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {max_seq_len} "
             f"tokens from {n} sequences: {e}"
         ) from e
     nb = len(bins)
@@ -205,8 +228,8 @@ def plan_microbatches(
         raise PlanError(f"binpack returned {nb} bins for dp_size={dp_size} (needed a non-empty multiple); a bug")
     tokens = np.array([int(padded[b].sum()) for b in bins], dtype=np.int64)
     weights = tokens if cost is CostModel.TOKENS else np.array([int((padded[b] ** 2).sum()) for b in bins], np.int64)
-    if tokens.max() > token_budget:
-        raise PlanError(f"binpack returned a bin of {int(tokens.max())} tokens over the budget {token_budget}; a bug")
+    if tokens.max() > max_seq_len:
+        raise PlanError(f"binpack returned a bin of {int(tokens.max())} tokens over max_seq_len={max_seq_len}; a bug")
 
     # Longest processing time first, with a cardinality cap: heaviest bin to the
     # least loaded rank that still has room for one more micro-batch.
@@ -222,7 +245,7 @@ def plan_microbatches(
         microbatches=[[np.asarray(bins[b], dtype=np.int64) for b in rank] for rank in assigned],
         loads=np.array([[weights[b] for b in rank] for rank in assigned], dtype=np.int64),
         tokens=np.array([[tokens[b] for b in rank] for rank in assigned], dtype=np.int64),
-        token_budget=int(token_budget),
+        max_seq_len=int(max_seq_len),
         pad_multiple=int(pad_multiple),
         cost=cost,
         meta={"algorithm": str(algorithm), "bins": nb},
@@ -236,9 +259,9 @@ def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.nda
     """``patches`` as ``(n,)`` int64 and the budget, checked (every sequence within it)."""
     if patches is None:
         if cap is not None:
-            raise PlanError("max_patches_per_microbatch needs patches: the vision patches of each sequence")
+            raise PlanError("max_patches_per_row needs patches: the vision patches of each sequence")
         return None, None
-    budget = None if cap is None else positive_int("max_patches_per_microbatch", cap, error=PlanError)
+    budget = None if cap is None else positive_int("max_patches_per_row", cap, error=PlanError)
     w = np.asarray(patches.detach().cpu().numpy() if hasattr(patches, "detach") else patches)
     if w.shape != (n,) or w.dtype.kind not in "iu":
         raise PlanError(f"patches must be a 1-D integer array of {n} entries, got shape {w.shape} dtype {w.dtype}")
@@ -249,7 +272,7 @@ def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.nda
     if budget is not None and n and w.max() > budget:
         i = int(np.argmax(w))
         raise PlanError(
-            f"sequence {i} has {int(w[i]):,} vision patches, more than max_patches_per_microbatch={budget:,}: no "
+            f"sequence {i} has {int(w[i]):,} vision patches, more than max_patches_per_row={budget:,}: no "
             f"micro-batch can hold it; raise the patch budget to at least {int(w[i]):,} (--max-patches-per-row) "
             "or make its images smaller"
         )

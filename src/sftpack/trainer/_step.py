@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._base import renamed
 from ..handoff import PackedBatch, PackedBatchError
 from ..handoff.payload import Media
 from ._step_input import check_options, check_padding, source_lengths
@@ -36,12 +37,13 @@ def pack_step(
     *,
     pad_multiple: int = 1,
     pad_to_multiple_of: int | None = None,
-    pad_to: int | None = None,
+    max_seq_len: int | None = None,
     pad_id: int = 0,
     sequence_ids: Sequence[Any] | None = None,
     attention_mask: torch.Tensor | None = None,
     labels: torch.Tensor | None = None,
     media: Sequence[Media | None] | None = None,
+    pad_to: int | None = None,
 ) -> PackedBatch:
     """Pack a right-padded ``[B, S]`` batch into one flat row.
 
@@ -60,9 +62,11 @@ def pack_step(
         pad_to_multiple_of: pad the whole row to a multiple of this (FP8 needs 16,
             32 or 128 per CP/TP rank). Must be a multiple of ``pad_multiple`` so the
             last segment, which absorbs the tail, stays aligned.
-        pad_to: fixed row width ``T`` (pipeline parallelism needs one width for
-            every micro-batch). Must be a multiple of ``pad_multiple`` and of
-            ``pad_to_multiple_of``; raises if the padded sequences do not fit.
+        max_seq_len: fixed row width ``T`` (pipeline parallelism needs one width for
+            every micro-batch; the ``max_seq_len`` the micro-batches were planned with,
+            :func:`~sftpack.trainer.plan_microbatches`). Must be a multiple of
+            ``pad_multiple`` and of ``pad_to_multiple_of``; raises if the padded
+            sequences do not fit. ``None``: as wide as the padded sequences.
         pad_id: integer id written into padding slots.
         sequence_ids: optional ``B`` ids, one per batch row (the conversation each
             row holds); the result's ``sequence_ids`` keeps those of the non-empty
@@ -80,6 +84,8 @@ def pack_step(
             (:meth:`Media.lay <sftpack.handoff.payload.Media.lay>`), on ``input_ids.device``.
             Cheap checks only (counts, kinds, widths, ``pad_id``); :meth:`PackedBatch.validate
             <sftpack.PackedBatch.validate>` checks every run against the tokens.
+        pad_to: the deprecated spelling of ``max_seq_len`` (accepted, with a
+            ``DeprecationWarning``, until the next release).
 
     Returns:
         A :class:`~sftpack.PackedBatch` on ``input_ids.device``: the ``N`` non-empty
@@ -95,7 +101,7 @@ def pack_step(
 
     Raises:
         PackedBatchError: bad shapes or options, a length outside ``[0, S]``, a
-            mask that is not right-padded, or a batch that does not fit ``pad_to``;
+            mask that is not right-padded, or a batch that does not fit ``max_seq_len``;
             the message names the numbers.
 
     >>> ids = torch.tensor([[1, 2, 3, 4, 5, 0, 0, 0, 0, 0],
@@ -110,9 +116,12 @@ def pack_step(
     >>> b.position_ids.tolist()[6:10]
     [6, 7, 0, 1]
     """
+    max_seq_len = renamed("pack_step", "max_seq_len", max_seq_len, "pad_to", pad_to)
     opts = check_options(input_ids, pad_id=pad_id, sequence_ids=sequence_ids)
     parts = check_media(media, opts.B, pad_id)
-    opts = check_padding(opts, pad_multiple=pad_multiple, pad_to_multiple_of=pad_to_multiple_of, pad_to=pad_to)
+    opts = check_padding(
+        opts, pad_multiple=pad_multiple, pad_to_multiple_of=pad_to_multiple_of, max_seq_len=max_seq_len
+    )
     if lengths is not None and attention_mask is not None:
         raise PackedBatchError("pack_step: give lengths or attention_mask, not both")
     if loss_mask is not None and labels is not None:

@@ -58,13 +58,13 @@ def check_options(input_ids: object, *, pad_id: int, sequence_ids: Sequence[obje
 
 
 def check_padding(
-    opts: StepOptions, *, pad_multiple: object, pad_to_multiple_of: object, pad_to: object
+    opts: StepOptions, *, pad_multiple: object, pad_to_multiple_of: object, max_seq_len: object
 ) -> StepOptions:
     """``opts`` with the padding options checked: the per-sequence multiple, the row multiple
     (a multiple of it) and the fixed row width (a multiple of both)."""
     m = _positive_int("pad_multiple", pad_multiple)
     row_mult = _positive_int("pad_to_multiple_of", pad_to_multiple_of, allow_none=True)
-    width = _positive_int("pad_to", pad_to, allow_none=True)
+    width = _positive_int("max_seq_len", max_seq_len, allow_none=True)
     assert m is not None
     # The row's tail is folded into the last segment, so the tail itself must be a
     # multiple of the per-sequence multiple or the last segment loses its CP alignment.
@@ -76,7 +76,12 @@ def check_padding(
     if width is not None:
         multiple_name = "pad_to_multiple_of" if row_mult else "pad_multiple"
         check_width(
-            width, row_mult or m, name="pad_to", multiple_name=multiple_name, who="pack_step", error=PackedBatchError
+            width,
+            row_mult or m,
+            name="max_seq_len",
+            multiple_name=multiple_name,
+            who="pack_step",
+            error=PackedBatchError,
         )
     return StepOptions(opts.B, opts.S, opts.device, m, row_mult, width, opts.pad_id)
 

@@ -3,7 +3,7 @@
 1. :func:`read_shape`: one small host transfer (where ``lengths`` live: a host-side
    ``lengths`` costs no device sync) for everything the output shape and the checks need,
    then the row width ``T`` (the padded sequences, rounded up to the row multiple, or the
-   fixed ``pad_to``) and the tail the last segment absorbs.
+   fixed ``max_seq_len``) and the tail the last segment absorbs.
 2. :func:`segment_offsets`: the kept (non-empty) rows and the boundaries, real
    (``cu_seqlens``) and padded (``cu_seqlens_padded``: each sequence padded to the multiple,
    the last one to the row's end), on the batch's device.
@@ -58,7 +58,7 @@ class Slots(NamedTuple):
 
 def read_shape(lens_src: torch.Tensor, not_right_padded: torch.Tensor | None, opts: StepOptions) -> RowShape:
     """The row's shape from the rows' lengths (one host transfer), every length in ``[0, S]``,
-    every mask right-padded, some row non-empty and the row within ``pad_to`` checked."""
+    every mask right-padded, some row non-empty and the row within ``max_seq_len`` checked."""
     B, S, m = opts.B, opts.S, opts.m
     padded_src = round_up(lens_src, m)
     nonempty = lens_src > 0
@@ -88,8 +88,8 @@ def read_shape(lens_src: torch.Tensor, not_right_padded: torch.Tensor | None, op
         if total > opts.width:
             raise PackedBatchError(
                 f"pack_step: {n} sequences take {total} slots after padding each to a multiple of {m}, more than "
-                f"pad_to={opts.width}: lower the micro-batch token budget (plan_microbatches(token_budget="
-                f"{opts.width}, pad_multiple={m})) or raise pad_to"
+                f"max_seq_len={opts.width}: plan smaller micro-batches (plan_microbatches(max_seq_len="
+                f"{opts.width}, pad_multiple={m})) or raise max_seq_len"
             )
         T = opts.width
     tail = T - total
