@@ -79,9 +79,9 @@ class EvalSet:
             raise ValueError(f"the eval set's {len(samples):,} samples hold no supervised target: nothing to evaluate")
         source = TrainerSource(
             samples,
-            token_budget=config.micro_batch_tokens or config.max_seq_len,
+            micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
             pad_multiple=config.pad_multiple,
-            max_patches=config.max_patches_per_row,
+            max_patches_per_row=config.max_patches_per_row,
             batch_size=len(samples),
             seed=config.seed,
             rank=rank,

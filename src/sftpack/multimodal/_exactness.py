@@ -132,7 +132,9 @@ def check_packed(
     family = family_for(model)
     k = -(-len(samples) // rows)
     parts = [samples[i : i + k] for i in range(0, len(samples), k)]
-    built = [PackedBatch.from_samples(p, pad_multiple=pad_multiple, row_width=row_width, pad_id=pad_id) for p in parts]
+    built = [
+        PackedBatch.from_samples(p, pad_multiple=pad_multiple, max_seq_len=row_width, pad_id=pad_id) for p in parts
+    ]
     batch = PackedBatch.concat(built).validate()
     if tamper is not None:
         batch = tamper(batch)

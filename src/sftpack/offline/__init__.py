@@ -65,9 +65,9 @@ from ._fingerprint import input_fingerprints as input_fingerprints
 from ._fingerprint import tokenizer_fingerprint as tokenizer_fingerprint
 from ._format import PrepackError, read_manifest
 from ._format import check_row_width as check_row_width
+from ._inputs import KnownLength as KnownLength
 from ._inputs import check_out_outside_inputs as check_out_outside_inputs
-from ._local import KnownLength as KnownLength
-from ._local import input_total as input_total
+from ._inputs import input_total as input_total
 from ._options import PrepackOptions
 from ._packed_jsonl import export_packed_jsonl, import_packed_jsonl
 from ._plan import plan_rows as plan_rows  # not in __all__: benchmarks/bench_ray.py imports it here

@@ -32,12 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from ..chat import ConversationReader, OnBadRow, read_conversations
-from ..data import default_corpus
+from ..data import _corpus, default_corpus
 from ._fingerprint import input_fingerprints
 from ._format import PrepackError
 
 __all__ = [
     "Inputs",
+    "KnownLength",
+    "input_total",
     "check_inputs_found",
     "check_out_outside_inputs",
     "is_paths",
@@ -221,3 +223,51 @@ def check_out_outside_inputs(inputs: Any, out: str | os.PathLike[str]) -> None:
                     f"--out {out} is inside the input folder {f}, which is read recursively: the next run would "
                     "read the prepack's own files as input; choose an --out outside it"
                 )
+
+
+class KnownLength:
+    """``items`` with a known ``len`` (the tokenize bar's total, for its rate and ETA)."""
+
+    def __init__(self, items: Iterable[Any], total: int):
+        self.items, self.total = items, total
+
+    def __len__(self) -> int:
+        return self.total
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.items)
+
+
+def _source_rows(src: Any) -> int | None:
+    """Rows in one reader source without reading them: a JSONL file's lines (not gzip'd),
+    a Parquet file's metadata, a dataset's length; None when not known cheaply."""
+    if src.kind == "dataset":
+        return len(src.target) if hasattr(src.target, "__len__") else None
+    path = Path(src.target)
+    if src.kind == "parquet":
+        import pyarrow.parquet as pq  # optional: pyarrow (the chat extra) only for Parquet inputs
+
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    if path.suffix == ".gz":
+        return None
+    lines, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            lines += block.count(b"\n")
+            last = block[-1:]
+    return lines + (last != b"\n")
+
+
+def input_total(inputs: Any, reader: Any, limit: int | None) -> int | None:
+    """How many conversations (rows) stage 1 will read, for the tokenize bar: the rows of a
+    reader's files, the embedded corpus's (``inputs`` None), an input's ``len``; None when not known without
+    reading them. Rows the reader drops as bad are in it, so a bar may end below it."""
+    n: int | None
+    if reader is not None:
+        counts = [_source_rows(src) for src in reader.sources]
+        n = None if None in counts else sum(c for c in counts if c is not None)
+    elif inputs is None:
+        n = len(_corpus())
+    else:
+        n = len(inputs) if hasattr(inputs, "__len__") else None
+    return n if limit is None or n is None else min(n, limit)

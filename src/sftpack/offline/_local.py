@@ -24,12 +24,12 @@ import numpy as np
 
 from .._base import positive_int
 from ..chat import tokenize_conversations
-from ..data import _corpus, default_tokenizer
+from ..data import default_tokenizer
 from ..sample import Sample
 from ._encode import ImageCounts, encoded, stored_samples
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
-from ._inputs import open_image_inputs, open_inputs, reading_counts
+from ._inputs import KnownLength, input_total, open_image_inputs, open_inputs, reading_counts
 from ._plan import RowPlan
 from ._stage import stage_samples
 from ._write import CHUNK_TOKENS, MediaLayout, write_rows
@@ -55,54 +55,6 @@ class _Counted:
                 row = [cast(Sample, item)]
             self.count += len(row)
             yield from row
-
-
-class KnownLength:
-    """``items`` with a known ``len`` (the tokenize bar's total, for its rate and ETA)."""
-
-    def __init__(self, items: Iterable[Any], total: int):
-        self.items, self.total = items, total
-
-    def __len__(self) -> int:
-        return self.total
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self.items)
-
-
-def _source_rows(src: Any) -> int | None:
-    """Rows in one reader source without reading them: a JSONL file's lines (not gzip'd),
-    a Parquet file's metadata, a dataset's length; None when not known cheaply."""
-    if src.kind == "dataset":
-        return len(src.target) if hasattr(src.target, "__len__") else None
-    path = Path(src.target)
-    if src.kind == "parquet":
-        import pyarrow.parquet as pq  # optional: pyarrow (the chat extra) only for Parquet inputs
-
-        return int(pq.ParquetFile(path).metadata.num_rows)
-    if path.suffix == ".gz":
-        return None
-    lines, last = 0, b"\n"
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            lines += block.count(b"\n")
-            last = block[-1:]
-    return lines + (last != b"\n")
-
-
-def input_total(inputs: Any, reader: Any, limit: int | None) -> int | None:
-    """How many conversations (rows) stage 1 will read, for the tokenize bar: the rows of a
-    reader's files, the embedded corpus's (``inputs`` None), an input's ``len``; None when not known without
-    reading them. Rows the reader drops as bad are in it, so a bar may end below it."""
-    n: int | None
-    if reader is not None:
-        counts = [_source_rows(src) for src in reader.sources]
-        n = None if None in counts else sum(c for c in counts if c is not None)
-    elif inputs is None:
-        n = len(_corpus())
-    else:
-        n = len(inputs) if hasattr(inputs, "__len__") else None
-    return n if limit is None or n is None else min(n, limit)
 
 
 class _FingerprintAfterFirst:
