@@ -100,6 +100,11 @@ class FamilyData:
     processor_wanted: ClassVar[str] = ""
     #: the class of the family's media payload (:meth:`media`): by default one pixel tensor per image
     media_class: ClassVar[type[Media]] = ImageMedia
+    #: how a prepack stores this family's media items, the name its manifest writes as
+    #: ``media.kind`` (and a reader checks against the family the manifest names): by default
+    #: each fixed-size image's resized uint8 pixels, its values remade through the processor's
+    #: table; a patch family names the format of its patch processor's pixels
+    stored_format: ClassVar[str] = "resized-uint8-hwc-table"
 
     # ------------------------------------------------------------ building
     @classmethod

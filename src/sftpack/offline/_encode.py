@@ -31,7 +31,7 @@ import torch
 from .._base import chunks, pool_results
 from ..chat import warm_tokenizer
 from ..sample import Sample
-from ._format import IMAGE_MEDIA_KIND, MEDIA_KIND, PrepackError
+from ._format import PrepackError
 from ._stage import Images, StagedMedia
 
 __all__ = ["ImageCounts", "ImageSettings", "encode", "encoded", "image_settings", "stored", "stored_samples"]
@@ -63,7 +63,7 @@ class ImageSettings:
         )
 
         fam = self.family
-        entry: dict[str, Any] = {
+        entry: dict[str, Any] = {  # "kind": what the family stores of each item (Family.stored_format)
             "family": fam.name,
             "family_settings": fam.media_settings(),
             "images": media.num_images,
@@ -74,7 +74,7 @@ class ImageSettings:
         if fam.media_class.kind == "patches":
             merge = media.merge_size if media.merge_size is not None else self.processor.merge_size
             return {
-                "kind": MEDIA_KIND,
+                "kind": fam.stored_format,
                 **entry,
                 "merge_size": int(merge),
                 "processor": processor_settings(self.processor),
@@ -82,7 +82,7 @@ class ImageSettings:
             }
         proc = self.processor
         return {
-            "kind": IMAGE_MEDIA_KIND,
+            "kind": fam.stored_format,
             **entry,
             "merge_size": 1,
             "processor": {

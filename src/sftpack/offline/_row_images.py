@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..handoff.payload import Media
-from ._format import MEDIA_KIND, PrepackError
+from ._format import PrepackError
 
 __all__ = ["MediaReader"]
 
@@ -50,7 +50,10 @@ class MediaReader:
         self.images = arrays["images"]
         self.row_images = arrays["row_images"]
         want = self.entry["processor"]
-        self.patches = self.entry["kind"] == MEDIA_KIND  #: a patch family's (Qwen-VL); else fixed-size images
+        family = type(family_for(self.entry["family"]))
+        # the family's stored format (the manifest's media.kind, checked against it on open) says how
+        # the values are remade: a patch family's patches by its processor, else through the value table
+        self.patches = family.media_class.kind == "patches"  #: a patch family's; else fixed-size images
         self.processor: Any = None
         self.video_processor: Any = None
         self.table: np.ndarray | None = None
@@ -81,7 +84,6 @@ class MediaReader:
             self.patch_dim, self.temporal = 0, 1
         self.image_token_id = int(self.entry["image_token_id"])
         self.merge_size = int(self.entry["merge_size"])
-        family = type(family_for(self.entry["family"]))
         try:
             self.family = family.from_media_settings(self.entry.get("family_settings", {}))
         except ValueError as e:

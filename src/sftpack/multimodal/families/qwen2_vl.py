@@ -56,7 +56,7 @@ from .._family import (
 from .._images import image_processor, process_images
 from .._video import EncodedVideos, VideoSampling, encode_videos, read_video_settings, video_processor_for
 
-__all__ = ["QWEN2VL_SPECIALS", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
+__all__ = ["QWEN2VL_SPECIALS", "QWEN2VL_STORED_FORMAT", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -77,6 +77,11 @@ QWEN2VL_SPECIALS = (
     VIDEO_PAD,
 )
 QWEN2VL_IDS = dict(zip(QWEN2VL_SPECIALS, range(151646, 151657)))
+#: How a prepack stores a Qwen-VL family's media items (its manifest's ``media.kind``): each item's
+#: resized uint8 pixels ``(frames, H, W, 3)`` as ``Qwen2VLImageProcessorPil`` resizes them, the
+#: patches remade by that processor of the manifest's ``processor`` settings (and the videos' by
+#: its ``video_processor``). Qwen2.5-VL and Qwen3-VL store theirs the same way.
+QWEN2VL_STORED_FORMAT = "qwen2vl-resized-uint8-hwc"
 
 
 @lru_cache(maxsize=1)
@@ -163,6 +168,7 @@ class Qwen2VL(Family):
         "CLIP processor"
     )
     media_class: ClassVar[type[PatchMedia]] = PatchMedia
+    stored_format: ClassVar[str] = QWEN2VL_STORED_FORMAT
     model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2VLRMSNorm",)
 
