@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 pytest.importorskip("easy_vqa")
@@ -16,9 +17,11 @@ pytest.importorskip("PIL")
 from sftpack import PackedBatch  # noqa: E402
 from sftpack.multimodal import vqa_corpus  # noqa: E402
 from sftpack.multimodal._family import FAMILIES  # noqa: E402
+from sftpack.multimodal._video import VideoRule, VideoSampling, frame_size, sample_indices  # noqa: E402
 from sftpack.multimodal.families.qwen2_vl import QWEN2VL_STORED_FORMAT, Qwen2VL  # noqa: E402
 from sftpack.offline import PrepackedDataset, PrepackError, prepack  # noqa: E402
 from sftpack.offline._format import seal_manifest  # noqa: E402
+from tests.multimodal.conftest import noise_image  # noqa: E402
 
 
 class StoredOtherwise(Qwen2VL):
@@ -80,3 +83,48 @@ def test_the_stored_formats_are_the_families_own():
         "llava": "resized-uint8-hwc-table",
         "gemma3": "resized-uint8-hwc-table",
     }
+
+
+class EveryOtherFrame(VideoRule):
+    """A video rule of its own: every other frame from the first; every clip one fixed size."""
+
+    def indices(self, total, file_fps, fps, temporal_patch, sampling):
+        return np.arange(0, total, 2, dtype=np.int64)
+
+    def frame_size(self, frames, height, width, limits, sampling, factor, temporal):
+        return factor, 2 * factor
+
+
+class OwnVideoRule(Qwen2VL):
+    """Qwen2-VL under another name, whose videos follow a rule of its own."""
+
+    name = "qwen2_vl_own_video_rule"
+    model_types = ()
+    video_rule = EveryOtherFrame()
+
+
+@pytest.fixture
+def own_rule(monkeypatch):
+    monkeypatch.setitem(FAMILIES, OwnVideoRule.name, f"{__name__}:OwnVideoRule")
+
+
+def test_a_familys_own_video_rule_samples_and_sizes_through_the_shared_code(own_rule):
+    sized = VideoSampling(rule=OwnVideoRule.name, min_pixels=1024, max_pixels=200000)
+    assert sample_indices(10, 24.0, 5.0, 2, sized).tolist() == [0, 2, 4, 6, 8]
+    assert frame_size(4, 96, 128, sized, 28, 2) == (28, 56)
+    # the same clip under Qwen2-VL's rule: other frames, another size (the rule is what changed)
+    qwen = VideoSampling(rule="qwen2_vl", min_pixels=1024, max_pixels=200000)
+    assert sample_indices(10, 24.0, 5.0, 2, qwen).tolist() != [0, 2, 4, 6, 8]
+    assert frame_size(4, 96, 128, qwen, 28, 2) != (28, 56)
+    # a whole conversation's video encoded by the family: its frames sized by its rule
+    family = OwnVideoRule(video_sampling=sized)
+    frames = [noise_image(128, 96, seed) for seed in range(4)]
+    enc = family.encode_videos([{"type": "video", "frames": frames}], family.image_processor())
+    assert enc.grid_thw.tolist() == [[2, 2, 4]]  # 4 frames in 2 temporal slices of 28 x 56 pixels (14-px patches)
+
+
+def test_a_family_without_video_has_no_video_rule():
+    with pytest.raises(ValueError, match="the llava family takes no video, so has no video rule"):
+        sample_indices(10, 24.0, 5.0, 2, VideoSampling(rule="llava"))
+    with pytest.raises(ValueError, match="VideoSampling.rule 'no_such': a family's name"):
+        VideoSampling(rule="no_such")

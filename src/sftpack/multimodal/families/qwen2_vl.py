@@ -32,6 +32,7 @@ model's boundary arguments never reach the vision attention.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from functools import lru_cache
 from typing import Any, ClassVar, cast
@@ -54,9 +55,24 @@ from .._family import (
     text_kwargs,
 )
 from .._images import image_processor, process_images
-from .._video import EncodedVideos, VideoSampling, encode_videos, read_video_settings, video_processor_for
+from .._video import (
+    EncodedVideos,
+    VideoRule,
+    VideoSampling,
+    encode_videos,
+    fit_size,
+    read_video_settings,
+    video_processor_for,
+)
 
-__all__ = ["QWEN2VL_SPECIALS", "QWEN2VL_STORED_FORMAT", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
+__all__ = [
+    "QWEN2VL_SPECIALS",
+    "QWEN2VL_STORED_FORMAT",
+    "Qwen2VL",
+    "Qwen2VLVideoRule",
+    "mrope_positions",
+    "qwen2vl_tokenizer",
+]
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -136,6 +152,54 @@ def mrope_positions(
     return out
 
 
+class Qwen2VLVideoRule(VideoRule):
+    """``Qwen2VLVideoProcessor``'s rule (transformers 5.24, re-implemented and tested against its
+    own code): a file sampled evenly from its first frame, a multiple of the temporal patch;
+    each frame sized alone. A model folder's ``min_pixels`` / ``max_pixels`` override its ``size``."""
+
+    pixel_keys: ClassVar[bool] = True
+
+    def indices(
+        self, total: int, file_fps: float, fps: float, temporal_patch: int, sampling: VideoSampling
+    ) -> np.ndarray:
+        """``Qwen2VLVideoProcessor.sample_frames``' rule: ``n = total / file_fps * fps`` clamped
+        to ``[min_frames, min(max_frames, total)]`` and rounded down to a multiple of the temporal
+        patch, taken evenly from 0.
+
+        Raises:
+            ValueError: the clip has fewer frames than one temporal patch.
+        """
+        top = math.floor(min(sampling.max_frames, total) / temporal_patch) * temporal_patch
+        n = min(max(total / file_fps * fps, sampling.min_frames), top, total)
+        n = math.floor(n / temporal_patch) * temporal_patch
+        if n < 1:
+            raise ValueError(
+                f"{total} frame(s) sampled at {fps:g} fps give fewer frames than one temporal patch of {temporal_patch}"
+            )
+        # the processor takes torch.arange(0, total, total / n).int(): the same float steps here
+        out: np.ndarray = torch.arange(0, total, total / n).int().numpy().astype(np.int64)
+        return out
+
+    def frame_size(
+        self,
+        frames: int,
+        height: int,
+        width: int,
+        limits: tuple[int, int],
+        sampling: VideoSampling,
+        factor: int,
+        temporal: int,
+    ) -> tuple[int, int]:
+        """Each frame alone (:func:`~sftpack.multimodal._video.fit_size` of one frame); with
+        ``cap_pixels_per_frame`` the upper limit at most the clip's share of 90 % of
+        ``max_video_tokens``' pixels (at least ``1.05 x`` the lower)."""
+        lo, hi = limits
+        if sampling.cap_pixels_per_frame:
+            budget = int(sampling.max_video_tokens * factor * factor * 0.9)
+            hi = max(min(hi, budget * temporal // frames), int(lo * 1.05))
+        return fit_size(height, width, 1, 1, (lo, hi), factor)
+
+
 class Qwen2VL(Family):
     """Qwen2-VL (see the module text)."""
 
@@ -169,6 +233,8 @@ class Qwen2VL(Family):
     )
     media_class: ClassVar[type[PatchMedia]] = PatchMedia
     stored_format: ClassVar[str] = QWEN2VL_STORED_FORMAT
+    #: how a video file is sampled and a clip sized (``VideoSampling.rule`` ``"qwen2_vl"`` names it)
+    video_rule: ClassVar[VideoRule] = Qwen2VLVideoRule()
     model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2VLRMSNorm",)
 
