@@ -128,3 +128,21 @@ def test_a_family_without_video_has_no_video_rule():
         sample_indices(10, 24.0, 5.0, 2, VideoSampling(rule="llava"))
     with pytest.raises(ValueError, match="VideoSampling.rule 'no_such': a family's name"):
         VideoSampling(rule="no_such")
+
+
+class RefusesToStore(Qwen2VL):
+    """Qwen2-VL under another name, whose media a prepack may not store."""
+
+    name = "qwen2_vl_refuses_to_store"
+    model_types = ()
+
+    def check_stored(self, processor):
+        raise ValueError(f"the {self.name} family's media are not stored ({type(processor).__name__})")
+
+
+def test_whether_a_prepack_can_store_a_familys_media_is_the_familys_check(monkeypatch, tmp_path):
+    monkeypatch.setitem(FAMILIES, RefusesToStore.name, f"{__name__}:RefusesToStore")
+    convs = list(vqa_corpus(seed=3, limit=2, min_side=56, max_side=112))
+    with pytest.raises(ValueError, match=r"the qwen2_vl_refuses_to_store family's media are not stored \(Qwen2VL"):
+        prepack(convs, tmp_path / "p", images=True, family=RefusesToStore.name, max_seq_len=256, num_proc=1)
+    assert not (tmp_path / "p" / "manifest.json").exists()

@@ -54,7 +54,7 @@ from .._family import (
     seeded_model,
     text_kwargs,
 )
-from .._images import image_processor, process_images
+from .._images import image_processor, process_images, processor_from_settings, processor_settings, reproduces
 from .._video import (
     EncodedVideos,
     VideoRule,
@@ -284,6 +284,62 @@ class Qwen2VL(Family):
         """The image processor as the video settings make frames' values (their mean, std and
         limits; :func:`~sftpack.multimodal._video.video_processor_for`)."""
         return video_processor_for(processor, self.video_sampling)
+
+    # ------------------------------------------------------ stored media
+    def check_stored(self, processor: ImageProcessor) -> None:
+        """A prepack stores each item's resized uint8 pixels and remakes the patches as
+        transformers' ``Qwen2VLImageProcessorPil`` does: ``processor`` must be that one
+        (:func:`~sftpack.multimodal.reproduces`).
+
+        Raises:
+            ValueError: another processor, naming it and the fix."""
+        if not reproduces(processor):
+            raise ValueError(
+                f"a prepack with images stores each image's resized uint8 pixels and re-makes the patches the way "
+                f"transformers' Qwen2VLImageProcessorPil does, which {type(processor).__name__} with these settings "
+                f"(family {self.name!r}) does not reproduce exactly: pass sftpack.multimodal.family_for()."
+                "image_processor(), or a transformers.Qwen2VLImageProcessorPil(min_pixels=..., max_pixels=...) that "
+                "resizes, rescales, normalises and converts to RGB"
+            )
+
+    def stored_processor(self, processor: ImageProcessor, merge_size: int | None = None) -> dict[str, Any]:
+        """The tower's merge window and the settings of the image processor and of the video
+        processor (:meth:`video_processor`) that remake the patches
+        (:func:`~sftpack.multimodal.processor_settings`)."""
+        merge = merge_size if merge_size is not None else cast(PatchProcessor, processor).merge_size
+        return {
+            "merge_size": int(merge),
+            "processor": processor_settings(processor),
+            "video_processor": processor_settings(self.video_processor(processor)),
+        }
+
+    def stored_processors(self, entry: dict[str, Any]) -> tuple[ImageProcessor, ImageProcessor]:
+        """The ``Qwen2VLImageProcessorPil`` of the entry's ``processor`` settings and the one of
+        its ``video_processor`` settings (:func:`~sftpack.multimodal.processor_from_settings`),
+        each checked to have them.
+
+        Raises:
+            ValueError: the installed transformers makes a processor of other settings."""
+        want = entry["processor"]
+        image = processor_from_settings(want)
+        have = processor_settings(image)
+        diff = sorted(k for k in want if want[k] != have.get(k))
+        if diff:
+            raise ValueError(
+                "its images were stored for an image processor with "
+                f"{', '.join(f'{k}={want[k]!r}' for k in diff)}, the installed one has "
+                f"{', '.join(f'{k}={have.get(k)!r}' for k in diff)}: the patches would differ; install the "
+                "transformers version it was written with, or prepack again"
+            )
+        # the videos' frames normalised as the model folder's video settings say (its mean and std)
+        settings = entry.get("video_processor", want)
+        video = processor_from_settings(settings)
+        if processor_settings(video) != settings:
+            raise ValueError(
+                f"its videos were stored for a video processor with settings {settings}, the installed one reads "
+                "them otherwise: install the transformers version it was written with, or prepack again"
+            )
+        return image, video
 
     def _default_tokenizer(self) -> Any:
         return qwen2vl_tokenizer()
