@@ -54,7 +54,13 @@ from .._family import (
     seeded_model,
     text_kwargs,
 )
-from .._images import image_processor, process_images, processor_from_settings, processor_settings, reproduces
+from .._images import (
+    _pil_processor_class,
+    process_images,
+    processor_from_settings,
+    processor_settings,
+    reproduces,
+)
 from .._video import (
     EncodedVideos,
     VideoRule,
@@ -71,6 +77,7 @@ __all__ = [
     "Qwen2VL",
     "Qwen2VLVideoRule",
     "mrope_positions",
+    "qwen2vl_image_processor",
     "qwen2vl_tokenizer",
 ]
 
@@ -115,6 +122,15 @@ def qwen2vl_tokenizer() -> Any:
     tokens at Qwen2-VL's ids (``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653,
     ``<|image_pad|>`` 151655); 151,657 tokens. Shared within the process."""
     return _tokenizer()
+
+
+@lru_cache(maxsize=8)
+def qwen2vl_image_processor(min_pixels: int = 56 * 56, max_pixels: int = 448 * 448) -> Any:
+    """Qwen2-VL's PIL/numpy image processor (``Qwen2VLImageProcessorPil``: patch 14, temporal
+    patch 2, merge 2), shared: the family's default. Not the torchvision ``Qwen2VLImageProcessor``
+    that ``AutoProcessor`` / ``AutoImageProcessor`` pick where torchvision is installed: its resize
+    differs by 1-2 levels of 255 on some pixels (pass that one as ``processor=`` to get its patches)."""
+    return _pil_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def mrope_positions(
@@ -345,7 +361,7 @@ class Qwen2VL(Family):
         return qwen2vl_tokenizer()
 
     def _default_image_processor(self) -> Any:
-        return image_processor()
+        return qwen2vl_image_processor()
 
     def check(self, tokenizer: Any, processor: ImageProcessor) -> None:
         """The base's checks, and the video settings' patch sizes must be ``processor``'s (a
