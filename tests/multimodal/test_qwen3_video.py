@@ -40,7 +40,8 @@ from transformers.video_utils import VideoMetadata, read_video_pyav
 from sftpack import PackedBatch, Sample
 from sftpack.handoff.payload import PatchMedia
 from sftpack.multimodal import check_packed, family_for, tokenize_media_conversations
-from sftpack.multimodal._video import VideoSampling, linspace_indices, sample_indices
+from sftpack.multimodal._video import VideoSampling, sample_indices
+from sftpack.multimodal.families.qwen3_vl import linspace_indices
 from tests.multimodal.test_video import _frames, _noise, _write_clip
 
 TOL = 1e-10  # float64; see the docstring

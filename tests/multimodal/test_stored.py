@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from sftpack.multimodal import family_for
-from sftpack.multimodal._images import image_processor, pixel_table, process_images
+from sftpack.multimodal._images import pixel_table, process_images
 from sftpack.multimodal._stored import PixelRecorder, image_values, stored_items, table_pixels
+from sftpack.multimodal.families.qwen2_vl import qwen2vl_image_processor as image_processor
 from tests.multimodal.conftest import noise_image
 
 IMAGES = [noise_image(60, 90, 1), noise_image(120, 56, 2), noise_image(33, 200, 3)]

@@ -41,9 +41,10 @@ from PIL import Image
 from sftpack import PackedBatch, Sample
 from sftpack.handoff.payload import PatchMedia
 from sftpack.multimodal import BadImageError, check_packed, family_for, tokenize_media_conversations
-from sftpack.multimodal._images import image_processor, resize_image
+from sftpack.multimodal._images import resize_image
 from sftpack.multimodal._plan import plan_rows
 from sftpack.multimodal._video import VideoSampling, encode_videos, patchify_frames, sample_indices
+from sftpack.multimodal.families.qwen2_vl import qwen2vl_image_processor as image_processor
 from tests.helpers import packed_vs_alone
 from tests.multimodal.conftest import noise_image
 

@@ -33,8 +33,9 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as qwen3_smart_resize
 
 from sftpack.multimodal import BadImageError, UnsupportedModelError, family_for
-from sftpack.multimodal._images import image_processor, pixel_table
+from sftpack.multimodal._images import pixel_table
 from sftpack.multimodal._video import VideoSampling, encode_videos, frame_size
+from sftpack.multimodal.families.qwen2_vl import qwen2vl_image_processor as image_processor
 from sftpack.multimodal.families.qwen3_vl import qwen3vl_image_processor
 from tests.multimodal.conftest import noise_image
 

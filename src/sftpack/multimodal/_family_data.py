@@ -26,6 +26,7 @@ from .. import _optional
 from ..chat import ChatRenderer, chat_template_of, fast_backend, renderer_for
 from ..data import CHATML_TEMPLATE, chatml_template
 from ..handoff.payload import ImageMedia, Media
+from ._images import pixel_table
 
 _F = TypeVar("_F", bound="FamilyData")
 
@@ -100,6 +101,11 @@ class FamilyData:
     processor_wanted: ClassVar[str] = ""
     #: the class of the family's media payload (:meth:`media`): by default one pixel tensor per image
     media_class: ClassVar[type[Media]] = ImageMedia
+    #: how a prepack stores this family's media items, the name its manifest writes as
+    #: ``media.kind`` (and a reader checks against the family the manifest names): by default
+    #: each fixed-size image's resized uint8 pixels, its values remade through the processor's
+    #: table; a patch family names the format of its patch processor's pixels
+    stored_format: ClassVar[str] = "resized-uint8-hwc-table"
 
     # ------------------------------------------------------------ building
     @classmethod
@@ -235,6 +241,39 @@ class FamilyData:
     def takes_processor(self, processor: ImageProcessor) -> bool:
         """Whether ``processor`` is an image processor of this family (:attr:`processor_wanted`)."""
         return True
+
+    # ------------------------------------------------------ stored media
+    def check_stored(self, processor: ImageProcessor) -> None:
+        """Raise ``ValueError`` unless a prepack can store the media ``processor`` makes as
+        :attr:`stored_format` and remake their values bit for bit: by default the processor must
+        rescale and normalise (its values are a table of each uint8 value, :func:`pixel_table`)."""
+        pixel_table(processor)
+
+    def stored_processor(self, processor: ImageProcessor, merge_size: int | None = None) -> dict[str, Any]:
+        """What a prepack's manifest keeps beside the stored pixels to remake the values
+        ``processor`` gives (its ``media`` entry's ``merge_size``, ``processor`` and the rest):
+        by default the processor's rescale factor, mean and std and its value table
+        (``pixel_table``); ``merge_size`` (the staged media's) is a patch family's."""
+        proc: Any = processor
+        return {
+            "merge_size": 1,
+            "processor": {
+                "class": type(proc).__name__,
+                "rescale_factor": float(proc.rescale_factor),
+                "image_mean": [float(x) for x in proc.image_mean],
+                "image_std": [float(x) for x in proc.image_std],
+            },
+            "pixel_table": pixel_table(processor).tolist(),
+        }
+
+    def stored_processors(self, entry: dict[str, Any]) -> tuple[ImageProcessor, ImageProcessor] | None:
+        """The image and video processors that remake the values of a prepack's stored pixels from
+        its manifest's ``media`` ``entry`` (what :meth:`stored_processor` wrote); ``None``: the
+        values are remade through the entry's ``pixel_table`` (the default).
+
+        Raises:
+            ValueError: the installed processor remakes them otherwise (one line: the fix)."""
+        return None
 
     def placeholder_id(self, tokenizer: Any) -> int:
         return int(tokenizer.convert_tokens_to_ids(self.placeholder))

@@ -16,7 +16,7 @@ whose sides differ by more than :data:`MAX_ASPECT_RATIO` times is refused. Each 
 :class:`BadImageError` naming the record, the field, the :class:`BadImageReason` and the fix.
 
 Patches: :func:`process_images` runs the processor it is given. For transformers' PIL/numpy
-``Qwen2VLImageProcessorPil`` itself (:func:`image_processor`; any sizes, patch sizes, mean,
+``Qwen2VLImageProcessorPil`` itself (a Qwen family's, e.g. :func:`~sftpack.multimodal.families.qwen2_vl.qwen2vl_image_processor`; any sizes, patch sizes, mean,
 std, resample) it takes a faster road to the same bytes (:func:`reproduces`): the
 processor's own ``smart_resize`` to multiples of ``patch_size * merge_size``, then its
 rescale and CLIP normalisation as a table and the patch layout as one compiled pass, giving
@@ -48,7 +48,6 @@ __all__ = [
     "BadImageError",
     "BadImageReason",
     "ImagePatches",
-    "image_processor",
     "is_url",
     "load_image",
     "process_images",
@@ -281,15 +280,6 @@ def _upright(open_: Callable[[], Any], own: bool, subject: str, bad: _Bad, head:
 
 def _pil_processor_class() -> Any:
     return _optional.transformers("models.qwen2_vl.image_processing_pil_qwen2_vl").Qwen2VLImageProcessorPil
-
-
-@lru_cache(maxsize=8)
-def image_processor(min_pixels: int = 56 * 56, max_pixels: int = 448 * 448) -> Any:
-    """Qwen2-VL's PIL/numpy image processor (``Qwen2VLImageProcessorPil``: patch 14, temporal
-    patch 2, merge 2), shared. Not the torchvision ``Qwen2VLImageProcessor`` that
-    ``AutoProcessor`` / ``AutoImageProcessor`` pick where torchvision is installed: its resize
-    differs by 1-2 levels of 255 on some pixels (pass that one as ``processor=`` to get its patches)."""
-    return _pil_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def processor_from_settings(settings: dict[str, Any]) -> Any:

@@ -24,9 +24,11 @@ against its own code:
   with pixel limits, :func:`read_video_settings`) the video processor's ``smart_resize`` with
   its own limits (:func:`frame_size`; Qwen3-VL's bounds the whole clip, ``t x h x w``) and its
   own mean and std (:func:`frame_processor`); without them the image processor's, frame by frame;
-- Qwen3-VL samples a file by ``Qwen3VLVideoProcessor``'s rule instead (``VideoSampling.rule``,
-  :func:`linspace_indices`) and writes each temporal slice after its time
-  (:func:`frame_timestamps`; see :mod:`sftpack.multimodal.families.qwen3_vl`);
+- how a file is sampled and a clip sized is the family's :class:`VideoRule` (``VideoSampling.rule``
+  names the family whose rule it is, :func:`video_rule`): Qwen2-VL's (``Qwen2VLVideoProcessor``'s,
+  above; :mod:`sftpack.multimodal.families.qwen2_vl`) or Qwen3-VL's, which samples over the whole
+  clip and bounds the whole clip's pixels (:mod:`sftpack.multimodal.families.qwen3_vl`, which also
+  writes each temporal slice after its time);
 - ``second_per_grid_ts`` (what Qwen2.5-VL's MRoPE spaces the temporal axis by) is
   ``temporal_patch_size / sampled_fps``, with ``sampled_fps = kept / frames * file_fps``
   for a file and the part's ``fps`` (24 when not given, the processor's fallback) for frames.
@@ -46,13 +48,12 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any, NoReturn
+from typing import Any, ClassVar, NoReturn
 
 import numpy as np
-import torch
 
 from .. import _optional
-from ._family import EncodedImages, UnsupportedModelError
+from ._family import EncodedImages, UnsupportedModelError, family_for, family_names
 from ._images import (
     BadImageError,
     BadImageReason,
@@ -68,23 +69,21 @@ __all__ = [
     "VideoSampling",
     "decode_video",
     "encode_videos",
+    "VideoRule",
+    "fit_size",
     "frame_processor",
     "frame_size",
-    "frame_timestamps",
-    "linspace_indices",
     "patchify_frames",
     "read_video_settings",
     "resize_frames",
     "sample_indices",
     "video_header",
     "video_processor_for",
+    "video_rule",
 ]
 
 #: The frame rate HF's ``VideoMetadata.sampled_fps`` falls back to for frames without one.
 DEFAULT_FPS = 24.0
-
-#: The rules a :class:`VideoSampling` follows: transformers' ``Qwen2VLVideoProcessor``'s or ``Qwen3VLVideoProcessor``'s.
-RULES = ("qwen2_vl", "qwen3_vl")
 
 #: Where a model folder's video processor settings are read from, in ``AutoVideoProcessor``'s order
 #: (transformers 5.24): ``processor_config.json``'s ``"video_processor"`` entry, then the first file here.
@@ -97,10 +96,10 @@ class VideoSampling:
     they are sized and normalised.
 
     Sampling (``Qwen2VLVideoProcessor``'s settings and defaults): ``fps`` (``None``: every
-    frame, unless the part gives one), ``min_frames``, ``max_frames``; ``rule``: whose rules
-    apply, ``"qwen2_vl"`` (``Qwen2VLVideoProcessor``: :func:`sample_indices`, each frame sized
-    alone) or ``"qwen3_vl"`` (``Qwen3VLVideoProcessor``: :func:`linspace_indices`, the pixel
-    limits over the whole clip, see :func:`frame_size`).
+    frame, unless the part gives one), ``min_frames``, ``max_frames``; ``rule``: the family whose
+    video rule applies (:func:`video_rule`: how a file is sampled, :func:`sample_indices`, and a
+    clip sized, :func:`frame_size`), ``"qwen2_vl"`` (``Qwen2VLVideoProcessor``'s: each frame sized
+    alone) or ``"qwen3_vl"`` (``Qwen3VLVideoProcessor``'s: the pixel limits over the whole clip).
 
     Sizing: ``min_pixels`` and ``max_pixels`` (the video processor's ``size``
     ``shortest_edge`` and ``longest_edge``; ``None``: each frame resized as the image processor
@@ -128,8 +127,8 @@ class VideoSampling:
     source: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.rule not in RULES:
-            raise ValueError(f"VideoSampling.rule {self.rule!r}: one of {RULES}")
+        if self.rule not in family_names():  # its rule is looked up when used (the family module may be loading)
+            raise ValueError(f"VideoSampling.rule {self.rule!r}: a family's name, one with video ({family_names()})")
         if (self.min_pixels is None) != (self.max_pixels is None):
             raise ValueError("VideoSampling: give min_pixels and max_pixels together (or neither)")
 
@@ -155,81 +154,90 @@ class EncodedVideos(EncodedImages):
     frames: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
-def sample_indices(total: int, file_fps: float, fps: float, temporal_patch: int, sampling: VideoSampling) -> np.ndarray:
-    """The frames of a ``total``-frame file at ``file_fps`` kept when sampling at ``fps``
-    (``Qwen2VLVideoProcessor.sample_frames``' rule, see the module text).
+class VideoRule:
+    """How a family's video processor samples a file's frames (:meth:`indices`) and sizes a clip
+    (:meth:`frame_size`): the family's own rule (its ``video_rule``, named by
+    ``VideoSampling.rule``; :func:`video_rule`). The rest of a video's way (decoding, resizing
+    by that size, patching, the settings a model folder gives) is shared."""
+
+    #: whether a model folder's ``min_pixels`` / ``max_pixels`` keys override its ``size`` limits
+    #: (:func:`read_video_settings`)
+    pixel_keys: ClassVar[bool] = False
+
+    def indices(
+        self, total: int, file_fps: float, fps: float, temporal_patch: int, sampling: VideoSampling
+    ) -> np.ndarray:  # pragma: no cover - per family
+        """The frames of a ``total``-frame file at ``file_fps`` kept when sampling at ``fps``.
+
+        Raises:
+            ValueError: too few frames for the rule."""
+        raise NotImplementedError
+
+    def frame_size(
+        self,
+        frames: int,
+        height: int,
+        width: int,
+        limits: tuple[int, int],
+        sampling: VideoSampling,
+        factor: int,
+        temporal: int,
+    ) -> tuple[int, int]:  # pragma: no cover - per family
+        """``(height, width)`` every frame of a clip of ``frames`` frames of ``height x width`` is
+        resized to, within the pixel ``limits`` ``(min, max)``, sides multiples of ``factor``.
+
+        Raises:
+            ValueError: a clip the rule cannot size."""
+        raise NotImplementedError
+
+
+def video_rule(name: str) -> VideoRule:
+    """The video rule of the family ``name`` (its ``video_rule``).
 
     Raises:
-        ValueError: the clip has fewer frames than one temporal patch.
+        ValueError: a family without video."""
+    rule = getattr(type(family_for(name)), "video_rule", None)
+    if not isinstance(rule, VideoRule):
+        raise ValueError(f"VideoSampling.rule {name!r}: the {name} family takes no video, so has no video rule")
+    return rule
+
+
+def sample_indices(total: int, file_fps: float, fps: float, temporal_patch: int, sampling: VideoSampling) -> np.ndarray:
+    """The frames of a ``total``-frame file at ``file_fps`` kept when sampling at ``fps``, by
+    ``sampling.rule``'s family's rule (:meth:`VideoRule.indices`; see the module text).
+
+    Raises:
+        ValueError: the clip has fewer frames than the rule needs (one temporal patch).
     """
-    if sampling.rule == "qwen3_vl":
-        return linspace_indices(total, file_fps, fps, sampling)
-
-    top = math.floor(min(sampling.max_frames, total) / temporal_patch) * temporal_patch
-    n = min(max(total / file_fps * fps, sampling.min_frames), top, total)
-    n = math.floor(n / temporal_patch) * temporal_patch
-    if n < 1:
-        raise ValueError(
-            f"{total} frame(s) sampled at {fps:g} fps give fewer frames than one temporal patch of {temporal_patch}"
-        )
-    # the processor takes torch.arange(0, total, total / n).int(): the same float steps here
-    out: np.ndarray = torch.arange(0, total, total / n).int().numpy().astype(np.int64)
-    return out
-
-
-def linspace_indices(total: int, file_fps: float, fps: float, sampling: VideoSampling) -> np.ndarray:
-    """The frames of a ``total``-frame file at ``file_fps`` kept when sampling at ``fps`` by
-    ``Qwen3VLVideoProcessor.sample_frames``' rule (transformers 5.24): ``n = int(total / file_fps
-    * fps)`` clamped to ``[min_frames, min(max_frames, total)]`` (any count: an odd one is padded
-    later), spread evenly over the whole clip, first and last frame included
-    (``linspace(0, total - 1, n)`` rounded half to even)."""
-    n = min(max(int(total / file_fps * fps), sampling.min_frames), sampling.max_frames, total)
-    out: np.ndarray = np.linspace(0, total - 1, n).round().astype(np.int64)
-    return out
+    return video_rule(sampling.rule).indices(total, file_fps, fps, temporal_patch, sampling)
 
 
 def frame_size(
     frames: int, height: int, width: int, sampling: VideoSampling, factor: int, temporal: int
 ) -> tuple[int, int]:
     """``(height, width)`` that every frame of a clip of ``frames`` frames of ``height x width``
-    is resized to by the video processor's rule (transformers 5.24's ``smart_resize`` of
-    ``sampling.rule``'s module, re-implemented and tested against it), within
-    ``sampling.min_pixels ... max_pixels`` (``sampling.sized``), sides multiples of ``factor``
-    (``patch_size * merge_size``):
-
-    - ``"qwen2_vl"``: each frame alone: sides rounded to multiples of ``factor``; above
-      ``max_pixels`` both scaled down (floored), below ``min_pixels`` both scaled up (ceiled),
-      the aspect ratio kept as nearly as the multiples allow;
-    - ``"qwen3_vl"``: the limits bound the whole clip, ``t x h x w`` with ``t`` the frame count
-      rounded to a multiple of ``temporal``, so more frames get smaller frames; a side under
-      ``factor`` is first scaled up to it.
-
-    With ``cap_pixels_per_frame`` the upper limit first shrinks as the processor's per-frame
-    cap shrinks it (a share of ``max_video_tokens``, at least ``1.05 x min_pixels``).
+    is resized to by the video processor's rule (``sampling.rule``'s family's,
+    :meth:`VideoRule.frame_size`: transformers 5.24's ``smart_resize`` of that family's module,
+    re-implemented and tested against it), within ``sampling.min_pixels ... max_pixels``
+    (``sampling.sized``), sides multiples of ``factor`` (``patch_size * merge_size``). With
+    ``cap_pixels_per_frame`` the upper limit first shrinks as the processor's per-frame cap
+    shrinks it (a share of ``max_video_tokens``, at least ``1.05 x min_pixels``).
 
     Raises:
-        ValueError: the ``"qwen3_vl"`` rule over fewer frames than ``temporal`` (the processor refuses it).
+        ValueError: settings without pixel limits, or a clip the rule cannot size.
     """
     if sampling.min_pixels is None or sampling.max_pixels is None:
         raise ValueError("frame_size: the settings have no pixel limits (VideoSampling.sized is False)")
-    lo, hi = sampling.min_pixels, sampling.max_pixels
-    if sampling.rule == "qwen3_vl":
-        if sampling.cap_pixels_per_frame:
-            per_frame = max(min(sampling.max_video_tokens * factor * factor, hi // frames), int(lo * 1.05))
-            hi = per_frame * frames
-        if frames < temporal:
-            raise ValueError(
-                f"{frames} frame(s): Qwen3-VL's video processor sizes a clip of at least {temporal} frames"
-            )
-        if height < factor or width < factor:
-            up = max(factor / height, factor / width)
-            height, width = int(height * up), int(width * up)
-        count, depth = frames, round(frames / temporal) * temporal
-    else:
-        if sampling.cap_pixels_per_frame:
-            budget = int(sampling.max_video_tokens * factor * factor * 0.9)
-            hi = max(min(hi, budget * temporal // frames), int(lo * 1.05))
-        count, depth = 1, 1
+    limits = (sampling.min_pixels, sampling.max_pixels)
+    return video_rule(sampling.rule).frame_size(frames, height, width, limits, sampling, factor, temporal)
+
+
+def fit_size(height: int, width: int, count: int, depth: int, limits: tuple[int, int], factor: int) -> tuple[int, int]:
+    """``smart_resize``'s sizing, shared by the video rules: sides rounded to multiples of
+    ``factor``; when ``depth`` frames of that size exceed the upper limit both sides scaled down
+    (floored) by the ratio of ``count`` frames of ``height x width`` to it, below the lower limit
+    scaled up (ceiled), the aspect ratio kept as nearly as the multiples allow."""
+    lo, hi = limits
     h = round(height / factor) * factor
     w = round(width / factor) * factor
     if depth * h * w > hi:
@@ -336,17 +344,6 @@ def video_header(path: str) -> tuple[int, float]:
     with av.open(path) as container:
         stream = container.streams.video[0]
         return int(stream.frames or 0), float(stream.average_rate) if stream.average_rate else 0.0
-
-
-def frame_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
-    """Seconds of each temporal slice of a video whose kept frames are ``indices`` of a clip at
-    ``fps`` (``Qwen3VLProcessor._calculate_timestamps``' rule): the indices padded to a multiple
-    of ``temporal_patch`` by repeating the last, each slice the mean of its first and last frame's
-    time (``index / fps``)."""
-    idx = [int(i) for i in indices]
-    idx += idx[-1:] * (-len(idx) % temporal_patch)
-    sec = [i / fps for i in idx]
-    return [(sec[k] + sec[k + temporal_patch - 1]) / 2 for k in range(0, len(sec), temporal_patch)]
 
 
 def patchify_frames(frames: np.ndarray, processor: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -538,8 +535,8 @@ def read_video_settings(model_dir: str | os.PathLike, defaults: VideoSampling) -
     pixel limits). ``None``: the folder has none of these files.
 
     The keys read (transformers 5.24's): ``size`` (``shortest_edge``, ``longest_edge``: the pixel
-    limits), for the ``"qwen2_vl"`` rule also ``min_pixels`` / ``max_pixels`` over them (as
-    ``Qwen2VLVideoProcessor`` takes them; ``Qwen3VLVideoProcessor`` ignores them);
+    limits), for a rule that reads them (:attr:`VideoRule.pixel_keys`: ``Qwen2VLVideoProcessor``
+    takes them, ``Qwen3VLVideoProcessor`` ignores them) also ``min_pixels`` / ``max_pixels`` over them;
     ``patch_size``, ``temporal_patch_size``, ``merge_size``, ``image_mean``, ``image_std``,
     ``rescale_factor``, ``resample``; ``do_sample_frames`` (default: ``defaults.fps`` is set),
     ``fps``, ``min_frames``, ``max_frames``; ``cap_pixels_per_frame``, ``max_video_tokens``.
@@ -631,7 +628,7 @@ def _settings(data: dict, defaults: VideoSampling, source: str) -> VideoSampling
         )
     else:
         bad("size", size, "is not an object with shortest_edge and longest_edge (pixels)")
-    if defaults.rule == "qwen2_vl":  # Qwen2VLVideoProcessor takes min_pixels / max_pixels over size
+    if video_rule(defaults.rule).pixel_keys:  # e.g. Qwen2VLVideoProcessor takes min_pixels / max_pixels over size
         if has("min_pixels"):
             lo, lo_key = data["min_pixels"], "min_pixels"
         if has("max_pixels"):

@@ -31,7 +31,7 @@ import torch
 from .._base import chunks, pool_results
 from ..chat import warm_tokenizer
 from ..sample import Sample
-from ._format import IMAGE_MEDIA_KIND, MEDIA_KIND, PrepackError
+from ._format import PrepackError
 from ._stage import Images, StagedMedia
 
 __all__ = ["ImageCounts", "ImageSettings", "encode", "encoded", "image_settings", "stored", "stored_samples"]
@@ -57,41 +57,16 @@ class ImageSettings:
         """The manifest's ``media`` entry for the staged ``media``: what is stored, the family (its
         name and the settings its media payload depends on), totals, and what remakes the values
         (a patch family's processor settings; a fixed-size image family's value table)."""
-        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
-            pixel_table,
-            processor_settings,
-        )
-
         fam = self.family
-        entry: dict[str, Any] = {
+        return {  # what the family stores of each item, and what remakes its values (Family.stored_processor)
+            "kind": fam.stored_format,
             "family": fam.name,
             "family_settings": fam.media_settings(),
             "images": media.num_images,
             "patches": int(media.patches.sum()),
             "pixel_bytes": media.pixel_bytes,
             "image_token_id": int(media.token_id if media.token_id is not None else fam.placeholder_id(self.tokenizer)),
-        }
-        if fam.media_class.kind == "patches":
-            merge = media.merge_size if media.merge_size is not None else self.processor.merge_size
-            return {
-                "kind": MEDIA_KIND,
-                **entry,
-                "merge_size": int(merge),
-                "processor": processor_settings(self.processor),
-                "video_processor": processor_settings(fam.video_processor(self.processor)),
-            }
-        proc = self.processor
-        return {
-            "kind": IMAGE_MEDIA_KIND,
-            **entry,
-            "merge_size": 1,
-            "processor": {
-                "class": type(proc).__name__,
-                "rescale_factor": float(proc.rescale_factor),
-                "image_mean": [float(x) for x in proc.image_mean],
-                "image_std": [float(x) for x in proc.image_std],
-            },
-            "pixel_table": pixel_table(proc).tolist(),
+            **fam.stored_processor(self.processor, media.merge_size),
         }
 
 
@@ -108,28 +83,14 @@ def image_settings(
     """The settings, the family's tokenizer and image processor filled in where not given.
 
     Raises:
-        ValueError: an image processor whose output the stored pixels cannot reproduce (a patch
-            family's must be transformers' ``Qwen2VLImageProcessorPil``, which the reader re-makes;
-            a fixed-size image family's must rescale and normalise).
+        ValueError: an image processor whose output the stored pixels cannot reproduce (the
+            family's :meth:`~sftpack.multimodal.Family.check_stored`, in one line).
     """
-    from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
-        family_for,
-        pixel_table,
-        reproduces,
-    )
+    from ..multimodal import family_for  # multimodal loads only for media (~0.5 s over the offline path)
 
     fam = family_for(family)
     proc = processor if processor is not None else fam.image_processor()
-    if fam.media_class.kind == "patches" and not reproduces(proc):
-        raise ValueError(
-            f"a prepack with images stores each image's resized uint8 pixels and re-makes the patches the way "
-            f"transformers' Qwen2VLImageProcessorPil does, which {type(proc).__name__} with these settings (family "
-            f"{fam.name!r}) does not reproduce exactly: pass sftpack.multimodal.family_for().image_processor(), or "
-            "a transformers.Qwen2VLImageProcessorPil(min_pixels=..., max_pixels=...) that resizes, rescales, "
-            "normalises and converts to RGB"
-        )
-    if fam.media_class.kind != "patches":
-        pixel_table(proc)  # a processor that does not rescale and normalise: refused here, in one line
+    fam.check_stored(proc)
     tok = tokenizer if tokenizer is not None else fam.tokenizer()
     return ImageSettings(tok, proc, fam, max_seq_len, overlong, on_bad_row, max_patches_per_row)
 

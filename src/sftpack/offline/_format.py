@@ -62,9 +62,6 @@ __all__ = [
     "MEDIA_FILES",
     "MEDIA_FORMAT_VERSION",
     "MEDIA_INDEX_FILES",
-    "MEDIA_KIND",
-    "MEDIA_KINDS",
-    "IMAGE_MEDIA_KIND",
     "ROW_DTYPE",
     "SEQUENCE_DTYPE",
     "PrepackError",
@@ -93,14 +90,12 @@ OLD_MEDIA_FORMAT_VERSION = 3
 MEDIA_FILES = ("pixels.npy", "images.npy", "row_images.npy")
 #: The small media index files: checked (SHA-256 and structure) on every default open.
 MEDIA_INDEX_FILES = MEDIA_FILES[1:]
-#: What is stored per item of a patch family (Qwen-VL): the patch processor's resized uint8 pixels,
-#: ``(frames, H, W, 3)`` row-major (an image one frame, a video its frames padded to whole temporal slices).
-MEDIA_KIND = "qwen2vl-resized-uint8-hwc"
-#: What is stored per image of a family whose tower takes one fixed-size image (LLaVA, Gemma 3):
-#: the processor's resized (and cropped) uint8 pixels ``(H, W, 3)``; the manifest keeps the
-#: processor's rescale and normalisation of every uint8 value of each channel (``pixel_table``).
-IMAGE_MEDIA_KIND = "resized-uint8-hwc-table"
-MEDIA_KINDS = (MEDIA_KIND, IMAGE_MEDIA_KIND)
+# What is stored per media item (the manifest's ``media.kind``) is the family's stored format
+# (``Family.stored_format``, checked against the family the manifest names): a patch family's
+# (Qwen-VL's) resized uint8 pixels ``(frames, H, W, 3)`` row-major (an image one frame, a video
+# its frames padded to whole temporal slices) with the patch processor's settings; a fixed-size
+# image family's (LLaVA, Gemma 3) resized (and cropped) uint8 pixels ``(H, W, 3)`` with the
+# processor's rescale and normalisation of every uint8 value of each channel (``pixel_table``).
 #: One record per media item (image or video), in row order (``sequence``: the output sequence it
 #: belongs to; ``start``: its placeholder run's start in that sequence; ``pixels``: its first byte in
 #: ``pixels.npy``; ``frames`` of ``height x width`` pixels stored, 1 for an image; ``grid_*``: its
@@ -435,10 +430,18 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
         get(m, "media", "media", is_dict, "an object")
         for key in ("images", "patches", "pixel_bytes", "image_token_id", "merge_size"):
             get(media, key, f"media.{key}", lambda v: _int(v) and v >= 0, "an integer >= 0")
-        kind = get(media, "kind", "media.kind", lambda v: v in MEDIA_KINDS, " or ".join(map(repr, MEDIA_KINDS)))
-        get(media, "family", "media.family", lambda v: isinstance(v, str) and v != "", "a model family's name")
+        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
+            family_for,
+            family_names,
+        )
+
+        names = family_names()
+        name = get(media, "family", "media.family", lambda v: v in names, f"a model family's name ({', '.join(names)})")
+        family = family_for(name)
+        stored = family.stored_format  # what the family stores of each media item
+        get(media, "kind", "media.kind", lambda v: v == stored, f"{stored!r} (what the {name} family stores)")
         proc = get(media, "processor", "media.processor", is_dict, "an object")
-        if kind == MEDIA_KIND:
+        if family.media_class.kind == "patches":
             for key in ("patch_size", "temporal_patch_size", "merge_size"):
                 get(proc, key, f"media.processor.{key}", lambda v: _int(v) and v >= 1, "a positive integer")
             video = get(media, "video_processor", "media.video_processor", is_dict, "an object")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from ..handoff.payload import Media
-from ._format import MEDIA_KIND, PrepackError
+from ._format import PrepackError
 
 __all__ = ["MediaReader"]
 
@@ -38,42 +38,32 @@ class MediaReader:
     """
 
     def __init__(self, path: Path, manifest: dict[str, Any], arrays: dict[str, np.ndarray]):
-        from ..multimodal import (  # multimodal loads only for media (~0.5 s over the offline path)
-            family_for,
-            processor_from_settings,
-            processor_settings,
-        )
+        from ..multimodal import family_for  # multimodal loads only for media (~0.5 s over the offline path)
 
         self.path = Path(path)
         self.entry = manifest["media"]
         self.pixels = arrays["pixels"]
         self.images = arrays["images"]
         self.row_images = arrays["row_images"]
-        want = self.entry["processor"]
-        self.patches = self.entry["kind"] == MEDIA_KIND  #: a patch family's (Qwen-VL); else fixed-size images
+        try:
+            self.family = type(family_for(self.entry["family"])).from_media_settings(
+                self.entry.get("family_settings", {})
+            )
+        except ValueError as e:
+            raise PrepackError(f"{self.path}: manifest media.family_settings: {e}; write the prepack again") from None
+        # the family's stored format (the manifest's media.kind, checked against it on open) says
+        # how the values are remade: by the processors it names (a patch family's), else by the table
+        try:
+            processors = self.family.stored_processors(self.entry)
+        except ValueError as e:
+            raise PrepackError(f"{self.path}: {e}") from None
+        self.patches = processors is not None  #: a patch family's (processors remake patches); else a table's
         self.processor: Any = None
         self.video_processor: Any = None
         self.table: np.ndarray | None = None
-        if self.patches:
-            self.processor = processor_from_settings(want)
-            have = processor_settings(self.processor)
-            diff = sorted(k for k in want if want[k] != have.get(k))
-            if diff:
-                raise PrepackError(
-                    f"{self.path}: its images were stored for an image processor with "
-                    f"{', '.join(f'{k}={want[k]!r}' for k in diff)}, the installed one has "
-                    f"{', '.join(f'{k}={have.get(k)!r}' for k in diff)}: the patches would differ; install the "
-                    "transformers version it was written with, or prepack again"
-                )
-            # the videos' frames normalised as the model folder's video settings say (its mean and std)
-            video = self.entry.get("video_processor", want)
-            self.video_processor = processor_from_settings(video)
-            if processor_settings(self.video_processor) != video:
-                raise PrepackError(
-                    f"{self.path}: its videos were stored for a video processor with settings {video}, the "
-                    "installed one reads them otherwise: install the transformers version it was written with, or "
-                    "prepack again"
-                )
+        if processors is not None:
+            self.processor, self.video_processor = processors
+            want = self.entry["processor"]
             p, t = int(want["patch_size"]), int(want["temporal_patch_size"])
             self.patch_dim, self.temporal = 3 * t * p * p, t
         else:
@@ -81,11 +71,6 @@ class MediaReader:
             self.patch_dim, self.temporal = 0, 1
         self.image_token_id = int(self.entry["image_token_id"])
         self.merge_size = int(self.entry["merge_size"])
-        family = type(family_for(self.entry["family"]))
-        try:
-            self.family = family.from_media_settings(self.entry.get("family_settings", {}))
-        except ValueError as e:
-            raise PrepackError(f"{self.path}: manifest media.family_settings: {e}; write the prepack again") from None
 
     def check(self, rows: np.ndarray, sequences: np.ndarray, counts: dict[str, Any]) -> None:
         """The media index against itself, the pixel file and the text index: O(rows + items)."""

@@ -32,6 +32,7 @@ model's boundary arguments never reach the vision attention.
 from __future__ import annotations
 
 import copy
+import math
 import os
 from functools import lru_cache
 from typing import Any, ClassVar, cast
@@ -53,10 +54,32 @@ from .._family import (
     seeded_model,
     text_kwargs,
 )
-from .._images import image_processor, process_images
-from .._video import EncodedVideos, VideoSampling, encode_videos, read_video_settings, video_processor_for
+from .._images import (
+    _pil_processor_class,
+    process_images,
+    processor_from_settings,
+    processor_settings,
+    reproduces,
+)
+from .._video import (
+    EncodedVideos,
+    VideoRule,
+    VideoSampling,
+    encode_videos,
+    fit_size,
+    read_video_settings,
+    video_processor_for,
+)
 
-__all__ = ["QWEN2VL_SPECIALS", "Qwen2VL", "mrope_positions", "qwen2vl_tokenizer"]
+__all__ = [
+    "QWEN2VL_SPECIALS",
+    "QWEN2VL_STORED_FORMAT",
+    "Qwen2VL",
+    "Qwen2VLVideoRule",
+    "mrope_positions",
+    "qwen2vl_image_processor",
+    "qwen2vl_tokenizer",
+]
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 VIDEO_PAD = "<|video_pad|>"
@@ -77,6 +100,11 @@ QWEN2VL_SPECIALS = (
     VIDEO_PAD,
 )
 QWEN2VL_IDS = dict(zip(QWEN2VL_SPECIALS, range(151646, 151657)))
+#: How a prepack stores a Qwen-VL family's media items (its manifest's ``media.kind``): each item's
+#: resized uint8 pixels ``(frames, H, W, 3)`` as ``Qwen2VLImageProcessorPil`` resizes them, the
+#: patches remade by that processor of the manifest's ``processor`` settings (and the videos' by
+#: its ``video_processor``). Qwen2.5-VL and Qwen3-VL store theirs the same way.
+QWEN2VL_STORED_FORMAT = "qwen2vl-resized-uint8-hwc"
 
 
 @lru_cache(maxsize=1)
@@ -94,6 +122,15 @@ def qwen2vl_tokenizer() -> Any:
     tokens at Qwen2-VL's ids (``<|vision_start|>`` 151652, ``<|vision_end|>`` 151653,
     ``<|image_pad|>`` 151655); 151,657 tokens. Shared within the process."""
     return _tokenizer()
+
+
+@lru_cache(maxsize=8)
+def qwen2vl_image_processor(min_pixels: int = 56 * 56, max_pixels: int = 448 * 448) -> Any:
+    """Qwen2-VL's PIL/numpy image processor (``Qwen2VLImageProcessorPil``: patch 14, temporal
+    patch 2, merge 2), shared: the family's default. Not the torchvision ``Qwen2VLImageProcessor``
+    that ``AutoProcessor`` / ``AutoImageProcessor`` pick where torchvision is installed: its resize
+    differs by 1-2 levels of 255 on some pixels (pass that one as ``processor=`` to get its patches)."""
+    return _pil_processor_class()(min_pixels=min_pixels, max_pixels=max_pixels)
 
 
 def mrope_positions(
@@ -131,6 +168,54 @@ def mrope_positions(
     return out
 
 
+class Qwen2VLVideoRule(VideoRule):
+    """``Qwen2VLVideoProcessor``'s rule (transformers 5.24, re-implemented and tested against its
+    own code): a file sampled evenly from its first frame, a multiple of the temporal patch;
+    each frame sized alone. A model folder's ``min_pixels`` / ``max_pixels`` override its ``size``."""
+
+    pixel_keys: ClassVar[bool] = True
+
+    def indices(
+        self, total: int, file_fps: float, fps: float, temporal_patch: int, sampling: VideoSampling
+    ) -> np.ndarray:
+        """``Qwen2VLVideoProcessor.sample_frames``' rule: ``n = total / file_fps * fps`` clamped
+        to ``[min_frames, min(max_frames, total)]`` and rounded down to a multiple of the temporal
+        patch, taken evenly from 0.
+
+        Raises:
+            ValueError: the clip has fewer frames than one temporal patch.
+        """
+        top = math.floor(min(sampling.max_frames, total) / temporal_patch) * temporal_patch
+        n = min(max(total / file_fps * fps, sampling.min_frames), top, total)
+        n = math.floor(n / temporal_patch) * temporal_patch
+        if n < 1:
+            raise ValueError(
+                f"{total} frame(s) sampled at {fps:g} fps give fewer frames than one temporal patch of {temporal_patch}"
+            )
+        # the processor takes torch.arange(0, total, total / n).int(): the same float steps here
+        out: np.ndarray = torch.arange(0, total, total / n).int().numpy().astype(np.int64)
+        return out
+
+    def frame_size(
+        self,
+        frames: int,
+        height: int,
+        width: int,
+        limits: tuple[int, int],
+        sampling: VideoSampling,
+        factor: int,
+        temporal: int,
+    ) -> tuple[int, int]:
+        """Each frame alone (:func:`~sftpack.multimodal._video.fit_size` of one frame); with
+        ``cap_pixels_per_frame`` the upper limit at most the clip's share of 90 % of
+        ``max_video_tokens``' pixels (at least ``1.05 x`` the lower)."""
+        lo, hi = limits
+        if sampling.cap_pixels_per_frame:
+            budget = int(sampling.max_video_tokens * factor * factor * 0.9)
+            hi = max(min(hi, budget * temporal // frames), int(lo * 1.05))
+        return fit_size(height, width, 1, 1, (lo, hi), factor)
+
+
 class Qwen2VL(Family):
     """Qwen2-VL (see the module text)."""
 
@@ -163,6 +248,9 @@ class Qwen2VL(Family):
         "CLIP processor"
     )
     media_class: ClassVar[type[PatchMedia]] = PatchMedia
+    stored_format: ClassVar[str] = QWEN2VL_STORED_FORMAT
+    #: how a video file is sampled and a clip sized (``VideoSampling.rule`` ``"qwen2_vl"`` names it)
+    video_rule: ClassVar[VideoRule] = Qwen2VLVideoRule()
     model_class: ClassVar[str] = "Qwen2VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen2VLRMSNorm",)
 
@@ -213,11 +301,67 @@ class Qwen2VL(Family):
         limits; :func:`~sftpack.multimodal._video.video_processor_for`)."""
         return video_processor_for(processor, self.video_sampling)
 
+    # ------------------------------------------------------ stored media
+    def check_stored(self, processor: ImageProcessor) -> None:
+        """A prepack stores each item's resized uint8 pixels and remakes the patches as
+        transformers' ``Qwen2VLImageProcessorPil`` does: ``processor`` must be that one
+        (:func:`~sftpack.multimodal.reproduces`).
+
+        Raises:
+            ValueError: another processor, naming it and the fix."""
+        if not reproduces(processor):
+            raise ValueError(
+                f"a prepack with images stores each image's resized uint8 pixels and re-makes the patches the way "
+                f"transformers' Qwen2VLImageProcessorPil does, which {type(processor).__name__} with these settings "
+                f"(family {self.name!r}) does not reproduce exactly: pass sftpack.multimodal.family_for()."
+                "image_processor(), or a transformers.Qwen2VLImageProcessorPil(min_pixels=..., max_pixels=...) that "
+                "resizes, rescales, normalises and converts to RGB"
+            )
+
+    def stored_processor(self, processor: ImageProcessor, merge_size: int | None = None) -> dict[str, Any]:
+        """The tower's merge window and the settings of the image processor and of the video
+        processor (:meth:`video_processor`) that remake the patches
+        (:func:`~sftpack.multimodal.processor_settings`)."""
+        merge = merge_size if merge_size is not None else cast(PatchProcessor, processor).merge_size
+        return {
+            "merge_size": int(merge),
+            "processor": processor_settings(processor),
+            "video_processor": processor_settings(self.video_processor(processor)),
+        }
+
+    def stored_processors(self, entry: dict[str, Any]) -> tuple[ImageProcessor, ImageProcessor]:
+        """The ``Qwen2VLImageProcessorPil`` of the entry's ``processor`` settings and the one of
+        its ``video_processor`` settings (:func:`~sftpack.multimodal.processor_from_settings`),
+        each checked to have them.
+
+        Raises:
+            ValueError: the installed transformers makes a processor of other settings."""
+        want = entry["processor"]
+        image = processor_from_settings(want)
+        have = processor_settings(image)
+        diff = sorted(k for k in want if want[k] != have.get(k))
+        if diff:
+            raise ValueError(
+                "its images were stored for an image processor with "
+                f"{', '.join(f'{k}={want[k]!r}' for k in diff)}, the installed one has "
+                f"{', '.join(f'{k}={have.get(k)!r}' for k in diff)}: the patches would differ; install the "
+                "transformers version it was written with, or prepack again"
+            )
+        # the videos' frames normalised as the model folder's video settings say (its mean and std)
+        settings = entry.get("video_processor", want)
+        video = processor_from_settings(settings)
+        if processor_settings(video) != settings:
+            raise ValueError(
+                f"its videos were stored for a video processor with settings {settings}, the installed one reads "
+                "them otherwise: install the transformers version it was written with, or prepack again"
+            )
+        return image, video
+
     def _default_tokenizer(self) -> Any:
         return qwen2vl_tokenizer()
 
     def _default_image_processor(self) -> Any:
-        return image_processor()
+        return qwen2vl_image_processor()
 
     def check(self, tokenizer: Any, processor: ImageProcessor) -> None:
         """The base's checks, and the video settings' patch sizes must be ``processor``'s (a

@@ -28,7 +28,7 @@ For images Qwen3-VL is Qwen2-VL's family with three differences, each handled he
 and tested against their own code):
 
 - a video file is sampled at 2 fps by default (the part's ``fps`` wins) by
-  ``Qwen3VLVideoProcessor.sample_frames``' rule (:func:`~sftpack.multimodal._video.linspace_indices`:
+  ``Qwen3VLVideoProcessor.sample_frames``' rule (:func:`linspace_indices`:
   ``int(frames / file_fps * fps)`` frames clamped to 4 ... 768 and the clip, spread over the whole
   clip); a list of frames is kept whole (the processor with ``do_sample_frames=False``), taken at
   the part's ``fps`` (24 when none: the processor's fallback). Frames are resized, padded to a
@@ -36,13 +36,13 @@ and tested against their own code):
   With a model folder (:meth:`Qwen3VL.video_settings`: its ``video_preprocessor_config.json``, else
   its ``preprocessor_config.json``, else ``Qwen3VLVideoProcessor``'s defaults key by key) they are
   sized by ``Qwen3VLVideoProcessor``'s rule: its ``size`` bounds the whole clip, ``t x h x w``
-  (:func:`~sftpack.multimodal._video.frame_size`; a clip needs 2 frames), and normalised by its
+  (:class:`Qwen3VLVideoRule`; a clip needs 2 frames), and normalised by its
   mean and std (0.5); without a folder each frame is sized by the image processor's limits;
 - the text: the chat template's ``<|vision_start|><|video_pad|><|vision_end|>`` keeps its outer
   tokens and its placeholder becomes, per temporal slice (two frames),
   ``<{t:.1f} seconds><|vision_start|><|video_pad|>...<|vision_end|>`` (:meth:`Qwen3VL.media_text`;
   ``t`` the mean time of the slice's first and last frame, ``index / fps``,
-  :func:`~sftpack.multimodal._video.frame_timestamps`), as ``Qwen3VLProcessor.replace_video_token``
+  :func:`frame_timestamps`), as ``Qwen3VLProcessor.replace_video_token``
   writes it; the timestamps are plain text;
 - each temporal slice is its own item of the sample's
   :class:`~sftpack.handoff.payload.PatchMedia` (grid ``(1, h, w)``, its own placeholder run):
@@ -74,16 +74,24 @@ from .._images import _pil_processor_class
 from .._video import (
     DEFAULT_FPS,
     EncodedVideos,
+    VideoRule,
     VideoSampling,
     _fps,
     encode_videos,
-    frame_timestamps,
+    fit_size,
     sample_indices,
     video_header,
 )
 from .qwen2_vl import VIDEO_PAD, VISION_END, VISION_START, Qwen2VL
 
-__all__ = ["Qwen3VL", "TimedVideos", "qwen3vl_image_processor"]
+__all__ = [
+    "Qwen3VL",
+    "Qwen3VLVideoRule",
+    "TimedVideos",
+    "frame_timestamps",
+    "linspace_indices",
+    "qwen3vl_image_processor",
+]
 
 #: Qwen3-VL's image processor settings (its ``preprocessor_config.json``), beside the pixel limits.
 PATCH, TEMPORAL, MERGE = 16, 2, 2
@@ -143,6 +151,71 @@ class TimedVideos(EncodedVideos):
         )
 
 
+def linspace_indices(total: int, file_fps: float, fps: float, sampling: VideoSampling) -> np.ndarray:
+    """The frames of a ``total``-frame file at ``file_fps`` kept when sampling at ``fps`` by
+    ``Qwen3VLVideoProcessor.sample_frames``' rule (transformers 5.24): ``n = int(total / file_fps
+    * fps)`` clamped to ``[min_frames, min(max_frames, total)]`` (any count: an odd one is padded
+    later), spread evenly over the whole clip, first and last frame included
+    (``linspace(0, total - 1, n)`` rounded half to even)."""
+    n = min(max(int(total / file_fps * fps), sampling.min_frames), sampling.max_frames, total)
+    out: np.ndarray = np.linspace(0, total - 1, n).round().astype(np.int64)
+    return out
+
+
+def frame_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
+    """Seconds of each temporal slice of a video whose kept frames are ``indices`` of a clip at
+    ``fps`` (``Qwen3VLProcessor._calculate_timestamps``' rule): the indices padded to a multiple
+    of ``temporal_patch`` by repeating the last, each slice the mean of its first and last frame's
+    time (``index / fps``)."""
+    idx = [int(i) for i in indices]
+    idx += idx[-1:] * (-len(idx) % temporal_patch)
+    sec = [i / fps for i in idx]
+    return [(sec[k] + sec[k + temporal_patch - 1]) / 2 for k in range(0, len(sec), temporal_patch)]
+
+
+class Qwen3VLVideoRule(VideoRule):
+    """``Qwen3VLVideoProcessor``'s rule (transformers 5.24, re-implemented and tested against its
+    own code): a file sampled over the whole clip (:func:`linspace_indices`); the pixel limits
+    bound the whole clip. Its ``size`` alone gives them (``min_pixels`` / ``max_pixels`` are not read)."""
+
+    def indices(
+        self, total: int, file_fps: float, fps: float, temporal_patch: int, sampling: VideoSampling
+    ) -> np.ndarray:
+        return linspace_indices(total, file_fps, fps, sampling)
+
+    def frame_size(
+        self,
+        frames: int,
+        height: int,
+        width: int,
+        limits: tuple[int, int],
+        sampling: VideoSampling,
+        factor: int,
+        temporal: int,
+    ) -> tuple[int, int]:
+        """The limits bound the whole clip, ``t x h x w`` with ``t`` the frame count rounded to a
+        multiple of ``temporal``, so more frames get smaller frames; a side under ``factor`` is
+        first scaled up to it. With ``cap_pixels_per_frame`` the upper limit is ``frames`` times a
+        frame's share (of ``max_video_tokens``' pixels, at most ``max / frames``, at least
+        ``1.05 x`` the lower limit).
+
+        Raises:
+            ValueError: a clip of fewer frames than ``temporal`` (the processor refuses it).
+        """
+        lo, hi = limits
+        if sampling.cap_pixels_per_frame:
+            per_frame = max(min(sampling.max_video_tokens * factor * factor, hi // frames), int(lo * 1.05))
+            hi = per_frame * frames
+        if frames < temporal:
+            raise ValueError(
+                f"{frames} frame(s): Qwen3-VL's video processor sizes a clip of at least {temporal} frames"
+            )
+        if height < factor or width < factor:
+            up = max(factor / height, factor / width)
+            height, width = int(height * up), int(width * up)
+        return fit_size(height, width, frames, round(frames / temporal) * temporal, (lo, hi), factor)
+
+
 class Qwen3VL(Qwen2VL):
     """Qwen3-VL (see the module text). ``patch_size``, ``temporal_patch_size`` and ``merge_size``:
     the model's (from its config's ``vision_config`` by :meth:`from_config`), which the image
@@ -152,6 +225,8 @@ class Qwen3VL(Qwen2VL):
     model_types: ClassVar[tuple[str, ...]] = ("qwen3_vl",)
     model_class: ClassVar[str] = "Qwen3VLForConditionalGeneration"
     norm_classes: ClassVar[tuple[str, ...] | None] = ("Qwen3VLTextRMSNorm",)
+    #: how a video file is sampled and a clip sized (``VideoSampling.rule`` ``"qwen3_vl"`` names it)
+    video_rule: ClassVar[VideoRule] = Qwen3VLVideoRule()
     #: ``Qwen3VLVideoProcessor``'s class defaults (transformers 5.24): files sampled at 2 fps by its
     #: rule, the clip's ``t x h x w`` within 128 x 32 x 32 ... 32 x 32 x 768 pixels, mean and std 0.5
     video_defaults: ClassVar[VideoSampling] = VideoSampling(
