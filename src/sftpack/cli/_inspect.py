@@ -337,9 +337,9 @@ def decode_tokenizer(ds: PrepackedDataset, model: str | None = None, tokenizer: 
 
 
 def _family_tokenizer(ds: PrepackedDataset, model: str | None, folder: str | None) -> Any:
-    from ..multimodal import UnsupportedModelError, family_for  # start-up: multimodal loads torch
+    from ..multimodal import DEFAULT_FAMILY, UnsupportedModelError, family_for  # start-up: multimodal loads torch
 
-    family = (ds.manifest.get("media") or {}).get("family", "qwen2_vl")
+    family = (ds.manifest.get("media") or {}).get("family", DEFAULT_FAMILY)
     try:
         return family_for(model if model is not None else family).tokenizer(folder)
     except UnsupportedModelError as e:
