@@ -68,7 +68,7 @@ def fill_table(samples: list, max_seq_len: int, max_patches: int, pad_multiple: 
     patches = np.array([s.num_patches for s in samples], dtype=np.int64)
     vision = np.array([0 if s.media is None else s.media.num_placeholders for s in samples], dtype=np.int64)
     rows = compare_media_layouts(
-        lengths, patches, vision, max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple
+        lengths, patches, vision, max_seq_len, max_patches_per_row=max_patches, cost_multiple=pad_multiple
     )
     return [
         {

@@ -160,6 +160,43 @@ def test_plan_microbatches_max_patches_per_microbatch():
     assert np.array_equal(got.patches, want.patches) and int(want.patches.max()) <= 20 and want.num_microbatches == 2
 
 
+def test_plan_rows_max_patches():
+    from sftpack.multimodal import plan_rows
+
+    kw = {"max_seq_len": 32, "pad_multiple": 4}
+    want = _new(lambda: plan_rows([8, 8, 8], [16, 16, 4], max_patches_per_row=20, **kw))
+    got = _old(lambda: plan_rows([8, 8, 8], [16, 16, 4], max_patches=20, **kw), "max_patches", "max_patches_per_row")
+    assert [r.tolist() for r in got] == [r.tolist() for r in want] and len(want) == 2  # the budget splits the row
+    assert len(plan_rows([8, 8, 8], [16, 16, 4], **kw)) == 1
+
+
+def test_compare_media_layouts_max_patches():
+    from sftpack.report.savings import compare_media_layouts
+
+    args = ([5, 10, 3, 8, 6], [1, 3, 0, 2, 2], [1, 3, 0, 2, 2], 16)
+    want = _new(lambda: compare_media_layouts(*args, max_patches_per_row=3, algorithms=["ffd"]))
+    got = _old(
+        lambda: compare_media_layouts(*args, max_patches=3, algorithms=["ffd"]), "max_patches", "max_patches_per_row"
+    )
+    key = [(r.layout, r.patch_budget, r.rows, r.patches_max, r.over_budget) for r in want]
+    assert [(r.layout, r.patch_budget, r.rows, r.patches_max, r.over_budget) for r in got] == key
+    assert key[1] == ("ffd", 3, 3, 3, 0)
+
+
+def test_patch_budget_error_max_patches_attribute():
+    from types import SimpleNamespace
+
+    from sftpack.multimodal import PatchBudgetError, check_patch_budget
+
+    with pytest.raises(PatchBudgetError, match="more than max_patches_per_row=8") as e:
+        check_patch_budget([SimpleNamespace(num_patches=9, conversation_id="c")], 8, "error")
+    assert e.value.max_patches_per_row == 8
+    with pytest.warns(
+        DeprecationWarning, match=r"PatchBudgetError: \.max_patches is deprecated.*\.max_patches_per_row"
+    ):
+        assert e.value.max_patches == 8
+
+
 def test_trainer_source_max_patches():
     samples = samples_from_lengths([5, 10, 3, 8])
     draw = {"micro_batch_tokens": 64, "batch_size": 4, "seed": 0}

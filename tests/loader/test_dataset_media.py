@@ -173,7 +173,9 @@ def test_the_patch_budget_holds_and_bites(renumbered):
     assert over >= 1 and small.stats.dropped_by == {"over_patch_budget": over} and small.stats.dropped == over
     assert small.stats.samples_in == small.stats.samples_packed + over
     assert sum(len(r.sequence_ids) for r in kept) == len(patches) - over
-    with pytest.raises(ValueError, match=r"vision patches, more than max_patches=60.*raise max_patches"):
+    with pytest.raises(
+        ValueError, match=r"vision patches, more than max_patches_per_row=60.*raise max_patches_per_row"
+    ):
         list(PackingDataset(renumbered.samples, **_kw(renumbered, max_patches_per_row=60, overlong="error")))
 
 

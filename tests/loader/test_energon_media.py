@@ -325,7 +325,7 @@ def test_overlong_is_refused_by_name_unless_dropped(damaged):
     path, _ = damaged
     with pytest.raises(OverlongError, match=r"Energon sample '000005' .* has 126 tokens .* cannot split it"):
         list(_loader(path, 0, max_seq_len=124, on_bad_row="skip"))
-    with pytest.raises(OverlongError, match=r"vision patches, more than max_patches=40"):
+    with pytest.raises(OverlongError, match=r"vision patches, more than max_patches_per_row=40"):
         list(_loader(path, 0, max_patches_per_row=40, on_bad_row="skip", overlong="error"))
 
 

@@ -34,7 +34,7 @@ def _labels(s):
 
 def test_packed_training_steps_equal_one_sample_at_a_time(renumbered):
     items = renumbered.samples
-    rows = plan_rows([len(s) for s in items], [s.num_patches for s in items], max_seq_len=288, max_patches=400)
+    rows = plan_rows([len(s) for s in items], [s.num_patches for s in items], max_seq_len=288, max_patches_per_row=400)
     assert len(rows) >= 2
     run = PackedBatch.concat(
         [PackedBatch.from_samples([items[i] for i in r], row_width=288, pad_id=renumbered.pad_id) for r in rows]

@@ -307,7 +307,7 @@ def test_video_counts_in_both_budgets(family_samples):
     lengths = [len(s) for s in samples]
     patches = [s.num_patches for s in samples]
     assert patches[0] == 64 and patches[2] == 24 + 48
-    rows = plan_rows(lengths, patches, max_seq_len=200, max_patches=100)
+    rows = plan_rows(lengths, patches, max_seq_len=200, max_patches_per_row=100)
     for r in rows:
         assert sum(patches[i] for i in r) <= 100 and sum(lengths[i] for i in r) <= 200
     assert sorted(i for r in rows for i in r) == list(range(len(samples))) and len(rows) >= 3

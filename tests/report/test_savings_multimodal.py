@@ -14,7 +14,7 @@ def test_each_packer_with_and_without_the_patch_budget():
     vision = rng.integers(16, 300, size=400)
     lengths = vision + rng.integers(10, 120, size=400)
     patches = 4 * vision  # Qwen2-VL: 4 patches per placeholder token after the 2x2 merge
-    rows = compare_media_layouts(lengths, patches, vision, 1024, max_patches=2048, cost_multiple=4)
+    rows = compare_media_layouts(lengths, patches, vision, 1024, max_patches_per_row=2048, cost_multiple=4)
     assert [(r.layout, r.patch_budget) for r in rows] == [
         *((a.value, b) for a in Algorithm for b in (None, 2048)),
         ("one per row", None),

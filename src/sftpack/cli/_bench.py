@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument(
         "--max-patches-per-row",
         "--max-patches",
-        dest="max_patches",
+        dest="max_patches_per_row",
         type=positive,
         help="data with images: vision patches per row for the patch budget (default 2 x --max-seq-len)",
     )
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--split picks the split of a saved DatasetDict among the PATHS: give PATHS")
     if args.corpus == "vqa" or (args.paths and has_images(args.paths, split=args.split)):
         return _run_images(args)
-    if args.max_patches is not None:
+    if args.max_patches_per_row is not None:
         raise UsageError(
             "--max-patches-per-row is the vision-patch budget of --corpus vqa or data with image parts; text rows "
             "have no patches"
@@ -173,7 +173,7 @@ def _run_images(args: argparse.Namespace) -> int:
         raise UsageError(f"--num-proc: not offered with {what} (tokenized and its images processed in this process)")
     # a folder of an unsupported model type: one line, before any work; loaded once, used by bench_media
     family, tok, processor = vlm_setup(args.model, None, args.family)
-    max_patches = args.max_patches if args.max_patches is not None else 2 * args.max_seq_len
+    max_patches = args.max_patches_per_row if args.max_patches_per_row is not None else 2 * args.max_seq_len
     read_stats = None
     conversations: Iterable[Any]
     if args.paths:
@@ -192,7 +192,7 @@ def _run_images(args: argparse.Namespace) -> int:
         conversations,
         source=source,
         **_settings(args),
-        max_patches=max_patches,
+        max_patches_per_row=max_patches,
         progress=True,
         family=family,
         tokenizer=tok,

@@ -345,7 +345,7 @@ def _run_images(args: argparse.Namespace, pad_multiple: int) -> int:
         result = prepack(conversations, args.out, options=options, fingerprint=extra, **mine)
     except PatchBudgetError as e:  # the library names its arguments; say it in the command's flags
         raise ValueError(
-            f"{e.who} has {e.patches:,} vision patches, more than --max-patches-per-row {e.max_patches:,}: no row "
+            f"{e.who} has {e.patches:,} vision patches, more than --max-patches-per-row {e.max_patches_per_row:,}: no row "
             f"can hold it; raise --max-patches-per-row, or pass --overlong drop (or split) to drop it and count "
             f"it as {OVER_PATCH_BUDGET}"
         ) from None

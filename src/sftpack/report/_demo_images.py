@@ -142,7 +142,7 @@ def media_section(checks: dict[str, bool], summary: MediaSummary, *, seed: int, 
     # (what the vision tower runs on).
     width, budget = cfg["max_seq_len"], cfg["max_patches"]
     free = pack(lengths, width, "ffd")
-    rows = plan_rows(lengths, patches, max_seq_len=width, max_patches=budget)
+    rows = plan_rows(lengths, patches, max_seq_len=width, max_patches_per_row=budget)
     built = [
         PackedBatch.from_samples([samples[i] for i in r], max_seq_len=width, pad_id=PAD_ID).validate() for r in rows
     ]

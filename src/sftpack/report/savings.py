@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._base import renamed
 from .._types import Tokenizer
 from ..binpack import PLAIN_MAX_ITEMS, Algorithm, lower_bounds, pack, packing_stats
 from ..chat import ReadStats, TokenizeStats, tokenize_conversations
@@ -206,7 +207,7 @@ class MediaLayoutRow:
     vision: float  #: vision placeholder tokens / row slots
     patches_mean: float  #: vision patches per row, mean
     patches_max: int  #: vision patches of the heaviest row
-    over_budget: int  #: rows over ``max_patches`` (what the vision tower would have to take)
+    over_budget: int  #: rows over ``max_patches_per_row`` (what the vision tower would have to take)
     seconds: float | None = None  #: packing time, kernels loaded (None for the unpacked layout)
     load_seconds: float | None = None  #: the packer's first call (:data:`WARM` samples): loading its numba kernels
 
@@ -217,21 +218,29 @@ def compare_media_layouts(
     vision_tokens: Sequence[int] | np.ndarray,
     capacity: int,
     *,
-    max_patches: int,
+    max_patches_per_row: int | None = None,
     algorithms: Sequence[str] = tuple(Algorithm),
     cost_multiple: int = 1,
     seed: int = 0,
+    max_patches: int | None = None,
 ) -> list[MediaLayoutRow]:
-    """Each packer without and with the patch budget ``max_patches``, then one sample per row.
+    """Each packer without and with the patch budget ``max_patches_per_row``, then one sample per row
+    (``max_patches``: its old spelling, one release with a ``DeprecationWarning``).
 
     ``lengths``: sample lengths (vision placeholders included); ``patches``: each sample's
     vision patches (the second budget's weights); ``vision_tokens``: its placeholder tokens.
 
     >>> rows = compare_media_layouts([5, 10, 3, 8, 6], [1, 3, 0, 2, 2], [1, 3, 0, 2, 2], 16,
-    ...                                   max_patches=3, algorithms=["ffd"])
+    ...                                   max_patches_per_row=3, algorithms=["ffd"])
     >>> [(r.layout, r.patch_budget, r.rows, r.patches_max, r.over_budget) for r in rows]
     [('ffd', None, 2, 5, 1), ('ffd', 3, 3, 3, 0), ('one per row', None, 5, 3, 0)]
     """
+    budget_given = renamed(
+        "compare_media_layouts", "max_patches_per_row", max_patches_per_row, "max_patches", max_patches
+    )
+    if budget_given is None:
+        raise TypeError("compare_media_layouts: give max_patches_per_row (the patch budget of a row)")
+    max_patches_per_row = budget_given
     ln = np.asarray(lengths, dtype=np.int64)
     pt = np.asarray(patches, dtype=np.int64)
     vt = np.asarray(vision_tokens, dtype=np.int64)
@@ -250,14 +259,14 @@ def compare_media_layouts(
             vision / slots if slots else 0.0,
             float(per_row.mean()) if len(per_row) else 0.0,
             int(per_row.max()) if len(per_row) else 0,
-            int((per_row > max_patches).sum()),
+            int((per_row > max_patches_per_row).sum()),
             dt,
             load,
         )
 
     out = []
     for name in algorithms:
-        for budget in (None, max_patches):
+        for budget in (None, max_patches_per_row):
             two: dict[str, Any] = {} if budget is None else {"weights": pt[:WARM], "max_weight_per_bin": budget}
             t0 = time.perf_counter()
             pack(ln[:WARM], capacity, name, cost_multiple=cost_multiple, seed=seed, **two)  # kernels' first call
@@ -324,7 +333,7 @@ def bench_media(
     *,
     source: str,
     max_seq_len: int,
-    max_patches: int,
+    max_patches_per_row: int | None = None,
     pad_multiple: int = 1,
     overlong: str = "split",
     on_bad_row: str = "error",
@@ -333,13 +342,19 @@ def bench_media(
     family: Any = None,
     tokenizer: Any = None,
     processor: Any = None,
+    max_patches: int | None = None,
 ) -> MediaBenchReport:
     """Tokenize multimodal ``conversations`` for a vision-language ``family`` (a
     :func:`sftpack.multimodal.family_for` spec, e.g. a configured family; default Qwen2-VL) with
     ``tokenizer`` and ``processor`` (a model folder's, loaded once by the caller; ``None``: the
     family's: images to patches, placeholders expanded; over-long ones split at text boundaries)
-    and compare the packers' layouts with and without ``max_patches`` vision patches per row
-    (``progress``: a tqdm bar over the conversations, for the CLI)."""
+    and compare the packers' layouts with and without ``max_patches_per_row`` vision patches per row
+    (``progress``: a tqdm bar over the conversations, for the CLI; ``max_patches``: the old
+    spelling of ``max_patches_per_row``, one release with a ``DeprecationWarning``)."""
+    budget_given = renamed("bench_media", "max_patches_per_row", max_patches_per_row, "max_patches", max_patches)
+    if budget_given is None:
+        raise TypeError("bench_media: give max_patches_per_row (the patch budget of a row)")
+    max_patches_per_row = budget_given
     from .._progress import Bar  # start-up: `sftpack bench` loads no tqdm without a bar
     from ..multimodal import (  # start-up: multimodal loads torch; text benches do not
         MediaTokenizeStats,
@@ -366,13 +381,13 @@ def bench_media(
         for s in samples:
             sizes.append((len(s), s.num_patches, 0 if s.media is None else s.media.num_placeholders))
             bar.update(stats.read - bar.n)
-            if s.num_patches > max_patches:
+            if s.num_patches > max_patches_per_row:
                 heavy.append((s.num_patches, str(s.conversation_id)))
     dt = time.perf_counter() - t0
     if heavy:
         most, first = max(heavy)[0], heavy[0]
         raise ValueError(
-            f"{len(heavy):,} sample(s) have more vision patches than the patch budget {max_patches:,}, so no row "
+            f"{len(heavy):,} sample(s) have more vision patches than the patch budget {max_patches_per_row:,}, so no row "
             f"can hold them (the first: conversation {first[1]}, {first[0]:,} patches): raise the patch budget "
             f"to at least {most:,}, or use smaller images"
         )
@@ -380,6 +395,12 @@ def bench_media(
     layouts: list[MediaLayoutRow] = []
     if len(arr):
         layouts = compare_media_layouts(
-            arr[:, 0], arr[:, 1], arr[:, 2], max_seq_len, max_patches=max_patches, cost_multiple=pad_multiple, seed=seed
+            arr[:, 0],
+            arr[:, 1],
+            arr[:, 2],
+            max_seq_len,
+            max_patches_per_row=max_patches_per_row,
+            cost_multiple=pad_multiple,
+            seed=seed,
         )
     return MediaBenchReport(source, stats, arr[:, 0], arr[:, 1], arr[:, 2], dt, layouts)
