@@ -273,7 +273,7 @@ def save_hybrid_folder(kind: str, root: str, *, seed: int = 0, tokenizer: Any = 
     """A user's model folder of the hybrid family ``kind``, written by ``save_pretrained`` from
     :func:`hybrid_config` (seeded weights), with ``tokenizer`` (default
     :func:`tiny_chat_tokenizer`) beside it; returns ``root``."""
-    import torch
+    import torch  # start-up: sftpack.testing loads no torch (tests/test_architecture.py)
 
     hf = _optional.transformers()
     tok = tokenizer if tokenizer is not None else tiny_chat_tokenizer("chatml")

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._base import LazyChoices
-from ..loop import ConfigError
+from ..loop import ConfigError, RunConfig
 from ..loop import inputs as _inputs
 from ..loop.inputs import counts_text, has_images, render_read_stats
 
@@ -230,8 +230,6 @@ def _usage(e: ConfigError) -> UsageError:
 def flag_of(name: str) -> str:
     """The flag of the run setting ``name`` (a field of a :class:`~sftpack.loop.RunConfig` part):
     its metadata's ``"flag"``, else ``--`` and the name with dashes (:func:`add_settings`)."""
-    from ..loop import RunConfig
-
     for part in RunConfig.parts().values():
         for f in dataclasses.fields(part):
             if f.name == name:

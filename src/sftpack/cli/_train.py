@@ -18,21 +18,19 @@ The command is parse -> :class:`~sftpack.loop.RunConfig` -> build -> run -> repo
 flags are the config's settings (:mod:`._train_options`), every rule between them is
 checked by the config (its :class:`~sftpack.loop.ConfigError` shown in flag
 spelling, exit 2), and the run (:class:`~sftpack.loop._run.Run`) says its lines through
-``print``. The loop loads torch, so it is imported when the command runs: ``sftpack
---help`` and the other commands build this parser without paying for it.
+``print``. The loop's settings and ``Run`` load no torch; the loop imports torch when the
+command runs, so ``sftpack --help`` and the other commands build this parser without paying for it.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from ..loop import RunConfig
 from ._common import Terminated, sigterm_deferred, usage_errors
 from ._train_options import add_arguments
-
-if TYPE_CHECKING:
-    from ..loop import RunConfig
 
 #: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
 #: :func:`run` (``benchmarks/bench_startup.py`` reads it; nothing is printed)
@@ -59,8 +57,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The run the flags give: each flag is the setting of its name (``--clip-norm 0``: off;
     neither ``--steps`` nor ``--epochs``: the command's default, :meth:`~sftpack.loop.RunConfig.from_flags`)."""
-    from ..loop import RunConfig
-
     with usage_errors():
         return RunConfig.from_flags(vars(args))
 

@@ -3,14 +3,15 @@
 Every option but INPUT is a setting of :class:`~sftpack.loop.RunConfig`'s parts (the run's
 input, data, model, training and output settings), declared there once, each on its field
 (:func:`~._common.add_settings` reads them); here they are only put in the order and groups
-``--help`` shows. :func:`add_arguments` imports the loop's settings (no torch), so the command
-adds them when it is first used (:class:`sftpack.cli._Parser`).
+``--help`` shows. The loop's settings load no torch (:mod:`sftpack.loop` loads its names lazily);
+the command adds its options when it is first used (:class:`sftpack.cli._Parser`).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from ..loop import DataSettings, InputSettings, ModelSettings, OutputSettings, TrainConfig
 from ._common import INPUTS_HELP, add_settings
 
 __all__ = ["add_arguments"]
@@ -18,8 +19,6 @@ __all__ = ["add_arguments"]
 
 def add_arguments(t: argparse.ArgumentParser) -> None:
     """Every option of ``sftpack train`` on its parser ``t``."""
-    from ..loop import DataSettings, InputSettings, ModelSettings, OutputSettings, TrainConfig
-
     t.add_argument(
         "inputs", nargs="*", metavar="INPUT", help=f"chat files: {INPUTS_HELP} (default: the embedded corpus)"
     )

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 __all__ = ["decoder_layers", "ensure_group", "full_state", "load_state", "local", "optimizer_state", "shard"]
 
@@ -61,8 +62,7 @@ def decoder_layers(model: Any) -> list[nn.Module]:
 def shard(module: nn.Module, model: Any, device: torch.device) -> None:
     """Shard ``model``'s decoder layers and then ``module`` (the loss module holding
     ``model``: the root unit) over the default group's ranks, in place."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import fully_shard  # start-up: ~1 s (600 modules), only for --fsdp
 
     if getattr(module, "counts_images", False):
         raise ValueError(
@@ -81,7 +81,7 @@ def local(t: Any) -> torch.Tensor:
 
 
 def _options(rank0_only: bool) -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.checkpoint.state_dict import StateDictOptions  # start-up: loads FSDP (~1 s), only for --fsdp
 
     return StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
 
@@ -89,7 +89,7 @@ def _options(rank0_only: bool) -> Any:
 def full_state(model: Any, *, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The full state dict of a sharded ``model`` (every rank calls it): on rank 0 (and
     on CPU) with ``rank0_only``, else on every rank; other ranks get ``{}``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict  # start-up: loads FSDP (~1 s)
 
     state: dict[str, torch.Tensor] = dict(get_model_state_dict(model, options=_options(rank0_only)))  # type: ignore[arg-type]
     return state
@@ -98,7 +98,7 @@ def full_state(model: Any, *, rank0_only: bool = True) -> dict[str, torch.Tensor
 def optimizer_state(model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
     """The full optimizer state of a sharded ``model`` on rank 0 (every rank calls it),
     keyed by parameter index like ``opt.state_dict()`` (``{}`` on other ranks)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # start-up: loads FSDP (~1 s)
 
     osd: dict[str, Any] = dict(get_optimizer_state_dict(model, opt, options=_options(True)))
     if not osd:
@@ -113,7 +113,10 @@ def optimizer_state(model: Any, opt: torch.optim.Optimizer) -> dict[str, Any]:
 def load_state(model: Any, opt: torch.optim.Optimizer | None, model_state: dict, opt_state: dict | None) -> None:
     """Load a full model state (and a full optimizer state keyed by index) into the
     sharded ``model`` and its optimizer: each rank keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import (  # start-up: loads FSDP (~1 s), only for --fsdp
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
 
     opts = _options(False)
     set_model_state_dict(model, model_state, options=opts)

@@ -43,8 +43,11 @@ batch runs the model's own path; then the same head and loss.
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -56,6 +59,7 @@ from ..head import fused_linear_cross_entropy
 from ..hybrid import keep_apart
 from ..sample import IGNORE_INDEX
 from ._llama import SmallLlamaConfig, build_small_llama
+from ._options import Packing
 
 __all__ = [
     "TRAIN_ATTENTION",
@@ -183,9 +187,6 @@ def load_model(
 def _has_experts(path: str) -> bool:
     """Whether the folder's config names routed experts: their default kernel (``torch._grouped_mm``)
     takes no float64, so a float64 model runs them by transformers' own per-expert loop (``eager``)."""
-    import json
-    import os
-
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             cfg = json.load(f)
@@ -202,14 +203,12 @@ def require_exact(model: Any, config: Any) -> PackingProbe | None:
     packed path, its layers that carry state kept apart (:func:`sftpack.hybrid.keep_apart`), then
     :func:`sftpack.exactness.require_exact_packing` (a vision-language model through
     its family), in the run's boundary mode and padding multiple; padded training needs none."""
-    from ._options import Packing
-
     if config.packing is Packing.NONE:
         return None
     keep_apart(model)  # a Hugging Face hybrid model built or loaded by the caller: its state layers too
     family = None
     if getattr(getattr(model, "config", None), "vision_config", None) is not None:
-        from ..multimodal import family_for
+        from ..multimodal import family_for  # start-up: multimodal (~0.2 s) only for a vision-language model
 
         family = family_for(model)
     return require_exact_packing(
@@ -245,8 +244,6 @@ def build_media_model(
     each of the model's ids, sorted: :func:`~sftpack.loop.compact_vocabulary` kept
     :func:`media_token_ids`), over those ids plus one unused last id (what a config names
     without a token here, e.g. Qwen2-VL's video placeholder, defaults to it)."""
-    import numpy as np
-
     ids = media_token_ids(family, tokenizer)
     size: dict[str, Any] = {}
     if vocab is not None:
@@ -300,7 +297,7 @@ class LossModule(nn.Module):
     def family(self) -> Any:
         """The model's vision-language family (:func:`sftpack.multimodal.family_for`), found once."""
         if self._family is None:
-            from ..multimodal import family_for
+            from ..multimodal import family_for  # start-up: multimodal (~0.2 s) only for a vision-language model
 
             self._family = family_for(self.model)
         return self._family

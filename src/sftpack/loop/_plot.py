@@ -39,7 +39,7 @@ def plot_training(
         ax_speed.plot(steps, [r["tokens_per_s"] for r in recs], label=name, linewidth=1.5)
     ax_loss.set(xlabel="step", ylabel="token-mean loss", title="loss")
     ax_speed.set(xlabel="step", ylabel="real tokens / s", title="throughput")
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # optional: matplotlib (the plot extra), after pyplot() checked it
 
     for ax in (ax_loss, ax_speed):
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole: no tick at step 1.5

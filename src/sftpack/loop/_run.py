@@ -104,8 +104,8 @@ class Run:
         cfg = self.config.train
         self.data.begin()  # before torch loads: a process forked now is safe
         self.mark("tokenizer")
-        from ._loop import resolve_device
-        from ._setup import make_source
+        from ._loop import resolve_device  # start-up: torch loads after data.begin() forks the tokenizer's process
+        from ._setup import make_source  # start-up: loads torch, after data.begin()
 
         self.mark("imports")
         try:
@@ -138,8 +138,8 @@ class Run:
     def _join(self) -> None:
         """A fresh run's ``checkpoint_dir`` checked (another run's checkpoints: refused before the
         data is waited for), then ``torch.distributed`` joined; ``say`` says on rank 0 only."""
-        from ._checkpoint import check_new_run
-        from ._loop import init_distributed
+        from ._checkpoint import check_new_run  # start-up: loads torch, after data.begin() forks
+        from ._loop import init_distributed  # start-up: loads torch, after data.begin() forks
 
         out = self.config.output
         if out.checkpoint_dir and not self.config.resume and not out.overwrite_checkpoints:
@@ -149,7 +149,7 @@ class Run:
 
     def _train(self, source: Any, model: Any, held: Any, stop: StopSignal, parts: Sequence[Part]) -> TrainResult:
         """:func:`~sftpack.loop.train` under the run's settings, ``stop`` entered around it."""
-        from ._loop import train
+        from ._loop import train  # start-up: loads torch; `import sftpack.loop._run` (RunConfig.build) must not
 
         out = self.config.output
         self.mark("train")  # start-up is over: from here a stop signal ends the loop at the end of a step
@@ -180,7 +180,7 @@ class Run:
         """The tokenized ``samples`` written as the run's temporary prepack (``settings``:
         :func:`~sftpack.offline.prepack_samples`' others, the images' with them): its path,
         removed when the run ends. Nothing is tokenized here."""
-        from ..offline import prepack_samples
+        from ..offline import prepack_samples  # start-up: the offline path loads torch; only for a temporary prepack
 
         cfg = self.config.train
         self._workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")

@@ -16,9 +16,11 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from ._model_dir import check_model_dir
 from ._options import CLI_STEPS, ConfigError, Packing, TrainConfig
+from ._run import Run
 from ._run_parts import (
     IMAGE_SIDES,
     PARTS,
@@ -28,9 +30,7 @@ from ._run_parts import (
     OutputSettings,
     prepack_manifest,
 )
-
-if TYPE_CHECKING:
-    from ._run import Run
+from .inputs import has_images, read_chat_template
 
 __all__ = ["RunConfig"]
 
@@ -109,8 +109,6 @@ class RunConfig:
     @property
     def images(self) -> bool:
         """Whether the data holds images: ``corpus="vqa"``, or INPUT files with image parts."""
-        from .inputs import has_images
-
         inp = self.input
         return inp.corpus == "vqa" or bool(inp.inputs and has_images(inp.inputs, split=inp.split))
 
@@ -204,8 +202,6 @@ class RunConfig:
         if out.overwrite_model and out.save_model is None:
             raise ConfigError("{overwrite_model} replaces the folder of {save_model} DIR: give {save_model}")
         if out.save_model is not None:  # a path that cannot take the model costs no training
-            from ._model_dir import check_model_dir
-
             try:
                 check_model_dir(out.save_model, overwrite=out.overwrite_model)
             except ValueError as e:
@@ -263,14 +259,10 @@ class RunConfig:
                         f"({{prepacked}} takes it from the prepack) or prepack again with {{{key}}} {given}"
                     )
         elif inp.chat_template is not None:
-            from .inputs import read_chat_template
-
             read_chat_template(inp.chat_template)  # a missing or empty file: one line, before any work
 
     def build(self, say: Callable[[str], None] | None = None, mark: Callable[[str], None] | None = None) -> Run:
         """The run, checked (:meth:`check`): :meth:`Run.run` trains it and returns the
         :class:`~sftpack.loop._loop.TrainResult`. ``say``: each line the run says (on rank 0;
         default: nothing); ``mark``: called with the name of each start-up phase as it ends."""
-        from ._run import Run
-
         return Run(self, images=self.check(), say=say, mark=mark)

@@ -10,12 +10,23 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+import multiprocessing
 import os
 import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from ..chat import (
+    DEFAULT_MAX_SIZE,
+    Pending,
+    default_cache_dir,
+    default_tokenizer_files,
+    read_conversations,
+    source_identity,
+    start_training_samples,
+    tokenizer_info,
+)
 from ._options import ConfigError, Packing
 from ._run_parts import IMAGE_SIDES, VQA_LIMIT, RunState, prepack_manifest
 from .inputs import load_tokenizer, render_read_stats, vlm_setup
@@ -29,7 +40,7 @@ def _model_settings(run: RunState) -> dict[str, Any]:
 
 
 def _dtype(run: RunState) -> Any:
-    import torch
+    import torch  # start-up: loads torch, after begin() forks the tokenizer's process
 
     return getattr(torch, run.config.model.dtype or "float32")
 
@@ -84,16 +95,6 @@ class TextData:
         no other thread), at a lower priority than this one: it loads the tokenizer, reads the
         input, orders it and tokenizes it (``num_proc`` > 1: with its own worker processes); a
         background thread here collects its samples and writes the cache entry."""
-        from ..chat import (
-            DEFAULT_MAX_SIZE,
-            Pending,
-            default_cache_dir,
-            default_tokenizer_files,
-            read_conversations,
-            source_identity,
-            start_training_samples,
-        )
-
         cfg = self.run.config
         inp, data, tok_path = cfg.input, cfg.data, self.tokenizer.path  # the model folder's own, when it has one
         if data.prepacked:
@@ -146,8 +147,7 @@ class TextData:
     def load(self) -> None:
         """What training needs of the tokenizer (from the cache entry, else the tokenizer's process),
         checked against a model folder's vocabulary and a prepack's."""
-        from ..chat import tokenizer_info
-        from ._setup import model_vocab_size
+        from ._setup import model_vocab_size  # start-up: loads torch, after begin() forks the tokenizer's process
 
         run = self.run
         if run.config.train.packing in (Packing.TRAINER, Packing.NONE):
@@ -191,8 +191,8 @@ class TextData:
         return self.model() if self.run.config.data.vocab == "tokenizer" else None
 
     def model(self) -> Any:
-        from ._loop import resolve_device
-        from ._model import build_model, load_model, require_exact
+        from ._loop import resolve_device  # start-up: loads torch, after begin() forks the tokenizer's process
+        from ._model import build_model, load_model, require_exact  # start-up: loads torch
 
         cfg = self.run.config
         if cfg.model.model:
@@ -205,7 +205,7 @@ class TextData:
     def samples(self) -> Any:
         """The training samples: the streaming sink (trainer and padded paths read conversations as
         they come), the tokenized list, or ``None`` (a prepack)."""
-        from ._setup import check_targets, checked_samples, compact_vocabulary
+        from ._setup import check_targets, checked_samples, compact_vocabulary  # start-up: loads torch, after begin()
 
         if self.pending is None:
             return None
@@ -246,7 +246,7 @@ class TextData:
         return samples
 
     def _say_data(self, got: Any) -> None:
-        from ._setup import supervised_targets
+        from ._setup import supervised_targets  # start-up: loads torch, after begin() forks
 
         where = (
             f"read from the cache ({got.entry})"
@@ -272,7 +272,7 @@ class TextData:
 
     def tokenize(self, conversations: Any) -> list[Any]:
         """Eval samples: ``conversations`` tokenized as the training data."""
-        from ._setup import tokenized_samples
+        from ._setup import tokenized_samples  # start-up: loads torch, after begin() forks
 
         cfg = self.run.config
         return tokenized_samples(
@@ -289,7 +289,7 @@ class TextData:
         return {"pad_id": self.pad_id, "tokenizer": self.check_tokenizer}
 
     def model_lines(self, model: Any) -> list[str]:
-        from ..hybrid import covered_layers
+        from ..hybrid import covered_layers  # start-up: loads torch, after begin() forks
 
         run, cfg = self.run, self.run.config.train
         n_params = sum(p.numel() for p in model.parameters())
@@ -329,8 +329,6 @@ class TextData:
 
 def _lower_priority_of_children(niceness: int = 5) -> None:
     """The tokenizer's process yields the CPU to this one (imports, the model, the steps)."""
-    import multiprocessing
-
     for child in multiprocessing.active_children():
         if child.pid is None:
             continue
@@ -358,10 +356,9 @@ class MediaData:
     def load(self) -> None:
         """The run's one tokenization (images processed with it): every path trains on these
         samples, the offline one on a prepack of them."""
-        from ..chat import read_conversations, tokenizer_info
-        from ..multimodal import vqa_corpus
-        from ._model import media_token_ids
-        from ._setup import check_targets, compact_vocabulary
+        from ..multimodal import vqa_corpus  # start-up: multimodal loads torch; only for data with images
+        from ._model import media_token_ids  # start-up: loads torch
+        from ._setup import check_targets, compact_vocabulary  # start-up: loads torch
 
         run, cfg = self.run, self.run.config
         inp = cfg.input
@@ -399,7 +396,7 @@ class MediaData:
         self._samples = samples
 
     def _tokenize(self, conversations: Any) -> tuple[list[Any], Any]:
-        from ._setup import media_samples
+        from ._setup import media_samples  # start-up: loads torch
 
         cfg = self.run.config
         return media_samples(
@@ -421,8 +418,8 @@ class MediaData:
         return self._samples
 
     def model(self) -> Any:
-        from ._loop import resolve_device
-        from ._model import build_media_model, require_exact
+        from ._loop import resolve_device  # start-up: loads torch
+        from ._model import build_media_model, require_exact  # start-up: loads torch
 
         cfg, dtype = self.run.config, _dtype(self.run)
         if cfg.model.model:

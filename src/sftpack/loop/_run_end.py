@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ..chat import read_conversations
 from ._options import ConfigError
+from ._plot import plot_training, read_log
 from ._run_parts import RunState
 
 if TYPE_CHECKING:
@@ -19,8 +21,8 @@ __all__ = ["eval_samples", "report", "save"]
 def eval_samples(run: RunState, samples: Any, tokenize: Callable[[Any], list[Any]]) -> tuple[Any, Any]:
     """``(training samples, eval samples or None)``: ``eval_fraction`` of the conversations held
     out (:func:`~sftpack.loop._eval.split_eval`), or ``eval_file`` tokenized by ``tokenize(conversations)``."""
-    from ._eval import split_eval
-    from ._setup import supervised_targets
+    from ._eval import split_eval  # start-up: loads torch; `import sftpack.loop._run` (RunConfig.build) must not
+    from ._setup import supervised_targets  # start-up: loads torch
 
     cfg, inp = run.config.train, run.config.input
     if cfg.eval_fraction:
@@ -31,8 +33,6 @@ def eval_samples(run: RunState, samples: Any, tokenize: Callable[[Any], list[Any
         what = f"{len({s.conversation_id for s in held}):,} conversations held out"
         never = ", never trained on"
     elif inp.eval_file is not None:
-        from ..chat import read_conversations
-
         try:
             held = tokenize(
                 read_conversations(
@@ -57,12 +57,12 @@ def save(run: RunState, result: TrainResult, note: str | None = None, **tokenize
         return None
     state = None
     if run.config.train.fsdp:  # the sharded weights gathered first: every rank takes part
-        from ._fsdp import full_state
+        from ._fsdp import full_state  # start-up: loads torch
 
         state = full_state(result.model)
     if run.rank != 0:
         return out.save_model
-    from ._export import save_model
+    from ._export import save_model  # start-up: loads torch
 
     try:
         path = save_model(result.model, out.save_model, state=state, overwrite=out.overwrite_model, **tokenizer)
@@ -76,8 +76,6 @@ def save(run: RunState, result: TrainResult, note: str | None = None, **tokenize
 
 def report(run: RunState, result: TrainResult) -> None:
     """The lines after a run (resumed, skipped steps, the losses and speed; the log and the plot)."""
-    from ._plot import plot_training, read_log
-
     cfg, out, say = run.config.train, run.config.output, run.say
     logs = result.logs
     if result.resumed_from:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from ..chat import NO_PROGRESS_HELP, InputOptions
+from ..chat import NO_PROGRESS_HELP, InputOptions, parse_size
 from ._options import TrainConfig
 from .inputs import FAMILY_HELP, FAMILY_NAMES
 
@@ -40,8 +40,6 @@ IMAGE_SIDES = (56, 224)
 
 def _size(text: str) -> int:
     """A size in bytes from ``10G``, ``500M`` (binary units), or a ``ValueError`` saying what is taken."""
-    from ..chat import parse_size
-
     return parse_size(text)
 
 

@@ -13,6 +13,7 @@ from .._optional import CustomCodeError, from_pretrained
 from .._types import Tokenizer
 from ..chat import ConversationSamples, default_cache_dir, start_training_samples
 from ..loader import PackingDataset
+from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 from ..offline import PrepackedDataset
 from ..sample import Sample
 from ._options import Packing, TrainConfig
@@ -104,8 +105,6 @@ def media_samples(
     tokenizer and image processor unless given): samples whose ``media`` holds their images,
     conversations longer than ``max_seq_len`` split at text boundaries. Returns ``(samples,
     stats)`` (``stats``: :class:`~sftpack.multimodal.MediaTokenizeStats`)."""
-    from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
-
     fam = family_for(family)
     stats = MediaTokenizeStats()
     got = list(

@@ -44,7 +44,7 @@ class TensorBoard(Part):
     def on_start(self, state: LoopState) -> None:
         try:
             importlib.import_module("tensorboard")
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # optional: tensorboard (the tensorboard extra)
         except ImportError as e:
             raise MissingDependency(
                 "--tensorboard needs the tensorboard package: pip install 'sftpack[tensorboard]'"

@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .._base import LazyChoices
+from .._optional import CustomCodeError, from_pretrained
+from ..chat import ConversationReader, read_conversations
+from ..data import default_tokenizer
 from ._options import ConfigError
 
 if TYPE_CHECKING:
@@ -35,13 +38,9 @@ __all__ = [
 def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
     """The tokenizer in a local folder, or the embedded Qwen one; with ``chat_template`` (a Jinja
     file) a copy of it rendering conversations with that template."""
-    from ..data import default_tokenizer
-
     if path is None:
         tok = default_tokenizer()
     else:
-        from .._optional import CustomCodeError, from_pretrained
-
         try:
             tok = from_pretrained("AutoTokenizer", path, local_files_only=True)
         except CustomCodeError:
@@ -102,7 +101,7 @@ def vlm_family(model: str | None, family: str | None = None) -> Any:
     its ``config.model_type``, configured by its config), else ``family``'s (default Qwen2-VL).
     A folder of another model type is refused in one line, before any work; nothing else is
     loaded (:func:`vlm_setup` loads the tokenizer and image processor too)."""
-    from ..multimodal import UnsupportedModelError, family_for
+    from ..multimodal import UnsupportedModelError, family_for  # start-up: multimodal loads torch; only for images
 
     if model is not None and family is not None:
         raise ConfigError("{family}: the family of a {model} folder is its config.model_type; drop {family}")
@@ -117,7 +116,7 @@ def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | Non
     model folder ``model`` (:func:`vlm_family`), else of ``family``'s tiny model (default Qwen2-VL;
     its tokenizer from ``tokenizer`` when given). A folder of another model type is refused in one
     line, before any work."""
-    from ..multimodal import UnsupportedModelError
+    from ..multimodal import UnsupportedModelError  # start-up: multimodal loads torch; only for images
 
     folder = tokenizer_folder(model, tokenizer)
     fam = vlm_family(model, family)
@@ -161,8 +160,6 @@ def has_images(paths: Sequence[str], records: int = 64, split: str | None = None
     every data file of a folder or glob, not its images), each looked at. Plain JSONL is read here
     line by line; other sources (``.gz``, JSON arrays, Parquet, saved datasets) through the reader's
     first records. A path the reader refuses is left to the command's reader, which says why."""
-    from ..chat import ConversationReader, read_conversations
-
     try:
         found = read_conversations(list(paths), on_bad_row="skip", split=split)
     except (OSError, ValueError):  # a missing path, an unknown kind: the command's reader says why

@@ -22,7 +22,7 @@ import torch
 from ..binpack import pack
 from ..handoff import PackedBatch
 from ..handoff.payload import PatchMedia
-from ..loop import compact_vocabulary
+from ..loop import compact_vocabulary, media_token_ids, padded_micro_batch
 from ..loss import token_mean_loss
 from ..multimodal import check_packed, family_for, plan_rows, tokenize_media_conversations, vqa_corpus
 from ..sample import IGNORE_INDEX
@@ -82,8 +82,6 @@ class _Compact:
     model's tower casts them exactly."""
 
     def __init__(self, samples: list[Any]) -> None:
-        from ..loop import media_token_ids
-
         self.family = family_for()
         tok = self.family.tokenizer()
         named = media_token_ids(self.family, tok)
@@ -219,8 +217,6 @@ def step_times(
     attention) and as a right-padded ``[B, S]`` batch through ``padded_model`` (Hugging
     Face sdpa and a mask), the two alternating step by step after one untimed step of each
     on ``warm_up``. Batch building is not timed."""
-    from ..loop import padded_micro_batch
-
     family = family_for(packed_model)
 
     opt_a = torch.optim.SGD(packed_model.parameters(), lr=1e-3)

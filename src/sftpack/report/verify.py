@@ -49,7 +49,7 @@ from ..exactness import (
 from ..handoff import PackedBatch
 from ..handoff.unpack import unpack
 from ..hybrid import CoveredLayer, covered_layers, rounding_dtype
-from ..loop import TrainConfig, make_source
+from ..loop import TrainConfig, make_source, media_samples
 from ..sample import Sample
 
 __all__ = ["PATHS", "PathCheck", "VerifyReport", "rounding_chain", "tolerance", "verify"]
@@ -440,8 +440,6 @@ def _samples(
         got = tokenize_conversations(convs, tok, max_seq_len=max_seq_len, overlong="split", on_bad_row=on_bad_row)
         samples = list(got)
         return samples, {k: v for k, v in got.stats.skipped.items() if v}
-    from ..loop import media_samples
-
     samples, media = media_samples(
         convs, max_seq_len=max_seq_len, family=fam, tokenizer=tok, processor=processor, on_bad_row=on_bad_row
     )
