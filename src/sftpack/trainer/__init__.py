@@ -21,7 +21,7 @@ The path itself:
 
 - ``_step``: :func:`pack_step`, made of three units: ``_step_input`` (the batch,
   options and each row's length, checked), ``_step_layout`` (the row's shape in one
-  host transfer, its boundaries, its slots) and ``_step_media`` (the rows' media,
+  host transfer, its boundaries, its slots) and ``_step_payload`` (the rows' media,
   checked and laid at the packed offsets).
 - ``_plan``: :func:`plan_microbatches`, micro-batches of at most ``max_seq_len``
   padded tokens (the row width, as everywhere in sftpack) balanced over data-parallel

@@ -9,7 +9,7 @@ media (images) hand their samples' :class:`~sftpack.handoff.payload.Media` along
 
 The steps, each its own unit: the input checked (``_step_input``: the options, each row's
 length), the row laid (``_step_layout``: the shape in one host transfer, the boundaries, the
-slots), the media checked and laid (``_step_media``).
+slots), the media checked and laid (``_step_payload``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..handoff import PackedBatch, PackedBatchError
 from ..handoff.payload import Media
 from ._step_input import check_options, check_padding, source_lengths
 from ._step_layout import gather_slots, read_shape, segment_offsets
-from ._step_media import check_media, lay_media
+from ._step_payload import check_media, lay_media
 
 __all__ = ["pack_step"]
 
