@@ -50,6 +50,7 @@ from ..handoff import PackedBatch
 from ..handoff.unpack import unpack
 from ..hybrid import CoveredLayer, covered_layers, rounding_dtype
 from ..loop import TrainConfig, make_source, media_samples
+from ..multimodal import compare_packed_alone, family_for  # loaded already: make_source's loader path imports it
 from ..sample import Sample
 
 __all__ = ["PATHS", "PathCheck", "VerifyReport", "rounding_chain", "tolerance", "verify"]
@@ -233,8 +234,6 @@ def verify(
     The model runs with dropout off (``eval()``; gradients still flow): dropout draws other masks
     for other layouts, which is no packing difference.
     """
-    from ..multimodal import family_for  # start-up: multimodal (~0.5 s) only for images
-
     if dtype not in UNIT_ROUNDOFF:
         raise ValueError(f"dtype must be torch.float64 or torch.float32, got {dtype}")
     for p in paths:
@@ -329,8 +328,6 @@ def _check(
     tamper: Callable[[PackedBatch], PackedBatch] | None,
     bar: Any = None,
 ) -> PathCheck:
-    from ..multimodal import compare_packed_alone  # start-up: multimodal (~0.5 s) only for images
-
     worst = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
     tol = {"logits": 0.0, "loss": 0.0, "grads": 0.0}
     first: str | None = None
