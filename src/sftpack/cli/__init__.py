@@ -30,7 +30,8 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from .._optional import CustomCodeError, refuse_custom_code
-from ._common import Terminated, UsageError, sigterm_handled
+from ..loop import ConfigError
+from ._common import Terminated, UsageError, flag_of, sigterm_handled
 from ._config import CONFIG_HELP, expand_config
 
 __all__ = ["build_parser", "main"]
@@ -160,10 +161,11 @@ def _run(args: argparse.Namespace) -> int:
     except Terminated as e:
         print(f"sftpack {args.command}: {e}", file=sys.stderr)
         return 128 + signal.SIGTERM
-    except (UsageError, CustomCodeError) as e:
+    except (UsageError, CustomCodeError, ConfigError) as e:  # settings that cannot work: exit 2
         if args.debug:
             raise
-        print(f"sftpack {args.command}: {e}", file=sys.stderr)
+        said = e.spelled(flag_of) if isinstance(e, ConfigError) else str(e)  # a run's settings named as flags
+        print(f"sftpack {args.command}: {said}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"sftpack {args.command}: interrupted", file=sys.stderr)

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..chat import DEFAULT_MAX_SEQ_LEN, OVERLONG_HELP, InputOptions, read_conversations
 from ..data import default_corpus
+from ..loop.inputs import load_tokenizer, tokenizer_folder, vlm_setup
 from ..report.savings import bench_lengths, bench_media, format_layouts, format_media_layouts
 from ._common import (
     INPUTS_HELP,
@@ -23,12 +24,9 @@ from ._common import (
     add_family,
     add_settings,
     has_images,
-    load_tokenizer,
     positive,
     render_read_stats,
     render_tokenize_stats,
-    tokenizer_folder,
-    vlm_setup,
 )
 
 if TYPE_CHECKING:

@@ -16,13 +16,12 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .._base import LazyChoices
-from ..loop import ConfigError, RunConfig
+from ..loop import RunConfig
 from ..loop import inputs as _inputs
 from ..loop.inputs import counts_text, has_images, render_read_stats
 
 if TYPE_CHECKING:
     from ..chat import TokenizeStats
-    from ..multimodal import Family
 
 __all__ = [
     "INPUTS_HELP",
@@ -33,18 +32,12 @@ __all__ = [
     "flag_of",
     "given_settings",
     "has_images",
-    "load_tokenizer",
     "non_negative",
     "positive",
-    "read_chat_template",
     "render_read_stats",
     "render_tokenize_stats",
     "sigterm_deferred",
     "sigterm_handled",
-    "tokenizer_folder",
-    "usage_errors",
-    "vlm_family",
-    "vlm_setup",
 ]
 
 
@@ -222,11 +215,6 @@ def given_settings(args: argparse.Namespace, options: type) -> dict[str, Any]:
     return {name: value for name, value in values.items() if value is not None}
 
 
-def _usage(e: ConfigError) -> UsageError:
-    """``e`` as a usage error, each setting it names spelled as its flag."""
-    return UsageError(e.spelled(flag_of))
-
-
 def flag_of(name: str) -> str:
     """The flag of the run setting ``name`` (a field of a :class:`~sftpack.loop.RunConfig` part):
     its metadata's ``"flag"``, else ``--`` and the name with dashes (:func:`add_settings`)."""
@@ -242,53 +230,12 @@ def _flag(f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
 
 
-@contextlib.contextmanager
-def usage_errors() -> Iterator[None]:
-    """Inside: a :class:`~sftpack.loop._run_config.ConfigError` (settings that cannot work) is
-    raised as a :class:`UsageError` in the flags' spelling."""
-    try:
-        yield
-    except ConfigError as e:
-        raise _usage(e) from None
-
-
-def load_tokenizer(path: str | None, chat_template: str | None = None) -> Any:
-    """:func:`sftpack.loop.inputs.load_tokenizer`, a refusal as a usage error."""
-    with usage_errors():
-        return _inputs.load_tokenizer(path, chat_template)
-
-
-def read_chat_template(path: str) -> str:
-    """The text of the ``--chat-template`` file ``path``; a missing or empty file is a usage error."""
-    with usage_errors():
-        return _inputs.read_chat_template(path)
-
-
-def tokenizer_folder(model: str | None, tokenizer: str | None) -> str | None:
-    """The folder a command's tokenizer is loaded from (:func:`sftpack.loop.inputs.tokenizer_folder`)."""
-    with usage_errors():
-        return _inputs.tokenizer_folder(model, tokenizer)
-
-
 def add_family(parser: Any) -> None:
     """``--family`` on ``parser`` (or an argument group), one meaning on every command
     (:data:`sftpack.loop.inputs.FAMILY_HELP`), its choices the registry's (:func:`sftpack.multimodal.family_names`).
-    Unset, it is ``None``: :func:`vlm_family` then takes the ``--model`` folder's family, else
+    Unset, it is ``None``: :func:`sftpack.loop.inputs.vlm_family` then takes the ``--model`` folder's family, else
     the default."""
     parser.add_argument("--family", choices=_inputs.FAMILY_NAMES, metavar="FAMILY", help=_inputs.FAMILY_HELP)
-
-
-def vlm_family(model: str | None, family: str | None = None) -> Family:
-    """The model family of a run with images, what ``--family`` means (:data:`sftpack.loop.inputs.FAMILY_HELP`;
-    :func:`sftpack.loop.inputs.vlm_family`), a refusal as a usage error."""
-    with usage_errors():
-        return _inputs.vlm_family(model, family)
-
-
-def vlm_setup(model: str | None, tokenizer: str | None = None, family: str | None = None) -> tuple[Any, Any, Any]:
-    """``(family, tokenizer, image processor)`` of a run with images (:func:`sftpack.loop.inputs.vlm_setup`)."""
-    with usage_errors():
-        return _inputs.vlm_setup(model, tokenizer, family)
 
 
 def render_tokenize_stats(st: TokenizeStats, samples: int, seconds: float) -> str:

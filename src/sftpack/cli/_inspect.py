@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ._common import UsageError, load_tokenizer, non_negative, tokenizer_folder
+from ..loop.inputs import load_tokenizer, tokenizer_folder
+from ._common import UsageError, non_negative
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..handoff import PackedBatch

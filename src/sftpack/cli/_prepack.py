@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import _optional
 from ..chat import InputOptions, read_conversations
+from ..loop.inputs import load_tokenizer, tokenizer_folder, vlm_setup
 from ._common import (
     INPUTS_HELP,
     UsageError,
@@ -16,11 +17,8 @@ from ._common import (
     add_settings,
     given_settings,
     has_images,
-    load_tokenizer,
     positive,
     render_read_stats,
-    tokenizer_folder,
-    vlm_setup,
 )
 
 if TYPE_CHECKING:  # pragma: no cover

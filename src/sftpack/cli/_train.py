@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from ..loop import RunConfig
-from ._common import Terminated, sigterm_deferred, usage_errors
+from ._common import Terminated, sigterm_deferred
 from ._train_options import add_arguments
 
 #: ``(phase, time.perf_counter())`` at the end of each start-up phase of the last
@@ -57,8 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_config(args: argparse.Namespace) -> RunConfig:
     """The run the flags give: each flag is the setting of its name (``--clip-norm 0``: off;
     neither ``--steps`` nor ``--epochs``: the command's default, :meth:`~sftpack.loop.RunConfig.from_flags`)."""
-    with usage_errors():
-        return RunConfig.from_flags(vars(args))
+    return RunConfig.from_flags(vars(args))
 
 
 def stopped_line(result: Any, model: Any = None) -> str:
@@ -82,11 +81,9 @@ def run(args: argparse.Namespace) -> int:
     MARKS.clear()
     _mark("start")
     config = run_config(args)
-    with usage_errors():
-        job = config.build(say=print, mark=_mark)
-    try:
-        with usage_errors():  # a device this machine lacks, a model too small for the tokenizer
-            result = job.run(stop=sigterm_deferred)  # SIGTERM: the loop ends at the end of a step
+    job = config.build(say=print, mark=_mark)
+    try:  # a ConfigError (a device this machine lacks, a model too small for the tokenizer...): exit 2
+        result = job.run(stop=sigterm_deferred)  # SIGTERM: the loop ends at the end of a step
     except Terminated:
         if all(phase != "train" for phase, _ in MARKS):
             raise Terminated("stopped by SIGTERM before the first step; nothing was saved") from None
