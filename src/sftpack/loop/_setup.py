@@ -17,9 +17,9 @@ from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversa
 from ..offline import PrepackedDataset
 from ..sample import Sample
 from ._options import Packing, TrainConfig
+from ._source_loader import LoaderSource
+from ._source_offline import OfflineSource
 from ._sources import (
-    LoaderSource,
-    OfflineSource,
     PaddedSource,
     RenumberedSource,
     Source,

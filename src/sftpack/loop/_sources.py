@@ -49,17 +49,13 @@ import torch
 from .._base import positive_int, renamed
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
-from ..loader import PackingDataset
-from ..offline import PrepackedDataset
 from ..sample import IGNORE_INDEX, Sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
 from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
 __all__ = [
     "ConversationOrder",
-    "LoaderSource",
     "MicroBatch",
-    "OfflineSource",
     "PaddedMicroBatch",
     "PaddedSource",
     "RenumberedSource",
@@ -68,6 +64,8 @@ __all__ = [
     "Source",
     "TrainerSource",
     "padded_micro_batch",
+    "rows_per_rank",
+    "rows_to_micro_batches",
     "samples_fingerprint",
 ]
 
@@ -463,131 +461,18 @@ class ReplaySource(Source):
         return _hash({"replay": samples_fingerprint([s for step in self.steps for s in step])})
 
 
-def _rows_to_micro_batches(rows: list[PackedBatch], grad_accum: int) -> list[MicroBatch]:
+def rows_to_micro_batches(rows: list[PackedBatch], grad_accum: int) -> list[MicroBatch]:
     parts = np.array_split(np.arange(len(rows)), grad_accum)
     return [PackedBatch.concat([rows[i] for i in p]) for p in parts if len(p)]
 
 
-def _rows_per_rank(batch_size: int, world: int, grad_accum: int) -> int:
+def rows_per_rank(batch_size: int, world: int, grad_accum: int) -> int:
     if batch_size % world or batch_size // world < grad_accum:
         raise ValueError(
             f"batch_size={batch_size} rows must be a multiple of the {world} rank(s), with at least grad_accum="
             f"{grad_accum} rows per rank: use --batch-size {max(grad_accum, -(-batch_size // world)) * world}"
         )
     return batch_size // world
-
-
-class OfflineSource(Source):
-    """Rows of a prepacked directory (:class:`sftpack.offline.PrepackedDataset`,
-    opened with this rank's ``rank`` / ``world_size``: the path's own shards,
-    balanced by tokens, every row read once per epoch over all ranks).
-
-    Each step takes the next ``batch_size / world`` rows of this rank's shard in
-    the dataset's epoch order; when fewer are left the next epoch starts
-    (``set_epoch``, a fresh seeded order) and the leftover rows wait for it.
-    """
-
-    def __init__(self, dataset: PrepackedDataset, *, batch_size: int, world: int = 1, grad_accum: int = 1) -> None:
-        self.ds = dataset
-        self.batch_size = batch_size
-        self.per_rank = _rows_per_rank(batch_size, world, grad_accum)
-        if len(dataset) < self.per_rank:
-            raise ValueError(
-                f"this rank's share of the prepacked dataset has {len(dataset)} rows, fewer than the "
-                f"{self.per_rank} a step needs (batch_size={batch_size} over {world} rank(s)): lower --batch-size"
-            )
-        self.grad_accum = grad_accum
-        self.epoch, self.position = 0, 0
-
-    def next_step(self) -> list[MicroBatch]:
-        if self.position + self.per_rank > len(self.ds):
-            self.epoch, self.position = self.epoch + 1, 0
-            self.ds.set_epoch(self.epoch)
-        positions = np.arange(self.position, self.position + self.per_rank)
-        self.position += self.per_rank
-        # each micro-batch's rows in one compiled pass (PrepackedDataset.batch): field for field
-        # what _rows_to_micro_batches makes of the rows read one by one
-        return [self.ds.batch(p) for p in np.array_split(positions, self.grad_accum) if len(p)]
-
-    def epoch_steps(self) -> int:
-        return len(self.ds) // self.per_rank
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
-        self.ds.set_epoch(self.epoch)
-
-    def fingerprint(self) -> str:
-        manifest = getattr(self.ds, "manifest", None) or {}
-        key = manifest.get("fingerprint") or manifest
-        return _hash(
-            {
-                "offline": key,
-                "batch_size": self.batch_size,
-                "seed": getattr(self.ds, "seed", None),
-            }
-        )
-
-
-class LoaderSource(Source):
-    """Rows streamed from a :class:`sftpack.loader.PackingDataset` (built with this
-    rank's ``rank`` / ``world_size`` and ``num_epochs=None``); ``B/W`` rows per rank
-    per step. The position is the dataset's own ``state_dict``."""
-
-    def __init__(
-        self,
-        dataset: PackingDataset,
-        *,
-        batch_size: int,
-        samples_fp: str,
-        rank: int = 0,
-        world: int = 1,
-        grad_accum: int = 1,
-    ) -> None:
-        self.ds = dataset
-        self.batch_size = batch_size
-        self.per_rank = _rows_per_rank(batch_size, world, grad_accum)
-        self.grad_accum = grad_accum
-        self._fp = samples_fp
-        self._it: Any = None
-
-    def next_step(self) -> list[MicroBatch]:
-        if self._it is None:
-            self._it = iter(self.ds)
-        rows = []
-        for _ in range(self.per_rank):
-            try:
-                rows.append(next(self._it))
-            except StopIteration:
-                raise ValueError("the loader ran out of rows: build it with num_epochs=None") from None
-        return _rows_to_micro_batches(rows, self.grad_accum)
-
-    def epoch_steps(self) -> int:
-        """The steps of the first epoch's rows (counted by packing it once, then back to the
-        start: the loader packs as it streams, so later epochs may hold a row more or less)."""
-        if self._it is not None:
-            raise ValueError("LoaderSource.epoch_steps: ask before the first step")
-        start = self.ds.state_dict()
-        first, rows = self.ds.epoch, 0
-        for _ in self.ds:
-            rows += 1
-            if self.ds.epoch != first:
-                break
-        self.ds.load_state_dict(start)
-        return rows // self.per_rank
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.ds.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ds.load_state_dict(state["loader"])
-        self._it = None
-
-    def fingerprint(self) -> str:
-        cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
-        return _hash({"loader": self._fp, "config": cfg, "batch_size": self.batch_size})
 
 
 class RenumberedSource(Source):

@@ -50,11 +50,10 @@ from __future__ import annotations
 from ..handoff import shard_for_cp as shard_for_cp  # the contract's names (sftpack._ALIASES)
 from ..handoff import unpack as unpack
 from ._padded import padded_batch
-from ._plan import CostModel, MicrobatchPlan, PlanError, plan_microbatches
+from ._plan import MicrobatchPlan, PlanError, plan_microbatches
 from ._step import pack_step
 
 __all__ = [
-    "CostModel",
     "MicrobatchPlan",
     "PlanError",
     "pack_step",

@@ -1,20 +1,24 @@
-"""Micro-batches of at most ``max_seq_len`` padded tokens, dealt evenly to data-parallel ranks.
+"""Micro-batches of at most ``max_seq_len`` padded tokens, balanced over data-parallel ranks.
 
 A global batch of sequences is split into micro-batches whose padded tokens fit
 the row width ``max_seq_len`` (one packed row each, built at the step by
-:func:`~sftpack.trainer.pack_step`). The bins come from
-:func:`sftpack.binpack.pack` with ``cost_multiple=pad_multiple``: the planner
-charges every sequence exactly what ``pack_step`` will pad it to, so a planned
-micro-batch can never overflow (a mismatch between the two is a bug seen in the
-wild: "expanded size 517 vs 502").
+:func:`~sftpack.trainer.pack_step`). Planning goes ranks first, then rows:
 
-Every rank must run the same number of micro-batches (the gradient all-reduce
-waits for all of them), so the bin count is a multiple of the data-parallel
-size (``bins_multiple_of``; bins are split when there are too few). Bins are
-then dealt longest-processing-time first: heaviest bin to the least loaded rank
-that still has room, which keeps the slowest rank within one bin of the mean.
-``cost="attention"`` weighs a bin by the sum of its squared lengths (causal
-attention FLOPs) instead of its tokens.
+1. **The ranks' shares**: every sequence priced by the cost model
+   (:class:`sftpack.balance.SequenceCost`: ``"tokens"``, ``"attention"``, a model size,
+   a model's config) and dealt by :func:`sftpack.balance.assign` (LPT, then moves and
+   swaps), so the slowest rank is as close to the mean as the heaviest sequence allows.
+   A rank's work is the sum of its sequences' whatever the micro-batches they land in,
+   so balancing sequences, not bins, is what lets every rank end even.
+2. **Each share's micro-batches**: the rank's sequences packed by
+   :func:`sftpack.binpack.pack` with ``cost_multiple=pad_multiple`` (the planner charges
+   every sequence exactly what ``pack_step`` will pad it to, so a planned micro-batch can
+   never overflow: a mismatch between the two is a bug seen in the wild, "expanded size
+   517 vs 502"). Every rank must run the same number of micro-batches (the gradient
+   all-reduce waits for all of them): the ranks that need fewer split theirs
+   (``min_bins``), and a rank with fewer sequences than that number takes the cheapest
+   ones of the rank with the most. Each rank's micro-batches go heaviest first, so the
+   ``i``-th of every rank are alike.
 
 Samples with images bring a second size, their vision patches (what the vision
 tower's activations grow with): given ``patches`` and ``max_patches_per_row``
@@ -25,24 +29,18 @@ tower's memory while its neighbours hold none.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 from numpy.typing import ArrayLike
 
 from .. import binpack
-from .._base import StrEnum, choose, positive_int, renamed, round_up, warn_renamed
+from .._base import positive_int, renamed, round_up, warn_renamed
+from ..balance import CostError, SequenceCost, assign, lower_bound, sequence_cost
 
-__all__ = ["CostModel", "MicrobatchPlan", "PlanError", "plan_microbatches"]
-
-
-class CostModel(StrEnum):
-    """What "balanced" means across data-parallel ranks."""
-
-    TOKENS = "tokens"  #: padded tokens per rank: linear layers, MLP, memory
-    ATTENTION = "attention"  #: sum of squared padded lengths: causal attention FLOPs
+__all__ = ["MicrobatchPlan", "PlanError", "plan_microbatches"]
 
 
 class PlanError(ValueError):
@@ -57,10 +55,11 @@ class MicrobatchPlan:
         microbatches: ``microbatches[rank][i]`` is a 1-D int64 array of indices into
             the planned ``lengths``: the sequences of that rank's ``i``-th micro-batch.
             Every index appears exactly once over all ranks.
-        loads: ``(dp_size, M)`` int64 cost of each micro-batch under ``cost``.
+        loads: ``(dp_size, M)`` float64 cost of each micro-batch under ``cost``.
         tokens: ``(dp_size, M)`` int64 padded tokens of each micro-batch
             (``<= max_seq_len``).
-        max_seq_len, pad_multiple, cost: the settings it was planned with (``token_budget``:
+        max_seq_len, pad_multiple, cost: the settings it was planned with (``cost``: the
+            :class:`~sftpack.balance.SequenceCost`) (``token_budget``:
             the deprecated name of ``max_seq_len``, read with a ``DeprecationWarning`` until
             the next release).
         patches: ``(dp_size, M)`` vision patches of each micro-batch, when planned with
@@ -72,7 +71,7 @@ class MicrobatchPlan:
     tokens: np.ndarray
     max_seq_len: int
     pad_multiple: int
-    cost: CostModel
+    cost: SequenceCost
     meta: dict[str, Any] = field(default_factory=dict)
     #: ``(dp_size, M)`` vision patches of each micro-batch (``None``: planned without ``patches``)
     patches: np.ndarray | None = None
@@ -103,6 +102,12 @@ class MicrobatchPlan:
         r = self.rank_loads
         return float(r.max() / r.mean()) if r.mean() > 0 else 1.0
 
+    @property
+    def bound(self) -> float:
+        """The best :attr:`imbalance` any plan of these sequences can reach without context
+        parallelism: ``max(1, heaviest sequence / mean rank load)``."""
+        return float(self.meta.get("bound", 1.0))
+
     def __getitem__(self, rank: int) -> list[np.ndarray]:
         return self.microbatches[rank]
 
@@ -112,7 +117,7 @@ def plan_microbatches(
     max_seq_len: int | None = None,
     *,
     dp_size: int = 1,
-    cost: CostModel | str = "tokens",
+    cost: SequenceCost | str | Path = "tokens",
     pad_multiple: int = 1,
     algorithm: str = "bfd",
     min_microbatches: int | None = None,
@@ -131,15 +136,17 @@ def plan_microbatches(
         max_seq_len: padded tokens one micro-batch may hold: its packed row width, the
             ``max_seq_len`` of :func:`~sftpack.trainer.pack_step` (required).
         dp_size: data-parallel ranks; each gets the same number of micro-batches.
-        cost: ``"tokens"`` or ``"attention"`` (:class:`CostModel`): what is balanced
-            across ranks. Bins are always bounded by tokens (memory).
+        cost: what is balanced across ranks: a :class:`~sftpack.balance.SequenceCost`, or
+            a spelling of one (``"tokens"``, ``"attention"``, a size such as ``"7b"``, a model
+            directory; :func:`~sftpack.balance.sequence_cost`), charged on padded lengths.
+            Micro-batches are always bounded by tokens (memory).
         pad_multiple: the ``pad_multiple`` given to ``pack_step``; every sequence
             costs its length rounded up to it.
-        algorithm: bin-packing algorithm of :func:`sftpack.binpack.pack`.
+        algorithm: bin-packing algorithm of :func:`sftpack.binpack.pack` (within each rank).
         min_microbatches: at least this many micro-batches per rank (e.g. the
             pipeline-parallel depth).
         max_sequences_per_microbatch: cap on sequences per micro-batch.
-        seed: for shuffling algorithms.
+        seed: for shuffling bin-packing algorithms.
         patches: ``(n,)`` vision patches of each sequence (``sample.num_patches``: 0
             for one without images), the second size of multimodal samples.
         max_patches_per_row: the second budget: a micro-batch's patches sum to
@@ -158,11 +165,14 @@ def plan_microbatches(
 
     >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7], max_seq_len=16, dp_size=2, pad_multiple=4)
     >>> [[mb.tolist() for mb in rank] for rank in plan.microbatches]
-    [[[0, 3], [1]], [[4, 5], [2]]]
+    [[[1, 2], [4]], [[0, 3], [5]]]
     >>> plan.tokens.tolist()  # padded tokens per micro-batch (each <= 16)
-    [[16, 12], [16, 4]]
+    [[16, 8], [16, 8]]
     """
-    cost = choose(CostModel, cost, "cost", PlanError)
+    try:
+        model = sequence_cost(cost)
+    except CostError as e:
+        raise PlanError(str(e)) from None
     width = renamed("plan_microbatches", "max_seq_len", max_seq_len, "token_budget", token_budget)
     max_seq_len = positive_int("max_seq_len", width, error=PlanError, who="plan_microbatches")
     dp_size = positive_int("dp_size", dp_size, error=PlanError)
@@ -203,56 +213,85 @@ def plan_microbatches(
         max_patches_per_microbatch,
     )
     patch_w, cap = _patches(patches, per_row, n)
-    try:
-        bins = binpack.pack(
-            arr,
-            int(max_seq_len),
-            algorithm,
-            cost_multiple=int(pad_multiple),
-            max_items_per_bin=max_sequences_per_microbatch,
-            min_bins=need,
-            bins_multiple_of=dp_size,
-            seed=seed,
-            weights=patch_w,
-            max_weight_per_bin=cap,
-        )
-    except ValueError as e:
-        # Typically: the sequences need more micro-batches than can be dealt evenly
-        # (3 long sequences, 2 ranks: 4 micro-batches needed, only 3 sequences).
-        raise PlanError(
-            f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {max_seq_len} "
-            f"tokens from {n} sequences: {e}"
-        ) from e
-    nb = len(bins)
-    if nb % dp_size or nb < need or any(len(b) == 0 for b in bins):
-        raise PlanError(f"binpack returned {nb} bins for dp_size={dp_size} (needed a non-empty multiple); a bug")
-    tokens = np.array([int(padded[b].sum()) for b in bins], dtype=np.int64)
-    weights = tokens if cost is CostModel.TOKENS else np.array([int((padded[b] ** 2).sum()) for b in bins], np.int64)
+    costs = model(padded)
+    owner = assign(costs, dp_size)
+    shares = [np.flatnonzero(owner == r) for r in range(dp_size)]
+
+    def bins_of(idx: np.ndarray, at_least: int) -> list[np.ndarray]:
+        if (
+            at_least == 1
+            and padded[idx].sum() <= max_seq_len
+            and (max_sequences_per_microbatch is None or idx.size <= max_sequences_per_microbatch)
+            and (cap is None or patch_w is None or patch_w[idx].sum() <= cap)
+        ):
+            return [idx]  # the whole share fits one micro-batch
+        try:
+            got = binpack.pack(
+                arr[idx],
+                int(max_seq_len),
+                algorithm,
+                cost_multiple=int(pad_multiple),
+                max_items_per_bin=max_sequences_per_microbatch,
+                min_bins=at_least,
+                seed=seed,
+                weights=None if patch_w is None else patch_w[idx],
+                max_weight_per_bin=cap,
+            )
+        except ValueError as e:
+            raise PlanError(
+                f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {max_seq_len} "
+                f"tokens from {n} sequences: {e}"
+            ) from e
+        return [idx[np.asarray(b, dtype=np.int64)] for b in got]
+
+    per_share = [bins_of(idx, per_rank) for idx in shares]
+    m = max(len(b) for b in per_share)
+    _even_out(shares, m, costs, dp_size, n, max_seq_len)
+    planned: list[list[np.ndarray]] = []
+    for idx, bins in zip(shares, per_share):
+        got = bins if len(bins) == m and sum(b.size for b in bins) == idx.size else bins_of(idx, m)
+        if len(got) != m or any(b.size == 0 for b in got):
+            raise PlanError(
+                f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {max_seq_len} "
+                f"tokens from {n} sequences: a share of {idx.size} sequences packs into {len(got)} micro-batches, "
+                f"not {m}; grow the global batch or raise max_seq_len"
+            )
+        # heaviest first: the i-th micro-batches of all ranks run together
+        loads = [float(costs[b].sum()) for b in got]
+        planned.append([got[k] for k in sorted(range(m), key=lambda k: (-loads[k], k))])
+    tokens = np.array([[int(padded[b].sum()) for b in rank] for rank in planned], dtype=np.int64)
     if tokens.max() > max_seq_len:
         raise PlanError(f"binpack returned a bin of {int(tokens.max())} tokens over max_seq_len={max_seq_len}; a bug")
-
-    # Longest processing time first, with a cardinality cap: heaviest bin to the
-    # least loaded rank that still has room for one more micro-batch.
-    per = nb // dp_size
-    heap = [(0, r) for r in range(dp_size)]
-    assigned: list[list[int]] = [[] for _ in range(dp_size)]
-    for b in np.argsort(-weights, kind="stable"):
-        load, r = heapq.heappop(heap)
-        assigned[r].append(int(b))
-        if len(assigned[r]) < per:
-            heapq.heappush(heap, (load + int(weights[b]), r))
     return MicrobatchPlan(
-        microbatches=[[np.asarray(bins[b], dtype=np.int64) for b in rank] for rank in assigned],
-        loads=np.array([[weights[b] for b in rank] for rank in assigned], dtype=np.int64),
-        tokens=np.array([[tokens[b] for b in rank] for rank in assigned], dtype=np.int64),
+        microbatches=planned,
+        loads=np.array([[float(costs[b].sum()) for b in rank] for rank in planned], dtype=np.float64),
+        tokens=tokens,
         max_seq_len=int(max_seq_len),
         pad_multiple=int(pad_multiple),
-        cost=cost,
-        meta={"algorithm": str(algorithm), "bins": nb},
+        cost=model,
+        meta={"algorithm": str(algorithm), "bins": m * dp_size, "bound": lower_bound(costs, dp_size)},
         patches=None
         if patch_w is None
-        else np.array([[int(patch_w[bins[b]].sum()) for b in rank] for rank in assigned], dtype=np.int64),
+        else np.array([[int(patch_w[b].sum()) for b in rank] for rank in planned], dtype=np.int64),
     )
+
+
+def _even_out(shares: list[np.ndarray], m: int, costs: np.ndarray, dp_size: int, n: int, width: int) -> None:
+    """Give every share at least ``m`` sequences (each micro-batch needs one), taking the
+    cheapest of the share with the most; in place."""
+    if n < m * dp_size:
+        raise PlanError(
+            f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {width} tokens "
+            f"from {n} sequences: {m} micro-batches per rank need {m * dp_size} sequences; grow the global batch, "
+            "raise max_seq_len or use fewer ranks"
+        )
+    for r in range(dp_size):
+        while shares[r].size < m:
+            donor = max(range(dp_size), key=lambda q: (shares[q].size, -q))
+            d = shares[donor]
+            k = int(np.lexsort((d, costs[d]))[0])  # the cheapest, then the lowest index
+            shares[r] = np.sort(np.append(shares[r], d[k]))
+            shares[donor] = np.delete(d, k)
 
 
 def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.ndarray | None, int | None]:
