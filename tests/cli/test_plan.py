@@ -190,3 +190,16 @@ def test_too_few_rows_for_one_step_is_said_not_guessed():
     assert not o.available and o.max_over_mean is None
     assert "1 rows of 1,000 slots, fewer than one step's 8" in o.reason
     assert r.paths["trainer"].available and r.paths["trainer"].bound == pytest.approx(lower_bound([100] * 8, 8))
+
+
+def test_a_missing_file_or_a_npy_that_is_not_lengths_is_named(tmp_path, capsys):
+    gone = tmp_path / "gone.txt"
+    assert main(["plan", str(gone), "--dp", "2", "--global-batch", "2", "--max-seq-len", "64"]) == 1
+    assert (
+        capsys.readouterr().err.strip()
+        == f"sftpack plan: {gone}: no such file or directory (check that the path exists)"
+    )
+    grid = tmp_path / "grid.npy"
+    np.save(grid, np.ones((3, 2), np.int64))
+    assert main(["plan", str(grid), "--dp", "2", "--global-batch", "2", "--max-seq-len", "64"]) == 2
+    assert f"{grid}: holds an array of shape (3, 2); save a 1-D array of lengths" in capsys.readouterr().err

@@ -434,7 +434,7 @@ class Lengths:
             i = int(over[0])
             raise LengthsError(
                 f"{self.where(i)}: {int(self.values[i]):,} tokens, more than --max-seq-len {max_seq_len:,}"
-                f"{f' once padded to a multiple of {pad}' if pad > 1 else ''} ({over.size:,} sequences are): raise "
+                f"{f' once padded to a multiple of {pad}' if pad > 1 else ''} ({over.size:,} over it in all): raise "
                 f"--max-seq-len to {int(round_up(self.values.max(), pad)):,}, or split the longer sequences"
             )
 
@@ -458,6 +458,8 @@ def read_lengths(path: str | os.PathLike[str]) -> Lengths:
     skipped), a ``.npy`` array, or a prepack directory (its stored sequences, pieces of split
     conversations each on their own)."""
     p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{p}: no such file or directory")
     kind = data_kind(p)
     if kind == "prepack":
         read_manifest(p)  # a clear error for a directory that is not a whole prepack
@@ -474,7 +476,10 @@ def _read_npy(p: Path) -> Lengths:
     try:
         arr = np.load(p, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise LengthsError(f"{p}: cannot read it as a .npy array ({' '.join(str(e).split())[:160]})") from None
+        raise LengthsError(
+            f"{p}: cannot read it as a .npy array of numbers ({' '.join(str(e).split())[:120]}); save the lengths "
+            "with np.save(path, lengths), a 1-D integer array"
+        ) from None
     if arr.ndim != 1:
         raise LengthsError(f"{p}: holds an array of shape {arr.shape}; save a 1-D array of lengths (np.save)")
     if arr.size and arr.dtype.kind == "f":
