@@ -1,10 +1,10 @@
 """``sftpack plan DATA``: how far the slowest data-parallel rank is above the mean, on every
 path, before renting the machines.
 
-DATA is a file of lengths (``.txt``, one a line; ``.npy``), a prepack directory, or
-conversations (chat files, folders or saved datasets, tokenized as ``sftpack prepack`` does).
+DATA is a file of lengths (.txt, one a line; .npy), a prepack directory, or
+conversations (chat files, folders or saved datasets, tokenized as sftpack prepack does).
 Each path is simulated step by step with its own planner and the cost model of
-``--model``/``--size``/``--cost`` (:mod:`sftpack.report.balance`)."""
+--model, --size or --cost (sftpack.report.balance; docs/plan.md)."""
 
 from __future__ import annotations
 
