@@ -15,7 +15,7 @@ def test_help_lists_commands(capsys):
     out = capsys.readouterr().out
     # docs/contract.md section 3: the help lists every command, in the map's order.
     listed = [line.split()[0] for line in out.splitlines() if line[:4] == "    " and line[4:5].strip()]
-    assert listed == ["prepack", "inspect", "train", "verify", "map", "demo", "bench"]
+    assert listed == ["prepack", "inspect", "train", "verify", "map", "demo", "bench", "plan"]
 
 
 def test_map_prints_worked_example(capsys, tmp_path):

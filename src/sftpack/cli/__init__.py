@@ -3,6 +3,7 @@
     sftpack map [--png FILE]   the contract's worked example at the three packing moments
     sftpack demo               the main job on the embedded default
     sftpack bench [PATHS]      what packing saves on your conversations, per algorithm
+    sftpack plan DATA          each path's balance across data-parallel ranks, on paper
 
 Each command is a module ``_<name>.py`` of this package with
 ``register(subparsers)`` (found at start, listed in :data:`_ORDER`'s order). A user
@@ -37,7 +38,7 @@ from ._config import CONFIG_HELP, expand_config
 __all__ = ["build_parser", "main"]
 
 #: the order ``sftpack --help`` lists commands in (others follow alphabetically)
-_ORDER = ("prepack", "inspect", "train", "verify", "map", "demo", "bench")
+_ORDER = ("prepack", "inspect", "train", "verify", "map", "demo", "bench", "plan")
 #: the commands that take ``--config FILE.yaml`` (:mod:`._config`)
 _CONFIGURED = ("prepack", "train")
 
