@@ -1,37 +1,33 @@
-"""How far the slowest data-parallel rank is above the mean, with today's code (issue 41's "before").
+"""How far the slowest data-parallel rank is above the mean, before and after issue 41.
 
 A step is as slow as its slowest rank, so what matters across ``W`` data-parallel
 ranks is ``max / mean`` of the ranks' cost per step (1.00: no straggler). This
-script measures it on paper, with sftpack's own planners as they are, and a FLOP
-model of a 7B decoder written here (32 layers, ``d = 4096``, ``N = 6.7e9``
-parameters): a sequence of ``l`` tokens costs ``6*N*l + 6*L*d*l**2`` FLOPs
-(forward and backward, causal attention), a rank's cost in a step is the sum over
-the sequences of its micro-batches (trainer) or rows (offline); only real tokens
-are charged (``pad_multiple=1``: no padding inside a row).
+script measures it on paper with the one cost model every planner uses,
+:class:`sftpack.balance.SequenceCost` of a 7B decoder (``SequenceCost.named("7b")``:
+Llama 2 7B's shape, 32 layers, ``d = 4096``; a sequence of ``l`` tokens costs
+``6*P*l + 6*L*d*l**2`` FLOPs, forward and backward, ``P`` = 6.6e9 weights a token
+meets). A rank's cost in a step is the sum over the sequences of its micro-batches
+(trainer) or rows (offline, loader); only real tokens are charged.
 
-- **Trainer path**: each step's global batch of sequences planned by
-  :func:`sftpack.trainer.plan_microbatches` (``dp_size=W``, ``max_seq_len`` = the
-  micro-batch budget, BFD bins, LPT over ranks) with ``cost="tokens"`` (the
-  default, what ``TrainerSource`` uses) and ``cost="attention"``. The bound is
-  ``max(1, heaviest sequence / mean rank)``: no plan without context parallelism
-  can put one sequence on two ranks.
-- **Offline path**: rows of the whole dataset filled by BFD as ``sftpack prepack``
-  does (:func:`sftpack.offline.plan_rows`), then dealt as ``sftpack train
-  --packing offline`` deals them today: each rank opens the prepack with
-  ``shuffle=True, seed=0, rank, world_size`` (``loop/_setup.py``), so its rows are
-  :func:`epoch_rows` of the rows' real tokens (the snake deal by tokens over the
-  whole epoch, then an epoch-seeded shuffle of the rank's share), and
-  ``OfflineSource`` hands it the next ``rows per rank`` of them each step. Beside
-  it, the same step's rows dealt by cost (LPT: heaviest row to the least loaded
-  rank that still has room, each rank the same number of rows) and the bound
-  ``max(1, heaviest row / mean rank)``. Steps of the first epoch in which every
-  rank is still in it.
+- **Before** (the code of ``e7dffec``, re-implemented here in a few lines so the
+  comparison stays runnable): the trainer path's ``plan_microbatches`` packed the
+  global batch into BFD bins, split them to a multiple of ``W`` and dealt the bins
+  LPT by tokens; the offline path dealt the whole epoch's rows in a snake by tokens,
+  each rank then reading its share in a shuffled order, ``k`` rows a step.
+- **After**: :func:`sftpack.report.plan_paths`, what ``sftpack plan`` prints: the
+  trainer path's ``plan_microbatches`` (sequences dealt to ranks by cost, then each
+  share packed), priced with the 7B model (and with ``cost="tokens"``, the default of
+  ``sftpack train`` without a model); the offline and loader paths' steps of rows dealt
+  by cost (:func:`sftpack.balance.deal`); dynamic context parallelism with ``--cp 8``
+  (:func:`sftpack.balance.dynamic_cp`) where the case has a long tail. The bound is
+  :func:`sftpack.balance.lower_bound`: the heaviest sequence (trainer) or row
+  (offline) over the mean rank, which no plan without context parallelism beats.
 
-Every ratio is the **mean over steps** of the per-step ``max / mean`` (the table
-also gives the worst step). Cases are issue 41's: 8 / 64 / 512 / 1,024 ranks;
+Every ratio is the **mean over steps** of the per-step ``max / mean`` (the tables
+also give the worst step). Cases are issue 41's: 8 / 64 / 512 / 1,024 ranks;
 trainer: global batch 256 / 2,048 / 8,192 / 16,384, budget 16,384 / 16,384 /
-32,768 / 131,072; offline: row width 16,384 / 16,384 / 32,768 / 131,072 and
-2 / 2 / 2 / 1 rows per rank per step. Length mixes (all seeded):
+32,768 / 131,072; offline: row width the same, 2 / 2 / 2 / 1 rows per rank per
+step. Length mixes (all seeded):
 
 - ``chat``: ``round(lognormal(mu=ln 900, sigma=1))`` (median 900, mean ~1,480)
   clipped to ``[1, width]``;
@@ -42,13 +38,14 @@ trainer: global batch 256 / 2,048 / 8,192 / 16,384, budget 16,384 / 16,384 /
   (``wikipedia_512.csv``, ``squad11_384.csv``), as ``bench_loader.py`` draws them
   (``rng.choice`` with the counts as probabilities).
 
-Last, the time ``plan_microbatches`` takes for a 16,384-sequence global batch
-(``chat + tail`` up to 131,072) at 1,024 ranks, budget 131,072 (issue 41's goal: under
-1 s), median of ``--repeats`` after a warm-up call.
+Last, the time ``plan_microbatches`` (7B cost) and ``dynamic_cp`` take for a
+16,384-sequence global batch (``chat + tail`` up to 131,072) at 1,024 ranks,
+budget 131,072 (issue 41's goal: under 1 s), median of ``--repeats`` after a
+warm-up call.
 
 Usage::
 
-    python benchmarks/bench_balance.py            # the full run (under a minute on 2 cores)
+    python benchmarks/bench_balance.py            # the full run (a few minutes on 2 cores)
     python benchmarks/bench_balance.py --quick    # fewer steps, a smaller dataset
     python benchmarks/bench_balance.py --no-results --steps 4
 
