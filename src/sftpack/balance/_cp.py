@@ -369,6 +369,7 @@ def _microbatches(
             k = int(np.lexsort((d, costs[d]))[0])
             shares[r] = np.sort(np.append(shares[r], d[k]))
             shares[donor] = np.delete(d, k)
+            first[d[k]] = r  # in place: the plan's first_rank
 
     out: list[list[CPMicrobatch]] = []
     loads = np.zeros((ranks, m))
