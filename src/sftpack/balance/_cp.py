@@ -93,7 +93,7 @@ def cp_groups(ranks: int, max_cp: int) -> list[tuple[int, ...]]:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # arrays inside: compare their fields, not the objects
 class CPMicrobatch:
     """One micro-batch of one rank: a packed row of ``sequences``, sharded over ``local_cp_size`` ranks.
 
@@ -115,7 +115,7 @@ class CPMicrobatch:
     cost: float
 
 
-@dataclass
+@dataclass(eq=False)
 class DynamicCPPlan:
     """One step's global batch over ``ranks`` ranks with dynamic context parallelism.
 
