@@ -15,8 +15,9 @@ batches, with the paths' own planners and the one cost model
 - **loader**: the offline rows again: the loader's buffer packs a stream with the same
   planner (BFD on the padded lengths), so its rows are nearly the offline ones and they
   are dealt the same way; :mod:`sftpack.loader` offers no lengths-only packer to run here;
-- **dynamic_cp**: context parallelism sized per sequence (``cp > 1``), from
-  ``sftpack.balance.dynamic_cp`` where this sftpack has it (see :func:`_dynamic_cp`).
+- **dynamic_cp**: the trainer path with context parallelism sized per sequence (``cp > 1``):
+  each step's global batch planned by :func:`sftpack.balance.dynamic_cp` over the ``dp``
+  ranks, a long sequence spread over an aligned group of up to ``cp`` of them.
 
 Order: the lengths are read in a seeded permutation (``seed``; ``shuffle=False``: as
 given), the permutation ``sftpack train`` draws its first epoch from; the offline rows in
@@ -37,14 +38,13 @@ Sequences are charged on their length rounded up to the pad multiple (``2 * cp``
 >>> o = r.paths["offline"]
 >>> o.available, o.steps, o.microbatches_per_rank
 (True, 2, 1.0)
->>> r.paths["dynamic_cp"].available
+>>> r.paths["dynamic_cp"].available  # cp=1: nothing to spread a sequence over
 False
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import itertools
 import os
 from collections.abc import Iterable, Mapping
@@ -58,7 +58,7 @@ from numpy.typing import ArrayLike
 from .._base import round_up
 from .._optional import pyplot
 from .._types import Tokenizer
-from ..balance import SequenceCost, deal, lower_bound, max_over_mean, sequence_cost
+from ..balance import SequenceCost, deal, dynamic_cp, lower_bound, max_over_mean, sequence_cost
 from ..chat import ReadStats, TokenizeStats, read_conversations, tokenize_conversations
 from ..offline import PrepackedDataset, plan_rows, read_manifest
 from ..trainer import plan_microbatches
@@ -378,34 +378,32 @@ def _offline(
     return _summary("offline", ratios, bounds, [float(k)] * n_steps, real, slots, worst_loads, worst)
 
 
-# ============================================================================ HOOK: dynamic CP
-# Issue 41, item 3: sftpack.balance.dynamic_cp (context parallelism sized per sequence from its
-# length) is being written beside this module. Until it lands, the path is reported as
-# unavailable. The lead wires it in HERE after merging: per step, the global batch
-# ``stream[s * global_batch : (s + 1) * global_batch]`` planned over the ``dp * cp`` GPUs, its
-# per-rank loads, max / mean, bound and micro-batches summarised with ``_summary`` as above.
-DYNAMIC_CP_MODULE = "sftpack.balance.dynamic_cp"
-
-
 def _dynamic_cp(
     stream: np.ndarray, model: SequenceCost, dp: int, cp: int, batch: int, width: int, steps: int
 ) -> PathPlan:
+    """The trainer path with context parallelism sized per sequence (:func:`sftpack.balance.dynamic_cp`
+    over the ``dp`` ranks, groups of up to ``cp``): each step's global batch, as :func:`_trainer`."""
     if cp == 1:
         return PathPlan("dynamic_cp", False, reason="cp 1: no context-parallel ranks to spread a long sequence over")
-    try:
-        importlib.import_module(DYNAMIC_CP_MODULE)
-    except ImportError:
-        return PathPlan("dynamic_cp", False, reason=f"{DYNAMIC_CP_MODULE} is not in this sftpack yet")
-    # HOOK: call the dynamic-CP planner here (see above); until then, said as not wired.
-    return PathPlan(
-        "dynamic_cp",
-        False,
-        reason=f"{DYNAMIC_CP_MODULE} is importable but not wired into sftpack plan yet "
-        "(the HOOK in sftpack/report/balance.py)",
-    )
-
-
-# ============================================================================ end of the HOOK
+    n_steps = min(steps, stream.shape[0] // batch)
+    if n_steps == 0:
+        return PathPlan("dynamic_cp", False, reason=f"fewer than one global batch of {batch:,} sequences")
+    ratios: list[float] = []
+    bounds: list[float] = []
+    mbs: list[float] = []
+    real = slots = 0
+    worst, worst_loads = 0, np.zeros(dp)
+    for s in range(n_steps):
+        lengths = stream[s * batch : (s + 1) * batch]
+        plan = dynamic_cp(lengths, ranks=dp, max_cp=cp, max_seq_len=width, cost=model)
+        ratios.append(plan.max_over_mean)
+        bounds.append(plan.bound)
+        mbs.append(float(plan.num_microbatches))
+        real += int(lengths.sum())
+        slots += dp * plan.num_microbatches * width
+        if ratios[-1] > ratios[worst] or s == 0:
+            worst, worst_loads = s, plan.rank_loads
+    return _summary("dynamic_cp", ratios, bounds, mbs, real, slots, worst_loads, worst)
 
 
 # ---------------------------------------------------------------------------- the inputs
