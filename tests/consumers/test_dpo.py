@@ -343,3 +343,79 @@ def test_a_cp_shard_needs_its_group_and_a_row_refuses_one():
     with pytest.raises(ValueError, match="cp_group given but packed is a whole row"):
         sequence_logprob_sums(torch.zeros(row.num_tokens, VOCAB), row, cp_group=object())  # type: ignore[arg-type]
     assert pairs_of(shard, META).chosen.tolist() == pairs_of(row, META).chosen.tolist()  # the shard keeps the ids
+
+
+# ---------------------------------------------------------------- context parallelism, 2 gloo ranks
+CP = 2
+
+
+def _cp_worker(rank: int, init_file: str, out_file: str) -> None:
+    """One CP rank: its shard through both models (local queries against every rank's keys and
+    values, tests/handoff/test_cp_media.py's reference CP attention, the ``real`` mode), the
+    per-sequence sums reassembled over the CP group, the DPO loss over the pairs counted over the
+    group (each pair once per rank), its share backpropagated, the gradients summed over the ranks."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from tests.handoff.test_cp_media import CP_ATTENTION, _register
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=CP, timeout=timedelta(seconds=300)
+    )
+    try:
+        _register()
+        shard = shard_for_cp(row_of(ORDER), CP, rank).validate()
+        group = dist.group.WORLD
+
+        def logits(model) -> torch.Tensor:
+            model.config._attn_implementation = CP_ATTENTION
+            try:
+                kw = {"sftpack_cp_shard": shard, "sftpack_cp_real": True}
+                ids, pos = shard.input_ids[None], shard.position_ids[None]
+                return model(input_ids=ids, position_ids=pos, use_cache=False, **kw).logits[0]
+            finally:
+                model.config._attn_implementation = "sdpa"
+
+        pol, ref = policy(), reference()
+        pol.zero_grad(set_to_none=True)
+        lp, counts = sequence_logprob_sums(logits(pol), shard, cp_group=group)
+        with torch.no_grad():
+            rp, _ = sequence_logprob_sums(logits(ref), shard, cp_group=group)
+        pr = pairs_of(shard, META)
+        n = count_pairs(pr)  # over the CP group: each rank holds (and counts) every pair
+        out = dpo_loss(lp[pr.chosen], lp[pr.rejected], rp[pr.chosen], rp[pr.rejected], beta=BETA)
+        loss = pair_mean(out.losses, n)
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        gs = grads(pol)
+        for g in gs:
+            dist.all_reduce(g)
+        if rank == 0:
+            torch.save({"loss": total, "grads": gs, "logps": lp.detach(), "counts": counts, "n": int(n)}, out_file)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_cp2_sums_and_dpo_equal_each_sequence_alone(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    from tests.loop.conftest import run_ranks
+
+    out = tmp_path / "cp.pt"
+    run_ranks(_cp_worker, (str(tmp_path / "init"), str(out)), CP)
+    got = torch.load(out)
+    ref = alone()
+    assert got["n"] == CP * len(LENGTHS)
+    assert got["counts"].tolist() == [int(SAMPLES[i].loss_mask.sum()) for i in ORDER]
+    d = {
+        "logps": max(abs(float(got["logps"][j] - ref["logps"][sid])) for j, sid in enumerate(ORDER)),
+        "loss": abs(float(got["loss"] - ref["loss"])),
+        "grads": max(float((a - b).abs().max()) for a, b in zip(got["grads"], ref["grads"])),
+    }
+    print("CP=2 vs alone:", d)
+    assert all(v <= TOL for v in d.values()), d
