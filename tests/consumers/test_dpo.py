@@ -11,7 +11,9 @@ role (``pairs_of``), ``dpo_loss``, each micro-batch's share over the global pair
 labels (``reference_labels``), and the DPO loss written out as ``log1p(exp(-z))``. Three
 consumer forms (Hugging Face kwargs under Hugging Face's own sdpa, which finds the segments
 from the restarting positions: the padded boundary mode; sftpack's varlen training attention
-in both boundary modes), and two groupings (one row; two micro-batches of whole pairs).
+in both boundary modes), and two groupings (one row; two micro-batches of whole pairs). The
+``PackedSeqParams`` form (sftpack's plain-PyTorch ``TinyCausalLM``, both modes) is checked for
+the per-sequence sums; flash-attn's kwargs need CUDA and are not run here.
 
 Tolerance, fixed: 1e-9 in float64. Derivation: per logit, each side is within
 n*u*20 = 2e3 * 1.1e-16 * 20 = 4.4e-12 of the exact value (tests/consumers/test_exactness.py:
@@ -45,7 +47,7 @@ import torch
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
 from sftpack.attention import TRAIN_ATTENTION, register_train_attention
-from sftpack.exactness import alone_text_logits, packed_text_logits, reference_labels, tiny_llama
+from sftpack.exactness import TinyCausalLM, alone_text_logits, packed_text_logits, reference_labels, tiny_llama
 from sftpack.handoff import shard_for_cp
 from sftpack.loss import sequence_logprob_means, sequence_logprob_sums, sequence_loss_sums
 from sftpack.objectives import (
@@ -255,6 +257,24 @@ def test_hf_kwargs_and_varlen_attention_give_the_same_sums():
         assert float((sums[route][0] - sums["hf_kwargs"][0]).abs().max()) <= TOL, route
     # the counts are each sequence's trained tokens: its answer's length (the prompt is untrained)
     assert sums["hf_kwargs"][1].tolist() == [SAMPLES[i].loss_mask.sum() for i in ORDER]
+
+
+@pytest.mark.parametrize("pad_between_seqs", [True, False], ids=["real", "padded"])
+def test_packed_seq_params_form_gives_each_sequence_alone(pad_between_seqs):
+    """Megatron's form: ``PackedSeqParams`` into sftpack's plain-PyTorch causal LM (its attention
+    takes the boundaries as Transformer Engine does); the sums equal each sequence alone."""
+    model = TinyCausalLM(vocab_size=VOCAB, seed=0, dtype=F64)
+    row = row_of(ORDER)
+    with torch.no_grad():
+        logits = model(row.input_ids, row.position_ids, row.to_packed_seq_params(pad_between_seqs=pad_between_seqs))
+        lp, _ = sequence_logprob_sums(logits, row)
+        for j, sid in enumerate(ORDER):
+            s = SAMPLES[sid]
+            lab = reference_labels(s)
+            keep = lab != IGNORE_INDEX
+            alone_logits = model(torch.as_tensor(s.input_ids), torch.arange(len(s)), None)
+            want = torch.log_softmax(alone_logits, -1)[keep].gather(1, lab[keep][:, None]).sum()
+            assert abs(float(lp[j] - want)) <= TOL, sid
 
 
 def test_logprob_sums_are_minus_the_loss_sums_and_the_means_divide():
