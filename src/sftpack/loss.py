@@ -14,6 +14,15 @@ must not notice. Two normalisations are exact:
   sequences that have at least one target (:func:`sequence_mean_loss`). The
   sequences are found from the packed boundaries, never from rows.
 
+Per-sequence log-probabilities (what preference objectives such as DPO read,
+:mod:`sftpack.objectives`) are the same reduction with the sign turned:
+:func:`sequence_logprob_sums` is minus :func:`sequence_loss_sums`, one value per
+sequence of the packed row, whichever consumer form ran the model (Hugging Face
+kwargs, ``PackedSeqParams``, flash-attn kwargs: they change how the model is
+called, not the boundaries the reduction reads). On a context-parallel shard each
+rank holds part of every sequence; :func:`all_reduce_sequence_sums` puts the sums
+back together over the CP group, differentiably.
+
 What is *not* exact, and a bug seen in the wild: averaging per-row (or
 per-micro-batch) means. A row holding one long answer and one short one weighs
 them differently from the unpacked batch, and the loss moves when the packing
@@ -40,16 +49,19 @@ from typing import TYPE_CHECKING, Literal
 import torch
 import torch.nn.functional as F
 
-from .handoff import PackedBatch, segment_ids
+from .handoff import CPShard, PackedBatch, segment_ids
 from .sample import IGNORE_INDEX
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
 
 __all__ = [
+    "all_reduce_sequence_sums",
     "count_label_tokens",
     "count_sequences",
     "loss_dtype",
+    "sequence_logprob_means",
+    "sequence_logprob_sums",
     "sequence_loss_sums",
     "sequence_mean_loss",
     "token_losses",
@@ -91,6 +103,17 @@ def _all_reduce_sum(t: torch.Tensor, group: ProcessGroup | Literal[False] | None
     if group is not False and torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM, group=group)
     return t
+
+
+def _global_share(total: torch.Tensor, count: int | torch.Tensor, average_over_ranks: int) -> torch.Tensor:
+    """``total / count * average_over_ranks``: one micro-batch's share of a mean whose ``count``
+    is global (a count of 0 gives 0, not NaN: the total is then 0 too)."""
+    denom: torch.Tensor | float
+    if isinstance(count, torch.Tensor):
+        denom = count.to(device=total.device, dtype=total.dtype).clamp_min(1)
+    else:
+        denom = float(max(int(count), 1))
+    return total / denom * average_over_ranks
 
 
 def _batches(batches: PackedBatch | Iterable[PackedBatch]) -> list[PackedBatch]:
@@ -152,13 +175,7 @@ def token_mean_loss(
     Returns:
         0-dim float32 tensor (float64 for float64 logits).
     """
-    total = token_losses(logits, labels).sum()
-    denom: torch.Tensor | float
-    if isinstance(num_label_tokens, torch.Tensor):
-        denom = num_label_tokens.to(device=total.device, dtype=total.dtype).clamp_min(1)
-    else:
-        denom = float(max(int(num_label_tokens), 1))
-    return total / denom * average_over_ranks
+    return _global_share(token_losses(logits, labels).sum(), num_label_tokens, average_over_ranks)
 
 
 def sequence_loss_sums(logits: torch.Tensor, packed: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,7 +185,8 @@ def sequence_loss_sums(logits: torch.Tensor, packed: PackedBatch) -> tuple[torch
         ``(sums, counts)``, each ``(N,)``: float32 (float64 for float64 logits) summed token loss and int64
         number of targets of every sequence (segment) of ``packed``. For a
         context-parallel shard, segment ``i`` is sequence ``i``'s chunks on this
-        rank: all-reduce both over the CP group before dividing.
+        rank: all-reduce both over the CP group before dividing
+        (:func:`all_reduce_sequence_sums`).
     """
     per_slot = token_losses(logits, packed)
     seg = segment_ids(packed)
@@ -228,9 +246,102 @@ def sequence_mean_loss(
     """
     sums, counts = sequence_loss_sums(logits, packed)
     means = torch.where(counts > 0, sums / counts.clamp_min(1).to(sums.dtype), torch.zeros_like(sums))
-    denom: torch.Tensor | float
-    if isinstance(num_sequences, torch.Tensor):
-        denom = num_sequences.to(device=means.device, dtype=means.dtype).clamp_min(1)
-    else:
-        denom = float(max(int(num_sequences), 1))
-    return means.sum() / denom * average_over_ranks
+    return _global_share(means.sum(), num_sequences, average_over_ranks)
+
+
+def all_reduce_sequence_sums(
+    sums: torch.Tensor, counts: torch.Tensor, group: ProcessGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Put a context-parallel shard's per-sequence sums back together: sum over ``group``.
+
+    Segment ``i`` of every CP rank's shard is sequence ``i``'s chunks on that rank, so the
+    sum over the CP group of each rank's ``(N,)`` sums and counts is the whole sequence's.
+    ``sums`` are summed by ``torch.distributed.nn.functional.all_reduce``, whose backward
+    sums the gradient over the group too: if every rank computes the same objective ``J``
+    from the reassembled sums and contributes ``J / cp_size`` (what a pair count over the
+    data-parallel x context-parallel group gives, :func:`sftpack.objectives.count_pairs`),
+    each rank's chunks get exactly ``dJ/dsum``, and summing the parameter gradients over the
+    ranks (as DDP / Megatron do over DP x CP) gives the unsharded gradient. ``counts`` carry
+    no gradient (a plain all-reduce).
+
+    Args:
+        sums: ``(N,)`` float, this rank's per-sequence sums (:func:`sequence_loss_sums`).
+        counts: ``(N,)`` int64, this rank's per-sequence target counts.
+        group: the context-parallel process group (``torch.distributed.group.WORLD`` for all
+            ranks); ``torch.distributed`` must be initialised.
+
+    Returns:
+        ``(sums, counts)`` of the whole sequences, the same on every rank of ``group``.
+    """
+    import torch.distributed as dist  # only where a group is given
+    import torch.distributed.nn.functional as dist_fn
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "all_reduce_sequence_sums: torch.distributed is not initialised; call "
+            "torch.distributed.init_process_group first, or read whole rows (no CP group)"
+        )
+    total = dist_fn.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    n = counts.clone()
+    dist.all_reduce(n, op=dist.ReduceOp.SUM, group=group)
+    return total, n
+
+
+def sequence_logprob_sums(
+    logits: torch.Tensor, packed: PackedBatch, *, cp_group: ProcessGroup | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence's summed log-probability of its labels, from one packed forward.
+
+    ``log p(sequence i) = sum over its targets t of log softmax(logits[t])[labels[t]]``,
+    computed as minus :func:`sequence_loss_sums` (one reduction, read from the packed
+    boundaries). Targets are the trained tokens only (``labels != -100``): for a preference
+    pair, the answer's tokens.
+
+    Args:
+        logits: ``(T, V)`` or ``(1, T, V)`` for the slots of ``packed``.
+        packed: the row (or several rows laid end to end), or a :class:`~sftpack.handoff.CPShard`.
+        cp_group: for a CP shard, the context-parallel group to reassemble the sequences
+            over (:func:`all_reduce_sequence_sums`); ``None`` for whole rows. A shard of
+            ``cp_size > 1`` without a group is refused (its sums would be partial).
+
+    Returns:
+        ``(logps, counts)``, each ``(N,)``: float32 (float64 for float64 logits) summed
+        log-probabilities, and int64 number of targets, one per sequence of ``packed``.
+
+    >>> import torch
+    >>> from sftpack import PackedBatch
+    >>> b = PackedBatch.from_samples([[1, 2, 3], [4, 5]])
+    >>> logps, n = sequence_logprob_sums(torch.zeros(5, 8), b)  # uniform over 8 ids
+    >>> [round(x, 4) for x in logps.tolist()], n.tolist()  # 2 and 1 targets of log(1/8)
+    ([-4.1589, -2.0794], [2, 1])
+    """
+    if isinstance(packed, CPShard) and packed.cp_size > 1 and cp_group is None:
+        raise ValueError(
+            f"sequence_logprob_sums: packed is a context-parallel shard (cp_size={packed.cp_size}, "
+            f"cp_rank={packed.cp_rank}) holding part of each sequence; pass cp_group=<the CP process group> "
+            "to sum the sequences over the ranks"
+        )
+    if cp_group is not None and not isinstance(packed, CPShard):
+        raise ValueError(
+            "sequence_logprob_sums: cp_group given but packed is a whole row (not a CPShard from "
+            "sftpack.handoff.shard_for_cp); summing whole rows over a group would count them several times"
+        )
+    sums, counts = sequence_loss_sums(logits, packed)
+    if cp_group is not None:
+        sums, counts = all_reduce_sequence_sums(sums, counts, cp_group)
+    return -sums, counts
+
+
+def sequence_logprob_means(
+    logits: torch.Tensor, packed: PackedBatch, *, cp_group: ProcessGroup | None = None
+) -> torch.Tensor:
+    """Each sequence's mean token log-probability (its sum over its number of targets).
+
+    The length-normalised score of reference-free objectives (SimPO). A sequence with no
+    target gets 0. Same arguments as :func:`sequence_logprob_sums`.
+
+    Returns:
+        ``(N,)`` float32 (float64 for float64 logits).
+    """
+    logps, counts = sequence_logprob_sums(logits, packed, cp_group=cp_group)
+    return torch.where(counts > 0, logps / counts.clamp_min(1).to(logps.dtype), torch.zeros_like(logps))
