@@ -540,6 +540,8 @@ def _columns(names: Iterable[str]) -> list[str]:
     have = set(names)
     if have & {"messages", "conversations"}:  # both read: a row takes whichever it fills
         return [c for c in ("messages", "conversations", "images") if c in have]
+    if have & {"chosen", "rejected"} and "completion" not in have:
+        return [c for c in FORMAT_FIELDS[RowFormat.PREFERENCE] if c in have]
     for fmt, deciding in (
         (RowFormat.PROMPT_COMPLETION, {"prompt", "completion"}),
         (RowFormat.ALPACA, {"instruction", "output"}),
