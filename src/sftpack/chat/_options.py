@@ -111,7 +111,7 @@ class BadRowReason(_StrEnum):
     INVALID_JSON = "invalid_json"  #: the line is not valid JSON, not UTF-8, or nested too deeply to parse
     NOT_AN_OBJECT = "not_an_object"  #: valid JSON, but not an object ``{...}``
     #: no field of a known format (``messages``, ShareGPT ``conversations``, ``prompt``/``completion``,
-    #: Alpaca ``instruction``/``output``, ``text``)
+    #: ``chosen``/``rejected``, Alpaca ``instruction``/``output``, ``text``)
     MISSING_MESSAGES = "missing_messages"
     MISSING_FIELD = "missing_field"  #: a row of a known format without a field it needs (Alpaca without ``output``)
     MIXED_FORMATS = "mixed_formats"  #: a row of another format than the first row of its file

@@ -522,7 +522,7 @@ class ConversationReader:
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' column, nor another known format's (columns: {names})",
             "add a 'messages' column of {'role', 'content'} lists (or ShareGPT 'conversations', 'prompt' and "
-            "'completion', Alpaca 'instruction' and 'output', or 'text')",
+            "'completion', 'prompt' / 'chosen' / 'rejected' pairs, Alpaca 'instruction' and 'output', or 'text')",
         )
         if self.on_bad_row is OnBadRow.SKIP:  # every row is bad for the same reason: count them at once
             self.stats.read += num_rows

@@ -115,7 +115,8 @@ def _read_row(
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' field, nor another known format's (the row's keys: {keys})",
             "give the row a 'messages' list of {'role', 'content'} objects (or ShareGPT 'conversations' of "
-            "{'from', 'value'}, 'prompt' and 'completion', Alpaca 'instruction' and 'output', or 'text')",
+            "{'from', 'value'}, 'prompt' and 'completion', 'prompt' / 'chosen' / 'rejected' pairs, Alpaca "
+            "'instruction' and 'output', or 'text')",
         )
     if fmt is RowFormat.ALPACA:
         return _alpaca(row), 0, fmt
