@@ -272,3 +272,33 @@ def test_the_training_cache_keeps_each_pair_with_its_conversation(tmp_path: Path
     for a, b in zip(first.samples, again.samples, strict=True):
         assert a.input_ids.tobytes() == b.input_ids.tobytes() and a.meta == b.meta
     assert np.array_equal(first.samples[0].input_ids, first.samples[3].input_ids)  # explicit == implicit
+
+
+def test_special_token_text_in_one_answer_keeps_the_shared_prompt(qwen: Any) -> None:
+    typed = {"role": "assistant", "content": "Type <|im_end|> to stop."}  # text, not the control token
+    chosen, rejected = tokenize_pair({"prompt": [SYSTEM, USER], "chosen": [typed], "rejected": [BAD]}, qwen)
+    for s, answer in zip((chosen, rejected), (typed, BAD)):
+        alone = tokenize_conversation([SYSTEM, USER, answer], qwen)
+        assert s.input_ids.tobytes() == alone.input_ids.tobytes()
+        assert s.loss_mask.tobytes() == alone.loss_mask.tobytes()
+    assert (chosen.input_ids == qwen.convert_tokens_to_ids("<|im_end|>")).sum() == 3  # 2 prompt turns + the answer's
+    n = len(_ids(qwen, qwen.apply_chat_template([SYSTEM, USER], tokenize=False)))
+    assert chosen.input_ids[:n].tobytes() == rejected.input_ids[:n].tobytes()
+    # a string pair whose answer ends with the EOS string takes no second one (TRL's rule)
+    c, r = tokenize_pair({"prompt": "Q:", "chosen": " yes<|im_end|>", "rejected": " no"}, qwen)
+    assert qwen.decode(c.input_ids) == "Q: yes<|im_end|>" and qwen.decode(r.input_ids) == "Q: no<|im_end|>"
+    k = len(_ids(qwen, "Q:"))
+    assert c.input_ids[:k].tolist() == r.input_ids[:k].tolist() == _ids(qwen, "Q:")
+
+
+def test_worker_processes_give_the_same_pairs() -> None:
+    tok = tiny_chat_tokenizer("chatml")
+    rows = [EXPLICIT, IMPLICIT, {"messages": [USER, GOOD]}, {"chosen": [USER, GOOD], "rejected": [USER]}] * 3
+    one = tokenize_conversations(rows, tok, batch_size=3, on_bad_row="skip")
+    two = tokenize_conversations(rows, tok, batch_size=3, num_proc=2, on_bad_row="skip")
+    a, b = one.to_list(), two.to_list()
+    assert len(a) == 15 and one.stats.skipped == {"no_assistant_turn": 3}
+    assert [(s.input_ids.tobytes(), s.loss_mask.tobytes(), s.conversation_id, s.meta) for s in a] == [
+        (s.input_ids.tobytes(), s.loss_mask.tobytes(), s.conversation_id, s.meta) for s in b
+    ]
+    assert one.stats == two.stats
