@@ -51,6 +51,12 @@ prompt may hold assistant turns, never trained); plain ``text`` and standard
 prompt/completion rows need no chat template (``_plain``), so a tokenizer without
 one serves them, and fails only at the first row that needs it.
 
+A preference pair (``_rows``' :class:`~sftpack.chat.PreferencePair`) is one item that renders
+as two members, chosen then rejected; the prompt's text (up to the ``seam``) is encoded once,
+each answer's text apart after it, so both samples start with the same prompt tokens, and the
+over-long policy applies to the pair whole (:func:`_pair_policy`); a member that fails skips
+the pair.
+
 Batches of many conversations, stats and worker processes: ``_batch``.
 """
 
@@ -103,7 +109,7 @@ class Encoded:
     """One conversation's result: its samples (none if dropped, several if split) and what happened.
 
     Attributes:
-        samples: the samples to train on, in order.
+        samples: the samples to train on, in order (a preference pair's: chosen, rejected).
         outcome: :class:`~sftpack.chat.Outcome` (fit, truncated, dropped, split, skipped).
         num_tokens: tokens of the whole rendered conversation, before the policy.
         tokens_lost: tokens cut off (truncate) or left out (drop).
