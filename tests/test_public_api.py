@@ -61,6 +61,7 @@ API = {
         "read_conversations",
         "tokenize_conversation",
         "tokenize_conversations",
+        "tokenize_pair",
     ],
     "sftpack.loader": [
         "PAD_BETWEEN_SEQS",

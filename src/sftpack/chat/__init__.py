@@ -4,7 +4,7 @@
 errors). The building blocks stay importable from here but out of ``__all__``:
 ``ConversationReader``, ``TokenizedConversations``, ``Encoded``, ``FileProblem``,
 ``ChatRenderer`` / ``renderer_for`` / ``chat_template_of``, ``mask_from_offsets``, ``validate_messages``,
-``RowFormat``, ``FormattedMessages``, ``detect_format``,
+``RowFormat``, ``FormattedMessages``, ``PreferencePair``, ``detect_format``,
 ``ROLES`` / ``SHAREGPT_ROLES``, ``FileSkipReason``, ``Outcome``,
 ``SpecialTokensInContent``.
 
@@ -31,7 +31,7 @@ Private modules, one concept each:
 
 * ``_options``: the choices (``StrEnum``), validated up front.
 * ``_rows``: a row's schema (OpenAI ``messages``, ShareGPT ``conversations``,
-  Alpaca, TRL prompt/completion or plain ``text``, detected from its fields as a
+  Alpaca, TRL prompt/completion, TRL preference pairs or plain ``text``, detected from its fields as a
   :class:`RowFormat`) and its checks; ``_parts``: a content's list of text / image /
   video parts, their sources resolved against the data folder; ``_bad_row``:
   :class:`BadRowError` and ``RowProblem``, what a failed check raises.
@@ -119,11 +119,12 @@ from ._render import renderer_for as renderer_for
 from ._rows import ROLES as ROLES
 from ._rows import SHAREGPT_ROLES as SHAREGPT_ROLES
 from ._rows import FormattedMessages as FormattedMessages
+from ._rows import PreferencePair as PreferencePair
 from ._rows import checked_tool_calls as checked_tool_calls
 from ._rows import checked_tools as checked_tools
 from ._rows import detect_format as detect_format
 from ._rows import validate_messages as validate_messages
-from ._tokenize import ConversationTemplateError, encode_conversation, tokenize_conversation
+from ._tokenize import ConversationTemplateError, encode_conversation, tokenize_conversation, tokenize_pair
 from ._tokenize import Encoded as Encoded
 from ._tokenize import as_item as as_item
 from ._tokenize import encode_pieces as encode_pieces
@@ -152,4 +153,5 @@ __all__ = [
     "read_conversations",
     "tokenize_conversation",
     "tokenize_conversations",
+    "tokenize_pair",
 ]

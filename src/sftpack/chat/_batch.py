@@ -64,8 +64,8 @@ class TokenizeStats:
       ``PackedBatch.num_label_tokens`` over rows of ``build_row`` / ``from_samples``).
 
     Attributes:
-        conversations: conversations in.
-        samples: samples out (each piece of a split conversation counts).
+        conversations: conversations in (a preference pair is one).
+        samples: samples out (each piece of a split conversation counts, and each member of a pair).
         fit / truncated / dropped / split: conversations per over-long outcome.
         skipped: reason (a :class:`BadRowReason` value) -> conversations left out
             under ``on_bad_row="skip"``: the row checks, ``template_error``,

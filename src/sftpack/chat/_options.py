@@ -111,7 +111,7 @@ class BadRowReason(_StrEnum):
     INVALID_JSON = "invalid_json"  #: the line is not valid JSON, not UTF-8, or nested too deeply to parse
     NOT_AN_OBJECT = "not_an_object"  #: valid JSON, but not an object ``{...}``
     #: no field of a known format (``messages``, ShareGPT ``conversations``, ``prompt``/``completion``,
-    #: Alpaca ``instruction``/``output``, ``text``)
+    #: ``chosen``/``rejected``, Alpaca ``instruction``/``output``, ``text``)
     MISSING_MESSAGES = "missing_messages"
     MISSING_FIELD = "missing_field"  #: a row of a known format without a field it needs (Alpaca without ``output``)
     MIXED_FORMATS = "mixed_formats"  #: a row of another format than the first row of its file
@@ -130,6 +130,12 @@ class BadRowReason(_StrEnum):
     UNREADABLE_TAIL = "unreadable_tail"  #: rows after a file's damaged point (a cut ``.gz``, a bad Parquet page)
     TEMPLATE_ERROR = "template_error"  #: (tokenizer) the chat template refused or failed to render the conversation
     NO_TRAINABLE_TOKENS = "no_trainable_tokens"  #: (tokenizer) the rendering holds no trainable token
+    #: a preference pair with an explicit ``prompt`` whose ``chosen`` or ``rejected`` list does not start with
+    #: the assistant's answer (it repeats the prompt, or holds another user turn first)
+    PROMPT_MISMATCH = "prompt_mismatch"
+    #: an implicit-prompt preference pair (no ``prompt``) whose ``chosen`` and ``rejected`` share no leading message
+    NO_COMMON_PROMPT = "no_common_prompt"
+    IDENTICAL_ANSWERS = "identical_answers"  #: a preference pair whose ``chosen`` and ``rejected`` are the same
 
 
 class FileSkipReason(_StrEnum):
@@ -149,7 +155,8 @@ class RowFormat(_StrEnum):
     """The format of a row, detected from its fields (the keys of ``ReadStats.formats``).
 
     Looked for in this order, the first present (not null) field deciding: ``messages``,
-    ``conversations``, ``prompt`` / ``completion``, ``instruction`` / ``output``, ``text``.
+    ``conversations``, ``prompt`` / ``completion`` (``completion`` given, or neither ``chosen`` nor
+    ``rejected``), ``chosen`` / ``rejected`` (a preference pair), ``instruction`` / ``output``, ``text``.
     """
 
     MESSAGES = "messages"  #: OpenAI-style ``messages``: ``[{"role", "content"}]``, rendered by the chat template
@@ -164,6 +171,13 @@ class RowFormat(_StrEnum):
     #: TRL's conversational prompt/completion, both lists of messages: rendered by the chat template, only the
     #: completion's assistant turns trained
     CONVERSATIONAL_PROMPT_COMPLETION = "conversational_prompt_completion"
+    #: TRL's standard preference pair: ``prompt``, ``chosen`` and ``rejected``, all strings: two samples, each
+    #: the prompt's tokens (the tokenizer's BOS where it adds one) then the answer's tokens and EOS (trained)
+    PREFERENCE = "preference"
+    #: TRL's conversational preference pair: ``chosen`` and ``rejected`` lists of messages, after an explicit
+    #: ``prompt`` list or (no ``prompt``) both whole conversations whose common leading messages are the prompt:
+    #: two samples rendered by the chat template, only the answers' assistant turns trained
+    CONVERSATIONAL_PREFERENCE = "conversational_preference"
     #: plain ``text``: no chat template; the tokenizer's BOS where it adds one, the text and EOS, every token trained
     TEXT = "text"
 

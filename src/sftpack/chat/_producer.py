@@ -26,6 +26,7 @@ from typing import Any
 
 from ..sample import Sample
 from ._batch import TokenizeStats
+from ._rows import PAIR_ROLES
 
 __all__: list[str] = []
 
@@ -47,15 +48,25 @@ class _Run:
     read: Any = None
 
 
+def _continues(s: Sample) -> bool:
+    """Whether ``s`` continues the previous sample's conversation: a later piece of a split
+    one, or a later member of a preference pair (``meta["role"]`` not the first of ``PAIR_ROLES``)."""
+    return bool(s.meta.get("piece")) or s.meta.get("role", PAIR_ROLES[0]) != PAIR_ROLES[0]
+
+
+def _last_of_its_conversation(s: Sample) -> bool:
+    return s.meta.get("piece", 0) == s.meta.get("pieces", 1) - 1 and s.meta.get("role", "") != PAIR_ROLES[0]
+
+
 def _positioned(run: _Run) -> Iterator[tuple[int, Sample]]:
     """``(j, sample)``: the sample and the index ``j`` into ``run.order`` of its
-    conversation (found by its id: a sample that is not a later piece of the
-    previous conversation belongs to the next conversation with its id; the ones
+    conversation (found by its id: a sample that does not continue the previous
+    conversation (:func:`_continues`) belongs to the next conversation with its id; the ones
     passed over gave no sample). Without an order, ``j`` counts conversations."""
     order, ids = run.order, run.ids
     j = -1
     for s in run.out:
-        if j < 0 or not s.meta.get("piece"):
+        if j < 0 or not _continues(s):
             j += 1
             if order is not None and ids is not None:
                 while j < len(order) and ids[order[j]] != s.conversation_id:
@@ -205,8 +216,7 @@ def _produce(prepare: Callable[..., _Run], conn: Any, parents_end: Any, parent: 
         for j, s in _positioned(run):
             batch.append((j, s))
             # the last piece of a tokenizer batch's last conversation: send the batch
-            last_piece = s.meta.get("piece", 0) == s.meta.get("pieces", 1) - 1
-            if last_piece and run.out.stats.conversations % _BATCH == 0:
+            if _last_of_its_conversation(s) and run.out.stats.conversations % _BATCH == 0:
                 conn.send(("samples", batch))
                 batch = []
         conn.send(("samples", batch))

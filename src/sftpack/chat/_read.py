@@ -522,7 +522,7 @@ class ConversationReader:
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' column, nor another known format's (columns: {names})",
             "add a 'messages' column of {'role', 'content'} lists (or ShareGPT 'conversations', 'prompt' and "
-            "'completion', Alpaca 'instruction' and 'output', or 'text')",
+            "'completion', 'prompt' / 'chosen' / 'rejected' pairs, Alpaca 'instruction' and 'output', or 'text')",
         )
         if self.on_bad_row is OnBadRow.SKIP:  # every row is bad for the same reason: count them at once
             self.stats.read += num_rows
@@ -540,6 +540,8 @@ def _columns(names: Iterable[str]) -> list[str]:
     have = set(names)
     if have & {"messages", "conversations"}:  # both read: a row takes whichever it fills
         return [c for c in ("messages", "conversations", "images") if c in have]
+    if have & {"chosen", "rejected"} and "completion" not in have:
+        return [c for c in FORMAT_FIELDS[RowFormat.PREFERENCE] if c in have]
     for fmt, deciding in (
         (RowFormat.PROMPT_COMPLETION, {"prompt", "completion"}),
         (RowFormat.ALPACA, {"instruction", "output"}),

@@ -8,7 +8,8 @@ formats SFT data comes in, each detected from its fields (:func:`detect_format`,
 :class:`RowFormat` says how each renders): Alpaca ``instruction`` / ``input`` /
 ``output`` / ``system`` (messages for the chat template), TRL's prompt/completion
 (strings: plain text; lists of messages: the chat template, the prompt never
-trained) and plain ``text``. The ones not rendered by the chat template's usual
+trained), TRL's preference pairs (``prompt`` / ``chosen`` / ``rejected``, read as a
+:class:`PreferencePair`) and plain ``text``. The ones not rendered by the chat template's usual
 rule come as :class:`FormattedMessages`, a list of messages that carries how. Checks run in a fixed order
 and the first failure is the row's one reason (:class:`BadRowReason`), so every
 rejected row is counted exactly once. Every JSON value in every field reaches a
@@ -37,6 +38,7 @@ __all__ = [
     "SHAREGPT_ROLES",
     "BadRowError",
     "FormattedMessages",
+    "PreferencePair",
     "detect_format",
     "validate_messages",
 ]
@@ -113,7 +115,8 @@ def _read_row(
             BadRowReason.MISSING_MESSAGES,
             f"no 'messages' field, nor another known format's (the row's keys: {keys})",
             "give the row a 'messages' list of {'role', 'content'} objects (or ShareGPT 'conversations' of "
-            "{'from', 'value'}, 'prompt' and 'completion', Alpaca 'instruction' and 'output', or 'text')",
+            "{'from', 'value'}, 'prompt' and 'completion', 'prompt' / 'chosen' / 'rejected' pairs, Alpaca "
+            "'instruction' and 'output', or 'text')",
         )
     if fmt is RowFormat.ALPACA:
         return _alpaca(row), 0, fmt
@@ -127,6 +130,8 @@ def _read_row(
         return FormattedMessages(msgs, fmt, template=False, prompt_messages=1), 0, fmt
     if fmt is RowFormat.CONVERSATIONAL_PROMPT_COMPLETION:
         return _conversational(row, role_map, base), 0, fmt
+    if fmt in _PAIRS:
+        return _preference(row, fmt, role_map, base), 0, fmt
     sharegpt = fmt is RowFormat.SHAREGPT
     msgs = row["conversations"] if sharegpt else row["messages"]
     out, images = _chat_list(msgs, "conversations" if sharegpt else "messages", sharegpt, role_map, base, row)
@@ -403,6 +408,9 @@ def detect_format(row: Any) -> RowFormat | None:
     has = {k for k in _FIELDS if row.get(k) is not None}
     if "conversations" in has:
         return RowFormat.SHAREGPT
+    if has & {"chosen", "rejected"} and "completion" not in has:
+        first = next(row[k] for k in ("prompt", "chosen", "rejected") if k in has)
+        return RowFormat.CONVERSATIONAL_PREFERENCE if isinstance(first, list) else RowFormat.PREFERENCE
     if has & {"prompt", "completion"}:
         first = row.get("prompt") if "prompt" in has else row.get("completion")
         return RowFormat.CONVERSATIONAL_PROMPT_COMPLETION if isinstance(first, list) else RowFormat.PROMPT_COMPLETION
@@ -419,16 +427,20 @@ FORMAT_FIELDS: Mapping[RowFormat, tuple[str, ...]] = {
     RowFormat.SHAREGPT: ("conversations", "images"),
     RowFormat.PROMPT_COMPLETION: ("prompt", "completion"),
     RowFormat.CONVERSATIONAL_PROMPT_COMPLETION: ("prompt", "completion"),
+    RowFormat.PREFERENCE: ("prompt", "chosen", "rejected"),
+    RowFormat.CONVERSATIONAL_PREFERENCE: ("prompt", "chosen", "rejected"),
     RowFormat.ALPACA: ("instruction", "input", "output", "system"),
     RowFormat.TEXT: ("text",),
 }
-_FIELDS = ("conversations", "prompt", "completion", "instruction", "output", "text")
+_FIELDS = ("conversations", "prompt", "completion", "chosen", "rejected", "instruction", "output", "text")
 
 _WHAT = {
     RowFormat.ALPACA: "an Alpaca row (instruction, optional input, output, optional system)",
     RowFormat.PROMPT_COMPLETION: "a prompt/completion row (both strings)",
     RowFormat.CONVERSATIONAL_PROMPT_COMPLETION: "a prompt/completion row (both lists of messages)",
     RowFormat.TEXT: "a text row",
+    RowFormat.PREFERENCE: "a preference pair (prompt, chosen and rejected, all strings)",
+    RowFormat.CONVERSATIONAL_PREFERENCE: "a preference pair (chosen and rejected lists of messages)",
 }
 
 
@@ -509,3 +521,188 @@ def _conversational(
         lists[key] = out
     fmt = RowFormat.CONVERSATIONAL_PROMPT_COMPLETION
     return FormattedMessages(lists["prompt"] + lists["completion"], fmt, prompt_messages=len(lists["prompt"]))
+
+
+# ---------------------------------------------------------------------------- preference pairs
+
+#: The two formats of preference pairs (strings; lists of messages).
+_PAIRS = {RowFormat.PREFERENCE, RowFormat.CONVERSATIONAL_PREFERENCE}
+
+#: A pair's members, in the order their samples come: the roles in ``Sample.meta["role"]``.
+PAIR_ROLES = ("chosen", "rejected")
+
+
+class PreferencePair(FormattedMessages):
+    """A preference row as read: a prompt and two answers, ``chosen`` and ``rejected``.
+
+    As a list it is the chosen conversation (the prompt's messages, then the chosen
+    answer's), ``prompt_messages`` long prompt, so code reading ``conversation.messages``
+    sees one conversation; :attr:`rejected` holds the rejected answer's messages and
+    :meth:`members` both conversations, each as the :class:`FormattedMessages` the
+    tokenizer renders (strings: plain text, the prompt not trained; lists: the chat
+    template, only the answer's assistant turns trained). ``implicit``: the row gave no
+    ``prompt``, the prompt being the leading messages its two conversations share.
+
+    >>> pair = PreferencePair.of({"prompt": "2 + 3 =", "chosen": " 5", "rejected": " 6"})
+    >>> [m["content"] for m in pair.members()[1]]
+    ['2 + 3 =', ' 6']
+    """
+
+    def __init__(
+        self,
+        prompt: list[dict[str, Any]],
+        chosen: list[dict[str, Any]],
+        rejected: list[dict[str, Any]],
+        fmt: RowFormat,
+        *,
+        implicit: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ):
+        template = fmt is RowFormat.CONVERSATIONAL_PREFERENCE
+        super().__init__(prompt + chosen, fmt, template=template, prompt_messages=len(prompt), tools=tools)
+        self.rejected, self.implicit = rejected, implicit
+
+    @classmethod
+    def of(cls, row: Any) -> PreferencePair:
+        """The pair a row holds, checked (raises ``ValueError`` naming the problem and its fix)."""
+        pair = validate_messages(row)
+        if not isinstance(pair, PreferencePair):
+            raise ValueError(f"not a preference row (its format: {detect_format(row)})")
+        return pair
+
+    @property
+    def prompt(self) -> list[dict[str, Any]]:
+        """The prompt's messages (strings: one user message, its content the prompt, maybe empty)."""
+        return list(self[: self.prompt_messages])
+
+    def members(self) -> tuple[FormattedMessages, FormattedMessages]:
+        """The chosen and the rejected conversations (prompt, then answer), as the tokenizer renders them."""
+        prompt, k = self.prompt, self.prompt_messages
+        return tuple(  # type: ignore[return-value]
+            FormattedMessages(prompt + answer, self.format, template=self.template, prompt_messages=k, tools=self.tools)
+            for answer in (list(self[k:]), self.rejected)
+        )
+
+    def __repr__(self) -> str:
+        return f"PreferencePair({self.format.value}, {list.__repr__(self)}, rejected={self.rejected!r})"
+
+    def as_row(self) -> dict[str, Any]:
+        k = self.prompt_messages
+        chosen, rejected = list(self[k:]), self.rejected
+        if not self.template:
+            return {"prompt": self[0]["content"], "chosen": chosen[0]["content"], "rejected": rejected[0]["content"]}
+        if self.implicit:
+            return {"chosen": self.prompt + chosen, "rejected": self.prompt + rejected, "tools": self.tools}
+        return {"prompt": self.prompt, "chosen": chosen, "rejected": rejected, "tools": self.tools}
+
+
+_PAIR_FIX = "write 'prompt', 'chosen' and 'rejected' all as strings (plain text) or all as lists of messages"
+
+
+def _preference(
+    row: dict[str, Any], fmt: RowFormat, role_map: Mapping[str, str] | None, base: DataFolder | None
+) -> PreferencePair:
+    """TRL's preference row, checked whole: every problem of either answer is the pair's one reason."""
+    what = _WHAT[fmt]
+    for key in PAIR_ROLES:
+        if row.get(key) is None:
+            raise RowProblem(
+                BadRowReason.MISSING_FIELD,
+                f"'{key}' is missing in {what}",
+                "give the row both answers, 'chosen' and 'rejected' (a pair is kept or dropped whole)",
+            )
+    kind = list if fmt is RowFormat.CONVERSATIONAL_PREFERENCE else str
+    for key in ("prompt", *PAIR_ROLES):
+        value = row.get(key)
+        if value is not None and not isinstance(value, kind):
+            first = next(k for k in ("prompt", *PAIR_ROLES) if row.get(k) is not None)
+            raise RowProblem(
+                BadRowReason.MALFORMED_MESSAGE if kind is list else BadRowReason.NON_STRING_CONTENT,
+                f"'{key}' is a {_type_name(value)} but '{first}' a {_type_name(row[first])} in {what}",
+                _PAIR_FIX,
+            )
+    if kind is str:
+        if row.get("prompt") is None:
+            raise RowProblem(
+                BadRowReason.MISSING_FIELD,
+                f"'prompt' is missing in {what}: string pairs need an explicit prompt",
+                "add the string field 'prompt' (the text both answers follow; it may be empty), or write the pair "
+                "as lists of messages, whose prompt may be implicit",
+            )
+        text = _string(row, "prompt", "the prompt both answers follow (may be empty)", empty=True)
+        good, bad = (_string(row, k, f"the {k} answer") for k in PAIR_ROLES)
+        if good == bad:
+            raise _identical(what)
+        return PreferencePair([{"role": "user", "content": text}], [_answer(good)], [_answer(bad)], fmt)
+    lists = {key: _pair_list(row, key, role_map, base) for key in ("prompt", *PAIR_ROLES) if row.get(key) is not None}
+    tools = checked_tools(row)
+    if "prompt" in lists:
+        for key in PAIR_ROLES:
+            first = lists[key][0]["role"]
+            if first != "assistant":
+                repeats = lists[key][: len(lists["prompt"])] == lists["prompt"]
+                raise RowProblem(
+                    BadRowReason.PROMPT_MISMATCH,
+                    f"'{key}' starts with a {first} message"
+                    + (", repeating 'prompt'" if repeats else "")
+                    + f": with an explicit 'prompt' in {what}, '{key}' holds only the answer",
+                    f"start '{key}' at the assistant's answer (leave the prompt's turns to 'prompt'), or drop "
+                    "'prompt' and give 'chosen' and 'rejected' as whole conversations (an implicit prompt)",
+                )
+        if lists["chosen"] == lists["rejected"]:
+            raise _identical(what)
+        return PreferencePair(lists["prompt"], lists["chosen"], lists["rejected"], fmt, tools=tools)
+    chosen, rejected = lists["chosen"], lists["rejected"]
+    if chosen == rejected:
+        raise _identical(what)
+    k = 0
+    while k < min(len(chosen), len(rejected)) and chosen[k] == rejected[k]:
+        k += 1
+    if k == 0:
+        raise RowProblem(
+            BadRowReason.NO_COMMON_PROMPT,
+            f"'chosen' and 'rejected' differ from their first message: with no 'prompt' in {what}, the prompt is "
+            "the messages both start with",
+            "give both conversations the same leading turns (the prompt), or give the prompt as 'prompt' and "
+            "only the answers in 'chosen' and 'rejected'",
+        )
+    for key, conv in zip(PAIR_ROLES, (chosen, rejected)):
+        answer = conv[k:]
+        if not any(m["role"] == "assistant" for m in answer):
+            other = "rejected" if key == "chosen" else "chosen"
+            detail = "ends with the turns" if not answer else "has no assistant turn after the turns"
+            raise RowProblem(
+                BadRowReason.EMPTY_MESSAGES if not answer else BadRowReason.NO_ASSISTANT_TURN,
+                f"'{key}' {detail} it shares with '{other}' (the implicit prompt): it holds no answer",
+                f"end '{key}' with its own assistant answer after the shared turns, or remove the row",
+            )
+    return PreferencePair(chosen[:k], chosen[k:], rejected[k:], fmt, implicit=True, tools=tools)
+
+
+def _answer(content: str) -> dict[str, Any]:
+    return {"role": "assistant", "content": content}
+
+
+def _identical(what: str) -> RowProblem:
+    return RowProblem(
+        BadRowReason.IDENTICAL_ANSWERS,
+        f"'chosen' and 'rejected' are the same in {what}: nothing to prefer",
+        "give the pair two different answers, or remove the row",
+    )
+
+
+def _pair_list(
+    row: dict[str, Any], key: str, role_map: Mapping[str, str] | None, base: DataFolder | None
+) -> list[dict[str, Any]]:
+    """Field ``key`` of a conversational preference row: a checked list of messages, no images."""
+    try:
+        out, images = _chat_list(row[key], key, False, role_map, base, None, need_assistant=key != "prompt")
+    except RowProblem as bad:
+        raise RowProblem(bad.reason, f"in '{key}': {bad.detail}", bad.fix) from None
+    if images:
+        raise RowProblem(
+            BadRowReason.MALFORMED_MESSAGE,
+            f"'{key}' holds image parts, which preference pairs do not take (yet)",
+            "write the pair's contents as text, or train on the images with 'messages' rows",
+        )
+    return out

@@ -51,6 +51,12 @@ prompt may hold assistant turns, never trained); plain ``text`` and standard
 prompt/completion rows need no chat template (``_plain``), so a tokenizer without
 one serves them, and fails only at the first row that needs it.
 
+A preference pair (``_rows``' :class:`~sftpack.chat.PreferencePair`) is one item that renders
+as two members, chosen then rejected; the prompt's text (up to the ``seam``) is encoded once,
+each answer's text apart after it, so both samples start with the same prompt tokens, and the
+over-long policy applies to the pair whole (:func:`_pair_policy`); a member that fails skips
+the pair.
+
 Batches of many conversations, stats and worker processes: ``_batch``.
 """
 
@@ -80,7 +86,7 @@ from ._options import (
 )
 from ._plain import Ends, ends_of, plain_text
 from ._render import ChatRenderer, TemplateError, renderer_for
-from ._rows import FormattedMessages, _messages
+from ._rows import PAIR_ROLES, FormattedMessages, PreferencePair, _messages
 
 __all__ = [
     "ConversationTemplateError",
@@ -88,6 +94,7 @@ __all__ = [
     "encode_conversation",
     "mask_from_offsets",
     "tokenize_conversation",
+    "tokenize_pair",
 ]
 
 
@@ -102,7 +109,7 @@ class Encoded:
     """One conversation's result: its samples (none if dropped, several if split) and what happened.
 
     Attributes:
-        samples: the samples to train on, in order.
+        samples: the samples to train on, in order (a preference pair's: chosen, rejected).
         outcome: :class:`~sftpack.chat.Outcome` (fit, truncated, dropped, split, skipped).
         num_tokens: tokens of the whole rendered conversation, before the policy.
         tokens_lost: tokens cut off (truncate) or left out (drop).
@@ -304,6 +311,8 @@ class _Rendered:
     template_specials: list[tuple[int, int]] | None = None  # set: encode in pieces (special text kept as text)
     special_text: int = 0
     skip: Encoded | None = None
+    seam: int | None = None  # a pair member's: where its prompt's text ends (prompt and answer encoded apart)
+    role: str | None = None  # a pair member's role (``PAIR_ROLES``)
 
 
 _TEMPLATE_FIX = (
@@ -312,12 +321,19 @@ _TEMPLATE_FIX = (
 )
 
 
-def _render_one(item: Item, ctx: _Context, opts: _Options) -> _Rendered:
+def _render_one(item: Item, ctx: _Context, opts: _Options) -> list[_Rendered]:
+    """One item rendered: one conversation, or a preference pair's two members (or its one skip)."""
     cid = item[0]
     try:
         messages = _checked(item)
     except RowProblem as bad:
-        return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
+        return [_Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))]
+    if isinstance(messages, PreferencePair):
+        return _render_pair(cid, messages, ctx, opts)
+    return [_render_messages(cid, messages, ctx, opts)]
+
+
+def _render_messages(cid: Any, messages: Sequence[Mapping[str, Any]], ctx: _Context, opts: _Options) -> _Rendered:
     if isinstance(messages, FormattedMessages) and not messages.template:
         return _render_plain(cid, messages, ctx, opts)
     renderer = ctx.renderer  # a tokenizer without a chat template fails here, for every row alike
@@ -421,13 +437,50 @@ def _render_plain(cid: Any, messages: FormattedMessages, ctx: _Context, opts: _O
     return _Rendered(cid, text, spans, specials, n_special)
 
 
+def _render_pair(cid: Any, pair: PreferencePair, ctx: _Context, opts: _Options) -> list[_Rendered]:
+    """A preference pair's two members (chosen, rejected), each with the ``seam`` where the
+    prompt's text ends; or the pair's one skip, whichever member failed."""
+    members = [_render_messages(cid, m, ctx, opts) for m in pair.members()]
+    for r in members:
+        if r.skip is not None:
+            return [r]
+    if pair.template:
+        try:
+            head = ctx.renderer.render(FormattedMessages(pair.prompt, pair.format, tools=pair.tools))
+        except TemplateError as e:
+            return [_Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, str(e), _TEMPLATE_FIX))]
+    else:
+        head = ctx.ends.bos + pair[0]["content"]
+    for role, r in zip(PAIR_ROLES, members):
+        if not r.text.startswith(head) or any(a < len(head) < b for a, b in r.template_specials or ()):
+            detail = (
+                f"the chat template renders the pair's prompt differently inside the {role} conversation, so "
+                "where the answer starts is unknown"
+            )
+            fix = "use a template that renders earlier turns unchanged"
+            return [_Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, fix))]
+        r.seam, r.role = len(head), role
+    return members
+
+
 def _render(items: Sequence[Item], ctx: _Context, opts: _Options) -> list[_Rendered]:
-    return [_render_one(item, ctx, opts) for item in items]
+    return [r for item in items for r in _render_one(item, ctx, opts)]
 
 
 def _plain_texts(rendered: Sequence[_Rendered]) -> list[str]:
-    """The texts that go through the one ``encode_batch`` call, in order."""
-    return [r.text for r in rendered if r.skip is None and r.template_specials is None]
+    """The texts that go through the one ``encode_batch`` call, in order (a pair member's: its
+    answer's text, after the chosen member's prompt text, which both members share)."""
+    texts = []
+    for r in rendered:
+        if r.skip is not None or r.template_specials is not None:
+            continue
+        if r.seam is None:
+            texts.append(r.text)
+            continue
+        if r.role == PAIR_ROLES[0]:
+            texts.append(r.text[: r.seam])
+        texts.append(r.text[r.seam :])
+    return texts
 
 
 def _encode_texts(backend: Any, texts: list[str]) -> list[Any]:
@@ -506,9 +559,13 @@ def encode_pieces(
 def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Tokenizer, opts: _Options) -> list[Encoded]:
     out: list[Encoded] = []
     plain = iter(encodings)
-    for r in rendered:
+    members = iter(rendered)
+    for r in members:
         if r.skip is not None:
             out.append(r.skip)
+            continue
+        if r.seam is not None:  # a pair: its chosen member here, its rejected one next
+            out.append(_finish_pair((r, next(members)), plain, tokenizer, opts))
             continue
         assert r.spans is not None
         if r.template_specials is not None:
@@ -548,6 +605,96 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
             continue
         out.append(_apply_policy(ids, mask, r.cid, opts, r.special_text))
     return out
+
+
+_REFUSED_FIX = "remove lone surrogates and other non-characters from the row"
+
+
+def _finish_pair(
+    pair: tuple[_Rendered, _Rendered], plain: Iterator[Any], tokenizer: Tokenizer, opts: _Options
+) -> Encoded:
+    """A pair's two members to tokens: the prompt's text encoded once (the chosen member's), each
+    answer's text apart after it, so both samples start with the very same prompt tokens; then
+    the pair's over-long policy (:func:`_pair_policy`)."""
+    pieces: list[list[Any]] = []  # per member: [prefix?, answer] as (ids, offsets) or an exception
+    for r in pair:
+        assert r.seam is not None
+        parts = [(0, r.seam), (r.seam, len(r.text))] if r.role == PAIR_ROLES[0] else [(r.seam, len(r.text))]
+        got: list[Any] = []
+        for a, b in parts:
+            if r.template_specials is None:  # from the batch's encode_batch call, in _plain_texts' order
+                enc = next(plain)
+                got.append(enc if isinstance(enc, Exception) else (enc.ids, enc.offsets))
+            else:
+                inside = [(x - a, y - a) for x, y in r.template_specials if a <= x and y <= b]
+                got.append(encode_pieces(r.text[a:b], inside, tokenizer))
+        pieces.append(got)
+    cid, special = pair[0].cid, pair[0].special_text + pair[1].special_text
+    for got in pieces:
+        for p in got:
+            if isinstance(p, Exception):
+                detail = f"the tokenizer refused the rendered text ({type(p).__name__}: {p})"
+                return _skipped(cid, BadRowReason.INVALID_TEXT, detail, _REFUSED_FIX, special)
+    prefix_ids, prefix_offsets = pieces[0][0]
+    tokens = []
+    for r, got in zip(pair, pieces):
+        assert r.seam is not None and r.spans is not None
+        answer_ids, answer_offsets = got[-1]
+        ids = np.concatenate([np.asarray(prefix_ids, dtype=np.int64), np.asarray(answer_ids, dtype=np.int64)])
+        offsets = np.concatenate(
+            [
+                np.asarray(prefix_offsets, dtype=np.int64).reshape(-1, 2),
+                np.asarray(answer_offsets, dtype=np.int64).reshape(-1, 2) + r.seam,
+            ]
+        )
+        mask = mask_from_offsets(offsets, r.spans)
+        if not mask[1:].any():
+            return _skipped(
+                cid,
+                BadRowReason.NO_TRAINABLE_TOKENS,
+                f"the {r.role} answer's rendering holds no trainable token for train_on={opts.train_on.value!r}",
+                "use a template that renders the assistant turns, or remove the pair",
+                special,
+            )
+        tokens.append((ids, mask))
+    return _pair_policy(tokens, cid, opts, special)
+
+
+def _pair_policy(tokens: list[tuple[np.ndarray, np.ndarray]], cid: Any, opts: _Options, special_text: int) -> Encoded:
+    """The over-long policy on a pair, whole: kept (both fit), dropped (``drop``: both), truncated
+    (``truncate``: each member over ``max_seq_len`` keeps its head; a member left without an
+    answer label drops the pair), or refused (``error``, and ``split``: a pair is never split)."""
+    n = sum(int(ids.shape[0]) for ids, _ in tokens)
+    labels = sum(int(mask[1:].sum()) for _, mask in tokens)
+    metas = [{"group": cid, "role": role, "group_size": len(tokens)} for role in PAIR_ROLES]
+    limit = opts.max_seq_len
+    longest = max(int(ids.shape[0]) for ids, _ in tokens)
+    if limit is None or longest <= limit:
+        samples = [Sample(ids, mask, cid, meta) for (ids, mask), meta in zip(tokens, metas)]
+        return Encoded(samples, Outcome.FIT, n, labels=labels, special_text=special_text)
+    dropped = Encoded([], Outcome.DROPPED, n, n, sum(int(m.sum()) for _, m in tokens), labels, labels, special_text)
+    if opts.overlong is Overlong.DROP:
+        return dropped
+    if opts.overlong is Overlong.TRUNCATE:
+        if any(not mask[1:limit].any() for _, mask in tokens):  # a member would keep no answer: no pair left
+            return dropped
+        samples, lost, trainable_lost = [], 0, 0
+        for (ids, mask), meta in zip(tokens, metas):
+            if ids.shape[0] > limit:
+                meta = {**meta, "truncated_from": int(ids.shape[0])}
+                lost += int(ids.shape[0]) - limit
+                trainable_lost += int(mask[limit:].sum())
+            samples.append(Sample(ids[:limit], mask[:limit], cid, meta))
+        return Encoded(samples, Outcome.TRUNCATED, n, lost, trainable_lost, labels, trainable_lost, special_text)
+    role = PAIR_ROLES[[int(ids.shape[0]) for ids, _ in tokens].index(longest)]
+    raise OverlongError(
+        f"preference pair {cid!r}: its {role} sequence has {longest} tokens, more than max_seq_len={limit}, and a "
+        "pair is kept or cut whole, never split: raise max_seq_len, or pass overlong='truncate' (each member keeps "
+        "its first max_seq_len tokens) or 'drop' (the pair left out, counted)",
+        cid,
+        longest,
+        limit,
+    )
 
 
 def _encode_many(items: Sequence[Item], tokenizer: Tokenizer, opts: _Options) -> list[Encoded]:
@@ -685,6 +832,11 @@ def tokenize_conversation(
             "(zero or several samples) or tokenize_conversations"
         )
     enc = _encode_one(messages, tokenizer, opts, conversation_id)
+    if enc.samples and "role" in enc.samples[0].meta:
+        raise ValueError(
+            "tokenize_conversation returns one sample, and a preference row gives two (chosen, rejected): "
+            "call tokenize_pair (or encode_conversation, tokenize_conversations)"
+        )
     if len(enc.samples) > 1:
         cid = enc.samples[0].conversation_id
         raise OverlongError(
@@ -697,3 +849,50 @@ def tokenize_conversation(
             opts.max_seq_len or 0,
         )
     return enc.samples[0]
+
+
+def tokenize_pair(
+    row: Any,
+    tokenizer: Tokenizer,
+    *,
+    train_on: str | TrainOn = "all_assistant",
+    max_seq_len: int | None = None,
+    overlong: str | Overlong = DEFAULT_OVERLONG,
+    conversation_id: Any = None,
+    special_tokens_in_content: str | SpecialTokensInContent = "text",
+) -> tuple[Sample, Sample]:
+    """Tokenize one preference row (TRL's ``prompt`` / ``chosen`` / ``rejected``) into its two samples.
+
+    ``(chosen, rejected)``: both start with the very same prompt tokens (the prompt's text is
+    encoded once, each answer's after it), then the answer's; ``loss_mask`` True on the answer only
+    (strings: its tokens and EOS; lists of messages: the answer's assistant turns, as the chat
+    template renders them). Each sample's ``meta`` holds ``group`` (the pair's id, its
+    ``conversation_id``), ``role`` (``"chosen"`` / ``"rejected"``) and ``group_size`` (2).
+
+    ``overlong`` applies to the pair whole: ``"truncate"`` cuts each member over ``max_seq_len``
+    to its head; ``"split"`` (the default) and ``"error"`` raise :class:`OverlongError` for a pair
+    over it (a pair is never split); ``"drop"`` is for :func:`tokenize_conversations`, which may give
+    no sample. Raises :class:`BadRowError` for a malformed pair (naming the field and the fix) and
+    ``ValueError`` for a row of another format.
+
+    >>> from sftpack.testing import tiny_chat_tokenizer
+    >>> tok = tiny_chat_tokenizer("chatml")
+    >>> chosen, rejected = tokenize_pair({"prompt": "2 + 3 =", "chosen": " 5", "rejected": " 6"}, tok)
+    >>> tok.decode(chosen.input_ids[chosen.loss_mask]), tok.decode(rejected.input_ids[rejected.loss_mask])
+    (' 5<|im_end|>', ' 6<|im_end|>')
+    >>> rejected.meta
+    {'group': 0, 'role': 'rejected', 'group_size': 2}
+    """
+    opts = _options(train_on, max_seq_len, overlong, "error", special_tokens_in_content)
+    if opts.overlong is Overlong.DROP:
+        raise ValueError(
+            "tokenize_pair returns both samples, so overlong='drop' is not valid here: choose 'truncate' or "
+            "'error', or call tokenize_conversations (which drops pairs whole, counted)"
+        )
+    enc = _encode_one(row, tokenizer, opts, conversation_id)
+    if len(enc.samples) != 2 or "role" not in enc.samples[0].meta:
+        raise ValueError(
+            "tokenize_pair takes a preference row ('prompt', 'chosen', 'rejected'), and this row is of another "
+            "format: call tokenize_conversation"
+        )
+    return enc.samples[0], enc.samples[1]
