@@ -26,6 +26,7 @@ API = {
         "OverlongError",
         "Sample",
         "as_sample",
+        "check_sft_sample",
         "overlong_spans",
     ],
     "sftpack.handoff": [

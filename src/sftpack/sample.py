@@ -46,6 +46,7 @@ __all__ = [
     "OverlongError",
     "Sample",
     "as_sample",
+    "check_sft_sample",
     "overlong_spans",
 ]
 
@@ -263,3 +264,24 @@ class Conversation:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self[key] if key in self else default
+
+
+def check_sft_sample(sample: Sample) -> None:
+    """Refuse one member of a preference pair (``meta["role"]``, what
+    :func:`sftpack.chat.tokenize_pair` sets) where SFT conversations are packed: training on
+    both answers as SFT targets would teach the rejected one, and the SFT packers do not keep
+    a pair in one row.
+
+    >>> check_sft_sample(Sample([1, 2], [False, True], "a", {"group": "a", "role": "chosen"}))
+    Traceback (most recent call last):
+    ...
+    ValueError: conversation 'a' is the chosen answer of a preference pair (prompt/chosen/rejected): SFT packs conversations, and a pair trains with a preference objective that keeps it whole (sftpack.objectives); give SFT conversations here, or train pairs from Python with sftpack.objectives
+    """
+    role = sample.meta.get("role") if sample.meta else None
+    if role is not None:
+        raise ValueError(
+            f"conversation {sample.conversation_id!r} is the {role} answer of a preference pair "
+            "(prompt/chosen/rejected): SFT packs conversations, and a pair trains with a preference objective "
+            "that keeps it whole (sftpack.objectives); give SFT conversations here, or train pairs from Python "
+            "with sftpack.objectives"
+        )

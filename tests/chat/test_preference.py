@@ -302,3 +302,16 @@ def test_worker_processes_give_the_same_pairs() -> None:
         (s.input_ids.tobytes(), s.loss_mask.tobytes(), s.conversation_id, s.meta) for s in b
     ]
     assert one.stats == two.stats
+
+
+def test_sft_commands_refuse_pairs_whole(tmp_path, capsys):
+    """Until a preference objective trains them, prepack and train refuse a pair (never train the
+    rejected answer as an SFT target), naming the conversation and the way out."""
+    from sftpack.cli import main
+
+    data = tmp_path / "prefs.jsonl"
+    data.write_text('{"prompt": "Hi there", "chosen": "Hello!", "rejected": "Go away."}\n')
+    for argv in (["prepack", str(data), "--out", str(tmp_path / "out")], ["train", str(data), "--steps", "1"]):
+        assert main(argv) != 0
+        err = capsys.readouterr().err
+        assert "prefs.jsonl:1' is the chosen answer of a preference pair" in err, err

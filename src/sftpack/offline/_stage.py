@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..sample import Sample
+from ..sample import Sample, check_sft_sample
 from ._format import IMAGE_DTYPE, PrepackError
 
 __all__ = ["Images", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
@@ -264,6 +264,7 @@ def stage_samples(
                         f"sample {len(lengths)} (conversation {s.conversation_id!r}) carries media, which a text "
                         "prepack would lose: prepack conversations with images with prepack(..., images=True)"
                     )
+            check_sft_sample(s)
             ids = s.input_ids
             n = ids.shape[0]
             lo, hi = int(ids.min()), int(ids.max())
