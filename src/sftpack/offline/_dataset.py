@@ -200,8 +200,11 @@ class PrepackedDataset(torch.utils.data.Dataset):
             times its micro-batches per step): a step is the next ``rows_per_rank *
             world_size`` rows of the stream, dealt to the ranks by cost.
         cost: what a row costs (a :class:`~sftpack.balance.SequenceCost` over its sequences'
-            lengths): any :func:`~sftpack.balance.sequence_cost` spelling, ``"tokens"``
-            (default), ``"attention"``, a model size (``"7b"``), a model directory.
+            lengths): any :func:`~sftpack.balance.sequence_cost` spelling, ``"attention"``
+            (default), ``"tokens"``, a model size (``"7b"``), a model directory. A prepack's
+            rows are nearly full, so their tokens hardly differ and a deal by tokens is no
+            better than none; what differs is attention, ``sum(len**2)``, which ranks rows of
+            equal tokens as a decoder's FLOPs do (``"7b"`` deals 8 and 64 ranks alike).
         balance: the old name of ``cost`` (``"tokens"`` or ``"attention"``), accepted for one
             release with a ``DeprecationWarning``.
 
@@ -262,7 +265,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
         self.shuffle, self.seed, self.rank, self.world_size = bool(shuffle), int(seed), int(rank), int(world_size)
         self.rows_per_rank = int(rows_per_rank)
         spec = renamed("PrepackedDataset", "cost", cost, "balance", balance)  # mypy joins the unions to object
-        self.cost: SequenceCost = sequence_cost(cast("str | Path | SequenceCost | None", spec))
+        self.cost: SequenceCost = sequence_cost(cast("str | Path | SequenceCost | None", spec), default="attention")
         self.max_seq_len = int(self.manifest["max_seq_len"])
         self.pad_multiple = int(self.manifest["pad_multiple"])
         self.pad_id = int(self.manifest["pad_id"])
@@ -453,8 +456,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     def row_costs(self, cost: str | Path | SequenceCost | None = None) -> np.ndarray:
         """``(R,)`` float64 cost of every row: its sequences' :class:`~sftpack.balance.SequenceCost`
-        summed (``"tokens"``: its real tokens; ``"attention"``: ``sum(len**2)``); ``cost``
-        defaults to the dataset's."""
+        summed (``"attention"``: ``sum(len**2)``; ``"tokens"``: its real tokens); ``cost``
+        defaults to the dataset's (:attr:`cost`)."""
         model = self.cost if cost is None else sequence_cost(cost)
         if model == self.cost and self._costs is not None:
             return self._costs.copy()
@@ -502,9 +505,9 @@ class PrepackedDataset(torch.utils.data.Dataset):
         >>> from sftpack.testing import samples_from_lengths
         >>> out = prepack_samples(samples_from_lengths([6, 9, 7, 8]), tempfile.mkdtemp() + "/p", max_seq_len=9).path
         >>> ds = PrepackedDataset(out, rank=1, world_size=2)
-        >>> ds.row_costs().tolist()  # four rows of one sequence each, by tokens
-        [9.0, 8.0, 7.0, 6.0]
-        >>> ds.step_rows(0, 4).tolist()  # rank 0: 9 + 6 tokens, rank 1: 8 + 7
+        >>> ds.row_costs().tolist()  # four rows of one sequence each: len**2
+        [81.0, 64.0, 49.0, 36.0]
+        >>> ds.step_rows(0, 4).tolist()  # rank 0: 81 + 36, rank 1: 64 + 49
         [[0, 3], [1, 2]]
         >>> ds.epoch_rows().tolist()  # what ds[0], ds[1] read: rank 1's rows of steps 0 and 1
         [1, 3]
