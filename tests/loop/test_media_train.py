@@ -331,6 +331,60 @@ def test_two_ranks_train_an_image_run_like_one(data, tmp_path):
     assert max(abs(x - y) for x, y in zip(bad["losses"], one.losses)) > BUG_DDP
 
 
+def _ddp_offline_config():
+    return _config("offline", steps=4, batch_size=4, grad_accum=2)
+
+
+def _ddp_offline_worker(rank: int, init_file: str, out_file: str, prepacked: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
+    )
+    try:
+        data, cfg = _DDP_DATA["data"], _ddp_offline_config()
+        src = make_source(cfg, prepacked=prepacked, pad_id=data.pad_id, vocab=data.vocab, rank=rank, world=2)
+        result = train(cfg, source=src, model=data.model())
+        torch.save(
+            {
+                "params": [p.detach() for p in result.model.parameters()],
+                "losses": result.losses,
+                "images": [r.images for r in result.logs],
+                "conversations": result.conversations,
+            },
+            f"{out_file}.{rank}",
+        )
+        dist.barrier()  # both ranks done before either tears gloo down (see _ddp_worker)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
+def test_two_ranks_train_a_prepack_with_images_like_one(data, prepacked, tmp_path):
+    """The offline path's one global stream with images: each step's 4 rows (of the 5 the prepack
+    holds; a fresh seeded order every step) dealt 2 to each rank by cost, 2 micro-batches each; the
+    same rows per step, images, losses and parameters as one rank's, to DDP_TOL (its derivation above:
+    the same function in another summation order)."""
+    cfg = _ddp_offline_config()
+    one = _run(data, cfg, source=make_source(cfg, prepacked=prepacked, pad_id=data.pad_id, vocab=data.vocab))
+    _DDP_DATA["data"] = data
+    out = str(tmp_path / "rank")
+    run_ranks(_ddp_offline_worker, (str(tmp_path / "init"), out, str(prepacked)))
+    a, b = torch.load(out + ".0"), torch.load(out + ".1")
+    for step, (x, y, both) in enumerate(zip(a["conversations"], b["conversations"], one.conversations)):
+        assert x and y, f"step {step}: a rank got no row"
+        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the 1-rank step's rows"
+    assert a["images"] == [r.images for r in one.logs] and all(n >= 1 for n in a["images"])  # global counts
+    loss_diff = max(abs(x - y) for x, y in zip(a["losses"], one.losses))
+    param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(a["params"], one.model.parameters()))
+    assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
+
+
 # ------------------------------------------------------------------ sftpack train with images
 #: float32, first step (the loss of the same initial parameters): rounding errors grow like
 #: lambda*sqrt(n)*u (Higham & Mary 2019; lambda = 10: exceeded with probability <= 4e-22), n <= 4,000

@@ -99,25 +99,36 @@ def test_expect_refuses_a_mismatched_trainer_naming_both_values(built, tok):
 # --------------------------------------------------------------------------- epochs and shards
 
 
-def test_rows_are_shared_exactly_once_per_epoch_and_balanced_by_tokens(built):
+def test_each_step_is_the_same_rows_for_any_world_dealt_once_each_by_cost(built):
+    """The global stream: step s is positions [s*B, (s+1)*B) of the epoch's one order whatever the
+    world size, every rank reads rows_per_rank of them (each once), and the rows left after the
+    last full step are read by no rank this epoch."""
     out = built[1]
     full = PrepackedDataset(out)
     costs = full.row_costs()
-    for world in (2, 3):
+    for per_rank in (1, 2):
         for epoch in (0, 1):
-            shards = []
-            for rank in range(world):
-                ds = PrepackedDataset(out, shuffle=True, seed=7, rank=rank, world_size=world)
-                ds.set_epoch(epoch)
-                shards.append(ds.epoch_rows())
-            allrows = np.concatenate(shards)
-            assert sorted(allrows.tolist()) == list(range(full.num_rows))
-            sizes = [len(s) for s in shards]
-            assert max(sizes) - min(sizes) <= 1
-            totals = [int(costs[s].sum()) for s in shards]
-            # the snake deal: within the max-min spread of one row when counts are equal, one row otherwise
-            bound = costs.max() - costs.min() if len(set(sizes)) == 1 else costs.max()
-            assert max(totals) - min(totals) <= int(bound)
+            stream = None
+            for world in (1, 2, 3):
+                shards = []
+                for rank in range(world):
+                    ds = PrepackedDataset(
+                        out, shuffle=True, seed=7, rank=rank, world_size=world, rows_per_rank=per_rank
+                    )
+                    ds.set_epoch(epoch)
+                    stream = ds.epoch_order() if stream is None else stream
+                    np.testing.assert_array_equal(ds.epoch_order(), stream)  # one order for every world size
+                    assert len(ds) == full.num_rows // (per_rank * world) * per_rank
+                    shards.append(ds.epoch_rows().reshape(-1, per_rank))
+                step = per_rank * world
+                for s in range(full.num_rows // step):
+                    got = np.stack([sh[s] for sh in shards])  # (world, per_rank): the ranks' rows of step s
+                    assert sorted(got.ravel().tolist()) == sorted(stream[s * step : (s + 1) * step].tolist())
+                    if world > 1:  # each rank's rows heaviest first (one rank: the stream's order)
+                        assert all(np.all(np.diff(costs[line]) <= 0) for line in got)
+                allrows = np.concatenate([sh.ravel() for sh in shards])
+                assert len(set(allrows.tolist())) == len(allrows)  # no row twice in an epoch
+                assert full.num_rows - len(allrows) < step  # only the last partial step's rows left
     a = PrepackedDataset(out, shuffle=True, seed=7)
     order0 = a.epoch_rows()
     a.set_epoch(1)
@@ -127,11 +138,22 @@ def test_rows_are_shared_exactly_once_per_epoch_and_balanced_by_tokens(built):
     assert torch.equal(a[0].input_ids, full.row(int(order0[0])).input_ids)
 
 
-def test_attention_balance_uses_squared_lengths(built):
-    ds = PrepackedDataset(built[1], balance="attention")
+def test_balance_is_the_old_name_of_cost(built):
+    with pytest.warns(DeprecationWarning, match="balance= is deprecated.*use cost="):
+        ds = PrepackedDataset(built[1], balance="attention")
+    assert ds.cost.name == "attention"
+    with pytest.raises(TypeError, match="give cost= only"):
+        PrepackedDataset(built[1], cost="tokens", balance="tokens")
+    with pytest.raises(ValueError, match="cost 'flops'"):
+        PrepackedDataset(built[1], cost="flops")
+
+
+def test_attention_cost_uses_squared_lengths(built):
+    ds = PrepackedDataset(built[1], cost="attention")
     lens = ds.sequences["length"].astype(np.int64)
     r = ds.rows["sequence"]
     assert ds.row_costs()[0] == int((lens[r[0] : r[1]] ** 2).sum())
+    assert ds.row_costs("tokens")[1] == int(lens[r[1] : r[2]].sum())
 
 
 @pytest.mark.parametrize("workers", [0, 2])

@@ -1,43 +1,48 @@
-"""The epoch deal on its own (``_shard``), on random costs: every row once per epoch,
-row counts within one, totals within the bound the module promises, and the order a
-function of (seed, epoch) only."""
+"""The global stream and the step deal on their own (``_shard``), on random costs: one order
+per (seed, epoch) whatever the world size; each step's rows dealt to every rank once, the
+same count each, heaviest first, the same deal on every call, the same set for W = 1, 2, 4;
+and the deal by cost no worse than the stream's own order cut into equal shares."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sftpack.offline._shard import epoch_rows
+from sftpack.balance import lower_bound, max_over_mean
+from sftpack.offline._shard import deal_rows, epoch_order
 
 
-@pytest.mark.parametrize("world", [2, 3, 5, 8])
-@pytest.mark.parametrize("rows", [0, 1, 7, 40, 101])
-def test_every_row_once_counts_within_one_totals_within_the_bound(world, rows):
-    rng = np.random.default_rng(rows * 10 + world)
-    costs = rng.integers(1, 1000, rows)
-    for shuffle in (False, True):
-        shards = [epoch_rows(costs, epoch=2, seed=5, shuffle=shuffle, rank=r, world_size=world) for r in range(world)]
-        assert sorted(np.concatenate(shards).tolist()) == list(range(rows))
-        sizes = [len(s) for s in shards]
-        assert max(sizes) - min(sizes) <= 1
-        if rows:
-            totals = [int(costs[s].sum()) for s in shards]
-            # full rounds: within max-min of the costs; a partial last round adds at most one row
-            bound = int(costs.max() - costs.min()) + (int(costs.max()) if rows % world else 0)
-            assert max(totals) - min(totals) <= bound
-        if not shuffle:
-            assert all(np.all(np.diff(s) > 0) for s in shards)  # row order without shuffle
+@pytest.mark.parametrize("per_rank", [1, 2, 3])
+def test_every_row_of_the_step_once_counts_equal_the_same_set_for_any_world(per_rank):
+    rng = np.random.default_rng(per_rank)
+    costs = rng.lognormal(7, 1, 300)
+    order = epoch_order(300, epoch=2, seed=5, shuffle=True)
+    step = 4 * per_rank  # a step's rows, over all ranks: the same for W = 1, 2 and 4
+    for s in range(0, 300 - step + 1, step):
+        rows = order[s : s + step]
+        for world in (1, 2, 4):
+            dealt = deal_rows(rows, costs, world)
+            assert dealt.shape == (world, step // world)  # the same count on every rank
+            assert sorted(dealt.ravel().tolist()) == sorted(rows.tolist())  # every row of the step once
+            np.testing.assert_array_equal(dealt, deal_rows(rows.copy(), costs.copy(), world))  # deterministic
+            if world > 1:
+                assert all(np.all(np.diff(costs[line]) <= 0) for line in dealt)  # heaviest first
+                by_cost = max_over_mean(costs[dealt].sum(axis=1))
+                in_order = max_over_mean(costs[rows.reshape(world, -1)].sum(axis=1))
+                assert lower_bound(costs[rows], world) - 1e-12 <= by_cost <= in_order + 1e-12
+            else:
+                np.testing.assert_array_equal(dealt[0], rows)  # one rank: the stream's order
 
 
 def test_the_order_depends_on_seed_and_epoch_only():
-    costs = np.arange(50)
-    a = epoch_rows(costs, epoch=1, seed=3, shuffle=True, rank=1, world_size=2)
-    np.testing.assert_array_equal(a, epoch_rows(costs, epoch=1, seed=3, shuffle=True, rank=1, world_size=2))
-    assert not np.array_equal(a, epoch_rows(costs, epoch=2, seed=3, shuffle=True, rank=1, world_size=2))
-    assert not np.array_equal(a, epoch_rows(costs, epoch=1, seed=4, shuffle=True, rank=1, world_size=2))
-    assert epoch_rows(costs).tolist() == list(range(50))  # one rank, no shuffle: row order
+    a = epoch_order(50, epoch=1, seed=3, shuffle=True)
+    assert sorted(a.tolist()) == list(range(50))
+    np.testing.assert_array_equal(a, epoch_order(50, epoch=1, seed=3, shuffle=True))
+    assert not np.array_equal(a, epoch_order(50, epoch=2, seed=3, shuffle=True))
+    assert not np.array_equal(a, epoch_order(50, epoch=1, seed=4, shuffle=True))
+    assert epoch_order(50).tolist() == list(range(50))  # no shuffle: row order
 
 
-def test_a_rank_outside_the_world_is_refused():
-    with pytest.raises(ValueError, match=r"rank=2 is outside 0..1 \(world_size=2\)"):
-        epoch_rows(np.ones(4), rank=2, world_size=2)
+def test_rows_that_do_not_split_evenly_are_refused():
+    with pytest.raises(ValueError, match=r"5 rows cannot be dealt evenly to 2 rank\(s\)"):
+        deal_rows(np.arange(5), np.ones(5), 2)

@@ -190,6 +190,7 @@ def make_source(
                 seed=config.seed,
                 rank=rank,
                 world_size=world,
+                rows_per_rank=max(1, config.batch_size // world),
             )
         else:
             ds = prepacked

@@ -14,45 +14,72 @@ __all__ = ["OfflineSource"]
 
 
 class OfflineSource(Source):
-    """Rows of a prepacked directory (:class:`sftpack.offline.PrepackedDataset`,
-    opened with this rank's ``rank`` / ``world_size``: the path's own shards,
-    balanced by tokens, every row read once per epoch over all ranks).
+    """Rows of a prepacked directory (:class:`sftpack.offline.PrepackedDataset`, opened with this
+    rank's ``rank`` / ``world_size``) as one global stream.
 
-    Each step takes the next ``batch_size / world`` rows of this rank's shard in
-    the dataset's epoch order; when fewer are left the next epoch starts
-    (``set_epoch``, a fresh seeded order) and the leftover rows wait for it.
+    Each epoch has one seeded order of all the prepack's rows, whatever the world size; step
+    ``s`` trains on its positions ``[s * batch_size, (s + 1) * batch_size)``, dealt to the
+    ranks by cost (:meth:`PrepackedDataset.step_rows`: ``batch_size / world`` rows each, each
+    rank's heaviest first, so its ``i``-th row runs beside the other ranks' ``i``-th rows in
+    the same micro-batch slot). When fewer than ``batch_size`` rows are left the next epoch
+    starts (a fresh seeded order; the leftover rows wait for it).
+
+    The position, ``(epoch, rows consumed in the epoch)``, counts rows over all ranks, so a
+    state saved at ``N`` ranks continues at ``M`` ranks with the very rows the run would have
+    read next (:attr:`elastic`; ``batch_size`` must be a multiple of ``M``).
     """
+
+    elastic = True  #: the state is the same on every rank and for any world size
 
     def __init__(self, dataset: PrepackedDataset, *, batch_size: int, world: int = 1, grad_accum: int = 1) -> None:
         self.ds = dataset
         self.batch_size = batch_size
         self.per_rank = rows_per_rank(batch_size, world, grad_accum)
-        if len(dataset) < self.per_rank:
+        if dataset.world_size != world:
             raise ValueError(
-                f"this rank's share of the prepacked dataset has {len(dataset)} rows, fewer than the "
-                f"{self.per_rank} a step needs (batch_size={batch_size} over {world} rank(s)): lower --batch-size"
+                f"the prepacked dataset was opened for world_size={dataset.world_size}, the run has {world} "
+                "rank(s): open it with the run's rank and world size"
+            )
+        if dataset.num_rows < batch_size:
+            raise ValueError(
+                f"the prepacked dataset has {dataset.num_rows} rows, fewer than the batch_size={batch_size} rows a "
+                "step trains on: lower --batch-size"
             )
         self.grad_accum = grad_accum
-        self.epoch, self.position = 0, 0
+        self.epoch, self.rows = 0, 0
 
     def next_step(self) -> list[MicroBatch]:
-        if self.position + self.per_rank > len(self.ds):
-            self.epoch, self.position = self.epoch + 1, 0
+        if self.rows + self.batch_size > self.ds.num_rows:
+            self.epoch, self.rows = self.epoch + 1, 0
+        if self.ds.epoch != self.epoch:
             self.ds.set_epoch(self.epoch)
-        positions = np.arange(self.position, self.position + self.per_rank)
-        self.position += self.per_rank
-        # each micro-batch's rows in one compiled pass (PrepackedDataset.batch): field for field
+        mine = self.ds.step_rows(self.rows, self.batch_size)[self.ds.rank]
+        self.rows += self.batch_size
+        # each micro-batch's rows in one compiled pass (PrepackedDataset.read_rows): field for field
         # what _rows_to_micro_batches makes of the rows read one by one
-        return [self.ds.batch(p) for p in np.array_split(positions, self.grad_accum) if len(p)]
+        return [self.ds.read_rows(p) for p in np.array_split(mine, self.grad_accum) if len(p)]
 
     def epoch_steps(self) -> int:
-        return len(self.ds) // self.per_rank
+        return self.ds.num_rows // self.batch_size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "rows": self.rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        if "rows" not in state:
+            raise ValueError(
+                f"offline data position {state}: written by an sftpack whose offline path read each rank's own "
+                "shard, not one global stream of rows; it cannot be continued exactly: finish the run with the "
+                "sftpack that started it, or start a fresh --checkpoint-dir"
+            )
+        epoch, rows = int(state["epoch"]), int(state["rows"])
+        if rows < 0 or rows > self.ds.num_rows or rows % self.batch_size:
+            raise ValueError(
+                f"offline data position {state}: {rows} rows read in epoch {epoch} is not a whole number of steps "
+                f"of batch_size={self.batch_size} within the prepack's {self.ds.num_rows} rows: the checkpoint "
+                "belongs to another run"
+            )
+        self.epoch, self.rows = epoch, rows
         self.ds.set_epoch(self.epoch)
 
     def fingerprint(self) -> str:

@@ -17,7 +17,8 @@ directory in three separable stages, then publishes it atomically:
 :class:`PrepackedDataset` (``_dataset``) reads a row back as the contract's
 :class:`~sftpack.PackedBatch` (width ``max_seq_len``, tail folded into the last
 segment, real and padded boundaries both kept; a prepack's images through
-``_row_images``), with epoch-seeded order and data-parallel shards balanced by tokens (``_shard``). ``_describe`` summarises a
+``_row_images``), in one epoch-seeded order of all rows whatever the world size, each step's
+rows dealt to the data-parallel ranks by cost (``_shard``). ``_describe`` summarises a
 prepack for ``sftpack inspect``; ``_bridge`` and ``_packed_jsonl`` convert to
 and from Megatron-Bridge's packed Parquet and the upstream packed JSONL.
 

@@ -50,16 +50,17 @@ import mmap
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, overload
+from typing import Any, NoReturn, cast, overload
 
 import numpy as np
 import torch
 
-from .._base import StrEnum, choose
+from .._base import StrEnum, choose, renamed, warn_renamed
+from ..balance import SequenceCost, sequence_cost
 from ..handoff import PackedBatch, PackedBatchError, build_row, padded_lengths
 from ..handoff.payload import Media
 from ..sample import IGNORE_INDEX
-from . import _collate
+from . import _collate, _shard
 from ._fingerprint import tokenizer_fingerprint
 from ._format import (
     FILES,
@@ -75,7 +76,6 @@ from ._format import (
     read_manifest,
 )
 from ._row_images import MediaReader
-from ._shard import Balance, epoch_rows
 
 __all__ = ["BatchedRows", "MediaReader", "PrepackedDataset", "Verify"]
 
@@ -193,14 +193,31 @@ class PrepackedDataset(torch.utils.data.Dataset):
             with any of ``max_seq_len``, ``pad_multiple``, ``tokenizer`` (a tokenizer
             object, or its fingerprint's ``sha256``), ``pad_id``, ``train_on``,
             ``overlong``. A mismatch raises :class:`PrepackError` naming both values.
-        shuffle, seed: epoch-seeded reading order (:meth:`set_epoch`).
-        rank, world_size: data-parallel shard: this rank reads its rows only;
-            across ranks every row is read exactly once per epoch.
-        balance: ``"tokens"`` or ``"attention"``: what ranks are balanced by.
+        shuffle, seed: the epoch's one order of all rows (the global stream) is a permutation
+            seeded by ``(seed, epoch)`` (:meth:`set_epoch`); without ``shuffle``, row order.
+        rank, world_size: this data-parallel rank among ``world_size``.
+        rows_per_rank: the rows each rank takes per step (its ``DataLoader``'s ``batch_size``,
+            times its micro-batches per step): a step is the next ``rows_per_rank *
+            world_size`` rows of the stream, dealt to the ranks by cost.
+        cost: what a row costs (a :class:`~sftpack.balance.SequenceCost` over its sequences'
+            lengths): any :func:`~sftpack.balance.sequence_cost` spelling, ``"attention"``
+            (default), ``"tokens"``, a model size (``"7b"``), a model directory. A prepack's
+            rows are nearly full, so their tokens hardly differ and a deal by tokens is no
+            better than none; what differs is attention, ``sum(len**2)``, which ranks rows of
+            equal tokens as a decoder's FLOPs do (``"7b"`` deals 8 and 64 ranks alike).
+        balance: the old name of ``cost`` (``"tokens"`` or ``"attention"``), accepted for one
+            release with a ``DeprecationWarning``.
 
-    ``len(ds)`` is the number of rows this rank reads per epoch and ``ds[i]`` the
-    ``i``-th of them (with the defaults: row ``i``). :meth:`row` reads any row by
-    its global number. ``ds.batch(indices)`` reads several rows laid end to end in
+    The rows a rank reads (:mod:`._shard`): each epoch has one order of all rows, whatever
+    ``world_size``; step ``s`` is positions ``[s * B, (s + 1) * B)`` of it (``B =
+    rows_per_rank * world_size``), dealt to the ranks by cost, ``rows_per_rank`` each,
+    heaviest first (:meth:`step_rows`). ``len(ds)`` is this rank's rows in the epoch's full
+    steps (``rows_per_rank`` per step; the last ``num_rows mod B`` rows of the stream wait
+    for another epoch) and ``ds[i]`` the ``i``-th of them: this rank's row ``i %
+    rows_per_rank`` of step ``i // rows_per_rank``. So a ``DataLoader(ds,
+    batch_size=rows_per_rank)`` without a sampler of its own gives each rank its share of the
+    same global steps whatever ``world_size`` (one rank, the defaults: ``ds[i]`` is row
+    ``i``). :meth:`row` reads any row by its global number. ``ds.batch(indices)`` reads several rows laid end to end in
     one compiled pass (``PackedBatch.concat([ds[i] for i in indices])``, field for
     field); ``ds.read_rows(rows)`` does the same by global row numbers. For a
     ``DataLoader(ds, batch_size=B, collate_fn=ds.collate)``, the loader fetches each
@@ -234,23 +251,29 @@ class PrepackedDataset(torch.utils.data.Dataset):
         seed: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        balance: str | Balance = "tokens",
+        rows_per_rank: int = 1,
+        cost: str | Path | SequenceCost | None = None,
+        balance: str | Path | SequenceCost | None = None,
     ):
         self.path = Path(path)
         self.manifest: dict[str, Any] = read_manifest(self.path)
         mode = None if verify is None else choose(Verify, verify, "verify")
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank={rank}, world_size={world_size}: need world_size >= 1 and 0 <= rank < world_size")
+        if rows_per_rank < 1:
+            raise ValueError(f"rows_per_rank={rows_per_rank}: a rank takes at least one row per step")
         self.shuffle, self.seed, self.rank, self.world_size = bool(shuffle), int(seed), int(rank), int(world_size)
-        self.balance = choose(Balance, balance, "balance")
+        self.rows_per_rank = int(rows_per_rank)
+        spec = renamed("PrepackedDataset", "cost", cost, "balance", balance)  # mypy joins the unions to object
+        self.cost: SequenceCost = sequence_cost(cast("str | Path | SequenceCost | None", spec), default="attention")
         self.max_seq_len = int(self.manifest["max_seq_len"])
         self.pad_multiple = int(self.manifest["pad_multiple"])
         self.pad_id = int(self.manifest["pad_id"])
         if expect is not None:
             self._check_expect(expect)
         self._open(mode)
-        self.epoch = 0
-        self._order = self._epoch_order()
+        self._costs: np.ndarray | None = None  # row_costs() of self.cost, on first use
+        self.set_epoch(0)
 
     # ------------------------------------------------------------------ opening and checks
 
@@ -425,52 +448,103 @@ class PrepackedDataset(torch.utils.data.Dataset):
 
     # ------------------------------------------------------------------ epochs and shards
 
-    def row_costs(self, balance: str | Balance | None = None) -> np.ndarray:
-        """``(R,)`` int64 cost of every row: real tokens, or ``sum(len**2)`` for ``"attention"``."""
-        b = self.balance if balance is None else choose(Balance, balance, "balance")
-        if b is Balance.TOKENS:
-            return np.diff(self.rows["token"].astype(np.int64))
-        lens = self.sequences["length"].astype(np.int64)
-        if not lens.shape[0]:
-            return np.zeros(0, np.int64)
-        return np.add.reduceat(lens * lens, self.rows["sequence"][:-1])
+    @property
+    def balance(self) -> str:
+        """The old name of :attr:`cost`'s name (deprecated: read ``ds.cost``)."""
+        warn_renamed("PrepackedDataset", ".balance", ".cost", stacklevel=2)
+        return self.cost.name
 
-    def _epoch_order(self) -> np.ndarray:
-        if self.world_size == 1 and not self.shuffle:
-            return np.arange(self.num_rows, dtype=np.int64)
-        return epoch_rows(
-            self.row_costs(),
-            epoch=self.epoch,
-            seed=self.seed,
-            shuffle=self.shuffle,
-            rank=self.rank,
-            world_size=self.world_size,
-        )
+    def row_costs(self, cost: str | Path | SequenceCost | None = None) -> np.ndarray:
+        """``(R,)`` float64 cost of every row: its sequences' :class:`~sftpack.balance.SequenceCost`
+        summed (``"attention"``: ``sum(len**2)``; ``"tokens"``: its real tokens); ``cost``
+        defaults to the dataset's (:attr:`cost`)."""
+        model = self.cost if cost is None else sequence_cost(cost)
+        if model == self.cost and self._costs is not None:
+            return self._costs.copy()
+        out = model.of_groups(self.sequences["length"], self.rows["sequence"])
+        if model == self.cost:
+            self._costs = out
+        return out.copy()
+
+    def _row_cost_cache(self) -> np.ndarray:
+        if self._costs is None:
+            self.row_costs()
+        assert self._costs is not None
+        return self._costs
 
     def set_epoch(self, epoch: int) -> None:
-        """Reorder (with ``shuffle``) and re-deal the rows for ``epoch``; every rank must call it alike."""
+        """Go to ``epoch``'s order of the rows (with ``shuffle``, a fresh seeded one); every rank must
+        call it alike."""
         self.epoch = int(epoch)
-        self._order = self._epoch_order()
+        self._stream = _shard.epoch_order(self.num_rows, epoch=self.epoch, seed=self.seed, shuffle=self.shuffle)
+        self._order: np.ndarray | None = None  # this rank's rows of the epoch, on first use
 
     @property
     def num_rows(self) -> int:
         """Rows in the whole prepack (all ranks)."""
         return int(self.rows.shape[0] - 1)
 
+    @property
+    def steps_per_epoch(self) -> int:
+        """The epoch's full steps of ``rows_per_rank * world_size`` rows."""
+        return self.num_rows // (self.rows_per_rank * self.world_size)
+
+    def epoch_order(self) -> np.ndarray:
+        """``(num_rows,)`` int64: this epoch's one order of all rows (the same on every rank, for any
+        ``world_size``)."""
+        return self._stream.copy()
+
+    def step_rows(self, start: int, count: int) -> np.ndarray:
+        """``(world_size, count // world_size)`` int64: the global rows at positions ``[start, start +
+        count)`` of this epoch's order dealt to the ranks by cost (:mod:`._shard`): line ``r`` is
+        rank ``r``'s rows, heaviest first. What one training step reads (``count``: its rows over all
+        ranks), computed alike on every rank.
+
+        >>> import tempfile
+        >>> from sftpack.offline import prepack_samples
+        >>> from sftpack.testing import samples_from_lengths
+        >>> out = prepack_samples(samples_from_lengths([6, 9, 7, 8]), tempfile.mkdtemp() + "/p", max_seq_len=9).path
+        >>> ds = PrepackedDataset(out, rank=1, world_size=2)
+        >>> ds.row_costs().tolist()  # four rows of one sequence each: len**2
+        [81.0, 64.0, 49.0, 36.0]
+        >>> ds.step_rows(0, 4).tolist()  # rank 0: 81 + 36, rank 1: 64 + 49
+        [[0, 3], [1, 2]]
+        >>> ds.epoch_rows().tolist()  # what ds[0], ds[1] read: rank 1's rows of steps 0 and 1
+        [1, 3]
+        """
+        start, count = int(start), int(count)
+        if start < 0 or count < 1 or start + count > self.num_rows:
+            raise IndexError(
+                f"rows [{start}, {start + count}) of the epoch's order: the prepack has {self.num_rows} rows"
+            )
+        return _shard.deal_rows(self._stream[start : start + count], self._row_cost_cache(), self.world_size)
+
     def epoch_rows(self) -> np.ndarray:
         """``(len(self),)`` int64: the global rows this rank reads this epoch, in order."""
-        return self._order.copy()
+        return self._rank_rows().copy()
+
+    def _rank_rows(self) -> np.ndarray:
+        if self._order is None:
+            k, w = self.rows_per_rank, self.world_size
+            n = self.steps_per_epoch * k * w
+            if w == 1:
+                self._order = self._stream[:n].copy()
+            else:
+                self._order = np.concatenate(
+                    [self.step_rows(s, k * w)[self.rank] for s in range(0, n, k * w)] or [np.zeros(0, np.int64)]
+                )
+        return self._order
 
     # ------------------------------------------------------------------ reading
 
     def __len__(self) -> int:
-        return int(self._order.shape[0])
+        return self.steps_per_epoch * self.rows_per_rank
 
     def __getitem__(self, i: int) -> PackedBatch:
         n = len(self)
         if not -n <= i < n:
             raise IndexError(f"row {i} is out of range for {n} rows")
-        return self.row(int(self._order[i]))
+        return self.row(int(self._rank_rows()[i]))
 
     def conversation_id(self, c: int) -> Any:
         """The id of conversation number ``c`` (as the source gave it)."""
@@ -548,7 +622,7 @@ class PrepackedDataset(torch.utils.data.Dataset):
         bad = (idx < -n) | (idx >= n)
         if bad.any():
             raise IndexError(f"row {int(idx[np.flatnonzero(bad)[0]])} is out of range for {n} rows")
-        return self._order[idx % n] if n else idx
+        return self._rank_rows()[idx % n] if n else idx
 
     def batch(self, indices: Iterable[int] | np.ndarray) -> PackedBatch:
         """Rows ``ds[i]`` for ``i`` in ``indices`` laid end to end, as one :class:`PackedBatch`:

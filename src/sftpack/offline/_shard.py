@@ -1,79 +1,68 @@
-"""Which rows a data-parallel rank reads in an epoch.
+"""Which rows a step trains on, and which of them each data-parallel rank reads.
 
-Every row is read exactly once per epoch across the ``world_size`` ranks, and
-the ranks get nearly equal work. The rows are sorted by cost (tokens, or the
-attention cost ``sum(len_i**2)``), longest first, ties broken by an epoch-seeded
-shuffle, and dealt in a snake (0, 1, ..., W-1, W-1, ..., 0, 0, 1, ...). Each
-full round of the deal gives every rank one row, and the rows of a round differ
-by at most the spread of that round, so over the full rounds two ranks' totals
-differ by at most the largest row cost minus the smallest; a last, partial round
-(when ``world_size`` does not divide the rows) adds at most one row to some
-ranks. Row counts differ by at most 1.
-A rank then reads its rows in an epoch-seeded shuffled order (or in row order
-without ``shuffle``).
+One global stream, whatever the number of ranks:
 
-On rows of 4,096 slots filled to 99.9% the token totals are within one row of
-each other; the attention costs, which vary 10x between a row of one long
-conversation and a row of many short ones, get the same guarantee with
-``balance="attention"``.
+- **the epoch's order**: every epoch has one seeded order of all ``R`` rows
+  (:func:`epoch_order`: a permutation seeded by ``(seed, epoch)``, or row order
+  without ``shuffle``), the same for 1 rank or 1,024;
+- **the step's rows**: step ``s`` of an epoch trains on positions
+  ``[s * B, (s + 1) * B)`` of it, ``B`` the step's rows over all ranks; the last
+  ``R mod B`` rows of an epoch wait for a later epoch's order;
+- **the deal** (:func:`deal_rows`): those ``B`` rows go to the ``W`` ranks by their
+  cost (:func:`sftpack.balance.deal`: ``B / W`` each, the slowest rank as close to
+  the mean as the rows allow), each rank's rows heaviest first, so its ``i``-th row
+  runs in its ``i``-th micro-batch slot beside the other ranks' ``i``-th rows. The
+  deal is a function of the rows' costs only: every rank computes the same one and
+  keeps its own line. One rank keeps the step's rows in stream order.
 
-Cost: one ``argsort`` of the rows per epoch, O(R log R).
+So a step's set of rows never depends on ``W``, and a run's position is
+``(epoch, rows consumed)``: a run stopped at ``N`` ranks continues on ``M`` ranks
+with exactly the rows it would have trained on next (``B`` a multiple of both).
+
+A row's cost is a :class:`~sftpack.balance.SequenceCost` summed over its sequences
+(:meth:`~sftpack.balance.SequenceCost.of_groups`): ``"tokens"``, ``"attention"``, a
+model size (``"7b"``) or a model directory.
+
+Cost: one permutation per epoch, O(R); a deal per step, O(B log B) (16 rows over 8
+ranks in tens of microseconds).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .._base import StrEnum, choose
+from ..balance import deal
 
-__all__ = ["Balance", "epoch_rows"]
-
-
-class Balance(StrEnum):
-    """What data-parallel ranks are balanced by."""
-
-    TOKENS = "tokens"  #: real tokens per row (what the loss and the MLPs cost)
-    ATTENTION = "attention"  #: ``sum(len**2)`` per row (what causal attention costs)
+__all__ = ["deal_rows", "epoch_order"]
 
 
-def epoch_rows(
-    costs: np.ndarray,
-    *,
-    epoch: int = 0,
-    seed: int = 0,
-    shuffle: bool = False,
-    rank: int = 0,
-    world_size: int = 1,
-) -> np.ndarray:
-    """``(k,)`` int64: the global rows ``rank`` reads in ``epoch``, in reading order.
+def epoch_order(num_rows: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = False) -> np.ndarray:
+    """``(num_rows,)`` int64: the epoch's one order of all rows (the global stream).
 
-    Args:
-        costs: ``(R,)`` cost of every row (tokens or attention).
-        epoch, seed: the shuffle's seed is ``(seed, epoch)``; every rank must pass the same.
-        shuffle: shuffle the reading order (and the ties of the deal).
-        rank, world_size: this rank among ``world_size``.
-
-    >>> costs = np.array([10, 9, 8, 7, 6, 5])
-    >>> epoch_rows(costs, rank=0, world_size=2).tolist(), epoch_rows(costs, rank=1, world_size=2).tolist()
-    ([0, 3, 4], [1, 2, 5])
+    >>> epoch_order(5).tolist()
+    [0, 1, 2, 3, 4]
+    >>> sorted(epoch_order(5, epoch=1, seed=3, shuffle=True).tolist())
+    [0, 1, 2, 3, 4]
     """
-    costs = np.asarray(costs)
-    n = costs.shape[0]
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} is outside 0..{world_size - 1} (world_size={world_size})")
-    rng = np.random.default_rng([int(seed), int(epoch)])
-    visit = rng.permutation(n) if shuffle else np.arange(n)
+    if not shuffle:
+        return np.arange(num_rows, dtype=np.int64)
+    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_rows).astype(np.int64)
+
+
+def deal_rows(rows: np.ndarray, costs: np.ndarray, world_size: int) -> np.ndarray:
+    """``(world_size, len(rows) // world_size)`` int64: one step's global ``rows`` dealt by
+    ``costs`` (the cost of every row of the prepack, indexed by global row); line ``r`` is
+    rank ``r``'s rows, heaviest first. One rank: ``rows`` as they are.
+
+    >>> deal_rows(np.array([7, 3, 5, 1]), np.array([0, 2, 0, 1, 0, 3, 0, 4]), 2).tolist()
+    [[7, 3], [5, 1]]
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    if world_size < 1 or rows.shape[0] % world_size:
+        raise ValueError(
+            f"{rows.shape[0]} rows cannot be dealt evenly to {world_size} rank(s): a step's rows must be a "
+            "multiple of the world size"
+        )
     if world_size == 1:
-        return visit.astype(np.int64)
-    by_cost = visit[np.argsort(-costs[visit], kind="stable")]
-    k = np.arange(n)
-    j = k % world_size
-    dealt_to = np.where((k // world_size) % 2 == 0, j, world_size - 1 - j)
-    mine = by_cost[dealt_to == rank]
-    if shuffle:
-        return mine[rng.permutation(mine.shape[0])].astype(np.int64)
-    return np.sort(mine).astype(np.int64)
-
-
-def parse_balance(balance: str | Balance) -> Balance:
-    return choose(Balance, balance, "balance")
+        return rows.reshape(1, -1).copy()
+    return rows[deal(np.asarray(costs, dtype=np.float64)[rows], world_size, rows.shape[0] // world_size)]
