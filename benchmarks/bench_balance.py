@@ -14,7 +14,7 @@ meets). A rank's cost in a step is the sum over the sequences of its micro-batch
   global batch into BFD bins, split them to a multiple of ``W`` and dealt the bins
   LPT by tokens; the offline path dealt the whole epoch's rows in a snake by tokens,
   each rank then reading its share in a shuffled order, ``k`` rows a step.
-- **After**: :func:`sftpack.report.plan_paths`, what ``sftpack plan`` prints: the
+- **After**: :func:`sftpack.report.balance.plan_paths`, what ``sftpack plan`` prints: the
   trainer path's ``plan_microbatches`` (sequences dealt to ranks by cost, then each
   share packed), priced with the 7B model (and with ``cost="tokens"``, the default of
   ``sftpack train`` without a model); the offline and loader paths' steps of rows dealt
@@ -69,24 +69,18 @@ import numpy as np
 
 from _machine import cpu_model, load_average
 from _results import add_flag, formatted_table, write_section
+from sftpack import binpack
+from sftpack.balance import SequenceCost, dynamic_cp, lower_bound, max_over_mean
 from sftpack.offline import plan_rows
-from sftpack.offline._shard import epoch_rows
+from sftpack.report.balance import plan_paths
 from sftpack.trainer import plan_microbatches
 
 DATA = Path(__file__).resolve().parent / "data"
 
-# ----------------------------------------------------------------------------
-# the FLOP model: a 7B decoder, forward + backward
-
-LAYERS = 32
-HIDDEN = 4096
-PARAMS = 6.7e9
-
-
-def sequence_flops(lengths: np.ndarray) -> np.ndarray:
-    """``6*N*l + 6*L*d*l**2`` per sequence (float64): the linear work and causal attention."""
-    l = np.asarray(lengths, dtype=np.float64)  # noqa: E741
-    return 6.0 * PARAMS * l + 6.0 * LAYERS * HIDDEN * l * l
+#: the one cost model: planners after issue 41 plan with it, and every ratio here is measured in it
+COST = SequenceCost.named("7b")
+#: the largest context-parallel group of the dynamic-CP columns
+MAX_CP = 8
 
 
 # ----------------------------------------------------------------------------
@@ -144,87 +138,118 @@ def tail_label(scale: Scale, tail: bool) -> str:
 
 
 # ----------------------------------------------------------------------------
-# measuring
-
-
-def ratio(rank_costs: np.ndarray) -> float:
-    return float(rank_costs.max() / rank_costs.mean())
-
-
-def bound(heaviest: float, rank_costs: np.ndarray) -> float:
-    return max(1.0, float(heaviest / rank_costs.mean()))
+# before: the deals of e7dffec, re-implemented (the code they ran is gone from sftpack)
 
 
 def lpt(costs: np.ndarray, ranks: int, per_rank: int) -> np.ndarray:
-    """``(ranks,)`` loads of ``costs`` dealt heaviest first to the least loaded rank with room."""
+    """``(len(costs),)`` owner of each item: heaviest first to the least loaded rank with room."""
     heap = [(0.0, r) for r in range(ranks)]
-    loads = np.zeros(ranks)
+    owner = np.empty(costs.shape[0], np.int64)
     taken = np.zeros(ranks, np.int64)
-    for c in np.sort(costs)[::-1]:
+    for i in np.argsort(-costs, kind="stable"):
         load, r = heapq.heappop(heap)
-        loads[r] = load + c
+        owner[i] = r
         taken[r] += 1
         if taken[r] < per_rank:
-            heapq.heappush(heap, (loads[r], r))
-    return loads
+            heapq.heappush(heap, (load + float(costs[i]), r))
+    return owner
+
+
+def before_trainer(lengths: np.ndarray, ranks: int, width: int) -> np.ndarray:
+    """Rank of each sequence under the old ``plan_microbatches``: BFD bins split to a multiple of
+    the ranks, then the bins dealt LPT by tokens."""
+    bins = binpack.pack(lengths, width, "bfd", min_bins=ranks, bins_multiple_of=ranks)
+    tokens = np.array([float(lengths[b].sum()) for b in bins])
+    bin_owner = lpt(tokens, ranks, len(bins) // ranks)
+    owner = np.empty(lengths.shape[0], np.int64)
+    for k, b in enumerate(bins):
+        owner[np.asarray(b, dtype=np.int64)] = bin_owner[k]
+    return owner
+
+
+def before_offline(row_tokens: np.ndarray, ranks: int, rank: int) -> np.ndarray:
+    """The rows ``rank`` read in epoch 0 under the old ``epoch_rows(shuffle=True, seed=0)``: a
+    snake deal of the epoch's rows by tokens, then the rank's share shuffled."""
+    n = row_tokens.shape[0]
+    rng = np.random.default_rng([0, 0])
+    visit = rng.permutation(n)
+    by_cost = visit[np.argsort(-row_tokens[visit], kind="stable")]
+    k = np.arange(n)
+    j = k % ranks
+    mine = by_cost[np.where((k // ranks) % 2 == 0, j, ranks - 1 - j) == rank]
+    return mine[rng.permutation(mine.shape[0])]
+
+
+# ----------------------------------------------------------------------------
+# measuring
+
+
+def per_rank(owner: np.ndarray, costs: np.ndarray, ranks: int) -> np.ndarray:
+    return np.bincount(owner, weights=costs, minlength=ranks)
 
 
 def trainer_case(scale: Scale, mix: str, tail: bool, steps: int, draw: Callable, seed: int) -> dict:
     rng = np.random.default_rng(seed)
-    got: dict[str, list[float]] = {"tokens": [], "attention": [], "bound": [], "mb": []}
-    for _ in range(steps):
-        lengths = draw(rng, scale.batch, scale.width, tail)
-        flops = sequence_flops(lengths)
-        for cost in ("tokens", "attention"):
-            plan = plan_microbatches(lengths, scale.width, dp_size=scale.ranks, cost=cost)
-            owner = np.empty(lengths.shape[0], np.int64)
-            for r, microbatches in enumerate(plan.microbatches):
-                for mb in microbatches:
-                    owner[mb] = r
-            per_rank = np.bincount(owner, weights=flops, minlength=scale.ranks)
-            got[cost].append(ratio(per_rank))
-            if cost == "tokens":
-                got["bound"].append(bound(flops.max(), per_rank))
-                got["mb"].append(plan.num_microbatches)
+    w, batch = scale.ranks, scale.batch
+    lengths = draw(rng, steps * batch, scale.width, tail)
+    before, tokens, worst_before = [], [], 0.0
+    for s in range(steps):
+        step = lengths[s * batch : (s + 1) * batch]
+        c = COST(step)
+        before.append(max_over_mean(per_rank(before_trainer(step, w, scale.width), c, w)))
+        plan = plan_microbatches(step, scale.width, dp_size=w, cost="tokens")
+        owner = np.empty(step.shape[0], np.int64)
+        for r, mbs in enumerate(plan.microbatches):
+            for mb in mbs:
+                owner[mb] = r
+        tokens.append(max_over_mean(per_rank(owner, c, w)))
+        worst_before = max(worst_before, before[-1])
+    common = {"dp": w, "global_batch": batch, "max_seq_len": scale.width, "cost": COST, "steps": steps}
+    after = plan_paths(lengths, shuffle=False, **common).paths["trainer"]
+    dyn = plan_paths(lengths, cp=MAX_CP, shuffle=False, **common).paths["dynamic_cp"]
     return {
-        "ranks": scale.ranks,
-        "batch": scale.batch,
+        "ranks": w,
+        "batch": batch,
         "width": scale.width,
         "mix": mix,
         "tail": tail_label(scale, tail),
-        "tokens": statistics.fmean(got["tokens"]),
-        "tokens_worst": max(got["tokens"]),
-        "attention": statistics.fmean(got["attention"]),
-        "attention_worst": max(got["attention"]),
-        "bound": statistics.fmean(got["bound"]),
-        "microbatches": statistics.fmean(got["mb"]),
+        "before": statistics.fmean(before),
+        "tokens": statistics.fmean(tokens),
+        "after": after.max_over_mean,
+        "bound": after.bound,
+        "dynamic_cp": dyn.max_over_mean,
+        "dynamic_cp_bound": dyn.bound,
+        "before_worst": worst_before,
+        "after_worst": after.worst,
+        "dynamic_cp_worst": dyn.worst,
+        "microbatches": after.microbatches_per_rank,
+        "dynamic_cp_microbatches": dyn.microbatches_per_rank,
         "steps": steps,
     }
 
 
 def offline_case(scale: Scale, mix: str, tail: bool, steps: int, draw: Callable, seed: int) -> dict:
-    """A dataset of about ``steps`` steps of rows, packed and dealt as today (see the docstring)."""
+    """A dataset of about ``steps`` steps of rows, dealt as before and as after (see the docstring)."""
     rng = np.random.default_rng(seed)
     w, k = scale.ranks, scale.rows_per_rank
     probe = draw(rng, 100_000, scale.width, tail)
     n = int(np.ceil(w * k * steps * scale.width / probe.mean() * 1.02))  # rows are ~99% full
     lengths = draw(rng, n, scale.width, tail)
-    plan = plan_rows(lengths, max_seq_len=scale.width)  # what `sftpack prepack` plans
-    starts = plan.row_offsets[:-1]
-    row_tokens = np.add.reduceat(plan.lengths, starts)
-    row_flops = np.add.reduceat(sequence_flops(plan.lengths), starts)
-    # PrepackedDataset(shuffle=True, seed=0, rank=r, world_size=w) with balance="tokens": row_costs()
-    # are the rows' real tokens, the rank reads epoch_rows(...) of them; OfflineSource takes k a step
-    shards = [epoch_rows(row_tokens, epoch=0, seed=0, shuffle=True, rank=r, world_size=w) for r in range(w)]
-    epoch_steps = min(s.shape[0] for s in shards) // k
-    today, by_cost, bounds = [], [], []
-    for step in range(epoch_steps):
-        mine = np.stack([s[step * k : (step + 1) * k] for s in shards])  # (w, k) global rows
-        costs = row_flops[mine]
-        per_rank = costs.sum(axis=1)
-        today.append(ratio(per_rank))
-        by_cost.append(ratio(lpt(costs.ravel(), w, k)))
-        bounds.append(bound(costs.max(), per_rank))
+    rows = plan_rows(lengths, max_seq_len=scale.width)  # what `sftpack prepack` plans
+    starts = rows.row_offsets[:-1]
+    row_tokens = np.add.reduceat(rows.lengths, starts)
+    row_cost = COST.of_groups(rows.lengths, rows.row_offsets)
+    shards = [before_offline(row_tokens, w, r) for r in range(w)]
+    before_steps = min(x.shape[0] for x in shards) // k
+    before, bounds = [], []
+    for step in range(before_steps):
+        mine = np.stack([x[step * k : (step + 1) * k] for x in shards])  # (w, k) global rows
+        costs = row_cost[mine]
+        before.append(max_over_mean(costs.sum(axis=1)))
+        bounds.append(lower_bound(costs.ravel(), w))
+    after = plan_paths(
+        lengths, dp=w, global_batch=scale.batch, max_seq_len=scale.width, cost=COST, steps=steps, rows_per_rank=k
+    ).paths["offline"]
     return {
         "ranks": w,
         "width": scale.width,
@@ -232,30 +257,37 @@ def offline_case(scale: Scale, mix: str, tail: bool, steps: int, draw: Callable,
         "mix": mix,
         "tail": tail_label(scale, tail),
         "sequences": n,
-        "rows": plan.num_rows,
-        "fill": float(plan.lengths.sum()) / (plan.num_rows * scale.width),
-        "today": statistics.fmean(today),
-        "today_worst": max(today),
-        "lpt": statistics.fmean(by_cost),
-        "lpt_worst": max(by_cost),
-        "bound": statistics.fmean(bounds),
-        "steps": epoch_steps,
+        "rows": rows.num_rows,
+        "fill": float(rows.lengths.sum()) / (rows.num_rows * scale.width),
+        "before": statistics.fmean(before),
+        "before_worst": max(before),
+        "after": after.max_over_mean,
+        "after_worst": after.worst,
+        "bound": after.bound,
+        "steps": after.steps,
     }
 
 
 def plan_time(repeats: int) -> list[dict]:
     rng = np.random.default_rng(41)
     lengths = chat(rng, 16_384, 131_072, True)
+    calls = {
+        "plan_microbatches, cost 7b": lambda: plan_microbatches(lengths, 131_072, dp_size=1_024, cost=COST),
+        "plan_microbatches, cost tokens": lambda: plan_microbatches(lengths, 131_072, dp_size=1_024),
+        f"dynamic_cp, max_cp {MAX_CP}, cost 7b": lambda: dynamic_cp(
+            lengths, ranks=1_024, max_cp=MAX_CP, max_seq_len=131_072, cost=COST
+        ),
+    }
     out = []
-    for cost in ("tokens", "attention"):
-        plan_microbatches(lengths, 131_072, dp_size=1_024, cost=cost)  # warm-up (numba cache load)
+    for name, call in calls.items():
+        call()  # warm-up (numba cache load)
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            plan_microbatches(lengths, 131_072, dp_size=1_024, cost=cost)
+            call()
             times.append(time.perf_counter() - t0)
         out.append(
-            {"cost": cost, "median": statistics.median(times), "best": min(times), "worst": max(times), "n": repeats}
+            {"call": name, "median": statistics.median(times), "best": min(times), "worst": max(times), "n": repeats}
         )
     return out
 
@@ -269,12 +301,17 @@ TRAINER_COLUMNS = [
     ("width", "micro-batch budget", "{:,}"),
     ("mix", "lengths", "{}"),
     ("tail", "long tail", "{}"),
-    ("tokens", '`cost="tokens"` (default)', "{:.3f}"),
-    ("attention", '`cost="attention"`', "{:.3f}"),
+    ("before", "before (bins by tokens)", "{:.3f}"),
+    ("tokens", 'after, `cost="tokens"`', "{:.3f}"),
+    ("after", 'after, `cost="7b"`', "{:.3f}"),
     ("bound", "bound without CP", "{:.3f}"),
-    ("tokens_worst", "worst step, tokens", "{:.3f}"),
-    ("attention_worst", "worst step, attention", "{:.3f}"),
+    ("dynamic_cp", f"dynamic CP, max {MAX_CP}", "{:.3f}"),
+    ("dynamic_cp_bound", "bound with CP", "{:.3f}"),
+    ("before_worst", "worst step, before", "{:.3f}"),
+    ("after_worst", "worst step, after", "{:.3f}"),
+    ("dynamic_cp_worst", "worst step, dynamic CP", "{:.3f}"),
     ("microbatches", "micro-batches per rank", "{:.2f}"),
+    ("dynamic_cp_microbatches", "micro-batches per rank, dynamic CP", "{:.2f}"),
     ("steps", "steps", "{:,}"),
 ]
 
@@ -284,18 +321,18 @@ OFFLINE_COLUMNS = [
     ("per_rank", "rows per rank per step", "{:,}"),
     ("mix", "lengths", "{}"),
     ("tail", "long tail", "{}"),
-    ("today", "dealt as today", "{:.3f}"),
-    ("lpt", "dealt by cost (LPT)", "{:.3f}"),
+    ("before", "before (snake by tokens)", "{:.3f}"),
+    ("after", "after (each step dealt by cost)", "{:.3f}"),
     ("bound", "bound (heaviest row)", "{:.3f}"),
-    ("today_worst", "worst step, today", "{:.3f}"),
-    ("lpt_worst", "worst step, LPT", "{:.3f}"),
+    ("before_worst", "worst step, before", "{:.3f}"),
+    ("after_worst", "worst step, after", "{:.3f}"),
     ("fill", "row fill", "{:.2%}"),
     ("rows", "rows", "{:,}"),
     ("steps", "steps", "{:,}"),
 ]
 
 TIME_COLUMNS = [
-    ("cost", "cost", "{}"),
+    ("call", "call", "{}"),
     ("median", "median s", "{:.3f}"),
     ("best", "best s", "{:.3f}"),
     ("worst", "worst s", "{:.3f}"),
@@ -313,7 +350,7 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="4 trainer steps, offline datasets of 4 steps")
-    parser.add_argument("--steps", type=int, default=None, help="trainer steps per case (default 64, 4 with --quick)")
+    parser.add_argument("--steps", type=int, default=None, help="trainer steps per case (default 32, 4 with --quick)")
     parser.add_argument(
         "--offline-steps",
         type=int,
@@ -323,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="plan timing runs (default 9, 3 with --quick)")
     add_flag(parser)
     args = parser.parse_args(argv)
-    steps = args.steps or (4 if args.quick else 64)
+    steps = args.steps or (4 if args.quick else 32)
     offline_steps = args.offline_steps or (4 if args.quick else 32)
     repeats = args.repeats or (3 if args.quick else 9)
 
@@ -343,9 +380,10 @@ def main(argv: list[str] | None = None) -> int:
             offline.append(offline_case(scale, mix, tail, offline_steps, draws[mix], seed=100 * i + j + 50))
             print(
                 f"  {scale.ranks:>5} ranks, {mix:9s} tail {tail_label(scale, tail):18s}: "
-                f"trainer {trainer[-1]['tokens']:.3f} / {trainer[-1]['attention']:.3f} (bound "
-                f"{trainer[-1]['bound']:.3f}), offline {offline[-1]['today']:.3f} / LPT {offline[-1]['lpt']:.3f} "
-                f"(bound {offline[-1]['bound']:.3f}); {time.perf_counter() - t:.1f} s",
+                f"trainer {trainer[-1]['before']:.3f} -> {trainer[-1]['after']:.3f} (bound "
+                f"{trainer[-1]['bound']:.3f}), dynamic CP {trainer[-1]['dynamic_cp']:.3f}; offline "
+                f"{offline[-1]['before']:.3f} -> {offline[-1]['after']:.3f} (bound {offline[-1]['bound']:.3f}); "
+                f"{time.perf_counter() - t:.1f} s",
                 file=sys.stderr,
                 flush=True,
             )
@@ -353,15 +391,20 @@ def main(argv: list[str] | None = None) -> int:
 
     body = "\n\n".join(
         [
-            f"Trainer path: `plan_microbatches` over each step's global batch, max/mean of the ranks' FLOPs, "
-            f"mean over {steps} steps per case.",
+            f"Trainer path: each step's global batch planned before (BFD bins split to a multiple of the ranks, "
+            f"dealt by tokens) and after (`plan_microbatches`: sequences dealt to ranks by cost, then packed; with "
+            f'`cost="tokens"`, the default, and `cost="7b"`), and with dynamic context parallelism '
+            f"(`dynamic_cp`, groups of up to {MAX_CP} of the same ranks); max/mean of the ranks' 7B FLOPs, mean "
+            f"over {steps} steps per case.",
             formatted_table(trainer, TRAINER_COLUMNS),
-            f"Offline path: rows by BFD (`plan_rows`, as `sftpack prepack`) over a dataset of about "
-            f"{offline_steps} steps of rows, dealt as `OfflineSource` deals them today, or by cost (LPT); max/mean "
-            "of the ranks' FLOPs, mean over the steps of the first epoch.",
+            f"Offline path (the loader path's rows are dealt the same way): rows by BFD (`plan_rows`, as "
+            f"`sftpack prepack`) over a dataset of about {offline_steps} steps of rows, dealt before (a snake "
+            "deal of the epoch by tokens, each rank's share shuffled) and after (one world-size independent "
+            "order, each step's rows dealt by cost: `balance.deal`); max/mean of the ranks' 7B FLOPs, mean over "
+            "the steps.",
             formatted_table(offline, OFFLINE_COLUMNS),
-            "Planning time: `plan_microbatches` of 16,384 sequences (chat, long tail 16,384 to 131,072) at 1,024 ranks, "
-            "budget 131,072 (goal: under 1 s).",
+            "Planning time: one global batch of 16,384 sequences (chat, long tail 16,384 to 131,072) at 1,024 "
+            "ranks, budget 131,072 (goal: under 1 s).",
             formatted_table(timing, TIME_COLUMNS),
         ]
     )
@@ -369,9 +412,9 @@ def main(argv: list[str] | None = None) -> int:
     print(body)
     if not args.no_results:
         title = (
-            "Issue 41's baseline: max/mean of the data-parallel ranks' cost per step with today's planners, "
-            f"on a FLOP model of a 7B decoder (L={LAYERS}, d={HIDDEN}, N={PARAMS:.1e}: 6·N·l + 6·L·d·l² per "
-            f"sequence); chat = lognormal(ln {CHAT_MEDIAN}, {CHAT_SIGMA}), long tail = {TAIL_SHARE:.0%} of "
+            "Issue 41, before and after: max/mean of the data-parallel ranks' cost per step, on the FLOP model of "
+            f'a 7B decoder (`SequenceCost.named("7b")`: {COST.per_token:.3e}·l + {COST.per_token_squared:.3e}·l² '
+            f"per sequence); chat = lognormal(ln {CHAT_MEDIAN}, {CHAT_SIGMA}), long tail = {TAIL_SHARE:.0%} of "
             f"sequences uniform in [{TAIL_FROM:,}, width]; seeded. 1.000 = no straggler."
         )
         write_section(__file__, body, where, title=title)
