@@ -129,8 +129,10 @@ def test_two_ranks_resume_on_one(packing, prepacked, uninterrupted, tmp_path):
         # on both ranks, so rank 0's file is every rank's at another world size
         files = [torch.load(path / f"rank_{r}.pt", weights_only=False) for r in range(2)]
         assert files[0]["data"] == files[1]["data"]
-        for name in ("torch", "numpy", "python"):
-            assert repr(files[0]["rng"][name]) == repr(files[1]["rng"][name]), name
+        # (Python's own ``random`` is left out: every process seeds it from the OS, a fork too, and
+        # no step uses it, or no run would repeat)
+        assert torch.equal(files[0]["rng"]["torch"], files[1]["rng"]["torch"])
+        assert repr(files[0]["rng"]["numpy"]) == repr(files[1]["rng"]["numpy"])
     # a source whose position is per rank is refused, with the message it always had
     fp = make_source(_config(packing), samples=tiny_samples(), prepacked=prepacked).fingerprint()
     with pytest.raises(CheckpointError, match=r"written by 2 rank\(s\), resumed on 1: .*same number of processes"):
