@@ -86,6 +86,9 @@ def _another(options, f):
     if isinstance(default, int) or default is None and "min" in f.metadata:
         value = 2 * (default or 1)
         return [str(value)], value
+    if "|" in f.metadata.get("metavar", ""):  # a few words or a path ("tokens|attention|SIZE|DIR"): another word
+        value = next(w for w in f.metadata["metavar"].split("|") if w != default)
+        return [value], value
     return ["cpu"], "cpu"
 
 

@@ -41,7 +41,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     add_settings(
         t.add_argument_group("packing"),
         TrainConfig,
-        *("pad_multiple", "boundaries", "buffer_size", "max_patches_per_row", "allow_inexact_packing"),
+        *("pad_multiple", "boundaries", "buffer_size", "max_patches_per_row", "cost", "allow_inexact_packing"),
     )
     m = t.add_argument_group("model")
     add_settings(m, ModelSettings, "model", "tokenizer", "family")

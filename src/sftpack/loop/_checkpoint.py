@@ -378,23 +378,38 @@ def _load(path: Path) -> Any:
 
 
 def load_checkpoint(
-    path: str | os.PathLike[str], *, rank: int, world: int, fingerprint: str, model: Any = None
+    path: str | os.PathLike[str],
+    *,
+    rank: int,
+    world: int,
+    fingerprint: str,
+    model: Any = None,
+    elastic: bool = False,
 ) -> tuple[dict, dict]:
     """``(shared, per_rank)`` of the checkpoint folder ``path``, checked against this run
     (its data ``fingerprint``, its ``world`` size and, given this run's ``model``, its dtype).
+
+    ``elastic``: the run's source keeps a position that does not depend on the number of
+    ranks (``Source.elastic``: the trainer path's place in the seeded order of the global
+    stream). Such a checkpoint written by ``N`` ranks resumes on any ``M``: ``state.pt``
+    holds the whole model and optimizer state whatever wrote it (gathered to rank 0, with
+    FSDP too), and every rank takes rank 0's file: its data position is every rank's (the
+    source's ``load_state_dict`` reads it at this rank and world), and its RNG states stand
+    for every rank's (every rank seeds the model alike, the data order has generators of its
+    own, and a step draws no random number; a model with dropout draws its masks per rank,
+    so its run depends on the number of ranks anyway). With the same number of ranks each
+    rank takes its own file, as always.
+    Without ``elastic``, another number of ranks is refused: each rank's position is its own.
 
     The files are verified against ``checkpoint.json`` before they are unpickled. A
     checkpoint written before the dtype was recorded is checked by its saved weights.
     """
     path = Path(path)
-    mine = f"rank_{rank}.pt"
     manifest = verify_checkpoint(path, ["state.pt"])
     written = [n for n in manifest["files"] if n.startswith("rank_")]
-    if len(written) != world:
-        raise CheckpointError(
-            f"{path}: written by {len(written)} rank(s), resumed on {world}: each rank's data position is "
-            "saved separately; resume with the same number of processes"
-        )
+    if len(written) != world and not elastic:
+        raise _other_world(path, len(written), world)
+    mine = f"rank_{rank}.pt" if len(written) == world else "rank_0.pt"
     verify_checkpoint(path, [mine])
     shared = _load(path / "state.pt")
     if not isinstance(shared, dict) or "model" not in shared:
@@ -405,11 +420,8 @@ def load_checkpoint(
             f"{str(shared.get('fingerprint'))[:12]}..., this run {fingerprint[:12]}...): resume with the same "
             "data, packing, --max-seq-len, --batch-size and --seed, or start a fresh --checkpoint-dir"
         )
-    if shared.get("world") != world:
-        raise CheckpointError(
-            f"{path}: written by {shared.get('world')} rank(s), resumed on {world}: each rank's data position is "
-            "saved separately; resume with the same number of processes"
-        )
+    if shared.get("world") != world and not elastic:
+        raise _other_world(path, shared.get("world"), world)
     if model is not None:
         now = model_dtype(model)
         saved = shared.get("dtype") or model_dtype(model, shared["model"])
@@ -420,3 +432,10 @@ def load_checkpoint(
                 "--checkpoint-dir"
             )
     return shared, _load(path / mine)
+
+
+def _other_world(path: Path, written: object, world: int) -> CheckpointError:
+    return CheckpointError(
+        f"{path}: written by {written} rank(s), resumed on {world}: each rank's data position is "
+        "saved separately; resume with the same number of processes"
+    )

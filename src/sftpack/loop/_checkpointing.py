@@ -95,7 +95,12 @@ class Checkpoints(Part):
         if path is None:
             return 0
         shared, mine = load_checkpoint(
-            path, rank=state.rank, world=state.world, fingerprint=self._fingerprint, model=state.model
+            path,
+            rank=state.rank,
+            world=state.world,
+            fingerprint=self._fingerprint,
+            model=state.model,
+            elastic=bool(getattr(state.source, "elastic", False)),  # its position is global: any number of ranks
         )
         _check_resume_options(path, shared.get("config") or {}, state.config.as_dict())
         opt, sched = state.optimization.get()

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .._base import StrEnum, choose, positive_int
+from ..balance import SequenceCost, sequence_cost
 from ..chat import DEFAULT_MAX_SEQ_LEN
 
 __all__ = ["Boundaries", "ConfigError", "NonFinite", "Packing", "Schedule", "TrainConfig"]
@@ -98,6 +100,15 @@ class TrainConfig:
             while conversations are still split at ``max_seq_len``: a distinct setting
             (docs/contract.md, "One name for the row width"). Wider micro-batches mean
             fewer forward passes (less per-call overhead, more activation memory).
+        cost: the trainer path with several ranks: what a sequence costs when the step's
+            conversations are dealt to the ranks (:func:`sftpack.balance.sequence_cost`'s
+            spellings: ``"tokens"``, the default and the planner's behaviour before the cost
+            model; ``"attention"``; a size such as ``"7b"``; a model folder or its
+            ``config.json``; a :class:`~sftpack.balance.SequenceCost`). It decides only which
+            rank and micro-batch each conversation lands in, never which conversations a step
+            trains on; on one rank it changes nothing. ``"tokens"`` stays the default even with
+            a model folder (``--model``): a run's plan and checkpoints stay what they were unless
+            asked; give ``--cost DIR`` (the same folder) to price by that model's config.
         max_patches_per_row: data with images: the vision patches one packed row or
             micro-batch may hold (the bin packer's second budget, on the trainer and
             loader paths; ``None``: tokens alone decide).
@@ -167,6 +178,16 @@ class TrainConfig:
     )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per rank per step, at least", "min": 1})
     micro_batch_tokens: int | None = None
+    cost: str | SequenceCost = field(
+        default="tokens",
+        metadata={
+            "help": "trainer path, several ranks: what a sequence costs when each step's conversations are dealt "
+            "to the ranks: tokens (default), attention (tokens squared), a model size (1b, 3b, 7b, 8b, 13b, 70b) or "
+            "a model folder (its config.json: linear work per token plus attention per token squared); which "
+            "conversations a step trains on never changes",
+            "metavar": "tokens|attention|SIZE|DIR",
+        },
+    )
     max_patches_per_row: int | None = field(
         default=None,
         metadata={
@@ -293,6 +314,12 @@ class TrainConfig:
                     f"TrainConfig: micro_batch_tokens={self.micro_batch_tokens} is below max_seq_len="
                     f"{self.max_seq_len}: a conversation of max_seq_len tokens must fit one micro-batch"
                 )
+        if isinstance(self.cost, os.PathLike):
+            self.cost = str(self.cost)
+        try:
+            sequence_cost(self.cost)  # a spelling that names no cost model is refused here, before any work
+        except ValueError as e:
+            raise ValueError(f"TrainConfig: {e}") from None
         if self.max_patches_per_row is not None:
             self.max_patches_per_row = positive_int("max_patches_per_row", self.max_patches_per_row, who="TrainConfig")
         for name in ("dim", "layers", "heads", "kv_heads"):
@@ -327,6 +354,8 @@ class TrainConfig:
         for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
+        if d["cost"] == "tokens":  # the default: a run's saved config stays what it was
+            del d["cost"]
         for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every", "fsdp", "allow_inexact_packing"):
             if not d[name]:  # a run without them: its saved config stays what it was
                 del d[name]

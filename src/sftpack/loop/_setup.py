@@ -236,6 +236,7 @@ def make_source(
                 micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
+                cost=config.cost,
                 **common,
             )
         source.max_seq_len = config.max_seq_len

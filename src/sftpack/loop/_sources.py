@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from .._base import positive_int, renamed
+from ..balance import SequenceCost, sequence_cost
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
 from ..sample import IGNORE_INDEX, Sample
@@ -268,6 +269,10 @@ class _SampleSource(Source):
         self._ahead: list[Sample] | None = None  # drawn by wait_first, handed over by the next step
         self.max_seq_len = 0  # for the message when no sample has a target (make_source sets it)
 
+    #: the position is in the global stream (the seeded order of the step's conversations, the
+    #: same on every rank), so a checkpoint of ``N`` ranks resumes on ``M`` (``load_checkpoint``)
+    elastic = True
+
     def wait_first(self) -> None:
         """Draw the next step's samples now (waiting for their conversations, and
         refusing data with no target at all), so that :meth:`next_step` hands them
@@ -350,7 +355,9 @@ class TrainerSource(_SampleSource):
     many vision patches each too), each packed at the step from its right-padded
     batch and its samples' media (:func:`~sftpack.trainer.pack_step`). ``draw``: how the
     step's conversations are drawn and dealt, as for :class:`PaddedSource` (``batch_size``,
-    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``). ``token_budget`` and ``max_patches``:
+    ``seed``, ``rank``, ``world``, ``grad_accum``, ``pad_id``). ``cost``: what a conversation costs
+    when the step's conversations are dealt to the ranks (``plan_microbatches(cost=)``, any
+    :func:`~sftpack.balance.sequence_cost` spelling; default ``"tokens"``). ``token_budget`` and ``max_patches``:
     the deprecated spellings of ``micro_batch_tokens`` and ``max_patches_per_row`` (with a ``DeprecationWarning``, until the next
     release)."""
 
@@ -361,11 +368,13 @@ class TrainerSource(_SampleSource):
         micro_batch_tokens: int | None = None,
         pad_multiple: int = 1,
         max_patches_per_row: int | None = None,
+        cost: SequenceCost | str = "tokens",
         token_budget: int | None = None,
         max_patches: int | None = None,
         **draw: Any,
     ) -> None:
         super().__init__(samples, **draw)
+        self.cost = sequence_cost(cost)
         width = renamed("TrainerSource", "micro_batch_tokens", micro_batch_tokens, "token_budget", token_budget)
         self.micro_batch_tokens = positive_int("micro_batch_tokens", width, who="TrainerSource")
         self.pad_multiple = pad_multiple
@@ -388,6 +397,7 @@ class TrainerSource(_SampleSource):
             dp_size=self.world,
             pad_multiple=self.pad_multiple,
             min_microbatches=self.grad_accum,
+            cost=self.cost,
             **patches,
         )
         out: list[MicroBatch] = []
@@ -415,6 +425,11 @@ class TrainerSource(_SampleSource):
         }
         if self.max_patches_per_row is not None:  # a text run's fingerprint stays what it was
             key["max_patches"] = self.max_patches_per_row  # the key it has always had: checkpoints still match
+        # its coefficients, not its name (a model folder moved elsewhere prices the same); the default,
+        # tokens, is left out: checkpoints written before the cost model still match
+        coefficients = [self.cost.per_token, self.cost.per_token_squared]
+        if coefficients != [1.0, 0.0]:
+            key["cost"] = coefficients
         return _hash(key)
 
 
@@ -485,6 +500,7 @@ class RenumberedSource(Source):
         self.inner, self.pad_id = inner, pad_id
         self.lut = torch.full((int(vocab.max()) + 2,), -1, dtype=torch.int64)
         self.lut[torch.from_numpy(np.asarray(vocab, dtype=np.int64))] = torch.arange(len(vocab))
+        self.elastic: bool = bool(getattr(inner, "elastic", False))  # its position is the inner source's
 
     def _map(self, ids: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
         out = torch.where(where, self.lut[ids.clamp(0, len(self.lut) - 1)], self.pad_id)
