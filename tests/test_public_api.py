@@ -66,6 +66,7 @@ API = {
     ],
     "sftpack.loader": [
         "PAD_BETWEEN_SEQS",
+        "DecidedRow",
         "EnergonPackedBatch",
         "LoaderStats",
         "PackingDataset",

@@ -385,6 +385,59 @@ def test_two_ranks_train_a_prepack_with_images_like_one(data, prepacked, tmp_pat
     assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
 
 
+def _loader_ddp_worker(rank: int, init_file: str, out_file: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
+    )
+    try:
+        data, cfg = _DDP_DATA["data"], _loader_ddp_config()
+        source = make_source(cfg, samples=data.samples, pad_id=data.pad_id, rank=rank, world=2)
+        result = train(cfg, source=source, model=data.model())
+        torch.save(
+            {
+                "params": [p.detach() for p in result.model.parameters()],
+                "losses": result.losses,
+                "images": [r.images for r in result.logs],
+                "conversations": result.conversations,
+            },
+            f"{out_file}.{rank}",
+        )
+        dist.barrier()  # both ranks done before either tears gloo down (see _ddp_worker)
+    finally:
+        dist.destroy_process_group()
+
+
+def _loader_ddp_config():
+    return _config("loader", steps=4, batch_size=2, buffer_size=8)
+
+
+@pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
+def test_two_ranks_train_an_image_run_like_one_on_the_loader_path(data, tmp_path):
+    """The loader path's one global stream (issue 41): 2 DDP ranks each lay one of every step's two
+    rows (dealt by cost) and train like 1 process laying both, to DDP_TOL (the derivation above:
+    the same rows per step, another summation order)."""
+    cfg = _loader_ddp_config()
+    one = _run(data, cfg)
+    _DDP_DATA["data"] = data
+    out = str(tmp_path / "rank")
+    run_ranks(_loader_ddp_worker, (str(tmp_path / "init"), out))
+    a, b = torch.load(out + ".0"), torch.load(out + ".1")
+    for step, (x, y, both) in enumerate(zip(a["conversations"], b["conversations"], one.conversations)):
+        assert x and y, f"step {step}: a rank got no row"
+        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the 1-rank rows"
+    assert a["images"] == [r.images for r in one.logs] and all(n >= 1 for n in a["images"])  # global counts
+    loss_diff = max(abs(x - y) for x, y in zip(a["losses"], one.losses))
+    param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(a["params"], one.model.parameters()))
+    assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
+
+
 # ------------------------------------------------------------------ sftpack train with images
 #: float32, first step (the loss of the same initial parameters): rounding errors grow like
 #: lambda*sqrt(n)*u (Higham & Mary 2019; lambda = 10: exceeded with probability <= 4e-22), n <= 4,000

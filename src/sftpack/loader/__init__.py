@@ -24,6 +24,9 @@ One concept per module:
   the worker) to buffer items under the over-long policy and the patch budget.
 - ``_round``: one buffer planned into rows, the under-filled ones held back (``_hold``).
 - ``_row``: a decided row of items laid as a :class:`~sftpack.PackedBatch` (its media too).
+- ``_decided``: :class:`DecidedRow`, a decided row not yet laid (its lengths and ids; ``build()``
+  lays it): :meth:`PackingDataset.decided_rows` yields them, so ranks sharing one stream lay
+  only their own rows.
 - ``_stream``: the streaming engine, one share's position (epoch, cursor, buffer, decided
   rows, counts) and the rounds that move it.
 - ``_dataset``: :class:`PackingDataset`, the engine over a source: shares, ``iter()``, exact
@@ -52,6 +55,7 @@ from typing import Any
 
 from ..sample import Overlong as Overlong  # an alias of sftpack.sample.Overlong, listed in sftpack._ALIASES
 from ._dataset import PAD_BETWEEN_SEQS, PackingDataset
+from ._decided import DecidedRow
 from ._example import worked_example_row
 from ._state import StateError
 from ._stats import LoaderStats
@@ -65,6 +69,7 @@ _LAZY = {
 
 __all__ = [
     "PAD_BETWEEN_SEQS",
+    "DecidedRow",
     "EnergonPackedBatch",
     "LoaderStats",
     "PackingDataset",

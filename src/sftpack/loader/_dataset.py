@@ -50,8 +50,8 @@ conversation) and replays the decided rows as decided: it never re-packs them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -60,9 +60,10 @@ from ..binpack import Algorithm
 from ..handoff import PackedBatch
 from ..sample import DEFAULT_OVERLONG, Overlong
 from ._cut import Cutter
+from ._decided import DecidedRow
 from ._settings import LoaderSettings, Setting
 from ._shares import no_row, share_name, too_few
-from ._source import Lookahead, Source
+from ._source import Item, Lookahead, Source
 from ._state import (
     STATE_VERSION,
     StateError,
@@ -82,6 +83,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..multimodal import Family
 
 __all__ = ["PAD_BETWEEN_SEQS", "PackingDataset", "StateError"]
+
+R = TypeVar("R")
 
 #: What the loader hands the kernel by default: the padded boundaries for both
 #: ``cu_seqlens`` and ``cu_seqlens_padded`` (Transformer Engine keeps FlashAttention-2).
@@ -260,7 +263,8 @@ class PackingDataset(RowStream, IterableDataset):
         wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
         return self.settings.rank * nw + wid, self.settings.world_size * nw, nw
 
-    def _num_samples(self) -> int | None:
+    @property
+    def num_samples(self) -> int | None:
         """``len()`` of a map-style source (``None``: an iterable one)."""
         return len(self.source.samples) if self.source.map_style else None
 
@@ -286,7 +290,7 @@ class PackingDataset(RowStream, IterableDataset):
             "active": self._active,
             "cursor": self._cursor,
             "stats": self._stats.as_dict(),
-            "num_samples": self._num_samples(),
+            "num_samples": self.num_samples,
             **position(self._buffer, self._ages, self._pending, self._last),
         }
 
@@ -304,7 +308,7 @@ class PackingDataset(RowStream, IterableDataset):
         order = None
         if self.source.map_style:
             order = self.source.order(state["epoch"], state["shard"], state["num_shards"])
-        check_refs(state, order, self._num_samples())
+        check_refs(state, order, self.num_samples)
         stats = LoaderStats.from_dict(state["stats"])
         check_stats(
             state,
@@ -321,11 +325,26 @@ class PackingDataset(RowStream, IterableDataset):
     # ------------------------------------------------------------- iteration
     def __iter__(self) -> Iterator[PackedBatch]:
         # a worker restored after its share of the loader's pass had ended: that pass gets nothing
-        return iter(()) if self._enter_iter(get_worker_info() is not None) else self._rows()
+        return iter(()) if self._enter_iter(get_worker_info() is not None) else self._rows(self._build)
 
-    def _rows(self) -> Iterator[PackedBatch]:
+    def decided_rows(self) -> Iterator[DecidedRow]:
+        """What ``iter()`` yields, each row decided but not laid: a :class:`~sftpack.loader.DecidedRow`
+        (its sequences' lengths and ids; ``build()`` lays the row ``iter()`` would have yielded).
+
+        The same rows in the same order, the same counts and the same state after each (a state
+        taken here resumes ``iter()``, and the reverse). Deciding reads only lengths and patch
+        counts, so several consumers of one stream can each run the decisions and lay only the
+        rows they take: data-parallel ranks sharing one global stream (``sftpack train --packing
+        loader``) lay only the rows dealt to them.
+        """
+        return iter(()) if self._enter_iter(get_worker_info() is not None) else self._rows(self._decided)
+
+    def _decided(self, row: list[Item]) -> DecidedRow:
+        return DecidedRow(row, self._build)
+
+    def _rows(self, lay: Callable[[list[Item]], R]) -> Iterator[R]:
         shard, shards, nw = self._shard()
-        n = self._num_samples()
+        n = self.num_samples
         if n is not None and n < shards:
             raise ValueError(too_few(self._share(shard, nw), shards, nw, self.settings.world_size, n))
         need: set[int] = set()
@@ -345,7 +364,7 @@ class PackingDataset(RowStream, IterableDataset):
             need = set()
             fresh = self._cursor == 0 and not self._buffer and not self._pending
             rows, read, dropped = self._stats.rows_out, self._stats.samples_in, self._stats.dropped
-            yield from self._run_epoch(Lookahead(stream))
+            yield from self._run_epoch(Lookahead(stream), lay)
             if fresh and self._stats.rows_out == rows:
                 read, dropped = self._stats.samples_in - read, self._stats.dropped - dropped
                 share = self._share(shard, nw)

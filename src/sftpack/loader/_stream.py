@@ -7,15 +7,15 @@ the last sample read and the counts. :meth:`RowStream._run_epoch` moves it: fill
 from the share's stream (``_fill``, ``_read``: each source item cut by the dataset's
 :class:`~sftpack.loader._cut.Cutter`), plan a round (``_round``:
 :func:`~sftpack.loader._round.plan_round`), then emit the decided rows one by one (``_build``:
-:func:`~sftpack.loader._row.lay_items`; ``_emit``: counted), the position updated before each
+:func:`~sftpack.loader._row.lay_items`, now or later; ``_emit``: counted), the position updated before each
 row is yielded. :class:`~sftpack.loader.PackingDataset` is a ``RowStream`` over a source, with
 shares, ``iter()`` and states around it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from ..handoff import PackedBatch
 from ..sample import Sample
@@ -28,6 +28,8 @@ from ._state import check_pending, check_share, first_iter, refs_needed, restore
 from ._stats import OVERLONG, LoaderStats
 
 __all__ = ["RowStream"]
+
+R = TypeVar("R")
 
 
 class RowStream:
@@ -91,12 +93,14 @@ class RowStream:
         check_pending(self._pending, s.pad_multiple, s.max_seq_len, s.max_patches_per_row)
         self._restore = None
 
-    def _run_epoch(self, stream: Lookahead) -> Iterator[PackedBatch]:
-        """Rows of the rest of this epoch; the epoch advances *before* its last row is
-        yielded, so the state after that row reads (next epoch, cursor 0)."""
+    def _run_epoch(self, stream: Lookahead, lay: Callable[[list[Item]], R]) -> Iterator[R]:
+        """Rows of the rest of this epoch, each decided row handed to ``lay`` (:meth:`_build`: the
+        laid :class:`~sftpack.PackedBatch`; or a :class:`~sftpack.loader.DecidedRow` that lays it
+        later); the epoch advances *before* its last row is yielded, so the state after that row
+        reads (next epoch, cursor 0)."""
         while True:
             while self._pending:
-                row = self._build(self._pending[0])
+                row = lay(self._pending[0])
                 self._emit(self._pending.pop(0))
                 last = not self._pending and not self._buffer and stream.done
                 if last:

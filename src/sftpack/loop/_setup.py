@@ -244,12 +244,13 @@ def make_source(
     assert not isinstance(samples, ConversationSamples)
     # the run's settings the loader takes under the same names
     same = ("max_seq_len", "buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
+    # one global stream on every rank (rank 0 of 1): the rows one process packs, dealt to the ranks at each step
     loader = PackingDataset(
         samples,
         shuffle=True,
         num_epochs=None,
-        rank=rank,
-        world_size=world,
+        rank=0,
+        world_size=1,
         pad_id=pad_id,
         **{name: getattr(config, name) for name in same},
     )

@@ -1,11 +1,26 @@
-"""The loader path's source: each step's rows streamed from a :class:`~sftpack.loader.PackingDataset`
-(see :mod:`._sources`)."""
+"""The loader path's source: one global stream of rows, each step's rows dealt to the ranks by cost
+(see :mod:`._sources`).
+
+Every rank holds all the samples (``sftpack train`` reads them into memory), so every rank runs
+the same :class:`~sftpack.loader.PackingDataset` over the same seeded global order (``rank=0``,
+``world_size=1``): the rows one process packs, whatever the world size. Running the packer's
+decisions needs only the samples' lengths (:meth:`~sftpack.loader.PackingDataset.decided_rows`);
+each step takes the next ``batch_size`` decided rows, deals them to the ranks by cost
+(:func:`sftpack.balance.deal`: ``batch_size / world`` each, heaviest first), and each rank lays
+only its own. No rank reads another's data twice, and a step trains on the same rows at any
+world size, so its state (the global dataset's, the rows consumed) is the same on every rank and
+resumes on another number of ranks (``elastic``).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from ..loader import PackingDataset
+import numpy as np
+
+from ..balance import SequenceCost, deal, sequence_cost
+from ..loader import DecidedRow, PackingDataset
 from ._micro_batch import MicroBatch
 from ._sources import Source, _hash, rows_per_rank, rows_to_micro_batches
 
@@ -13,9 +28,15 @@ __all__ = ["LoaderSource"]
 
 
 class LoaderSource(Source):
-    """Rows streamed from a :class:`sftpack.loader.PackingDataset` (built with this
-    rank's ``rank`` / ``world_size`` and ``num_epochs=None``); ``B/W`` rows per rank
-    per step. The position is the dataset's own ``state_dict``."""
+    """The rows of one global :class:`sftpack.loader.PackingDataset` (built with ``rank=0``,
+    ``world_size=1``, ``num_epochs=None``): each step its next ``batch_size`` rows, dealt to the
+    ``world`` ranks by ``cost`` (a :class:`~sftpack.balance.SequenceCost` over each row's sequence
+    lengths, or any :func:`~sftpack.balance.sequence_cost` spelling; default ``"tokens"``), this
+    rank laying its ``batch_size / world``. The position is the global dataset's state and the
+    rows consumed, the same on every rank: a checkpoint of ``N`` ranks resumes on ``M``."""
+
+    #: the position is the same on every rank and for any world size (the checkpoint may resume it on another)
+    elastic = True
 
     def __init__(
         self,
@@ -26,46 +47,98 @@ class LoaderSource(Source):
         rank: int = 0,
         world: int = 1,
         grad_accum: int = 1,
+        cost: str | Path | SequenceCost | None = None,
     ) -> None:
+        if (dataset.rank, dataset.world_size) != (0, 1):
+            raise ValueError(
+                f"LoaderSource deals one global stream to the ranks, but the dataset packs the share of rank "
+                f"{dataset.rank} of world_size={dataset.world_size}: build it with rank=0, world_size=1 on every rank"
+            )
         self.ds = dataset
         self.batch_size = batch_size
         self.per_rank = rows_per_rank(batch_size, world, grad_accum)
+        self.rank, self.world = rank, world
         self.grad_accum = grad_accum
+        self.cost = sequence_cost(cost)
+        self.rows = 0  # global rows consumed
         self._fp = samples_fp
         self._it: Any = None
 
-    def next_step(self) -> list[MicroBatch]:
+    def _take(self) -> list[DecidedRow]:
+        """The next step's ``batch_size`` rows of the global stream (decided, not laid)."""
         if self._it is None:
-            self._it = iter(self.ds)
+            self._check_ranks()
+            self._it = self.ds.decided_rows()
         rows = []
-        for _ in range(self.per_rank):
+        for _ in range(self.batch_size):
             try:
                 rows.append(next(self._it))
             except StopIteration:
                 raise ValueError("the loader ran out of rows: build it with num_epochs=None") from None
-        return rows_to_micro_batches(rows, self.grad_accum)
+        self.rows += self.batch_size
+        return rows
+
+    def _check_ranks(self) -> None:
+        """Refuse fewer samples than ranks: every step would train some sample on two ranks at once."""
+        n = self.ds.num_samples
+        if n is not None and n < self.world:
+            raise ValueError(
+                f"PackingDataset (rank {self.rank} of world_size={self.world}): the source holds {n} samples but "
+                f"they are dealt to {self.world} shares (each rank's rows of a step), so every step would train "
+                f"some sample on two ranks at once: use at most {n} ranks, or more samples"
+            )
+
+    def step_rows(self) -> list[list[DecidedRow]]:
+        """The next step's rows dealt to the ranks: ``[rank][i]``, each rank's heaviest first (it moves
+        the position, as :meth:`next_step` does, without laying a row)."""
+        rows = self._take()
+        offsets = np.cumsum([0] + [len(r.lengths) for r in rows])
+        lengths = np.concatenate([r.lengths for r in rows])
+        dealt = deal(self.cost.of_groups(lengths, offsets), self.world, self.per_rank)
+        return [[rows[i] for i in mine.tolist()] for mine in dealt]
+
+    def next_step(self) -> list[MicroBatch]:
+        mine = self.step_rows()[self.rank]
+        return rows_to_micro_batches([r.build() for r in mine], self.grad_accum)
 
     def epoch_steps(self) -> int:
-        """The steps of the first epoch's rows (counted by packing it once, then back to the
+        """The steps of the first epoch's rows (counted by deciding it once, then back to the
         start: the loader packs as it streams, so later epochs may hold a row more or less)."""
         if self._it is not None:
             raise ValueError("LoaderSource.epoch_steps: ask before the first step")
         start = self.ds.state_dict()
         first, rows = self.ds.epoch, 0
-        for _ in self.ds:
+        for _ in self.ds.decided_rows():
             rows += 1
             if self.ds.epoch != first:
                 break
         self.ds.load_state_dict(start)
-        return rows // self.per_rank
+        return rows // self.batch_size
 
     def state_dict(self) -> dict[str, Any]:
-        return {"loader": self.ds.state_dict()}
+        return {"loader": self.ds.state_dict(), "rows": self.rows}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        rows = state.get("rows")
+        if not isinstance(rows, int) or rows < 0 or rows % self.batch_size:
+            raise ValueError(
+                f"the loader source's state holds rows={rows!r}, not a whole number of steps of batch_size="
+                f"{self.batch_size} global rows: it was saved by an older sftpack (each rank its own share) or "
+                "damaged; resume with the sftpack that saved it, or start a fresh --checkpoint-dir"
+            )
         self.ds.load_state_dict(state["loader"])
+        self.rows = rows
         self._it = None
 
     def fingerprint(self) -> str:
         cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
-        return _hash({"loader": self._fp, "config": cfg, "batch_size": self.batch_size})
+        c = self.cost
+        return _hash(
+            {
+                "loader": self._fp,
+                "config": cfg,
+                "batch_size": self.batch_size,
+                "stream": "global",  # each step the same global rows at any world size, dealt by cost
+                "cost": [c.per_token, c.per_token_squared],
+            }
+        )
