@@ -36,7 +36,7 @@ from tests.loop.conftest import run_ranks
 STEPS, HALF = 8, 4
 TOL = 1e-10  # float64, the same steps in another summation order: see the docstring
 #: the packing paths whose sources are elastic
-PACKINGS = ["trainer", "none"]
+PACKINGS = ["trainer", "none", "offline", "loader"]
 
 needs_gloo = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo"

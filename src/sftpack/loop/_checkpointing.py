@@ -100,7 +100,7 @@ class Checkpoints(Part):
             world=state.world,
             fingerprint=self._fingerprint,
             model=state.model,
-            elastic=bool(getattr(state.source, "elastic", False)),  # its position is global: any number of ranks
+            elastic=state.source.elastic,  # its position is global: any number of ranks
         )
         _check_resume_options(path, shared.get("config") or {}, state.config.as_dict())
         opt, sched = state.optimization.get()

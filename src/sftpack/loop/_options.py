@@ -100,15 +100,18 @@ class TrainConfig:
             while conversations are still split at ``max_seq_len``: a distinct setting
             (docs/contract.md, "One name for the row width"). Wider micro-batches mean
             fewer forward passes (less per-call overhead, more activation memory).
-        cost: the trainer path with several ranks: what a sequence costs when the step's
-            conversations are dealt to the ranks (:func:`sftpack.balance.sequence_cost`'s
-            spellings: ``"tokens"``, the default and the planner's behaviour before the cost
-            model; ``"attention"``; a size such as ``"7b"``; a model folder or its
-            ``config.json``; a :class:`~sftpack.balance.SequenceCost`). It decides only which
-            rank and micro-batch each conversation lands in, never which conversations a step
-            trains on; on one rank it changes nothing. ``"tokens"`` stays the default even with
-            a model folder (``--model``): a run's plan and checkpoints stay what they were unless
-            asked; give ``--cost DIR`` (the same folder) to price by that model's config.
+        cost: several ranks: what a conversation (trainer path) or a row (loader and offline
+            paths) costs when each step's work is dealt to the ranks
+            (:func:`sftpack.balance.sequence_cost`'s spellings: ``"tokens"``; ``"attention"``; a
+            size such as ``"7b"``; a model folder or its ``config.json``; a
+            :class:`~sftpack.balance.SequenceCost`). ``None`` (the default): each path's own,
+            ``"tokens"`` on the trainer and loader paths (the trainer path's plan before the
+            cost model; the loader's rows differ in tokens), ``"attention"`` on the offline
+            path (a prepack's rows are all nearly full: tokens cannot tell them apart). It
+            decides only which rank and micro-batch each conversation or row lands in, never
+            what a step trains on; on one rank it changes nothing. The default holds with a
+            model folder (``--model``) too: a run's plan and checkpoints stay what they were
+            unless asked; give ``--cost DIR`` (the same folder) to price by that model's config.
         max_patches_per_row: data with images: the vision patches one packed row or
             micro-batch may hold (the bin packer's second budget, on the trainer and
             loader paths; ``None``: tokens alone decide).
@@ -178,13 +181,13 @@ class TrainConfig:
     )
     grad_accum: int = field(default=1, metadata={"help": "micro-batches per rank per step, at least", "min": 1})
     micro_batch_tokens: int | None = None
-    cost: str | SequenceCost = field(
-        default="tokens",
+    cost: str | SequenceCost | None = field(
+        default=None,
         metadata={
-            "help": "trainer path, several ranks: what a sequence costs when each step's conversations are dealt "
-            "to the ranks: tokens (default), attention (tokens squared), a model size (1b, 3b, 7b, 8b, 13b, 70b) or "
-            "a model folder (its config.json: linear work per token plus attention per token squared); which "
-            "conversations a step trains on never changes",
+            "help": "several ranks: what a conversation (trainer path) or a row (loader, offline) costs when each "
+            "step's work is dealt to the ranks: tokens, attention (tokens squared), a model size (1b, 3b, 7b, 8b, "
+            "13b, 70b) or a model folder (its config.json: linear work per token plus attention per token "
+            "squared); default: tokens (trainer, loader), attention (offline); what a step trains on never changes",
             "metavar": "tokens|attention|SIZE|DIR",
         },
     )
@@ -317,7 +320,8 @@ class TrainConfig:
         if isinstance(self.cost, os.PathLike):
             self.cost = str(self.cost)
         try:
-            sequence_cost(self.cost)  # a spelling that names no cost model is refused here, before any work
+            if self.cost is not None:
+                sequence_cost(self.cost)  # a spelling that names no cost model is refused here, before any work
         except ValueError as e:
             raise ValueError(f"TrainConfig: {e}") from None
         if self.max_patches_per_row is not None:
@@ -354,7 +358,7 @@ class TrainConfig:
         for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
             d[k] = str(d[k])
         d["betas"] = list(d["betas"])
-        if d["cost"] == "tokens":  # the default: a run's saved config stays what it was
+        if d["cost"] is None:  # the default: a run's saved config stays what it was
             del d["cost"]
         for name in ("max_patches_per_row", "epochs", "eval_fraction", "eval_every", "fsdp", "allow_inexact_packing"):
             if not d[name]:  # a run without them: its saved config stays what it was

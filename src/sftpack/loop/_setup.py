@@ -191,6 +191,7 @@ def make_source(
                 rank=rank,
                 world_size=world,
                 rows_per_rank=max(1, config.batch_size // world),
+                **({} if config.cost is None else {"cost": config.cost}),
             )
         else:
             ds = prepacked
@@ -236,7 +237,7 @@ def make_source(
                 micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
-                cost=config.cost,
+                cost=config.cost or "tokens",
                 **common,
             )
         source.max_seq_len = config.max_seq_len
@@ -261,6 +262,7 @@ def make_source(
         rank=rank,
         world=world,
         grad_accum=config.grad_accum,
+        cost=config.cost,
     )
 
 

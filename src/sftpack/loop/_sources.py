@@ -19,10 +19,15 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
   ranks (:func:`sftpack.trainer.plan_microbatches`) and packs each at the step
   (:func:`sftpack.trainer.pack_step`); the baseline deals them round-robin and
   pads each micro-batch to its longest conversation.
-- ``offline``: rows of the prepacked dataset in its own seeded epoch order,
-  sharded over ranks by the dataset itself (balanced by tokens).
-- ``loader``: the next rows of a :class:`sftpack.loader.PackingDataset`, which
-  shards the *samples* over ranks itself.
+- ``offline`` (:mod:`._source_offline`): one seeded order of the prepack's rows per
+  epoch, whatever the world size; each step's ``batch_size`` rows dealt to the ranks by
+  cost (:func:`sftpack.balance.deal`).
+- ``loader`` (:mod:`._source_loader`): one global stream of rows, what one process's
+  :class:`sftpack.loader.PackingDataset` packs; each step's ``batch_size`` rows dealt to
+  the ranks by cost, each rank building only its own.
+
+Every path's position is global (the same on every rank, for any world size:
+:attr:`Source.elastic`), so a run checkpointed at ``N`` ranks resumes at ``M``.
 - ``replay``: given conversations per step (the unpacked reference of a packed run).
 
 Samples with images (``sample.media``) go through the same sources: the trainer
@@ -126,6 +131,10 @@ def _no_targets(what: str, longest: int, max_seq_len: int) -> ValueError:
 
 class Source(ABC):
     """What :func:`~sftpack.loop.train` reads: this rank's micro-batches, step after step."""
+
+    #: the position (:meth:`state_dict`) is the same on every rank and for any world size, so a
+    #: checkpoint written at ``N`` ranks resumes at ``M`` (every rank reads rank 0's position)
+    elastic: bool = False
 
     @abstractmethod
     def next_step(self) -> list[MicroBatch]:
