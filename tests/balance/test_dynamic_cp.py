@@ -293,6 +293,8 @@ def _step(rank: int, plan: DynamicCPPlan, groups: dict, model: _OneLayer, local_
             logits = _attend(model, batch, row, None)
         else:
             group = groups[mb.cp_group_ranks]
+            params = batch.to_packed_seq_params(cp_group=group)  # what a Megatron consumer is handed
+            assert params.local_cp_size == size and params.cp_group is group
 
             def gather(t, group=group, size=size, me=mb.cp_rank, row=row):
                 return unshard_cp(_GroupGather.apply(t, group, size, me), row, size)

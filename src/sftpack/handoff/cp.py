@@ -440,18 +440,28 @@ class CPShard(PackedBatch):
             )
 
     # ------------------------------------------------------------- adapters
-    def to_packed_seq_params(self, pad_between_seqs: bool = True) -> PackedSeqParams:
+    def to_packed_seq_params(self, pad_between_seqs: bool = True, *, cp_group: Any = None) -> PackedSeqParams:
         """Megatron ``PackedSeqParams`` with the *global* boundaries.
 
         Transformer Engine's context-parallel THD attention takes the whole
         sequences' ``cu_seqlens`` (and ``cu_seqlens_padded``) on every CP rank and
         works out each rank's chunks itself; feed it this shard's ``input_ids`` /
         ``position_ids`` and these parameters.
+
+        ``cp_group``: dynamic context parallelism (a CP size chosen per micro-batch,
+        :func:`sftpack.balance.dynamic_cp`): the process group of this micro-batch's ranks
+        (``dist.new_group(mb.cp_group_ranks)``). Given, the parameters carry it and the
+        shard's ``cp_size`` as ``cp_group`` and ``local_cp_size``, the fields Megatron's
+        attention reads in place of the model's fixed CP group.
         """
         assert self.global_cu_seqlens is not None and self.global_cu_seqlens_padded is not None
-        return packed_seq_params(
+        params = packed_seq_params(
             self.global_cu_seqlens, self.global_cu_seqlens_padded, self.global_max_seqlen, pad_between_seqs
         )
+        if cp_group is not None:
+            params.local_cp_size = int(self.cp_size)
+            params.cp_group = cp_group
+        return params
 
     def _no_standalone(self, what: str) -> NoReturn:
         raise PackedBatchError(
