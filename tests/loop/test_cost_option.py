@@ -1,7 +1,8 @@
 """``TrainConfig.cost`` / ``sftpack train --cost``: what the trainer path prices a conversation at
 when it deals each step's conversations to the ranks (``plan_microbatches(cost=)``). The source
-plans with it, a checkpoint records it (only when it is not the default, so checkpoints written
-before it still resume), and a spelling that names no cost model is refused before any work."""
+plans with it (the run's model's cost by default, ``model_cost``), a checkpoint does not depend on
+it (it never changes what a step trains on), and a spelling that names no cost model is refused
+before any work."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 from sftpack.balance import SequenceCost
 from sftpack.cli import main
-from sftpack.loop import CheckpointError, TrainConfig, make_source, train
+from sftpack.loop import TrainConfig, make_source, train
 from sftpack.loop._sources import SampleOrder, TrainerSource, _hash, _SampleSource
 from sftpack.trainer import plan_microbatches
 from tests.helpers import tiny_config, tiny_model
@@ -45,32 +46,51 @@ def test_the_source_deals_the_ranks_by_its_cost(samples):
     assert planned("tokens") != planned("attention")
 
 
-def test_the_fingerprint_holds_the_cost_only_when_it_is_not_tokens(samples):
+def test_the_fingerprint_holds_no_cost(samples):
+    """The cost decides which rank and micro-batch a conversation lands in, never what a step trains
+    on: a checkpoint's fingerprint is the one a trainer-path checkpoint has always had, whatever the
+    cost, so a run resumes under another cost (its model's, another world size's)."""
+
     def fp(cost):
         return TrainerSource(samples, micro_batch_tokens=WIDTH, cost=cost, batch_size=BATCH, seed=0).fingerprint()
 
     default = TrainerSource(samples, micro_batch_tokens=WIDTH, batch_size=BATCH, seed=0)
-    # the key a trainer-path checkpoint has always been written with
     before = _hash({"base": _SampleSource.fingerprint(default), "budget": WIDTH, "pad_multiple": 1})
-    assert default.fingerprint() == before == fp("tokens") == fp(SequenceCost(1.0, 0.0, "mine"))
-    others = {fp("attention"), fp("7b"), fp(SequenceCost.named("7b")), fp(SequenceCost(2.0, 0.0))}
-    assert before not in others and len(others) == 3  # "7b" spelled or built prices the same
+    assert {default.fingerprint(), fp("tokens"), fp("attention"), fp("7b"), fp(SequenceCost(2.0, 1.0))} == {before}
 
 
-def test_a_checkpoint_resumes_only_with_its_cost(samples, tmp_path):
+def test_a_checkpoint_resumes_under_another_cost(samples, tmp_path):
+    """Saved under tokens, resumed under attention (on one rank the plan's bins are the same
+    conversations; only which rank and micro-batch a conversation lands in could change)."""
     cfg = tiny_config(packing="trainer", steps=4, batch_size=4, checkpoint_every=2)
     train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, stop_after=2)
     other = tiny_config(packing="trainer", steps=4, batch_size=4, checkpoint_every=2, cost="attention")
-    with pytest.raises(CheckpointError, match="other data or data options"):
-        train(
-            other, source=make_source(other, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, resume=True
-        )
-    assert (
-        train(
-            cfg, source=make_source(cfg, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, resume=True
-        ).resumed_from
-        == 2
+    resumed = train(
+        other, source=make_source(other, samples=samples), model=tiny_model(), checkpoint_dir=tmp_path, resume=True
     )
+    assert resumed.resumed_from == 2
+
+
+def test_a_run_prices_by_its_model_unless_told(samples):
+    """``model_cost``: a Hugging Face model's config gives the cost the run deals by where
+    ``TrainConfig.cost`` is None; a given cost wins."""
+    import transformers
+
+    from sftpack.loop import model_cost
+
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2
+        )
+    )
+    cost = model_cost(hf)
+    assert cost is not None and cost.per_token_squared == 6 * 2 * 16
+    assert model_cost(object()) is None
+    cfg = tiny_config(packing="trainer", batch_size=BATCH)
+    assert make_source(cfg, samples=samples, model_cost=cost).cost == cost
+    given = tiny_config(packing="trainer", batch_size=BATCH, cost="attention")
+    assert make_source(given, samples=samples, model_cost=cost).cost == SequenceCost.attention()
+    assert make_source(cfg, samples=samples).cost == SequenceCost.tokens()
 
 
 def test_the_config_and_the_flag(chat, tmp_path, capsys):

@@ -41,6 +41,7 @@ PUBLIC = [
     "make_source",
     "media_samples",
     "media_token_ids",
+    "model_cost",
     "padded_micro_batch",
     "plot_training",
     "require_exact",

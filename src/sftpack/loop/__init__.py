@@ -141,6 +141,7 @@ if _TYPE_CHECKING:  # the names for type checkers; at run time __getattr__ loads
     from ._setup import compact_vocabulary as compact_vocabulary
     from ._setup import make_source as make_source
     from ._setup import media_samples as media_samples
+    from ._setup import model_cost as model_cost
     from ._setup import tokenized_samples as tokenized_samples
     from ._sources import ReplaySource as ReplaySource
 
@@ -172,6 +173,7 @@ _HOMES = {
     "make_source": "_setup",
     "media_samples": "_setup",
     "media_token_ids": "_model",
+    "model_cost": "_setup",
     "padded_micro_batch": "_micro_batch",
     "plot_training": "_plot",
     "require_exact": "_model",

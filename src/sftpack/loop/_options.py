@@ -104,14 +104,14 @@ class TrainConfig:
             paths) costs when each step's work is dealt to the ranks
             (:func:`sftpack.balance.sequence_cost`'s spellings: ``"tokens"``; ``"attention"``; a
             size such as ``"7b"``; a model folder or its ``config.json``; a
-            :class:`~sftpack.balance.SequenceCost`). ``None`` (the default): each path's own,
-            ``"tokens"`` on the trainer and loader paths (the trainer path's plan before the
-            cost model; the loader's rows differ in tokens), ``"attention"`` on the offline
-            path (a prepack's rows are all nearly full: tokens cannot tell them apart). It
-            decides only which rank and micro-batch each conversation or row lands in, never
-            what a step trains on; on one rank it changes nothing. The default holds with a
-            model folder (``--model``) too: a run's plan and checkpoints stay what they were
-            unless asked; give ``--cost DIR`` (the same folder) to price by that model's config.
+            :class:`~sftpack.balance.SequenceCost`). ``None`` (the default): the run's model's own
+            (``make_source(model_cost=)``: ``sftpack train`` and :class:`RunConfig` pass the cost
+            of the model they train, its linear work per token and its attention per token
+            squared); without one, ``"tokens"`` on the trainer and loader paths and
+            ``"attention"`` on the offline path (a prepack's rows are all nearly full: tokens
+            cannot tell them apart). It decides only which rank and micro-batch each
+            conversation or row lands in, never what a step trains on (so checkpoints do not
+            depend on it); on one rank it changes nothing but the micro-batches' order.
         max_patches_per_row: data with images: the vision patches one packed row or
             micro-batch may hold (the bin packer's second budget, on the trainer and
             loader paths; ``None``: tokens alone decide).
@@ -187,7 +187,7 @@ class TrainConfig:
             "help": "several ranks: what a conversation (trainer path) or a row (loader, offline) costs when each "
             "step's work is dealt to the ranks: tokens, attention (tokens squared), a model size (1b, 3b, 7b, 8b, "
             "13b, 70b) or a model folder (its config.json: linear work per token plus attention per token "
-            "squared); default: tokens (trainer, loader), attention (offline); what a step trains on never changes",
+            "squared); default: the trained model's own; what a step trains on never changes",
             "metavar": "tokens|attention|SIZE|DIR",
         },
     )

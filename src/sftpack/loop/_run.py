@@ -105,7 +105,7 @@ class Run:
         self.data.begin()  # before torch loads: a process forked now is safe
         self.mark("tokenizer")
         from ._loop import resolve_device  # start-up: torch loads after data.begin() forks the tokenizer's process
-        from ._setup import make_source  # start-up: loads torch, after data.begin()
+        from ._setup import make_source, model_cost  # start-up: loads torch, after data.begin()
 
         self.mark("imports")
         try:
@@ -126,7 +126,13 @@ class Run:
         if prepacked is None and cfg.packing is Packing.OFFLINE:
             prepacked = self._temporary_prepack(*self.data.prepack(samples))
         source = make_source(
-            cfg, samples=samples, prepacked=prepacked, rank=self.rank, world=self.world, **self.data.source_settings()
+            cfg,
+            samples=samples,
+            prepacked=prepacked,
+            rank=self.rank,
+            world=self.world,
+            model_cost=model_cost(model),  # each step's work dealt to the ranks by this model's cost
+            **self.data.source_settings(),
         )
         if self.data.streaming:  # the first step's conversations (data with no target at all is refused here)
             source.wait_first()  # type: ignore[attr-defined]

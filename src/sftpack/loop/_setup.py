@@ -11,6 +11,7 @@ import numpy as np
 
 from .._optional import CustomCodeError, from_pretrained
 from .._types import Tokenizer
+from ..balance import CostError, SequenceCost
 from ..chat import ConversationSamples, default_cache_dir, start_training_samples
 from ..loader import PackingDataset
 from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
@@ -145,6 +146,7 @@ def make_source(
     pad_id: int = 0,
     tokenizer: Tokenizer | str | None = None,
     vocab: np.ndarray | None = None,
+    model_cost: SequenceCost | None = None,
 ) -> Source:
     """The data source of ``config.packing`` for this rank.
 
@@ -165,6 +167,9 @@ def make_source(
             directory written with another one is refused (``PrepackedDataset(expect=)``).
         vocab: ``offline`` with a model over the data's ids (:func:`compact_vocabulary`):
             the original id of each; the prepack's rows are renumbered as they are read.
+        model_cost: what the run's model costs per sequence (:func:`model_cost` of it): how
+            each step's work is dealt to the ranks where ``config.cost`` is ``None``; without
+            it, each path's own default (tokens; attention on the offline path).
 
     Raises:
         ValueError: data with no supervised target at all (nothing to learn), or that
@@ -172,6 +177,7 @@ def make_source(
             settings or another tokenizer.
     """
     p = config.packing
+    cost = config.cost if config.cost is not None else model_cost
     if p is Packing.OFFLINE:
         if prepacked is None:
             raise ValueError("--packing offline needs a prepacked directory (sftpack prepack ... --out DIR)")
@@ -191,7 +197,7 @@ def make_source(
                 rank=rank,
                 world_size=world,
                 rows_per_rank=max(1, config.batch_size // world),
-                **({} if config.cost is None else {"cost": config.cost}),
+                **({} if cost is None else {"cost": cost}),
             )
         else:
             ds = prepacked
@@ -237,7 +243,7 @@ def make_source(
                 micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
-                cost=config.cost or "tokens",
+                cost="tokens" if cost is None else cost,
                 **common,
             )
         source.max_seq_len = config.max_seq_len
@@ -262,8 +268,22 @@ def make_source(
         rank=rank,
         world=world,
         grad_accum=config.grad_accum,
-        cost=config.cost,
+        cost=cost,
     )
+
+
+def model_cost(model: Any) -> SequenceCost | None:
+    """The cost model of a Hugging Face model (:meth:`SequenceCost.from_config` of its config:
+    its linear work per token and its full-attention layers' work per token squared), or ``None``
+    for a model without a readable config."""
+    config = getattr(model, "config", None)
+    as_dict = getattr(config, "to_dict", None)
+    if as_dict is None:
+        return None
+    try:
+        return SequenceCost.from_config(as_dict(), name=str(getattr(config, "model_type", None) or "model"))
+    except (CostError, TypeError, ValueError):
+        return None
 
 
 def compact_vocabulary(samples: Sequence[Sample], keep: Iterable[int] = ()) -> tuple[list[Sample], np.ndarray]:

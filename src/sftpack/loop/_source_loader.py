@@ -132,13 +132,11 @@ class LoaderSource(Source):
 
     def fingerprint(self) -> str:
         cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
-        c = self.cost
         return _hash(
             {
                 "loader": self._fp,
                 "config": cfg,
                 "batch_size": self.batch_size,
                 "stream": "global",  # each step the same global rows at any world size, dealt by cost
-                "cost": [c.per_token, c.per_token_squared],
             }
         )

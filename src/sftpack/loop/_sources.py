@@ -434,11 +434,8 @@ class TrainerSource(_SampleSource):
         }
         if self.max_patches_per_row is not None:  # a text run's fingerprint stays what it was
             key["max_patches"] = self.max_patches_per_row  # the key it has always had: checkpoints still match
-        # its coefficients, not its name (a model folder moved elsewhere prices the same); the default,
-        # tokens, is left out: checkpoints written before the cost model still match
-        coefficients = [self.cost.per_token, self.cost.per_token_squared]
-        if coefficients != [1.0, 0.0]:
-            key["cost"] = coefficients
+        # no cost: it decides which rank and micro-batch a conversation lands in, never what a step
+        # trains on, so a checkpoint resumes under another cost (another model's, another world size's)
         return _hash(key)
 
 
