@@ -13,10 +13,11 @@ orders of magnitude under 1e-10, while a step trained on other conversations (a 
 off by one step, a rank's share lost) moves the loss by more than 1e-3
 (test_distributed.py's negative control).
 
-The packing paths whose source is elastic (``Source.elastic``: its position does not
-depend on the number of ranks) take part: the trainer path and the padded baseline
-(``none``). The offline and loader paths join once their sources are (the harness takes
-``packing="offline"`` and ``"loader"`` as they are).
+Every packing path's source is elastic (``Source.elastic``: its position does not depend
+on the number of ranks): the trainer path and the padded baseline (``none``), the offline
+path (rows read of one seeded order) and the loader path (one global stream). 2 -> 1 and
+1 -> 2 on all four; 2 -> 4 on the three packing paths, whose second half is a 4-rank run
+against the 1-rank one (issue 41: 2 and 4 gloo ranks give the 1-rank losses).
 """
 
 from __future__ import annotations
@@ -153,3 +154,16 @@ def test_one_rank_resumes_on_two(packing, prepacked, uninterrupted, tmp_path):
     run_ranks(_worker, (2, packing, prepacked, str(tmp_path / "init"), str(ckpt), out, True), 2)
     second = torch.load(out)
     _check(first.losses + second["losses"], second["params"], second["resumed_from"], full)
+
+
+@needs_gloo
+@pytest.mark.parametrize("packing", ["trainer", "offline", "loader"])
+def test_two_ranks_resume_on_four(packing, prepacked, uninterrupted, tmp_path):
+    full = uninterrupted(packing)
+    ckpt = tmp_path / "ckpt"
+    run_ranks(_worker, (2, packing, prepacked, str(tmp_path / "init2"), str(ckpt), str(tmp_path / "a.pt"), False), 2)
+    first = torch.load(tmp_path / "a.pt")
+    out = str(tmp_path / "b.pt")
+    run_ranks(_worker, (4, packing, prepacked, str(tmp_path / "init4"), str(ckpt), out, True), 4)
+    second = torch.load(out)
+    _check(first["losses"] + second["losses"], second["params"], second["resumed_from"], full)
