@@ -310,10 +310,21 @@ def _summary(
 def _trainer(
     stream: np.ndarray, model: SequenceCost, dp: int, batch: int, width: int, pad: int, steps: int
 ) -> PathPlan:
+    def plan(lengths: np.ndarray) -> Any:
+        return plan_microbatches(lengths, width, dp_size=dp, cost=model, pad_multiple=pad)
+
+    return _global_batches("trainer", stream, plan, dp, batch, width, steps)
+
+
+def _global_batches(
+    path: str, stream: np.ndarray, plan_of: Any, dp: int, batch: int, width: int, steps: int
+) -> PathPlan:
+    """A path that plans each step's global batch of sequences: ``plan_of(lengths)`` returns a
+    plan with ``imbalance`` (or ``max_over_mean``), ``bound``, ``num_microbatches``, ``rank_loads``."""
     n_steps = min(steps, stream.shape[0] // batch)
     if n_steps == 0:
         return PathPlan(
-            "trainer",
+            path,
             False,
             reason=f"{stream.shape[0]:,} sequences, fewer than one global batch of {batch:,}: give more data or a "
             "smaller global batch",
@@ -325,15 +336,15 @@ def _trainer(
     worst, worst_loads = 0, np.zeros(dp)
     for s in range(n_steps):
         lengths = stream[s * batch : (s + 1) * batch]
-        plan = plan_microbatches(lengths, width, dp_size=dp, cost=model, pad_multiple=pad)
-        ratios.append(plan.imbalance)
+        plan = plan_of(lengths)
+        ratios.append(max_over_mean(plan.rank_loads))
         bounds.append(plan.bound)
         mbs.append(float(plan.num_microbatches))
         real += int(lengths.sum())
         slots += dp * plan.num_microbatches * width
         if ratios[-1] > ratios[worst] or s == 0:
             worst, worst_loads = s, plan.rank_loads
-    return _summary("trainer", ratios, bounds, mbs, real, slots, worst_loads, worst)
+    return _summary(path, ratios, bounds, mbs, real, slots, worst_loads, worst)
 
 
 def _offline(
@@ -385,25 +396,11 @@ def _dynamic_cp(
     over the ``dp`` ranks, groups of up to ``cp``): each step's global batch, as :func:`_trainer`."""
     if cp == 1:
         return PathPlan("dynamic_cp", False, reason="cp 1: no context-parallel ranks to spread a long sequence over")
-    n_steps = min(steps, stream.shape[0] // batch)
-    if n_steps == 0:
-        return PathPlan("dynamic_cp", False, reason=f"fewer than one global batch of {batch:,} sequences")
-    ratios: list[float] = []
-    bounds: list[float] = []
-    mbs: list[float] = []
-    real = slots = 0
-    worst, worst_loads = 0, np.zeros(dp)
-    for s in range(n_steps):
-        lengths = stream[s * batch : (s + 1) * batch]
-        plan = dynamic_cp(lengths, ranks=dp, max_cp=cp, max_seq_len=width, cost=model)
-        ratios.append(plan.max_over_mean)
-        bounds.append(plan.bound)
-        mbs.append(float(plan.num_microbatches))
-        real += int(lengths.sum())
-        slots += dp * plan.num_microbatches * width
-        if ratios[-1] > ratios[worst] or s == 0:
-            worst, worst_loads = s, plan.rank_loads
-    return _summary("dynamic_cp", ratios, bounds, mbs, real, slots, worst_loads, worst)
+
+    def plan(lengths: np.ndarray) -> Any:
+        return dynamic_cp(lengths, ranks=dp, max_cp=cp, max_seq_len=width, cost=model)
+
+    return _global_batches("dynamic_cp", stream, plan, dp, batch, width, steps)
 
 
 # ---------------------------------------------------------------------------- the inputs
