@@ -308,12 +308,12 @@ def _even_out(
     if units < m * dp_size:
         raise PlanError(
             f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {width} tokens "
-            f"from {units} {noun}: {m} micro-batches per rank need {m * dp_size}; grow the global batch, "
-            "raise max_seq_len or use fewer ranks"
+            f"from {units} {noun}: {m} micro-batches per rank need {m * dp_size} {noun.split()[0]}; grow the "
+            "global batch, raise max_seq_len or use fewer ranks"
         )
 
-    def count(share: np.ndarray) -> int:
-        return int(np.unique(unit[share]).size)
+    def count(share: np.ndarray) -> int:  # units in a share: its size when every sequence is its own
+        return int(share.size) if units == unit.size else int(np.unique(unit[share]).size)
 
     for r in range(dp_size):
         while count(shares[r]) < m:
