@@ -53,3 +53,38 @@ def test_bad_input_names_the_fix():
         assign([1, -1], 2)
     with pytest.raises(BalanceError, match="5 items cannot give 2 ranks 2 each"):
         assign([1, 2, 3, 4, 5], 2, per_rank=2)
+
+
+@given(
+    costs=st.lists(st.integers(0, 10_000), min_size=1, max_size=60),
+    ranks=st.integers(1, 9),
+    data=st.data(),
+)
+@settings(max_examples=120, deadline=None)
+def test_assign_keeps_groups_whole(costs, ranks, data):
+    n = len(costs)
+    groups = data.draw(st.lists(st.integers(-3, n // 2), min_size=n, max_size=n))
+    c = np.asarray(costs, dtype=np.float64)
+    owner = assign(c, ranks, groups=groups)
+    g = np.asarray(groups)
+    for gid in np.unique(g):
+        assert len(set(owner[g == gid].tolist())) == 1  # a group on one rank
+    unit = {gid: c[g == gid].sum() for gid in np.unique(g).tolist()}
+    loads = np.bincount(owner, weights=c, minlength=ranks)
+    # LPT's guarantee over the groups: the slowest rank is at most one group above the mean
+    assert loads.max() <= loads.mean() + max(unit.values()) + 1e-9 * max(1.0, c.sum())
+    assert np.array_equal(owner, assign(c, ranks, groups=groups))  # deterministic
+
+
+def test_assign_without_groups_is_unchanged():
+    c = np.random.default_rng(5).lognormal(6.8, 0.8, 3000)
+    plain = assign(c, 16)
+    assert plain.tobytes() == assign(c, 16, groups=None).tobytes()
+    assert plain.tobytes() == assign(c, 16, groups=np.arange(3000)[::-1]).tobytes()  # singleton groups: same deal
+
+
+def test_assign_groups_errors_name_the_fix():
+    with pytest.raises(BalanceError, match="groups has 2 entries but there are 3 sequences"):
+        assign([1, 2, 3], 2, groups=[0, 1])
+    with pytest.raises(BalanceError, match="per_rank=1 counts items"):
+        assign([1, 2], 2, per_rank=1, groups=[0, 0])

@@ -27,6 +27,8 @@ import heapq
 import numpy as np
 from numpy.typing import ArrayLike
 
+from ..binpack import Groups
+
 __all__ = ["BalanceError", "assign", "deal", "lower_bound", "max_over_mean"]
 
 #: refinement stops once the slowest rank is within this factor of the bound (1 + 1e-4)
@@ -53,7 +55,14 @@ def lower_bound(costs: ArrayLike, ranks: int) -> float:
     return max(1.0, float(c.max()) * ranks / total)
 
 
-def assign(costs: ArrayLike, ranks: int, *, per_rank: int | None = None, refine: bool = True) -> np.ndarray:
+def assign(
+    costs: ArrayLike,
+    ranks: int,
+    *,
+    per_rank: int | None = None,
+    refine: bool = True,
+    groups: ArrayLike | None = None,
+) -> np.ndarray:
     """``(n,)`` int64: the rank each item goes to.
 
     Args:
@@ -62,9 +71,16 @@ def assign(costs: ArrayLike, ranks: int, *, per_rank: int | None = None, refine:
         per_rank: every rank takes exactly this many items (``n == ranks * per_rank``);
             ``None``: any number (every rank at least one when ``n >= ranks``).
         refine: run the refinement after LPT (``False``: LPT alone, for comparison).
+        groups: ``(n,)`` integer group id per item (a DPO pair, a prompt's GRPO
+            completions): a group's members go to one rank. The groups are dealt as
+            items costing their members' sum (:class:`sftpack.binpack.Groups`), then
+            expanded; ``None``: every item alone (the same deal as singleton groups).
+            Not with ``per_rank`` (which counts items).
 
     >>> assign([5, 4, 3, 3, 2, 1], 2).tolist()
     [0, 1, 1, 0, 1, 0]
+    >>> assign([5, 4, 3, 3, 2, 1], 2, groups=[0, 1, 0, 2, 1, 2]).tolist()  # 0: 8, 1: 6, 2: 4
+    [0, 1, 0, 1, 1, 1]
     >>> assign([8, 1, 1, 1, 1, 1, 1, 2], 2, per_rank=4).tolist()
     [0, 1, 1, 1, 0, 0, 0, 1]
     """
@@ -77,6 +93,17 @@ def assign(costs: ArrayLike, ranks: int, *, per_rank: int | None = None, refine:
     if n and (not np.isfinite(c).all() or c.min() < 0):
         i = int(np.flatnonzero(~np.isfinite(c) | (c < 0))[0])
         raise BalanceError(f"costs[{i}] = {c[i]}: every cost must be a finite number >= 0")
+    if groups is not None:
+        if per_rank is not None:
+            raise BalanceError(
+                f"per_rank={per_rank} counts items, which groups of several items cannot meet exactly: "
+                "deal groups without per_rank, or give each item its own group"
+            )
+        try:
+            grouped = Groups.of(groups, n)
+        except ValueError as e:
+            raise BalanceError(str(e)) from None
+        return assign(grouped.sum(c), ranks, refine=refine)[grouped.unit]
     if per_rank is not None and n != ranks * per_rank:
         raise BalanceError(
             f"{n} items cannot give {ranks} ranks {per_rank} each ({ranks * per_rank} needed): "

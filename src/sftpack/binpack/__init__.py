@@ -32,6 +32,9 @@ so no row overflows after padding), ``max_items_per_bin``, ``min_bins`` and
 same input and seed give the same bins. A second budget, ``weights`` (one
 integer per sequence, e.g. a multimodal sample's vision patches) capped per
 row by ``max_weight_per_bin``, is honoured by every algorithm, item by item.
+``groups`` (one integer id per sequence) binds sequences into groups that no row
+splits (a DPO pair, a prompt's GRPO completions): :class:`Groups` numbers them, and
+every algorithm packs the groups as units, then expands each back to its members.
 :func:`pack_histogram` packs a
 ``(length, count)`` histogram into :class:`HistogramBins` without item indices.
 
@@ -57,7 +60,7 @@ registry of the compiled loops and their plain-Python copies), whose kernels
 live per family in ``_kernels_common`` (shared helpers, grouping by cost,
 records to bins), ``_kernels_fit`` (best and first fit), ``_kernels_next``
 (next fit, greedy knapsack) and ``_kernels_two`` (two budgets), ``_bins``
-(:class:`Bins`, :class:`HistogramBins`), ``_bounds`` (:func:`lower_bounds`,
+(:class:`Bins`, :class:`HistogramBins`), ``_groups`` (:class:`Groups`), ``_bounds`` (:func:`lower_bounds`,
 :func:`packing_stats`), ``_inputs`` (validation and grouping by cost). Out of ``__all__`` and
 importable from here (not from ``_kernels``): :data:`PLAIN_MAX_ITEMS`, the most sequences a
 pack runs as plain Python (the benchmarks time the first compiled call just past it).
@@ -67,6 +70,7 @@ from __future__ import annotations
 
 from ._bins import Bins, HistogramBins
 from ._bounds import LowerBounds, PackingStats, lower_bounds, packing_stats
+from ._groups import Groups
 from ._inputs import MAX_CAPACITY
 from ._kernels import PLAIN_MAX_ITEMS as PLAIN_MAX_ITEMS
 from ._pack import Algorithm, pack, pack_histogram
@@ -75,6 +79,7 @@ __all__ = [
     "MAX_CAPACITY",
     "Algorithm",
     "Bins",
+    "Groups",
     "HistogramBins",
     "LowerBounds",
     "PackingStats",

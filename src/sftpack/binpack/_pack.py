@@ -27,6 +27,7 @@ from .._base import choose, positive_int, round_up
 from . import _inputs
 from . import _kernels as _k
 from ._bins import Bins, HistogramBins
+from ._groups import Groups
 from ._inputs import (
     _as_counts,
     _as_lengths,
@@ -68,6 +69,7 @@ def pack(
     seed: int = 0,
     weights: ArrayLike | None = None,
     max_weight_per_bin: int | None = None,
+    groups: ArrayLike | None = None,
 ) -> Bins:
     """Pack sequences of the given lengths into rows of ``capacity`` tokens.
 
@@ -95,18 +97,29 @@ def pack(
             most this. Every algorithm honours it, item by item (see
             :func:`_pack_two`); with it, equal lengths are no longer
             interchangeable, so the histogram shortcut is off.
+        groups: ``(n,)`` integer group id per sequence (equal ids: one group, e.g. a
+            DPO pair or a prompt's GRPO completions): a group is one unit that no row
+            splits. Its cost is the sum of its members' (each rounded to
+            ``cost_multiple``), its weight the sum of theirs; ``max_items_per_bin``
+            counts members and ``min_bins`` / ``bins_multiple_of`` split rows between
+            whole groups. Packed as units by :func:`_pack_groups`, so every algorithm
+            honours it. ``None``: every sequence alone (the same rows as singleton
+            groups).
 
     Returns:
         :class:`Bins`: every index of ``lengths`` exactly once; each row's cost
         ``<= capacity``. Histogram-driven algorithms list each row's items
-        longest first; ``next_fit`` keeps the input order.
+        longest first; ``next_fit`` keeps the input order. With ``groups``, a row
+        lists its groups in the algorithm's order, each group's members in input
+        order.
 
     Raises:
         ValueError: an unknown algorithm (listing the valid ones), a bad option,
             a length below 1 or above the capacity (naming its index, length
             and the capacity) or beyond int64, a weight below 0 or above
             ``max_weight_per_bin`` (naming its index), or fewer sequences than
-            the rows required.
+            the rows required; with ``groups``: a group over the capacity, the weight cap
+            or ``max_items_per_bin`` (naming its id and members), fewer groups than rows.
         TypeError: a length that is not an integer (naming its index and value).
 
     >>> bins = pack([5, 10, 3, 8, 6], capacity=16)
@@ -118,6 +131,8 @@ def pack(
     [[1, 3, 4, 0, 2]]
     >>> pack([5, 10, 3, 8, 6], 16, weights=[1, 3, 0, 2, 2], max_weight_per_bin=3).to_lists()
     [[1], [3, 0, 2], [4]]
+    >>> pack([5, 10, 3, 8, 6], capacity=16, groups=[0, 0, 1, 1, 2]).to_lists()  # 0 and 1 together
+    [[0, 1], [2, 3], [4]]
     """
     algo = _choose_algorithm(algorithm)
     capacity = _capacity(capacity)
@@ -130,10 +145,37 @@ def pack(
     arr = _as_lengths(lengths)
     n = arr.shape[0]
     wts, cap_weight = _second_budget(weights, max_weight_per_bin, n)
+    asked = f"min_bins={min_bins}, bins_multiple_of={bins_multiple_of}"
+    rows = (min_rows, multiple_of, asked)
+    if groups is not None:
+        return _pack_groups(
+            Groups.of(groups, n), arr, capacity, algo, cost_multiple, max_items, rows, seed, wts, cap_weight
+        )
+    return _pack_items(
+        arr, capacity, algo, cost_multiple, max_items, min_rows, multiple_of, seed, wts, cap_weight, asked
+    )
+
+
+def _pack_items(
+    arr: np.ndarray,
+    capacity: int,
+    algo: Algorithm,
+    cost_multiple: int,
+    max_items: int | None,
+    min_rows: int,
+    multiple_of: int,
+    seed: int,
+    wts: np.ndarray | None,
+    cap_weight: int | None,
+    asked: str,
+    noun: str = "sequences",
+) -> Bins:
+    """:func:`pack` on validated settings; ``asked``: the row options as given and ``noun``:
+    what the items are, for the errors."""
+    n = arr.shape[0]
     if min_rows > n:
         raise ValueError(
-            f"min_bins={min_rows} rows need at least {min_rows} sequences, got {n}: "
-            f"lower min_bins or pack more sequences"
+            f"min_bins={min_rows} rows need at least {min_rows} {noun}, got {n}: lower min_bins or pack more {noun}"
         )
     cap_units = capacity // cost_multiple
     item_cap = _item_cap(max_items, n)
@@ -164,12 +206,96 @@ def pack(
     if target > rows:
         if target > n:
             raise ValueError(
-                f"{target} rows are required (min_bins={min_bins}, bins_multiple_of={bins_multiple_of}, "
-                f"packing made {rows}) but there are only {n} sequences to fill them: pack more sequences, "
+                f"{target} rows are required ({asked}, "
+                f"packing made {rows}) but there are only {n} {noun} to fill them: pack more {noun}, "
                 f"or lower min_bins / bins_multiple_of"
             )
         offsets = _split_rows(offsets, target)
     return Bins._trusted(order, offsets)
+
+
+def _pack_groups(
+    grouped: Groups,
+    arr: np.ndarray,
+    capacity: int,
+    algo: Algorithm,
+    cost_multiple: int,
+    max_items: int | None,
+    rows: tuple[int, int, str],
+    seed: int,
+    wts: np.ndarray | None,
+    cap_weight: int | None,
+) -> Bins:
+    """:func:`pack` with ``groups``: the groups packed as units, then expanded to their members.
+
+    A unit's length is its members' summed cost (each length rounded up to
+    ``cost_multiple``, so the unit's own rounding changes nothing) and its weight their
+    summed weight. ``max_items_per_bin`` counts members: with groups all of one size ``s``
+    it caps the units at ``max_items // s``; with mixed sizes it becomes the second budget
+    (each unit weighing its size) when that is free, else (weights capped too) the units
+    are capped at ``max_items // largest group``, which holds but may leave rows short.
+    Rows are split (``min_bins``, ``bins_multiple_of``) between units, so between groups.
+    """
+    if arr.shape[0] and int(arr.min()) < 1:
+        i = int(np.argmin(arr))
+        raise _too_long(i, int(arr[i]), capacity, cost_multiple)
+    fits = capacity // cost_multiple * cost_multiple  # the longest length whose cost fits
+    costs = round_up(np.minimum(arr, fits + 1), cost_multiple)  # clipped: the sums stay within int64
+    unit_len = grouped.sum(costs)
+    over = np.flatnonzero(unit_len > capacity)
+    if over.size:
+        g = int(over[0])
+        cost = sum(round_up(int(x), cost_multiple) for x in arr[grouped.items([g])])
+        rounded = "" if cost_multiple == 1 else f" (each length rounded up to a multiple of {cost_multiple})"
+        raise ValueError(
+            f"{grouped.describe(g)} costs {cost} tokens{rounded}, more than the capacity {capacity}: a group "
+            f"is packed whole, never split over rows; drop or truncate its sequences when tokenizing, or raise "
+            f"the capacity to at least {cost}"
+        )
+    unit_w, unit_cap = None, None
+    if wts is not None and cap_weight is not None:
+        unit_w, unit_cap = grouped.sum(np.minimum(wts, cap_weight + 1)), cap_weight
+        heavy = np.flatnonzero(unit_w > cap_weight)
+        if heavy.size:
+            g = int(heavy[0])
+            weight = sum(int(x) for x in wts[grouped.items([g])])
+            raise ValueError(
+                f"{grouped.describe(g)} weighs {weight} in all, more than max_weight_per_bin={cap_weight}: a group "
+                f"is packed whole, never split over rows; drop or shrink its sequences, or raise "
+                f"max_weight_per_bin to at least {weight}"
+            )
+    item_cap = max_items
+    if max_items is not None and len(grouped):
+        big = int(grouped.sizes.max())
+        if big > max_items:
+            g = int(np.argmax(grouped.sizes))
+            raise ValueError(
+                f"{grouped.describe(g)} holds {big} sequences, more than max_items_per_bin={max_items}: a group "
+                f"is packed whole, never split over rows; raise max_items_per_bin to at least {big}"
+            )
+        if int(grouped.sizes.min()) == big:
+            item_cap = max_items // big
+        elif unit_w is None:  # mixed sizes: the members counted as the second budget
+            unit_w, unit_cap, item_cap = grouped.sizes, max_items, None
+        else:  # both budgets taken: a cap that holds for any mix
+            item_cap = max_items // big
+    min_rows, multiple_of, asked = rows
+    units = _pack_items(
+        unit_len,
+        capacity,
+        algo,
+        cost_multiple,
+        item_cap,
+        min_rows,
+        multiple_of,
+        seed,
+        unit_w,
+        unit_cap,
+        asked,
+        noun="groups (a group is never split over rows)",
+    )
+    offsets = np.append(np.zeros(1, np.int64), np.cumsum(grouped.sizes[units.order]))[units.offsets]
+    return Bins._trusted(grouped.items(units.order), offsets.astype(np.int64))
 
 
 def _item_cap(max_items: int | None, n: int) -> int:

@@ -127,6 +127,7 @@ def plan_microbatches(
     max_patches_per_row: int | None = None,
     token_budget: int | None = None,
     max_patches_per_microbatch: int | None = None,
+    groups: ArrayLike | None = None,
 ) -> MicrobatchPlan:
     """Split a global batch into micro-batches of at most ``max_seq_len`` padded tokens,
     balanced over ranks.
@@ -151,6 +152,12 @@ def plan_microbatches(
             for one without images), the second size of multimodal samples.
         max_patches_per_row: the second budget: a micro-batch's patches sum to
             at most this (needs ``patches``). ``None``: patches only counted.
+        groups: ``(n,)`` integer group id per sequence (a DPO pair, a prompt's GRPO
+            completions): a group's members land in one micro-batch of one rank. The
+            ranks get whole groups (:func:`sftpack.balance.assign` with ``groups``) and
+            each share is packed with whole groups (:func:`sftpack.binpack.pack` with
+            ``groups``); ``max_sequences_per_microbatch`` counts members. ``None``:
+            every sequence alone (the same plan as singleton groups).
         token_budget, max_patches_per_microbatch: the deprecated spellings of
             ``max_seq_len`` and ``max_patches_per_row`` (accepted, with a
             ``DeprecationWarning``, until the next release).
@@ -159,15 +166,19 @@ def plan_microbatches(
         :class:`MicrobatchPlan`.
 
     Raises:
-        PlanError: fewer sequences than ``dp_size * min_microbatches`` (some rank
-            would get nothing), a sequence over ``max_seq_len`` once padded (or over the
-            patch budget), bad options.
+        PlanError: fewer sequences (groups) than ``dp_size * min_microbatches`` (some
+            rank would get nothing), a sequence (group) over ``max_seq_len`` once padded
+            (or over the patch budget), bad options.
 
     >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7], max_seq_len=16, dp_size=2, pad_multiple=4)
     >>> [[mb.tolist() for mb in rank] for rank in plan.microbatches]
     [[[1, 2], [4]], [[0, 3], [5]]]
     >>> plan.tokens.tolist()  # padded tokens per micro-batch (each <= 16)
     [[16, 8], [16, 8]]
+    >>> pairs = [0, 1, 1, 2, 0, 2, 3, 3]  # (0, 4), (1, 2), (3, 5), (6, 7): each in one micro-batch
+    >>> plan = plan_microbatches([5, 10, 3, 8, 6, 7, 2, 1], 16, dp_size=2, pad_multiple=4, groups=pairs)
+    >>> [[mb.tolist() for mb in rank] for rank in plan.microbatches]
+    [[[0, 4], [3, 5]], [[1, 2], [6, 7]]]
     """
     try:
         model = sequence_cost(cost)
@@ -185,10 +196,13 @@ def plan_microbatches(
         raise PlanError(f"lengths must be a 1-D integer array, got shape {arr.shape} dtype {arr.dtype}")
     arr = arr.astype(np.int64)
     n = arr.shape[0]
+    grouped = _groups(groups, n)
+    units = n if grouped is None else len(grouped)
+    noun = "sequences" if grouped is None else f"groups ({n} sequences, a group never split)"
     need = dp_size * per_rank
-    if n < need:
+    if units < need:
         raise PlanError(
-            f"{n} sequences cannot give {dp_size} data-parallel ranks {per_rank} micro-batch(es) each ({need} "
+            f"{units} {noun} cannot give {dp_size} data-parallel ranks {per_rank} micro-batch(es) each ({need} "
             "needed): some rank would get nothing and the gradient all-reduce would hang; grow the global batch "
             "or shrink dp_size / min_microbatches"
         )
@@ -213,8 +227,11 @@ def plan_microbatches(
         max_patches_per_microbatch,
     )
     patch_w, cap = _patches(patches, per_row, n)
+    if grouped is not None:
+        _check_groups(grouped, padded, max_seq_len, max_sequences_per_microbatch, patch_w, cap)
     costs = model(padded)
-    owner = assign(costs, dp_size)
+    owner = assign(costs, dp_size, groups=None if grouped is None else grouped.unit)
+    unit = np.arange(n, dtype=np.int64) if grouped is None else grouped.unit
     shares = [np.flatnonzero(owner == r) for r in range(dp_size)]
 
     def bins_of(idx: np.ndarray, at_least: int) -> list[np.ndarray]:
@@ -236,6 +253,7 @@ def plan_microbatches(
                 seed=seed,
                 weights=None if patch_w is None else patch_w[idx],
                 max_weight_per_bin=cap,
+                groups=None if grouped is None else unit[idx],
             )
         except ValueError as e:
             raise PlanError(
@@ -246,7 +264,7 @@ def plan_microbatches(
 
     per_share = [bins_of(idx, per_rank) for idx in shares]
     m = max(len(b) for b in per_share)
-    _even_out(shares, m, costs, dp_size, n, max_seq_len)
+    _even_out(shares, m, costs, unit, dp_size, max_seq_len, noun)
     planned: list[list[np.ndarray]] = []
     for idx, bins in zip(shares, per_share):
         got = bins if len(bins) == m and sum(b.size for b in bins) == idx.size else bins_of(idx, m)
@@ -269,29 +287,77 @@ def plan_microbatches(
         max_seq_len=int(max_seq_len),
         pad_multiple=int(pad_multiple),
         cost=model,
-        meta={"algorithm": str(algorithm), "bins": m * dp_size, "bound": lower_bound(costs, dp_size)},
+        meta={
+            "algorithm": str(algorithm),
+            "bins": m * dp_size,
+            "bound": lower_bound(costs if grouped is None else grouped.sum(costs), dp_size),
+        },
         patches=None
         if patch_w is None
         else np.array([[int(patch_w[b].sum()) for b in rank] for rank in planned], dtype=np.int64),
     )
 
 
-def _even_out(shares: list[np.ndarray], m: int, costs: np.ndarray, dp_size: int, n: int, width: int) -> None:
-    """Give every share at least ``m`` sequences (each micro-batch needs one), taking the
-    cheapest of the share with the most; in place."""
-    if n < m * dp_size:
+def _even_out(
+    shares: list[np.ndarray], m: int, costs: np.ndarray, unit: np.ndarray, dp_size: int, width: int, noun: str
+) -> None:
+    """Give every share at least ``m`` units (``unit``: each sequence's group, or itself; each
+    micro-batch needs one), taking the cheapest unit (then the lowest number) of the share with
+    the most; in place."""
+    units = int(np.unique(unit).size)
+    if units < m * dp_size:
         raise PlanError(
             f"cannot give {dp_size} data-parallel ranks the same number of micro-batches of <= {width} tokens "
-            f"from {n} sequences: {m} micro-batches per rank need {m * dp_size} sequences; grow the global batch, "
-            "raise max_seq_len or use fewer ranks"
+            f"from {units} {noun}: {m} micro-batches per rank need {m * dp_size} {noun.split()[0]}; grow the "
+            "global batch, raise max_seq_len or use fewer ranks"
         )
+
+    def count(share: np.ndarray) -> int:  # units in a share: its size when every sequence is its own
+        return int(share.size) if units == unit.size else int(np.unique(unit[share]).size)
+
     for r in range(dp_size):
-        while shares[r].size < m:
-            donor = max(range(dp_size), key=lambda q: (shares[q].size, -q))
+        while count(shares[r]) < m:
+            donor = max(range(dp_size), key=lambda q: (count(shares[q]), -q))
             d = shares[donor]
-            k = int(np.lexsort((d, costs[d]))[0])  # the cheapest, then the lowest index
-            shares[r] = np.sort(np.append(shares[r], d[k]))
-            shares[donor] = np.delete(d, k)
+            ids, inverse = np.unique(unit[d], return_inverse=True)
+            k = ids[int(np.lexsort((ids, np.bincount(inverse.reshape(-1), weights=costs[d])))[0])]
+            take = unit[d] == k
+            shares[r] = np.sort(np.append(shares[r], d[take]))
+            shares[donor] = d[~take]
+
+
+def _groups(groups: ArrayLike | None, n: int) -> binpack.Groups | None:
+    """``groups`` as :class:`sftpack.binpack.Groups` of the ``n`` sequences (``None``: none)."""
+    if groups is None:
+        return None
+    try:
+        return binpack.Groups.of(groups, n)
+    except (ValueError, TypeError) as e:
+        raise PlanError(str(e)) from None
+
+
+def _check_groups(
+    grouped: binpack.Groups,
+    padded: np.ndarray,
+    width: int,
+    max_sequences: int | None,
+    patch_w: np.ndarray | None,
+    cap: int | None,
+) -> None:
+    """Every group fits one micro-batch: its padded tokens, its sequence count and its patches."""
+    for what, sums, limit, fix in (
+        ("padded tokens", grouped.sum(padded), width, "raise max_seq_len to"),
+        ("sequences", grouped.sizes, max_sequences, "raise max_sequences_per_microbatch to"),
+        ("vision patches", None if patch_w is None else grouped.sum(patch_w), cap, "raise max_patches_per_row to"),
+    ):
+        if sums is None or limit is None or not len(grouped) or int(sums.max()) <= limit:
+            continue
+        g = int(np.flatnonzero(sums > limit)[0])
+        raise PlanError(
+            f"{grouped.describe(g)} has {int(sums[g]):,} {what} in all, more than one micro-batch holds "
+            f"({limit:,}): a group is never split over micro-batches; drop or truncate its sequences, or "
+            f"{fix} at least {int(sums[g])}"
+        )
 
 
 def _patches(patches: ArrayLike | None, cap: int | None, n: int) -> tuple[np.ndarray | None, int | None]:
