@@ -325,3 +325,31 @@ def test_bad_row_weights_are_refused():
 def test_dict_samples_carry_weights():
     row = PackedBatch.from_samples([{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1], "weights": [0.0, 2.0, 3.0]}])
     assert row.weights.tolist() == [2.0, 3.0, 0.0]
+
+
+@pytest.mark.parametrize("pad_multiple", [1, 4])
+def test_pack_step_lays_the_weights_from_samples_lays(pad_multiple):
+    """The trainer path: a right-padded batch with a (B, S) weights tensor packs to the row
+    from_samples builds from the same samples (an empty row of the batch skipped)."""
+    from sftpack.trainer import pack_step, padded_batch
+
+    samples = weighted_samples([5, 10, 3, 7, 1], 6)
+    ids, lengths, mask = padded_batch(samples, 12)
+    w = torch.full((len(samples), 12), float("nan"), dtype=F64)  # padding is never read
+    for i, s in enumerate(samples):
+        w[i, : len(s)] = torch.ones(len(s), dtype=F64) if s.weights is None else torch.as_tensor(s.weights)
+    zero = torch.zeros(1, 12, dtype=torch.long)
+    got = pack_step(
+        torch.cat([ids, zero]),
+        torch.cat([lengths, torch.zeros(1, dtype=lengths.dtype)]),
+        torch.cat([mask, zero.bool()]),
+        pad_multiple=pad_multiple,
+        weights=torch.cat([w, w[:1]]),
+    ).validate()
+    want = PackedBatch.from_samples(samples, pad_multiple=pad_multiple)
+    assert torch.equal(got.labels, want.labels) and torch.equal(got.weights, want.weights)
+    with pytest.raises(PackedBatchError, match=r"pack_step: weights must be a \(5, 12\) tensor"):
+        pack_step(ids, lengths, mask, weights=w[:, :5])
+    w[0, 2] = float("inf")
+    with pytest.raises(PackedBatchError, match="batch row 0, token 2 is inf"):
+        pack_step(ids, lengths, mask, weights=w)
