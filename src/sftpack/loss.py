@@ -23,6 +23,38 @@ called, not the boundaries the reduction reads). On a context-parallel shard eac
 rank holds part of every sequence; :func:`all_reduce_sequence_sums` puts the sums
 back together over the CP group, differentiably.
 
+**Per-token weights** (:attr:`sftpack.PackedBatch.weights`, from
+:attr:`sftpack.Sample.weights`: importance weights, or signed advantages for RL). One rule
+for every mean: *a weighted mean divides the sum of* ``w * loss`` *by the sum of* ``|w|``
+*over the same targets*. The token mean of the global batch is therefore
+
+    sum over every target t of the step, on every rank:  w_t * loss_t
+    -----------------------------------------------------------------
+    sum over the same targets:                           |w_t|
+
+with the denominator all-reduced once per step like the unweighted count
+(:func:`count_label_tokens` returns it; :func:`token_mean_loss` and
+:func:`token_losses` multiply by ``w``). Each micro-batch contributes its
+numerator over the global denominator, so the sum over micro-batches, gradient
+accumulation steps and data-parallel ranks is the whole batch's value exactly,
+however the sequences were packed, as without weights. Why this rule:
+
+- no weights is weight 1 on every target, and then ``sum |w|`` is the target count:
+  the unweighted loss is the special case, not a second rule (a row without weights
+  gives the same bits as before weights existed);
+- a weight of 0 contributes to neither sum, so it is exactly a target that is not
+  trained (``loss_mask`` False): zeroing a token's weight never dilutes the others;
+- signed advantages (GRPO-style) cannot cancel in the denominator: ``sum |w|`` is
+  positive whenever any target weighs anything, so the loss never divides by a sum
+  near 0 or flips sign; a group whose advantages are all 0 drops out of both sums;
+- scaling every weight by ``c > 0`` leaves the loss unchanged: the weights say how
+  the batch's tokens share one unit of loss, not the step size.
+
+The sequence mean follows the same rule: each sequence's ``sum w * loss / sum |w|``,
+averaged over the sequences whose ``sum |w|`` is positive (:func:`count_sequences`);
+:func:`sequence_loss_sums` gives ``(sum w * loss, sum |w|)`` per sequence on a weighted
+row.
+
 What is *not* exact, and a bug seen in the wild: averaging per-row (or
 per-micro-batch) means. A row holding one long answer and one short one weighs
 them differently from the unpacked batch, and the loss moves when the packing
@@ -80,14 +112,15 @@ def loss_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def token_losses(logits: torch.Tensor, labels: torch.Tensor | PackedBatch) -> torch.Tensor:
-    """Per-slot cross-entropy, 0 where there is no target.
+    """Per-slot cross-entropy, 0 where there is no target; times the slot's weight when
+    ``labels`` is a batch with :attr:`~sftpack.PackedBatch.weights`.
 
     Args:
         logits: ``(T, V)`` (or ``(1, T, V)`` from a Hugging Face model) for the slots
             of a packed row; any float dtype (computed in float32, or in float64 for
             float64 logits: :func:`loss_dtype`).
         labels: ``(T,)`` int64 already-shifted labels (``PackedBatch.labels``), or the
-            batch itself. ``-100`` = no target.
+            batch itself (its ``weights`` then multiply each slot's loss). ``-100`` = no target.
 
     Returns:
         ``(T,)`` float32 (float64 for float64 logits).
@@ -96,7 +129,17 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor | PackedBatch) -> to
     flat = logits.reshape(-1, logits.shape[-1])
     if flat.shape[0] != lab.shape[0]:
         raise ValueError(f"logits cover {flat.shape[0]} slots but labels has {lab.shape[0]}")
-    return F.cross_entropy(flat.to(loss_dtype(flat.dtype)), lab, ignore_index=IGNORE_INDEX, reduction="none")
+    per_slot = F.cross_entropy(flat.to(loss_dtype(flat.dtype)), lab, ignore_index=IGNORE_INDEX, reduction="none")
+    weights = labels.weights if isinstance(labels, PackedBatch) else None
+    return per_slot if weights is None else per_slot * weights.to(per_slot.dtype)
+
+
+def _target_mass(b: PackedBatch) -> torch.Tensor:
+    """``(T,)`` what each slot adds to a mean's denominator: 1 on a target (int64) without
+    weights, ``|w|`` (float64) with them (0 where there is no target either way)."""
+    if b.weights is None:
+        return (b.labels != IGNORE_INDEX).to(torch.int64)
+    return b.weights.abs().to(torch.float64)
 
 
 def _all_reduce_sum(t: torch.Tensor, group: ProcessGroup | Literal[False] | None) -> torch.Tensor:
@@ -107,12 +150,14 @@ def _all_reduce_sum(t: torch.Tensor, group: ProcessGroup | Literal[False] | None
 
 def _global_share(total: torch.Tensor, count: int | torch.Tensor, average_over_ranks: int) -> torch.Tensor:
     """``total / count * average_over_ranks``: one micro-batch's share of a mean whose ``count``
-    is global (a count of 0 gives 0, not NaN: the total is then 0 too)."""
+    is global (a count of 0 gives 0, not NaN: the total is then 0 too). ``count`` may be a
+    weight sum below 1 (``sum |w|``), so only 0 is replaced."""
     denom: torch.Tensor | float
     if isinstance(count, torch.Tensor):
-        denom = count.to(device=total.device, dtype=total.dtype).clamp_min(1)
+        denom = count.to(device=total.device, dtype=total.dtype)
+        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
     else:
-        denom = float(max(int(count), 1))
+        denom = float(count) if count > 0 else 1.0
     return total / denom * average_over_ranks
 
 
@@ -128,8 +173,11 @@ def count_label_tokens(
     *,
     group: ProcessGroup | Literal[False] | None = None,
     device: torch.device | str | None = None,
+    weighted: bool | None = None,
 ) -> torch.Tensor:
-    """Supervised targets of this step, over all micro-batches and ranks.
+    """Supervised targets of this step, over all micro-batches and ranks: the denominator of
+    the token mean. With weights, the weighted count ``sum |w|`` over the same targets (a
+    batch without weights counts 1 per target).
 
     Args:
         batches: this rank's micro-batches of the step (or one batch). CP shards
@@ -139,15 +187,28 @@ def count_label_tokens(
             ``None``: the default (world) group; ``False``: do not all-reduce.
         device: where the count lives (default: the first batch's device; with NCCL
             it must be the CUDA device).
+        weighted: ``None``: a float64 weighted count when any of ``batches`` has weights,
+            else the int64 count. Under data parallelism every rank must all-reduce the same
+            dtype: a run whose data carries weights passes ``True`` (float64 on every rank,
+            even one whose step has no weighted row), one without ``False`` (int64; weights
+            refused).
 
     Returns:
-        0-dim int64 tensor. No host sync: pass it straight to :func:`token_mean_loss`.
+        0-dim int64 tensor (float64 when weighted). No host sync: pass it straight to
+        :func:`token_mean_loss`.
     """
     items = _batches(batches)
     dev = torch.device(device) if device is not None else items[0].device
-    n = torch.zeros((), dtype=torch.int64, device=dev)
+    has = any(b.weights is not None for b in items)
+    if weighted is False and has:
+        raise ValueError(
+            "count_label_tokens(weighted=False): a batch carries weights; pass weighted=True (every rank) "
+            "so that the denominator is the weighted count sum |w|"
+        )
+    dtype = torch.float64 if (has if weighted is None else weighted) else torch.int64
+    n = torch.zeros((), dtype=dtype, device=dev)
     for b in items:
-        n = n + (b.labels != IGNORE_INDEX).sum().to(dev)
+        n = n + _target_mass(b).sum().to(device=dev, dtype=dtype)
     return _all_reduce_sum(n, group)
 
 
@@ -162,13 +223,16 @@ def token_mean_loss(
 
     ``sum(token_losses) / num_label_tokens * average_over_ranks``. Summed over the
     micro-batches of every rank (and divided by ``average_over_ranks`` by the
-    gradient average, if any) it is the token mean of the whole global batch.
+    gradient average, if any) it is the token mean of the whole global batch. With
+    weights (``labels`` a batch with :attr:`~sftpack.PackedBatch.weights`) the numerator is
+    ``sum(w * loss)`` and ``num_label_tokens`` must be the weighted count ``sum |w|``
+    (:func:`count_label_tokens` of the same batches): the module's one rule.
 
     Args:
         logits: ``(T, V)`` or ``(1, T, V)``.
         labels: ``(T,)`` shifted labels or the :class:`~sftpack.PackedBatch`.
         num_label_tokens: the *global* count (:func:`count_label_tokens`); a step
-            with no target at all gives 0 (and zero gradients), not NaN.
+            with no target at all (or all weights 0) gives 0 (and zero gradients), not NaN.
         average_over_ranks: ranks the gradient all-reduce averages over (DDP/FSDP:
             the data-parallel size); 1 for a sum all-reduce or a single process.
 
@@ -183,7 +247,9 @@ def sequence_loss_sums(logits: torch.Tensor, packed: PackedBatch) -> tuple[torch
 
     Returns:
         ``(sums, counts)``, each ``(N,)``: float32 (float64 for float64 logits) summed token loss and int64
-        number of targets of every sequence (segment) of ``packed``. For a
+        number of targets of every sequence (segment) of ``packed``. On a row with
+        :attr:`~sftpack.PackedBatch.weights`: ``sum(w * loss)`` and the float64 weighted
+        count ``sum |w|`` (the module's one rule). For a
         context-parallel shard, segment ``i`` is sequence ``i``'s chunks on this
         rank: all-reduce both over the CP group before dividing
         (:func:`all_reduce_sequence_sums`).
@@ -192,9 +258,8 @@ def sequence_loss_sums(logits: torch.Tensor, packed: PackedBatch) -> tuple[torch
     seg = segment_ids(packed)
     n = packed.num_sequences
     sums = torch.zeros(n, dtype=per_slot.dtype, device=per_slot.device).index_add(0, seg, per_slot)
-    counts = torch.zeros(n, dtype=torch.int64, device=seg.device).index_add(
-        0, seg, (packed.labels != IGNORE_INDEX).to(torch.int64)
-    )
+    mass = _target_mass(packed)
+    counts = torch.zeros(n, dtype=mass.dtype, device=seg.device).index_add(0, seg, mass)
     return sums, counts
 
 
@@ -208,15 +273,15 @@ def count_sequences(
 
     The denominator of :func:`sequence_mean_loss`. Same ``group`` / ``device``
     rules as :func:`count_label_tokens` (not for CP shards: a sequence spans
-    several; count on the whole rows).
+    several; count on the whole rows). With weights: sequences whose ``sum |w|`` is
+    positive (a sequence weighted 0 everywhere is not trained, as one without targets).
     """
     items = _batches(batches)
     dev = torch.device(device) if device is not None else items[0].device
     n = torch.zeros((), dtype=torch.int64, device=dev)
     for b in items:
-        counts = torch.zeros(b.num_sequences, dtype=torch.int64, device=b.device).index_add(
-            0, segment_ids(b), (b.labels != IGNORE_INDEX).to(torch.int64)
-        )
+        mass = _target_mass(b)
+        counts = torch.zeros(b.num_sequences, dtype=mass.dtype, device=b.device).index_add(0, segment_ids(b), mass)
         n = n + (counts > 0).sum().to(dev)
     return _all_reduce_sum(n, group)
 
@@ -233,7 +298,8 @@ def sequence_mean_loss(
     Each sequence's token-mean loss, summed over the sequences of ``packed`` that
     have a target, divided by the *global* number of such sequences
     (:func:`count_sequences`). Summed over micro-batches and ranks it equals the
-    average over sequences of each sequence's own mean, exactly as unpacked.
+    average over sequences of each sequence's own mean, exactly as unpacked. With
+    weights each sequence's mean is ``sum(w * loss) / sum |w|``.
 
     Args:
         logits: ``(T, V)`` or ``(1, T, V)``.
@@ -245,8 +311,13 @@ def sequence_mean_loss(
         0-dim float32 tensor (float64 for float64 logits).
     """
     sums, counts = sequence_loss_sums(logits, packed)
-    means = torch.where(counts > 0, sums / counts.clamp_min(1).to(sums.dtype), torch.zeros_like(sums))
-    return _global_share(means.sum(), num_sequences, average_over_ranks)
+    return _global_share(_means(sums, counts).sum(), num_sequences, average_over_ranks)
+
+
+def _means(sums: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``sums / counts`` where ``counts > 0`` (a target count, or a weight sum below 1), else 0."""
+    c = counts.to(sums.dtype)
+    return torch.where(c > 0, sums / torch.where(c > 0, c, torch.ones_like(c)), torch.zeros_like(sums))
 
 
 def all_reduce_sequence_sums(
@@ -306,7 +377,9 @@ def sequence_logprob_sums(
 
     Returns:
         ``(logps, counts)``, each ``(N,)``: float32 (float64 for float64 logits) summed
-        log-probabilities, and int64 number of targets, one per sequence of ``packed``.
+        log-probabilities, and int64 number of targets, one per sequence of ``packed``
+        (on a row with weights: ``sum(w * log p)`` and the float64 ``sum |w|``, the
+        module's one rule).
 
     >>> import torch
     >>> from sftpack import PackedBatch
@@ -344,4 +417,4 @@ def sequence_logprob_means(
         ``(N,)`` float32 (float64 for float64 logits).
     """
     logps, counts = sequence_logprob_sums(logits, packed, cp_group=cp_group)
-    return torch.where(counts > 0, logps / counts.clamp_min(1).to(logps.dtype), torch.zeros_like(logps))
+    return _means(logps, counts)

@@ -5,10 +5,14 @@ A sample is one conversation rendered to tokens::
     input_ids  [5, 9, 2, 7, 1]          int64, one id per token
     loss_mask  [F, F, T, T, T]          True where the model is trained to produce the token
     conversation_id  "chat.jsonl:17"    where it came from (file and line, corpus index, ...)
+    weights    [1, 1, .5, .5, 2]        optional float per token (None: 1 on every trained token)
 
 ``loss_mask[t]`` refers to the token ``input_ids[t]`` itself: the row builder
 turns it into shifted labels (the target of slot ``t`` is ``input_ids[t+1]``,
-trainable only if ``loss_mask[t+1]``).
+trainable only if ``loss_mask[t+1]``). ``weights[t]``, like ``loss_mask[t]``, belongs
+to the token ``input_ids[t]``: the row builder gives slot ``t`` the weight
+``weights[t+1]`` of its target (:attr:`sftpack.PackedBatch.weights`), and the loss
+reads it (:mod:`sftpack.loss`).
 
 A sample longer than a row meets the one over-long policy, :class:`Overlong`,
 whichever layer applies it (tokenizing, the offline path, the loader, Energon);
@@ -69,6 +73,12 @@ class Sample:
             its run of placeholder tokens in ``input_ids``. The paths carry it as an opaque
             per-sample extra; the row builder lays it with the tokens. Checked against the
             tokens here (no placeholder trainable).
+        weights: ``None`` (weight 1 on every trained token: plain SFT), or each token's
+            weight (or advantage) in the loss: ``(L,)`` finite floats, any sign, kept as
+            float32 or float64 (other real dtypes become float64), or one number, given to
+            every token (float64). Like ``loss_mask``, ``weights[t]`` belongs to token ``t``;
+            it is read only where ``loss_mask`` is True. Without weights a sample is what it
+            was before weights existed (its ``__dict__``, pickle and ``repr`` unchanged).
 
     Supports mapping-style access too (``sample["input_ids"]``), so code written
     against dict samples keeps working.
@@ -79,6 +89,7 @@ class Sample:
     conversation_id: Any = None
     meta: dict = field(default_factory=dict)
     media: Any = None
+    weights: np.ndarray | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.input_ids = _token_ids(self.input_ids, self.conversation_id)
@@ -97,6 +108,14 @@ class Sample:
                 name=f"Sample {self.conversation_id!r}: media",
                 error=ValueError,
             )
+        if self.weights is None:
+            # the class attribute (None) answers: a sample without weights keeps today's
+            # __dict__, so it pickles, caches and compares exactly as before weights existed
+            del self.__dict__["weights"]
+        else:
+            self.weights = check_weights(
+                self.weights, self.input_ids.shape[0], f"Sample {self.conversation_id!r}: weights"
+            )
 
     @property
     def num_patches(self) -> int:
@@ -107,7 +126,7 @@ class Sample:
         return int(self.input_ids.shape[0])
 
     def __getitem__(self, key: str) -> Any:
-        if key in ("input_ids", "loss_mask", "conversation_id", "meta"):
+        if key in ("input_ids", "loss_mask", "conversation_id", "meta", "weights"):
             return getattr(self, key)
         raise KeyError(key)
 
@@ -161,9 +180,46 @@ def _mask(values: Any, who: object) -> np.ndarray:
     return arr.astype(bool, copy=False)
 
 
+def check_weights(values: Any, length: int, where: str) -> np.ndarray:
+    """``values`` as ``(length,)`` finite float weights: float32 / float64 kept, other real
+    dtypes (and one number, broadcast to every token) as float64; else ``ValueError``
+    starting with ``where`` (e.g. ``"Sample 'c7': weights"``).
+
+    >>> check_weights(0.5, 3, "weights").tolist(), check_weights([1, 0, -2], 3, "weights").dtype
+    ([0.5, 0.5, 0.5], dtype('float64'))
+    """
+    if isinstance(values, (bool, np.bool_)):
+        raise ValueError(f"{where} must be numbers (a weight per token, or one for the sample), got {values!r}")
+    try:
+        arr = np.asarray(values)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where} cannot be read as an array of floats ({e})") from None
+    if arr.dtype.kind not in "iuf":
+        raise ValueError(
+            f"{where} must be real numbers (float32 or float64), got dtype {arr.dtype}; give one float per token, "
+            "or one number for the whole sample"
+        )
+    if arr.ndim == 0:
+        arr = np.full(length, float(arr), dtype=np.float64)
+    elif arr.ndim != 1 or arr.shape[0] != length:
+        raise ValueError(
+            f"{where} has shape {tuple(arr.shape)} but the sample has {length} tokens: give one weight per token "
+            f"(shape ({length},)), or one number for the whole sample"
+        )
+    elif arr.dtype not in (np.float32, np.float64):
+        arr = arr.astype(np.float64)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+        t = int(bad[0])
+        raise ValueError(
+            f"{where}[{t}] is {arr[t]}: every weight must be finite (a weight of 0 leaves the token out of the loss)"
+        )
+    return arr
+
+
 def as_sample(obj: Any, index: int | None = None) -> Sample:
     """Accept a :class:`Sample`, a mapping with ``input_ids`` (and optionally
-    ``loss_mask``), or a bare sequence of ids (all tokens trainable)."""
+    ``loss_mask`` and ``weights``), or a bare sequence of ids (all tokens trainable)."""
     if isinstance(obj, Sample):
         return obj
     if isinstance(obj, dict) or hasattr(obj, "keys"):
@@ -172,7 +228,8 @@ def as_sample(obj: Any, index: int | None = None) -> Sample:
         cid = obj["conversation_id"] if "conversation_id" in obj else index
         ids = _token_ids(obj["input_ids"], cid)
         mask = obj["loss_mask"] if "loss_mask" in obj else np.ones(ids.shape, dtype=bool)
-        return Sample(ids, mask, cid)
+        weights = obj["weights"] if "weights" in obj else None
+        return Sample(ids, mask, cid, weights=weights)
     ids = _token_ids(obj, index)
     return Sample(ids, np.ones(ids.shape, dtype=bool), index)
 

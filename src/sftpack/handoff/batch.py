@@ -18,10 +18,18 @@ boundary, and the last real token and every padding slot carry -100.
 
 The real boundaries (``cu_seqlens``) are the same whichever path built the
 batch; only the padding, and hence ``cu_seqlens_padded``, differs.
+
+Optional per-slot ``weights`` (from :attr:`sftpack.Sample.weights`) follow the labels:
+slot ``t``'s weight is its target's, the weight of token ``t+1`` (``wa2`` below is the
+weight of token ``a2``, the label of slot 1), 0 wherever the label is -100::
+
+    labels          a1  a2  a3  a4  -  -  -  - | b1 ...
+    weights         wa1 wa2 wa3 wa4 0  0  0  0 | wb1 ...
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -33,7 +41,7 @@ import torch
 from .._base import renamed
 from ..sample import IGNORE_INDEX, Sample, as_sample
 from .errors import PackedBatchError
-from .layout import RowArrays, lay_row
+from .layout import RowArrays, lay_row, lay_weights
 from .payload import Media, map_tensors
 from .slots import real_token_mask
 
@@ -96,6 +104,12 @@ class PackedBatch:
             positions, the multimodal positions); ``None`` on a text row. It validates itself
             against the row, concatenates in row order, moves with the row and adds its part
             to :meth:`to_hf_kwargs`. :meth:`from_samples` lays the samples' ``media``.
+        weights: optional ``(T,)`` float32 or float64, aligned with ``labels``: the weight (or
+            advantage) of the target of each slot, i.e. of the *next* token (the shift the
+            labels make), 0 wherever the label is ``-100``; any sign, finite. ``None`` (every
+            row built from samples without weights): weight 1 on every target. The loss reads
+            it (:mod:`sftpack.loss`); Hugging Face's own loss (``labels`` in
+            :meth:`to_hf_kwargs`) does not, so compute a weighted loss from the logits.
 
     A batch of several rows is one ``PackedBatch`` whose flat run is the rows laid
     end to end (THD has no row axis): see :meth:`concat`.
@@ -118,6 +132,7 @@ class PackedBatch:
     source_rows: tuple | None = None
     source_batch_size: int | None = None
     media: Media | None = None
+    weights: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -182,6 +197,7 @@ class PackedBatch:
             f"cu_seqlens={self.cu_seqlens.tolist()}, cu_seqlens_padded={self.cu_seqlens_padded.tolist()}, "
             f"max_seqlen={self.max_seqlen}, "
             + (f"media_items={self.num_media_items}, " if self.media is not None else "")
+            + (f"weights={self.weights.dtype}, " if self.weights is not None else "")
             + f"device={self.device})"
         )
 
@@ -224,6 +240,8 @@ class PackedBatch:
                 f"{cup.shape[0]}: both must be N+1 long"
             )
         devices = {t.device for t in (ids, lab, pos, cu, cup)}
+        if isinstance(self.weights, torch.Tensor):
+            devices.add(self.weights.device)
         if len(devices) > 1:
             raise PackedBatchError(
                 f"PackedBatch tensors are on several devices {sorted(map(str, devices))}: call .to(device)"
@@ -315,6 +333,8 @@ class PackedBatch:
             )
         if self.media is not None:
             self.media.check(ids, cu_h, cup_h)
+        if self.weights is not None:
+            check_slot_weights(self.weights, lab, "PackedBatch")
         return self
 
     # ----------------------------------------------------------- construction
@@ -334,7 +354,9 @@ class PackedBatch:
 
         Args:
             samples: :class:`~sftpack.Sample` objects (or dicts with ``input_ids`` and
-                ``loss_mask``, or bare id sequences, all tokens trainable).
+                ``loss_mask``, or bare id sequences, all tokens trainable). When any sample has
+                ``weights``, the row has :attr:`weights` (a sample without them: weight 1 on
+                its targets); else ``weights`` is ``None``.
             pad_multiple: pad each sequence to a multiple of this (``2 * CP`` for
                 context parallelism, see :func:`sftpack.handoff.pad_multiple_for`).
             max_seq_len: fixed row width ``T``, a multiple of ``pad_multiple``; the tail
@@ -364,6 +386,10 @@ class PackedBatch:
             sequence_ids=ids,
         )
         batch = cls.from_row(row, sequence_ids=ids)
+        if any(s.weights is not None for s in items):
+            batch.weights = torch.from_numpy(
+                lay_weights([s.weights for s in items], [len(s) for s in items], row.cu_seqlens_padded, row.labels)
+            )
         if any(s.media is not None for s in items):
             cup = row.cu_seqlens_padded.tolist()
             first = next(s.media for s in items if s.media is not None)
@@ -400,7 +426,8 @@ class PackedBatch:
         """Lay several rows end to end in one flat run (THD has no row axis).
 
         Usable as a ``collate_fn`` for a ``torch.utils.data.DataLoader`` that yields
-        ``PackedBatch`` rows.
+        ``PackedBatch`` rows. Weights: ``None`` when no row has any; else each row's, a row
+        without weights taking 1 on its targets (what ``None`` means).
 
         >>> from sftpack.testing import samples_from_lengths
         >>> a = PackedBatch.from_samples(samples_from_lengths([3]), max_seq_len=4)
@@ -437,6 +464,7 @@ class PackedBatch:
             max_seqlen=max(int(b.max_seqlen) for b in batches),
             sequence_ids=ids,
             media=_concat_media(batches),
+            weights=_concat_weights(batches),
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
@@ -525,6 +553,42 @@ class PackedBatch:
             "max_seqlen_q": int(self.max_seqlen),
             "max_seqlen_k": int(self.max_seqlen),
         }
+
+
+def check_slot_weights(weights: object, labels: torch.Tensor, who: str) -> None:
+    """The checks of a row's (or shard's) ``weights`` against its ``labels``: a 1-D float32 or
+    float64 tensor of the same length, finite, 0 wherever the label is -100."""
+    if not isinstance(weights, torch.Tensor):
+        raise PackedBatchError(f"{who}.weights must be a torch.Tensor or None, got {type(weights).__name__}")
+    if weights.dim() != 1 or weights.shape[0] != labels.shape[0]:
+        raise PackedBatchError(
+            f"{who}.weights has shape {tuple(weights.shape)} but labels has ({labels.shape[0]},): one weight per slot"
+        )
+    if weights.dtype not in (torch.float32, torch.float64):
+        raise PackedBatchError(f"{who}.weights must be float32 or float64, got {weights.dtype}")
+    bad = torch.nonzero(~torch.isfinite(weights)).reshape(-1)
+    if bad.numel():
+        k = int(bad[0])
+        raise PackedBatchError(f"{who}.weights[{k}] = {float(weights[k])}: every weight must be finite")
+    stray = torch.nonzero((labels == IGNORE_INDEX) & (weights != 0)).reshape(-1)
+    if stray.numel():
+        k = int(stray[0])
+        raise PackedBatchError(
+            f"{who}.weights[{k}] = {float(weights[k])} but labels[{k}] is {IGNORE_INDEX}: a slot without a target "
+            "has weight 0 (a slot's weight is its target's, the next token's: build rows with from_samples or "
+            "build_row(weights=))"
+        )
+
+
+def _concat_weights(batches: Sequence[PackedBatch]) -> torch.Tensor | None:
+    """The rows' weights laid end to end (``None`` when no row has any; a row without weights
+    takes 1 on its targets, 0 elsewhere)."""
+    given = [b.weights for b in batches if b.weights is not None]
+    if not given:
+        return None
+    dtype = functools.reduce(torch.promote_types, (w.dtype for w in given))
+    parts = [b.weights.to(dtype) if b.weights is not None else (b.labels != IGNORE_INDEX).to(dtype) for b in batches]
+    return torch.cat(parts)
 
 
 def _concat_media(batches: Sequence[PackedBatch]) -> Media | None:

@@ -19,7 +19,7 @@ from numpy.typing import ArrayLike
 
 from .._base import renamed
 from .batch import PackedBatch
-from .layout import fit_parts, join_parts, lay_row
+from .layout import fit_parts, join_parts, lay_row, lay_weights, split_weights
 
 __all__ = ["build_parts", "build_row", "wrap_parts"]
 
@@ -35,6 +35,7 @@ def build_row(
     sequence_ids: Sequence[Any] | None = None,
     device: torch.device | str | None = None,
     row_width: int | None = None,
+    weights: ArrayLike | None = None,
 ) -> PackedBatch:
     """One contract row from flat arrays, as a :class:`~sftpack.PackedBatch`.
 
@@ -42,7 +43,11 @@ def build_row(
     :func:`~sftpack.handoff.layout.lay_row`, which computes the row in numpy; ``device``
     says where to put the tensors (default: CPU). Per-slot fields are ``int64``,
     boundaries ``int32``. ``row_width``: the deprecated spelling of ``max_seq_len``
-    (accepted, with a ``DeprecationWarning``, until the next release).
+    (accepted, with a ``DeprecationWarning``, until the next release). ``weights``: optional
+    ``(L,)`` float per token, laid end to end like ``input_ids`` (each token's, as
+    :attr:`sftpack.Sample.weights`); the row's :attr:`~sftpack.PackedBatch.weights` are then
+    each slot's target's (:func:`~sftpack.handoff.layout.lay_weights`). ``None``: no weights
+    (the row is what it was before weights existed).
 
     >>> import numpy as np
     >>> b = build_row(np.arange(1, 16), np.ones(15, bool), [5, 10], max_seq_len=36, pad_multiple=4)
@@ -59,7 +64,12 @@ def build_row(
         pad_id=pad_id,
         sequence_ids=sequence_ids,
     )
-    return PackedBatch.from_row(row, sequence_ids=sequence_ids, device=device)
+    batch = PackedBatch.from_row(row, sequence_ids=sequence_ids)
+    if weights is not None:
+        lens = np.diff(row.cu_seqlens).tolist()
+        parts: list[np.ndarray | None] = list(split_weights(weights, lens, "build_row"))
+        batch.weights = torch.from_numpy(lay_weights(parts, lens, row.cu_seqlens_padded, row.labels))
+    return batch.to(device) if device is not None else batch
 
 
 def build_parts(

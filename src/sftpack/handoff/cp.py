@@ -12,7 +12,8 @@ the contract (A: 5 tokens, B: 10, each padded to a multiple of 4, ``CP=2``)::
 
 What a rank's :class:`CPShard` holds (a :class:`~sftpack.PackedBatch` subclass):
 
-- ``input_ids``, ``labels``: the global row's values at the rank's slots. Labels
+- ``input_ids``, ``labels`` (and ``weights``, when the row has them): the global row's
+  values at the rank's slots. Labels
   were shifted on the whole row, so a slot at the end of chunk ``r`` keeps its
   target (the first token of chunk ``r+1``, held by another rank): the shard's
   loss is exactly its share of the row's loss. Sum the shards' losses and counts
@@ -91,7 +92,7 @@ import torch
 
 from .._base import non_negative_int, positive_int
 from ..sample import IGNORE_INDEX
-from .batch import PackedBatch, packed_seq_params
+from .batch import PackedBatch, check_slot_weights, packed_seq_params
 from .errors import PackedBatchError
 from .payload import Media
 
@@ -275,6 +276,16 @@ def _unshard_media(shards: Sequence[CPShard], cup: torch.Tensor, cp: int) -> Med
     return out
 
 
+def _unshard_weights(shards: Sequence[CPShard], cup: torch.Tensor, cp: int) -> torch.Tensor | None:
+    """The row's weights from every rank's (``None`` when no shard has any)."""
+    w = [s.weights for s in shards]
+    if all(x is None for x in w):
+        return None
+    if any(x is None for x in w):
+        raise PackedBatchError("unshard_cp: some shards carry weights and some do not; give shards of one row")
+    return unshard_cp([x for x in w if x is not None], cup, cp)
+
+
 def _listed(t: torch.Tensor | None) -> list | None:
     return None if t is None else t.tolist()
 
@@ -395,6 +406,8 @@ class CPShard(PackedBatch):
                 f"CPShard.labels[{k}] = {int(self.labels[k])} but local slot {k} (global slot "
                 f"{int(lay.slot[k])}) is padding or a sequence's last real token; its label must be {IGNORE_INDEX}"
             )
+        if self.weights is not None:
+            check_slot_weights(self.weights, self.labels, "CPShard")
         if self.media is not None:
             self._validate_media(self.media)
         return self
@@ -521,6 +534,7 @@ def shard_for_cp(packed: PackedBatch, cp_size: int, cp_rank: int) -> CPShard:
     return CPShard(
         input_ids=input_ids,
         labels=packed.labels[lay.slot],
+        weights=None if packed.weights is None else packed.weights[lay.slot],
         position_ids=lay.position,
         cu_seqlens=lay.local_cu.to(torch.int32),
         cu_seqlens_padded=lay.local_cup.to(torch.int32),
@@ -601,6 +615,7 @@ def unshard_cp(
             max_seqlen=first.global_max_seqlen,
             sequence_ids=first.sequence_ids,
             media=_unshard_media(shards, cup, cp),
+            weights=_unshard_weights(shards, cup, cp),
         )
     if packed is None:
         raise PackedBatchError("unshard_cp: pass the whole row (packed=) to reassemble per-slot values")

@@ -47,7 +47,7 @@ from numpy.typing import ArrayLike
 
 from .._base import check_width, non_negative_int, positive_int, renamed, round_up
 from ..binpack import Bins, pack
-from ..sample import IGNORE_INDEX
+from ..sample import IGNORE_INDEX, check_weights
 from .errors import PackedBatchError
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "fit_parts",
     "join_parts",
     "lay_row",
+    "lay_weights",
     "pack_rows",
     "padded_lengths",
 ]
@@ -262,6 +263,50 @@ def lay_row(
         return _lay_scatter(ids, mask_b, real, padded, max_seq_len, pad_id)
     lens = real.tolist()
     return _lay_segments(None, None, lens, padded.tolist(), max_seq_len, pad_id, ids, mask_b)
+
+
+def lay_weights(
+    weight_parts: Sequence[np.ndarray | None],
+    lengths: Sequence[int],
+    cu_seqlens_padded: Sequence[int] | np.ndarray,
+    labels: np.ndarray,
+) -> np.ndarray:
+    """``(T,)`` the per-slot weights of a laid row, aligned with its ``labels``: slot ``t`` of a
+    sequence holds the weight of its *target*, the next token (``w[j+1]`` at the sequence's slot
+    ``j``, the shift the labels make), and 0 wherever the label is ``-100`` (each sequence's last
+    real token, every padding slot, every untrained target).
+
+    ``weight_parts``: each sequence's ``(length,)`` float weights (checked:
+    :func:`sftpack.sample.check_weights`), or ``None`` for weight 1 on its trained tokens. The row
+    takes the widest dtype of the parts (float32 when every part is float32, else float64).
+
+    >>> labels = np.array([2, 3, -100, -100, 6, -100])
+    >>> lay_weights([np.array([9.0, 0.5, 2.0]), None], [3, 2], [0, 4, 6], labels).tolist()
+    [0.5, 2.0, 0.0, 0.0, 1.0, 0.0]
+    """
+    given = [w for w in weight_parts if w is not None]
+    dtype = np.result_type(*given) if given else np.dtype(np.float64)
+    out = np.zeros(labels.shape[0], dtype=dtype)
+    for w, k, a in zip(weight_parts, lengths, np.asarray(cu_seqlens_padded).tolist()):
+        out[a : a + k - 1] = 1.0 if w is None else w[1:k]
+    out[labels == IGNORE_INDEX] = 0
+    return out
+
+
+def split_weights(weights: ArrayLike, lengths: Sequence[int], who: str) -> list[np.ndarray]:
+    """Flat ``(L,)`` weights (the sequences' laid end to end, what :func:`sftpack.handoff.build_row`
+    takes) checked (:class:`PackedBatchError` naming ``who``) and cut into each sequence's part."""
+    if np.ndim(weights) != 1:
+        raise PackedBatchError(
+            f"{who}: weights must be 1-D, one float per token (the sequences' laid end to end), got shape "
+            f"{np.shape(weights)}"
+        )
+    try:
+        flat = check_weights(weights, int(sum(lengths)), f"{who}: weights")
+    except ValueError as e:
+        raise PackedBatchError(str(e)) from None
+    ends = list(accumulate(lengths))
+    return [flat[b - k : b] for b, k in zip(ends, lengths)]
 
 
 def fit_parts(lengths: Sequence[int], max_seq_len: int | None, pad_multiple: int) -> list[int]:

@@ -23,6 +23,8 @@ import torch
 from .._base import renamed
 from ..handoff import PackedBatch, PackedBatchError
 from ..handoff.payload import Media
+from ..handoff.slots import slot_layout
+from ..sample import IGNORE_INDEX
 from ._step_input import check_options, check_padding, source_lengths
 from ._step_layout import gather_slots, read_shape, segment_offsets
 from ._step_payload import check_media, lay_media
@@ -44,6 +46,7 @@ def pack_step(
     labels: torch.Tensor | None = None,
     media: Sequence[Media | None] | None = None,
     pad_to: int | None = None,
+    weights: torch.Tensor | None = None,
 ) -> PackedBatch:
     """Pack a right-padded ``[B, S]`` batch into one flat row.
 
@@ -86,6 +89,11 @@ def pack_step(
             <sftpack.PackedBatch.validate>` checks every run against the tokens.
         pad_to: the deprecated spelling of ``max_seq_len`` (accepted, with a
             ``DeprecationWarning``, until the next release).
+        weights: optional ``(B, S)`` float32 / float64 per-token weights (or advantages),
+            ``weights[b, t]`` belonging to token ``t`` of row ``b`` like ``loss_mask``
+            (:attr:`sftpack.Sample.weights`); the result's :attr:`~sftpack.PackedBatch.weights`
+            hold each slot's target's (the next token's), 0 where the label is -100, as
+            :meth:`PackedBatch.from_samples` lays them. Read on real tokens only; finite there.
 
     Returns:
         A :class:`~sftpack.PackedBatch` on ``input_ids.device``: the ``N`` non-empty
@@ -143,4 +151,28 @@ def pack_step(
     )
     if parts is not None:
         batch.media = lay_media(parts, batch, opts.device)
+    if weights is not None:
+        batch.weights = _slot_weights(weights, batch, off.rows, opts.B, opts.S)
     return batch
+
+
+def _slot_weights(weights: torch.Tensor, batch: PackedBatch, rows: torch.Tensor, B: int, S: int) -> torch.Tensor:
+    """``(T,)`` the packed row's weights: slot ``j`` of a segment takes its source row's
+    ``weights[j + 1]`` (its target's), 0 where the label is -100."""
+    if not isinstance(weights, torch.Tensor) or weights.shape != (B, S):
+        shape = tuple(weights.shape) if isinstance(weights, torch.Tensor) else type(weights).__name__
+        raise PackedBatchError(f"pack_step: weights must be a ({B}, {S}) tensor like input_ids, got {shape}")
+    if weights.dtype not in (torch.float32, torch.float64):
+        raise PackedBatchError(f"pack_step: weights must be float32 or float64, got {weights.dtype}")
+    seg, offset, _ = slot_layout(batch.cu_seqlens, batch.cu_seqlens_padded, batch.num_tokens)
+    src = (offset + 1 + rows.to(seg.device).index_select(0, seg) * S).clamp_(max=B * S - 1)
+    w = weights.to(batch.device).reshape(-1).index_select(0, src)
+    out = torch.where(batch.labels != IGNORE_INDEX, w, torch.zeros_like(w))
+    bad = torch.nonzero(~torch.isfinite(out)).reshape(-1)
+    if bad.numel():
+        k = int(bad[0])
+        raise PackedBatchError(
+            f"pack_step: weights of batch row {int(rows[seg[k]])}, token {int(offset[k]) + 1} is {float(out[k])}: "
+            "every weight must be finite"
+        )
+    return out
