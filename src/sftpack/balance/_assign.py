@@ -46,13 +46,26 @@ def max_over_mean(loads: ArrayLike) -> float:
     return float(a.max() / m) if m > 0 else 1.0
 
 
-def lower_bound(costs: ArrayLike, ranks: int) -> float:
-    """``max(1, heaviest item / mean rank load)``: what :func:`max_over_mean` can reach at best."""
+def lower_bound(costs: ArrayLike, ranks: int, per_rank: int | None = None) -> float:
+    """What :func:`max_over_mean` can reach at best: ``max(1, heaviest item / mean rank load)``.
+
+    With ``per_rank`` (every rank takes exactly that many items: a step's rows), also the
+    rank holding the heaviest item holds ``per_rank - 1`` others, each at least the lightest:
+    ``(heaviest + (per_rank - 1) * lightest) / mean rank load``.
+
+    >>> lower_bound([9, 1, 1, 1], 2), lower_bound([9, 5, 5, 1], 2, per_rank=2)
+    (1.5, 1.0)
+    >>> lower_bound([9, 4, 4, 3], 2, per_rank=2)  # the rank with 9 holds 3 more at least
+    1.2
+    """
     c = np.asarray(costs, dtype=np.float64)
     total = float(c.sum())
     if total <= 0:
         return 1.0
-    return max(1.0, float(c.max()) * ranks / total)
+    heaviest = float(c.max())
+    if per_rank is not None and per_rank > 1:
+        heaviest += (per_rank - 1) * float(c.min())
+    return max(1.0, heaviest * ranks / total)
 
 
 def assign(

@@ -381,7 +381,7 @@ def _offline(
         dealt = deal(costs, dp, k)
         loads = costs[dealt].sum(axis=1)
         ratios.append(max_over_mean(loads))
-        bounds.append(lower_bound(costs, dp))
+        bounds.append(lower_bound(costs, dp, per_rank=k))
         real += int(row_tokens[idx].sum())
         slots += per_step * width
         if ratios[-1] > ratios[worst] or s == 0:
