@@ -14,8 +14,6 @@ the ranks averaged) moves the loss by more than 1e-3.
 from __future__ import annotations
 
 import json
-import os
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,12 +21,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from sftpack import IGNORE_INDEX, PackedBatch, Sample
 from sftpack.exactness import TinyCausalLM, random_samples, reference_labels
 from sftpack.loss import count_label_tokens, token_losses, token_mean_loss
+from tests.loop.conftest import run_ranks
 
 VOCAB = 97
 WORLD = 2
@@ -125,14 +123,7 @@ def _worker(rank: int, init_file: str, out_file: str) -> None:
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
 def test_two_ranks_weighted_equal_one(tmp_path):
     out = tmp_path / "result.json"
-    ctx = mp.spawn(_worker, args=(str(tmp_path / "init"), str(out)), nprocs=WORLD, join=False)
-    deadline = time.monotonic() + 600  # a hang guard, not a speed check
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    os.kill(p.pid, 9)
-            pytest.fail("the 2-rank run did not finish in 600 s")
+    run_ranks(_worker, (str(tmp_path / "init"), str(out)), WORLD)  # forked; a hang fails after 600 s
     r = json.loads(out.read_text())
     print("2-rank weighted differences:", r)
     for key in ("loss_diff", "count_diff", "grad_diff"):
