@@ -86,6 +86,10 @@ def test_a_run_prices_by_its_model_unless_told(samples):
     cost = model_cost(hf)
     assert cost is not None and cost.per_token_squared == 6 * 2 * 16
     assert model_cost(object()) is None
+    from sftpack.loop._llama import SmallLlama, SmallLlamaConfig  # sftpack train's default model: a dataclass config
+
+    small = SmallLlama(SmallLlamaConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, num_key_value_heads=1))
+    assert model_cost(small) is not None and model_cost(small).per_token_squared == 6 * 2 * 16
     cfg = tiny_config(packing="trainer", batch_size=BATCH)
     assert make_source(cfg, samples=samples, model_cost=cost).cost == cost
     given = tiny_config(packing="trainer", batch_size=BATCH, cost="attention")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -273,15 +274,19 @@ def make_source(
 
 
 def model_cost(model: Any) -> SequenceCost | None:
-    """The cost model of a Hugging Face model (:meth:`SequenceCost.from_config` of its config:
-    its linear work per token and its full-attention layers' work per token squared), or ``None``
-    for a model without a readable config."""
+    """The cost model of a model (:meth:`SequenceCost.from_config` of its config, a Hugging Face
+    ``PretrainedConfig`` or a dataclass with the same field names, as :class:`SmallLlama`'s: its
+    linear work per token and its full-attention layers' work per token squared), or ``None`` for
+    a model without a readable config."""
     config = getattr(model, "config", None)
-    as_dict = getattr(config, "to_dict", None)
-    if as_dict is None:
+    if hasattr(config, "to_dict"):
+        fields = config.to_dict()
+    elif dataclasses.is_dataclass(config) and not isinstance(config, type):
+        fields = dataclasses.asdict(config)
+    else:
         return None
     try:
-        return SequenceCost.from_config(as_dict(), name=str(getattr(config, "model_type", None) or "model"))
+        return SequenceCost.from_config(fields, name=str(fields.get("model_type") or type(model).__name__))
     except (CostError, TypeError, ValueError):
         return None
 
