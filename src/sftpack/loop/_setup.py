@@ -278,7 +278,7 @@ def model_cost(model: Any) -> SequenceCost | None:
     ``PretrainedConfig`` or a dataclass with the same field names, as :class:`SmallLlama`'s: its
     linear work per token and its full-attention layers' work per token squared), or ``None`` for
     a model without a readable config."""
-    config = getattr(model, "config", None)
+    config: Any = getattr(model, "config", None)
     if hasattr(config, "to_dict"):
         fields = config.to_dict()
     elif dataclasses.is_dataclass(config) and not isinstance(config, type):
