@@ -55,7 +55,7 @@ from .._base import positive_int, renamed
 from ..balance import SequenceCost, sequence_cost
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
-from ..sample import IGNORE_INDEX, Sample
+from ..sample import IGNORE_INDEX, Sample, check_sft_sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
 from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
@@ -70,6 +70,8 @@ __all__ = [
     "Source",
     "TrainerSource",
     "padded_micro_batch",
+    "pair_meta",
+    "pair_sequence_id",
     "rows_per_rank",
     "rows_to_micro_batches",
     "samples_fingerprint",
@@ -246,6 +248,32 @@ def _too_few(batch_size: int, n: int) -> ValueError:
     )
 
 
+def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
+    """The indices of each preference pair's samples (``meta["group"]``), pairs in order of first appearance."""
+    units: dict[Any, list[int]] = {}
+    for i, s in enumerate(samples):
+        group = s.meta.get("group") if s.meta else None
+        if group is None or s.meta.get("role") is None:
+            raise ValueError(
+                f"sample {i} (conversation {s.conversation_id!r}) is not a member of a preference pair (no "
+                "meta['group'] / meta['role']): objective dpo trains pairs (sftpack.chat.tokenize_pair; "
+                "prompt/chosen/rejected rows)"
+            )
+        units.setdefault(group, []).append(i)
+    return list(units.values())
+
+
+def pair_sequence_id(sample: Sample) -> tuple[Any, str]:
+    """A preference sample's id in a packed row: ``(meta["group"], meta["role"])`` (the two samples
+    of a pair share their conversation id); :func:`pair_meta` reads the pair back from it."""
+    return (sample.meta["group"], str(sample.meta["role"]))
+
+
+def pair_meta(sequence_ids: Sequence[Any]) -> dict[Any, dict[str, Any]]:
+    """What :func:`sftpack.objectives.pairs_of` reads, from a row's :func:`pair_sequence_id`\\ s."""
+    return {sid: {"group": sid[0], "role": sid[1]} for sid in sequence_ids}
+
+
 class _SampleSource(Source):
     """The step's ``batch_size`` conversations drawn in a seeded order, for ``world`` ranks of
     ``grad_accum`` micro-batches each (the trainer path and the baseline)."""
@@ -260,16 +288,23 @@ class _SampleSource(Source):
         world: int = 1,
         grad_accum: int = 1,
         pad_id: int = 0,
+        pairs: bool = False,
     ) -> None:
         if batch_size < world * grad_accum:
             raise ValueError(
-                f"batch_size={batch_size} conversations cannot give {world} rank(s) {grad_accum} micro-batch(es) "
-                f"each: raise --batch-size to at least {world * grad_accum}"
+                f"batch_size={batch_size} {'pairs' if pairs else 'conversations'} cannot give {world} rank(s) "
+                f"{grad_accum} micro-batch(es) each: raise --batch-size to at least {world * grad_accum}"
             )
         self.samples = samples
+        self.pairs = pairs
         self.order: SampleOrder | ConversationOrder
+        self._units: list[list[int]] | None = None  # pairs from a list: each pair's sample indices
         if isinstance(samples, ConversationSamples):
-            self.order = ConversationOrder(samples, batch_size=batch_size, seed=seed)
+            # a pair is one conversation of two samples, laid whole: 2 * batch_size samples are batch_size pairs
+            self.order = ConversationOrder(samples, batch_size=2 * batch_size if pairs else batch_size, seed=seed)
+        elif pairs:
+            self._units = _pair_units(samples)
+            self.order = SampleOrder(len(self._units), batch_size=batch_size, seed=seed)
         else:
             self.order = SampleOrder(len(samples), batch_size=batch_size, seed=seed)
         self.rank, self.world, self.grad_accum, self.pad_id = rank, world, grad_accum, pad_id
@@ -299,6 +334,9 @@ class _SampleSource(Source):
     def _draw(self) -> list[Sample]:
         if isinstance(self.order, ConversationOrder):
             chosen = self.order.take()
+            if not self.pairs:  # a list was checked whole by make_source; conversations as they are read
+                for s in chosen:
+                    check_sft_sample(s)
             if not self._checked:  # data with no target at all is refused, as make_source does for a list
                 self._checked = True
                 if not any(s.loss_mask[1:].any() for s in chosen):
@@ -306,12 +344,16 @@ class _SampleSource(Source):
             return chosen
         samples = self.samples
         assert not isinstance(samples, ConversationSamples)
+        if self._units is not None:
+            return [samples[j] for i in self.order.take() for j in self._units[int(i)]]
         return [samples[int(i)] for i in self.order.take()]
 
     def epoch_steps(self) -> int:
         """The batches of an epoch of the seeded order (the last incomplete one dropped)."""
         if isinstance(self.samples, ConversationSamples):
             return len(self.samples.wait().samples) // self.order.batch_size
+        if self._units is not None:
+            return len(self._units) // self.order.batch_size
         return len(self.samples) // self.order.batch_size
 
     def state_dict(self) -> dict[str, Any]:
@@ -335,13 +377,10 @@ class _SampleSource(Source):
                 )
             else:
                 self._fp = samples_fingerprint(self.samples)
-        return _hash(
-            {
-                "samples": self._fp,
-                "kind": "samples",
-                "batch_size": self.order.batch_size,
-            }
-        )
+        key: dict[str, Any] = {"samples": self._fp, "kind": "samples", "batch_size": self.order.batch_size}
+        if self.pairs:  # an SFT run's fingerprint stays what it was
+            key["pairs"] = True
+        return _hash(key)
 
 
 class PaddedSource(_SampleSource):
@@ -400,6 +439,11 @@ class TrainerSource(_SampleSource):
                 "patches": np.fromiter((s.num_patches for s in chosen), dtype=np.int64, count=len(chosen)),
                 "max_patches_per_row": self.max_patches_per_row,
             }
+        if self.pairs:  # each pair whole in one micro-batch of one rank
+            numbered: dict[Any, int] = {}
+            patches["groups"] = np.array(
+                [numbered.setdefault(s.meta["group"], len(numbered)) for s in chosen], dtype=np.int64
+            )
         plan = plan_microbatches(
             lengths,
             self.micro_batch_tokens,
@@ -420,7 +464,7 @@ class TrainerSource(_SampleSource):
                     mask,
                     pad_multiple=self.pad_multiple,
                     pad_id=self.pad_id,
-                    sequence_ids=[s.conversation_id for s in picked],
+                    sequence_ids=[pair_sequence_id(s) if self.pairs else s.conversation_id for s in picked],
                     media=media_of(picked),
                 )
             )
