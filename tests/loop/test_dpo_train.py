@@ -157,10 +157,20 @@ def test_a_micro_batch_with_half_a_pair_is_refused(data) -> None:
         module(row, torch.tensor(2))
 
 
-def test_other_paths_refuse_dpo_in_one_line() -> None:
+def test_other_paths_refuse_dpo_in_one_line(tmp_path, capsys) -> None:
+    from sftpack.cli import main
+
     for packing in ("offline", "loader", "none"):
         with pytest.raises(ValueError, match=f"objective dpo runs on the trainer path only, not packing {packing}"):
             TrainConfig(packing=packing, objective="dpo")
+    path = tmp_path / "prefs.jsonl"
+    path.write_text(json.dumps(PAIRS[0]) + "\n", encoding="utf-8")
+    assert main(["train", str(path), "--objective", "dpo", "--packing", "loader", "--steps", "1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "sftpack train: --objective dpo runs on the trainer path only, not --packing loader: use --packing trainer "
+        "(it keeps each pair in one micro-batch)"
+    ]
 
 
 def test_sftpack_train_dpo_runs_two_steps(tmp_path) -> None:
