@@ -32,17 +32,20 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from sftpack.chat import read_conversations, tokenize_conversations
+from sftpack.chat import ConversationSamples, read_conversations, tokenize_conversations, tokenize_pair
 from sftpack.data import default_tokenizer
 from sftpack.loop import TrainConfig, build_model, compact_vocabulary, make_source, train
 from sftpack.loop._preference import PreferenceLossModule
+from sftpack.loop._sources import TrainerSource
 from sftpack.sample import Sample
+from sftpack.testing import tiny_chat_tokenizer
 from sftpack.trainer import pack_step, padded_batch
 
 pytest.importorskip("transformers")
@@ -155,6 +158,26 @@ def test_a_micro_batch_with_half_a_pair_is_refused(data) -> None:
     row = pack_step(ids, lens, mask, sequence_ids=[(s.meta["group"], s.meta["role"]) for s in half])
     with pytest.raises(ValueError, match="no 'rejected' one in this batch"):
         module(row, torch.tensor(2))
+
+
+def test_sft_refuses_a_pair_as_its_conversation_is_read() -> None:
+    """Without objective dpo, conversations still being tokenized: the first pair read is refused,
+    before the step finds it has too few conversations; objective dpo takes the same pair."""
+    chosen, rejected = tokenize_pair(PAIRS[0], tiny_chat_tokenizer("chatml"), conversation_id="p0")
+    for pairs in (False, True):
+        data = ConversationSamples(1)
+        source = TrainerSource(data, micro_batch_tokens=64, batch_size=8 if not pairs else 1, seed=0, pairs=pairs)
+        timer = threading.Timer(0.1, data._put, (0, [chosen, rejected]))
+        timer.start()
+        try:
+            if pairs:
+                (row,) = source.next_step()
+                assert row.sequence_ids == (("p0", "chosen"), ("p0", "rejected"))
+            else:
+                with pytest.raises(ValueError, match="'p0' is the chosen answer of a preference pair"):
+                    source.next_step()
+        finally:
+            timer.join()
 
 
 def test_other_paths_refuse_dpo_in_one_line(tmp_path, capsys) -> None:

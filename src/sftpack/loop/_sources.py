@@ -45,7 +45,7 @@ import dataclasses
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -211,14 +211,25 @@ class ConversationOrder(_EpochPosition):
     The position is ``(epoch, samples read in the epoch)``, as :class:`SampleOrder`'s.
     """
 
-    def __init__(self, data: ConversationSamples, *, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        data: ConversationSamples,
+        *,
+        batch_size: int,
+        seed: int,
+        check: Callable[[Sample], None] | None = None,
+    ) -> None:
         self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.check = check  # each sample as its conversation is laid (raises to refuse it)
         self.epoch, self.position = 0, 0
         self._built = -1  # the epoch _stream belongs to
         self._perm: list[int] = []
         self._stream: list[Sample] = []
         self._next = 0  # conversations of _perm laid into _stream
         if data.done and len(data.samples()) < batch_size:
+            if check is not None:  # a refused sample says so before the count does
+                for sample in data.samples():
+                    check(sample)
             raise _too_few(batch_size, len(data.samples()))
 
     def _fill(self, upto: int) -> bool:
@@ -228,7 +239,11 @@ class ConversationOrder(_EpochPosition):
             self._perm = conversation_order(self.data.n, seed=self.seed, epoch=self.epoch).tolist()
             self._stream, self._next, self._built = [], 0, self.epoch
         while len(self._stream) < upto and self._next < len(self._perm):
-            self._stream.extend(self.data.group(self._perm[self._next]))
+            group = self.data.group(self._perm[self._next])
+            if self.check is not None:
+                for sample in group:
+                    self.check(sample)
+            self._stream.extend(group)
             self._next += 1
         return len(self._stream) >= upto
 
@@ -301,7 +316,13 @@ class _SampleSource(Source):
         self._units: list[list[int]] | None = None  # pairs from a list: each pair's sample indices
         if isinstance(samples, ConversationSamples):
             # a pair is one conversation of two samples, laid whole: 2 * batch_size samples are batch_size pairs
-            self.order = ConversationOrder(samples, batch_size=2 * batch_size if pairs else batch_size, seed=seed)
+            # SFT: a preference pair is refused as its conversation is read (make_source checks a list whole)
+            self.order = ConversationOrder(
+                samples,
+                batch_size=2 * batch_size if pairs else batch_size,
+                seed=seed,
+                check=None if pairs else check_sft_sample,
+            )
         elif pairs:
             self._units = _pair_units(samples)
             self.order = SampleOrder(len(self._units), batch_size=batch_size, seed=seed)
@@ -334,9 +355,6 @@ class _SampleSource(Source):
     def _draw(self) -> list[Sample]:
         if isinstance(self.order, ConversationOrder):
             chosen = self.order.take()
-            if not self.pairs:  # a list was checked whole by make_source; conversations as they are read
-                for s in chosen:
-                    check_sft_sample(s)
             if not self._checked:  # data with no target at all is refused, as make_source does for a list
                 self._checked = True
                 if not any(s.loss_mask[1:].any() for s in chosen):
