@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from ..sample import Sample, check_sft_sample
+from ..sample import Sample
 from ._batch import TokenizeStats
 from ._rows import PAIR_ROLES
 
@@ -166,8 +166,7 @@ class _Producer:
             if msg[0] == "end":
                 self.stats, self.read = msg[1], msg[2]
                 return
-            for _, s in msg[1]:
-                check_sft_sample(s)
+            # preference pairs pass as they are: the training loop refuses them unless its objective trains pairs
             yield from msg[1]
 
     def _ended(self) -> bool:

@@ -44,9 +44,10 @@ from ._log import JsonlLog
 from ._micro_batch import MicroBatch
 from ._model import LossModule, require_exact
 from ._optimizer import Optimization
-from ._options import TrainConfig
+from ._options import Objective, TrainConfig
 from ._parallel import all_reduce, choose_parallel
 from ._parts import LoopState, OnStep, Part, StepLog
+from ._preference import pairs_in, preference_loss_module
 from ._sources import Source
 from ._tensorboard import TensorBoard
 
@@ -256,6 +257,8 @@ def train(
     evals = None if eval_samples is None else EvalSet(config, eval_samples, rank=rank, world=world)
     model.to(device)
     require_exact(model, config)  # before any step: no model trains packed unless packing is exact on it
+    if config.objective is Objective.DPO and loss_module is LossModule:
+        loss_module = preference_loss_module(config, model)  # the reference: the starting weights, or a folder
     parallel = choose_parallel(config, model, loss_module, device=device, rank=rank, world=world)
     optimization = Optimization(model, config)  # built in the background while the first step computes
     state = LoopState(config, config.total_steps, rank, world, device, model, source, parallel, optimization)
@@ -318,7 +321,11 @@ def _step(
     mbs = state.source.next_step()
     _check_ids(mbs, vocab, step)
     mbs = [mb.to(state.device) for mb in mbs]
-    n = all_reduce(torch.tensor(sum(mb.num_label_tokens for mb in mbs), dtype=torch.int64, device=state.device))
+    dpo = state.config.objective is Objective.DPO
+    labels = sum(mb.num_label_tokens for mb in mbs)
+    # the loss's denominator, over the whole step on every rank: supervised targets, or (dpo) pairs
+    local = sum(len(pairs_in(mb)) for mb in mbs) if dpo else labels
+    n = all_reduce(torch.tensor(local, dtype=torch.int64, device=state.device))
     state.optimization.zero_grad()
     # n is global: every rank agrees on a step with no supervised target at all
     skipped = "" if int(n) else "no_targets"
@@ -340,6 +347,9 @@ def _step(
         dtype=torch.float64,
         device=state.device,
     )
+    if dpo:  # the supervised targets, and the shares of the mean rewards and reward accuracy
+        stats = state.parallel.module.take_stats().to(state.device)  # type: ignore[operator]
+        counts = torch.cat([counts, torch.tensor([float(labels)], dtype=torch.float64, device=state.device), stats])
     all_reduce(counts)
     # The summed loss (all ranks) and the norm of the synchronised gradients are
     # the same on every rank, so every rank takes the same decision.
@@ -354,12 +364,12 @@ def _step(
     state.stopping = bool(counts[5])
     dt = time.perf_counter() - t0
     real, slots = int(counts[1]), int(counts[2])
-    return mbs, StepLog(
+    record = StepLog(
         step=step,
         loss=loss_sum,
         real_tokens=real,
         slots=slots,
-        label_tokens=int(n),
+        label_tokens=int(counts[6]) if dpo else int(n),
         sequences=int(counts[3]),
         micro_batches=len(mbs),
         padding=1.0 - real / max(slots, 1),
@@ -371,6 +381,10 @@ def _step(
         skipped=skipped,
         images=int(counts[4]) if getattr(state.parallel.module, "counts_images", False) else None,
     )
+    if dpo:
+        record.pairs = int(n)
+        record.chosen_reward, record.rejected_reward, record.reward_accuracy = (float(x) for x in counts[7:10])
+    return mbs, record
 
 
 def _backward(state: LoopState, mbs: list[MicroBatch], n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -276,6 +276,18 @@ def _body_and_head(model: Any) -> tuple[nn.Module, nn.Linear]:
     return body, head
 
 
+def packed_hidden(model: Any, mb: Any, *, pad_between_seqs: bool) -> torch.Tensor:
+    """The last hidden states ``(T, H)`` of a text model (``model.base_model``) over the slots of the
+    packed row ``mb``, its boundaries honoured (``pad_between_seqs``: the real ones too)."""
+    body, _ = _body_and_head(model)
+    kw = mb.to_hf_kwargs()
+    kw.pop("labels")
+    if pad_between_seqs and getattr(model.config, "_attn_implementation", None) == TRAIN_ATTENTION:
+        kw["sftpack_cu_seqlens_real"] = mb.cu_seqlens  # other kernels read the padded boundaries only
+    hidden: torch.Tensor = body(**kw).last_hidden_state[0]
+    return hidden
+
+
 class LossModule(nn.Module):
     """The model plus the loss, as one module (so DDP wraps the whole forward).
 
@@ -327,11 +339,7 @@ class LossModule(nn.Module):
         if getattr(mb, "media", None) is not None:
             hidden, labels = self._media_hidden(body, mb)
         elif hasattr(mb, "cu_seqlens_padded"):  # a packed run
-            kw = mb.to_hf_kwargs()
-            kw.pop("labels")
-            if self.pad_between_seqs and getattr(self.model.config, "_attn_implementation", None) == TRAIN_ATTENTION:
-                kw["sftpack_cu_seqlens_real"] = mb.cu_seqlens  # other kernels read the padded boundaries only
-            hidden = body(**kw).last_hidden_state[0]
+            hidden = packed_hidden(self.model, mb, pad_between_seqs=self.pad_between_seqs)
             labels = mb.labels
         else:  # right-padded rows: causal attention never looks right, so no mask is needed
             hidden = body(input_ids=mb.input_ids, use_cache=False).last_hidden_state.flatten(0, 1)

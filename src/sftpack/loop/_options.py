@@ -14,7 +14,7 @@ from .._base import StrEnum, choose, positive_int
 from ..balance import SequenceCost, sequence_cost
 from ..chat import DEFAULT_MAX_SEQ_LEN
 
-__all__ = ["Boundaries", "ConfigError", "NonFinite", "Packing", "Schedule", "TrainConfig"]
+__all__ = ["Boundaries", "ConfigError", "NonFinite", "Objective", "Packing", "Schedule", "TrainConfig"]
 
 
 class ConfigError(ValueError):
@@ -38,6 +38,15 @@ class Packing(StrEnum):
     LOADER = "loader"  #: rows packed while streaming, from a bounded buffer (``sftpack.loader``)
     TRAINER = "trainer"  #: a padded ``[B, S]`` batch packed at the step (``sftpack.trainer``)
     NONE = "none"  #: right-padded ``[B, S]`` batches: the unpacked baseline
+
+
+class Objective(StrEnum):
+    """What a step minimises."""
+
+    SFT = "sft"  #: the token-mean cross-entropy of the global batch (conversations)
+    #: sigmoid DPO over preference pairs (:func:`sftpack.objectives.dpo_loss`), the mean over the step's pairs;
+    #: the trainer path only
+    DPO = "dpo"
 
 
 class Boundaries(StrEnum):
@@ -134,6 +143,13 @@ class TrainConfig:
         allow_inexact_packing: train packed even when packing is not exact on the model (its
             layers carry state across sequence boundaries: :func:`sftpack.exactness.require_exact_packing`
             refuses it otherwise), with a one-line warning.
+        objective: :class:`Objective`: ``"sft"`` (the default) or ``"dpo"``: preference pairs
+            (:func:`sftpack.chat.tokenize_pair`'s samples), the trainer path only; ``batch_size``
+            then counts *pairs* (two samples each), each pair kept in one micro-batch of one rank,
+            and a step's loss is the mean of :func:`sftpack.objectives.dpo_loss` over its pairs.
+        beta: DPO's inverse temperature (> 0).
+        reference_model: DPO's frozen reference model, a local model folder (``None``: a
+            frozen copy of the starting weights of the model trained).
 
     A field with ``"help"`` in its metadata is a flag of ``sftpack train``, declared
     there once (:func:`sftpack.cli._common.add_settings` reads it: the help, and
@@ -274,10 +290,31 @@ class TrainConfig:
             "a warning says so"
         },
     )
+    objective: Objective | str = field(
+        default=Objective.SFT,
+        metadata={
+            "help": "what a step minimises: sft, or dpo on preference pairs (prompt/chosen/rejected; the trainer "
+            "path only; --batch-size then counts pairs) (default {default})"
+        },
+    )
+    beta: float = field(default=0.1, metadata={"help": "--objective dpo: the inverse temperature (default {default})"})
+    reference_model: str | None = field(
+        default=None,
+        metadata={
+            "help": "--objective dpo: the frozen reference model, a local model folder (default: the starting "
+            "weights of the model trained)",
+            "metavar": "DIR",
+        },
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.packing = choose(Packing, self.packing, "packing")
+        self.objective = choose(Objective, self.objective, "objective")
+        if isinstance(self.reference_model, os.PathLike):
+            self.reference_model = str(self.reference_model)
+        if self.objective is Objective.DPO:
+            self._check_dpo()
         self.schedule = choose(Schedule, self.schedule, "schedule")
         self.on_nonfinite = choose(NonFinite, self.on_nonfinite, "on_nonfinite")
         self.boundaries = (
@@ -349,14 +386,31 @@ class TrainConfig:
                 f"kv_heads={self.kv_heads}"
             )
 
+    def _check_dpo(self) -> None:
+        """DPO runs on the trainer path alone, one process's model whole, without a held-out set."""
+        if not (self.beta > 0 and math.isfinite(self.beta)):
+            raise ValueError(f"TrainConfig: beta must be a positive number, got {self.beta!r}")
+        if self.packing is not Packing.TRAINER:
+            raise ConfigError(
+                f"{{objective}} dpo runs on the trainer path only, not {{packing}} {self.packing}: use "
+                "{packing} trainer (it keeps each pair in one micro-batch)"
+            )
+        for name, on in (("fsdp", self.fsdp), ("eval_fraction", self.eval_fraction), ("eval_every", self.eval_every)):
+            if on:
+                raise ConfigError(f"{{objective}} dpo does not take {{{name}}} yet: leave it out")
+
     @property
     def pad_between_seqs(self) -> bool:
         return self.boundaries is Boundaries.REAL
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
-        for k in ("packing", "schedule", "boundaries", "on_nonfinite"):
+        for k in ("packing", "schedule", "boundaries", "on_nonfinite", "objective"):
             d[k] = str(d[k])
+        if self.objective is Objective.SFT:  # an SFT run's saved config stays what it was
+            del d["objective"], d["beta"]
+        if d["reference_model"] is None:
+            del d["reference_model"]
         d["betas"] = list(d["betas"])
         if d["cost"] is None:  # the default: a run's saved config stays what it was
             del d["cost"]

@@ -73,9 +73,21 @@ class StepLog:
     #: the held-out set's token-mean loss after this step; ``None`` (and not in the log line)
     #: on a step that did not evaluate
     eval_loss: float | None = None
+    #: ``objective="dpo"``: the step's preference pairs (all ranks; the loss's denominator), their
+    #: mean implicit rewards ``beta * (policy - reference)`` of the chosen and of the rejected
+    #: answers, and the share of pairs whose chosen reward is above the rejected one; ``None``
+    #: (and not in the log line) for SFT
+    pairs: int | None = None
+    chosen_reward: float | None = None
+    rejected_reward: float | None = None
+    reward_accuracy: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if not (k in ("images", "eval_loss") and v is None)}
+        return {k: v for k, v in self.__dict__.items() if not (k in _OPTIONAL and v is None)}
+
+
+#: the fields a log line leaves out when they are ``None``
+_OPTIONAL = ("images", "eval_loss", "pairs", "chosen_reward", "rejected_reward", "reward_accuracy")
 
 
 @dataclass

@@ -102,6 +102,8 @@ class RunConfig:
                 kwargs["clip_norm"] = None  # 0: off
             try:
                 parts[name] = options(**kwargs)
+            except ConfigError:
+                raise  # it names its settings: the command spells them as flags
             except ValueError as e:
                 raise ConfigError(str(e)) from None
         return cls(**parts)

@@ -17,8 +17,8 @@ from ..chat import ConversationSamples, default_cache_dir, start_training_sample
 from ..loader import PackingDataset
 from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 from ..offline import PrepackedDataset
-from ..sample import Sample
-from ._options import Packing, TrainConfig
+from ..sample import Sample, check_sft_sample
+from ._options import Objective, Packing, TrainConfig
 from ._source_loader import LoaderSource
 from ._source_offline import OfflineSource
 from ._sources import (
@@ -224,9 +224,12 @@ def make_source(
                 "tokenize with the same max_seq_len (over-long conversations are split)"
             )
         check_targets(samples, config.max_seq_len)
+        if config.objective is Objective.SFT:  # conversations still being tokenized: as the steps read them
+            for sample in samples:
+                check_sft_sample(sample)
     if grouped is not None and p is not Packing.LOADER:
         samples = grouped  # trainer / none: conversations in seeded order, as they are tokenized
-    common = {
+    common: dict[str, Any] = {
         "batch_size": config.batch_size,
         "seed": config.seed,
         "rank": rank,
@@ -245,6 +248,7 @@ def make_source(
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
                 cost="tokens" if cost is None else cost,
+                pairs=config.objective is Objective.DPO,  # batch_size counts pairs, each whole in one micro-batch
                 **common,
             )
         source.max_seq_len = config.max_seq_len

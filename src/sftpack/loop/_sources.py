@@ -45,7 +45,7 @@ import dataclasses
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,7 @@ from .._base import positive_int, renamed
 from ..balance import SequenceCost, sequence_cost
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
-from ..sample import IGNORE_INDEX, Sample
+from ..sample import IGNORE_INDEX, Sample, check_sft_sample
 from ..trainer import pack_step, padded_batch, plan_microbatches
 from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
@@ -70,6 +70,8 @@ __all__ = [
     "Source",
     "TrainerSource",
     "padded_micro_batch",
+    "pair_meta",
+    "pair_sequence_id",
     "rows_per_rank",
     "rows_to_micro_batches",
     "samples_fingerprint",
@@ -209,14 +211,25 @@ class ConversationOrder(_EpochPosition):
     The position is ``(epoch, samples read in the epoch)``, as :class:`SampleOrder`'s.
     """
 
-    def __init__(self, data: ConversationSamples, *, batch_size: int, seed: int) -> None:
+    def __init__(
+        self,
+        data: ConversationSamples,
+        *,
+        batch_size: int,
+        seed: int,
+        check: Callable[[Sample], None] | None = None,
+    ) -> None:
         self.data, self.batch_size, self.seed = data, batch_size, seed
+        self.check = check  # each sample as its conversation is laid (raises to refuse it)
         self.epoch, self.position = 0, 0
         self._built = -1  # the epoch _stream belongs to
         self._perm: list[int] = []
         self._stream: list[Sample] = []
         self._next = 0  # conversations of _perm laid into _stream
         if data.done and len(data.samples()) < batch_size:
+            if check is not None:  # a refused sample says so before the count does
+                for sample in data.samples():
+                    check(sample)
             raise _too_few(batch_size, len(data.samples()))
 
     def _fill(self, upto: int) -> bool:
@@ -226,7 +239,11 @@ class ConversationOrder(_EpochPosition):
             self._perm = conversation_order(self.data.n, seed=self.seed, epoch=self.epoch).tolist()
             self._stream, self._next, self._built = [], 0, self.epoch
         while len(self._stream) < upto and self._next < len(self._perm):
-            self._stream.extend(self.data.group(self._perm[self._next]))
+            group = self.data.group(self._perm[self._next])
+            if self.check is not None:
+                for sample in group:
+                    self.check(sample)
+            self._stream.extend(group)
             self._next += 1
         return len(self._stream) >= upto
 
@@ -246,6 +263,32 @@ def _too_few(batch_size: int, n: int) -> ValueError:
     )
 
 
+def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
+    """The indices of each preference pair's samples (``meta["group"]``), pairs in order of first appearance."""
+    units: dict[Any, list[int]] = {}
+    for i, s in enumerate(samples):
+        group = s.meta.get("group") if s.meta else None
+        if group is None or s.meta.get("role") is None:
+            raise ValueError(
+                f"sample {i} (conversation {s.conversation_id!r}) is not a member of a preference pair (no "
+                "meta['group'] / meta['role']): objective dpo trains pairs (sftpack.chat.tokenize_pair; "
+                "prompt/chosen/rejected rows)"
+            )
+        units.setdefault(group, []).append(i)
+    return list(units.values())
+
+
+def pair_sequence_id(sample: Sample) -> tuple[Any, str]:
+    """A preference sample's id in a packed row: ``(meta["group"], meta["role"])`` (the two samples
+    of a pair share their conversation id); :func:`pair_meta` reads the pair back from it."""
+    return (sample.meta["group"], str(sample.meta["role"]))
+
+
+def pair_meta(sequence_ids: Sequence[Any]) -> dict[Any, dict[str, Any]]:
+    """What :func:`sftpack.objectives.pairs_of` reads, from a row's :func:`pair_sequence_id`\\ s."""
+    return {sid: {"group": sid[0], "role": sid[1]} for sid in sequence_ids}
+
+
 class _SampleSource(Source):
     """The step's ``batch_size`` conversations drawn in a seeded order, for ``world`` ranks of
     ``grad_accum`` micro-batches each (the trainer path and the baseline)."""
@@ -260,16 +303,29 @@ class _SampleSource(Source):
         world: int = 1,
         grad_accum: int = 1,
         pad_id: int = 0,
+        pairs: bool = False,
     ) -> None:
         if batch_size < world * grad_accum:
             raise ValueError(
-                f"batch_size={batch_size} conversations cannot give {world} rank(s) {grad_accum} micro-batch(es) "
-                f"each: raise --batch-size to at least {world * grad_accum}"
+                f"batch_size={batch_size} {'pairs' if pairs else 'conversations'} cannot give {world} rank(s) "
+                f"{grad_accum} micro-batch(es) each: raise --batch-size to at least {world * grad_accum}"
             )
         self.samples = samples
+        self.pairs = pairs
         self.order: SampleOrder | ConversationOrder
+        self._units: list[list[int]] | None = None  # pairs from a list: each pair's sample indices
         if isinstance(samples, ConversationSamples):
-            self.order = ConversationOrder(samples, batch_size=batch_size, seed=seed)
+            # a pair is one conversation of two samples, laid whole: 2 * batch_size samples are batch_size pairs
+            # SFT: a preference pair is refused as its conversation is read (make_source checks a list whole)
+            self.order = ConversationOrder(
+                samples,
+                batch_size=2 * batch_size if pairs else batch_size,
+                seed=seed,
+                check=None if pairs else check_sft_sample,
+            )
+        elif pairs:
+            self._units = _pair_units(samples)
+            self.order = SampleOrder(len(self._units), batch_size=batch_size, seed=seed)
         else:
             self.order = SampleOrder(len(samples), batch_size=batch_size, seed=seed)
         self.rank, self.world, self.grad_accum, self.pad_id = rank, world, grad_accum, pad_id
@@ -306,12 +362,16 @@ class _SampleSource(Source):
             return chosen
         samples = self.samples
         assert not isinstance(samples, ConversationSamples)
+        if self._units is not None:
+            return [samples[j] for i in self.order.take() for j in self._units[int(i)]]
         return [samples[int(i)] for i in self.order.take()]
 
     def epoch_steps(self) -> int:
         """The batches of an epoch of the seeded order (the last incomplete one dropped)."""
         if isinstance(self.samples, ConversationSamples):
             return len(self.samples.wait().samples) // self.order.batch_size
+        if self._units is not None:
+            return len(self._units) // self.order.batch_size
         return len(self.samples) // self.order.batch_size
 
     def state_dict(self) -> dict[str, Any]:
@@ -335,13 +395,10 @@ class _SampleSource(Source):
                 )
             else:
                 self._fp = samples_fingerprint(self.samples)
-        return _hash(
-            {
-                "samples": self._fp,
-                "kind": "samples",
-                "batch_size": self.order.batch_size,
-            }
-        )
+        key: dict[str, Any] = {"samples": self._fp, "kind": "samples", "batch_size": self.order.batch_size}
+        if self.pairs:  # an SFT run's fingerprint stays what it was
+            key["pairs"] = True
+        return _hash(key)
 
 
 class PaddedSource(_SampleSource):
@@ -400,6 +457,11 @@ class TrainerSource(_SampleSource):
                 "patches": np.fromiter((s.num_patches for s in chosen), dtype=np.int64, count=len(chosen)),
                 "max_patches_per_row": self.max_patches_per_row,
             }
+        if self.pairs:  # each pair whole in one micro-batch of one rank
+            numbered: dict[Any, int] = {}
+            patches["groups"] = np.array(
+                [numbered.setdefault(s.meta["group"], len(numbered)) for s in chosen], dtype=np.int64
+            )
         plan = plan_microbatches(
             lengths,
             self.micro_batch_tokens,
@@ -420,7 +482,7 @@ class TrainerSource(_SampleSource):
                     mask,
                     pad_multiple=self.pad_multiple,
                     pad_id=self.pad_id,
-                    sequence_ids=[s.conversation_id for s in picked],
+                    sequence_ids=[pair_sequence_id(s) if self.pairs else s.conversation_id for s in picked],
                     media=media_of(picked),
                 )
             )
