@@ -112,13 +112,17 @@ def test_train_flags_make_the_run_config():
         return run_config(args).train
 
     argv, expected = ["train"], {}
+    # --epochs is the alternative to --steps, --objective dpo needs the trainer path (every other
+    # flag here moves off its default, --packing too): both below
     for f in dataclasses.fields(TrainConfig):
-        if "help" in f.metadata and f.name != "epochs":  # --epochs is the alternative to --steps: below
+        if "help" in f.metadata and f.name not in ("epochs", "objective"):
             text, expected[f.name] = _another(TrainConfig, f)
             argv += ["--" + f.name.replace("_", "-"), *text]
     cfg = _config(build_parser().parse_args(argv))
     assert {name: _value(getattr(cfg, name)) for name in expected} == expected
     assert _config(build_parser().parse_args(["train", "--epochs", "3"])).epochs == 3
+    dpo = _config(build_parser().parse_args(["train", "--objective", "dpo", "--packing", "trainer"]))
+    assert _value(dpo.objective) == "dpo"
     # the command's own meaning of a value: --clip-norm 0 is off
     assert _config(build_parser().parse_args(["train", "--max-seq-len", "64", "--clip-norm", "0"])).clip_norm is None
 
