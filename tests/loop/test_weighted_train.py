@@ -19,6 +19,8 @@ the first step's loss by more than 1e-3 (asserted), seven orders over the tolera
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -164,3 +166,44 @@ def test_fused_head_weights_equal_the_weighted_cross_entropy():
     for impl in ("liger", "cce"):
         with pytest.raises(ValueError, match="takes no per-token weights"):
             fused_linear_cross_entropy(h, w, y, n, weights=wt, impl=impl)  # type: ignore[arg-type]
+
+
+def _weighted_chat(chat, path):
+    """The ``chat`` fixture's conversations with a weight or an advantage on most rows."""
+    rows = [json.loads(line) for line in (chat / "chat.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        if i % 4 == 1:
+            r["weight"] = 2.5
+        elif i % 4 == 2:
+            r["advantage"] = -1.0
+        elif i % 4 == 3:
+            r["messages"][-1]["weight"] = 0.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _cli(data, tmp_path, name, packing="trainer"):
+    args = ["train", str(data), "--tokenizer", str(tmp_path.parent / "tok"), "--packing", packing]
+    args += ["--steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--dim", "16", "--layers", "1"]
+    return args + ["--heads", "2", "--kv-heads", "1", "--log", str(tmp_path / f"{name}.jsonl")]
+
+
+def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
+    """``sftpack train`` on a JSONL with 'weight' / 'advantage' (trainer path): 2 steps whose
+    first loss is the weighted one (not the file's loss without its weights); the other paths refuse."""
+    from sftpack.cli import main
+
+    (tmp_path / "tok").symlink_to(chat / "tok")
+    run = tmp_path / "run"
+    run.mkdir()
+    weighted_file = _weighted_chat(chat, tmp_path / "weighted.jsonl")
+    assert main(_cli(weighted_file, run, "weighted")) == 0
+    assert main(_cli(chat / "chat.jsonl", run, "plain")) == 0
+    w, p = ([json.loads(line) for line in (run / f"{n}.jsonl").read_text().splitlines()] for n in ("weighted", "plain"))
+    assert [r["step"] for r in w] == [1, 2] and all(np.isfinite(r["loss"]) for r in w)
+    assert w[0]["label_tokens"] == p[0]["label_tokens"]  # the same conversations and targets
+    assert abs(w[0]["loss"] - p[0]["loss"]) > BUG  # the weights were used
+    capsys.readouterr()
+    for packing in ("loader", "offline"):
+        assert main(_cli(weighted_file, run, packing, packing)) != 0
+        assert "carries per-token weights" in capsys.readouterr().err
