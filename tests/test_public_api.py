@@ -27,6 +27,7 @@ API = {
         "Sample",
         "as_sample",
         "check_sft_sample",
+        "check_unweighted",
         "overlong_spans",
     ],
     "sftpack.handoff": [

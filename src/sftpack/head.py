@@ -136,6 +136,7 @@ class _FusedHead(torch.autograd.Function):
         ignore_index: int,
         chunk_bytes: int,
         grads: bool,
+        row_weights: torch.Tensor | None = None,
     ) -> torch.Tensor:
         need_h, need_w, need_b = (grads and bool(n) for n in ctx.needs_input_grad[:3])  # type: ignore[attr-defined]
         ldt = loss_dtype(hidden.dtype)
@@ -145,6 +146,9 @@ class _FusedHead(torch.autograd.Function):
         keep = None if every else valid.nonzero().flatten()
         h_all = hidden.detach() if keep is None else hidden.detach().index_select(0, keep)
         y_all = labels if keep is None else labels.index_select(0, keep)
+        w_all = None
+        if row_weights is not None:
+            w_all = (row_weights if keep is None else row_weights.index_select(0, keep)).to(loss_dtype(hidden.dtype))
         n = h_all.shape[0]
         if n and bool(((y_all < 0) | (y_all >= V)).any()):
             bad = int(((y_all < 0) | (y_all >= V)).nonzero()[0, 0])
@@ -179,11 +183,20 @@ class _FusedHead(torch.autograd.Function):
             m = lg.amax(dim=1, keepdim=True)
             lg.sub_(m).exp_()
             z = lg.sum(dim=1, keepdim=True)
-            total += (m.squeeze(1) + z.log().squeeze(1) - target).sum()
+            per_row = m.squeeze(1) + z.log().squeeze(1) - target
+            if w_all is None:
+                total += per_row.sum()
+            else:
+                total += (per_row * w_all[s:e]).sum()
             if not (need_h or need_w or need_b):
                 continue
-            lg.mul_(g / z)  # the softmax, times the gradient's scale
-            lg.index_put_((r, y), -g.expand(e - s), accumulate=True)  # minus the one-hot, by index
+            if w_all is None:
+                lg.mul_(g / z)  # the softmax, times the gradient's scale
+                lg.index_put_((r, y), -g.expand(e - s), accumulate=True)  # minus the one-hot, by index
+            else:  # each row's gradient times its weight
+                gw = g * w_all[s:e].unsqueeze(1)
+                lg.mul_(gw / z)
+                lg.index_put_((r, y), -gw.squeeze(1), accumulate=True)
             d = lg if lbuf is None else out.copy_(lg)  # the logits' gradient in the matmuls' dtype
             if need_h:
                 torch.mm(d, w, out=g_h[s:e])  # type: ignore[index]
@@ -215,7 +228,7 @@ class _FusedHead(torch.autograd.Function):
             t * grad_out.to(t.dtype) if has else None
             for t, has in zip(ctx.saved_tensors, ctx.has)  # type: ignore[attr-defined]
         ]
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _denominator(
@@ -224,18 +237,27 @@ def _denominator(
     labels: torch.Tensor,
     ignore_index: int,
     dtype: torch.dtype,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if reduction not in ("sum", "mean"):
         raise ValueError(f"reduction={reduction!r}: choose 'sum' or 'mean' (or give num_label_tokens)")
     if num_label_tokens is None:
-        count = (labels != ignore_index).sum() if reduction == "mean" else torch.ones((), device=labels.device)
+        if reduction == "sum":
+            count = torch.ones((), device=labels.device)
+        elif weights is None:
+            count = (labels != ignore_index).sum()
+        else:  # the weighted count of this call's targets
+            count = weights.abs().to(torch.float64).masked_fill(labels == ignore_index, 0).sum()
     elif reduction == "mean":
         raise ValueError("give num_label_tokens or reduction='mean', not both: the count is the denominator")
     elif isinstance(num_label_tokens, torch.Tensor):
         count = num_label_tokens
     else:
         count = torch.tensor(int(num_label_tokens), device=labels.device)
-    return count.to(device=labels.device, dtype=dtype).clamp_min(1)
+    count = count.to(device=labels.device, dtype=dtype)
+    if weights is not None:  # a weight sum may lie below 1 (sum |w|): only 0 is replaced
+        return torch.where(count > 0, count, torch.ones_like(count))
+    return count.clamp_min(1)
 
 
 def fused_linear_cross_entropy(
@@ -250,6 +272,7 @@ def fused_linear_cross_entropy(
     ignore_index: int = IGNORE_INDEX,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     impl: Impl = "auto",
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T (+ bias)`` against ``labels``, without the logits.
 
@@ -271,7 +294,13 @@ def fused_linear_cross_entropy(
             ``"mean"`` over this call's targets.
         ignore_index: the label of rows without a target.
         chunk_bytes: memory budget of one chunk's logits (PyTorch implementation).
-        impl: ``"auto"``, ``"torch"``, ``"liger"`` or ``"cce"`` (:func:`head_impl`).
+        impl: ``"auto"``, ``"torch"``, ``"liger"`` or ``"cce"`` (:func:`head_impl`). With
+            ``weights``, ``"auto"`` is the PyTorch implementation (the fused kernels take no
+            per-token weights) and ``"liger"`` / ``"cce"`` raise.
+        weights: ``None``, or ``(N,)`` float per-row weights (:attr:`sftpack.PackedBatch.weights`
+            of the same rows): the summed loss is ``sum(w * loss)`` and ``num_label_tokens``
+            must be the weighted count ``sum |w|`` (:func:`sftpack.loss.count_label_tokens`),
+            as :func:`sftpack.loss.token_mean_loss` reads a batch with weights.
 
     Returns:
         0-dim tensor in :func:`sftpack.loss.loss_dtype` of ``hidden``'s dtype.
@@ -285,12 +314,22 @@ def fused_linear_cross_entropy(
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes={chunk_bytes}: give a positive memory budget in bytes")
     ldt = loss_dtype(hidden.dtype)
-    denom = _denominator(num_label_tokens, reduction, labels, ignore_index, ldt)
-    which = head_impl(impl, hidden)
+    if weights is not None:
+        if weights.shape != labels.shape or not weights.is_floating_point():
+            raise ValueError(
+                f"weights must be ({labels.shape[0]},) floats like labels, got {tuple(weights.shape)} {weights.dtype}"
+            )
+        if impl in ("liger", "cce"):
+            raise ValueError(
+                f"impl={impl!r} takes no per-token weights (its fused kernel sums unweighted token losses): "
+                "use impl='torch' (or 'auto') for a batch with weights"
+            )
+    denom = _denominator(num_label_tokens, reduction, labels, ignore_index, ldt, weights)
+    which = "torch" if weights is not None else head_impl(impl, hidden)
     if which == "torch":
         grads = torch.is_grad_enabled()
         return _FusedHead.apply(
-            hidden, weight, bias, labels, denom, average_over_ranks, ignore_index, chunk_bytes, grads
+            hidden, weight, bias, labels, denom, average_over_ranks, ignore_index, chunk_bytes, grads, weights
         )
     if which == "liger":
         total = _liger()(hidden, weight, labels, bias=bias, ignore_index=ignore_index, reduction="sum")  # type: ignore[misc]

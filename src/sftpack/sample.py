@@ -51,6 +51,7 @@ __all__ = [
     "Sample",
     "as_sample",
     "check_sft_sample",
+    "check_unweighted",
     "overlong_spans",
 ]
 
@@ -341,4 +342,21 @@ def check_sft_sample(sample: Sample) -> None:
             "(prompt/chosen/rejected): SFT packs conversations, and a pair trains with a preference objective "
             "that keeps it whole (sftpack.objectives); give SFT conversations here, or train pairs from Python "
             "with sftpack.objectives"
+        )
+
+
+def check_unweighted(sample: Sample, where: str) -> None:
+    """Refuse a sample with per-token weights (:attr:`Sample.weights`) where ``where`` (a path, a
+    format) would drop them: a weight is never lost unseen.
+
+    >>> check_unweighted(Sample([1, 2], [False, True], "a", weights=2.0), "the prepack format")
+    Traceback (most recent call last):
+    ...
+    ValueError: conversation 'a' carries per-token weights (a 'weight' or 'advantage' field), which the prepack format does not carry into its rows yet: train it with --packing trainer, whose loss reads them, or remove the weights
+    """
+    if sample.weights is not None:
+        raise ValueError(
+            f"conversation {sample.conversation_id!r} carries per-token weights (a 'weight' or 'advantage' field), "
+            f"which {where} does not carry into its rows yet: train it with --packing trainer, whose loss reads "
+            "them, or remove the weights"
         )

@@ -7,11 +7,16 @@ One entry is one folder ``<root>/tokenized/<key>/`` (``<key>``:
     tokens.u32     every sample's ids, end to end (uint32)
     mask.u8        every sample's loss mask, end to end (0/1)
     lengths.i64    tokens of each sample (int64)
+    weights.f64    (only when a sample has weights) those samples' token weights, end
+                   to end (float64); ``index.json``'s ``weighted`` lists which samples
     index.json     each sample's conversation id, meta and conversation position (its
                    index in the input), the number of conversations, the tokenize
                    stats, and what training needs from the tokenizer (vocabulary
                    size, pad id), so that a run reading the entry need not load it
-    manifest.json  format, key, and the size and SHA-256 of the four files above
+    manifest.json  format, key, and the size and SHA-256 of the files above
+
+An entry without weighted samples is what it was before weights existed: the same
+four files, the same bytes.
 
 Samples are stored in input order (by conversation position, pieces in order)
 whatever order they were tokenized in.
@@ -71,6 +76,7 @@ def _warn(message: str) -> None:
 #: 500 entries of the embedded corpus (3.55 M tokens, about 18 MB each)
 DEFAULT_MAX_SIZE = 10 << 30
 _FILES = ("tokens.u32", "mask.u8", "lengths.i64", "index.json")
+_WEIGHTS = "weights.f64"  # an entry with weighted samples only
 
 
 def default_cache_dir() -> Path:
@@ -188,7 +194,8 @@ def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats, dict
         _damaged(entry, f"format {manifest.get('format')!r} / key of another entry")
         return None
     blobs: dict[str, bytes] = {}
-    for name in _FILES:
+    names = _FILES + ((_WEIGHTS,) if _WEIGHTS in (manifest.get("files") or {}) else ())
+    for name in names:
         want = (manifest.get("files") or {}).get(name) or {}
         try:
             data = (entry / name).read_bytes()
@@ -209,9 +216,17 @@ def read_entry(entry: Path, key: str) -> tuple[list[Sample], TokenizeStats, dict
     index = json.loads(blobs["index.json"])
     starts = np.zeros(len(lengths) + 1, np.int64)
     np.cumsum(lengths, out=starts[1:])
+    of: dict[int, np.ndarray] = {}  # the weighted samples' weights (stored end to end)
+    if _WEIGHTS in blobs:
+        weights = np.frombuffer(blobs[_WEIGHTS], dtype=np.float64)
+        at = 0
+        for i in index["weighted"]:
+            n = int(lengths[i])
+            of[i] = weights[at : at + n].copy()
+            at += n
     samples = [
-        Sample(ids[a:b], mask[a:b], cid, meta)
-        for a, b, (cid, meta) in zip(starts[:-1].tolist(), starts[1:].tolist(), index["samples"])
+        Sample(ids[a:b], mask[a:b], cid, meta, weights=of.get(k))
+        for k, (a, b, (cid, meta)) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist(), index["samples"]))
     ]
     stats = TokenizeStats(**index["stats"])
     rest = {
@@ -275,12 +290,19 @@ class EntryWriter:
         }
         ids = np.concatenate([s.input_ids for s in samples]) if samples else np.zeros(0, np.int64)
         mask = np.concatenate([s.loss_mask for s in samples]) if samples else np.zeros(0, bool)
+        weighted = [i for i, s in enumerate(samples) if s.weights is not None]
+        if weighted:  # only then: an entry without weights keeps its bytes
+            index["weighted"] = weighted
         blobs = {
             "tokens.u32": ids.astype(np.uint32).tobytes(),
             "mask.u8": mask.astype(np.uint8).tobytes(),
             "lengths.i64": np.asarray([len(s) for s in samples], dtype=np.int64).tobytes(),
             "index.json": json.dumps(index).encode(),
         }
+        if weighted:
+            blobs[_WEIGHTS] = np.concatenate(
+                [np.asarray(samples[i].weights, dtype=np.float64) for i in weighted]
+            ).tobytes()
         files = {name: {"size": len(data), "sha256": _sha(data)} for name, data in blobs.items()}
         manifest = {"format": FORMAT_VERSION, "key": self.key, "samples": len(samples), "files": files}
         blobs["manifest.json"] = json.dumps(manifest, indent=1).encode()

@@ -136,6 +136,9 @@ class BadRowReason(_StrEnum):
     #: an implicit-prompt preference pair (no ``prompt``) whose ``chosen`` and ``rejected`` share no leading message
     NO_COMMON_PROMPT = "no_common_prompt"
     IDENTICAL_ANSWERS = "identical_answers"  #: a preference pair whose ``chosen`` and ``rejected`` are the same
+    #: a row's ``weight`` / ``advantage`` (or an assistant message's ``weight``) that is not a finite number,
+    #: both given, on a turn that is not the assistant's, or on a preference pair
+    BAD_WEIGHT = "bad_weight"
 
 
 class FileSkipReason(_StrEnum):

@@ -101,6 +101,25 @@ def _read_row(
     if allow_list and isinstance(row, list):
         out, images = _chat_list(row, "messages", False, role_map, base, None)
         return out, images, RowFormat.MESSAGES
+    weight = row_weight(row)
+    messages, images, fmt = _read_fields(row, role_map, base)
+    if weight is not None:
+        if isinstance(messages, PreferencePair):
+            raise RowProblem(
+                BadRowReason.BAD_WEIGHT,
+                "a preference pair has a 'weight' / 'advantage': pairs are not weighted (yet)",
+                "remove the field from the pair's row",
+            )
+        if not isinstance(messages, FormattedMessages):
+            messages = FormattedMessages(messages, fmt)
+        messages.weight = weight
+    return messages, images, fmt
+
+
+def _read_fields(
+    row: Any, role_map: Mapping[str, str] | None, base: DataFolder | None
+) -> tuple[list[dict[str, Any]], int, RowFormat]:
+    """:func:`_read_row` of a row that is not a bare list: its format's fields, checked."""
     if not isinstance(row, dict):
         raise RowProblem(
             BadRowReason.NOT_AN_OBJECT,
@@ -210,6 +229,14 @@ def _chat_list(
                 f"message {i} has role {_short(raw_role)}, which is not one of {known}",
                 f"rename it in the data to one of {known} (in Python: role_map={{{raw_role!r}: 'assistant'}})",
             )
+        if m.get("weight") is not None:
+            _number(m["weight"], f"message {i} ({role}).weight", what="the turn's weight in the loss")
+            if role != "assistant":
+                raise RowProblem(
+                    BadRowReason.BAD_WEIGHT,
+                    f"message {i} ({role}) has a 'weight', but only the assistant's turns are trained",
+                    "move the weight to the assistant turn it is about, or remove it",
+                )
         calls = None
         if m.get("tool_calls") is not None:
             calls = checked_tool_calls(m["tool_calls"], i, role)
@@ -286,6 +313,51 @@ def _chat_list(
         for msg, parts in zip(out, parts_of):
             msg["content"] = parts if parts is not None else [{"type": "text", "text": msg["content"]}]
     return out, images
+
+
+# ---------------------------------------------------------------------------- weights
+
+#: The row fields that weigh a whole conversation in the loss (``advantage``: the RL spelling).
+WEIGHT_FIELDS = ("weight", "advantage")
+
+
+def _number(value: Any, where: str, *, what: str) -> float:
+    """``value`` as a finite float, else a :class:`RowProblem` (``bad_weight``) naming ``where``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RowProblem(
+            BadRowReason.BAD_WEIGHT,
+            f"{where} is a {_type_name(value)} ({_short(value)}), expected a number",
+            f"write {where.rsplit('.', 1)[-1] if '.' in where else where} as a JSON number ({what}), e.g. 0.5",
+        )
+    out = float(value)
+    if out != out or out in (float("inf"), float("-inf")):
+        raise RowProblem(
+            BadRowReason.BAD_WEIGHT,
+            f"{where} is {value!r}, not a finite number",
+            f"give a finite number ({what}; 0 leaves the tokens out of the loss), or remove the row",
+        )
+    return out
+
+
+def row_weight(row: Any) -> float | None:
+    """A row's ``weight`` or ``advantage`` (one number for the whole conversation, any sign),
+    checked; ``None`` when it has neither (a null counts as absent).
+
+    >>> row_weight({"messages": [], "advantage": -0.5}), row_weight({"messages": []})
+    (-0.5, None)
+    """
+    if not isinstance(row, dict):
+        return None
+    given = [k for k in WEIGHT_FIELDS if row.get(k) is not None]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise RowProblem(
+            BadRowReason.BAD_WEIGHT,
+            "the row has both 'weight' and 'advantage'",
+            "keep one: 'weight' (an importance weight) or 'advantage' (RL), both read as the conversation's weight",
+        )
+    return _number(row[given[0]], f"'{given[0]}'", what="the conversation's weight in the loss")
 
 
 # ---------------------------------------------------------------------------- tools
@@ -377,12 +449,21 @@ class FormattedMessages(list[dict[str, Any]]):
         super().__init__(messages)
         self.format, self.template, self.prompt_messages = fmt, template, prompt_messages
         self.tools = tools
+        #: the row's ``weight`` / ``advantage`` (:func:`row_weight`), ``None`` without one
+        self.weight: float | None = None
 
     def __repr__(self) -> str:  # names the format: two rows rendering differently never look alike
-        return f"FormattedMessages({self.format.value}, {list.__repr__(self)})"
+        weight = "" if self.weight is None else f", weight={self.weight!r}"  # keys a cached list apart
+        return f"FormattedMessages({self.format.value}, {list.__repr__(self)}{weight})"
 
     def as_row(self) -> dict[str, Any]:
         """The row these messages were read from (its fields, as a file would hold them)."""
+        row = self._fields()
+        if self.weight is not None:
+            row["weight"] = self.weight
+        return row
+
+    def _fields(self) -> dict[str, Any]:
         if self.format is RowFormat.TEXT:
             return {"text": self[0]["content"]}
         if self.format is RowFormat.PROMPT_COMPLETION:
@@ -699,6 +780,12 @@ def _pair_list(
         out, images = _chat_list(row[key], key, False, role_map, base, None, need_assistant=key != "prompt")
     except RowProblem as bad:
         raise RowProblem(bad.reason, f"in '{key}': {bad.detail}", bad.fix) from None
+    if any(m.get("weight") is not None for m in out):
+        raise RowProblem(
+            BadRowReason.BAD_WEIGHT,
+            f"in '{key}': a message has a 'weight', and preference pairs are not weighted (yet)",
+            "remove the messages' 'weight' from the pair's row",
+        )
     if images:
         raise RowProblem(
             BadRowReason.MALFORMED_MESSAGE,

@@ -91,6 +91,7 @@ from ._rows import PAIR_ROLES, FormattedMessages, PreferencePair, _messages
 __all__ = [
     "ConversationTemplateError",
     "Encoded",
+    "TextWeights",
     "encode_conversation",
     "mask_from_offsets",
     "tokenize_conversation",
@@ -282,23 +283,83 @@ def _skipped(cid: Any, reason: BadRowReason, detail: str, fix: str, special_text
     return Encoded([], Outcome.SKIPPED, 0, special_text=special_text, skip=(reason, detail, fix), conversation_id=cid)
 
 
-def _apply_policy(ids: np.ndarray, mask: np.ndarray, cid: Any, opts: _Options, special_text: int = 0) -> Encoded:
+def _apply_policy(
+    ids: np.ndarray,
+    mask: np.ndarray,
+    cid: Any,
+    opts: _Options,
+    special_text: int = 0,
+    weights: np.ndarray | None = None,
+) -> Encoded:
+    """The over-long policy on one conversation's tokens (``weights``: its tokens' weights, or
+    ``None``: a sample without weights, as before weights existed)."""
+
+    def w(a: int, b: int) -> np.ndarray | None:
+        return None if weights is None else weights[a:b]
+
     n = int(ids.shape[0])
     labels = int(mask[1:].sum())
     limit = opts.max_seq_len
     spans = overlong_spans(n, limit, opts.overlong, f"conversation {cid!r}", cid)
     if limit is None or n <= limit:
-        return Encoded([Sample(ids, mask, cid)], Outcome.FIT, n, labels=labels, special_text=special_text)
+        return Encoded(
+            [Sample(ids, mask, cid, weights=w(0, n))], Outcome.FIT, n, labels=labels, special_text=special_text
+        )
     if opts.overlong is Overlong.DROP:
         return Encoded([], Outcome.DROPPED, n, n, int(mask.sum()), labels, labels, special_text)
     if opts.overlong is Overlong.TRUNCATE:
-        sample = Sample(ids[:limit], mask[:limit], cid, {"truncated_from": n})
+        sample = Sample(ids[:limit], mask[:limit], cid, {"truncated_from": n}, weights=w(0, limit))
         lost = int(mask[limit:].sum())  # the targets at limit..n-1 (mask[limit] was the last kept token's)
         return Encoded([sample], Outcome.TRUNCATED, n, n - limit, lost, labels, lost, special_text)
-    samples = [Sample(ids[a:b], mask[a:b], cid, {"piece": k, "pieces": len(spans)}) for k, (a, b) in enumerate(spans)]
+    samples = [
+        Sample(ids[a:b], mask[a:b], cid, {"piece": k, "pieces": len(spans)}, weights=w(a, b))
+        for k, (a, b) in enumerate(spans)
+    ]
     # The first token of each later piece was the target of the token before it, now in another row.
     boundary = int(mask[limit::limit].sum())
     return Encoded(samples, Outcome.SPLIT, n, labels=labels, labels_lost=boundary, special_text=special_text)
+
+
+@dataclass(frozen=True)
+class TextWeights:
+    """A weighted row's weights over its rendered text: ``base`` on every token (the row's
+    ``weight`` / ``advantage``, else 1), times ``w`` on the tokens that start in a turn's
+    ``[start, end)`` characters (an assistant message's own ``weight``)."""
+
+    base: float = 1.0
+    turns: tuple[tuple[int, int, float], ...] = ()
+
+    def of_tokens(self, offsets: Any, n: int) -> np.ndarray:
+        """``(n,)`` float64 weights of the tokens whose ``(start, end)`` character offsets are ``offsets``."""
+        out = np.full(n, self.base, dtype=np.float64)
+        if self.turns:
+            starts = np.asarray([o[0] for o in offsets], dtype=np.int64).reshape(-1)[:n]
+            for a, b, w in self.turns:
+                out[(starts >= a) & (starts < b)] *= w
+        return out
+
+
+def text_weights(messages: Sequence[Mapping[str, Any]], text: str, render: Any) -> TextWeights | None:
+    """The :class:`TextWeights` of a row's messages rendered as ``text`` (``None``: no weight at
+    all, the row as before weights existed). ``render(prefix)`` renders the first messages the
+    way ``text`` was rendered; a turn's characters run from the rendering of the messages before
+    it to that of the messages through it, so the template must render earlier turns unchanged
+    (raises :class:`TemplateError` where it does not)."""
+    base = getattr(messages, "weight", None)
+    weighted = [i for i, m in enumerate(messages) if m.get("weight") is not None]
+    if base is None and not weighted:
+        return None
+    turns = []
+    for i in weighted:
+        head, through = render(messages[:i]) if i else "", render(messages[: i + 1])
+        if not (text.startswith(through) and through.startswith(head)):
+            raise TemplateError(
+                f"the chat template renders message {i} differently inside the whole conversation, so which "
+                "tokens its 'weight' covers is unknown: use a template that renders earlier turns unchanged, or "
+                "weigh the whole row ('weight' beside 'messages')"
+            )
+        turns.append((len(head), len(through), float(messages[i]["weight"])))
+    return TextWeights(1.0 if base is None else float(base), tuple(turns))
 
 
 @dataclass
@@ -313,6 +374,7 @@ class _Rendered:
     skip: Encoded | None = None
     seam: int | None = None  # a pair member's: where its prompt's text ends (prompt and answer encoded apart)
     role: str | None = None  # a pair member's role (``PAIR_ROLES``)
+    weights: TextWeights | None = None  # a weighted row's: its weight, and its weighted turns' characters
 
 
 _TEMPLATE_FIX = (
@@ -341,14 +403,27 @@ def _render_messages(cid: Any, messages: Sequence[Mapping[str, Any]], ctx: _Cont
     keep = bool(n_special) and opts.special_tokens is SpecialTokensInContent.TEXT
     try:
         text, spans, specials = render_spans(renderer, messages, opts.train_on, ctx.tokenizer, keep_special_text=keep)
+        weights = text_weights(
+            messages,
+            text,
+            lambda prefix: render_spans(
+                renderer, prefix, TrainOn.EVERYTHING, ctx.tokenizer, keep_special_text=keep, check_tools=False
+            )[0],
+        )
     except Exception as e:  # noqa: BLE001 - TemplateError (raise_exception...) or any failure inside Jinja
         detail = str(e) if isinstance(e, TemplateError) else f"the chat template failed: {type(e).__name__}: {e}"
         return _Rendered(cid, skip=_skipped(cid, BadRowReason.TEMPLATE_ERROR, detail, _TEMPLATE_FIX, n_special))
-    return _Rendered(cid, text, spans, specials, n_special)
+    return _Rendered(cid, text, spans, specials, n_special, weights=weights)
 
 
 def render_spans(
-    renderer: ChatRenderer, messages: Any, train_on: TrainOn, tokenizer: Any, *, keep_special_text: bool
+    renderer: ChatRenderer,
+    messages: Any,
+    train_on: TrainOn,
+    tokenizer: Any,
+    *,
+    keep_special_text: bool,
+    check_tools: bool = True,
 ) -> tuple[str, list[tuple[int, int]], list[tuple[int, int]] | None]:
     """One conversation through its chat template: ``(text, spans, template_specials)``, the
     trainable spans of the rows' rule (a prompt/completion row: its completion's only), the
@@ -362,7 +437,8 @@ def render_spans(
         (text, spans), specials = renderer.spans(messages, train_on), None
     if isinstance(messages, FormattedMessages) and train_on is not TrainOn.EVERYTHING:
         spans = _completion_spans(renderer, messages, text, spans)
-    _check_tools_written(messages, text, tokenizer)
+    if check_tools:
+        _check_tools_written(messages, text, tokenizer)
     return text, spans, specials
 
 
@@ -434,7 +510,8 @@ def _render_plain(cid: Any, messages: FormattedMessages, ctx: _Context, opts: _O
         )
     except RowProblem as bad:
         return _Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))
-    return _Rendered(cid, text, spans, specials, n_special)
+    base = messages.weight
+    return _Rendered(cid, text, spans, specials, n_special, weights=None if base is None else TextWeights(base))
 
 
 def _render_pair(cid: Any, pair: PreferencePair, ctx: _Context, opts: _Options) -> list[_Rendered]:
@@ -568,6 +645,7 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
             out.append(_finish_pair((r, next(members)), plain, tokenizer, opts))
             continue
         assert r.spans is not None
+        offsets: Any = None
         if r.template_specials is not None:
             ids, offsets = encode_pieces(r.text, r.template_specials, tokenizer)
             mask = mask_from_offsets(offsets, r.spans)
@@ -585,6 +663,7 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
                 )
                 continue
             ids = np.array(enc.ids, dtype=np.int64)
+            offsets = enc.offsets if r.weights is not None and r.weights.turns else None
             n = int(ids.shape[0])
             if len(r.spans) == 1 and r.spans[0] == (0, len(r.text)):
                 mask = np.ones(n, dtype=bool)
@@ -603,7 +682,8 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
                 )
             )
             continue
-        out.append(_apply_policy(ids, mask, r.cid, opts, r.special_text))
+        weights = None if r.weights is None else r.weights.of_tokens(offsets, int(ids.shape[0]))
+        out.append(_apply_policy(ids, mask, r.cid, opts, r.special_text, weights))
     return out
 
 

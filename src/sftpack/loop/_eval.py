@@ -12,12 +12,14 @@ on how the set is grouped into micro-batches.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from ..handoff import PackedBatch
 from ..sample import Sample
 from ._model import LossModule
 from ._options import TrainConfig
@@ -88,7 +90,11 @@ class EvalSet:
             world=world,
             pad_id=pad_id,
         )
-        self.micro_batches = source.next_step()
+        # the eval loss is the plain token mean: weights (advantages) say how to train, not how well
+        self.micro_batches = [
+            dataclasses.replace(mb, weights=None) if isinstance(mb, PackedBatch) and mb.weights is not None else mb
+            for mb in source.next_step()
+        ]
         self.pad_between_seqs = config.pad_between_seqs
 
     def loss(

@@ -35,6 +35,7 @@ from typing import Any, Literal
 
 import torch
 
+from ..loss import count_label_tokens
 from ..sample import Sample
 from ._bar import ProgressBar
 from ._checkpointing import Checkpoints
@@ -326,13 +327,18 @@ def _step(
     # the loss's denominator, over the whole step on every rank: supervised targets, or (dpo) pairs
     local = sum(len(pairs_in(mb)) for mb in mbs) if dpo else labels
     n = all_reduce(torch.tensor(local, dtype=torch.int64, device=state.device))
+    # with weights (sft), the weighted count sum |w| (sftpack.loss's rule; step_weighted is the same on
+    # every rank, so every rank all-reduces float64 alike)
+    denom = n
+    if not dpo and getattr(state.source, "step_weighted", False):  # a duck-typed source: no weights
+        denom = all_reduce(count_label_tokens(mbs, group=False, device=state.device, weighted=True))  # type: ignore[arg-type]
     state.optimization.zero_grad()
-    # n is global: every rank agrees on a step with no supervised target at all
-    skipped = "" if int(n) else "no_targets"
+    # n is global: every rank agrees on a step with no supervised target at all (or all weighted 0)
+    skipped = "" if int(n) and bool(denom) else "no_targets"
     step_loss = torch.zeros((), dtype=torch.float32, device=state.device)
     grad_norm: torch.Tensor | float = 0.0
     if not skipped:
-        step_loss, grad_norm = _backward(state, mbs, n)
+        step_loss, grad_norm = _backward(state, mbs, denom)
     opt, sched = state.optimization.get()
     lr = opt.param_groups[0]["lr"]
     counts = torch.tensor(

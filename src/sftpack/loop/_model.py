@@ -347,6 +347,9 @@ class LossModule(nn.Module):
         # The head only where there is a target: the same loss, without the logits of
         # prompt and padding slots (with a 151,646-id vocabulary they cost more than the body).
         keep = labels != IGNORE_INDEX
+        # a packed row with weights (the trainer path): each target's loss times its weight, over
+        # the step's weighted count sum |w| (num_label_tokens then is count_label_tokens(weighted=True))
+        weights = getattr(mb, "weights", None)
         return fused_linear_cross_entropy(
             hidden[keep],
             head.weight,
@@ -354,4 +357,5 @@ class LossModule(nn.Module):
             num_label_tokens,
             bias=getattr(head, "bias", None),
             average_over_ranks=self.average_over_ranks,
+            weights=None if weights is None else weights.reshape(-1)[keep],
         )

@@ -28,6 +28,7 @@ from ._sources import (
     TrainerSource,
     _no_targets,
     check_targets,
+    refuse_weights,
     samples_fingerprint,
     supervised_targets,
 )
@@ -254,6 +255,7 @@ def make_source(
         source.max_seq_len = config.max_seq_len
         return source
     assert not isinstance(samples, ConversationSamples)
+    refuse_weights(samples, "--packing loader")
     # the run's settings the loader takes under the same names
     same = ("max_seq_len", "buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
     # one global stream on every rank (rank 0 of 1): the rows one process packs, dealt to the ranks at each step
@@ -323,6 +325,7 @@ def compact_vocabulary(samples: Sequence[Sample], keep: Iterable[int] = ()) -> t
             s.conversation_id,
             dict(s.meta),
             media=None if s.media is None else s.media.renumbered(lambda i: int(np.searchsorted(ids, i))),
+            weights=s.weights,
         )
         for s in samples
     ]

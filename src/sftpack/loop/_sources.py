@@ -45,7 +45,7 @@ import dataclasses
 import hashlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -55,7 +55,7 @@ from .._base import positive_int, renamed
 from ..balance import SequenceCost, sequence_cost
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
-from ..sample import IGNORE_INDEX, Sample, check_sft_sample
+from ..sample import IGNORE_INDEX, Sample, check_sft_sample, check_unweighted
 from ..trainer import pack_step, padded_batch, plan_microbatches
 from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
@@ -79,8 +79,9 @@ __all__ = [
 
 
 def samples_fingerprint(samples: Sequence[Sample]) -> str:
-    """sha256 over every sample's ids and loss mask, in order, and the media of a sample
-    with media (its runs, its grids where it has them, its pixels)."""
+    """sha256 over every sample's ids and loss mask, in order, the media of a sample
+    with media (its runs, its grids where it has them, its pixels) and the weights of a
+    sample with weights."""
     h = hashlib.sha256()
     for s in samples:
         h.update(np.int64(len(s)).tobytes())
@@ -90,6 +91,9 @@ def samples_fingerprint(samples: Sequence[Sample]) -> str:
             for t in (s.media.slots, getattr(s.media, "grid_thw", None), s.media.pixel_values):
                 if t is not None:
                     h.update(_tensor_bytes(t))
+        if s.weights is not None:  # a sample without weights hashes as it always did
+            h.update(b"weights")
+            h.update(np.asarray(s.weights, dtype=np.float64).tobytes())
     return h.hexdigest()
 
 
@@ -137,6 +141,11 @@ class Source(ABC):
     #: the position (:meth:`state_dict`) is the same on every rank and for any world size, so a
     #: checkpoint written at ``N`` ranks resumes at ``M`` (every rank reads rank 0's position)
     elastic: bool = False
+
+    #: whether the step :meth:`next_step` last gave carries weights on any rank (the same on
+    #: every rank): :func:`~sftpack.loop.train` then divides by the weighted count ``sum |w|``
+    #: (:func:`sftpack.loss.count_label_tokens` ``weighted=True``), the rule of :mod:`sftpack.loss`
+    step_weighted: bool = False
 
     @abstractmethod
     def next_step(self) -> list[MicroBatch]:
@@ -407,6 +416,7 @@ class PaddedSource(_SampleSource):
 
     def next_step(self) -> list[MicroBatch]:
         chosen = self._take()
+        refuse_weights(chosen, "--packing none (the padded baseline)")
         mine = np.arange(len(chosen))[self.rank :: self.world]
         parts = np.array_split(mine, self.grad_accum)
         return [padded_micro_batch([chosen[i] for i in p], pad_id=self.pad_id) for p in parts]
@@ -450,6 +460,8 @@ class TrainerSource(_SampleSource):
 
     def next_step(self) -> list[MicroBatch]:
         chosen = self._take()
+        # the step's conversations are the same on every rank: so is whether it is weighted
+        self.step_weighted = any(s.weights is not None for s in chosen)
         lengths = np.fromiter((len(s) for s in chosen), dtype=np.int64, count=len(chosen))
         patches: dict[str, Any] = {}
         if self.max_patches_per_row is not None:
@@ -484,6 +496,7 @@ class TrainerSource(_SampleSource):
                     pad_id=self.pad_id,
                     sequence_ids=[pair_sequence_id(s) if self.pairs else s.conversation_id for s in picked],
                     media=media_of(picked),
+                    weights=_padded_weights(picked, ids.shape[1]),
                 )
             )
         return out
@@ -499,6 +512,24 @@ class TrainerSource(_SampleSource):
         # no cost: it decides which rank and micro-batch a conversation lands in, never what a step
         # trains on, so a checkpoint resumes under another cost (another model's, another world size's)
         return _hash(key)
+
+
+def _padded_weights(picked: Sequence[Sample], width: int) -> torch.Tensor | None:
+    """``(B, width)`` float64 token weights of a micro-batch's samples, right-padded like
+    :func:`~sftpack.trainer.padded_batch` (1 on the tokens of a sample without weights);
+    ``None`` when none of them has weights (the row is what it was before weights existed)."""
+    if all(s.weights is None for s in picked):
+        return None
+    out = torch.zeros((len(picked), width), dtype=torch.float64)
+    for b, s in enumerate(picked):
+        out[b, : len(s)] = 1.0 if s.weights is None else torch.from_numpy(np.asarray(s.weights, dtype=np.float64))
+    return out
+
+
+def refuse_weights(samples: Iterable[Sample], path: str) -> None:
+    """Raise ``ValueError`` when a sample carries weights on a path that would drop them."""
+    for s in samples:
+        check_unweighted(s, path)
 
 
 class ReplaySource(Source):

@@ -469,6 +469,8 @@ def tokenize_record(
     else:
         messages, cid = conv.messages, getattr(conv, "id", None)
     try:
+        if isinstance(conv, dict):
+            _no_weights(conv, messages, cid if cid is not None else index)
         if isinstance(conv, dict) and conv.get("tools") is not None and isinstance(messages, list):
             messages = _with_tools(messages, conv, cid if cid is not None else index)
         out = tokenize_media_conversation(
@@ -493,6 +495,19 @@ def tokenize_record(
             raise
         return [], "bad_record"
     return out, None if out else "overlong"
+
+
+def _no_weights(record: dict[str, Any], messages: Any, cid: Any) -> None:
+    """Refuse a ``weight`` / ``advantage`` (the record's or a message's): samples with images do
+    not carry per-token weights yet, and a weight is never dropped unseen."""
+    weighted = [k for k in ("weight", "advantage") if record.get(k) is not None]
+    if weighted or (
+        isinstance(messages, list) and any(isinstance(m, dict) and m.get("weight") is not None for m in messages)
+    ):
+        raise ValueError(
+            f"record {cid!r} carries a {'/'.join(weighted) or 'message weight'}: conversations with images do not "
+            "carry per-token weights into their rows yet; drop the field, or train the text conversations apart"
+        )
 
 
 def _with_tools(messages: list[dict], record: dict[str, Any], cid: Any) -> FormattedMessages:

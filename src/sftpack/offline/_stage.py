@@ -41,7 +41,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..sample import Sample, check_sft_sample
+from ..sample import Sample, check_sft_sample, check_unweighted
 from ._format import IMAGE_DTYPE, PrepackError
 
 __all__ = ["Images", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
@@ -265,6 +265,7 @@ def stage_samples(
                         "prepack would lose: prepack conversations with images with prepack(..., images=True)"
                     )
             check_sft_sample(s)
+            check_unweighted(s, "sftpack prepack (the prepack format)")
             ids = s.input_ids
             n = ids.shape[0]
             lo, hi = int(ids.min()), int(ids.max())
