@@ -19,7 +19,6 @@ from ._options import ConfigError, Packing
 from ._run_data import MediaData, TextData
 from ._run_end import eval_samples, report, save
 from ._run_parts import RunSettings
-from ._sources import refuse_weights
 
 if TYPE_CHECKING:
     from ._loop import TrainResult
@@ -190,8 +189,6 @@ class Run:
         from ..offline import prepack_samples  # start-up: the offline path loads torch; only for a temporary prepack
 
         cfg = self.config.train
-        if isinstance(samples, Sequence):  # the prepack does not store weights (yet): refused, never dropped
-            refuse_weights(samples, "--packing offline (its prepack)")
         self._workdir = tempfile.TemporaryDirectory(prefix="sftpack-train-")
         path = prepack_samples(
             samples,
