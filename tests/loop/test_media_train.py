@@ -271,11 +271,23 @@ BUG_DDP = 1e-3
 _DDP_DATA = {}
 
 
-def _ddp_config():
-    return _config("trainer", steps=6, batch_size=8, pad_multiple=2)
+#: each path's 2-rank image run: the trainer path's 8 conversations a step, the offline path's 4 rows
+#: (of the 5 the prepack holds) in 2 micro-batches a rank, the loader path's 2 rows
+_DDP_CONFIGS = {
+    "trainer": lambda: _config("trainer", steps=6, batch_size=8, pad_multiple=2),
+    "offline": lambda: _config("offline", steps=4, batch_size=4, grad_accum=2),
+    "loader": lambda: _config("loader", steps=4, batch_size=2, buffer_size=8),
+}
 
 
-def _ddp_worker(rank: int, init_file: str, out_file: str, unsharded: bool) -> None:
+def _ddp_source(packing: str, data, rank: int, world: int = 2, prepacked: str | None = None):
+    cfg = _DDP_CONFIGS[packing]()
+    if packing == "offline":
+        return make_source(cfg, prepacked=prepacked, pad_id=data.pad_id, vocab=data.vocab, rank=rank, world=world)
+    return make_source(cfg, samples=data.samples, pad_id=data.pad_id, rank=rank, world=world)
+
+
+def _ddp_worker(rank: int, init_file: str, out_file: str, packing: str, unsharded: bool, prepacked: str | None) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -285,10 +297,10 @@ def _ddp_worker(rank: int, init_file: str, out_file: str, unsharded: bool) -> No
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
     )
     try:
-        data, cfg = _DDP_DATA["data"], _ddp_config()
-        shard = 0 if unsharded else rank
-        source = make_source(cfg, samples=data.samples, pad_id=data.pad_id, rank=shard, world=2)
-        result = train(cfg, source=source, model=data.model())
+        data = _DDP_DATA["data"]
+        # the negative control: every rank takes rank 0's share
+        source = _ddp_source(packing, data, 0 if unsharded else rank, prepacked=prepacked)
+        result = train(_DDP_CONFIGS[packing](), source=source, model=data.model())
         torch.save(
             {
                 "params": [p.detach() for p in result.model.parameters()],
@@ -305,137 +317,55 @@ def _ddp_worker(rank: int, init_file: str, out_file: str, unsharded: bool) -> No
         dist.destroy_process_group()
 
 
-def _ddp_two_ranks(tmp_path, unsharded=False):
-    out = str(tmp_path / "rank")
-    run_ranks(_ddp_worker, (str(tmp_path / "init"), out, unsharded))
-    return torch.load(out + ".0"), torch.load(out + ".1")
-
-
-@pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
-)
-def test_two_ranks_train_an_image_run_like_one(data, tmp_path):
-    cfg = _ddp_config()
-    one = _run(data, cfg)  # first: the forked ranks inherit what it loaded
+def _two_ranks_like_one(data, tmp_path, packing: str, prepacked: str | None = None, unsharded: bool = False):
+    """The 1-rank run (first: the forked ranks inherit what it loaded), then 2 ranks; asserts each step's
+    conversations or rows over both ranks are the 1-rank step's, the images' global counts, and the
+    losses and parameters to DDP_TOL. Returns the 1-rank run."""
+    one = _run(data, _DDP_CONFIGS[packing](), source=_ddp_source(packing, data, 0, world=1, prepacked=prepacked))
     _DDP_DATA["data"] = data
-    a, b = _ddp_two_ranks(tmp_path)
+    out = str(tmp_path / "rank")
+    run_ranks(_ddp_worker, (str(tmp_path / "init"), out, packing, unsharded, prepacked))
+    a, b = torch.load(out + ".0"), torch.load(out + ".1")
+    if unsharded:
+        assert max(abs(x - y) for x, y in zip(a["losses"], one.losses)) > BUG_DDP
+        return one
     for step, (x, y, both) in enumerate(zip(a["conversations"], b["conversations"], one.conversations)):
-        assert x and y, f"step {step}: a rank got no conversation"
-        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the global batch"
+        assert x and y, f"step {step}: a rank got no conversation or row"
+        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the 1-rank step's"
     assert a["images"] == [r.images for r in one.logs] and all(n >= 1 for n in a["images"])  # global counts
     loss_diff = max(abs(x - y) for x, y in zip(a["losses"], one.losses))
     param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(a["params"], one.model.parameters()))
     assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
-    (tmp_path / "bad").mkdir()
-    bad, _ = _ddp_two_ranks(tmp_path / "bad", unsharded=True)
-    assert max(abs(x - y) for x, y in zip(bad["losses"], one.losses)) > BUG_DDP
+    return one
 
 
-def _ddp_offline_config():
-    return _config("offline", steps=4, batch_size=4, grad_accum=2)
-
-
-def _ddp_offline_worker(rank: int, init_file: str, out_file: str, prepacked: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
-    )
-    try:
-        data, cfg = _DDP_DATA["data"], _ddp_offline_config()
-        src = make_source(cfg, prepacked=prepacked, pad_id=data.pad_id, vocab=data.vocab, rank=rank, world=2)
-        result = train(cfg, source=src, model=data.model())
-        torch.save(
-            {
-                "params": [p.detach() for p in result.model.parameters()],
-                "losses": result.losses,
-                "images": [r.images for r in result.logs],
-                "conversations": result.conversations,
-            },
-            f"{out_file}.{rank}",
-        )
-        dist.barrier()  # both ranks done before either tears gloo down (see _ddp_worker)
-    finally:
-        dist.destroy_process_group()
-
-
-@pytest.mark.skipif(
+needs_gloo = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
 )
+
+
+@needs_gloo
+def test_two_ranks_train_an_image_run_like_one(data, tmp_path):
+    _two_ranks_like_one(data, tmp_path, "trainer")
+    (tmp_path / "bad").mkdir()
+    _two_ranks_like_one(data, tmp_path / "bad", "trainer", unsharded=True)
+
+
+@needs_gloo
 def test_two_ranks_train_a_prepack_with_images_like_one(data, prepacked, tmp_path):
     """The offline path's one global stream with images: each step's 4 rows (of the 5 the prepack
     holds; a fresh seeded order every step) dealt 2 to each rank by cost, 2 micro-batches each; the
     same rows per step, images, losses and parameters as one rank's, to DDP_TOL (its derivation above:
     the same function in another summation order)."""
-    cfg = _ddp_offline_config()
-    one = _run(data, cfg, source=make_source(cfg, prepacked=prepacked, pad_id=data.pad_id, vocab=data.vocab))
-    _DDP_DATA["data"] = data
-    out = str(tmp_path / "rank")
-    run_ranks(_ddp_offline_worker, (str(tmp_path / "init"), out, str(prepacked)))
-    a, b = torch.load(out + ".0"), torch.load(out + ".1")
-    for step, (x, y, both) in enumerate(zip(a["conversations"], b["conversations"], one.conversations)):
-        assert x and y, f"step {step}: a rank got no row"
-        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the 1-rank step's rows"
-    assert a["images"] == [r.images for r in one.logs] and all(n >= 1 for n in a["images"])  # global counts
-    loss_diff = max(abs(x - y) for x, y in zip(a["losses"], one.losses))
-    param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(a["params"], one.model.parameters()))
-    assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
+    _two_ranks_like_one(data, tmp_path, "offline", prepacked=str(prepacked))
 
 
-def _loader_ddp_worker(rank: int, init_file: str, out_file: str) -> None:
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
-    )
-    try:
-        data, cfg = _DDP_DATA["data"], _loader_ddp_config()
-        source = make_source(cfg, samples=data.samples, pad_id=data.pad_id, rank=rank, world=2)
-        result = train(cfg, source=source, model=data.model())
-        torch.save(
-            {
-                "params": [p.detach() for p in result.model.parameters()],
-                "losses": result.losses,
-                "images": [r.images for r in result.logs],
-                "conversations": result.conversations,
-            },
-            f"{out_file}.{rank}",
-        )
-        dist.barrier()  # both ranks done before either tears gloo down (see _ddp_worker)
-    finally:
-        dist.destroy_process_group()
-
-
-def _loader_ddp_config():
-    return _config("loader", steps=4, batch_size=2, buffer_size=8)
-
-
-@pytest.mark.skipif(
-    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
-)
+@needs_gloo
 def test_two_ranks_train_an_image_run_like_one_on_the_loader_path(data, tmp_path):
     """The loader path's one global stream (issue 41): 2 DDP ranks each lay one of every step's two
     rows (dealt by cost) and train like 1 process laying both, to DDP_TOL (the derivation above:
     the same rows per step, another summation order)."""
-    cfg = _loader_ddp_config()
-    one = _run(data, cfg)
-    _DDP_DATA["data"] = data
-    out = str(tmp_path / "rank")
-    run_ranks(_loader_ddp_worker, (str(tmp_path / "init"), out))
-    a, b = torch.load(out + ".0"), torch.load(out + ".1")
-    for step, (x, y, both) in enumerate(zip(a["conversations"], b["conversations"], one.conversations)):
-        assert x and y, f"step {step}: a rank got no row"
-        assert sorted(map(str, x + y)) == sorted(map(str, both)), f"step {step}: not the 1-rank rows"
-    assert a["images"] == [r.images for r in one.logs] and all(n >= 1 for n in a["images"])  # global counts
-    loss_diff = max(abs(x - y) for x, y in zip(a["losses"], one.losses))
-    param_diff = max(float((p - q.detach()).abs().max()) for p, q in zip(a["params"], one.model.parameters()))
-    assert loss_diff <= DDP_TOL and param_diff <= DDP_TOL, (loss_diff, param_diff)
+    _two_ranks_like_one(data, tmp_path, "loader")
 
 
 # ------------------------------------------------------------------ sftpack train with images
