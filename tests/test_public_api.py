@@ -84,6 +84,7 @@ API = {
         "CostError",
         "DynamicCPPlan",
         "SequenceCost",
+        "StepPlan",
         "assign",
         "cp_groups",
         "cp_pad_multiple",

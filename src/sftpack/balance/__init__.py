@@ -20,6 +20,7 @@ plan`` and the benchmarks all call it.
 from ._assign import BalanceError, assign, deal, lower_bound, max_over_mean
 from ._cost import NAMED_SIZES, CostError, SequenceCost, sequence_cost
 from ._cp import CPMicrobatch, DynamicCPPlan, cp_groups, cp_pad_multiple, dynamic_cp
+from ._plan import StepPlan
 
 __all__ = [
     "NAMED_SIZES",
@@ -28,6 +29,7 @@ __all__ = [
     "CostError",
     "DynamicCPPlan",
     "SequenceCost",
+    "StepPlan",
     "assign",
     "cp_groups",
     "cp_pad_multiple",

@@ -56,8 +56,9 @@ from numpy.typing import ArrayLike
 
 from .. import binpack
 from .._base import round_up
-from ._assign import BalanceError, max_over_mean
+from ._assign import BalanceError
 from ._cost import CostError, SequenceCost, sequence_cost
+from ._plan import StepPlan
 
 __all__ = ["CPMicrobatch", "DynamicCPPlan", "cp_groups", "cp_pad_multiple", "dynamic_cp"]
 
@@ -116,7 +117,7 @@ class CPMicrobatch:
 
 
 @dataclass(eq=False)
-class DynamicCPPlan:
+class DynamicCPPlan(StepPlan):
     """One step's global batch over ``ranks`` ranks with dynamic context parallelism.
 
     Attributes:
@@ -140,33 +141,9 @@ class DynamicCPPlan:
     cost: SequenceCost
     meta: dict[str, float] = field(default_factory=dict)
 
-    def __getitem__(self, rank: int) -> list[CPMicrobatch]:
-        return self.microbatches[rank]
-
     @property
     def ranks(self) -> int:
         return len(self.microbatches)
-
-    @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per rank (the same on every rank)."""
-        return len(self.microbatches[0])
-
-    @property
-    def rank_loads(self) -> np.ndarray:
-        """``(ranks,)`` each rank's cost in the step."""
-        return self.loads.sum(axis=1)
-
-    @property
-    def max_over_mean(self) -> float:
-        """The slowest rank's cost over the mean (1.0: no straggler)."""
-        return max_over_mean(self.rank_loads)
-
-    @property
-    def bound(self) -> float:
-        """The best :attr:`max_over_mean` with these group sizes: ``max(1, heaviest share
-        (cost / g) / mean rank load)``."""
-        return self.meta["bound"]
 
     @property
     def bound_without_cp(self) -> float:

@@ -320,7 +320,7 @@ def _global_batches(
     path: str, stream: np.ndarray, plan_of: Any, dp: int, batch: int, width: int, steps: int
 ) -> PathPlan:
     """A path that plans each step's global batch of sequences: ``plan_of(lengths)`` returns a
-    plan with ``imbalance`` (or ``max_over_mean``), ``bound``, ``num_microbatches``, ``rank_loads``."""
+    :class:`~sftpack.balance.StepPlan`."""
     n_steps = min(steps, stream.shape[0] // batch)
     if n_steps == 0:
         return PathPlan(
@@ -337,7 +337,7 @@ def _global_batches(
     for s in range(n_steps):
         lengths = stream[s * batch : (s + 1) * batch]
         plan = plan_of(lengths)
-        ratios.append(max_over_mean(plan.rank_loads))
+        ratios.append(plan.max_over_mean)
         bounds.append(plan.bound)
         mbs.append(float(plan.num_microbatches))
         real += int(lengths.sum())

@@ -38,7 +38,7 @@ from numpy.typing import ArrayLike
 
 from .. import binpack
 from .._base import positive_int, renamed, round_up, warn_renamed
-from ..balance import CostError, SequenceCost, assign, lower_bound, sequence_cost
+from ..balance import CostError, SequenceCost, StepPlan, assign, lower_bound, sequence_cost
 
 __all__ = ["MicrobatchPlan", "PlanError", "plan_microbatches"]
 
@@ -48,7 +48,7 @@ class PlanError(ValueError):
 
 
 @dataclass
-class MicrobatchPlan:
+class MicrobatchPlan(StepPlan):
     """Micro-batches per data-parallel rank.
 
     Attributes:
@@ -87,29 +87,9 @@ class MicrobatchPlan:
         return len(self.microbatches)
 
     @property
-    def num_microbatches(self) -> int:
-        """Micro-batches per rank (the same on every rank)."""
-        return len(self.microbatches[0])
-
-    @property
-    def rank_loads(self) -> np.ndarray:
-        """``(dp_size,)`` total cost per rank."""
-        return self.loads.sum(axis=1)
-
-    @property
     def imbalance(self) -> float:
-        """Slowest rank's load over the mean load (1.0 is perfect)."""
-        r = self.rank_loads
-        return float(r.max() / r.mean()) if r.mean() > 0 else 1.0
-
-    @property
-    def bound(self) -> float:
-        """The best :attr:`imbalance` any plan of these sequences can reach without context
-        parallelism: ``max(1, heaviest sequence / mean rank load)``."""
-        return float(self.meta.get("bound", 1.0))
-
-    def __getitem__(self, rank: int) -> list[np.ndarray]:
-        return self.microbatches[rank]
+        """Slowest rank's load over the mean load (1.0 is perfect): :attr:`max_over_mean`."""
+        return self.max_over_mean
 
 
 def plan_microbatches(
