@@ -29,6 +29,8 @@ API = {
         "check_sft_sample",
         "check_unweighted",
         "overlong_spans",
+        "pair_meta",
+        "pair_sequence_id",
     ],
     "sftpack.handoff": [
         "Alignment",

@@ -53,6 +53,8 @@ __all__ = [
     "check_sft_sample",
     "check_unweighted",
     "overlong_spans",
+    "pair_meta",
+    "pair_sequence_id",
 ]
 
 #: Label value that every consumer (PyTorch cross-entropy, Megatron, Hugging Face) skips.
@@ -343,6 +345,26 @@ def check_sft_sample(sample: Sample) -> None:
             "that keeps it whole (sftpack.objectives); give SFT conversations here, or train pairs from Python "
             "with sftpack.objectives"
         )
+
+
+def pair_sequence_id(sample: Sample) -> tuple[Any, str]:
+    """A preference sample's id in a packed row, on every path: ``(meta["group"], meta["role"])``
+    (the two samples of a pair share their conversation id); :func:`pair_meta` reads the pair
+    back from a row's ids.
+
+    >>> pair_sequence_id(Sample([1, 2], [False, True], "q", {"group": "q", "role": "chosen"}))
+    ('q', 'chosen')
+    """
+    return (sample.meta["group"], str(sample.meta["role"]))
+
+
+def pair_meta(sequence_ids: Any) -> dict[Any, dict[str, Any]]:
+    """What :func:`sftpack.objectives.pairs_of` reads, from a row's :func:`pair_sequence_id`\\ s.
+
+    >>> pair_meta([("q", "chosen"), ("q", "rejected")])[("q", "rejected")]
+    {'group': 'q', 'role': 'rejected'}
+    """
+    return {sid: {"group": sid[0], "role": sid[1]} for sid in sequence_ids}
 
 
 def check_unweighted(sample: Sample, where: str) -> None:

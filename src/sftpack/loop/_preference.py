@@ -2,7 +2,7 @@
 
 A step's micro-batches hold whole pairs (:class:`~sftpack.loop._sources.TrainerSource` with
 ``pairs=True`` plans each pair into one micro-batch of one rank, and names each sequence
-``(group, role)``: :func:`~sftpack.loop._sources.pair_sequence_id`). For each micro-batch
+``(group, role)``: :func:`sftpack.sample.pair_sequence_id`). For each micro-batch
 :class:`PreferenceLossModule` runs
 
 1. the policy over the packed row and its head over **every** slot (full logits: the SFT
@@ -29,9 +29,9 @@ from torch import nn
 
 from ..loss import sequence_logprob_sums
 from ..objectives import Pairs, dpo_loss, pair_mean, pairs_of
+from ..sample import pair_meta
 from ._model import _body_and_head, load_model, packed_hidden
 from ._options import TrainConfig
-from ._sources import pair_meta
 
 __all__ = ["PreferenceLossModule", "pairs_in", "preference_loss_module"]
 

@@ -55,7 +55,7 @@ from .._base import positive_int, renamed
 from ..balance import SequenceCost, sequence_cost
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
-from ..sample import IGNORE_INDEX, Sample, check_sft_sample, check_unweighted
+from ..sample import IGNORE_INDEX, Sample, check_sft_sample, check_unweighted, pair_sequence_id
 from ..trainer import pack_step, padded_batch, plan_microbatches
 from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
@@ -70,8 +70,6 @@ __all__ = [
     "Source",
     "TrainerSource",
     "padded_micro_batch",
-    "pair_meta",
-    "pair_sequence_id",
     "rows_per_rank",
     "rows_to_micro_batches",
     "samples_fingerprint",
@@ -285,17 +283,6 @@ def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
             )
         units.setdefault(group, []).append(i)
     return list(units.values())
-
-
-def pair_sequence_id(sample: Sample) -> tuple[Any, str]:
-    """A preference sample's id in a packed row: ``(meta["group"], meta["role"])`` (the two samples
-    of a pair share their conversation id); :func:`pair_meta` reads the pair back from it."""
-    return (sample.meta["group"], str(sample.meta["role"]))
-
-
-def pair_meta(sequence_ids: Sequence[Any]) -> dict[Any, dict[str, Any]]:
-    """What :func:`sftpack.objectives.pairs_of` reads, from a row's :func:`pair_sequence_id`\\ s."""
-    return {sid: {"group": sid[0], "role": sid[1]} for sid in sequence_ids}
 
 
 class _SampleSource(Source):
