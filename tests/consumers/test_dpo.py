@@ -33,8 +33,8 @@ one causal sequence (boundaries dropped: an all-ones attention mask, so the sequ
 each other), and the pairs matched to the wrong partner (each chosen answer against the next
 group's rejected one).
 
-TRL is not installed in this environment (checked: ``import trl`` fails), so the cross-check
-against TRL's own DPO loss is not here; the loss is checked against its written-out formula.
+Here the loss is checked against its written-out formula; the cross-check against TRL's own
+DPO loss (``trl.DPOTrainer.compute_loss``) is ``tests/consumers/test_trl_dpo.py``.
 """
 
 from __future__ import annotations
