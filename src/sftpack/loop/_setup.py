@@ -249,7 +249,7 @@ def make_source(
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
                 cost="tokens" if cost is None else cost,
-                pairs=config.objective is Objective.DPO,  # batch_size counts pairs, each whole in one micro-batch
+                pairs=config.preference,  # batch_size counts pairs, each whole in one micro-batch
                 **common,
             )
         source.max_seq_len = config.max_seq_len
