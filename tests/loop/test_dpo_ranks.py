@@ -210,14 +210,12 @@ def _logps(model: Any, s: Sample, *, grad: bool) -> tuple[torch.Tensor, int]:
 
 def _objective(cfg: TrainConfig, scores: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
     """The mean over pairs of DPO (``(pc, pr, rc, rr)`` sums) or SimPO (``(mc, mr)`` means), by hand."""
-    assert cfg.beta is not None
     losses = []
     for sc in scores:
         if cfg.objective == "dpo":
             pc, pr, rc, rr = sc
             z = cfg.beta * ((pc - rc) - (pr - rr))
         else:
-            assert cfg.gamma is not None
             mc, mr = sc
             z = cfg.beta * (mc - mr) - cfg.gamma
         losses.append(torch.log1p(torch.exp(-z)))
@@ -310,5 +308,5 @@ def test_simpo_refuses_a_reference_and_dpo_a_margin(reference) -> None:
     with pytest.raises(ValueError, match="gamma is SimPO's margin: leave it out with objective dpo"):
         config("dpo", gamma=0.5)
     assert (config("simpo").beta, config("simpo").gamma) == (2.0, 1.0)
-    assert (config("dpo").beta, config("dpo").gamma) == (0.1, None)
+    assert config("dpo").beta == 0.1 and config("dpo", beta=0.25).beta == 0.25
     assert "gamma" not in config("dpo").as_dict() and config("simpo", gamma=0.3).as_dict()["gamma"] == 0.3

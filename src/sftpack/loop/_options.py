@@ -117,7 +117,10 @@ class TrainConfig:
             micro-batch when it should be wider than ``max_seq_len`` (default: ``max_seq_len``),
             while conversations are still split at ``max_seq_len``: a distinct setting
             (docs/contract.md, "One name for the row width"). Wider micro-batches mean
-            fewer forward passes (less per-call overhead, more activation memory).
+            fewer forward passes (less per-call overhead, more activation memory). A preference
+            objective's micro-batch holds a whole pair, two sequences of up to ``max_seq_len``
+            tokens: its default is ``2 * max_seq_len``, and a smaller one is refused
+            (:attr:`micro_batch_width`).
         cost: several ranks: what a conversation (trainer path) or a row (loader and offline
             paths) costs when each step's work is dealt to the ranks
             (:func:`sftpack.balance.sequence_cost`'s spellings: ``"tokens"``; ``"attention"``; a
@@ -159,8 +162,10 @@ class TrainConfig:
             and a step's loss is the mean of :func:`sftpack.objectives.dpo_loss` (or
             :func:`~sftpack.objectives.simpo_loss`) over its pairs.
         beta: the preference objective's beta (> 0): DPO's inverse temperature, SimPO's reward
-            scale (``None``: :data:`DEFAULT_BETA`, 0.1 for DPO and 2.0 for SimPO).
-        gamma: SimPO's target reward margin (>= 0; ``None``: :data:`DEFAULT_GAMMA`); SimPO only.
+            scale (0, the default: the objective's own, :data:`DEFAULT_BETA`: 0.1 for DPO and 2.0
+            for SimPO; set to it by the constructor).
+        gamma: SimPO's target reward margin (>= 0; default :data:`DEFAULT_GAMMA`); SimPO only (DPO
+            refuses another value).
         reference_model: DPO's frozen reference model, a local model folder (``None``: a
             frozen copy of the starting weights of the model trained); SimPO has none.
 
@@ -310,16 +315,16 @@ class TrainConfig:
             "(prompt/chosen/rejected; the trainer path only; --batch-size then counts pairs) (default {default})"
         },
     )
-    beta: float | None = field(
-        default=None,
+    beta: float = field(
+        default=0.0,
         metadata={
             "help": f"--objective dpo: the inverse temperature (default {DEFAULT_BETA[Objective.DPO]}); simpo: the "
             f"reward scale (default {DEFAULT_BETA[Objective.SIMPO]})"
         },
     )
-    gamma: float | None = field(
-        default=None,
-        metadata={"help": f"--objective simpo: the target reward margin (default {DEFAULT_GAMMA})"},
+    gamma: float = field(
+        default=DEFAULT_GAMMA,
+        metadata={"help": "--objective simpo: the target reward margin (default {default})"},
     )
     reference_model: str | None = field(
         default=None,
@@ -377,6 +382,12 @@ class TrainConfig:
                     f"TrainConfig: micro_batch_tokens={self.micro_batch_tokens} is below max_seq_len="
                     f"{self.max_seq_len}: a conversation of max_seq_len tokens must fit one micro-batch"
                 )
+            if self.preference and self.micro_batch_tokens < 2 * self.max_seq_len:
+                raise ConfigError(
+                    f"{{micro_batch_tokens}} {self.micro_batch_tokens} cannot hold a preference pair, two sequences of "
+                    f"up to {{max_seq_len}} {self.max_seq_len} tokens that are never split over micro-batches: give at "
+                    f"least {2 * self.max_seq_len}, or leave it out (the default: 2 x max_seq_len)"
+                )
         if isinstance(self.cost, os.PathLike):
             self.cost = str(self.cost)
         try:
@@ -413,7 +424,7 @@ class TrainConfig:
         """A preference objective (DPO, SimPO) runs on the trainer path alone, one process's model
         whole, without a held-out set; its ``beta`` and ``gamma`` are resolved and checked here."""
         objective = Objective(self.objective)
-        if self.beta is None:
+        if self.beta == 0:  # the default: the objective's own
             self.beta = DEFAULT_BETA[objective]
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise ValueError(f"TrainConfig: beta must be a positive number, got {self.beta!r}")
@@ -422,11 +433,9 @@ class TrainConfig:
                 raise ConfigError(
                     "{objective} simpo is reference-free: leave {reference_model} out (or use {objective} dpo)"
                 )
-            if self.gamma is None:
-                self.gamma = DEFAULT_GAMMA
             if not (self.gamma >= 0 and math.isfinite(self.gamma)):
                 raise ValueError(f"TrainConfig: gamma (SimPO's margin) must be a number >= 0, got {self.gamma!r}")
-        elif self.gamma is not None:
+        elif self.gamma != DEFAULT_GAMMA:
             raise ConfigError("{gamma} is SimPO's margin: leave it out with {objective} dpo (or use {objective} simpo)")
         if self.packing is not Packing.TRAINER:
             raise ConfigError(
@@ -444,6 +453,15 @@ class TrainConfig:
         return self.objective in (Objective.DPO, Objective.SIMPO)
 
     @property
+    def micro_batch_width(self) -> int:
+        """The trainer path's micro-batch width: ``micro_batch_tokens``, else ``max_seq_len``, or for a
+        preference objective ``2 * max_seq_len``: a pair (each member at most ``max_seq_len`` tokens
+        once ``overlong`` has cut or dropped it, a multiple of ``pad_multiple`` padded) always fits one."""
+        if self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        return 2 * self.max_seq_len if self.preference else self.max_seq_len
+
+    @property
     def pad_between_seqs(self) -> bool:
         return self.boundaries is Boundaries.REAL
 
@@ -453,7 +471,7 @@ class TrainConfig:
             d[k] = str(d[k])
         if self.objective is Objective.SFT:  # an SFT run's saved config stays what it was
             del d["objective"], d["beta"]
-        if d["gamma"] is None:  # SimPO's alone: a DPO run's saved config stays what it was
+        if self.objective is not Objective.SIMPO:  # SimPO's alone: a DPO run's saved config stays what it was
             del d["gamma"]
         if d["reference_model"] is None:
             del d["reference_model"]

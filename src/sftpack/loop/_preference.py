@@ -66,7 +66,7 @@ class PreferenceLossModule(nn.Module):
         average_over_ranks: the ranks DDP averages gradients over.
         objective: :attr:`Objective.DPO` or :attr:`Objective.SIMPO`.
         beta: DPO's inverse temperature, SimPO's reward scale (``None``: the objective's default).
-        gamma: SimPO's target margin (``None``: its default); DPO takes none.
+        gamma: SimPO's target margin (``None``: its default); DPO takes none (``None``).
         reference: DPO's frozen reference model (``None``: a copy of ``model``'s weights now);
             kept outside the module's parameters (never trained, never in a checkpoint). SimPO
             has none (refused).
@@ -157,7 +157,7 @@ def preference_loss_module(config: TrainConfig, model: Any) -> Any:
             average_over_ranks=average_over_ranks,
             objective=config.objective,
             beta=config.beta,
-            gamma=config.gamma,
+            gamma=config.gamma if config.objective is Objective.SIMPO else None,
             reference=reference,
         )
 

@@ -245,7 +245,7 @@ def make_source(
         else:
             source = TrainerSource(
                 samples,
-                micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
+                micro_batch_tokens=config.micro_batch_width,
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
                 cost="tokens" if cost is None else cost,
