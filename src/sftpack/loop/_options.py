@@ -51,6 +51,11 @@ class Objective(StrEnum):
     #: token log-probability), the mean over the step's pairs; the trainer path only
     SIMPO = "simpo"
 
+    @property
+    def preference(self) -> bool:
+        """A preference objective (DPO or SimPO): the data are pairs, a step's loss their mean."""
+        return self in (Objective.DPO, Objective.SIMPO)
+
 
 #: A preference objective's ``beta`` when none is given: DPO's inverse temperature, SimPO's reward scale.
 DEFAULT_BETA = {Objective.DPO: 0.1, Objective.SIMPO: 2.0}
@@ -450,7 +455,7 @@ class TrainConfig:
     def preference(self) -> bool:
         """A preference objective (DPO or SimPO): the data are pairs, ``batch_size`` counts them,
         and a step's loss is the mean over its pairs."""
-        return self.objective in (Objective.DPO, Objective.SIMPO)
+        return Objective(self.objective).preference
 
     @property
     def micro_batch_width(self) -> int:

@@ -88,7 +88,7 @@ class PreferenceLossModule(nn.Module):
         self.pad_between_seqs = pad_between_seqs
         self.average_over_ranks = average_over_ranks
         self.objective = Objective(objective)
-        if self.objective not in DEFAULT_BETA:
+        if not self.objective.preference:
             raise ValueError(f"PreferenceLossModule: objective {self.objective} is not a preference objective")
         self.beta = DEFAULT_BETA[self.objective] if beta is None else beta
         self.gamma = gamma
