@@ -209,3 +209,81 @@ def test_sftpack_train_dpo_runs_two_steps(tmp_path) -> None:
     assert [x["step"] for x in lines] == [1, 2] and all(x["pairs"] == 2 and x["sequences"] == 4 for x in lines)
     assert abs(lines[0]["loss"] - math.log(2)) < 1e-6  # the reference is the starting weights: log 2 at step 1
     assert np.isfinite(lines[1]["loss"]) and lines[1]["loss"] != lines[0]["loss"]
+
+
+def test_over_long_pairs_follow_overlong_whole_on_the_trainer_path(tmp_path) -> None:
+    """A pair longer than max_seq_len follows ``overlong`` as one unit (sftpack.chat's rule) and the
+    trainer path trains what is left: ``drop`` leaves the pair out (counted once, as one dropped
+    conversation), ``truncate`` cuts each over-long member to its head (both members kept, the pair
+    dropped when a member would keep no answer: a prompt that alone fills the row), ``split`` is
+    refused naming the pair. A pair's two members, each at most max_seq_len, share one micro-batch of
+    2 x max_seq_len slots (the preference default; a narrower micro_batch_tokens is refused at
+    config time), so no pair is refused at the step: step 1 of the truncated data, all its pairs in
+    one step, equals DPO computed one sequence at a time (TOL: the derivation above; max_seq_len 24 < 64)."""
+    from sftpack.chat import OverlongError
+    from sftpack.loop import load_model
+
+    long_answer = {"prompt": "Tell a story.", "chosen": " Once" + " upon a time" * 12 + ".", "rejected": " No."}
+    long_prompt = {"prompt": "Repeat: " + "la " * 40, "chosen": " la", "rejected": " no"}
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in [*PAIRS, long_answer, long_prompt]), encoding="utf-8")
+    rows = list(read_conversations([str(path)]))
+    limit = 24
+    with pytest.raises(OverlongError, match=r"preference pair .*prefs.jsonl:6.* never split"):
+        tokenize_conversations(rows, default_tokenizer(), max_seq_len=limit, overlong="split").to_list()
+    dropped = tokenize_conversations(rows, default_tokenizer(), max_seq_len=limit, overlong="drop")
+    kept = dropped.to_list()
+    assert dropped.stats.dropped == 2 and len(kept) == 2 * len(PAIRS)
+    cut = tokenize_conversations(rows, default_tokenizer(), max_seq_len=limit, overlong="truncate")
+    samples = cut.to_list()
+    assert cut.stats.truncated == 1 and cut.stats.dropped == 1 and len(samples) == 2 * (len(PAIRS) + 1)
+    story = [s for s in samples if str(s.conversation_id).endswith(":6")]
+    assert [(s.meta["role"], len(s)) for s in story] == [("chosen", limit), ("rejected", len(story[1]))]
+    assert story[0].meta["truncated_from"] > limit and "truncated_from" not in story[1].meta
+    assert all(s.loss_mask[1:].any() for s in story)  # the truncated member keeps answer tokens
+    assert sum(len(s) for s in story) > limit  # the pair fits no micro-batch of max_seq_len slots
+
+    samples, ids = compact_vocabulary(samples)
+    vocab = len(ids)
+    ref_dir = tmp_path / "reference"
+    build_model(vocab, **MODEL, seed=1, dtype=F64).save_pretrained(ref_dir)
+    n = len(PAIRS) + 1
+    cfg = TrainConfig(
+        packing="trainer", objective="dpo", reference_model=str(ref_dir), steps=1, batch_size=n, grad_accum=2,
+        max_seq_len=limit, lr=1e-2, **MODEL,
+    )  # fmt: skip
+    out = train(cfg, source=make_source(cfg, samples=samples), model=build_model(vocab, **MODEL, seed=0, dtype=F64))
+    rec = out.logs[0]
+    assert rec.pairs == n and rec.sequences == 2 * n
+    with pytest.raises(ValueError, match=r"micro_batch_tokens 24 cannot hold a preference pair.* at least 48"):
+        TrainConfig(objective="dpo", max_seq_len=limit, micro_batch_tokens=limit)
+    by_id = {(s.meta["group"], s.meta["role"]): s for s in samples}
+    groups = list(dict.fromkeys(g for g, _ in out.conversations[0]))
+    pairs = [(by_id[(g, "chosen")], by_id[(g, "rejected")]) for g in groups]
+    expected = _alone_loss(build_model(vocab, **MODEL, seed=0, dtype=F64), load_model(str(ref_dir), dtype=F64), pairs)
+    print(f"truncated pairs: step 1 loss {rec.loss!r}, alone {expected!r}: |diff| {abs(rec.loss - expected):.1e}")
+    assert abs(rec.loss - expected) <= TOL
+
+
+def test_sftpack_train_simpo_runs_without_a_reference(tmp_path, capsys) -> None:
+    """``--objective simpo``: no reference model (step 1's loss is not DPO's log 2 at the starting
+    weights), SimPO's beta and gamma by default (2.0, 1.0: its saved config says so); a reference
+    model is refused in one line."""
+    from sftpack.cli import main
+
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS), encoding="utf-8")
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    argv = ["train", str(path), "--objective", "simpo", "--steps", "2", "--batch-size", "2", "--no-progress"]
+    argv += ["--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--no-cache", "--log", str(log)]
+    assert main([*argv, "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2"]) == 0
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert [x["pairs"] for x in lines] == [2, 2] and all(np.isfinite(x["loss"]) for x in lines)
+    assert abs(lines[0]["loss"] - math.log(2)) > 1e-3 and lines[0]["chosen_reward"] < 0  # beta * mean log-prob
+    saved = torch.load(next(ckpt.rglob("state.pt")), weights_only=False)["config"]  # the run's own checkpoint
+    assert (saved["objective"], saved["beta"], saved["gamma"]) == ("simpo", 2.0, 1.0)
+    capsys.readouterr()
+    assert main([*argv, "--reference-model", str(tmp_path)]) != 0
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "sftpack train: --objective simpo is reference-free: leave --reference-model out (or use --objective dpo)"
+    ]

@@ -5,6 +5,7 @@ of the same run (which the option leaves as it was)."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -53,3 +54,47 @@ def test_the_log_is_the_same_with_and_without_tensorboard(chat, tmp_path, capsys
     assert [{k: v for k, v in r.items() if k not in clock} for r in a] == [
         {k: v for k, v in r.items() if k not in clock} for r in b
     ]
+
+
+def test_a_preference_runs_rewards_in_tensorboard_and_the_plot(tmp_path, capsys, monkeypatch):
+    """``--objective dpo``: the step log's pairs, chosen / rejected rewards and reward accuracy are
+    TensorBoard scalars (the log's numbers in float32) and two more panels of ``--plot`` (the
+    log's numbers, drawn per step); an SFT run has neither (the test above: exactly SCALARS and
+    eval_loss; tests/cli/test_newcomer.py: two panels)."""
+    from matplotlib.figure import Figure
+
+    from sftpack.loop._tensorboard import PREFERENCE_SCALARS
+    from tests.loop.test_dpo_train import PAIRS
+
+    drawn: list[dict[str, Any]] = []
+    save = Figure.savefig
+
+    def recording_savefig(fig, *a, **k):  # the real savefig; then what each panel drew
+        out = save(fig, *a, **k)
+        for ax in fig.axes:
+            drawn.append({"title": ax.get_title(), "lines": {ln.get_label(): list(ln.get_ydata()) for ln in ax.lines}})
+        return out
+
+    monkeypatch.setattr(Figure, "savefig", recording_savefig)
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS), encoding="utf-8")
+    log, tb, png = tmp_path / "run.jsonl", tmp_path / "tb", tmp_path / "curves.png"
+    argv = ["train", str(path), "--objective", "dpo", "--steps", "3", "--batch-size", "2", "--lr", "0.05"]
+    argv += ["--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1", "--no-cache", "--no-progress"]
+    assert main([*argv, "--log", str(log), "--tensorboard", str(tb), "--plot", str(png)]) == 0
+    recs = [json.loads(x) for x in log.read_text().splitlines()]
+    got = _scalars(tb)
+    assert set(got) == {*SCALARS, *PREFERENCE_SCALARS}
+    for name in PREFERENCE_SCALARS:
+        assert got[name] == [(r["step"], float(np.float32(r[name]))) for r in recs], name
+    # the reference is the starting weights: step 1's rewards are 0; later ones are not
+    assert recs[0]["chosen_reward"] == recs[0]["rejected_reward"] == 0.0
+    assert any(r["chosen_reward"] != r["rejected_reward"] for r in recs[1:])
+    panels = {d["title"]: d["lines"] for d in drawn}
+    assert list(panels) == ["loss", "throughput", "rewards", "reward accuracy"]
+    assert panels["rewards"] == {
+        "trainer chosen": [r["chosen_reward"] for r in recs],
+        "trainer rejected": [r["rejected_reward"] for r in recs],
+    }
+    assert panels["reward accuracy"] == {"trainer": [r["reward_accuracy"] for r in recs]}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

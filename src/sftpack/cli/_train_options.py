@@ -38,7 +38,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
     add_settings(e, TrainConfig, "eval_fraction")
     add_settings(e, InputSettings, "eval_file")
     add_settings(e, TrainConfig, "eval_every")
-    add_settings(t.add_argument_group("objective"), TrainConfig, "objective", "beta", "reference_model")
+    add_settings(t.add_argument_group("objective"), TrainConfig, "objective", "beta", "gamma", "reference_model")
     add_settings(
         t.add_argument_group("packing"),
         TrainConfig,

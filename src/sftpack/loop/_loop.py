@@ -45,7 +45,7 @@ from ._log import JsonlLog
 from ._micro_batch import MicroBatch
 from ._model import LossModule, require_exact
 from ._optimizer import Optimization
-from ._options import Objective, TrainConfig
+from ._options import TrainConfig
 from ._parallel import all_reduce, choose_parallel
 from ._parts import LoopState, OnStep, Part, StepLog
 from ._preference import pairs_in, preference_loss_module
@@ -258,7 +258,7 @@ def train(
     evals = None if eval_samples is None else EvalSet(config, eval_samples, rank=rank, world=world)
     model.to(device)
     require_exact(model, config)  # before any step: no model trains packed unless packing is exact on it
-    if config.objective is Objective.DPO and loss_module is LossModule:
+    if config.preference and loss_module is LossModule:
         loss_module = preference_loss_module(config, model)  # the reference: the starting weights, or a folder
     parallel = choose_parallel(config, model, loss_module, device=device, rank=rank, world=world)
     optimization = Optimization(model, config)  # built in the background while the first step computes
@@ -322,7 +322,7 @@ def _step(
     mbs = state.source.next_step()
     _check_ids(mbs, vocab, step)
     mbs = [mb.to(state.device) for mb in mbs]
-    dpo = state.config.objective is Objective.DPO
+    dpo = state.config.preference  # DPO or SimPO: the step counts pairs
     labels = sum(mb.num_label_tokens for mb in mbs)
     # the loss's denominator, over the whole step on every rank: supervised targets, or (dpo) pairs
     local = sum(len(pairs_in(mb)) for mb in mbs) if dpo else labels

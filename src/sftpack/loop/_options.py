@@ -47,6 +47,20 @@ class Objective(StrEnum):
     #: sigmoid DPO over preference pairs (:func:`sftpack.objectives.dpo_loss`), the mean over the step's pairs;
     #: the trainer path only
     DPO = "dpo"
+    #: SimPO, reference-free, over preference pairs (:func:`sftpack.objectives.simpo_loss`: each answer's mean
+    #: token log-probability), the mean over the step's pairs; the trainer path only
+    SIMPO = "simpo"
+
+    @property
+    def preference(self) -> bool:
+        """A preference objective (DPO or SimPO): the data are pairs, a step's loss their mean."""
+        return self in (Objective.DPO, Objective.SIMPO)
+
+
+#: A preference objective's ``beta`` when none is given: DPO's inverse temperature, SimPO's reward scale.
+DEFAULT_BETA = {Objective.DPO: 0.1, Objective.SIMPO: 2.0}
+#: SimPO's target reward margin when none is given (:func:`sftpack.objectives.simpo_loss`'s default).
+DEFAULT_GAMMA = 1.0
 
 
 class Boundaries(StrEnum):
@@ -108,7 +122,10 @@ class TrainConfig:
             micro-batch when it should be wider than ``max_seq_len`` (default: ``max_seq_len``),
             while conversations are still split at ``max_seq_len``: a distinct setting
             (docs/contract.md, "One name for the row width"). Wider micro-batches mean
-            fewer forward passes (less per-call overhead, more activation memory).
+            fewer forward passes (less per-call overhead, more activation memory). A preference
+            objective's micro-batch holds a whole pair, two sequences of up to ``max_seq_len``
+            tokens: its default is ``2 * max_seq_len``, and a smaller one is refused
+            (:attr:`micro_batch_width`).
         cost: several ranks: what a conversation (trainer path) or a row (loader and offline
             paths) costs when each step's work is dealt to the ranks
             (:func:`sftpack.balance.sequence_cost`'s spellings: ``"tokens"``; ``"attention"``; a
@@ -143,13 +160,19 @@ class TrainConfig:
         allow_inexact_packing: train packed even when packing is not exact on the model (its
             layers carry state across sequence boundaries: :func:`sftpack.exactness.require_exact_packing`
             refuses it otherwise), with a one-line warning.
-        objective: :class:`Objective`: ``"sft"`` (the default) or ``"dpo"``: preference pairs
+        objective: :class:`Objective`: ``"sft"`` (the default), or a preference objective
+            (:attr:`preference`): ``"dpo"`` or ``"simpo"``, on preference pairs
             (:func:`sftpack.chat.tokenize_pair`'s samples), the trainer path only; ``batch_size``
             then counts *pairs* (two samples each), each pair kept in one micro-batch of one rank,
-            and a step's loss is the mean of :func:`sftpack.objectives.dpo_loss` over its pairs.
-        beta: DPO's inverse temperature (> 0).
+            and a step's loss is the mean of :func:`sftpack.objectives.dpo_loss` (or
+            :func:`~sftpack.objectives.simpo_loss`) over its pairs.
+        beta: the preference objective's beta (> 0): DPO's inverse temperature, SimPO's reward
+            scale (0, the default: the objective's own, :data:`DEFAULT_BETA`: 0.1 for DPO and 2.0
+            for SimPO; set to it by the constructor).
+        gamma: SimPO's target reward margin (>= 0; default :data:`DEFAULT_GAMMA`); SimPO only (DPO
+            refuses another value).
         reference_model: DPO's frozen reference model, a local model folder (``None``: a
-            frozen copy of the starting weights of the model trained).
+            frozen copy of the starting weights of the model trained); SimPO has none.
 
     A field with ``"help"`` in its metadata is a flag of ``sftpack train``, declared
     there once (:func:`sftpack.cli._common.add_settings` reads it: the help, and
@@ -293,16 +316,26 @@ class TrainConfig:
     objective: Objective | str = field(
         default=Objective.SFT,
         metadata={
-            "help": "what a step minimises: sft, or dpo on preference pairs (prompt/chosen/rejected; the trainer "
-            "path only; --batch-size then counts pairs) (default {default})"
+            "help": "what a step minimises: sft, or dpo or simpo (reference-free) on preference pairs "
+            "(prompt/chosen/rejected; the trainer path only; --batch-size then counts pairs) (default {default})"
         },
     )
-    beta: float = field(default=0.1, metadata={"help": "--objective dpo: the inverse temperature (default {default})"})
+    beta: float = field(
+        default=0.0,
+        metadata={
+            "help": f"--objective dpo: the inverse temperature (default {DEFAULT_BETA[Objective.DPO]}); simpo: the "
+            f"reward scale (default {DEFAULT_BETA[Objective.SIMPO]})"
+        },
+    )
+    gamma: float = field(
+        default=DEFAULT_GAMMA,
+        metadata={"help": "--objective simpo: the target reward margin (default {default})"},
+    )
     reference_model: str | None = field(
         default=None,
         metadata={
             "help": "--objective dpo: the frozen reference model, a local model folder (default: the starting "
-            "weights of the model trained)",
+            "weights of the model trained); simpo has none",
             "metavar": "DIR",
         },
     )
@@ -313,7 +346,7 @@ class TrainConfig:
         self.objective = choose(Objective, self.objective, "objective")
         if isinstance(self.reference_model, os.PathLike):
             self.reference_model = str(self.reference_model)
-        if self.objective is Objective.DPO:
+        if self.preference:
             self._check_dpo()
         self.schedule = choose(Schedule, self.schedule, "schedule")
         self.on_nonfinite = choose(NonFinite, self.on_nonfinite, "on_nonfinite")
@@ -354,6 +387,12 @@ class TrainConfig:
                     f"TrainConfig: micro_batch_tokens={self.micro_batch_tokens} is below max_seq_len="
                     f"{self.max_seq_len}: a conversation of max_seq_len tokens must fit one micro-batch"
                 )
+            if self.preference and self.micro_batch_tokens < 2 * self.max_seq_len:
+                raise ConfigError(
+                    f"{{micro_batch_tokens}} {self.micro_batch_tokens} cannot hold a preference pair, two sequences of "
+                    f"up to {{max_seq_len}} {self.max_seq_len} tokens that are never split over micro-batches: give at "
+                    f"least {2 * self.max_seq_len}, or leave it out (the default: 2 x max_seq_len)"
+                )
         if isinstance(self.cost, os.PathLike):
             self.cost = str(self.cost)
         try:
@@ -387,9 +426,22 @@ class TrainConfig:
             )
 
     def _check_dpo(self) -> None:
-        """DPO runs on the trainer path alone, one process's model whole, without a held-out set."""
+        """A preference objective (DPO, SimPO) runs on the trainer path alone, one process's model
+        whole, without a held-out set; its ``beta`` and ``gamma`` are resolved and checked here."""
+        objective = Objective(self.objective)
+        if self.beta == 0:  # the default: the objective's own
+            self.beta = DEFAULT_BETA[objective]
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise ValueError(f"TrainConfig: beta must be a positive number, got {self.beta!r}")
+        if objective is Objective.SIMPO:
+            if self.reference_model is not None:
+                raise ConfigError(
+                    "{objective} simpo is reference-free: leave {reference_model} out (or use {objective} dpo)"
+                )
+            if not (self.gamma >= 0 and math.isfinite(self.gamma)):
+                raise ValueError(f"TrainConfig: gamma (SimPO's margin) must be a number >= 0, got {self.gamma!r}")
+        elif self.gamma != DEFAULT_GAMMA:
+            raise ConfigError("{gamma} is SimPO's margin: leave it out with {objective} dpo (or use {objective} simpo)")
         if self.packing is not Packing.TRAINER:
             raise ConfigError(
                 f"{{objective}} dpo runs on the trainer path only, not {{packing}} {self.packing}: use "
@@ -397,7 +449,22 @@ class TrainConfig:
             )
         for name, on in (("fsdp", self.fsdp), ("eval_fraction", self.eval_fraction), ("eval_every", self.eval_every)):
             if on:
-                raise ConfigError(f"{{objective}} dpo does not take {{{name}}} yet: leave it out")
+                raise ConfigError(f"{{objective}} {objective} does not take {{{name}}} yet: leave it out")
+
+    @property
+    def preference(self) -> bool:
+        """A preference objective (DPO or SimPO): the data are pairs, ``batch_size`` counts them,
+        and a step's loss is the mean over its pairs."""
+        return Objective(self.objective).preference
+
+    @property
+    def micro_batch_width(self) -> int:
+        """The trainer path's micro-batch width: ``micro_batch_tokens``, else ``max_seq_len``, or for a
+        preference objective ``2 * max_seq_len``: a pair (each member at most ``max_seq_len`` tokens
+        once ``overlong`` has cut or dropped it, a multiple of ``pad_multiple`` padded) always fits one."""
+        if self.micro_batch_tokens is not None:
+            return self.micro_batch_tokens
+        return 2 * self.max_seq_len if self.preference else self.max_seq_len
 
     @property
     def pad_between_seqs(self) -> bool:
@@ -409,6 +476,8 @@ class TrainConfig:
             d[k] = str(d[k])
         if self.objective is Objective.SFT:  # an SFT run's saved config stays what it was
             del d["objective"], d["beta"]
+        if self.objective is not Objective.SIMPO:  # SimPO's alone: a DPO run's saved config stays what it was
+            del d["gamma"]
         if d["reference_model"] is None:
             del d["reference_model"]
         d["betas"] = list(d["betas"])

@@ -245,11 +245,11 @@ def make_source(
         else:
             source = TrainerSource(
                 samples,
-                micro_batch_tokens=config.micro_batch_tokens or config.max_seq_len,
+                micro_batch_tokens=config.micro_batch_width,
                 pad_multiple=config.pad_multiple,
                 max_patches_per_row=config.max_patches_per_row,
                 cost="tokens" if cost is None else cost,
-                pairs=config.objective is Objective.DPO,  # batch_size counts pairs, each whole in one micro-batch
+                pairs=config.preference,  # batch_size counts pairs, each whole in one micro-batch
                 **common,
             )
         source.max_seq_len = config.max_seq_len

@@ -278,8 +278,8 @@ def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
         if group is None or s.meta.get("role") is None:
             raise ValueError(
                 f"sample {i} (conversation {s.conversation_id!r}) is not a member of a preference pair (no "
-                "meta['group'] / meta['role']): objective dpo trains pairs (sftpack.chat.tokenize_pair; "
-                "prompt/chosen/rejected rows)"
+                "meta['group'] / meta['role']): a preference objective (dpo, simpo) trains pairs "
+                "(sftpack.chat.tokenize_pair; prompt/chosen/rejected rows)"
             )
         units.setdefault(group, []).append(i)
     return list(units.values())

@@ -4,7 +4,9 @@ One event file per run in ``DIR``, written through ``torch.utils.tensorboard.Sum
 (the ``tensorboard`` package: ``pip install 'sftpack[tensorboard]'``). The scalars are the
 JSONL log's numbers of the same step, under the log's names: ``loss``, ``lr``,
 ``grad_norm``, ``tokens_per_s`` (real tokens), ``fill`` (``1 - padding``: the share of
-slots holding real tokens) and, on the steps that evaluate, ``eval_loss``. TensorBoard
+slots holding real tokens), on the steps that evaluate, ``eval_loss``, and for a preference
+objective (DPO, SimPO) ``pairs``, ``chosen_reward``, ``rejected_reward`` and ``reward_accuracy``
+(:data:`PREFERENCE_SCALARS`, the means over the step's pairs). TensorBoard
 stores a scalar as float32, so each value read back is the log's rounded to float32.
 A resumed run drops the events after its checkpoint's step (``purge_step``), as the
 JSONL log drops those lines.
@@ -22,7 +24,7 @@ from ._parts import LoopState, Part, StepLog
 if TYPE_CHECKING:
     from torch.utils.tensorboard import SummaryWriter
 
-__all__ = ["SCALARS", "TensorBoard"]
+__all__ = ["PREFERENCE_SCALARS", "SCALARS", "TensorBoard"]
 
 #: the scalar names, each a function of the step's log record (``StepLog.as_dict()``)
 SCALARS = {
@@ -32,6 +34,8 @@ SCALARS = {
     "tokens_per_s": lambda r: r["tokens_per_s"],
     "fill": lambda r: 1.0 - r["padding"],
 }
+#: the scalars of a preference objective's steps, under the log's names (absent from an SFT step's record)
+PREFERENCE_SCALARS = ("pairs", "chosen_reward", "rejected_reward", "reward_accuracy")
 
 
 class TensorBoard(Part):
@@ -57,8 +61,9 @@ class TensorBoard(Part):
         values = record.as_dict()
         for name, value in SCALARS.items():
             self._writer.add_scalar(name, float(value(values)), record.step)
-        if record.eval_loss is not None:
-            self._writer.add_scalar("eval_loss", float(record.eval_loss), record.step)
+        for name in ("eval_loss", *PREFERENCE_SCALARS):
+            if values.get(name) is not None:
+                self._writer.add_scalar(name, float(values[name]), record.step)
 
     def on_end(self, state: LoopState) -> None:
         if self._writer is not None:
