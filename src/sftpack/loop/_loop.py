@@ -9,6 +9,10 @@ One optimizer step, on every rank::
         (sum of token losses(mb) / n * world).backward()   # both average over ranks: undo it
     clip, AdamW step, LR step; log loss, real tokens, slots, tokens/s
 
+With weights, or ``config.weight_normalisation`` "sequence" / "group", the rows' weights are first
+turned into the rule's coefficients and ``n`` into its count (:func:`sftpack.loss.normalise_weights`,
+one all-reduce), and the same loop runs.
+
 The loss of a step is the token mean over the whole global batch, however the
 conversations were grouped into rows, micro-batches and ranks, so the packed
 paths and the padded baseline train the same model from the same conversations
