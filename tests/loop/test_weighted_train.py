@@ -398,3 +398,27 @@ def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     for packing in ("loader", "offline"):
         assert main(_cli(weighted_file, run, packing, packing)) != 0
         assert "carries per-token weights" in capsys.readouterr().err
+
+
+def test_cli_weight_normalisation(chat, tmp_path, capsys):
+    """``sftpack train --weight-normalisation sequence`` on a weighted JSONL: the same conversations and
+    targets as token, other updates (the flag reaches the run; the rule itself is tested above);
+    ``group`` off the trainer path is refused in one line."""
+    from sftpack.cli import main
+
+    (tmp_path / "tok").symlink_to(chat / "tok")
+    run = tmp_path / "run"
+    run.mkdir()
+    data = _weighted_chat(chat, tmp_path / "weighted.jsonl")
+    assert main(_cli(data, run, "token")) == 0
+    assert main([*_cli(data, run, "sequence"), "--weight-normalisation", "sequence"]) == 0
+    t, s = ([json.loads(line) for line in (run / f"{n}.jsonl").read_text().splitlines()] for n in ("token", "sequence"))
+    assert t[0]["label_tokens"] == s[0]["label_tokens"] and all(np.isfinite(r["loss"]) for r in s)
+    # the untrained model's token losses are nearly equal, so the two means nearly agree at first; the
+    # rule moves the updates, hence the later losses: by far more than float32's 5e-7 on losses ~5
+    # (and a run repeats bit for bit), 1e-5 being 20x that
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(t, s)) > 1e-5
+    capsys.readouterr()
+    assert main([*_cli(chat / "chat.jsonl", run, "g", "loader"), "--weight-normalisation", "group"]) != 0
+    err = capsys.readouterr().err
+    assert "--weight-normalisation group averages whole packed sequences and needs their samples' groups" in err
