@@ -55,6 +55,16 @@ averaged over the sequences whose ``sum |w|`` is positive (:func:`count_sequence
 :func:`sequence_loss_sums` gives ``(sum w * loss, sum |w|)`` per sequence on a weighted
 row.
 
+**Which mean** (:class:`~sftpack.sample.WeightNormalisation`, one rule with a choice): the
+*token* mean above (the default); the *sequence* mean (each sequence's weighted mean, then the
+mean over the step's sequences); the *group* mean (each group's mean over its sequences, a
+group being a GRPO prompt's completions or a pair, ``Sample.meta["group"]``; then the mean over
+the step's groups). :func:`normalise_weights` turns each choice into the token rule on
+per-token coefficients (``w / sum |w|`` of the sequence, and ``/ n_g`` for its group's
+``n_g`` trained sequences) over a counted denominator (the step's trained sequences, or
+groups), all-reduced once per step: one code path for the loss, exact over micro-batches,
+gradient accumulation and ranks, and a group may span all three.
+
 What is *not* exact, and a bug seen in the wild: averaging per-row (or
 per-micro-batch) means. A row holding one long answer and one short one weighs
 them differently from the unpacked batch, and the loss moves when the packing
@@ -75,14 +85,16 @@ Typical step::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import dataclasses
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
 
+from ._base import choose
 from .handoff import CPShard, PackedBatch, segment_ids
-from .sample import IGNORE_INDEX
+from .sample import IGNORE_INDEX, WeightNormalisation
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch.distributed import ProcessGroup
@@ -92,6 +104,7 @@ __all__ = [
     "count_label_tokens",
     "count_sequences",
     "loss_dtype",
+    "normalise_weights",
     "sequence_logprob_means",
     "sequence_logprob_sums",
     "sequence_loss_sums",
@@ -210,6 +223,135 @@ def count_label_tokens(
     for b in items:
         n = n + _target_mass(b).sum().to(device=dev, dtype=dtype)
     return _all_reduce_sum(n, group)
+
+
+def normalise_weights(
+    batches: PackedBatch | Iterable[PackedBatch],
+    normalise: WeightNormalisation | str = WeightNormalisation.TOKEN,
+    *,
+    sequence_groups: Sequence[Sequence[int]] | None = None,
+    num_groups: int | None = None,
+    group: ProcessGroup | Literal[False] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[list[PackedBatch], torch.Tensor]:
+    """The step's micro-batches with their weights turned into the coefficients of the
+    ``normalise`` rule, and the step's global denominator: each micro-batch's
+    ``token_mean_loss(logits, batch, n)`` (or the fused head given the batch's weights and
+    ``n``) is then its share of the rule, and the shares summed over micro-batches and ranks
+    are the rule over the whole step, however the sequences were split. One all-reduce per step,
+    whichever the rule.
+
+    With ``w`` a target's weight (1 on every target of a row without weights), ``S_i`` sequence
+    ``i``'s ``sum |w|`` and ``n_g`` the sequences of group ``g`` in the step whose ``S_i > 0``:
+
+    - ``"token"``: the weights as they are, over ``n = sum |w|`` of the step
+      (:func:`count_label_tokens` ``weighted=True``);
+    - ``"sequence"``: ``w / S_i`` on sequence ``i``'s targets, over ``n`` = the step's sequences
+      with ``S_i > 0``: the mean over sequences of each one's ``sum w * loss / S_i``;
+    - ``"group"``: ``w / (S_i * n_g)``, over ``n`` = the step's groups with ``n_g > 0``: the mean
+      over groups of each group's mean over its sequences.
+
+    The coefficients of a sequence (of a group) sum in ``|.|`` to 1, so ``n`` is ``sum |c|`` of
+    the step: each rule is the token rule on the coefficients (a sequence or group weighted 0
+    everywhere drops out, as a target weighted 0 does). ``n`` is counted, not summed, so it is an
+    exact integer.
+
+    Args:
+        batches: this rank's micro-batches of the step (whole rows: a context-parallel shard holds
+            part of each sequence and is refused by ``"sequence"`` and ``"group"``).
+        normalise: :class:`~sftpack.sample.WeightNormalisation` or its value.
+        sequence_groups: ``"group"`` only: for each batch, the group number of each of its
+            sequences, in ``[0, num_groups)``, numbered over the whole step and the same on every
+            rank (a sequence without a group gets a number of its own).
+        num_groups: ``"group"`` only: the step's groups, on every rank.
+        group: the process group to sum over, as in :func:`count_label_tokens` (``False``: none).
+        device: where ``n`` lives (default: the first batch's).
+
+    Returns:
+        ``(batches, n)``: the batches with float64 :attr:`~sftpack.PackedBatch.weights` (the same
+        objects for ``"token"``), and a 0-dim float64 ``n`` (0 when nothing is trained).
+
+    >>> import torch
+    >>> from sftpack import PackedBatch
+    >>> b = PackedBatch.from_samples([[1, 2, 3, 4, 5], [6, 7]])  # 4 targets and 1
+    >>> [c], n = normalise_weights([b], "sequence", group=False)
+    >>> c.weights.tolist(), float(n)
+    ([0.25, 0.25, 0.25, 0.25, 0.0, 1.0, 0.0], 2.0)
+    >>> [c], n = normalise_weights([b], "group", sequence_groups=[[0, 0]], num_groups=1, group=False)
+    >>> c.weights.tolist(), float(n)  # one group of two sequences
+    ([0.125, 0.125, 0.125, 0.125, 0.0, 0.5, 0.0], 1.0)
+    """
+    items = _batches(batches)
+    rule = choose(WeightNormalisation, normalise, "normalise")
+    dev = torch.device(device) if device is not None else items[0].device
+    if rule is WeightNormalisation.TOKEN:
+        return items, count_label_tokens(items, group=group, device=dev, weighted=True)
+    shards = [i for i, b in enumerate(items) if isinstance(b, CPShard)]
+    if shards:
+        raise ValueError(
+            f"normalise_weights({str(rule)!r}): batch {shards[0]} is a context-parallel shard holding part of each "
+            "sequence; normalise the whole rows, then shard them (sftpack.handoff.shard_for_cp)"
+        )
+    masses = [_sequence_mass(b) for b in items]
+    if rule is WeightNormalisation.SEQUENCE:
+        n = torch.zeros((), dtype=torch.float64, device=dev)
+        for m in masses:
+            n = n + (m > 0).sum().to(device=dev, dtype=torch.float64)
+        return [_scaled(b, m) for b, m in zip(items, masses)], _all_reduce_sum(n, group)
+    numbers = _group_numbers(items, sequence_groups, num_groups)
+    assert num_groups is not None  # _group_numbers checked it
+    sizes = torch.zeros(num_groups, dtype=torch.float64, device=dev)
+    for m, g in zip(masses, numbers):
+        sizes.index_add_(0, g.to(dev), (m > 0).to(device=dev, dtype=torch.float64))
+    sizes = _all_reduce_sum(sizes, group)  # every rank's sequences: each group's n_g over the step
+    out = [
+        _scaled(b, m * sizes.to(m.device).index_select(0, g.to(m.device))) for b, m, g in zip(items, masses, numbers)
+    ]
+    return out, (sizes > 0).sum().to(torch.float64)
+
+
+def _sequence_mass(b: PackedBatch) -> torch.Tensor:
+    """``(N,)`` float64 ``sum |w|`` of each sequence of ``b`` (its target count without weights)."""
+    mass = _target_mass(b).to(torch.float64)
+    return torch.zeros(b.num_sequences, dtype=torch.float64, device=mass.device).index_add(0, segment_ids(b), mass)
+
+
+def _scaled(b: PackedBatch, divisor: torch.Tensor) -> PackedBatch:
+    """``b`` with weights ``w / divisor[its sequence]`` (0 where the divisor is 0: nothing trained there)."""
+    w = b.weights.to(torch.float64) if b.weights is not None else (b.labels != IGNORE_INDEX).to(torch.float64)
+    d = divisor.index_select(0, segment_ids(b))
+    coef = torch.where(d > 0, w / torch.where(d > 0, d, torch.ones_like(d)), torch.zeros_like(w))
+    return dataclasses.replace(b, weights=coef)
+
+
+def _group_numbers(
+    items: list[PackedBatch], sequence_groups: Sequence[Sequence[int]] | None, num_groups: int | None
+) -> list[torch.Tensor]:
+    """Each batch's ``(N,)`` int64 group numbers, checked against the batches and ``num_groups``."""
+    if sequence_groups is None or num_groups is None:
+        raise ValueError(
+            "normalise_weights('group'): give sequence_groups (each batch's group number per sequence) and "
+            "num_groups (the step's groups, numbered the same on every rank)"
+        )
+    if len(sequence_groups) != len(items):
+        raise ValueError(
+            f"normalise_weights('group'): sequence_groups has {len(sequence_groups)} entries for {len(items)} batches"
+        )
+    out = []
+    for i, (b, g) in enumerate(zip(items, sequence_groups)):
+        t = torch.as_tensor(list(g), dtype=torch.int64)
+        if t.shape != (b.num_sequences,):
+            raise ValueError(
+                f"normalise_weights('group'): sequence_groups[{i}] has {t.numel()} numbers but batch {i} holds "
+                f"{b.num_sequences} sequences: give one group number per sequence"
+            )
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_groups):
+            raise ValueError(
+                f"normalise_weights('group'): sequence_groups[{i}] holds {int(t.min())}..{int(t.max())}, outside "
+                f"[0, num_groups={num_groups})"
+            )
+        out.append(t)
+    return out
 
 
 def token_mean_loss(

@@ -49,6 +49,7 @@ __all__ = [
     "Overlong",
     "OverlongError",
     "Sample",
+    "WeightNormalisation",
     "as_sample",
     "check_sft_sample",
     "check_unweighted",
@@ -59,6 +60,20 @@ __all__ = [
 
 #: Label value that every consumer (PyTorch cross-entropy, Megatron, Hugging Face) skips.
 IGNORE_INDEX = -100
+
+
+class WeightNormalisation(StrEnum):
+    """How a step's weighted losses share one unit of loss: one rule, three choices
+    (:func:`sftpack.loss.normalise_weights`; every mean divides ``sum w * loss`` by ``sum |w|``
+    over the same targets, a sequence or group whose ``sum |w|`` is 0 drops out)."""
+
+    #: the token mean over the step: ``sum w * loss / sum |w|`` over every target of the step (the default)
+    TOKEN = "token"
+    #: each sequence's weighted token mean, then the mean over the step's sequences
+    SEQUENCE = "sequence"
+    #: each group's mean over its sequences (``Sample.meta["group"]``; a sequence without one is its own
+    #: group), then the mean over the step's groups
+    GROUP = "group"
 
 
 @dataclass(eq=False)

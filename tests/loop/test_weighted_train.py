@@ -15,22 +15,36 @@ with tests/consumers/test_weights.py's addition for the weights: one more roundi
 
 Negative control: dropping the weights (the bug of TRL #5951: packing strips the column) moves
 the first step's loss by more than 1e-3 (asserted), seven orders over the tolerance.
+
+The three choices of the rule (``TrainConfig.weight_normalisation``, sftpack.loss.normalise_weights):
+"token" (above), "sequence" and "group" (GRPO-style groups in ``Sample.meta["group"]``, spanning
+micro-batches and ranks) run through the same loop: each equals the conversations alone under the
+same choice (20 steps, grad_accum 1 and 2), step 1 equals the choice's definition by hand, and 2
+gloo ranks equal 1 after 2 steps. Tolerance: the same 1e-10; the coefficients add two roundings per
+target (w / (S_i * n_g)) and the counted denominators none, so the one-step bound stays within
+3.8e-11 * (1 + 2/1.5e4); the all-reduces of 2 ranks add one rounding per value
+(tests/loop/test_distributed.py). Negative control: "sequence" and "group" each move step 1's loss
+away from the token mean by more than 1e-3.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from sftpack import PackedBatch, Sample
 from sftpack.loop import make_source, train
 from sftpack.loop._model import _body_and_head
 from sftpack.loop._sources import Source
-from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model
+from sftpack.sample import WeightNormalisation
+from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples
+from tests.loop.conftest import run_ranks
 
 F64 = torch.float64
 TOL = 1e-10  # float64; see the docstring
@@ -58,8 +72,29 @@ def weighted(samples: list[Sample]) -> list[Sample]:
     return out
 
 
+def grouped(samples: list[Sample]) -> list[Sample]:
+    """GRPO-style groups (a prompt's completions): 6 groups, conversation i in group i % 6, but
+    every 7th conversation has none (a group of its own). A step draws several members of a group."""
+    return [
+        Sample(
+            s.input_ids,
+            s.loss_mask,
+            s.conversation_id,
+            {} if i % 7 == 0 else {"group": f"g{i % 6}"},
+            weights=s.weights,
+        )
+        for i, s in enumerate(samples)
+    ]
+
+
+def _group_numbers(step: list[Sample]) -> list[int]:
+    numbered: dict[object, int] = {}
+    return [numbered.setdefault(s.meta.get("group", ("own", i)), len(numbered)) for i, s in enumerate(step)]
+
+
 class Alone(Source):
-    """The reference: the steps' conversations, each its own one-sequence micro-batch."""
+    """The reference: the steps' conversations, each its own one-sequence micro-batch (a
+    group's members in several micro-batches: its groups, as :class:`TrainerSource` numbers them)."""
 
     step_weighted = True
 
@@ -69,6 +104,8 @@ class Alone(Source):
     def next_step(self):
         step = self.steps[self.i]
         self.i += 1
+        numbers = _group_numbers(step)
+        self.step_groups = ([[g] for g in numbers], max(numbers) + 1)
         return [PackedBatch.from_samples([s]) for s in step]
 
     def state_dict(self):
@@ -81,11 +118,12 @@ class Alone(Source):
         return "alone"
 
 
-def rule_by_hand(model, samples: list[Sample]) -> float:
-    """sum(w * loss) / sum(|w|) over the samples' targets, each sample run alone."""
+def rule_by_hand(model, samples: list[Sample], rule: str = "token") -> float:
+    """The rule over the samples' targets, each sample run alone: "token": sum(w * loss) / sum(|w|);
+    "sequence": the mean of each sample's sum(w * loss) / sum(|w|) (over those with sum |w| > 0);
+    "group": the mean over groups of the mean over each group's samples."""
     body, head = _body_and_head(model)
-    num = torch.zeros((), dtype=F64)
-    den = torch.zeros((), dtype=F64)
+    nums, dens = [], []
     with torch.no_grad():
         for s in samples:
             ids = torch.as_tensor(s.input_ids)[None]
@@ -94,9 +132,18 @@ def rule_by_hand(model, samples: list[Sample]) -> float:
             trained = torch.as_tensor(s.loss_mask[1:])
             w = torch.ones(len(s) - 1, dtype=F64) if s.weights is None else torch.as_tensor(s.weights[1:], dtype=F64)
             loss = F.cross_entropy(logits[:-1], target, reduction="none")
-            num += (w * loss)[trained].sum()
-            den += w.abs()[trained].sum()
-    return float(num / den)
+            nums.append(float((w * loss)[trained].sum()))
+            dens.append(float(w.abs()[trained].sum()))
+    if rule == "token":
+        return sum(nums) / sum(dens)
+    means = {i: nums[i] / dens[i] for i in range(len(samples)) if dens[i] > 0}
+    if rule == "sequence":
+        return sum(means.values()) / len(means)
+    groups: dict[int, list[float]] = {}
+    for i, g in enumerate(_group_numbers(samples)):
+        if i in means:
+            groups.setdefault(g, []).append(means[i])
+    return sum(sum(v) / len(v) for v in groups.values()) / len(groups)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -120,6 +167,150 @@ def test_weighted_trainer_path_equals_each_conversation_alone(samples, grad_accu
     # negative control: the same conversations with their weights dropped
     plain = [Sample(s.input_ids, s.loss_mask, s.conversation_id) for s in steps[0]]
     assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), plain)) > BUG
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("rule", ["sequence", "group"])
+def test_sequence_and_group_means_equal_each_conversation_alone(samples, rule, grad_accum):
+    """The same loop, the same fused head, the other two choices: packed == alone (whose groups span
+    one-conversation micro-batches) over 20 steps, step 1 == the choice by hand; not the token mean."""
+    data = grouped(weighted(samples))
+    cfg = tiny_config(packing="trainer", pad_multiple=4, grad_accum=grad_accum, weight_normalisation=rule)
+    run = train(cfg, source=make_source(cfg, samples=data), model=tiny_model(dtype=F64))
+    by_id = {s.conversation_id: s for s in data}
+    steps = [[by_id[c] for c in step] for step in run.conversations]
+    assert any(len({s.meta.get("group") for s in step if s.meta}) < sum(bool(s.meta) for s in step) for step in steps)
+
+    ref_cfg = tiny_config(packing="trainer", weight_normalisation=rule)
+    ref = train(ref_cfg, source=Alone(steps), model=tiny_model(dtype=F64))
+    dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
+    print(f"{rule} float64: max |dloss| {dl:.2e}, max |dparam| {dp:.2e} (tolerance {TOL:.0e})")
+    assert dl <= TOL and dp <= TOL, (dl, dp)
+
+    by_hand = rule_by_hand(tiny_model(dtype=F64), steps[0], rule)
+    assert abs(run.losses[0] - by_hand) <= TOL, (run.losses[0], by_hand)
+    # negative control: the token mean of the same step
+    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0])) > BUG
+
+
+def test_sequence_mean_without_weights(samples):
+    """No weight column: "sequence" is the plain per-conversation mean (weight 1 on every target)."""
+    cfg = tiny_config(packing="trainer", pad_multiple=4, steps=1, weight_normalisation="sequence")
+    run = train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(dtype=F64))
+    by_id = {s.conversation_id: s for s in samples}
+    step = [by_id[c] for c in run.conversations[0]]
+    want = rule_by_hand(tiny_model(dtype=F64), step, "sequence")
+    assert abs(run.losses[0] - want) <= TOL, (run.losses[0], want)
+    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), step)) > BUG
+
+
+def test_sequence_mean_on_the_loader_path(samples):
+    """ "sequence" needs whole sequences, not the trainer path: the loader's rows (no weights there)
+    give the per-conversation mean of the step's conversations."""
+    cfg = tiny_config(packing="loader", batch_size=2, buffer_size=16, steps=1, weight_normalisation="sequence")
+    run = train(cfg, source=make_source(cfg, samples=samples), model=tiny_model(dtype=F64))
+    by_id = {s.conversation_id: s for s in samples}
+    step = [by_id[c] for c in run.conversations[0]]
+    assert len(step) > 2
+    want = rule_by_hand(tiny_model(dtype=F64), step, "sequence")
+    assert abs(run.losses[0] - want) <= TOL, (run.losses[0], want)
+    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), step)) > BUG
+
+
+@pytest.mark.parametrize("packing", ["none", "loader", "offline"])
+def test_group_refuses_the_other_paths(packing):
+    with pytest.raises(ValueError, match=f"weight_normalisation group .* groups: not packing {packing} with"):
+        tiny_config(packing=packing, weight_normalisation="group")
+
+
+def test_sequence_refuses_padded_batches_and_dpo():
+    with pytest.raises(
+        ValueError, match="weight_normalisation sequence averages whole packed sequences: not packing none"
+    ):
+        tiny_config(packing="none", weight_normalisation="sequence")
+    with pytest.raises(ValueError, match="weight_normalisation sequence .* with objective dpo"):
+        tiny_config(packing="trainer", objective="dpo", weight_normalisation="sequence")
+    with pytest.raises(ValueError, match="weight_normalisation='mean' is not valid"):
+        tiny_config(weight_normalisation="mean")
+    assert "weight_normalisation" not in tiny_config().as_dict()  # the default: saved configs unchanged
+    assert tiny_config(weight_normalisation="group").as_dict()["weight_normalisation"] == "group"
+
+
+def test_group_refused_on_a_source_without_groups(samples):
+    class NoGroups(Alone):
+        def next_step(self):
+            out = super().next_step()
+            self.step_groups = None
+            return out
+
+    cfg = tiny_config(packing="trainer", steps=1, weight_normalisation="group")
+    with pytest.raises(ValueError, match="NoGroups does not know its samples' groups"):
+        train(cfg, source=NoGroups([samples[:4]]), model=tiny_model(dtype=F64))
+
+
+# ------------------------------------------------------------------ 2 gloo ranks == 1
+WORLD = 2
+RANK_STEPS = 2
+RULES = [str(r) for r in WeightNormalisation]
+
+
+def _rank_config(rule: str):
+    return tiny_config(packing="trainer", steps=RANK_STEPS, batch_size=12, pad_multiple=2, weight_normalisation=rule)
+
+
+def _rank_data():
+    return grouped(weighted(tiny_samples()))
+
+
+def _rank_worker(rank: int, init_file: str, out_file: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD, timeout=timedelta(seconds=300)
+    )
+    try:
+        out = {}
+        for rule in RULES:
+            cfg = _rank_config(rule)
+            run = train(
+                cfg, source=make_source(cfg, samples=_rank_data(), rank=rank, world=WORLD), model=tiny_model(dtype=F64)
+            )
+            out[rule] = {
+                "losses": run.losses,
+                "params": [p.detach() for p in run.model.parameters()],
+                "conversations": run.conversations,
+            }
+        torch.save(out, f"{out_file}.{rank}")
+        dist.barrier()  # both ranks done before either tears gloo down (tests/loop/test_distributed.py)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed with gloo")
+def test_two_gloo_ranks_equal_one_under_every_choice(tmp_path):
+    """Weighted, grouped data on the trainer path, 2 steps: 2 gloo ranks (whose groups span the
+    ranks) give 1 rank's losses and parameters, for token, sequence and group."""
+    ones = {}
+    for rule in RULES:  # first: the forked ranks inherit the loaded modules
+        cfg = _rank_config(rule)
+        ones[rule] = train(cfg, source=make_source(cfg, samples=_rank_data()), model=tiny_model(dtype=F64))
+    out = str(tmp_path / "rank")
+    run_ranks(_rank_worker, (str(tmp_path / "init"), out), WORLD)
+    two = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    by_id = {s.conversation_id: s for s in _rank_data()}
+    for rule in RULES:
+        one = ones[rule]
+        a, b = two[0][rule]["conversations"], two[1][rule]["conversations"]
+        assert all(sorted(x + y) == sorted(z) for x, y, z in zip(a, b, one.conversations))
+        groups = [
+            {by_id[c].meta.get("group") for c in x} & {by_id[c].meta.get("group") for c in y} for x, y in zip(a, b)
+        ]
+        assert any(g - {None} for g in groups), "no group spans the two ranks"
+        dl = max_loss_diff(two[0][rule]["losses"], one.losses)
+        dp = max(float((p - q.detach()).abs().max()) for p, q in zip(two[0][rule]["params"], one.model.parameters()))
+        print(f"{rule}, 2 ranks vs 1: max |dloss| {dl:.1e}, max |dparam| {dp:.1e} (tolerance {TOL:.0e})")
+        assert dl <= TOL and dp <= TOL, (rule, dl, dp)
+    assert abs(ones["sequence"].losses[0] - ones["token"].losses[0]) > BUG
+    assert abs(ones["group"].losses[0] - ones["sequence"].losses[0]) > BUG
 
 
 def test_unweighted_steps_keep_their_int_count(samples):
@@ -207,3 +398,27 @@ def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     for packing in ("loader", "offline"):
         assert main(_cli(weighted_file, run, packing, packing)) != 0
         assert "carries per-token weights" in capsys.readouterr().err
+
+
+def test_cli_weight_normalisation(chat, tmp_path, capsys):
+    """``sftpack train --weight-normalisation sequence`` on a weighted JSONL: the same conversations and
+    targets as token, other updates (the flag reaches the run; the rule itself is tested above);
+    ``group`` off the trainer path is refused in one line."""
+    from sftpack.cli import main
+
+    (tmp_path / "tok").symlink_to(chat / "tok")
+    run = tmp_path / "run"
+    run.mkdir()
+    data = _weighted_chat(chat, tmp_path / "weighted.jsonl")
+    assert main(_cli(data, run, "token")) == 0
+    assert main([*_cli(data, run, "sequence"), "--weight-normalisation", "sequence"]) == 0
+    t, s = ([json.loads(line) for line in (run / f"{n}.jsonl").read_text().splitlines()] for n in ("token", "sequence"))
+    assert t[0]["label_tokens"] == s[0]["label_tokens"] and all(np.isfinite(r["loss"]) for r in s)
+    # the untrained model's token losses are nearly equal, so the two means nearly agree at first; the
+    # rule moves the updates, hence the later losses: by far more than float32's 5e-7 on losses ~5
+    # (and a run repeats bit for bit), 1e-5 being 20x that
+    assert max(abs(a["loss"] - b["loss"]) for a, b in zip(t, s)) > 1e-5
+    capsys.readouterr()
+    assert main([*_cli(chat / "chat.jsonl", run, "g", "loader"), "--weight-normalisation", "group"]) != 0
+    err = capsys.readouterr().err
+    assert "--weight-normalisation group averages whole packed sequences and needs their samples' groups" in err

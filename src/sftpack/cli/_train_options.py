@@ -33,6 +33,7 @@ def add_arguments(t: argparse.ArgumentParser) -> None:
         t.add_argument_group("optimisation"),
         TrainConfig,
         *("lr", "warmup_steps", "schedule", "min_lr_ratio", "weight_decay", "grad_accum", "clip_norm", "on_nonfinite"),
+        "weight_normalisation",
     )
     e = t.add_argument_group("evaluation")
     add_settings(e, TrainConfig, "eval_fraction")

@@ -9,6 +9,10 @@ One optimizer step, on every rank::
         (sum of token losses(mb) / n * world).backward()   # both average over ranks: undo it
     clip, AdamW step, LR step; log loss, real tokens, slots, tokens/s
 
+With weights, or ``config.weight_normalisation`` "sequence" / "group", the rows' weights are first
+turned into the rule's coefficients and ``n`` into its count (:func:`sftpack.loss.normalise_weights`,
+one all-reduce), and the same loop runs.
+
 The loss of a step is the token mean over the whole global batch, however the
 conversations were grouped into rows, micro-batches and ranks, so the packed
 paths and the padded baseline train the same model from the same conversations
@@ -35,8 +39,9 @@ from typing import Any, Literal
 
 import torch
 
-from ..loss import count_label_tokens
-from ..sample import Sample
+from ..handoff import PackedBatch
+from ..loss import normalise_weights
+from ..sample import Sample, WeightNormalisation
 from ._bar import ProgressBar
 from ._checkpointing import Checkpoints
 from ._eval import EvalSet, Evaluation
@@ -327,11 +332,13 @@ def _step(
     # the loss's denominator, over the whole step on every rank: supervised targets, or (dpo) pairs
     local = sum(len(pairs_in(mb)) for mb in mbs) if dpo else labels
     n = all_reduce(torch.tensor(local, dtype=torch.int64, device=state.device))
-    # with weights (sft), the weighted count sum |w| (sftpack.loss's rule; step_weighted is the same on
-    # every rank, so every rank all-reduces float64 alike)
+    # with weights (sft), or a sequence / group mean: the weights turned into the rule's coefficients
+    # and its global denominator (sftpack.loss.normalise_weights; step_weighted and the rule are the
+    # same on every rank, so every rank all-reduces float64 alike)
     denom = n
-    if not dpo and getattr(state.source, "step_weighted", False):  # a duck-typed source: no weights
-        denom = all_reduce(count_label_tokens(mbs, group=False, device=state.device, weighted=True))  # type: ignore[arg-type]
+    rule = state.config.weight_normalisation
+    if not dpo and (rule is not WeightNormalisation.TOKEN or getattr(state.source, "step_weighted", False)):
+        mbs, denom = _normalised(state, mbs, rule)
     state.optimization.zero_grad()
     # n is global: every rank agrees on a step with no supervised target at all (or all weighted 0)
     skipped = "" if int(n) and bool(denom) else "no_targets"
@@ -391,6 +398,27 @@ def _step(
         record.pairs = int(n)
         record.chosen_reward, record.rejected_reward, record.reward_accuracy = (float(x) for x in counts[7:10])
     return mbs, record
+
+
+def _normalised(
+    state: LoopState, mbs: list[MicroBatch], rule: WeightNormalisation | str
+) -> tuple[list[MicroBatch], torch.Tensor]:
+    """The step's rows with their weights as ``rule``'s coefficients, and its global denominator
+    (one all-reduce); ``"group"`` reads the source's groups of the step's sequences."""
+    rows = [mb for mb in mbs if isinstance(mb, PackedBatch)]
+    if len(rows) < len(mbs):  # TrainConfig refuses it first: a padded batch has no sequence boundaries
+        raise ValueError(f"weight_normalisation {rule}: the micro-batches must be packed rows (--packing trainer)")
+    groups: dict[str, Any] = {}
+    if rule is WeightNormalisation.GROUP:
+        known = getattr(state.source, "step_groups", None)
+        if known is None:
+            raise ValueError(
+                f"weight_normalisation group: {type(state.source).__name__} does not know its samples' groups; "
+                "use the trainer path's source (make_source, --packing trainer)"
+            )
+        groups = {"sequence_groups": known[0], "num_groups": known[1]}
+    out, n = normalise_weights(rows, rule, device=state.device, **groups)
+    return list(out), n
 
 
 def _backward(state: LoopState, mbs: list[MicroBatch], n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

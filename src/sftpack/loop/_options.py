@@ -13,6 +13,7 @@ from typing import Any
 from .._base import StrEnum, choose, positive_int
 from ..balance import SequenceCost, sequence_cost
 from ..chat import DEFAULT_MAX_SEQ_LEN
+from ..sample import WeightNormalisation
 
 __all__ = ["Boundaries", "ConfigError", "NonFinite", "Objective", "Packing", "Schedule", "TrainConfig"]
 
@@ -144,6 +145,10 @@ class TrainConfig:
         lr, weight_decay, betas, eps: AdamW.
         warmup_steps, schedule, min_lr_ratio: the learning-rate schedule.
         clip_norm: gradient-norm clipping (``None``: off).
+        weight_normalisation: :class:`~sftpack.sample.WeightNormalisation`: how a step's
+            (weighted) losses are averaged, :func:`sftpack.loss.normalise_weights`'s one rule:
+            ``"token"`` (the default), ``"sequence"`` (the SFT objective on a packed path: whole
+            sequences) or ``"group"`` (the trainer path's SFT: it knows its samples' groups).
         pad_multiple: pad every sequence to a multiple of this (``2 * CP``).
         boundaries: :class:`Boundaries`; ``None``: the path's own default.
         buffer_size: the loader's packing buffer (sequences).
@@ -251,6 +256,14 @@ class TrainConfig:
     clip_norm: float | None = field(
         default=1.0, metadata={"help": "gradient-norm clipping; 0 = off (default {default})"}
     )
+    weight_normalisation: WeightNormalisation | str = field(
+        default=WeightNormalisation.TOKEN,
+        metadata={
+            "help": "how a step's losses (times their weight or advantage column) are averaged: token (sum w*loss "
+            "/ sum |w| over the step's targets), sequence (each sequence's weighted mean, then their mean) or "
+            "group (each group's mean over its sequences, then their mean; --packing trainer) (default {default})"
+        },
+    )
     pad_multiple: int = field(
         default=1,
         metadata={
@@ -350,6 +363,20 @@ class TrainConfig:
             self._check_dpo()
         self.schedule = choose(Schedule, self.schedule, "schedule")
         self.on_nonfinite = choose(NonFinite, self.on_nonfinite, "on_nonfinite")
+        self.weight_normalisation = choose(WeightNormalisation, self.weight_normalisation, "weight_normalisation")
+        rule = self.weight_normalisation
+        if rule is not WeightNormalisation.TOKEN and (
+            self.objective is not Objective.SFT
+            or self.packing is Packing.NONE
+            or (rule is WeightNormalisation.GROUP and self.packing is not Packing.TRAINER)
+        ):
+            raise ConfigError(
+                f"{{weight_normalisation}} {rule} averages whole packed sequences"
+                + (" and needs their samples' groups" if rule is WeightNormalisation.GROUP else "")
+                + f": not {{packing}} {self.packing} with {{objective}} {self.objective}; use "
+                + ("{packing} trainer" if rule is WeightNormalisation.GROUP else "a packed path")
+                + " with {objective} sft, or {weight_normalisation} token"
+            )
         self.boundaries = (
             PATH_BOUNDARIES[self.packing]
             if self.boundaries is None
@@ -474,6 +501,10 @@ class TrainConfig:
         d = asdict(self)
         for k in ("packing", "schedule", "boundaries", "on_nonfinite", "objective"):
             d[k] = str(d[k])
+        if self.weight_normalisation is WeightNormalisation.TOKEN:  # the default: the saved config stays what it was
+            del d["weight_normalisation"]
+        else:
+            d["weight_normalisation"] = str(d["weight_normalisation"])
         if self.objective is Objective.SFT:  # an SFT run's saved config stays what it was
             del d["objective"], d["beta"]
         if self.objective is not Objective.SIMPO:  # SimPO's alone: a DPO run's saved config stays what it was

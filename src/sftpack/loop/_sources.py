@@ -145,6 +145,12 @@ class Source(ABC):
     #: (:func:`sftpack.loss.count_label_tokens` ``weighted=True``), the rule of :mod:`sftpack.loss`
     step_weighted: bool = False
 
+    #: the group number of each sequence of each micro-batch :meth:`next_step` last gave, numbered
+    #: over the whole step alike on every rank (``Sample.meta["group"]``; a sample without one is
+    #: a group of its own), and the step's number of groups: what ``weight_normalisation="group"``
+    #: reads (:func:`sftpack.loss.normalise_weights`); ``None``: this source does not know them
+    step_groups: tuple[list[list[int]], int] | None = None
+
     @abstractmethod
     def next_step(self) -> list[MicroBatch]:
         """This rank's micro-batches of the next optimizer step."""
@@ -456,11 +462,9 @@ class TrainerSource(_SampleSource):
                 "patches": np.fromiter((s.num_patches for s in chosen), dtype=np.int64, count=len(chosen)),
                 "max_patches_per_row": self.max_patches_per_row,
             }
+        groups = _group_numbers(chosen)  # the step's, so the same on every rank
         if self.pairs:  # each pair whole in one micro-batch of one rank
-            numbered: dict[Any, int] = {}
-            patches["groups"] = np.array(
-                [numbered.setdefault(s.meta["group"], len(numbered)) for s in chosen], dtype=np.int64
-            )
+            patches["groups"] = groups
         plan = plan_microbatches(
             lengths,
             self.micro_batch_tokens,
@@ -471,6 +475,7 @@ class TrainerSource(_SampleSource):
             **patches,
         )
         out: list[MicroBatch] = []
+        self.step_groups = ([groups[sorted(mb.tolist())].tolist() for mb in plan[self.rank]], int(groups.max()) + 1)
         for mb in plan[self.rank]:
             picked = [chosen[i] for i in sorted(mb.tolist())]
             ids, lens, mask = padded_batch(picked, pad_id=self.pad_id)
@@ -499,6 +504,23 @@ class TrainerSource(_SampleSource):
         # no cost: it decides which rank and micro-batch a conversation lands in, never what a step
         # trains on, so a checkpoint resumes under another cost (another model's, another world size's)
         return _hash(key)
+
+
+def _group_numbers(samples: Sequence[Sample]) -> np.ndarray:
+    """``(n,)`` int64: each sample's group (``meta["group"]``: a preference pair, a prompt's
+    completions), numbered in order of first appearance; a sample without one gets a number of its own."""
+    numbered: dict[Any, int] = {}
+    return np.array(
+        [
+            numbered.setdefault((s.meta or {}).get("group", (_OWN_GROUP, i)), len(numbered))
+            for i, s in enumerate(samples)
+        ],
+        dtype=np.int64,
+    )
+
+
+#: the key of a sample without a group: a group of its own, never equal to a user's group
+_OWN_GROUP = object()
 
 
 def _padded_weights(picked: Sequence[Sample], width: int) -> torch.Tensor | None:
