@@ -24,9 +24,9 @@ from .._types import Tokenizer
 
 # The multimodal core's modules (the package's own names would also load its exactness harness)
 from ..multimodal import Family, check_patch_budget, family_for, split_sample, tokenize_record
-from ..sample import Overlong, OverlongError, Sample
+from ..sample import Overlong, OverlongError, Sample, check_unweighted, pair_sequence_id
 from ._settings import LoaderSettings
-from ._source import Item, cut_overlong, is_conversation
+from ._source import Item, cut_overlong, group_of, is_conversation
 from ._stats import OVERLONG
 
 __all__ = ["Cut", "Cutter"]
@@ -61,11 +61,34 @@ class Cutter:
         return self._family
 
     def cut(self, index: int, obj: object) -> Cut:
-        """The items of source item ``index`` (``obj``) under the over-long policy."""
+        """The items of source item ``index`` (``obj``) under the over-long policy; a group's member
+        (``groups=True``) gets its group and, in a preference pair, its
+        :func:`~sftpack.sample.pair_sequence_id` as the row's sequence id."""
         if is_conversation(obj) or (isinstance(obj, Sample) and obj.media is not None):
-            return self._cut_media(index, obj)
-        items, lost = cut_overlong(index, obj, self.settings.max_seq_len, self.settings.overlong)
-        return Cut(items, lost, None if items else OVERLONG)
+            if isinstance(obj, Sample):
+                check_unweighted(obj, "the loader's samples with media")
+            cut = self._cut_media(index, obj)
+        else:
+            items, lost = cut_overlong(index, obj, self.settings.max_seq_len, self.settings.overlong)
+            cut = Cut(items, lost, None if items else OVERLONG)
+        group = group_of(obj)
+        if group is not None and isinstance(obj, Sample):
+            paired = "role" in obj.meta
+            if not self.settings.groups:
+                if paired:
+                    raise ValueError(
+                        f"PackingDataset: sample {index} (conversation {obj.conversation_id!r}) is the "
+                        f"{obj.meta['role']} answer of a preference pair, and this dataset packs each sample on its "
+                        "own (the pair could be split over rows, its answers trained as SFT): build it with "
+                        "groups=True (each pair whole in one row; sftpack train --objective dpo --packing loader)"
+                    )
+                return cut
+            sid = pair_sequence_id(obj) if paired else None
+            for it in cut.items:
+                it.group = group
+                if sid is not None:
+                    it.sequence_id = sid
+        return cut
 
     def _cut_media(self, index: int, obj: object) -> Cut:
         """:meth:`cut` of a sample with media or a conversation (tokenized here, accounted as

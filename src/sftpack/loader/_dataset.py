@@ -136,6 +136,15 @@ class PackingDataset(RowStream, IterableDataset):
             with media may be cut.
         tokenizer, processor: for conversation items (default the family's ``tokenizer()``
             and ``image_processor()``, built on first use).
+        groups: keep each group whole in one row: the samples of one ``meta["group"]`` that follow
+            each other in the source (a preference pair, :func:`sftpack.chat.tokenize_pair`) are read,
+            shuffled, dealt and planned as one unit (:func:`sftpack.binpack.pack`'s ``groups``); a
+            pair member's sequence id is :func:`sftpack.sample.pair_sequence_id`, so
+            ``sftpack.objectives.pairs_of(row, sftpack.sample.pair_meta(row.sequence_ids))`` reads
+            the row's pairs. A group whose padded members do not fit one row is never split nor
+            truncated: dropped whole (counted) under ``overlong="drop"``, else an
+            :class:`~sftpack.sample.OverlongError`. Default ``False``: a pair member is refused.
+            Needs a map-style source, or one share, to find the groups.
 
     Raises:
         ValueError: when iteration starts, a map-style source with fewer samples than
@@ -177,6 +186,7 @@ class PackingDataset(RowStream, IterableDataset):
     world_size = Setting[int]()
     max_patches_per_row = Setting[int | None]()
     on_bad_row = Setting[str]()
+    groups = Setting[bool]()
 
     def __init__(
         self,
@@ -201,6 +211,7 @@ class PackingDataset(RowStream, IterableDataset):
         family: Any = None,
         tokenizer: Any = None,
         processor: Any = None,
+        groups: bool = False,
     ) -> None:
         super().__init__()
         #: the checked arguments (each also readable as the dataset's attribute of its name)
@@ -221,9 +232,12 @@ class PackingDataset(RowStream, IterableDataset):
             pad_id=pad_id,
             max_patches_per_row=max_patches_per_row,
             on_bad_row=on_bad_row,
+            groups=groups,
         )
         self.cutter: Cutter = Cutter(self.settings, family, tokenizer, processor)
-        self.source: Source = Source(samples, shuffle=self.settings.shuffle, seed=self.settings.seed)
+        self.source: Source = Source(
+            samples, shuffle=self.settings.shuffle, seed=self.settings.seed, groups=self.settings.groups
+        )
         self._reset(epoch=0)
 
     @property

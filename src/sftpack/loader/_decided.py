@@ -57,6 +57,11 @@ class DecidedRow:
         """Vision patches of the row's media (0 without)."""
         return sum(it.patches for it in self._items)
 
+    @property
+    def weighted(self) -> bool:
+        """Whether a sequence of the row carries per-token weights (the laid row then has ``weights``)."""
+        return any(it.weights is not None for it in self._items)
+
     def build(self) -> PackedBatch:
         """The laid row (each call lays it anew)."""
         return self._lay(self._items)

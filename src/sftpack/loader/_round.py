@@ -59,6 +59,17 @@ def plan_round(buffer: Sequence[Item], ages: Sequence[int], settings: LoaderSett
     patches = None
     if cap is not None and any(it.media is not None for it in buffer):  # the second budget
         patches = np.fromiter((it.patches for it in buffer), dtype=np.int64, count=len(buffer))
+    groups = None
+    if s.groups:  # each group one unit of the planner (a sequence of no group, a unit of its own)
+        numbered: dict[object, int] = {}
+        groups = np.fromiter(
+            (
+                numbered.setdefault(("group", it.group) if it.group is not None else ("item", j), len(numbered))
+                for j, it in enumerate(buffer)
+            ),
+            dtype=np.int64,
+            count=len(buffer),
+        )
     bins = pack_rows(
         lengths,
         max_seq_len=s.max_seq_len,
@@ -67,6 +78,7 @@ def plan_round(buffer: Sequence[Item], ages: Sequence[int], settings: LoaderSett
         seed=s.seed,
         patches=patches,
         max_patches_per_row=None if patches is None else cap,
+        groups=groups,
     )
     order, offsets = bins.order, bins.offsets
     bounds = offsets.tolist()

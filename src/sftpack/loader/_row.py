@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 
 from ..handoff import PackedBatch
 from ..handoff.build import wrap_parts
 from ..handoff.errors import PackedBatchError
-from ..handoff.layout import fit_parts, join_parts
+from ..handoff.layout import fit_parts, join_parts, lay_weights
 from ._source import Item, first_negative
 
 __all__ = ["lay_items"]
@@ -38,6 +39,10 @@ def lay_items(row: Sequence[Item], *, max_seq_len: int, pad_multiple: int, pad_i
     if np.minimum.reduce(ids) < 0:
         raise first_negative(list(row))
     batch = wrap_parts(ids, labels, positions, lengths, padded, [it.sequence_id for it in row])
+    weights = [it.weights for it in row]
+    if any(w is not None for w in weights):  # label-aligned, as build_row lays them (none: the row as it was)
+        starts = np.concatenate(([0], np.cumsum(padded)[:-1])).tolist()
+        batch.weights = torch.from_numpy(lay_weights(weights, lengths, starts, labels))
     parts = [it.media for it in row]
     first = next((m for m in parts if m is not None), None)
     if first is not None:  # the media in row order, as PackedBatch.from_samples lays them

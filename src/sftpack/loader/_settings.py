@@ -49,6 +49,7 @@ class LoaderSettings:
     world_size: int
     max_patches_per_row: int | None
     on_bad_row: str
+    groups: bool = False
 
     @classmethod
     def check(
@@ -70,6 +71,7 @@ class LoaderSettings:
         pad_id: object,
         max_patches_per_row: object,
         on_bad_row: object,
+        groups: object = False,
     ) -> LoaderSettings:
         """The arguments checked (each error names the argument, its value and the fix).
 
@@ -99,6 +101,8 @@ class LoaderSettings:
         if checked_rank >= world:
             raise ValueError(f"{_WHO}: rank={checked_rank} must be below world_size={world}")
         budget, bad_rows = media_options(_WHO, max_patches_per_row, chosen_overlong, on_bad_row)
+        if not isinstance(groups, bool):
+            raise TypeError(f"{_WHO}: groups must be True or False, got {groups!r}")
         return cls(
             max_seq_len=width,
             buffer_size=buffer,
@@ -116,11 +120,12 @@ class LoaderSettings:
             world_size=world,
             max_patches_per_row=budget,
             on_bad_row=bad_rows,
+            groups=groups,
         )
 
     def config(self, family_name: str | None) -> dict[str, object]:
         """What a state records of the settings (``config``); the media ones (and the family's
-        name, ``None``: not named) only when set, so a text dataset's config is the text one."""
+        name, ``None``: not named) and ``groups`` only when set, so a text dataset's config is the text one."""
         out: dict[str, object] = {
             "max_seq_len": self.max_seq_len,
             "buffer_size": self.buffer_size,
@@ -139,6 +144,8 @@ class LoaderSettings:
             out["on_bad_row"] = self.on_bad_row
         if family_name is not None:
             out["family"] = family_name
+        if self.groups:  # an SFT dataset's config stays what it was
+            out["groups"] = True
         return out
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "Source",
     "cut_overlong",
     "first_negative",
+    "group_of",
     "is_conversation",
     "media_layout",
     "media_options",
@@ -52,11 +53,24 @@ class Item:
 
     ``ref`` is ``(source index, piece)``; the state stores only refs. ``start`` is
     the piece's first token in its sample (0 for a whole sample); ``media`` its
-    :class:`~sftpack.handoff.payload.Media` (``None``: text only). (A slotted class:
-    the loader makes one per sample, so a dataclass's overhead shows.)
+    :class:`~sftpack.handoff.payload.Media` (``None``: text only); ``weights`` its per-token
+    weights (:attr:`sftpack.Sample.weights`; ``None``: none); ``group`` the group it must share a
+    row with (``meta["group"]`` of a preference pair's member, read with ``groups=True``; ``None``:
+    none). (A slotted class: the loader makes one per sample, so a dataclass's overhead shows.)
     """
 
-    __slots__ = ("_digest", "input_ids", "length", "loss_mask", "media", "ref", "sequence_id", "start")
+    __slots__ = (
+        "_digest",
+        "group",
+        "input_ids",
+        "length",
+        "loss_mask",
+        "media",
+        "ref",
+        "sequence_id",
+        "start",
+        "weights",
+    )
 
     def __init__(
         self,
@@ -67,6 +81,8 @@ class Item:
         length: int,
         start: int = 0,
         media: Media | None = None,
+        weights: np.ndarray | None = None,
+        group: Any = None,
     ) -> None:
         self.ref = ref
         self.input_ids = input_ids
@@ -75,6 +91,8 @@ class Item:
         self.length = length
         self.start = start
         self.media = media
+        self.weights = weights
+        self.group = group
         self._digest: str | None = None
 
     @property
@@ -83,9 +101,13 @@ class Item:
         return 0 if self.media is None else self.media.num_patches
 
     def digest(self) -> str:
-        """The fingerprint a state records of this sequence (its tokens, id and media layout), computed once."""
+        """The fingerprint a state records of this sequence (its tokens, id, media layout and weights),
+        computed once (a sequence without weights or media fingerprints as a text one always did)."""
         if self._digest is None:
-            self._digest = digest(self.input_ids, self.sequence_id, *media_layout(self.media))
+            extra = media_layout(self.media)
+            if self.weights is not None:
+                extra += (np.ascontiguousarray(self.weights, dtype=np.float64).view(np.int64),)
+            self._digest = digest(self.input_ids, self.sequence_id, *extra)
         return self._digest
 
 
@@ -136,10 +158,14 @@ def cut_overlong(index: int, obj: Any, max_seq_len: int, overlong: Overlong) -> 
     s = obj if isinstance(obj, Sample) else as_sample(obj, index)
     sid = s.conversation_id if s.conversation_id is not None else index
     n = s.input_ids.shape[0]
+    w = s.weights
     if n <= max_seq_len:  # fits: the sample's own arrays, whole (what the one span (0, n) would slice)
-        return [Item((index, 0), s.input_ids, s.loss_mask, sid, n)], 0
+        return [Item((index, 0), s.input_ids, s.loss_mask, sid, n, weights=w)], 0
     spans = overlong_spans(n, max_seq_len, overlong, f"sample {index} (conversation {sid!r})", sid)
-    items = [Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid, b - a, a) for k, (a, b) in enumerate(spans)]
+    items = [
+        Item((index, k), s.input_ids[a:b], s.loss_mask[a:b], sid, b - a, a, weights=None if w is None else w[a:b])
+        for k, (a, b) in enumerate(spans)
+    ]
     return items, n - sum(b - a for a, b in spans)
 
 
@@ -173,7 +199,7 @@ class Source:
     """Index-addressed access to the samples of a map-style or re-iterable source, or a callable
     returning a fresh iterable of them on each call."""
 
-    def __init__(self, samples: Any, *, shuffle: bool, seed: int) -> None:
+    def __init__(self, samples: Any, *, shuffle: bool, seed: int, groups: bool = False) -> None:
         if callable(samples) and not hasattr(samples, "__iter__") and not hasattr(samples, "__getitem__"):
             samples = Calls(samples)
         self.samples = samples
@@ -190,10 +216,39 @@ class Source:
             )
         self.shuffle = shuffle
         self.seed = seed
+        self.groups = groups
+        self._units: np.ndarray | None = None  # with groups, map-style: each unit's first index, then len()
         self._opened = False
 
+    def units(self) -> np.ndarray:
+        """``(U + 1,)`` the first source index of each unit (a group's consecutive members, or a
+        sample of no group), then ``len()``: what ``groups=True`` permutes and deals (map-style;
+        read once, every sample's ``meta["group"]``)."""
+        if self._units is None:
+            starts = []
+            prev: Any = None
+            for i in range(len(self.samples)):
+                g = group_of(self.samples[i])
+                if g is None or g != prev:
+                    starts.append(i)
+                prev = g
+            starts.append(len(self.samples))
+            self._units = np.asarray(starts, dtype=np.int64)
+        return self._units
+
     def order(self, epoch: int, shard: int, num_shards: int) -> np.ndarray:
-        """Source indices of one share of epoch ``epoch``, in reading order (map-style only)."""
+        """Source indices of one share of epoch ``epoch``, in reading order (map-style only).
+
+        With ``groups``, the units (:meth:`units`) are permuted and dealt, each unit's members
+        following each other in source order, so a group is read whole by one share."""
+        if self.groups:
+            starts = self.units()
+            u = starts.shape[0] - 1
+            perm = np.random.default_rng([self.seed, epoch]).permutation(u) if self.shuffle else np.arange(u)
+            mine = perm[shard::num_shards]
+            sizes = starts[mine + 1] - starts[mine]
+            base = np.repeat(starts[mine] - np.concatenate(([0], np.cumsum(sizes)[:-1])), sizes)
+            return base + np.arange(int(sizes.sum()), dtype=np.int64)
         n = len(self.samples)
         if self.shuffle:
             perm = np.random.default_rng([self.seed, epoch]).permutation(n)
@@ -213,6 +268,12 @@ class Source:
             mine = self.order(epoch, shard, num_shards)
             got = {i: self.samples[i] for i in sorted(need)}
             return got, ((i, self.samples[i]) for i in mine[start:].tolist())
+        if self.groups and num_shards > 1:
+            raise ValueError(
+                f"groups=True deals whole groups to the {num_shards} shares (ranks x DataLoader workers), which "
+                "needs a map-style source (len() and [i]) to find them: pass a list or a map-style dataset, or "
+                "read the iterable in one share (world_size=1, num_workers=0)"
+            )
         it = iter(self.samples)
         if it is self.samples and self._opened:
             raise ValueError(
@@ -236,6 +297,13 @@ class Source:
                 "stream: the state was saved over other data; resume with the same samples in the same order"
             )
         return got, iter(())
+
+
+def group_of(obj: Any) -> Any:
+    """The group a source item belongs to: ``meta["group"]`` of a :class:`~sftpack.Sample` (a
+    preference pair's member, :func:`sftpack.chat.tokenize_pair`), else ``None``."""
+    meta = obj.meta if isinstance(obj, Sample) else None
+    return meta.get("group") if meta else None
 
 
 def _own(it: Iterator[Any], first: int, shard: int, num_shards: int) -> Iterator[tuple[int, Any]]:
@@ -263,6 +331,11 @@ class Lookahead:
     @property
     def done(self) -> bool:
         return self._head is None
+
+    @property
+    def head(self) -> tuple[int, Any] | None:
+        """The next item :meth:`pop` gives (``None``: the stream is done), not consumed."""
+        return self._head
 
     def _next(self) -> tuple[int, Any] | None:
         return self._back.popleft() if self._back else next(self._it, None)

@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-from ..handoff import PackedBatch
-from ..sample import Sample
+from ..handoff import PackedBatch, padded_lengths
+from ..sample import Overlong, OverlongError, Sample
 from ._cut import Cutter
 from ._round import plan_round
 from ._row import lay_items
 from ._settings import LoaderSettings
-from ._source import Item, Lookahead
+from ._source import Item, Lookahead, group_of
 from ._state import check_pending, check_share, first_iter, refs_needed, restore_items
 from ._stats import OVERLONG, LoaderStats
 
@@ -129,6 +129,9 @@ class RowStream:
         and when a split sample fills the buffer early the samples taken after it go back to
         the stream unread, so exactly the samples one-by-one reading reads are read.
         """
+        if self.settings.groups:
+            self._fill_groups(stream)
+            return
         buf, ages = self._buffer, self._ages
         size, width = self.settings.buffer_size, self.settings.max_seq_len
         last: Item | None = None  # the last sample read on the fast path (None: _read recorded it)
@@ -140,12 +143,14 @@ class RowStream:
                 if len(buf) >= size:  # a split sample filled the buffer early: the rest go back unread
                     stream.unread(taken[j:])
                     break
-                if isinstance(obj, Sample) and obj.media is None:
+                if isinstance(obj, Sample) and obj.media is None and "role" not in obj.meta:
                     ids = obj.input_ids
                     n = ids.shape[0]
                     if n <= width:
                         sid = obj.conversation_id
-                        last = Item((index, 0), ids, obj.loss_mask, index if sid is None else sid, n)
+                        last = Item(
+                            (index, 0), ids, obj.loss_mask, index if sid is None else sid, n, weights=obj.weights
+                        )
                         li = index
                         buf.append(last)
                         ages.append(0)
@@ -160,6 +165,60 @@ class RowStream:
             self._stats.samples_in += fast
         if last is not None:
             self._last = (li, [last])
+
+    def _fill_groups(self, stream: Lookahead) -> None:
+        """:meth:`_fill` with ``groups=True``: read whole units (a group's consecutive members, or a
+        sample of no group) until the buffer holds ``buffer_size`` sequences or the share ends, so a
+        round never plans half a group."""
+        size = self.settings.buffer_size
+        while len(self._buffer) < size and not stream.done:
+            unit = [stream.pop()]
+            group = group_of(unit[0][1])
+            if group is not None:
+                while (head := stream.head) is not None and group_of(head[1]) == group:
+                    unit.append(stream.pop())
+            if len(unit) == 1 and group is None:
+                self._read(*unit[0])
+            else:
+                self._read_group(group, unit)
+
+    def _read_group(self, group: Any, unit: list[tuple[int, Any]]) -> None:
+        """Read a group's members (source items, consecutive): into the buffer whole when their padded
+        lengths fit one row, else under the over-long policy as one unit (dropped whole and counted
+        under ``overlong="drop"``; a group is never split nor truncated: any other policy raises)."""
+        index, first = unit[0]
+        want = first.meta.get("group_size")
+        if want is not None and want != len(unit):
+            raise ValueError(
+                f"PackingDataset: group {group!r} (sample {index}) has {len(unit)} member(s) in a row but "
+                f"meta['group_size'] = {want}: a group's members follow each other in the source, whole (a pair "
+                "is never half); tokenize the pairs with sftpack.chat.tokenize_pair / tokenize_conversations and "
+                "keep their order"
+            )
+        s, stats = self.settings, self._stats
+        cuts = [self.cutter.cut(i, obj) for i, obj in unit]
+        lengths = [len(obj) for _, obj in unit]
+        cost = int(padded_lengths(lengths, s.pad_multiple).sum())
+        stats.samples_in += len(unit)
+        self._cursor += len(unit)
+        self._last = (unit[-1][0], cuts[-1].items)
+        if cost <= s.max_seq_len:
+            for c in cuts:
+                self._buffer.extend(c.items)
+                self._ages.extend([0] * len(c.items))
+            return
+        if s.overlong is not Overlong.DROP:
+            raise OverlongError(
+                f"PackingDataset: group {group!r} (samples {unit[0][0]}..{unit[-1][0]}: {' + '.join(map(str, lengths))} "
+                f"tokens, {cost} padded slots) does not fit one row of max_seq_len={s.max_seq_len}, and a group "
+                f"is never split or truncated (overlong={str(s.overlong)!r}): raise max_seq_len, or pass "
+                "overlong='drop' (the group left out whole, counted)",
+                group,
+                sum(lengths),
+                s.max_seq_len,
+            )
+        for n in lengths:
+            stats.drop(OVERLONG, n)
 
     def _read(self, index: int, obj: object) -> None:
         """Read source item ``index``: its items into the buffer, its fate counted."""

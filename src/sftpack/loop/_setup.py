@@ -27,8 +27,8 @@ from ._sources import (
     Source,
     TrainerSource,
     _no_targets,
+    _pair_units,
     check_targets,
-    refuse_weights,
     samples_fingerprint,
     supervised_targets,
 )
@@ -255,7 +255,9 @@ def make_source(
         source.max_seq_len = config.max_seq_len
         return source
     assert not isinstance(samples, ConversationSamples)
-    refuse_weights(samples, "--packing loader")
+    pairs = config.objective is Objective.DPO
+    if pairs:  # every sample a pair's member, each pair whole (the loader reads, deals and packs it as one unit)
+        _pair_units(samples)
     # the run's settings the loader takes under the same names
     same = ("max_seq_len", "buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
     # one global stream on every rank (rank 0 of 1): the rows one process packs, dealt to the ranks at each step
@@ -266,6 +268,7 @@ def make_source(
         rank=0,
         world_size=1,
         pad_id=pad_id,
+        groups=pairs,  # each pair whole in one row (--batch-size counts rows, as for SFT)
         **{name: getattr(config, name) for name in same},
     )
     return LoaderSource(

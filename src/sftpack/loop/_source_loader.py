@@ -98,8 +98,10 @@ class LoaderSource(Source):
         return [[rows[i] for i in mine.tolist()] for mine in dealt]
 
     def next_step(self) -> list[MicroBatch]:
-        mine = self.step_rows()[self.rank]
-        return rows_to_micro_batches([r.build() for r in mine], self.grad_accum)
+        dealt = self.step_rows()
+        # every rank decides the same global rows: so whether the step carries weights is the same on every rank
+        self.step_weighted = any(r.weighted for rows in dealt for r in rows)
+        return rows_to_micro_batches([r.build() for r in dealt[self.rank]], self.grad_accum)
 
     def epoch_steps(self) -> int:
         """The steps of the first epoch's rows (counted by deciding it once, then back to the
@@ -132,11 +134,12 @@ class LoaderSource(Source):
 
     def fingerprint(self) -> str:
         cfg = {k: getattr(self.ds, k, None) for k in ("max_seq_len", "buffer_size", "pad_multiple", "seed")}
-        return _hash(
-            {
-                "loader": self._fp,
-                "config": cfg,
-                "batch_size": self.batch_size,
-                "stream": "global",  # each step the same global rows at any world size, dealt by cost
-            }
-        )
+        key: dict[str, Any] = {
+            "loader": self._fp,
+            "config": cfg,
+            "batch_size": self.batch_size,
+            "stream": "global",  # each step the same global rows at any world size, dealt by cost
+        }
+        if self.ds.groups:  # an SFT run's fingerprint stays what it was
+            key["groups"] = True
+        return _hash(key)
