@@ -183,16 +183,18 @@ def test_sft_refuses_a_pair_as_its_conversation_is_read() -> None:
 def test_other_paths_refuse_dpo_in_one_line(tmp_path, capsys) -> None:
     from sftpack.cli import main
 
-    for packing in ("offline", "loader", "none"):
-        with pytest.raises(ValueError, match=f"objective dpo runs on the trainer path only, not packing {packing}"):
+    for packing in ("offline", "none"):
+        with pytest.raises(
+            ValueError, match=f"objective dpo runs on the trainer and loader paths only, not packing {packing}"
+        ):
             TrainConfig(packing=packing, objective="dpo")
     path = tmp_path / "prefs.jsonl"
     path.write_text(json.dumps(PAIRS[0]) + "\n", encoding="utf-8")
-    assert main(["train", str(path), "--objective", "dpo", "--packing", "loader", "--steps", "1"]) != 0
+    assert main(["train", str(path), "--objective", "dpo", "--packing", "none", "--steps", "1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "sftpack train: --objective dpo runs on the trainer path only, not --packing loader: use --packing trainer "
-        "(it keeps each pair in one micro-batch)"
+        "sftpack train: --objective dpo runs on the trainer and loader paths only, not --packing none: use --packing "
+        "trainer or loader (each keeps every pair whole)"
     ]
 
 

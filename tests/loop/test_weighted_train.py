@@ -321,10 +321,10 @@ def test_unweighted_steps_keep_their_int_count(samples):
     assert not src.step_weighted and all(mb.weights is None for mb in mbs)
 
 
-@pytest.mark.parametrize("packing", ["none", "loader"])
+@pytest.mark.parametrize("packing", ["none"])
 def test_paths_that_would_drop_weights_refuse_them(samples, packing):
     data = weighted(samples)
-    cfg = tiny_config(packing=packing, batch_size=4, steps=1, **({"buffer_size": 16} if packing == "loader" else {}))
+    cfg = tiny_config(packing=packing, batch_size=4, steps=1)
     with pytest.raises(ValueError, match=r"carries per-token weights .* --packing trainer"):
         src = make_source(cfg, samples=data)
         for _ in range(len(data)):
@@ -381,7 +381,7 @@ def _cli(data, tmp_path, name, packing="trainer"):
 
 def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     """``sftpack train`` on a JSONL with 'weight' / 'advantage' (trainer path): 2 steps whose
-    first loss is the weighted one (not the file's loss without its weights); the other paths refuse."""
+    first loss is the weighted one (not the file's loss without its weights); the offline path refuses."""
     from sftpack.cli import main
 
     (tmp_path / "tok").symlink_to(chat / "tok")
@@ -395,7 +395,7 @@ def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     assert w[0]["label_tokens"] == p[0]["label_tokens"]  # the same conversations and targets
     assert abs(w[0]["loss"] - p[0]["loss"]) > BUG  # the weights were used
     capsys.readouterr()
-    for packing in ("loader", "offline"):
+    for packing in ("offline",):
         assert main(_cli(weighted_file, run, packing, packing)) != 0
         assert "carries per-token weights" in capsys.readouterr().err
 

@@ -1,0 +1,158 @@
+"""Preference pairs and per-token weights on the loader path (issue 42): ``--objective dpo --packing
+loader`` and weighted SFT through ``--packing loader``.
+
+DPO: ``sftpack train prefs.jsonl --objective dpo --packing loader`` (the CLI, float64 models saved to
+folders: the policy ``--model`` seed 0, the ``--reference-model`` seed 1, the ChatML test tokenizer)
+on the five pairs of tests/loop/test_dpo_train.py. The loader packs each pair whole in one row
+(``groups=True``); ``--batch-size 2`` rows of 128 slots hold all five pairs (asserted from the log:
+``pairs`` 5, ``sequences`` 10), dealt to ``--grad-accum 2`` micro-batches. Step 1's logged loss must
+equal the DPO loss of the five pairs computed one sequence at a time through the two saved models
+(``_alone_loss`` of test_dpo_train.py), for both boundary modes (``--boundaries real`` and ``padded``).
+
+Tolerance, fixed: 1e-9 in float64, test_dpo_train.py's derivation with this vocabulary: per logit each
+side is within n*u*20 = 2e3 * 1.1e-16 * 20 = 4.4e-12 of the exact value (same model, another summation
+order, n <= 2e3 roundings on values below 20), so the two sides differ by <= 8.8e-12; a token's
+log-probability (target logit minus the log-sum-exp over V = 284 ids, asserted <= 300): <= 8.8e-12 +
+8.8e-12 + 300 * 1.1e-16 * 20 < 1.9e-11; a sequence's sum over <= 32 targets (asserted): < 6.1e-10; the
+pair loss is 1-Lipschitz in beta * (four sums), beta = 0.1: <= 0.4 * 6.1e-10 = 2.4e-10 per pair and
+for their mean, under 1e-9. Measured: printed (about 1e-16).
+
+Negative controls: partners mismatched (every chosen answer against the first pair's rejected one)
+moves the loss by more than BUG = 1e-5; a pair split over two rows (one member moved to the other
+row) is refused by the loss module, naming the missing answer; the loader without ``groups`` refuses
+a pair's member.
+
+Weighted SFT: the loader path with weighted samples (weights 0, 2.5, a negative advantage, per token,
+none) equals each conversation run alone under the rule sum(w * loss) / sum(|w|) step by step
+(test_weighted_train.py's reference and tolerance, 1e-10, derived there), and step 1 equals the rule
+by hand; dropping the weights moves step 1 by more than 1e-3.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sftpack import PackedBatch
+from sftpack.chat import read_conversations, tokenize_conversations
+from sftpack.loader import PackingDataset
+from sftpack.loop import TrainConfig, build_model, load_model, make_source, train
+from sftpack.loop._preference import PreferenceLossModule
+from sftpack.sample import Sample, pair_sequence_id
+from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model
+from tests.loop.test_dpo_train import BETA, BUG, F64, MODEL, PAIRS, TOL, _alone_loss
+from tests.loop.test_weighted_train import BUG as WEIGHT_BUG
+from tests.loop.test_weighted_train import TOL as WEIGHT_TOL
+from tests.loop.test_weighted_train import Alone, rule_by_hand, weighted
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    """prefs.jsonl, the ChatML tokenizer, the policy (seed 0) and the reference (seed 1), float64."""
+    root = tmp_path_factory.mktemp("dpo_loader")
+    tok = tiny_chat_tokenizer("chatml")
+    tok.save_pretrained(root / "tok")
+    (root / "prefs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PAIRS), encoding="utf-8")
+    assert len(tok) <= 300  # the tolerance's derivation
+    build_model(len(tok), **MODEL, seed=0, dtype=F64).save_pretrained(root / "policy")
+    build_model(len(tok), **MODEL, seed=1, dtype=F64).save_pretrained(root / "ref")
+    return root
+
+
+def _pairs(root: Path) -> list[tuple[Sample, Sample]]:
+    """The file's pairs, tokenized as ``sftpack train`` tokenizes them."""
+    rows = list(read_conversations([str(root / "prefs.jsonl")]))
+    samples = tokenize_conversations(rows, tiny_chat_tokenizer("chatml")).to_list()
+    assert max(int(s.loss_mask[1:].sum()) for s in samples) <= 32  # the tolerance's derivation
+    return list(zip(samples[0::2], samples[1::2]))
+
+
+@pytest.mark.parametrize("boundaries", ["real", "padded"])
+def test_cli_dpo_loader_step_one_is_the_dpo_loss_of_each_sequence_alone(folders, tmp_path, boundaries) -> None:
+    from sftpack.cli import main
+
+    log = tmp_path / "log.jsonl"
+    argv = ["train", str(folders / "prefs.jsonl"), "--objective", "dpo", "--packing", "loader"]
+    argv += ["--model", str(folders / "policy"), "--reference-model", str(folders / "ref")]
+    argv += ["--tokenizer", str(folders / "tok"), "--dtype", "float64", "--boundaries", boundaries]
+    argv += ["--steps", "1", "--batch-size", "2", "--grad-accum", "2", "--max-seq-len", "128"]
+    argv += ["--buffer-size", "16", "--no-cache", "--no-progress", "--log", str(log)]
+    assert main(argv) == 0
+    (rec,) = [json.loads(x) for x in log.read_text().splitlines()]
+    assert rec["pairs"] == 5 and rec["sequences"] == 10 and rec["micro_batches"] == 2  # every pair, 2 rows
+    pairs = _pairs(folders)
+    policy, reference = load_model(str(folders / "policy"), dtype=F64), load_model(str(folders / "ref"), dtype=F64)
+    expected = _alone_loss(policy, reference, pairs)
+    diff = abs(rec["loss"] - expected)
+    mismatched = [(c, pairs[0][1]) for c, _ in pairs]
+    control = abs(rec["loss"] - _alone_loss(policy, reference, mismatched))
+    print(f"{boundaries}: step 1 loss {rec['loss']!r}, alone {expected!r}: |diff| {diff:.1e}; mismatched {control:.1e}")
+    assert diff <= TOL
+    assert control > BUG
+
+
+def test_a_pair_split_over_rows_is_refused(folders) -> None:
+    """Negative control: the loader's rows hold whole pairs; moving one member to the other row
+    gives rows the loss module refuses (and the loader without groups refuses a pair's member)."""
+    samples = [s for pair in _pairs(folders) for s in pair]
+    ds = PackingDataset(samples, max_seq_len=128, buffer_size=16, shuffle=True, groups=True)
+    rows = list(ds)
+    assert len(rows) == 2
+    by_id = {pair_sequence_id(s): s for s in samples}
+    model = load_model(str(folders / "policy"), dtype=F64)
+    module = PreferenceLossModule(model, pad_between_seqs=True, beta=BETA)
+    module(PackedBatch.concat(rows), torch.tensor(5))  # whole pairs: accepted
+    first, second = ([by_id[i] for i in r.sequence_ids] for r in rows)
+    moved = [first[:-1], [first[-1], *second]]  # the first row's last member moved to the second row
+    for part in moved:
+        row = PackedBatch.from_samples(part, max_seq_len=256)
+        row.sequence_ids = tuple(pair_sequence_id(s) for s in part)
+        with pytest.raises(ValueError, match="no '(chosen|rejected)' one in this batch"):
+            module(row, torch.tensor(5))
+    with pytest.raises(ValueError, match="groups=True"):
+        list(PackingDataset(samples, max_seq_len=128, buffer_size=16))
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+def test_weighted_loader_path_equals_each_conversation_alone(samples, grad_accum) -> None:
+    data = weighted(samples)
+    cfg = tiny_config(packing="loader", pad_multiple=4, grad_accum=grad_accum, buffer_size=16, steps=8)
+    src = make_source(cfg, samples=data)
+    run = train(cfg, source=src, model=tiny_model(dtype=F64))
+    by_id = {s.conversation_id: s for s in data}
+    steps = [[by_id[c] for c in step] for step in run.conversations]
+    assert all(len(step) > 1 for step in steps)
+    assert any(s.weights is not None and s.weights[0] < 0 for step in steps for s in step)
+
+    ref = train(tiny_config(packing="trainer", steps=8), source=Alone(steps), model=tiny_model(dtype=F64))
+    dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
+    print(f"loader weighted float64: max |dloss| {dl:.2e}, max |dparam| {dp:.2e} (tolerance {WEIGHT_TOL:.0e})")
+    assert dl <= WEIGHT_TOL and dp <= WEIGHT_TOL, (dl, dp)
+    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0])) <= WEIGHT_TOL
+
+    plain = [Sample(s.input_ids, s.loss_mask, s.conversation_id) for s in steps[0]]  # the weights dropped
+    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), plain)) > WEIGHT_BUG
+
+
+def test_unweighted_loader_steps_keep_their_int_count(samples) -> None:
+    cfg = tiny_config(packing="loader", pad_multiple=4, steps=1, buffer_size=16)
+    src = make_source(cfg, samples=samples)
+    mbs = src.next_step()
+    assert not src.step_weighted and all(mb.weights is None for mb in mbs)
+    src = make_source(cfg, samples=weighted(samples))
+    mbs = src.next_step()
+    assert src.step_weighted and all(isinstance(mb.weights, torch.Tensor) for mb in mbs)
+    assert np.isfinite(sum(float(mb.weights.sum()) for mb in mbs))
+
+
+def test_dpo_loader_config_and_a_non_pair_refused(samples) -> None:
+    cfg = TrainConfig(packing="loader", objective="dpo", batch_size=2, max_seq_len=128, buffer_size=16, **MODEL)
+    with pytest.raises(ValueError, match=r"sample 0 \(conversation 'c0'\) is not a member of a preference pair"):
+        make_source(cfg, samples=samples)
