@@ -156,3 +156,27 @@ def test_dpo_loader_config_and_a_non_pair_refused(samples) -> None:
     cfg = TrainConfig(packing="loader", objective="dpo", batch_size=2, max_seq_len=128, buffer_size=16, **MODEL)
     with pytest.raises(ValueError, match=r"sample 0 \(conversation 'c0'\) is not a member of a preference pair"):
         make_source(cfg, samples=samples)
+
+
+def test_dpo_loader_source_resumes_mid_stream_to_the_same_rows(folders) -> None:
+    """The loop's loader source over pairs: a position taken after step 2 resumes to the very rows
+    (and pairs) the uninterrupted source gives at steps 3 to 6 (several epochs of 2-row steps)."""
+    samples = [s for pair in _pairs(folders) for s in pair]
+    cfg = TrainConfig(packing="loader", objective="dpo", batch_size=1, max_seq_len=64, buffer_size=4, **MODEL)
+    full = make_source(cfg, samples=samples)
+    steps = [full.next_step() for _ in range(6)]
+    for step in steps:
+        for mb in step:
+            assert {r for _, r in mb.sequence_ids} == {"chosen", "rejected"}
+            assert len({g for g, _ in mb.sequence_ids}) * 2 == len(mb.sequence_ids)  # whole pairs only
+    again = make_source(cfg, samples=samples)
+    for _ in range(2):
+        again.next_step()
+    state = again.state_dict()
+    resumed = make_source(cfg, samples=samples)
+    resumed.load_state_dict(state)
+    assert resumed.fingerprint() == full.fingerprint()
+    for want in steps[2:]:
+        got = resumed.next_step()
+        assert [mb.sequence_ids for mb in got] == [mb.sequence_ids for mb in want]
+        assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(got, want))
