@@ -26,6 +26,10 @@ Weighted SFT: the loader path with weighted samples (weights 0, 2.5, a negative 
 none) equals each conversation run alone under the rule sum(w * loss) / sum(|w|) step by step
 (test_weighted_train.py's reference and tolerance, 1e-10, derived there), and step 1 equals the rule
 by hand; dropping the weights moves step 1 by more than 1e-3.
+
+Ranks: both runs at 2 gloo ranks give the 1-rank losses and parameters (the pair count and the
+weighted count reduced over the ranks), and the loop's loader source over pairs resumes mid-stream to
+the same rows.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from sftpack.loop import TrainConfig, build_model, load_model, make_source, trai
 from sftpack.loop._preference import PreferenceLossModule
 from sftpack.sample import Sample, pair_sequence_id
 from sftpack.testing import tiny_chat_tokenizer
-from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model
+from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples
 from tests.loop.test_dpo_train import BETA, BUG, F64, MODEL, PAIRS, TOL, _alone_loss
 from tests.loop.test_weighted_train import BUG as WEIGHT_BUG
 from tests.loop.test_weighted_train import TOL as WEIGHT_TOL
@@ -180,3 +184,82 @@ def test_dpo_loader_source_resumes_mid_stream_to_the_same_rows(folders) -> None:
         got = resumed.next_step()
         assert [mb.sequence_ids for mb in got] == [mb.sequence_ids for mb in want]
         assert all(torch.equal(a.input_ids, b.input_ids) for a, b in zip(got, want))
+
+
+# ------------------------------------------------------------------ 2 gloo ranks against 1
+
+
+def _dpo_config(folders: Path) -> TrainConfig:
+    return TrainConfig(
+        packing="loader",
+        objective="dpo",
+        beta=BETA,
+        reference_model=str(folders / "ref"),
+        steps=2,
+        batch_size=2,
+        max_seq_len=128,
+        buffer_size=16,
+        lr=1e-2,
+        **MODEL,
+    )
+
+
+def _weighted_config() -> TrainConfig:
+    return tiny_config(packing="loader", pad_multiple=4, buffer_size=16, steps=3)
+
+
+def _runs(folders: Path, rank: int = 0, world: int = 1) -> list:
+    """A DPO run and a weighted SFT run on the loader path, at ``world`` ranks."""
+    samples = [s for pair in _pairs(folders) for s in pair]
+    dpo, sft = _dpo_config(folders), _weighted_config()
+    return [
+        train(
+            dpo,
+            source=make_source(dpo, samples=samples, rank=rank, world=world),
+            model=load_model(str(folders / "policy"), dtype=F64),
+        ),
+        train(
+            sft,
+            source=make_source(sft, samples=weighted(tiny_samples()), rank=rank, world=world),
+            model=tiny_model(dtype=F64),
+        ),
+    ]
+
+
+def _worker(rank: int, init_file: str, folders: str, out_file: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        runs = _runs(Path(folders), rank, 2)
+        torch.save(
+            [{"losses": r.losses, "params": [p.detach() for p in r.model.parameters()]} for r in runs],
+            f"{out_file}.{rank}",
+        )
+        dist.barrier()  # both ranks done before either tears gloo down
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_train_like_one(folders, tmp_path) -> None:
+    """DPO (each rank a row, the loss the mean over the step's pairs of both ranks) and weighted SFT
+    (the denominator sum |w| over both ranks) on the loader path: 2 gloo ranks give the 1-rank losses
+    and parameters (float64; 1e-10, test_weighted_train.py's bound, covers both: the DPO chain is
+    shorter than its 1e-9 derivation's)."""
+    import torch.distributed as dist
+
+    from tests.loop.conftest import run_ranks
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    one = _runs(folders)  # first: the ranks inherit its imports
+    out = str(tmp_path / "rank")
+    run_ranks(_worker, (str(tmp_path / "init"), str(folders), out), 2)
+    got = torch.load(out + ".0")
+    for name, mine, ref in zip(("dpo", "weighted sft"), got, one):
+        dl = max_loss_diff(mine["losses"], ref.losses)
+        dp = max(float((p - q.detach()).abs().max()) for p, q in zip(mine["params"], ref.model.parameters()))
+        print(f"loader path {name}, float64, 2 ranks vs 1: max |dloss| {dl:.1e}, max |dparam| {dp:.1e}")
+        assert dl <= WEIGHT_TOL and dp <= WEIGHT_TOL, (name, dl, dp)
+    assert one[0].logs[0].pairs == 5 and one[0].losses[1] != one[0].losses[0]  # every pair at step 1; it trained
