@@ -31,7 +31,9 @@ One concept per module:
   rows, counts) and the rounds that move it.
 - ``_dataset``: :class:`PackingDataset`, the engine over a source: shares, ``iter()``, exact
   resume; samples with or without media (any mix), or conversations tokenized in the worker
-  (rows with ``media`` planned under a token and a patch budget, ``max_patches_per_row``).
+  (rows with ``media`` planned under a token and a patch budget, ``max_patches_per_row``);
+  with ``groups=True``, each group (a preference pair) read, dealt and planned as one unit, in
+  one row; per-token weights laid into the row's ``weights``.
 - ``_state``: the index-only state and its checks (:class:`StateError`).
 - ``_stats``: :class:`LoaderStats` (samples in, rows out, fill, images and patches out,
   split / truncated / dropped by reason).
