@@ -255,7 +255,7 @@ def make_source(
         source.max_seq_len = config.max_seq_len
         return source
     assert not isinstance(samples, ConversationSamples)
-    pairs = config.objective is Objective.DPO
+    pairs = config.preference  # DPO or SimPO
     if pairs:  # every sample a pair's member, each pair whole (the loader reads, deals and packs it as one unit)
         _pair_units(samples)
     # the run's settings the loader takes under the same names
