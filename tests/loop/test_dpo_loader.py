@@ -4,7 +4,7 @@ loader`` and weighted SFT through ``--packing loader``.
 DPO: ``sftpack train prefs.jsonl --objective dpo --packing loader`` (the CLI, float64 models saved to
 folders: the policy ``--model`` seed 0, the ``--reference-model`` seed 1, the ChatML test tokenizer)
 on the five pairs of tests/loop/test_dpo_train.py. The loader packs each pair whole in one row
-(``groups=True``); ``--batch-size 2`` rows of 128 slots hold all five pairs (asserted from the log:
+(``groups=True``) of 2 x ``--max-seq-len`` slots; ``--batch-size 2`` rows of 128 slots hold all five pairs (asserted from the log:
 ``pairs`` 5, ``sequences`` 10), dealt to ``--grad-accum 2`` micro-batches. Step 1's logged loss must
 equal the DPO loss of the five pairs computed one sequence at a time through the two saved models
 (``_alone_loss`` of test_dpo_train.py), for both boundary modes (``--boundaries real`` and ``padded``).
@@ -86,7 +86,7 @@ def test_cli_dpo_loader_step_one_is_the_dpo_loss_of_each_sequence_alone(folders,
     argv = ["train", str(folders / "prefs.jsonl"), "--objective", "dpo", "--packing", "loader"]
     argv += ["--model", str(folders / "policy"), "--reference-model", str(folders / "ref")]
     argv += ["--tokenizer", str(folders / "tok"), "--dtype", "float64", "--boundaries", boundaries]
-    argv += ["--steps", "1", "--batch-size", "2", "--grad-accum", "2", "--max-seq-len", "128"]
+    argv += ["--steps", "1", "--batch-size", "2", "--grad-accum", "2", "--max-seq-len", "64"]
     argv += ["--buffer-size", "16", "--no-cache", "--no-progress", "--log", str(log)]
     assert main(argv) == 0
     (rec,) = [json.loads(x) for x in log.read_text().splitlines()]
@@ -166,7 +166,7 @@ def test_dpo_loader_source_resumes_mid_stream_to_the_same_rows(folders) -> None:
     """The loop's loader source over pairs: a position taken after step 2 resumes to the very rows
     (and pairs) the uninterrupted source gives at steps 3 to 6 (several epochs of 2-row steps)."""
     samples = [s for pair in _pairs(folders) for s in pair]
-    cfg = TrainConfig(packing="loader", objective="dpo", batch_size=1, max_seq_len=64, buffer_size=4, **MODEL)
+    cfg = TrainConfig(packing="loader", objective="dpo", batch_size=1, max_seq_len=32, buffer_size=4, **MODEL)
     full = make_source(cfg, samples=samples)
     steps = [full.next_step() for _ in range(6)]
     for step in steps:
@@ -197,7 +197,7 @@ def _dpo_config(folders: Path) -> TrainConfig:
         reference_model=str(folders / "ref"),
         steps=2,
         batch_size=2,
-        max_seq_len=128,
+        max_seq_len=64,
         buffer_size=16,
         lr=1e-2,
         **MODEL,
@@ -263,3 +263,19 @@ def test_two_gloo_ranks_train_like_one(folders, tmp_path) -> None:
         print(f"loader path {name}, float64, 2 ranks vs 1: max |dloss| {dl:.1e}, max |dparam| {dp:.1e}")
         assert dl <= WEIGHT_TOL and dp <= WEIGHT_TOL, (name, dl, dp)
     assert one[0].logs[0].pairs == 5 and one[0].losses[1] != one[0].losses[0]  # every pair at step 1; it trained
+
+
+def test_a_pair_longer_than_max_seq_len_fits_a_row_of_twice_its_width(folders) -> None:
+    """Each member at most ``max_seq_len`` (the tokenizer's rule), the pair longer: the loader path's
+    rows are ``2 x max_seq_len`` wide, so every pair trains, whole, none refused mid-stream."""
+    samples = [s for pair in _pairs(folders) for s in pair]
+    limit = max(len(s) for s in samples)
+    assert max(len(a) + len(b) for a, b in zip(samples[0::2], samples[1::2])) > limit
+    cfg = TrainConfig(packing="loader", objective="dpo", batch_size=1, max_seq_len=limit, buffer_size=4, **MODEL)
+    src = make_source(cfg, samples=samples)
+    seen = []
+    for _ in range(src.epoch_steps()):
+        for mb in src.next_step():
+            assert mb.input_ids.shape[-1] == 2 * limit
+            seen += mb.sequence_ids
+    assert sorted(seen) == sorted(pair_sequence_id(s) for s in samples)

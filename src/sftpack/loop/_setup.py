@@ -259,7 +259,10 @@ def make_source(
     if pairs:  # every sample a pair's member, each pair whole (the loader reads, deals and packs it as one unit)
         _pair_units(samples)
     # the run's settings the loader takes under the same names
-    same = ("max_seq_len", "buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
+    same = ("buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
+    # a pair's two members (each at most max_seq_len) share one row: rows of 2 x max_seq_len, the width of
+    # the trainer path's preference micro-batch, so no pair the tokenizer kept is refused mid-stream
+    width = 2 * config.max_seq_len if pairs else config.max_seq_len
     # one global stream on every rank (rank 0 of 1): the rows one process packs, dealt to the ranks at each step
     loader = PackingDataset(
         samples,
@@ -269,6 +272,7 @@ def make_source(
         world_size=1,
         pad_id=pad_id,
         groups=pairs,  # each pair whole in one row (--batch-size counts rows, as for SFT)
+        max_seq_len=width,
         **{name: getattr(config, name) for name in same},
     )
     return LoaderSource(

@@ -11,8 +11,10 @@ only its own. No rank reads another's data twice, and a step trains on the same 
 world size, so its state (the global dataset's, the rows consumed) is the same on every rank and
 resumes on another number of ranks (``elastic``).
 
-Preference pairs (``--objective dpo``): the dataset is built with ``groups=True``, so each pair is
-one row's (``batch_size`` still counts rows) and a row is dealt whole. Weighted samples: a row carries
+Preference pairs (``--objective dpo`` / ``simpo``): the dataset is built with ``groups=True`` and rows
+of ``2 * max_seq_len`` slots (the trainer path's preference micro-batch width: a pair's two members,
+each at most ``max_seq_len``, always fit one row), so each pair is one row's (``batch_size`` still
+counts rows) and a row is dealt whole. Weighted samples: a row carries
 its ``weights`` and :attr:`~._sources.Source.step_weighted` says whether any row of the step (on any
 rank: every rank decides the same global rows) does, so the loop divides by ``sum |w|``.
 """
