@@ -23,9 +23,10 @@ row) is refused by the loss module, naming the missing answer; the loader withou
 a pair's member.
 
 Weighted SFT: the loader path with weighted samples (weights 0, 2.5, a negative advantage, per token,
-none) equals each conversation run alone under the rule sum(w * loss) / sum(|w|) step by step
-(test_weighted_train.py's reference and tolerance, 1e-10, derived there), and step 1 equals the rule
-by hand; dropping the weights moves step 1 by more than 1e-3.
+none) equals each conversation run alone under the rule sum(w * loss) / sum(|w|) step by step, and
+under ``weight_normalisation="sequence"`` (test_weighted_train.py's reference and tolerance, 1e-10,
+derived there); step 1 equals the rule by hand; dropping the weights (or, for the sequence mean,
+taking the token mean) moves step 1 by more than 1e-3.
 
 Ranks: both runs at 2 gloo ranks give the 1-rank losses and parameters (the pair count and the
 weighted count reduced over the ranks), and the loop's loader source over pairs resumes mid-stream to
@@ -124,10 +125,12 @@ def test_a_pair_split_over_rows_is_refused(folders) -> None:
         list(PackingDataset(samples, max_seq_len=128, buffer_size=16))
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_weighted_loader_path_equals_each_conversation_alone(samples, grad_accum) -> None:
+@pytest.mark.parametrize(("rule", "grad_accum"), [("token", 1), ("token", 2), ("sequence", 2)])
+def test_weighted_loader_path_equals_each_conversation_alone(samples, rule, grad_accum) -> None:
     data = weighted(samples)
-    cfg = tiny_config(packing="loader", pad_multiple=4, grad_accum=grad_accum, buffer_size=16, steps=8)
+    cfg = tiny_config(
+        packing="loader", pad_multiple=4, grad_accum=grad_accum, buffer_size=16, steps=8, weight_normalisation=rule
+    )
     src = make_source(cfg, samples=data)
     run = train(cfg, source=src, model=tiny_model(dtype=F64))
     by_id = {s.conversation_id: s for s in data}
@@ -135,14 +138,17 @@ def test_weighted_loader_path_equals_each_conversation_alone(samples, grad_accum
     assert all(len(step) > 1 for step in steps)
     assert any(s.weights is not None and s.weights[0] < 0 for step in steps for s in step)
 
-    ref = train(tiny_config(packing="trainer", steps=8), source=Alone(steps), model=tiny_model(dtype=F64))
+    ref_cfg = tiny_config(packing="trainer", steps=8, weight_normalisation=rule)
+    ref = train(ref_cfg, source=Alone(steps), model=tiny_model(dtype=F64))
     dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
-    print(f"loader weighted float64: max |dloss| {dl:.2e}, max |dparam| {dp:.2e} (tolerance {WEIGHT_TOL:.0e})")
+    print(f"loader weighted {rule} float64: max |dloss| {dl:.2e}, max |dparam| {dp:.2e} (tolerance {WEIGHT_TOL:.0e})")
     assert dl <= WEIGHT_TOL and dp <= WEIGHT_TOL, (dl, dp)
-    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0])) <= WEIGHT_TOL
+    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0], rule)) <= WEIGHT_TOL
 
-    plain = [Sample(s.input_ids, s.loss_mask, s.conversation_id) for s in steps[0]]  # the weights dropped
-    assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), plain)) > WEIGHT_BUG
+    # negative controls: the weights dropped (token), the token mean of the same step (sequence)
+    plain = [Sample(s.input_ids, s.loss_mask, s.conversation_id) for s in steps[0]]
+    other = rule_by_hand(tiny_model(dtype=F64), plain if rule == "token" else steps[0], "token")
+    assert abs(run.losses[0] - other) > WEIGHT_BUG
 
 
 def test_unweighted_loader_steps_keep_their_int_count(samples) -> None:
