@@ -100,6 +100,7 @@ def pack_rows(
     patches: ArrayLike | None = None,
     max_patches_per_row: int | None = None,
     max_patches: int | None = None,
+    groups: ArrayLike | None = None,
 ) -> Bins:
     """The one row planner: bin-pack sequences into rows of ``max_seq_len`` slots, each
     costed at :func:`padded_lengths` (what :func:`lay_row` lays, so a planned row
@@ -119,6 +120,8 @@ def pack_rows(
             (``max_weight_per_bin``).
         max_patches: the deprecated spelling of ``max_patches_per_row`` (accepted, with a
             ``DeprecationWarning``, until the next release).
+        groups: ``(n,)`` a group id per sequence (a preference pair's members share one): each
+            group lands whole in one row (:func:`sftpack.binpack.pack`'s ``groups``).
 
     Returns:
         :class:`sftpack.binpack.Bins` of indices into ``lengths`` (``.order`` and
@@ -137,6 +140,7 @@ def pack_rows(
         seed=seed,
         weights=patches,
         max_weight_per_bin=cap,
+        groups=groups,
     )
     n = bins.order.shape[0]
     if n == 0:

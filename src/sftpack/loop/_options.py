@@ -387,13 +387,13 @@ class TrainConfig:
             )
 
     def _check_dpo(self) -> None:
-        """DPO runs on the trainer path alone, one process's model whole, without a held-out set."""
+        """DPO runs on the trainer and offline paths, one process's model whole, without a held-out set."""
         if not (self.beta > 0 and math.isfinite(self.beta)):
             raise ValueError(f"TrainConfig: beta must be a positive number, got {self.beta!r}")
-        if self.packing is not Packing.TRAINER:
+        if self.packing not in (Packing.TRAINER, Packing.OFFLINE):
             raise ConfigError(
-                f"{{objective}} dpo runs on the trainer path only, not {{packing}} {self.packing}: use "
-                "{packing} trainer (it keeps each pair in one micro-batch)"
+                f"{{objective}} dpo runs on the trainer and offline paths only, not {{packing}} {self.packing}: use "
+                "{packing} trainer or offline (they keep each pair in one micro-batch)"
             )
         for name, on in (("fsdp", self.fsdp), ("eval_fraction", self.eval_fraction), ("eval_every", self.eval_every)):
             if on:
