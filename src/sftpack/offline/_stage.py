@@ -46,7 +46,7 @@ import contextlib
 import json
 import os
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -56,7 +56,7 @@ import numpy as np
 from ..sample import Sample, check_sft_sample, check_unweighted
 from ._format import IMAGE_DTYPE, PAIR_ROLES, PrepackError
 
-__all__ = ["Images", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
+__all__ = ["Images", "PairsOverRow", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
 
 _TOKENS = "tokens.u32"
 _MASK = "mask.u8"
@@ -297,6 +297,68 @@ class _Pairs:
         if self.kind != "pairs":
             return None
         return np.frombuffer(self.roles, np.uint8).copy()
+
+
+@dataclass
+class PairsOverRow:
+    """The over-long rule of a prepack for a preference pair whose two sequences fit the row each
+    (the tokenizer's rule, :func:`sftpack.chat.tokenize_pair`) but not together: a pair is packed
+    whole in one row, so under ``overlong="drop"`` it is left out whole and counted as an
+    over-long drop (its tokens lost), and under any other policy refused, naming it and the fix.
+
+    :meth:`filter` passes the tokenizer's samples through; :meth:`apply` moves what it dropped
+    into the tokenizer's statistics (``fit`` to ``dropped``, tokens to ``tokens_lost``).
+    """
+
+    max_seq_len: int
+    pad_multiple: int
+    overlong: str
+    dropped: int = 0
+    tokens: int = 0
+    trainable: int = 0
+
+    def filter(self, samples: Iterable[Sample]) -> Iterator[Sample]:
+        held: list[Sample] = []
+        for s in samples:
+            group = s.meta.get("group") if s.meta and s.meta.get("role") is not None else None
+            if held and (group is None or group != held[0].meta["group"]):
+                yield from self._whole(held)
+                held = []
+            if group is None:
+                yield s
+            else:
+                held.append(s)
+        yield from self._whole(held)
+
+    def _whole(self, pair: list[Sample]) -> list[Sample]:
+        m = self.pad_multiple
+        cost = sum(-(-len(s) // m) * m for s in pair)
+        if cost <= self.max_seq_len:
+            return pair
+        if self.overlong != "drop":
+            raise ValueError(
+                f"preference pair {pair[0].meta['group']!r}: its {len(pair)} sequences take {cost} slots together "
+                f"(each padded to a multiple of {m}), more than max_seq_len={self.max_seq_len}, and a prepack keeps a "
+                f"pair whole in one row: raise --max-seq-len to at least {cost}, or pass --overlong drop (the pair "
+                "left out, counted)"
+            )
+        self.dropped += 1
+        self.tokens += sum(len(s) for s in pair)
+        self.trainable += sum(s.num_trainable for s in pair)
+        return []
+
+    def apply(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The tokenizer's statistics with the pairs dropped here moved from kept to dropped."""
+        if not self.dropped:
+            return stats
+        out = dict(stats)
+        out["fit"] = int(out.get("fit", 0)) - self.dropped
+        out["dropped"] = int(out.get("dropped", 0)) + self.dropped
+        out["tokens"] = int(out.get("tokens", 0)) - self.tokens
+        out["tokens_lost"] = int(out.get("tokens_lost", 0)) + self.tokens
+        out["trainable_tokens"] = int(out.get("trainable_tokens", 0)) - self.trainable
+        out["trainable_tokens_lost"] = int(out.get("trainable_tokens_lost", 0)) + self.trainable
+        return out
 
 
 class _Weights:
