@@ -26,77 +26,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sftpack import PackedBatch, Sample
+from sftpack import Sample
 from sftpack.loop import make_source, train
-from sftpack.loop._model import _body_and_head
-from sftpack.loop._sources import Source
+from tests.helpers import WeightedAlone as Alone
 from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model
+from tests.helpers import weighted_chat as _weighted_chat
+from tests.helpers import weighted_cli_args as _cli
+from tests.helpers import weighted_rule_by_hand as rule_by_hand
+from tests.helpers import weighted_samples as weighted
 
 F64 = torch.float64
 TOL = 1e-10  # float64; see the docstring
 BUG = 1e-3
-
-
-def weighted(samples: list[Sample]) -> list[Sample]:
-    """Some samples weighted 0, some 2.5, some a negative advantage, some per token, some not at all."""
-    rng = np.random.default_rng(7)
-    out = []
-    for i, s in enumerate(samples):
-        kind = i % 5
-        w: object
-        if kind == 0:
-            w = 2.5
-        elif kind == 1:
-            w = 0.0
-        elif kind == 2:
-            w = -0.75  # a negative advantage
-        elif kind == 3:
-            w = rng.uniform(-2.5, 2.5, size=len(s))
-        else:
-            w = None
-        out.append(Sample(s.input_ids, s.loss_mask, s.conversation_id, weights=w))
-    return out
-
-
-class Alone(Source):
-    """The reference: the steps' conversations, each its own one-sequence micro-batch."""
-
-    step_weighted = True
-
-    def __init__(self, steps: list[list[Sample]]) -> None:
-        self.steps, self.i = steps, 0
-
-    def next_step(self):
-        step = self.steps[self.i]
-        self.i += 1
-        return [PackedBatch.from_samples([s]) for s in step]
-
-    def state_dict(self):
-        return {"i": self.i}
-
-    def load_state_dict(self, state):
-        self.i = state["i"]
-
-    def fingerprint(self):
-        return "alone"
-
-
-def rule_by_hand(model, samples: list[Sample]) -> float:
-    """sum(w * loss) / sum(|w|) over the samples' targets, each sample run alone."""
-    body, head = _body_and_head(model)
-    num = torch.zeros((), dtype=F64)
-    den = torch.zeros((), dtype=F64)
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.as_tensor(s.input_ids)[None]
-            logits = head(body(input_ids=ids, use_cache=False).last_hidden_state[0])
-            target = torch.as_tensor(s.input_ids[1:])
-            trained = torch.as_tensor(s.loss_mask[1:])
-            w = torch.ones(len(s) - 1, dtype=F64) if s.weights is None else torch.as_tensor(s.weights[1:], dtype=F64)
-            loss = F.cross_entropy(logits[:-1], target, reduction="none")
-            num += (w * loss)[trained].sum()
-            den += w.abs()[trained].sum()
-    return float(num / den)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -168,26 +109,6 @@ def test_fused_head_weights_equal_the_weighted_cross_entropy():
             fused_linear_cross_entropy(h, w, y, n, weights=wt, impl=impl)  # type: ignore[arg-type]
 
 
-def _weighted_chat(chat, path):
-    """The ``chat`` fixture's conversations with a weight or an advantage on most rows."""
-    rows = [json.loads(line) for line in (chat / "chat.jsonl").read_text().splitlines()]
-    for i, r in enumerate(rows):
-        if i % 4 == 1:
-            r["weight"] = 2.5
-        elif i % 4 == 2:
-            r["advantage"] = -1.0
-        elif i % 4 == 3:
-            r["messages"][-1]["weight"] = 0.0
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _cli(data, tmp_path, name, packing="trainer"):
-    args = ["train", str(data), "--tokenizer", str(tmp_path.parent / "tok"), "--packing", packing]
-    args += ["--steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--dim", "16", "--layers", "1"]
-    return args + ["--heads", "2", "--kv-heads", "1", "--log", str(tmp_path / f"{name}.jsonl")]
-
-
 def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     """``sftpack train`` on a JSONL with 'weight' / 'advantage' (trainer path): 2 steps whose
     first loss is the weighted one (not the file's loss without its weights); the other paths refuse."""
@@ -204,6 +125,6 @@ def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     assert w[0]["label_tokens"] == p[0]["label_tokens"]  # the same conversations and targets
     assert abs(w[0]["loss"] - p[0]["loss"]) > BUG  # the weights were used
     capsys.readouterr()
-    for packing in ("loader", "offline"):
+    for packing in ("loader",):  # offline carries them: tests/loop/test_weighted_offline.py
         assert main(_cli(weighted_file, run, packing, packing)) != 0
         assert "carries per-token weights" in capsys.readouterr().err
