@@ -21,6 +21,10 @@ one (partners mismatched) moves the loss by more than BUG = 1e-5 (measured: 1.1e
 samples planned into rows without their groups (the SFT planner) split pairs over rows, which the
 loss refuses, naming the half pair.
 
+Two gloo ranks (each step's 2 rows dealt one a rank, the pair count all-reduced) train like one
+process on the same rows: losses and parameters over 2 steps within 1e-10 (tests/loop/test_distributed.py's
+derivation: the same computation in another summation order, DDP's all-reduce one rounding more).
+
 ``sftpack train prefs.jsonl --objective dpo --packing offline`` (a temporary prepack of the pairs):
 two steps, step 1's loss log 2 (the reference is the starting weights).
 """
@@ -30,10 +34,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from sftpack import PackedBatch
 from sftpack.handoff import pack_rows
@@ -41,7 +47,8 @@ from sftpack.loop import TrainConfig, build_model, load_model, make_source, trai
 from sftpack.loop._preference import pairs_in
 from sftpack.offline import PrepackedDataset, prepack_samples
 from sftpack.sample import pair_sequence_id
-from tests.helpers import DPO_MODEL, PREFERENCE_PAIRS, dpo_loss_alone, preference_data
+from tests.helpers import DPO_MODEL, PREFERENCE_PAIRS, dpo_loss_alone, max_loss_diff, max_param_diff, preference_data
+from tests.loop.conftest import run_ranks
 
 pytest.importorskip("transformers")
 
@@ -97,6 +104,50 @@ def test_step_one_loss_is_the_dpo_loss_of_each_sequence_alone(data, boundaries, 
     assert diff <= TOL
     assert control > BUG
     assert not math.isclose(rec.loss, math.log(2), abs_tol=1e-6)  # the reference is not the policy
+
+
+def _ranks_config(ref_dir: Any) -> TrainConfig:
+    return TrainConfig(
+        packing="offline",
+        objective="dpo",
+        beta=BETA,
+        reference_model=str(ref_dir),
+        steps=2,
+        batch_size=2,
+        max_seq_len=64,
+        pad_multiple=4,
+        lr=1e-2,
+        **DPO_MODEL,
+    )
+
+
+def _rank(rank: int, init_file: str, out_file: str, vocab: int, ref_dir: str, path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=2, timeout=timedelta(seconds=300)
+    )
+    try:
+        cfg = _ranks_config(ref_dir)
+        source = make_source(cfg, prepacked=path, rank=rank, world=2)
+        result = train(cfg, source=source, model=build_model(vocab, **DPO_MODEL, seed=0, dtype=F64))
+        if rank == 0:
+            torch.save({"params": [p.detach() for p in result.model.parameters()], "losses": result.losses}, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_train_like_one(data, tmp_path) -> None:
+    _, vocab, ref_dir, path = data
+    out = tmp_path / "two.pt"
+    run_ranks(_rank, (str(tmp_path / "init"), str(out), vocab, str(ref_dir), str(path)))
+    two = torch.load(out)
+    cfg = _ranks_config(ref_dir)
+    one = train(cfg, source=make_source(cfg, prepacked=path), model=build_model(vocab, **DPO_MODEL, seed=0, dtype=F64))
+    dl = max_loss_diff(two["losses"], one.losses)
+    dp = max(float((a - b.detach()).abs().max()) for a, b in zip(two["params"], one.model.parameters()))
+    print(f"dpo offline, 2 ranks vs 1: max |dloss| {dl:.1e}, max |dparam| {dp:.1e}")
+    assert dl <= 1e-10 and dp <= 1e-10
+    assert max_param_diff(one.model, build_model(vocab, **DPO_MODEL, seed=0, dtype=F64)) > 1e-4  # it trained
 
 
 def test_rows_planned_without_the_pairs_split_them_and_are_refused(data) -> None:
