@@ -80,3 +80,15 @@ def test_sftpack_train_offline_keeps_a_jsonls_weights(chat, tmp_path):
     assert [r["step"] for r in w] == [1, 2] and all(np.isfinite(r["loss"]) for r in w)
     assert w[0]["label_tokens"] == p[0]["label_tokens"]  # the same rows and targets
     assert abs(w[0]["loss"] - p[0]["loss"]) > BUG  # the weights were used
+
+
+def test_renumbered_rows_keep_their_weights_and_the_weighted_step(samples, tmp_path):
+    """A model over the data's ids reads the prepack renumbered (``vocab=``): the rows keep their
+    weights and the step stays weighted."""
+    path = prepack_samples(weighted_samples(samples), tmp_path / "rows", max_seq_len=128, pad_multiple=4).path
+    cfg = tiny_config(packing="offline", pad_multiple=4, steps=1)
+    plain = make_source(cfg, prepacked=path).next_step()
+    source = make_source(cfg, prepacked=path, vocab=np.arange(97))
+    rows = source.next_step()
+    assert source.step_weighted
+    assert all(torch.equal(a.weights, b.weights) for a, b in zip(rows, plain))  # type: ignore[arg-type]
