@@ -66,6 +66,8 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from ..objectives import CHOSEN, REJECTED
+
 __all__ = [
     "FILES",
     "FORMAT",
@@ -112,8 +114,8 @@ OLD_MEDIA_FORMAT_VERSION = 3
 COLUMNS_FORMAT_VERSION = 5
 #: The optional columns of a version-5 prepack: the file, and the manifest entry that says it is there.
 WEIGHTS_FILE, ROLES_FILE = "weights.npy", "roles.npy"
-#: The one role table of a preference prepack (``roles.npy`` holds indices into it).
-PAIR_ROLES = ("chosen", "rejected")
+#: The role table of a preference prepack (``roles.npy`` holds indices into it): the objectives' two roles.
+PAIR_ROLES = (CHOSEN, REJECTED)
 #: The media files, checked like the others when the manifest has ``media``.
 MEDIA_FILES = ("pixels.npy", "images.npy", "row_images.npy")
 #: The small media index files: checked (SHA-256 and structure) on every default open.
