@@ -7,6 +7,12 @@
   two-block Llama of width 16, small enough for many 20-step runs per test file), the
   differences the equality tests compare, and ``train_args`` (``sftpack train`` on the
   commands' tiny model).
+- Weighted samples (``weighted_samples``), the reference that runs each conversation alone
+  (``WeightedAlone``), the loss rule by hand (``weighted_rule_by_hand``), a weighted chat file
+  and its ``sftpack train`` arguments (``weighted_chat``, ``weighted_cli_args``).
+- Preference pairs (DPO): five string pairs (``PREFERENCE_PAIRS``), their samples tokenized and
+  compacted with a reference model saved beside them (``preference_data``), and the DPO loss
+  computed one sequence at a time through the models (``dpo_loss_alone``).
 - Vision-language model folders and images: a small tokenizer of each family's own kind
   (``tiny_vlm_tokenizer``), a user's folder (``save_vlm_folder``), the folder tests' data and
   row checks (``write_folder_data``, ``check_prepacked_rows``, ``packed_vs_alone``), PNG writers.
@@ -21,11 +27,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from hypothesis import strategies as st
 
 from sftpack import PackedBatch, Sample
 from sftpack.chat import BadRowReason, Conversation
 from sftpack.loop import TrainConfig, build_model
+from sftpack.loop._sources import Source
 from sftpack.testing import CHAT_STYLES, tiny_chat_tokenizer
 from sftpack.trainer import padded_batch as _padded_batch
 
@@ -533,3 +541,167 @@ def check_prepacked_rows(fam: Any, folder: str, data: Path, rows: list[PackedBat
             elif telling:
                 assert logits > FOLDER_BUG
     assert controlled  # the control ran on at least one row
+
+
+# ------------------------------------------------------------------ preference pairs (DPO)
+PREFERENCE_PAIRS = [
+    {"prompt": "What is 2 + 3?", "chosen": " It is 5.", "rejected": " It is 6, I think."},
+    {"prompt": "Name a colour.", "chosen": " Blue.", "rejected": " A fish."},
+    {"prompt": "Say hello", "chosen": " Hello!", "rejected": " Go away."},
+    {"prompt": "Is ice cold?", "chosen": " Yes, it is cold.", "rejected": " No."},
+    {"prompt": "Count to three", "chosen": " One, two, three.", "rejected": " Four."},
+]
+#: the tiny model of the DPO tests (one block of width 16)
+DPO_MODEL = {"dim": 16, "layers": 1, "heads": 2, "kv_heads": 1}
+
+
+def preference_data(root: Path) -> tuple[list[Sample], int, Path]:
+    """``PREFERENCE_PAIRS`` in a JSONL under ``root``, read and tokenized with the embedded tokenizer
+    (each pair two samples), ids compacted to the ones the data uses; a float64 reference model
+    (``build_model`` seed 1) saved to ``root / "reference"``: ``(samples, vocabulary size, its folder)``."""
+    from sftpack.chat import read_conversations, tokenize_conversations
+    from sftpack.data import default_tokenizer
+    from sftpack.loop import compact_vocabulary
+
+    path = root / "prefs.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PREFERENCE_PAIRS), encoding="utf-8")
+    rows = list(read_conversations([str(path)]))
+    samples = tokenize_conversations(rows, default_tokenizer()).to_list()
+    assert len(samples) == 2 * len(PREFERENCE_PAIRS) and all(s.meta["role"] in ("chosen", "rejected") for s in samples)
+    samples, ids = compact_vocabulary(samples)
+    vocab = len(ids)
+    assert vocab <= 97  # the DPO tests' tolerance derivation
+    assert max(int(s.loss_mask[1:].sum()) for s in samples) <= 32
+    ref_dir = root / "reference"
+    build_model(vocab, **DPO_MODEL, seed=1, dtype=torch.float64).save_pretrained(ref_dir)
+    return samples, vocab, ref_dir
+
+
+def _alone_logp(model: Any, s: Sample) -> torch.Tensor:
+    """One sequence's summed log-probability of its trained tokens, run alone, unpacked."""
+    ids = torch.as_tensor(s.input_ids, dtype=torch.int64)
+    with torch.no_grad():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+    logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
+    return logp[torch.as_tensor(s.loss_mask[1:])].sum()
+
+
+def dpo_loss_alone(policy: Any, reference: Any, pairs: list[tuple[Sample, Sample]], beta: float = 0.1) -> float:
+    """The mean sigmoid DPO loss of ``(chosen, rejected)`` pairs, each sequence through both models
+    alone as its own ``(1, L)`` batch: ``log1p(exp(-z))``, ``z = beta * ((pc - rc) - (pr - rr))``."""
+    losses = []
+    for chosen, rejected in pairs:
+        z = beta * (
+            (_alone_logp(policy, chosen) - _alone_logp(reference, chosen))
+            - (_alone_logp(policy, rejected) - _alone_logp(reference, rejected))
+        )
+        losses.append(float(torch.log1p(torch.exp(-z))))
+    return sum(losses) / len(losses)
+
+
+# ------------------------------------------------------------------ weighted samples
+def weighted_samples(samples: list[Sample]) -> list[Sample]:
+    """Some samples weighted 0, some 2.5, some a negative advantage, some per token, some not at all."""
+    rng = np.random.default_rng(7)
+    out = []
+    for i, s in enumerate(samples):
+        kind = i % 5
+        w: object
+        if kind == 0:
+            w = 2.5
+        elif kind == 1:
+            w = 0.0
+        elif kind == 2:
+            w = -0.75  # a negative advantage
+        elif kind == 3:
+            w = rng.uniform(-2.5, 2.5, size=len(s))
+        else:
+            w = None
+        out.append(Sample(s.input_ids, s.loss_mask, s.conversation_id, weights=w))
+    return out
+
+
+def weighted_group_numbers(step: list[Sample]) -> list[int]:
+    numbered: dict[object, int] = {}
+    return [numbered.setdefault(s.meta.get("group", ("own", i)), len(numbered)) for i, s in enumerate(step)]
+
+
+class WeightedAlone(Source):
+    """The reference: the steps' conversations, each its own one-sequence micro-batch (a
+    group's members in several micro-batches: its groups, as :class:`TrainerSource` numbers them)."""
+
+    step_weighted = True
+
+    def __init__(self, steps: list[list[Sample]]) -> None:
+        self.steps, self.i = steps, 0
+
+    def next_step(self):
+        step = self.steps[self.i]
+        self.i += 1
+        numbers = weighted_group_numbers(step)
+        self.step_groups = ([[g] for g in numbers], max(numbers) + 1)
+        return [PackedBatch.from_samples([s]) for s in step]
+
+    def state_dict(self):
+        return {"i": self.i}
+
+    def load_state_dict(self, state):
+        self.i = state["i"]
+
+    def fingerprint(self):
+        return "alone"
+
+
+def weighted_rule_by_hand(model, samples: list[Sample], rule: str = "token") -> float:
+    """The rule over the samples' targets, each sample run alone: "token": sum(w * loss) / sum(|w|);
+    "sequence": the mean of each sample's sum(w * loss) / sum(|w|) (over those with sum |w| > 0);
+    "group": the mean over groups of the mean over each group's samples."""
+    from sftpack.loop._model import _body_and_head
+
+    body, head = _body_and_head(model)
+    nums, dens = [], []
+    with torch.no_grad():
+        for s in samples:
+            ids = torch.as_tensor(s.input_ids)[None]
+            logits = head(body(input_ids=ids, use_cache=False).last_hidden_state[0])
+            target = torch.as_tensor(s.input_ids[1:])
+            trained = torch.as_tensor(s.loss_mask[1:])
+            w = (
+                torch.ones(len(s) - 1, dtype=torch.float64)
+                if s.weights is None
+                else torch.as_tensor(s.weights[1:], dtype=torch.float64)
+            )
+            loss = F.cross_entropy(logits[:-1], target, reduction="none")
+            nums.append(float((w * loss)[trained].sum()))
+            dens.append(float(w.abs()[trained].sum()))
+    if rule == "token":
+        return sum(nums) / sum(dens)
+    means = {i: nums[i] / dens[i] for i in range(len(samples)) if dens[i] > 0}
+    if rule == "sequence":
+        return sum(means.values()) / len(means)
+    groups: dict[int, list[float]] = {}
+    for i, g in enumerate(weighted_group_numbers(samples)):
+        if i in means:
+            groups.setdefault(g, []).append(means[i])
+    return sum(sum(v) / len(v) for v in groups.values()) / len(groups)
+
+
+def weighted_chat(chat: Path, path: Path) -> Path:
+    """The ``chat`` fixture's conversations with a weight or an advantage on most rows."""
+    rows = [json.loads(line) for line in (chat / "chat.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        if i % 4 == 1:
+            r["weight"] = 2.5
+        elif i % 4 == 2:
+            r["advantage"] = -1.0
+        elif i % 4 == 3:
+            r["messages"][-1]["weight"] = 0.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def weighted_cli_args(data: Any, tmp_path: Path, name: str, packing: str = "trainer") -> list[str]:
+    """``sftpack train`` of ``data`` with the tokenizer of the ``chat`` fixture (``tmp_path.parent / "tok"``)."""
+    args = ["train", str(data), "--tokenizer", str(tmp_path.parent / "tok"), "--packing", packing]
+    args += ["--steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--dim", "16", "--layers", "1"]
+    return args + ["--heads", "2", "--kv-heads", "1", "--log", str(tmp_path / f"{name}.jsonl")]

@@ -305,13 +305,15 @@ def test_worker_processes_give_the_same_pairs() -> None:
 
 
 def test_sft_commands_refuse_pairs_whole(tmp_path, capsys):
-    """Until a preference objective trains them, prepack and train refuse a pair (never train the
-    rejected answer as an SFT target), naming the conversation and the way out."""
+    """SFT training refuses a pair (never train the rejected answer as an SFT target), naming the
+    conversation and the way out; prepack keeps the pair whole in one row (tests/offline/test_pairs_weights.py)."""
     from sftpack.cli import main
+    from sftpack.offline import PrepackedDataset
 
     data = tmp_path / "prefs.jsonl"
     data.write_text('{"prompt": "Hi there", "chosen": "Hello!", "rejected": "Go away."}\n')
-    for argv in (["prepack", str(data), "--out", str(tmp_path / "out")], ["train", str(data), "--steps", "1"]):
-        assert main(argv) != 0
-        err = capsys.readouterr().err
-        assert "prefs.jsonl:1' is the chosen answer of a preference pair" in err, err
+    assert main(["train", str(data), "--steps", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "prefs.jsonl:1' is the chosen answer of a preference pair" in err, err
+    assert main(["prepack", str(data), "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    assert [r for _, r in PrepackedDataset(tmp_path / "out").row(0).sequence_ids] == ["chosen", "rejected"]

@@ -47,6 +47,10 @@ from sftpack.loop._sources import TrainerSource
 from sftpack.sample import Sample
 from sftpack.testing import tiny_chat_tokenizer
 from sftpack.trainer import pack_step, padded_batch
+from tests.helpers import DPO_MODEL as MODEL
+from tests.helpers import PREFERENCE_PAIRS as PAIRS
+from tests.helpers import dpo_loss_alone as _alone_loss
+from tests.helpers import preference_data
 
 pytest.importorskip("transformers")
 
@@ -54,53 +58,12 @@ F64 = torch.float64
 BETA = 0.1
 TOL = 1e-9  # float64; see the docstring
 BUG = 1e-5
-MODEL = {"dim": 16, "layers": 1, "heads": 2, "kv_heads": 1}
-
-PAIRS = [
-    {"prompt": "What is 2 + 3?", "chosen": " It is 5.", "rejected": " It is 6, I think."},
-    {"prompt": "Name a colour.", "chosen": " Blue.", "rejected": " A fish."},
-    {"prompt": "Say hello", "chosen": " Hello!", "rejected": " Go away."},
-    {"prompt": "Is ice cold?", "chosen": " Yes, it is cold.", "rejected": " No."},
-    {"prompt": "Count to three", "chosen": " One, two, three.", "rejected": " Four."},
-]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[list[Sample], int, Any]:
     """The pairs' samples (ids compacted), the vocabulary size, and the reference model's folder."""
-    root = tmp_path_factory.mktemp("dpo")
-    path = root / "prefs.jsonl"
-    path.write_text("".join(json.dumps(p) + "\n" for p in PAIRS), encoding="utf-8")
-    rows = list(read_conversations([str(path)]))
-    samples = tokenize_conversations(rows, default_tokenizer()).to_list()
-    assert len(samples) == 2 * len(PAIRS) and all(s.meta["role"] in ("chosen", "rejected") for s in samples)
-    samples, ids = compact_vocabulary(samples)
-    vocab = len(ids)
-    assert vocab <= 97  # the tolerance's derivation
-    assert max(int(s.loss_mask[1:].sum()) for s in samples) <= 32
-    ref_dir = root / "reference"
-    build_model(vocab, **MODEL, seed=1, dtype=F64).save_pretrained(ref_dir)
-    return samples, vocab, ref_dir
-
-
-def _alone_logp(model: Any, s: Sample) -> torch.Tensor:
-    """One sequence's summed log-probability of its trained tokens, run alone, unpacked."""
-    ids = torch.as_tensor(s.input_ids, dtype=torch.int64)
-    with torch.no_grad():
-        logits = model(input_ids=ids[None], use_cache=False).logits[0]
-    logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None])[:, 0]
-    return logp[torch.as_tensor(s.loss_mask[1:])].sum()
-
-
-def _alone_loss(policy: Any, reference: Any, pairs: list[tuple[Sample, Sample]]) -> float:
-    losses = []
-    for chosen, rejected in pairs:
-        z = BETA * (
-            (_alone_logp(policy, chosen) - _alone_logp(reference, chosen))
-            - (_alone_logp(policy, rejected) - _alone_logp(reference, rejected))
-        )
-        losses.append(float(torch.log1p(torch.exp(-z))))
-    return sum(losses) / len(losses)
+    return preference_data(tmp_path_factory.mktemp("dpo"))
 
 
 def test_step_one_loss_is_the_dpo_loss_of_each_sequence_alone(data, tmp_path) -> None:
@@ -183,18 +146,16 @@ def test_sft_refuses_a_pair_as_its_conversation_is_read() -> None:
 def test_other_paths_refuse_dpo_in_one_line(tmp_path, capsys) -> None:
     from sftpack.cli import main
 
-    for packing in ("offline", "none"):
-        with pytest.raises(
-            ValueError, match=f"objective dpo runs on the trainer and loader paths only, not packing {packing}"
-        ):
+    for packing in ("none",):
+        with pytest.raises(ValueError, match=f"objective dpo runs on the packed paths only, not packing {packing}"):
             TrainConfig(packing=packing, objective="dpo")
     path = tmp_path / "prefs.jsonl"
     path.write_text(json.dumps(PAIRS[0]) + "\n", encoding="utf-8")
     assert main(["train", str(path), "--objective", "dpo", "--packing", "none", "--steps", "1"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
-        "sftpack train: --objective dpo runs on the trainer and loader paths only, not --packing none: use --packing "
-        "trainer or loader (each keeps every pair whole)"
+        "sftpack train: --objective dpo runs on the packed paths only, not --packing none: use --packing "
+        "trainer, offline or loader (each keeps every pair whole)"
     ]
 
 

@@ -38,38 +38,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from sftpack import PackedBatch, Sample
+from sftpack import Sample
 from sftpack.loop import make_source, train
-from sftpack.loop._model import _body_and_head
-from sftpack.loop._sources import Source
 from sftpack.sample import WeightNormalisation
+from tests.helpers import WeightedAlone as Alone
 from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples
+from tests.helpers import weighted_chat as _weighted_chat
+from tests.helpers import weighted_cli_args as _cli
+from tests.helpers import weighted_rule_by_hand as rule_by_hand
+from tests.helpers import weighted_samples as weighted
 from tests.loop.conftest import run_ranks
 
 F64 = torch.float64
 TOL = 1e-10  # float64; see the docstring
 BUG = 1e-3
-
-
-def weighted(samples: list[Sample]) -> list[Sample]:
-    """Some samples weighted 0, some 2.5, some a negative advantage, some per token, some not at all."""
-    rng = np.random.default_rng(7)
-    out = []
-    for i, s in enumerate(samples):
-        kind = i % 5
-        w: object
-        if kind == 0:
-            w = 2.5
-        elif kind == 1:
-            w = 0.0
-        elif kind == 2:
-            w = -0.75  # a negative advantage
-        elif kind == 3:
-            w = rng.uniform(-2.5, 2.5, size=len(s))
-        else:
-            w = None
-        out.append(Sample(s.input_ids, s.loss_mask, s.conversation_id, weights=w))
-    return out
 
 
 def grouped(samples: list[Sample]) -> list[Sample]:
@@ -85,65 +67,6 @@ def grouped(samples: list[Sample]) -> list[Sample]:
         )
         for i, s in enumerate(samples)
     ]
-
-
-def _group_numbers(step: list[Sample]) -> list[int]:
-    numbered: dict[object, int] = {}
-    return [numbered.setdefault(s.meta.get("group", ("own", i)), len(numbered)) for i, s in enumerate(step)]
-
-
-class Alone(Source):
-    """The reference: the steps' conversations, each its own one-sequence micro-batch (a
-    group's members in several micro-batches: its groups, as :class:`TrainerSource` numbers them)."""
-
-    step_weighted = True
-
-    def __init__(self, steps: list[list[Sample]]) -> None:
-        self.steps, self.i = steps, 0
-
-    def next_step(self):
-        step = self.steps[self.i]
-        self.i += 1
-        numbers = _group_numbers(step)
-        self.step_groups = ([[g] for g in numbers], max(numbers) + 1)
-        return [PackedBatch.from_samples([s]) for s in step]
-
-    def state_dict(self):
-        return {"i": self.i}
-
-    def load_state_dict(self, state):
-        self.i = state["i"]
-
-    def fingerprint(self):
-        return "alone"
-
-
-def rule_by_hand(model, samples: list[Sample], rule: str = "token") -> float:
-    """The rule over the samples' targets, each sample run alone: "token": sum(w * loss) / sum(|w|);
-    "sequence": the mean of each sample's sum(w * loss) / sum(|w|) (over those with sum |w| > 0);
-    "group": the mean over groups of the mean over each group's samples."""
-    body, head = _body_and_head(model)
-    nums, dens = [], []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.as_tensor(s.input_ids)[None]
-            logits = head(body(input_ids=ids, use_cache=False).last_hidden_state[0])
-            target = torch.as_tensor(s.input_ids[1:])
-            trained = torch.as_tensor(s.loss_mask[1:])
-            w = torch.ones(len(s) - 1, dtype=F64) if s.weights is None else torch.as_tensor(s.weights[1:], dtype=F64)
-            loss = F.cross_entropy(logits[:-1], target, reduction="none")
-            nums.append(float((w * loss)[trained].sum()))
-            dens.append(float(w.abs()[trained].sum()))
-    if rule == "token":
-        return sum(nums) / sum(dens)
-    means = {i: nums[i] / dens[i] for i in range(len(samples)) if dens[i] > 0}
-    if rule == "sequence":
-        return sum(means.values()) / len(means)
-    groups: dict[int, list[float]] = {}
-    for i, g in enumerate(_group_numbers(samples)):
-        if i in means:
-            groups.setdefault(g, []).append(means[i])
-    return sum(sum(v) / len(v) for v in groups.values()) / len(groups)
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -359,29 +282,10 @@ def test_fused_head_weights_equal_the_weighted_cross_entropy():
             fused_linear_cross_entropy(h, w, y, n, weights=wt, impl=impl)  # type: ignore[arg-type]
 
 
-def _weighted_chat(chat, path):
-    """The ``chat`` fixture's conversations with a weight or an advantage on most rows."""
-    rows = [json.loads(line) for line in (chat / "chat.jsonl").read_text().splitlines()]
-    for i, r in enumerate(rows):
-        if i % 4 == 1:
-            r["weight"] = 2.5
-        elif i % 4 == 2:
-            r["advantage"] = -1.0
-        elif i % 4 == 3:
-            r["messages"][-1]["weight"] = 0.0
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
-def _cli(data, tmp_path, name, packing="trainer"):
-    args = ["train", str(data), "--tokenizer", str(tmp_path.parent / "tok"), "--packing", packing]
-    args += ["--steps", "2", "--batch-size", "4", "--max-seq-len", "256", "--dim", "16", "--layers", "1"]
-    return args + ["--heads", "2", "--kv-heads", "1", "--log", str(tmp_path / f"{name}.jsonl")]
-
-
 def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     """``sftpack train`` on a JSONL with 'weight' / 'advantage' (trainer path): 2 steps whose
-    first loss is the weighted one (not the file's loss without its weights); the offline path refuses."""
+    first loss is the weighted one (not the file's loss without its weights); the offline and loader
+    paths: tests/loop/test_weighted_offline.py, tests/loop/test_dpo_loader.py."""
     from sftpack.cli import main
 
     (tmp_path / "tok").symlink_to(chat / "tok")
@@ -394,10 +298,6 @@ def test_cli_trains_a_weighted_jsonl(chat, tmp_path, capsys):
     assert [r["step"] for r in w] == [1, 2] and all(np.isfinite(r["loss"]) for r in w)
     assert w[0]["label_tokens"] == p[0]["label_tokens"]  # the same conversations and targets
     assert abs(w[0]["loss"] - p[0]["loss"]) > BUG  # the weights were used
-    capsys.readouterr()
-    for packing in ("offline",):
-        assert main(_cli(weighted_file, run, packing, packing)) != 0
-        assert "carries per-token weights" in capsys.readouterr().err
 
 
 def test_cli_weight_normalisation(chat, tmp_path, capsys):

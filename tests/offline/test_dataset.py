@@ -63,9 +63,9 @@ def test_a_missing_renamed_or_truncated_file_is_named(copy):
 
 def test_a_newer_format_a_foreign_directory_and_a_bad_manifest_are_refused(copy, tmp_path):
     m = json.loads((copy / "manifest.json").read_text())
-    m["format_version"] = 5  # 4 is a prepack with media (tests/offline/test_media.py)
+    m["format_version"] = 6  # 4 is a prepack with media (tests/offline/test_media.py), 5 one with weights or pairs
     (copy / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(PrepackError, match=r"newer sftpack \(format version 5 > 4"):
+    with pytest.raises(PrepackError, match=r"newer sftpack \(format version 6 > 5"):
         PrepackedDataset(copy)
     m["format_version"] = 1  # version 1 had no manifest checksum: refused with the fix
     (copy / "manifest.json").write_text(json.dumps(m))

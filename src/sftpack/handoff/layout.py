@@ -120,8 +120,8 @@ def pack_rows(
             (``max_weight_per_bin``).
         max_patches: the deprecated spelling of ``max_patches_per_row`` (accepted, with a
             ``DeprecationWarning``, until the next release).
-        groups: ``(n,)`` integer group id per sequence (:func:`sftpack.binpack.pack`'s ``groups``):
-            sequences of one group land in one row (a preference pair), each row still ascending.
+        groups: ``(n,)`` a group id per sequence (a preference pair's members share one): each
+            group lands whole in one row (:func:`sftpack.binpack.pack`'s ``groups``).
 
     Returns:
         :class:`sftpack.binpack.Bins` of indices into ``lengths`` (``.order`` and

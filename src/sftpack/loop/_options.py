@@ -453,7 +453,7 @@ class TrainConfig:
             )
 
     def _check_dpo(self) -> None:
-        """A preference objective (DPO, SimPO) runs on the trainer and loader paths, one process's model
+        """A preference objective (DPO, SimPO) runs on every packed path (trainer, offline, loader), one process's model
         whole, without a held-out set; its ``beta`` and ``gamma`` are resolved and checked here."""
         objective = Objective(self.objective)
         if self.beta == 0:  # the default: the objective's own
@@ -469,10 +469,10 @@ class TrainConfig:
                 raise ValueError(f"TrainConfig: gamma (SimPO's margin) must be a number >= 0, got {self.gamma!r}")
         elif self.gamma != DEFAULT_GAMMA:
             raise ConfigError("{gamma} is SimPO's margin: leave it out with {objective} dpo (or use {objective} simpo)")
-        if self.packing not in (Packing.TRAINER, Packing.LOADER):
+        if self.packing is Packing.NONE:
             raise ConfigError(
-                f"{{objective}} {objective} runs on the trainer and loader paths only, not {{packing}} {self.packing}: use "
-                "{packing} trainer or loader (each keeps every pair whole)"
+                f"{{objective}} {objective} runs on the packed paths only, not {{packing}} {self.packing}: use "
+                "{packing} trainer, offline or loader (each keeps every pair whole)"
             )
         for name, on in (("fsdp", self.fsdp), ("eval_fraction", self.eval_fraction), ("eval_every", self.eval_every)):
             if on:

@@ -210,6 +210,15 @@ def make_source(
                 int(ds.sequences["length"].max()) if len(getattr(ds, "sequences", ())) else 0,
                 config.max_seq_len,
             )
+        pairs = getattr(ds, "roles", None) is not None
+        if pairs != config.preference:
+            where = getattr(ds, "path", "the prepack")
+            raise ValueError(
+                f"{where} holds preference pairs (prompt/chosen/rejected): train it with --objective dpo or simpo"
+                if pairs
+                else f"{where} holds SFT conversations, not preference pairs: --objective {config.objective} trains a "
+                "prepack of pairs (sftpack prepack of prompt/chosen/rejected rows)"
+            )
         offline: Source = OfflineSource(ds, batch_size=config.batch_size, world=world, grad_accum=config.grad_accum)
         return offline if vocab is None else RenumberedSource(offline, vocab, pad_id=pad_id)
     if samples is None:

@@ -27,6 +27,11 @@ class OfflineSource(Source):
     The position, ``(epoch, rows consumed in the epoch)``, counts rows over all ranks, so a
     state saved at ``N`` ranks continues at ``M`` ranks with the very rows the run would have
     read next (:attr:`elastic`; ``batch_size`` must be a multiple of ``M``).
+
+    A prepack with per-token weights gives rows with :attr:`~sftpack.PackedBatch.weights`, and every
+    step is then weighted (:attr:`step_weighted`, the same on every rank: the loss divides by
+    ``sum |w|``). A prepack of preference pairs gives rows whose ids are ``(group, role)``, each pair
+    whole in one row (so in one micro-batch of one rank); ``batch_size`` still counts rows.
     """
 
     elastic = True  #: the state is the same on every rank and for any world size
@@ -47,6 +52,8 @@ class OfflineSource(Source):
             )
         self.grad_accum = grad_accum
         self.epoch, self.rows = 0, 0
+        # a weighted prepack's every row carries weights (1 on an unweighted sample's targets)
+        self.step_weighted = getattr(dataset, "weights", None) is not None
 
     def next_step(self) -> list[MicroBatch]:
         if self.rows + self.batch_size > self.ds.num_rows:

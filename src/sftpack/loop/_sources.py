@@ -619,7 +619,9 @@ class RenumberedSource(Source):
 
     def next_step(self) -> list[MicroBatch]:
         out: list[MicroBatch] = []
-        for b in self.inner.next_step():
+        step = self.inner.next_step()
+        self.step_weighted = bool(getattr(self.inner, "step_weighted", False))  # the rows keep their weights
+        for b in step:
             if not isinstance(b, PackedBatch):
                 raise TypeError(f"RenumberedSource renumbers packed rows, not {type(b).__name__}")
             keep = b.labels != IGNORE_INDEX

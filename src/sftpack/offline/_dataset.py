@@ -40,6 +40,12 @@ measures each mode). ``verify=None`` skips the index checks (a DataLoader worker
 re-opening what its parent checked). Any damage is a :class:`PrepackError`
 naming the file. ``expect=`` compares the trainer's settings with the
 fingerprint.
+
+A prepack with per-token weights (``weights.npy``) gives every row its
+:attr:`~sftpack.PackedBatch.weights` (label-aligned, as :meth:`~sftpack.PackedBatch.from_samples`
+lays a sample's: 1 on the targets of a sample that had none); one of preference pairs
+(``roles.npy``) gives each sequence the id ``(group, role)`` (:func:`sftpack.sample.pair_sequence_id`),
+so ``sftpack.objectives.pairs_of(row, sftpack.sample.pair_meta(row.sequence_ids))`` reads its pairs.
 """
 
 from __future__ import annotations
@@ -68,9 +74,13 @@ from ._format import (
     INDEX_FILES,
     MEDIA_FILES,
     MEDIA_INDEX_FILES,
+    PAIR_ROLES,
+    ROLES_FILE,
     ROW_DTYPE,
     SEQUENCE_DTYPE,
+    WEIGHTS_FILE,
     PrepackError,
+    column_files,
     file_sha256,
     open_npy,
     read_manifest,
@@ -91,6 +101,8 @@ _MAPPED = (
     "_index",
     "_token_bytes",
     "media",
+    "weights",
+    "roles",
 )
 assert _collate.IGNORE == IGNORE_INDEX  # the kernel writes the label the handoff ignores
 
@@ -155,6 +167,7 @@ class BatchedRows(Sequence[PackedBatch]):
                     max_seqlen=int((cup[1:] - cup[:-1]).max()),
                     sequence_ids=None if b.sequence_ids is None else b.sequence_ids[seq : seq + n],
                     media=None if b.media is None else _cut_media(b.media, slot, width, seq),
+                    weights=None if b.weights is None else b.weights[slot : slot + width],
                 )
             )
             slot, seq = slot + width, seq + n
@@ -280,7 +293,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
     def _open(self, mode: Verify | None) -> None:
         files, counts = self.manifest["files"], self.manifest["counts"]
         media = self.manifest.get("media")
-        names = FILES + MEDIA_FILES if media is not None else FILES
+        columns = column_files(self.manifest)
+        names = (FILES + MEDIA_FILES if media is not None else FILES) + columns
         for name in names:
             p = self.path / name
             if not p.is_file():
@@ -293,7 +307,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
                     "truncated or was replaced; write the prepack again"
                 )
         if mode is not None:  # the index always, the bulk token and mask data with "full"
-            index = INDEX_FILES + MEDIA_INDEX_FILES if media is not None else INDEX_FILES
+            index: tuple[str, ...] = INDEX_FILES + MEDIA_INDEX_FILES if media is not None else INDEX_FILES
+            index += tuple(c for c in columns if c == ROLES_FILE)  # roles: per sequence, small
             for name in names if mode is Verify.FULL else index:
                 if file_sha256(self.path / name) != files[name]["sha256"]:
                     raise PrepackError(
@@ -329,6 +344,19 @@ class PrepackedDataset(torch.utils.data.Dataset):
             self._arrays["conversation_ids"],
         )
         self._token_bytes = self.tokens.view(np.uint8)
+        #: ``(T,)`` float64 each token's weight (``weights.npy``), ``None`` without weights
+        self.weights: np.ndarray | None = None
+        #: ``(S,)`` uint8 each sequence's role in its pair (``roles.npy``), ``None`` for SFT
+        self.roles: np.ndarray | None = None
+        for name, dtype, length in (
+            (WEIGHTS_FILE, np.float64, counts["tokens"]),
+            (ROLES_FILE, np.uint8, counts["sequences"]),
+        ):
+            if name in columns:
+                arr, mm = open_npy(self.path / name, np.dtype(dtype), length)
+                key = name[: -len(".npy")]
+                self._arrays[key], self._maps[key] = arr, mm
+                setattr(self, key, arr)
         self.media: MediaReader | None = None
         if media is not None:
             shapes = {
@@ -397,6 +425,20 @@ class PrepackedDataset(torch.utils.data.Dataset):
             raise fail("sequences.npy", f"sequence {k} names conversation {int(conv[k])}, there are {n_conv}")
         if np.any(seqs["piece"] < 0):
             raise fail("sequences.npy", f"sequence {first(seqs['piece'] < 0)} has a negative piece number")
+        if self.roles is not None:  # a pair's two sequences: one conversation, one row, two roles
+            if np.any(self.roles >= len(PAIR_ROLES)):
+                raise fail(ROLES_FILE, f"sequence {first(self.roles >= len(PAIR_ROLES))} has no role")
+            row_of = np.repeat(np.arange(r_seq.shape[0] - 1), np.diff(r_seq))
+            order = np.lexsort((self.roles, conv))
+            same = conv[order][1:] == conv[order][:-1]
+            apart = same & (
+                (row_of[order][1:] != row_of[order][:-1]) | (self.roles[order][1:] == self.roles[order][:-1])
+            )
+            if np.any(apart):
+                raise fail(
+                    ROLES_FILE,
+                    f"pair {int(conv[order][1:][apart][0])} is not one chosen and one rejected sequence in one row",
+                )
         loads = np.add.reduceat(padded_lengths(length, self.pad_multiple), r_seq[:-1])
         if int(loads.max()) > self.max_seq_len:
             r = int(np.argmax(loads))
@@ -590,7 +632,12 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 raise IndexError(f"row {r} is out of range for {n} rows")
             return self.read_rows(np.array([r % n], np.int64))
         ids, mask, seqs = self.row_arrays(r)
+        weights = None
+        if self.weights is not None:
+            t0 = int(seqs["start"][0]) if seqs.shape[0] else 0
+            weights = self.weights[t0 : t0 + ids.shape[0]]
         try:
+            a = int(self.rows[r % self.num_rows]["sequence"])
             return build_row(
                 ids,
                 mask,
@@ -598,7 +645,8 @@ class PrepackedDataset(torch.utils.data.Dataset):
                 max_seq_len=self.max_seq_len,
                 pad_multiple=self.pad_multiple,
                 pad_id=self.pad_id,
-                sequence_ids=[self.conversation_id(int(c)) for c in seqs["conversation"]],
+                sequence_ids=self._ids([self.conversation_id(int(c)) for c in seqs["conversation"]], a, a + len(seqs)),
+                weights=weights,
             )
         except (
             PackedBatchError,
@@ -684,9 +732,43 @@ class PrepackedDataset(torch.utils.data.Dataset):
             cu_seqlens=torch.from_numpy(cu),
             cu_seqlens_padded=torch.from_numpy(cup),
             max_seqlen=int(max_seqlen),
-            sequence_ids=self._decode_ids(conv, id_buf, id_bounds, plain),
+            sequence_ids=self._batch_ids(r, self._decode_ids(conv, id_buf, id_bounds, plain)),
             media=media,
+            weights=None if self.weights is None else torch.from_numpy(self._lay_weights(r, cup, labels)),
         )
+
+    def _sequences_of(self, rows: np.ndarray) -> np.ndarray:
+        """The global sequence numbers of ``rows``, row after row."""
+        seq = self.rows["sequence"]
+        a, b = seq[rows].astype(np.int64), seq[rows + 1].astype(np.int64)
+        n = b - a
+        return np.repeat(a - np.cumsum(n) + n, n) + np.arange(int(n.sum()), dtype=np.int64)
+
+    def _ids(self, groups: list[Any], a: int, b: int) -> Any:
+        """Sequences ``a:b``'s ids: their conversation ids, or for pairs ``(group, role)``."""
+        if self.roles is None:
+            return groups
+        return [(g, PAIR_ROLES[k]) for g, k in zip(groups, self.roles[a:b].tolist())]
+
+    def _batch_ids(self, rows: np.ndarray, groups: tuple) -> tuple:
+        if self.roles is None:
+            return groups
+        roles = self.roles[self._sequences_of(rows)].tolist()
+        return tuple((g, PAIR_ROLES[k]) for g, k in zip(groups, roles))
+
+    def _lay_weights(self, rows: np.ndarray, cup: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """``(slots,)`` float64 label-aligned weights of ``rows`` laid end to end (cu_seqlens_padded
+        ``cup``): a sequence's slot ``j`` holds its token ``j + 1``'s weight, what
+        :func:`~sftpack.handoff.layout.lay_weights` lays for one row, 0 where the label is ``-100``."""
+        assert self.weights is not None
+        seqs = self.sequences[self._sequences_of(rows)]
+        n = np.maximum(seqs["length"].astype(np.int64) - 1, 0)
+        seg = np.repeat(np.arange(n.shape[0], dtype=np.int64), n)
+        j = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        out = np.zeros(labels.shape[0], np.float64)
+        out[np.asarray(cup, np.int64)[:-1][seg] + j] = self.weights[seqs["start"][seg] + j + 1]
+        out[labels == IGNORE_INDEX] = 0
+        return out
 
     def _damaged(self, rows: np.ndarray, what: str) -> NoReturn:
         which = f"row {int(rows[0])}" if rows.shape[0] == 1 else f"one of rows {rows[:8].tolist()}"

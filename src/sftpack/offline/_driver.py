@@ -8,7 +8,8 @@ the fingerprint entries the caller knows, the output) and an engine
       writing(out)                       a hidden partial folder next to ``out``
         engine.stage(work)               1. read + tokenize + stage -> Staged
         planner.plan(lengths)            2. the RowPlan (the same for every engine; with images,
-                                            their vision patches as the second budget's weights)
+                                            their vision patches as the second budget's weights;
+                                            with preference pairs, each pair one group)
         vocabulary and token dtype       from the tokenizer's fingerprint, else the largest id
         allocate; engine.write(plan)     3. the rows, at the offsets the plan fixed (and with
                                             images, the media columns: media_layout)
@@ -40,13 +41,16 @@ from .. import __version__
 from .._types import TokenizerSpec
 from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._format import (
+    COLUMNS_FORMAT_VERSION,
     FILES,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
     MEDIA_FILES,
     MEDIA_FORMAT_VERSION,
+    PAIR_ROLES,
     PrepackError,
+    column_files,
     digest,
     file_sha256,
     seal_manifest,
@@ -68,7 +72,11 @@ class Planner(Protocol):
     """Stage 2: :class:`~sftpack.offline._plan.BinPack` or :class:`~sftpack.offline._plan.KeepRows`."""
 
     def plan(
-        self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None, weights: ArrayLike | None = None
+        self,
+        lengths: ArrayLike,
+        row_sizes: Iterable[int] | None = None,
+        weights: ArrayLike | None = None,
+        groups: ArrayLike | None = None,
     ) -> RowPlan: ...
 
     def fingerprint(self) -> dict[str, Any]: ...
@@ -180,10 +188,18 @@ def build_manifest(
     """The manifest of a finished prepack: the counts, checked against the accounting
     identities, and the fingerprint, sealed with its own digest, and the whole manifest
     sealed with ``manifest_sha256``. With ``media`` (a prepack with images): format version
-    3 and the ``media`` entry (what is stored per image, the family, the processor's settings, totals)."""
+    4 and the ``media`` entry (what is stored per image, the family, the processor's settings, totals).
+    With weights or preference pairs (the staged ``weighted`` / ``roles``): format version 5 and
+    the ``weights`` / ``pairs`` entries, named in the fingerprint's ``columns`` too."""
     counts = _counts(staged, plan, reading)
     _check_identity(counts)
     extra: dict[str, Any] = {}
+    if staged.weighted:
+        extra["weights"] = {"dtype": "float64"}
+    if staged.roles is not None:
+        extra["pairs"] = {"roles": list(PAIR_ROLES), "pairs": staged.num_conversations}
+    if extra:  # an SFT prepack's fingerprint stays what it was
+        fingerprint = dict(fingerprint, columns=sorted(extra))
     if media is not None:
         keys = ("kind", "family", "processor", "image_token_id")
         fingerprint = dict(fingerprint, media={k: media[k] for k in keys if k in media})
@@ -200,7 +216,11 @@ def build_manifest(
     return seal_manifest(
         {
             "format": FORMAT,
-            "format_version": MEDIA_FORMAT_VERSION if media is not None else FORMAT_VERSION,
+            "format_version": MEDIA_FORMAT_VERSION
+            if media is not None
+            else COLUMNS_FORMAT_VERSION
+            if extra
+            else FORMAT_VERSION,
             "sftpack_version": __version__,
             "source": source,
             "max_seq_len": plan.max_seq_len,
@@ -217,9 +237,9 @@ def build_manifest(
     )
 
 
-def _checksums(directory: Path, progress: bool, media: bool = False) -> dict[str, Any]:
+def _checksums(directory: Path, progress: bool, media: bool = False, columns: tuple[str, ...] = ()) -> dict[str, Any]:
     files = {}
-    names = FILES + MEDIA_FILES if media else FILES
+    names = (FILES + MEDIA_FILES if media else FILES) + columns
     with progress_bar(progress, total=len(names), desc="checksum", unit="file") as bar:
         for name in names:
             files[name] = {"bytes": (directory / name).stat().st_size, "sha256": file_sha256(directory / name)}
@@ -261,7 +281,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                 with progress_bar(job.progress, total=1, desc="pack", unit="step") as bar:
                     # with images, their vision patches: the second budget's weights
                     patches = None if s.media is None else s.media.patches
-                    plan = job.planner.plan(s.lengths, staged.row_sizes, weights=patches)
+                    plan = job.planner.plan(s.lengths, staged.row_sizes, weights=patches, groups=s.groups)
                     bar.update(1)
                 seconds["pack"] = time.perf_counter() - t0
                 tok = staged.tokenizer or {}
@@ -273,7 +293,7 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                 step = "writing the rows (stage 3)"
                 t0 = time.perf_counter()
                 layout = None if s.media is None else media_layout(plan, s.media)
-                allocate(tmp, plan, dtype, layout)
+                allocate(tmp, plan, dtype, layout, weighted=s.weighted)
                 if layout is None:  # an engine written for text takes no media
                     engine.write(tmp, plan, staged, dtype)
                 else:
@@ -286,10 +306,12 @@ def run(job: Job, engine: PrepackEngine) -> PrepackResult:
                     conversation_offsets=s.conversation_offsets,
                     conversation_ids=staged.conversation_ids,
                     media=layout,
+                    roles=s.roles,
                 )
                 seconds["write"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
-                files = _checksums(tmp, job.progress, media=staged.media is not None)
+                columns = column_files({"weights": s.weighted or None, "pairs": s.roles})
+                files = _checksums(tmp, job.progress, media=staged.media is not None, columns=columns)
                 seconds["checksum"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 step = "writing the manifest"

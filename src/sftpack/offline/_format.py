@@ -28,6 +28,21 @@ the same stage-3 writer as the tokens at offsets the plan fixes, and the manifes
 ``media`` entry (what is stored, the image processor's settings, the model family whose
 position rule rebuilds each sample's media on read, totals). Text prepacks stay version 2.
 
+A text prepack whose samples carry per-token weights or are preference pairs (format version 5)
+adds one or two optional columns, each listed in the manifest with the files and sealed the same way::
+
+    weights.npy               (T,)   float64                   each token's weight (Sample.weights; 1 where a
+                                                               sample had none), aligned with tokens.npy: the
+                                                               row builder shifts it onto the labels
+    roles.npy                 (S,)   uint8                     each sequence's role in its pair (an index into
+                                                               manifest["pairs"]["roles"]: chosen, rejected)
+
+with the manifest's ``weights`` entry (``{"dtype": "float64"}``) and ``pairs`` entry (the role
+names and the pair count); a pair's two sequences share one conversation number (its group id),
+always in one row, and a row reads each one's id back as ``(group, role)``
+(:func:`sftpack.sample.pair_sequence_id`). Without weights and pairs nothing of this is written:
+such a prepack is version 2, byte for byte what it was.
+
 Every byte is covered by a checksum: the six files by the SHA-256 the manifest
 records for each, the manifest by ``manifest_sha256``, the SHA-256 of its own
 canonical JSON without that key (format version 2; version 1 had none and is
@@ -51,9 +66,12 @@ from typing import Any
 import numpy as np
 from numpy.typing import DTypeLike
 
+from ..objectives import CHOSEN, REJECTED
+
 __all__ = [
     "FILES",
     "FORMAT",
+    "COLUMNS_FORMAT_VERSION",
     "FORMAT_VERSION",
     "IMAGE_DTYPE",
     "INDEX_FILES",
@@ -62,6 +80,8 @@ __all__ = [
     "MEDIA_FILES",
     "MEDIA_FORMAT_VERSION",
     "MEDIA_INDEX_FILES",
+    "PAIR_ROLES",
+    "ROLES_FILE",
     "ROW_DTYPE",
     "SEQUENCE_DTYPE",
     "PrepackError",
@@ -72,8 +92,10 @@ __all__ = [
     "open_npy",
     "read_manifest",
     "seal_manifest",
+    "column_files",
     "token_dtype",
     "write_json",
+    "WEIGHTS_FILE",
 ]
 
 FORMAT = "sftpack.prepack"
@@ -86,6 +108,14 @@ FORMAT_VERSION = 2
 MEDIA_FORMAT_VERSION = 4
 #: The media format before videos: refused with the fix (no reader keeps its 40-byte records).
 OLD_MEDIA_FORMAT_VERSION = 3
+#: 5: a text prepack with per-token weights (``weights.npy``) and/or preference pairs (``roles.npy``);
+#: an older sftpack refuses it ("written by a newer sftpack") instead of dropping the weights or
+#: training a pair's answers as SFT targets.
+COLUMNS_FORMAT_VERSION = 5
+#: The optional columns of a version-5 prepack: the file, and the manifest entry that says it is there.
+WEIGHTS_FILE, ROLES_FILE = "weights.npy", "roles.npy"
+#: The role table of a preference prepack (``roles.npy`` holds indices into it): the objectives' two roles.
+PAIR_ROLES = (CHOSEN, REJECTED)
 #: The media files, checked like the others when the manifest has ``media``.
 MEDIA_FILES = ("pixels.npy", "images.npy", "row_images.npy")
 #: The small media index files: checked (SHA-256 and structure) on every default open.
@@ -139,6 +169,11 @@ FILES = (
 )
 #: The small index files: checked (SHA-256 and structure) on every default open.
 INDEX_FILES = FILES[2:]
+
+
+def column_files(manifest: dict[str, Any]) -> tuple[str, ...]:
+    """The optional column files a manifest lists (``weights.npy``, ``roles.npy``; none for SFT)."""
+    return tuple(f for f, key in ((WEIGHTS_FILE, "weights"), (ROLES_FILE, "pairs")) if manifest.get(key) is not None)
 
 
 class PrepackError(ValueError):
@@ -323,9 +358,9 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         raise PrepackError(
             f"{path}: format_version is {version!r}, expected an integer: the manifest is damaged; write the prepack again"
         )
-    if version > MEDIA_FORMAT_VERSION:
+    if version > COLUMNS_FORMAT_VERSION:
         raise PrepackError(
-            f"{directory} was written by a newer sftpack (format version {version} > {MEDIA_FORMAT_VERSION}, "
+            f"{directory} was written by a newer sftpack (format version {version} > {COLUMNS_FORMAT_VERSION}, "
             f"written by sftpack {manifest.get('sftpack_version', '?')}): upgrade sftpack to read it"
         )
     if version == OLD_MEDIA_FORMAT_VERSION:
@@ -426,6 +461,19 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
     media = m.get("media")
     if (m.get("format_version") == MEDIA_FORMAT_VERSION) != (media is not None):
         raise bad("media", media, f"an object exactly when format_version is {MEDIA_FORMAT_VERSION}")
+    columns = column_files(m)
+    if (m.get("format_version") == COLUMNS_FORMAT_VERSION) != bool(columns):
+        raise bad(
+            "weights/pairs",
+            {k: m.get(k) for k in ("weights", "pairs")},
+            f"an entry exactly when format_version is {COLUMNS_FORMAT_VERSION}",
+        )
+    if m.get("weights") is not None:
+        get(m, "weights", "weights", lambda v: is_dict(v) and v.get("dtype") == "float64", '{"dtype": "float64"}')
+    if m.get("pairs") is not None:
+        pairs = get(m, "pairs", "pairs", is_dict, "an object")
+        get(pairs, "roles", "pairs.roles", lambda v: v == list(PAIR_ROLES), repr(list(PAIR_ROLES)))
+        get(pairs, "pairs", "pairs.pairs", lambda v: _int(v) and v >= 0, "a count (an integer >= 0)")
     if media is not None:
         get(m, "media", "media", is_dict, "an object")
         for key in ("images", "patches", "pixel_bytes", "image_token_id", "merge_size"):
@@ -464,7 +512,7 @@ def check_manifest(m: dict[str, Any], path: Path) -> None:
                 "three numbers",
             )
         get(proc, "rescale_factor", "media.processor.rescale_factor", _number, "a number")
-    for name in FILES + (MEDIA_FILES if media is not None else ()):
+    for name in FILES + (MEDIA_FILES if media is not None else ()) + columns:
         entry = get(files, name, f"files.{name}", is_dict, "an object")
         get(entry, "bytes", f"files.{name}.bytes", lambda v: _int(v) and v >= 0, "a byte count")
         get(

@@ -31,7 +31,7 @@ from ._engine import Conversations, PrepackEngine, Samples, Staged, progress_bar
 from ._fingerprint import tokenizer_fingerprint
 from ._inputs import KnownLength, input_total, open_image_inputs, open_inputs, reading_counts
 from ._plan import RowPlan
-from ._stage import stage_samples
+from ._stage import PairsOverRow, stage_samples
 from ._write import CHUNK_TOKENS, MediaLayout, write_rows
 
 __all__ = ["LocalEngine"]
@@ -147,16 +147,17 @@ class LocalEngine(PrepackEngine):
             num_proc=self.num_proc,
             progress=self.progress,
         )
+        over = PairsOverRow(o.max_seq_len, o.pad_multiple, str(o.overlong))  # a pair whole in one row
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sftpack-fingerprint") as pool:
             fingerprinted = _FingerprintAfterFirst(tokenized, tokenizer, pool)
-            staged = stage_samples(fingerprinted, staging)
+            staged = stage_samples(over.filter(fingerprinted), staging)
             tok_fp = fingerprinted.result()
         read = inputs.reader.stats.as_dict() if inputs.reader is not None else None
         return Staged(
             staged,
             staged.source(),
             staged.source().conversation_ids_path(),
-            reading_counts(read, tokenized.stats.as_dict()),
+            reading_counts(read, over.apply(tokenized.stats.as_dict())),
             inputs=inputs.fingerprint(),
             tokenizer=tok_fp,
         )

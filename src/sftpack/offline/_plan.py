@@ -23,6 +23,10 @@ Samples with images bring a second size, their vision patches: :class:`BinPack` 
 (:func:`sftpack.handoff.pack_rows`' ``patches`` / ``max_patches``, the packer's weights), so a
 row's patches never exceed the budget either.
 
+Preference pairs come with ``groups`` (a pair's two samples share one group): each group is one
+unit of the planner (:func:`sftpack.handoff.pack_rows`' ``groups``, :func:`sftpack.binpack.pack`'s),
+so a pair always lands whole in one row; its cost is its members' padded lengths summed.
+
 Memory: about 24 bytes per sample (the order, the output lengths and starts).
 """
 
@@ -141,22 +145,32 @@ def _bin_pack(
     seed: int,
     weights: ArrayLike | None = None,
     max_weight: int | None = None,
+    groups: ArrayLike | None = None,
 ) -> RowPlan:
     """:func:`plan_rows` on settings already checked; with ``max_weight``, each row's ``weights``
-    (vision patches) also sum to at most it."""
+    (vision patches) also sum to at most it; with ``groups``, each group whole in one row."""
     lengths_in = np.asarray(lengths, dtype=np.int64)
     patches = None
     if max_weight is not None:
         patches = np.zeros_like(lengths_in) if weights is None else np.asarray(weights, np.int64)
-    bins = pack_rows(  # the one planner
-        lengths_in,
-        max_seq_len=width,
-        pad_multiple=m,
-        algorithm=algorithm,
-        seed=seed,
-        patches=patches,
-        max_patches_per_row=max_weight,
-    )
+    try:
+        bins = pack_rows(  # the one planner
+            lengths_in,
+            max_seq_len=width,
+            pad_multiple=m,
+            algorithm=algorithm,
+            seed=seed,
+            patches=patches,
+            max_patches_per_row=max_weight,
+            groups=groups,
+        )
+    except ValueError as e:
+        if groups is None:
+            raise
+        raise PrepackError(
+            f"{e}; a preference pair is packed whole in one row: raise max_seq_len to hold the longest pair's two "
+            "sequences (each padded to the pad multiple) together, or leave that pair out"
+        ) from None
     order = np.asarray(bins.order, dtype=np.int64).copy()
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()
     return _finish(lengths_in, order, offsets, width, m)
@@ -204,12 +218,23 @@ class BinPack:
         object.__setattr__(self, "max_patches_per_row", budget)
 
     def plan(
-        self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None, weights: ArrayLike | None = None
+        self,
+        lengths: ArrayLike,
+        row_sizes: Iterable[int] | None = None,
+        weights: ArrayLike | None = None,
+        groups: ArrayLike | None = None,
     ) -> RowPlan:
         if row_sizes is not None:
             raise ValueError("bin packing plans its own rows, but the samples came in rows: keep them with KeepRows")
         return _bin_pack(
-            lengths, self.max_seq_len, self.pad_multiple, self.algorithm, self.seed, weights, self.max_patches_per_row
+            lengths,
+            self.max_seq_len,
+            self.pad_multiple,
+            self.algorithm,
+            self.seed,
+            weights,
+            self.max_patches_per_row,
+            groups,
         )
 
     def fingerprint(self) -> dict[str, Any]:
@@ -237,7 +262,11 @@ class KeepRows:
             object.__setattr__(self, "max_seq_len", check_width(self.max_seq_len, self.pad_multiple)[0])
 
     def plan(
-        self, lengths: ArrayLike, row_sizes: Iterable[int] | None = None, weights: ArrayLike | None = None
+        self,
+        lengths: ArrayLike,
+        row_sizes: Iterable[int] | None = None,
+        weights: ArrayLike | None = None,
+        groups: ArrayLike | None = None,
     ) -> RowPlan:
         sizes = row_sizes if row_sizes is not None else self.row_sizes
         if sizes is None:
@@ -246,6 +275,14 @@ class KeepRows:
         offsets = np.concatenate([[0], np.cumsum(np.fromiter(sizes, np.int64))]).astype(np.int64)
         if offsets[-1] != lengths.shape[0]:
             raise PrepackError(f"row_sizes add up to {int(offsets[-1])} samples but {lengths.shape[0]} came in")
+        if groups is not None:  # the rows given must keep each pair whole too
+            g, cut = np.asarray(groups, np.int64), offsets[1:-1]
+            split = cut[(cut > 0) & (g[cut - 1] == g[np.minimum(cut, g.shape[0] - 1)])]
+            if split.shape[0]:
+                raise PrepackError(
+                    f"the rows given split a preference pair (samples {int(split[0]) - 1} and {int(split[0])}, one "
+                    "group): a pair is kept whole in one row; give rows that hold each pair whole"
+                )
         width = self.max_seq_len
         if width is None:  # as wide as the widest row needs (checked against the format's limit)
             loads = np.add.reduceat(padded_lengths(lengths, self.pad_multiple), offsets[:-1])

@@ -200,6 +200,7 @@ class RayEngine(PrepackEngine):
         units, workers_read = make_units(inputs, staging, unit_size=self.unit_size, raw=images is not None)
         options = {
             "max_seq_len": o.max_seq_len,
+            "pad_multiple": o.pad_multiple,
             "overlong": str(o.overlong),
             "train_on": str(o.train_on),
             "on_bad_row": str(o.on_bad_row),
@@ -241,7 +242,13 @@ class RayEngine(PrepackEngine):
         pixel_offsets = None if staged.media is None else [r["media"].pixel_offsets for r in results]
         return Staged(
             staged,
-            UnitsSource([u.staging for u in units], staged.lengths, unit_samples, pixel_offsets),
+            UnitsSource(
+                [u.staging for u in units],
+                staged.lengths,
+                unit_samples,
+                pixel_offsets,
+                weighted=[bool(r.get("weighted")) for r in results],
+            ),
             ids_file,
             counts,
             inputs=inputs.fingerprint(),

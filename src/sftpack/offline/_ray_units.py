@@ -49,7 +49,7 @@ from ._format import IMAGE_DTYPE
 from ._inputs import Inputs
 from ._plan import RowPlan
 from ._ray_session import import_ray, node_label
-from ._stage import StagedMedia, StagedSamples, StagingSource, stage_samples
+from ._stage import PairsOverRow, StagedMedia, StagedSamples, StagingSource, stage_samples
 from ._write import MediaLayout, TokenSource, write_rows
 
 __all__ = [
@@ -205,7 +205,8 @@ class TokenizeActor:
                 train_on=o["train_on"],
                 on_bad_row=o.get("on_bad_row", "error"),
             )
-            staged = stage_samples(tokenized, Path(unit.staging))
+            over = PairsOverRow(o["max_seq_len"], int(o.get("pad_multiple", 1)), o["overlong"])
+            staged = stage_samples(over.filter(tokenized), Path(unit.staging))
             if self.after_unit is not None:
                 self.after_unit(unit.key)
         except Exception as e:  # noqa: BLE001 - sent back whole, raised by the driver in unit order
@@ -220,7 +221,7 @@ class TokenizeActor:
             "ok": True,
             "fingerprint": self.fingerprint,
             "read": None if reader is None else reader.stats.as_dict(),
-            "tokenize": tokenized.stats.as_dict(),
+            "tokenize": over.apply(tokenized.stats.as_dict()),
             "seconds": time.perf_counter() - t0,
             "load_seconds": t_load,
         }
@@ -261,6 +262,8 @@ def _staged_result(staged: StagedSamples) -> dict[str, Any]:
         "labels": staged.labels,
         "first_trainable": staged.first_trainable,
         "media": staged.media,
+        "roles": staged.roles,
+        "weighted": staged.weighted,
     }
 
 
@@ -302,8 +305,26 @@ def merge(results: list[dict[str, Any]], staging: Path) -> tuple[StagedSamples, 
         labels=sum(r["labels"] for r in results),
         first_trainable=sum(r["first_trainable"] for r in results),
         media=media,
+        roles=_merge_roles(results),
+        weighted=any(r.get("weighted") for r in results),
     )
     return staged, unit_samples
+
+
+def _merge_roles(results: list[dict[str, Any]]) -> np.ndarray | None:
+    """The units' pair roles end to end (``None``: SFT conversations); units of both kinds are refused,
+    as the local engine refuses a sample of the other kind."""
+    filled = [r for r in results if len(r["lengths"])]
+    pairs = bool(filled) and filled[0].get("roles") is not None
+    other = next((r for r in filled if (r.get("roles") is not None) != pairs), None)
+    if other is not None:
+        raise ValueError(
+            f"unit {other['key']} holds {'SFT conversations' if pairs else 'preference pairs'} and the units "
+            "before it the other kind: a prepack holds one kind; prepack SFT data and preference data apart"
+        )
+    if not pairs:
+        return None
+    return np.concatenate([r["roles"] for r in filled])
 
 
 def _merge_media(units: list[StagedMedia]) -> StagedMedia:
@@ -400,8 +421,11 @@ class UnitsSource:
         lengths: np.ndarray,
         unit_samples: np.ndarray,
         pixel_offsets: list[np.ndarray] | None = None,
+        weighted: list[bool] | None = None,
     ):
         self.lengths = np.asarray(lengths, np.int64)
+        self.unit_weighted = weighted  # each unit's samples carry weights (None: no unit's do)
+        self.weighted = bool(weighted and any(weighted))
         self.unit_samples = np.asarray(unit_samples, np.int64)
         self.directories = directories
         self.pixel_offsets = pixel_offsets  # each unit's own (samples+1,) offsets into its pixel file
@@ -411,7 +435,8 @@ class UnitsSource:
         if u not in self._sources:
             a, b = self.unit_samples[u], self.unit_samples[u + 1]
             po = None if self.pixel_offsets is None else self.pixel_offsets[u]
-            self._sources[u] = StagingSource(Path(self.directories[u]), self.lengths[a:b], po)
+            w = bool(self.unit_weighted and self.unit_weighted[u])
+            self._sources[u] = StagingSource(Path(self.directories[u]), self.lengths[a:b], po, weighted=w)
         return self._sources[u]
 
     def _by_unit(self, samples: np.ndarray) -> Iterator[tuple[int, np.ndarray]]:
@@ -454,6 +479,20 @@ class UnitsSource:
             ids[pos] = got_ids
             mask[pos] = got_mask
         return ids, mask
+
+    def gather_weights(self, samples: np.ndarray) -> np.ndarray:
+        """The samples' token weights end to end, in the given order (1 for a unit without weights)."""
+        samples = np.asarray(samples, np.int64)
+        lens = self.lengths[samples]
+        out = np.ones(int(lens.sum()), np.float64)
+        out_starts = np.zeros(samples.shape[0], np.int64)
+        np.cumsum(lens[:-1], out=out_starts[1:])
+        for u, group in self._by_unit(samples):
+            source = self._source(u)
+            if source.weighted:
+                got = source.gather_weights(samples[group] - self.unit_samples[u])
+                out[_scatter(got.shape[0], out_starts[group], lens[group])] = got
+        return out
 
 
 def _scatter(n: int, starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:

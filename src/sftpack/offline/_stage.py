@@ -26,6 +26,18 @@ A conversation starts with every sample whose ``meta["piece"]`` is 0 (or absent)
 or whose conversation id differs from the previous sample's (a piece whose
 earlier pieces were filtered out): the pieces of a split conversation share its
 number.
+
+The two optional columns (format version 5) are staged only when a sample needs them:
+
+    staging/weights.f8     each token's weight (float64; 1 on a sample without weights), from the
+                           first weighted sample's arrival on (the tokens before it filled with 1)
+
+and, for preference pairs (``meta["role"]``, :func:`sftpack.chat.tokenize_pair`), each sample's
+role (:data:`~sftpack.offline._format.PAIR_ROLES`) in memory, one byte a sample. A pair's members
+come one after the other and share one conversation number, keyed by ``meta["group"]``: the
+planner keeps each conversation number of a pair in one row. A prepack holds SFT conversations or
+pairs, never both; a half pair, a member out of its pair's run, or a repeated role is refused,
+naming the sample.
 """
 
 from __future__ import annotations
@@ -34,7 +46,7 @@ import contextlib
 import json
 import os
 from array import array
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -42,14 +54,15 @@ from typing import Any, cast
 import numpy as np
 
 from ..sample import Sample, check_sft_sample, check_unweighted
-from ._format import IMAGE_DTYPE, PrepackError
+from ._format import IMAGE_DTYPE, PAIR_ROLES, PrepackError
 
-__all__ = ["Images", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
+__all__ = ["Images", "PairsOverRow", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
 
 _TOKENS = "tokens.u32"
 _MASK = "mask.u8"
 _IDS = "ids.json8"
 _PIXELS = "pixels.u8"
+_WEIGHTS = "weights.f8"
 
 
 @dataclass
@@ -119,6 +132,9 @@ class StagedSamples:
             ``labels == trainable - first_trainable`` (a sequence's first token
             is never a target).
         media: the media columns of samples with images, else ``None``.
+        roles: ``(S,)`` uint8 each sample's role in its preference pair (an index into
+            :data:`~sftpack.offline._format.PAIR_ROLES`), ``None`` for SFT conversations.
+        weighted: some sample carries weights: ``weights.f8`` holds every token's.
     """
 
     directory: Path
@@ -132,6 +148,8 @@ class StagedSamples:
     labels: int
     first_trainable: int
     media: StagedMedia | None = None
+    roles: np.ndarray | None = None
+    weighted: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -143,7 +161,17 @@ class StagedSamples:
 
     def source(self) -> StagingSource:
         """The token source stage 3 reads the rows' sequences from."""
-        return StagingSource(self.directory, self.lengths, None if self.media is None else self.media.pixel_offsets)
+        return StagingSource(
+            self.directory,
+            self.lengths,
+            None if self.media is None else self.media.pixel_offsets,
+            weighted=self.weighted,
+        )
+
+    @property
+    def groups(self) -> np.ndarray | None:
+        """``(S,)`` the group of each sample for the planner (a pair's conversation number), ``None`` for SFT."""
+        return None if self.roles is None else self.conversation
 
 
 def _id_json(cid: Any) -> bytes:
@@ -200,6 +228,177 @@ class _MediaStager:
         )
 
 
+class _Pairs:
+    """Each sample's kind (an SFT conversation or a pair member) checked as it arrives: one kind per
+    prepack, a pair's members one after the other, each role once, the pair whole."""
+
+    def __init__(self) -> None:
+        self.roles = array("B")
+        self.pairs = 0
+        self.kind: str | None = None  # "sft" or "pairs", set by the first sample
+        self.group: bytes | None = None  # the open pair's group (JSON), its roles and size
+        self.seen: list[int] = []
+        self.size = 0
+        self.groups: set[bytes] = set()
+
+    def add(self, i: int, s: Sample) -> bytes | None:
+        """Sample ``i``: ``None`` for an SFT conversation; a pair member's group (JSON) and whether it opens it."""
+        role = s.meta.get("role") if s.meta else None
+        kind = "sft" if role is None else "pairs"
+        if self.kind is None:
+            self.kind = kind
+        elif kind != self.kind:
+            first = "preference pair members" if self.kind == "pairs" else "SFT conversations"
+            what = "an SFT conversation" if role is None else f"the {role} answer of a preference pair"
+            raise ValueError(
+                f"sample {i} (conversation {s.conversation_id!r}) is {what}, but the samples before it are {first}: "
+                "a prepack holds one kind; prepack SFT data and preference data apart"
+            )
+        if role is None:
+            return None
+        if role not in PAIR_ROLES or "group" not in s.meta:
+            raise ValueError(
+                f"sample {i} (conversation {s.conversation_id!r}): meta role {role!r} / group "
+                f"{s.meta.get('group')!r}: a preference sample carries meta['group'] and a role in {list(PAIR_ROLES)} "
+                "(sftpack.chat.tokenize_pair sets both)"
+            )
+        group = _id_json(s.meta["group"])
+        if group != self.group:
+            self.close(i)
+            if group in self.groups:
+                raise ValueError(
+                    f"sample {i} (conversation {s.conversation_id!r}): pair {s.meta['group']!r} comes back after other "
+                    "samples: give a pair's two samples one after the other (as tokenize_pair returns them)"
+                )
+            self.groups.add(group)
+            self.group, self.seen, self.size = group, [], int(s.meta.get("group_size", len(PAIR_ROLES)))
+            self.pairs += 1
+        r = PAIR_ROLES.index(role)
+        if r in self.seen:
+            raise ValueError(
+                f"sample {i} (conversation {s.conversation_id!r}): pair {s.meta['group']!r} has two {role} samples: "
+                "a pair is one chosen and one rejected answer"
+            )
+        self.seen.append(r)
+        self.roles.append(r)
+        return group
+
+    def close(self, i: int) -> None:
+        """The open pair is complete (called when the next one opens and at the end)."""
+        if self.group is not None and len(self.seen) != self.size:
+            have = ", ".join(PAIR_ROLES[r] for r in self.seen)
+            raise ValueError(
+                f"pair {json.loads(self.group)!r} (before sample {i}) has {len(self.seen)} of its {self.size} samples "
+                f"({have}): a pair is packed whole or not at all; give both answers, or leave the pair out"
+            )
+        self.group = None
+
+    def result(self) -> np.ndarray | None:
+        if self.kind != "pairs":
+            return None
+        return np.frombuffer(self.roles, np.uint8).copy()
+
+
+@dataclass
+class PairsOverRow:
+    """The over-long rule of a prepack for a preference pair whose two sequences fit the row each
+    (the tokenizer's rule, :func:`sftpack.chat.tokenize_pair`) but not together: a pair is packed
+    whole in one row, so under ``overlong="drop"`` it is left out whole and counted as an
+    over-long drop (its tokens lost), and under any other policy refused, naming it and the fix.
+
+    :meth:`filter` passes the tokenizer's samples through; :meth:`apply` moves what it dropped
+    into the tokenizer's statistics (``fit`` to ``dropped``, tokens to ``tokens_lost``).
+    """
+
+    max_seq_len: int
+    pad_multiple: int
+    overlong: str
+    dropped: int = 0
+    tokens: int = 0
+    trainable: int = 0
+
+    def filter(self, samples: Iterable[Sample]) -> Iterator[Sample]:
+        held: list[Sample] = []
+        for s in samples:
+            group = s.meta.get("group") if s.meta and s.meta.get("role") is not None else None
+            if held and (group is None or group != held[0].meta["group"]):
+                yield from self._whole(held)
+                held = []
+            if group is None:
+                yield s
+            else:
+                held.append(s)
+        yield from self._whole(held)
+
+    def _whole(self, pair: list[Sample]) -> list[Sample]:
+        m = self.pad_multiple
+        cost = sum(-(-len(s) // m) * m for s in pair)
+        if cost <= self.max_seq_len:
+            return pair
+        if self.overlong != "drop":
+            raise ValueError(
+                f"preference pair {pair[0].meta['group']!r}: its {len(pair)} sequences take {cost} slots together "
+                f"(each padded to a multiple of {m}), more than max_seq_len={self.max_seq_len}, and a prepack keeps a "
+                f"pair whole in one row: raise --max-seq-len to at least {cost}, or pass --overlong drop (the pair "
+                "left out, counted)"
+            )
+        self.dropped += 1
+        self.tokens += sum(len(s) for s in pair)
+        self.trainable += sum(s.num_trainable for s in pair)
+        return []
+
+    def apply(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The tokenizer's statistics with the pairs dropped here moved from kept to dropped."""
+        if not self.dropped:
+            return stats
+        out = dict(stats)
+        out["fit"] = int(out.get("fit", 0)) - self.dropped
+        out["dropped"] = int(out.get("dropped", 0)) + self.dropped
+        out["tokens"] = int(out.get("tokens", 0)) - self.tokens
+        out["tokens_lost"] = int(out.get("tokens_lost", 0)) + self.tokens
+        out["trainable_tokens"] = int(out.get("trainable_tokens", 0)) - self.trainable
+        out["trainable_tokens_lost"] = int(out.get("trainable_tokens_lost", 0)) + self.trainable
+        return out
+
+
+class _Weights:
+    """Every token's weight, staged once the first weighted sample comes (the earlier tokens: 1)."""
+
+    def __init__(self, directory: Path):
+        self.path = directory / _WEIGHTS
+        self.f: Any = None
+        self.buf: list[np.ndarray] = []
+
+    def add(self, s: Sample, tokens_before: int) -> None:
+        if self.f is None:
+            if s.weights is None:
+                return
+            self.f = open(self.path, "wb")  # noqa: SIM115 - closed by close()
+            ones = np.ones(min(tokens_before, 1 << 20), np.float64)
+            left = tokens_before
+            while left:
+                k = min(left, ones.shape[0])
+                self.f.write(ones[:k].data.cast("B"))
+                left -= k
+        w = np.ones(len(s), np.float64) if s.weights is None else np.asarray(s.weights, np.float64)
+        self.buf.append(w)
+
+    def flush(self) -> None:
+        if self.f is not None and self.buf:
+            self.f.write(np.concatenate(self.buf).data.cast("B"))
+        self.buf.clear()
+
+    def close(self) -> bool:
+        """Flushed to disk and closed: whether any sample had weights."""
+        if self.f is None:
+            return False
+        self.flush()
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return True
+
+
 def stage_samples(
     samples: Iterable[Sample] | Iterable[tuple[Sample, Images]],
     directory: Path,
@@ -253,10 +452,15 @@ def stage_samples(
                 mask_buf.clear()
             buffered = 0
 
+        pairs, weights = _Pairs(), _Weights(directory)
+        tokens_staged = 0
         for item in samples:
             if stager is not None:
                 s, images = cast("tuple[Sample, Images]", item)
                 stager.add(len(lengths), s, images)
+                check_sft_sample(s)
+                check_unweighted(s, "a prepack with images")
+                group = None
             else:
                 s = cast(Sample, item)
                 if s.media is not None:
@@ -264,8 +468,8 @@ def stage_samples(
                         f"sample {len(lengths)} (conversation {s.conversation_id!r}) carries media, which a text "
                         "prepack would lose: prepack conversations with images with prepack(..., images=True)"
                     )
-            check_sft_sample(s)
-            check_unweighted(s, "sftpack prepack (the prepack format)")
+                group = pairs.add(len(lengths), s)
+                weights.add(s, tokens_staged)
             ids = s.input_ids
             n = ids.shape[0]
             lo, hi = int(ids.min()), int(ids.max())
@@ -276,11 +480,13 @@ def stage_samples(
                 )
             max_id = max(max_id, hi)
             k = int(s.meta.get("piece", 0)) if s.meta else 0
-            blob = _id_json(s.conversation_id)
+            blob = _id_json(s.conversation_id) if group is None else group
             # A new conversation starts at piece 0, and also at a later piece whose
             # conversation differs from the previous sample's (its earlier pieces
-            # were filtered out upstream): ids are never inherited.
-            if k == 0 or n_conv < 0 or blob != prev_blob:
+            # were filtered out upstream): ids are never inherited. A pair's members
+            # share its group's number (the second member continues the first's).
+            opens = len(pairs.seen) == 1 if group is not None else k == 0
+            if opens or n_conv < 0 or blob != prev_blob:
                 n_conv += 1
                 fi.write(blob)
                 id_offsets.append(id_offsets[-1] + len(blob))
@@ -297,9 +503,13 @@ def stage_samples(
             ids_buf.append(ids)
             mask_buf.append(mask)
             buffered += n
+            tokens_staged += n
             if buffered >= flush_tokens:
                 flush()
+                weights.flush()
         flush()
+        pairs.close(len(lengths))
+        weighted = weights.close()
         for f in (ft, fm, fi) if fp is None else (ft, fm, fi, fp):
             f.flush()
             os.fsync(f.fileno())
@@ -316,6 +526,8 @@ def stage_samples(
         labels=labels,
         first_trainable=first_trainable,
         media=None if stager is None else stager.result(),
+        roles=pairs.result(),
+        weighted=weighted,
     )
 
 
@@ -344,8 +556,16 @@ class StagingSource:
     the staged media's, ``None`` for samples without images).
     """
 
-    def __init__(self, directory: Path, lengths: np.ndarray, pixel_offsets: np.ndarray | None = None):
+    def __init__(
+        self,
+        directory: Path,
+        lengths: np.ndarray,
+        pixel_offsets: np.ndarray | None = None,
+        *,
+        weighted: bool = False,
+    ):
         self.directory = Path(directory)
+        self.weighted = weighted  #: the samples carry weights: :meth:`gather_weights` reads them
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.starts = np.zeros(self.lengths.shape[0] + 1, np.int64)
         np.cumsum(self.lengths, out=self.starts[1:])
@@ -373,6 +593,20 @@ class StagingSource:
                 _read_into(fm, mask[o : o + k].data.cast("B"), a)
                 o += k
         return ids, mask
+
+    def gather_weights(self, samples: np.ndarray) -> np.ndarray:
+        """``(sum(lengths[samples]),)`` float64: the samples' token weights, in the given order."""
+        samples = np.asarray(samples, dtype=np.int64)
+        lens = self.lengths[samples]
+        out = np.empty(int(lens.sum()), np.float64)
+        if not out.shape[0]:
+            return out
+        with open(self.directory / _WEIGHTS, "rb", buffering=0) as f:
+            o = 0
+            for a, k in zip(self.starts[samples].tolist(), lens.tolist()):
+                _read_into(f, out[o : o + k].data.cast("B"), 8 * a)
+                o += k
+        return out
 
     def gather_pixels(self, samples: np.ndarray) -> np.ndarray:
         """``(sum of the samples' pixel bytes,)`` uint8: their images' pixels, in the given order."""

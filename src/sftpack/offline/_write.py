@@ -20,6 +20,10 @@ the same :func:`write_rows` call fills a range of rows' pixels (the source's
 ``gather_pixels(sample_indices)``) and image records beside their tokens, at
 offsets no other range touches.
 
+A source whose samples carry weights (``source.weighted``) adds ``weights.npy``, each token's
+float64 weight at its token's offset (``gather_weights(sample_indices)``), written beside the
+tokens by the same call; :func:`write_index` writes ``roles.npy`` for preference pairs.
+
 Memory: one chunk of rows at a time (``chunk_tokens``, 1M tokens by default:
 about 10 MB), whatever the dataset size.
 """
@@ -34,7 +38,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ._format import IMAGE_DTYPE, ROW_DTYPE, SEQUENCE_DTYPE, npy_header
+from ._format import IMAGE_DTYPE, ROLES_FILE, ROW_DTYPE, SEQUENCE_DTYPE, WEIGHTS_FILE, npy_header
 from ._plan import RowPlan
 from ._stage import StagedMedia
 
@@ -106,12 +110,17 @@ def _create(path: Path, header: bytes, nbytes: int) -> None:
         os.close(fd)
 
 
-def allocate(directory: Path, plan: RowPlan, dtype: np.dtype, media: MediaLayout | None = None) -> None:
-    """Create ``tokens.npy`` (``dtype``) and ``loss_mask.npy`` (bool) at full size, and with
-    ``media`` the media columns ``pixels.npy`` (uint8) and ``images.npy`` (one record an image)."""
+def allocate(
+    directory: Path, plan: RowPlan, dtype: np.dtype, media: MediaLayout | None = None, *, weighted: bool = False
+) -> None:
+    """Create ``tokens.npy`` (``dtype``) and ``loss_mask.npy`` (bool) at full size, with
+    ``media`` the media columns ``pixels.npy`` (uint8) and ``images.npy`` (one record an image),
+    and with ``weighted`` ``weights.npy`` (float64, one a token)."""
     n = plan.num_tokens
     _create(directory / "tokens.npy", npy_header(dtype, n), n * np.dtype(dtype).itemsize)
     _create(directory / "loss_mask.npy", npy_header(np.bool_, n), n)
+    if weighted:
+        _create(directory / WEIGHTS_FILE, npy_header(np.float64, n), n * 8)
     if media is not None:
         i = media.records.shape[0]
         _create(directory / "pixels.npy", npy_header(np.uint8, media.pixel_bytes), media.pixel_bytes)
@@ -182,6 +191,8 @@ def write_rows(
     tok_off = plan.row_token_offsets()
     fd_t = os.open(directory / "tokens.npy", os.O_WRONLY)
     fd_m = os.open(directory / "loss_mask.npy", os.O_WRONLY)
+    fd_w = os.open(directory / WEIGHTS_FILE, os.O_WRONLY) if getattr(source, "weighted", False) else None
+    w_header = len(npy_header(np.float64, n))
     media_files = _MediaFiles(directory, media) if media is not None else None
     try:
         for a, b in row_chunks(plan, rows, chunk_tokens, media):
@@ -199,17 +210,29 @@ def write_rows(
                 tok_header + int(tok_off[a]) * dtype.itemsize,
             )
             _pwrite_all(fd_m, np.ascontiguousarray(mask, dtype=np.bool_).view(np.uint8), mask_header + int(tok_off[a]))
+            if fd_w is not None:
+                w = np.ascontiguousarray(source.gather_weights(samples), dtype=np.float64)  # type: ignore[attr-defined]
+                if w.shape[0] != expected:
+                    raise RuntimeError(
+                        f"the token source returned {w.shape[0]} weights for rows {a}..{b - 1}, the plan expects "
+                        f"{expected}: the source does not match the lengths the plan was made from"
+                    )
+                _pwrite_all(fd_w, w.view(np.uint8), w_header + int(tok_off[a]) * 8)
             if media_files is not None:
                 media_files.write(a, b, source, samples)
             if on_chunk is not None:
                 on_chunk(b - a)
         os.fsync(fd_t)
         os.fsync(fd_m)
+        if fd_w is not None:
+            os.fsync(fd_w)
         if media_files is not None:
             media_files.sync()
     finally:
         os.close(fd_t)
         os.close(fd_m)
+        if fd_w is not None:
+            os.close(fd_w)
         if media_files is not None:
             media_files.close()
 
@@ -264,9 +287,11 @@ def write_index(
     conversation_offsets: np.ndarray,
     conversation_ids: Path | bytes,
     media: MediaLayout | None = None,
+    roles: np.ndarray | None = None,
 ) -> None:
     """Write ``sequences.npy``, ``rows.npy``, ``conversation_ids.npy`` and ``conversation_offsets.npy``
-    (and with ``media``, ``row_images.npy``).
+    (and with ``media``, ``row_images.npy``; with ``roles``, each input sample's role in its
+    preference pair, ``roles.npy`` in row order).
 
     ``conversation`` / ``piece`` are per *input* sample (reordered here by the
     plan); ``conversation_ids`` is the file (or bytes) of the ids' UTF-8 JSON
@@ -299,3 +324,5 @@ def write_index(
     _write_npy(directory / "conversation_offsets.npy", offsets)
     if media is not None:
         _write_npy(directory / "row_images.npy", np.asarray(media.row_images, np.int64))
+    if roles is not None:
+        _write_npy(directory / ROLES_FILE, np.asarray(roles, np.uint8)[plan.order])
