@@ -79,7 +79,7 @@ def test_step_one_loss_is_the_dpo_loss_of_each_sequence_alone(data, boundaries, 
         steps=1,
         batch_size=2,
         grad_accum=2,
-        max_seq_len=64,
+        max_seq_len=32,  # a preference run's rows: 2 x max_seq_len = the prepack's 64
         pad_multiple=4,
         lr=1e-2,
         **DPO_MODEL,
@@ -114,7 +114,7 @@ def _ranks_config(ref_dir: Any) -> TrainConfig:
         reference_model=str(ref_dir),
         steps=2,
         batch_size=2,
-        max_seq_len=64,
+        max_seq_len=32,  # rows of 2 x 32 = the prepack's 64
         pad_multiple=4,
         lr=1e-2,
         **DPO_MODEL,
@@ -175,13 +175,17 @@ def test_an_sft_prepack_is_refused_for_dpo_and_a_pair_prepack_for_sft(data, tmp_
 
     plain = [Sample(s.input_ids, s.loss_mask, f"c{i}") for i, s in enumerate(samples)]
     sft = prepack_samples(plain, tmp_path / "sft", max_seq_len=64, pad_multiple=4).path
-    base: dict[str, Any] = {"steps": 1, "batch_size": 2, "max_seq_len": 64, "pad_multiple": 4}
+    base: dict[str, Any] = {"steps": 1, "batch_size": 2, "pad_multiple": 4}
+    pref = {**base, "max_seq_len": 32}  # a preference run's rows are 2 x max_seq_len: the prepack's 64
     with pytest.raises(ValueError, match="holds SFT conversations, not preference pairs"):
-        make_source(TrainConfig(packing="offline", objective="dpo", **base), prepacked=sft)
+        make_source(TrainConfig(packing="offline", objective="dpo", **pref), prepacked=sft)
     with pytest.raises(ValueError, match="holds preference pairs .* train it with --objective dpo"):
-        make_source(TrainConfig(packing="offline", **base), prepacked=path)
+        make_source(TrainConfig(packing="offline", max_seq_len=64, **base), prepacked=path)
     # SimPO, the other preference objective, takes the prepack of pairs as DPO does
-    assert make_source(TrainConfig(packing="offline", objective="simpo", **base), prepacked=path).epoch_steps() > 0
+    assert make_source(TrainConfig(packing="offline", objective="simpo", **pref), prepacked=path).epoch_steps() > 0
+    # rows of another width than 2 x max_seq_len: refused, naming both fixes
+    with pytest.raises(ValueError, match=r"has rows of 64 slots.*2 x --max-seq-len = 128 slots; train it with "):
+        make_source(TrainConfig(packing="offline", objective="dpo", max_seq_len=64, **base), prepacked=path)
 
 
 def test_sftpack_train_dpo_offline_runs_two_steps(tmp_path) -> None:
@@ -191,7 +195,9 @@ def test_sftpack_train_dpo_offline_runs_two_steps(tmp_path) -> None:
     path.write_text("".join(json.dumps(p) + "\n" for p in PREFERENCE_PAIRS), encoding="utf-8")
     log = tmp_path / "log.jsonl"
     argv = ["train", str(path), "--objective", "dpo", "--packing", "offline", "--steps", "2", "--batch-size", "1"]
-    argv += ["--max-seq-len", "64", "--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"]
+    # --max-seq-len 24 bounds each sequence (the longest has 17 tokens) but not a pair (the first has 14 + 17):
+    # the temporary prepack's rows are 2 x 24 slots, as the loader's rows and the trainer's micro-batches
+    argv += ["--max-seq-len", "24", "--dim", "16", "--layers", "1", "--heads", "2", "--kv-heads", "1"]
     assert main([*argv, "--no-cache", "--log", str(log)]) == 0
     lines = [json.loads(x) for x in log.read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2] and all(x["pairs"] >= 1 for x in lines)

@@ -485,13 +485,20 @@ class TrainConfig:
         return Objective(self.objective).preference
 
     @property
+    def row_width(self) -> int:
+        """The slots of a packed row on every path (the loader's rows, a temporary prepack's, the
+        trainer path's default micro-batch): ``max_seq_len``, or for a preference objective
+        ``2 * max_seq_len``: ``max_seq_len`` bounds each sequence (as TRL's ``max_length`` does), so a
+        pair (each member at most ``max_seq_len`` tokens once ``overlong`` has cut or dropped it, a
+        multiple of ``pad_multiple`` padded) always fits one row whole."""
+        return 2 * self.max_seq_len if self.preference else self.max_seq_len
+
+    @property
     def micro_batch_width(self) -> int:
-        """The trainer path's micro-batch width: ``micro_batch_tokens``, else ``max_seq_len``, or for a
-        preference objective ``2 * max_seq_len``: a pair (each member at most ``max_seq_len`` tokens
-        once ``overlong`` has cut or dropped it, a multiple of ``pad_multiple`` padded) always fits one."""
+        """The trainer path's micro-batch width: ``micro_batch_tokens``, else :attr:`row_width`."""
         if self.micro_batch_tokens is not None:
             return self.micro_batch_tokens
-        return 2 * self.max_seq_len if self.preference else self.max_seq_len
+        return self.row_width
 
     @property
     def pad_between_seqs(self) -> bool:

@@ -193,7 +193,7 @@ class Run:
         path = prepack_samples(
             samples,
             Path(self._workdir.name) / "rows",
-            max_seq_len=cfg.max_seq_len,
+            max_seq_len=cfg.row_width,  # a preference run's rows: two sequences of max_seq_len each
             pad_multiple=cfg.pad_multiple,
             seed=cfg.seed,
             **settings,

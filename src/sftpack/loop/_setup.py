@@ -184,10 +184,9 @@ def make_source(
         if prepacked is None:
             raise ValueError("--packing offline needs a prepacked directory (sftpack prepack ... --out DIR)")
         if isinstance(prepacked, (str, os.PathLike)):
-            expect: dict[str, Any] = {
-                "max_seq_len": config.max_seq_len,
-                "pad_multiple": config.pad_multiple,
-            }
+            expect: dict[str, Any] = {"pad_multiple": config.pad_multiple}
+            if not config.preference:  # a preference run's rows: checked below, with their own fix
+                expect["max_seq_len"] = config.max_seq_len
             if tokenizer is not None:
                 expect["tokenizer"] = tokenizer
             ds = PrepackedDataset(
@@ -211,6 +210,13 @@ def make_source(
                 config.max_seq_len,
             )
         pairs = getattr(ds, "roles", None) is not None
+        width = (getattr(ds, "manifest", None) or {}).get("max_seq_len")
+        if config.preference and width is not None and width != config.row_width:
+            raise ValueError(
+                f"{getattr(ds, 'path', 'the prepack')} has rows of {width} slots, but a preference run's rows hold a "
+                f"pair whole: 2 x --max-seq-len = {config.row_width} slots; train it with --max-seq-len {width // 2}, "
+                f"or prepack again with --max-seq-len {config.row_width}"
+            )
         if pairs != config.preference:
             where = getattr(ds, "path", "the prepack")
             raise ValueError(
@@ -269,9 +275,9 @@ def make_source(
         _pair_units(samples)
     # the run's settings the loader takes under the same names
     same = ("buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
-    # a pair's two members (each at most max_seq_len) share one row: rows of 2 x max_seq_len, the width of
-    # the trainer path's preference micro-batch, so no pair the tokenizer kept is refused mid-stream
-    width = 2 * config.max_seq_len if pairs else config.max_seq_len
+    # a pair's two members (each at most max_seq_len) share one row: config.row_width, 2 x max_seq_len for
+    # pairs, so no pair the tokenizer kept is refused mid-stream
+    width = config.row_width
     # one global stream on every rank (rank 0 of 1): the rows one process packs, dealt to the ranks at each step
     loader = PackingDataset(
         samples,
