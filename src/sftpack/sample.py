@@ -386,14 +386,14 @@ def check_unweighted(sample: Sample, where: str) -> None:
     """Refuse a sample with per-token weights (:attr:`Sample.weights`) where ``where`` (a path, a
     format) would drop them: a weight is never lost unseen.
 
-    >>> check_unweighted(Sample([1, 2], [False, True], "a", weights=2.0), "the prepack format")
+    >>> check_unweighted(Sample([1, 2], [False, True], "a", weights=2.0), "a prepack with images")
     Traceback (most recent call last):
     ...
-    ValueError: conversation 'a' carries per-token weights (a 'weight' or 'advantage' field), which the prepack format does not carry into its rows yet: train it with --packing trainer, whose loss reads them, or remove the weights
+    ValueError: conversation 'a' carries per-token weights (a 'weight' or 'advantage' field), which a prepack with images does not carry into its rows yet: train it on a packed path without images (--packing trainer, offline or loader), whose loss reads them, or remove the weights
     """
     if sample.weights is not None:
         raise ValueError(
             f"conversation {sample.conversation_id!r} carries per-token weights (a 'weight' or 'advantage' field), "
-            f"which {where} does not carry into its rows yet: train it with --packing trainer, whose loss reads "
-            "them, or remove the weights"
+            f"which {where} does not carry into its rows yet: train it on a packed path without images (--packing "
+            "trainer, offline or loader), whose loss reads them, or remove the weights"
         )

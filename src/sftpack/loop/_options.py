@@ -46,10 +46,10 @@ class Objective(StrEnum):
 
     SFT = "sft"  #: the token-mean cross-entropy of the global batch (conversations)
     #: sigmoid DPO over preference pairs (:func:`sftpack.objectives.dpo_loss`), the mean over the step's pairs;
-    #: the trainer path only
+    #: every packed path
     DPO = "dpo"
     #: SimPO, reference-free, over preference pairs (:func:`sftpack.objectives.simpo_loss`: each answer's mean
-    #: token log-probability), the mean over the step's pairs; the trainer path only
+    #: token log-probability), the mean over the step's pairs; every packed path
     SIMPO = "simpo"
 
     @property
@@ -167,9 +167,10 @@ class TrainConfig:
             refuses it otherwise), with a one-line warning.
         objective: :class:`Objective`: ``"sft"`` (the default), or a preference objective
             (:attr:`preference`): ``"dpo"`` or ``"simpo"``, on preference pairs
-            (:func:`sftpack.chat.tokenize_pair`'s samples), the trainer path only; ``batch_size``
-            then counts *pairs* (two samples each), each pair kept in one micro-batch of one rank,
-            and a step's loss is the mean of :func:`sftpack.objectives.dpo_loss` (or
+            (:func:`sftpack.chat.tokenize_pair`'s samples), on every packed path, each pair kept
+            whole in one row or micro-batch of one rank (:attr:`row_width`: two sequences of
+            ``max_seq_len``); ``batch_size`` counts *pairs* on the trainer path and rows on the
+            offline and loader paths, and a step's loss is the mean of :func:`sftpack.objectives.dpo_loss` (or
             :func:`~sftpack.objectives.simpo_loss`) over its pairs.
         beta: the preference objective's beta (> 0): DPO's inverse temperature, SimPO's reward
             scale (0, the default: the objective's own, :data:`DEFAULT_BETA`: 0.1 for DPO and 2.0
@@ -330,7 +331,8 @@ class TrainConfig:
         default=Objective.SFT,
         metadata={
             "help": "what a step minimises: sft, or dpo or simpo (reference-free) on preference pairs "
-            "(prompt/chosen/rejected; the trainer path only; --batch-size then counts pairs) (default {default})"
+            "(prompt/chosen/rejected; every packed path; --batch-size counts pairs on the trainer path, rows on the "
+            "offline and loader paths; rows are 2 x --max-seq-len, a pair whole) (default {default})"
         },
     )
     beta: float = field(
@@ -480,8 +482,8 @@ class TrainConfig:
 
     @property
     def preference(self) -> bool:
-        """A preference objective (DPO or SimPO): the data are pairs, ``batch_size`` counts them,
-        and a step's loss is the mean over its pairs."""
+        """A preference objective (DPO or SimPO): the data are pairs (``batch_size`` counts them on the
+        trainer path, rows on the others), and a step's loss is the mean over its pairs."""
         return Objective(self.objective).preference
 
     @property
