@@ -9,7 +9,8 @@ would keep no answer (1 dropped; the step trains 6 pairs), the default ``split``
 name with the fix: both flags.
 
 SFT: the 40 chats of the ``chat`` fixture at ``--max-seq-len 64``: ``--overlong drop`` leaves out each
-over-long conversation (counted), the default still splits them (every token kept). The cache: a
+over-long conversation (counted), ``truncate`` keeps each one's head (counted), the default still
+splits them (every token kept). The cache: a
 default run's key is the key of before (the options it hashes are unchanged), a ``drop`` run writes
 its own entry beside the default run's and reads it back the next time. The eval set is tokenized
 by the same rule.
@@ -91,6 +92,8 @@ def test_sft_overlong_drop_drops_and_keys_its_own_cache_entry(chat, tmp_path, ca
     out = train("--overlong", "drop")
     assert f"40 conversations -> {40 - over} samples (0 split, {over} dropped)" in out
     assert "; read from the cache (" in out
+    out = train("--overlong", "truncate")  # each over-long conversation's head
+    assert f"40 conversations -> 40 samples (0 split, {over} truncated, 0 dropped)" in out and "; cached in " in out
     # the eval set (--eval-file, --eval-fraction) is tokenized by the same rule
     settings = {"tokenizer": str(chat / "tok"), "max_seq_len": limit, "no_cache": True}
     convs = list(read_conversations([str(chat / "chat.jsonl")]))
