@@ -769,8 +769,9 @@ def _pair_policy(tokens: list[tuple[np.ndarray, np.ndarray]], cid: Any, opts: _O
     role = PAIR_ROLES[[int(ids.shape[0]) for ids, _ in tokens].index(longest)]
     raise OverlongError(
         f"preference pair {cid!r}: its {role} sequence has {longest} tokens, more than max_seq_len={limit}, and a "
-        "pair is kept or cut whole, never split: raise max_seq_len, or pass overlong='truncate' (each member keeps "
-        "its first max_seq_len tokens) or 'drop' (the pair left out, counted)",
+        "pair is kept or cut whole, never split: raise max_seq_len, or pass overlong='truncate' / --overlong "
+        "truncate (each member keeps its first max_seq_len tokens) or overlong='drop' / --overlong drop (the pair "
+        "left out, counted)",
         cid,
         longest,
         limit,

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from ..data import default_corpus
-from ..sample import Conversation, Sample
+from ..sample import DEFAULT_OVERLONG, Conversation, Overlong, Sample
 from ._batch import TokenizeStats, tokenize_conversations
 from ._cache_entry import DEFAULT_MAX_SIZE, EntryWriter, _cannot_write, read_entry
 from ._cache_key import cache_key, source_identity, tokenizer_files_identity, tokenizer_identity, tokenizer_info
@@ -370,9 +370,10 @@ def start_training_samples(
     cache_max_size: int = DEFAULT_MAX_SIZE,
     read_stats: Any = None,
     on_bad_row: str = "error",
+    overlong: str | Overlong = DEFAULT_OVERLONG,
 ) -> TokenizeJob:
     """Tokenize ``conversations`` (default: the embedded corpus, first ``limit``) for
-    training, over-long ones split, through the cache in ``cache_dir`` (``None``: no cache),
+    training, over-long ones split (``overlong``), through the cache in ``cache_dir`` (``None``: no cache),
     in two halves (:class:`TokenizeJob`): the cache is looked up now (and with
     ``ready=True`` the input read and the tokenizer loaded; with ``in_child=True`` a
     producer process forked that does all of that and tokenizes), the rest is done by
@@ -405,13 +406,16 @@ def start_training_samples(
         on_bad_row: a conversation the tokenizer cannot use (the chat template refuses it, it
             holds no trainable token...): ``"error"`` raises naming it, ``"skip"`` counts it in
             ``stats.skipped`` and tokenizes the rest (as :func:`~sftpack.chat.tokenize_conversations`).
+        overlong: what a conversation longer than ``max_seq_len`` becomes (:class:`~sftpack.sample.Overlong`;
+            default ``split``); a preference pair follows it whole (``split`` refuses it, naming it). Part
+            of the cache key, as the other options: a ``drop`` run never reads a ``split`` run's entry.
     """
 
     if tokenizer is None and (load_tokenizer is None or tokenizer_files is None):
         raise ValueError("start_training_samples: give a tokenizer, or load_tokenizer with tokenizer_files")
     options = {
         "max_seq_len": max_seq_len,
-        "overlong": "split",
+        "overlong": choose(Overlong, overlong, "overlong").value,  # "split" by default: the key of before
         "train_on": "all_assistant",
         "on_bad_row": choose(OnBadRow, on_bad_row, "on_bad_row").value,
         "special_tokens_in_content": "text",

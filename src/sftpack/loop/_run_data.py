@@ -27,6 +27,7 @@ from ..chat import (
     start_training_samples,
     tokenizer_info,
 )
+from ..sample import DEFAULT_OVERLONG
 from ._options import ConfigError, Packing
 from ._run_parts import IMAGE_SIDES, VQA_LIMIT, RunState, prepack_manifest
 from .inputs import load_tokenizer, render_read_stats, vlm_setup
@@ -80,6 +81,11 @@ class TextData:
             path = cfg.model.model  # the model folder's own tokenizer, as the other commands take it
         self.tokenizer = Tokenizer(path, cfg.input.chat_template)
         self.manifest = prepack_manifest(cfg.data.prepacked) if cfg.data.prepacked else None
+        if self.manifest is not None and cfg.input.overlong is not DEFAULT_OVERLONG:
+            raise ConfigError(
+                f"{{overlong}} {cfg.input.overlong}: a {{prepacked}} folder's conversations were tokenized by sftpack "
+                "prepack: give {overlong} to sftpack prepack, or train on the INPUT files"
+            )
         self.job: Any = None
         self.pending: Any = None
         self.streaming = False  # training starts before the last conversation is tokenized
@@ -139,6 +145,7 @@ class TextData:
             cache_max_size=DEFAULT_MAX_SIZE if data.cache_max_size is None else data.cache_max_size,
             read_stats=read_stats,
             on_bad_row=inp.on_bad_row,
+            overlong=inp.overlong,
         )
         if self.job.done is None:
             _lower_priority_of_children()  # before it forks its own workers, which inherit it
@@ -254,6 +261,7 @@ class TextData:
             else (f"cached in {got.entry}" if got.entry is not None else "not cached")
         )
         stats = got.stats
+        truncated = f"{stats.truncated:,} truncated, " if stats.truncated else ""  # --overlong truncate
         skipped = getattr(stats, "skipped", None) or {}
         skips = (
             f", {sum(skipped.values()):,} skipped ({', '.join(f'{k} {v:,}' for k, v in sorted(skipped.items()))}; "
@@ -263,7 +271,7 @@ class TextData:
         )
         self.run.say(
             f"data: {stats.conversations:,} conversations -> {len(got.samples):,} samples ({stats.split:,} split, "
-            f"{stats.dropped:,} dropped{skips}), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
+            f"{truncated}{stats.dropped:,} dropped{skips}), {stats.tokens:,} tokens, {stats.trainable_tokens:,} trainable, "
             f"{supervised_targets(got.samples):,} supervised targets; {where}"
         )
         read = getattr(got, "read", None)
@@ -276,7 +284,11 @@ class TextData:
 
         cfg = self.run.config
         return tokenized_samples(
-            self.tokenizer.get(), conversations, max_seq_len=cfg.train.max_seq_len, on_bad_row=cfg.input.on_bad_row
+            self.tokenizer.get(),
+            conversations,
+            max_seq_len=cfg.train.max_seq_len,
+            on_bad_row=cfg.input.on_bad_row,
+            overlong=cfg.input.overlong,
         )[0]
 
     def prepack(self, samples: Any) -> tuple[Any, dict[str, Any]]:
@@ -345,6 +357,11 @@ class MediaData:
     model is the family's tiny model built from a config (Qwen2-VL), or a model folder of a family."""
 
     def __init__(self, run: RunState) -> None:
+        if run.config.input.overlong is not DEFAULT_OVERLONG:  # media_samples splits at text boundaries
+            raise ConfigError(
+                f"{{overlong}} {run.config.input.overlong}: data with images is split at text boundaries "
+                "(never inside an image) for now; leave {overlong} out"
+            )
         self.run = run
         self.vocab: Any = None  # with vocab="data": the original id of each of the model's ids
         self.pad_id = 0

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from ..chat import NO_PROGRESS_HELP, InputOptions, parse_size
+from .._base import choose
+from ..chat import NO_PROGRESS_HELP, OVERLONG_HELP, InputOptions, parse_size
+from ..sample import DEFAULT_OVERLONG, Overlong
 from ._options import TrainConfig
 from .inputs import FAMILY_HELP, FAMILY_NAMES
 
@@ -45,7 +47,9 @@ def _size(text: str) -> int:
 
 @dataclass(frozen=True)
 class InputSettings(InputOptions):
-    """The conversations: INPUT files or the embedded corpus, how they are read, the eval file."""
+    """The conversations: INPUT files or the embedded corpus, how they are read and what an
+    over-long one becomes (``overlong``: the tokenizer's rule, :class:`~sftpack.sample.Overlong`;
+    a preference pair follows it whole, ``split`` refusing it), the eval file."""
 
     #: chat files, folders, globs or saved datasets (``sftpack train``'s INPUT arguments); none: the embedded corpus
     inputs: list[str] = field(default_factory=list)
@@ -58,6 +62,9 @@ class InputSettings(InputOptions):
         },
     )
     limit: int | None = field(default=None, metadata={"help": "use the first N conversations only", "min": 1})
+    #: the ``--overlong`` of ``sftpack prepack`` (:attr:`~sftpack.offline.PrepackOptions.overlong`): its choices
+    #: the enum's, its help the one text of every command (:data:`~sftpack.chat.OVERLONG_HELP`)
+    overlong: Overlong = field(default=DEFAULT_OVERLONG, metadata={"help": OVERLONG_HELP})
     eval_file: str | None = field(
         default=None,
         metadata={
@@ -76,6 +83,9 @@ class InputSettings(InputOptions):
             "metavar": ("MIN", "MAX"),
         },
     )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "overlong", choose(Overlong, self.overlong, "overlong"))
 
 
 @dataclass
