@@ -61,11 +61,12 @@ ON_BAD_ROW_HELP = (
 #: ``train`` (whose parser must not load the offline package: it loads torch)
 NO_PROGRESS_HELP = "no progress bars"
 
-#: the ``--overlong`` help of ``sftpack prepack`` and ``bench``: what the tokenizer's split costs
-#: (:attr:`~sftpack.chat.TokenizeStats.split_labels_lost`)
+#: the ``--overlong`` help of ``sftpack prepack``, ``train`` and ``bench``: what the tokenizer's split costs
+#: (:attr:`~sftpack.chat.TokenizeStats.split_labels_lost`), and a preference pair's rule
 OVERLONG_HELP = (
     "a conversation longer than --max-seq-len (default {default}: every token kept, in pieces; each split point "
-    "costs at most one supervised label, the first token of the next piece, counted as split_labels_lost)"
+    "costs at most one supervised label, the first token of the next piece, counted as split_labels_lost); a "
+    "preference pair follows it whole and is never split"
 )
 
 
