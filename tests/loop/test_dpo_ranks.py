@@ -1,5 +1,6 @@
-"""Preference objectives (DPO, SimPO) through the training loop's trainer path: two gloo ranks
-train like one, and step 1's gradients are those of the objective computed one sequence at a time.
+"""Preference objectives (DPO, SimPO) through the training loop: two gloo ranks train like one
+(trainer path), and step 1's gradients are those of the objective computed one sequence at a time
+(every packed path: trainer, offline, loader).
 
 Data: 16 synthetic preference pairs (ids an arithmetic progression mod 97, as
 ``tests.helpers.tiny_samples``): a prompt of 2-12 untrained tokens shared by the pair's two
@@ -265,9 +266,28 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
+def _source(cfg: TrainConfig, prepack: Any) -> Any:
+    """The run's source: the pairs (trainer, loader), or their prepack (offline: rows of 2 x 64 slots)."""
+    if cfg.packing == "offline":
+        return make_source(cfg, prepacked=prepack)
+    return make_source(cfg, samples=pair_samples())
+
+
+@pytest.fixture(scope="module")
+def prepack(tmp_path_factory) -> Any:
+    from sftpack.offline import prepack_samples
+
+    root = tmp_path_factory.mktemp("dpo-ranks-prepack")
+    return prepack_samples(pair_samples(), root / "rows", max_seq_len=128, pad_multiple=4, seed=0).path
+
+
+@pytest.mark.parametrize("packing", ["trainer", "offline", "loader"])
 @pytest.mark.parametrize("boundaries", ["real", "padded"])
 @pytest.mark.parametrize("objective", ["dpo", "simpo"])
-def test_step_one_gradients_equal_the_objective_of_each_sequence_alone(reference, objective, boundaries) -> None:
+def test_step_one_gradients_equal_the_objective_of_each_sequence_alone(
+    reference, prepack, objective, boundaries, packing
+) -> None:
+    # trainer: batch_size counts pairs (4); offline and loader: rows (2, one a micro-batch)
     cfg = config(
         objective,
         reference=reference if objective == "dpo" else None,
@@ -275,11 +295,16 @@ def test_step_one_gradients_equal_the_objective_of_each_sequence_alone(reference
         grad_accum=2,
         clip_norm=None,
         boundaries=boundaries,
+        packing=packing,
+        batch_size=4 if packing == "trainer" else 2,
     )
     grads = StepOneGrads()
-    out = train(cfg, source=make_source(cfg, samples=pair_samples()), model=policy(), parts=[grads])
+    out = train(cfg, source=_source(cfg, prepack), model=policy(), parts=[grads])
     rec = out.logs[0]
-    assert rec.pairs == 4 and rec.micro_batches >= 2 and rec.sequences == 8
+    if packing == "trainer":
+        assert rec.pairs == 4 and rec.micro_batches >= 2 and rec.sequences == 8
+    else:  # two rows of whole pairs
+        assert rec.micro_batches == 2 and rec.pairs >= 2 and rec.sequences == 2 * rec.pairs
     by_id = {(s.meta["group"], s.meta["role"]): s for s in pair_samples()}
     groups = list(dict.fromkeys(g for g, _ in out.conversations[0]))
     pairs = [(by_id[(g, "chosen")], by_id[(g, "rejected")]) for g in groups]
@@ -291,10 +316,10 @@ def test_step_one_gradients_equal_the_objective_of_each_sequence_alone(reference
     want = _grads(alone, model)
     dg, dl = _max_diff(grads.grads, want), abs(rec.loss - float(alone.detach()))
     # the control: the same micro-batches, their rows run without boundaries
-    mbs = make_source(cfg, samples=pair_samples()).next_step()
+    mbs = _source(cfg, prepack).next_step()
     control = _max_diff(_grads(_no_boundaries(cfg, model, ref, mbs), model), want)
     print(
-        f"{objective}, boundaries {boundaries}: max |dgrad| {dg:.1e}, |dloss| {dl:.1e} (tolerance {STEP_TOL:.0e}); "
+        f"{packing}, {objective}, boundaries {boundaries}: max |dgrad| {dg:.1e}, |dloss| {dl:.1e} (tolerance {STEP_TOL:.0e}); "
         f"boundaries dropped: max |dgrad| {control:.1e}; max |grad| {max(float(g.abs().max()) for g in want):.1e}"
     )
     assert dg <= STEP_TOL and dl <= STEP_TOL, (dg, dl)
