@@ -12,6 +12,12 @@ groups cost, and the Martello-Toth lower bound L2 of the sequences (no packing n
 fewer rows) and of the groups as units (no packing that keeps groups whole needs fewer:
 what separates it from the first is the price of the constraint, not of the packer).
 
+A second table does the same for the loader path's streaming packer
+(:class:`sftpack.loader.PackingDataset`, ``groups=True``: a pair read, shuffled and packed as
+one unit), which sees only its buffer: DPO pairs (groups of 2) of the same lengths, rows
+decided by ``decided_rows()`` at two buffer sizes, against the same sequences as independent
+conversations; the bound is ``ceil(tokens / width)``.
+
     python benchmarks/bench_groups.py            # 200,000 sequences per case
     python benchmarks/bench_groups.py --n 20000 --no-results
 """
@@ -28,7 +34,9 @@ import numpy as np
 
 from _machine import cpu_model, load_average
 from _results import add_flag, formatted_table, write_section
+from sftpack import Sample
 from sftpack.binpack import Groups, lower_bounds, pack, packing_stats
+from sftpack.loader import PackingDataset
 
 CHAT_MEDIAN, CHAT_SIGMA = 900, 1.0
 WIDTHS = (4096, 16_384)
@@ -85,6 +93,50 @@ def case(n: int, k: int, width: int, seed: int) -> dict:
     }
 
 
+LOADER_WIDTHS = (4096, 16_384)
+LOADER_BUFFERS = (64, 256)
+LOADER_COLUMNS = [
+    ("width", "row width", "{:,}"),
+    ("buffer", "buffer", "{:,}"),
+    ("pairs", "pairs", "{:,}"),
+    ("bound", "rows at 100% fill", "{:,}"),
+    ("rows_free", "rows, no groups", "{:,}"),
+    ("rows_whole", "rows, pairs whole", "{:,}"),
+    ("fill_whole", "fill, pairs whole", "{:.4f}"),
+    ("extra", "extra rows", "{:+.2%}"),
+]
+
+
+def loader_rows(samples: list[Sample], width: int, buffer: int, *, groups: bool) -> int:
+    ds = PackingDataset(samples, max_seq_len=width, buffer_size=buffer, shuffle=True, seed=0, groups=groups)
+    return sum(1 for _ in ds.decided_rows())
+
+
+def loader_case(n: int, width: int, buffer: int, seed: int) -> dict:
+    """Pairs (groups of 2) of chat lengths, those over the row dropped whole, through the loader's
+    streaming packer with ``groups=True`` and, as plain conversations, without."""
+    lengths, groups, _ = grouped_lengths(np.random.default_rng(seed), n, 2, width)
+    ids = [np.zeros(int(n_), dtype=np.int64) for n_ in lengths]
+    mask = [np.ones(int(n_), dtype=bool) for n_ in lengths]
+    roles = ("chosen", "rejected")
+    pairs = [
+        Sample(ids[i], mask[i], f"p{g}", {"group": f"p{g}", "role": roles[i % 2], "group_size": 2})
+        for i, g in enumerate(groups.tolist())
+    ]
+    plain = [Sample(ids[i], mask[i], f"c{i}") for i in range(len(ids))]
+    free, whole = loader_rows(plain, width, buffer, groups=False), loader_rows(pairs, width, buffer, groups=True)
+    return {
+        "width": width,
+        "buffer": buffer,
+        "pairs": len(pairs) // 2,
+        "bound": -(-int(lengths.sum()) // width),
+        "rows_free": free,
+        "rows_whole": whole,
+        "fill_whole": float(lengths.sum()) / (whole * width),
+        "extra": whole / free - 1,
+    }
+
+
 def machine() -> str:
     return (
         f"{cpu_model()}, {os.cpu_count()} logical cores (one used), {platform.system()} {platform.machine()}; "
@@ -95,6 +147,7 @@ def machine() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=200_000, help="sequences drawn per case (default 200,000)")
+    parser.add_argument("--loader-n", type=int, default=20_000, help="sequences per loader case (default 20,000)")
     parser.add_argument("--seed", type=int, default=0)
     add_flag(parser)
     args = parser.parse_args(argv)
@@ -112,7 +165,16 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
                 flush=True,
             )
+    loader = [
+        loader_case(args.loader_n, width, buffer, seed=args.seed + 100 + i)
+        for i, width in enumerate(LOADER_WIDTHS)
+        for buffer in LOADER_BUFFERS
+    ]
     body = formatted_table(rows, COLUMNS)
+    body += (
+        f"\n\nThe loader path's streaming packer ({args.loader_n:,} sequences per case as pairs, shuffled, seed "
+        f"{args.seed}):\n\n" + formatted_table(loader, LOADER_COLUMNS)
+    )
     print()
     print(body)
     if not args.no_results:
