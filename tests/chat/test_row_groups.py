@@ -117,3 +117,16 @@ def test_groups_round_trip_through_the_cache(tmp_path, tok):
     assert w.commit(TokenizeStats())
     got, _, _ = read_entry(entry, "k")
     assert [pickle.dumps(s) for s in got] == [pickle.dumps(s) for s in samples]
+
+
+def test_a_parquet_group_column_is_read(tmp_path, tok):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    table = pa.table(
+        {"prompt": ["1+1=", "1+1="], "completion": [" 2", " 3"], "group": [5, 5], "advantage": [1.0, -1.0]}
+    )
+    pq.write_table(table, tmp_path / "g.parquet")
+    samples = [tokenize_conversation(c, tok) for c in read_conversations(tmp_path / "g.parquet")]
+    assert [s.meta for s in samples] == [{"group": 5}, {"group": 5}]
+    assert [sorted(set(s.weights[s.loss_mask].tolist())) for s in samples] == [[1.0], [-1.0]]

@@ -102,12 +102,12 @@ def test_group_order():
 @pytest.mark.parametrize("rule", ["token", "sequence", "group"])
 def test_whole_groups_equal_each_conversation_alone(rule, grad_accum):
     data = grpo(weighted(tiny_samples(48)))
-    cfg = config(grad_accum=grad_accum, weight_normalisation=rule, steps=8)
+    cfg = config(grad_accum=grad_accum, weight_normalisation=rule, steps=5)
     run = train(cfg, source=make_source(cfg, samples=data), model=tiny_model(dtype=F64))
     by_id = {s.conversation_id: s for s in data}
     steps = [[by_id[c] for c in step] for step in run.conversations]
     assert all(sum(s.meta.get("group") is not None for s in step) >= SIZE for step in steps)
-    ref = train(config(weight_normalisation=rule, steps=8), source=Alone(steps), model=tiny_model(dtype=F64))
+    ref = train(config(weight_normalisation=rule, steps=5), source=Alone(steps), model=tiny_model(dtype=F64))
     dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
     print(f"whole groups, {rule}, grad_accum {grad_accum}: max |dloss| {dl:.2e}, max |dparam| {dp:.2e}")
     assert dl <= TOL and dp <= TOL, (dl, dp)
@@ -198,3 +198,20 @@ def test_cli_trains_grpo_groups(chat, tmp_path, capsys):
     assert main(args) != 0
     err = capsys.readouterr().err
     assert "group 0 has 4 conversations, more than --batch-size 3" in err and "at least 4" in err
+
+
+def test_cli_refuses_a_group_after_a_first_row_without_one(chat, tmp_path, capsys):
+    """Whether a file is drawn by whole groups is read from its first row: a later row with a
+    'group' in a file whose first row has none is refused in one line, naming the fix."""
+    from sftpack.cli import main
+
+    (tmp_path / "tok").symlink_to(chat / "tok")
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [json.loads(line) for line in (chat / "chat.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows[1:], start=1):
+        r["group"] = i // 4
+    (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(_cli(tmp_path / "mixed.jsonl", run, "mixed")) != 0
+    err = capsys.readouterr().err
+    assert "has a 'group'" in err and "the data's first conversation has none" in err
