@@ -18,7 +18,15 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
   trainer path bins them into token-budget micro-batches dealt evenly to the
   ranks (:func:`sftpack.trainer.plan_microbatches`) and packs each at the step
   (:func:`sftpack.trainer.pack_step`); the baseline deals them round-robin and
-  pads each micro-batch to its longest conversation.
+  pads each micro-batch to its longest conversation. SFT groups (``Sample.meta["group"]``
+  without a role: a prompt's RL completions) are drawn whole instead
+  (:class:`GroupOrder`: a seeded order of the groups, a step as many whole groups as
+  ``batch_size`` conversations hold), and the trainer path plans each into one
+  micro-batch of one rank (``plan_microbatches(groups=)``), so ``weight_normalisation="group"``
+  sees every member; ``groups=False`` draws them as any conversations (a group then spans
+  steps, micro-batches and ranks, the normaliser exact either way). Whether data given as
+  :class:`~sftpack.chat._training_samples.ConversationSamples` has groups is read from its first
+  conversation at the first draw (a grouped run waits for every conversation).
 - ``offline`` (:mod:`._source_offline`): one seeded order of the prepack's rows per
   epoch, whatever the world size; each step's ``batch_size`` rows dealt to the ranks by
   cost (:func:`sftpack.balance.deal`).
@@ -365,7 +373,10 @@ def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
 
 class _SampleSource(Source):
     """The step's ``batch_size`` conversations drawn in a seeded order, for ``world`` ranks of
-    ``grad_accum`` micro-batches each (the trainer path and the baseline)."""
+    ``grad_accum`` micro-batches each (the trainer path and the baseline). ``pairs``: preference
+    pairs, ``batch_size`` of them a step. ``groups``: draw SFT groups whole (:class:`GroupOrder`);
+    ``None`` (default): when the samples have any (a list: any sample; ``ConversationSamples``: its
+    first conversation), ``False``: never."""
 
     def __init__(
         self,
