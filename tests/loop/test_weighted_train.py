@@ -18,7 +18,8 @@ the first step's loss by more than 1e-3 (asserted), seven orders over the tolera
 
 The three choices of the rule (``TrainConfig.weight_normalisation``, sftpack.loss.normalise_weights):
 "token" (above), "sequence" and "group" (GRPO-style groups in ``Sample.meta["group"]``, spanning
-micro-batches and ranks) run through the same loop: each equals the conversations alone under the
+micro-batches and ranks: ``TrainerSource(groups=False)``; the default keeps each group whole,
+tests/loop/test_grpo_groups.py) run through the same loop: each equals the conversations alone under the
 same choice (20 steps, grad_accum 1 and 2), step 1 equals the choice's definition by hand, and 2
 gloo ranks equal 1 after 2 steps. Tolerance: the same 1e-10; the coefficients add two roundings per
 target (w / (S_i * n_g)) and the counted denominators none, so the one-step bound stays within
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 
 from sftpack import Sample
 from sftpack.loop import make_source, train
+from sftpack.loop._sources import TrainerSource
 from sftpack.sample import WeightNormalisation
 from tests.helpers import WeightedAlone as Alone
 from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples
@@ -67,6 +69,22 @@ def grouped(samples: list[Sample]) -> list[Sample]:
         )
         for i, s in enumerate(samples)
     ]
+
+
+def spanning_source(cfg, data: list[Sample], rank: int = 0, world: int = 1) -> TrainerSource:
+    """``make_source``'s trainer source with ``groups=False``: a group's members drawn as any
+    conversations (so they span steps, micro-batches and ranks) rather than whole."""
+    return TrainerSource(
+        data,
+        micro_batch_tokens=cfg.micro_batch_width,
+        pad_multiple=cfg.pad_multiple,
+        batch_size=cfg.batch_size,
+        seed=cfg.seed,
+        rank=rank,
+        world=world,
+        grad_accum=cfg.grad_accum,
+        groups=False,
+    )
 
 
 @pytest.mark.parametrize("grad_accum", [1, 2])
@@ -99,7 +117,7 @@ def test_sequence_and_group_means_equal_each_conversation_alone(samples, rule, g
     one-conversation micro-batches) over 20 steps, step 1 == the choice by hand; not the token mean."""
     data = grouped(weighted(samples))
     cfg = tiny_config(packing="trainer", pad_multiple=4, grad_accum=grad_accum, weight_normalisation=rule)
-    run = train(cfg, source=make_source(cfg, samples=data), model=tiny_model(dtype=F64))
+    run = train(cfg, source=spanning_source(cfg, data), model=tiny_model(dtype=F64))
     by_id = {s.conversation_id: s for s in data}
     steps = [[by_id[c] for c in step] for step in run.conversations]
     assert any(len({s.meta.get("group") for s in step if s.meta}) < sum(bool(s.meta) for s in step) for step in steps)
@@ -195,7 +213,7 @@ def _rank_worker(rank: int, init_file: str, out_file: str) -> None:
         for rule in RULES:
             cfg = _rank_config(rule)
             run = train(
-                cfg, source=make_source(cfg, samples=_rank_data(), rank=rank, world=WORLD), model=tiny_model(dtype=F64)
+                cfg, source=spanning_source(cfg, _rank_data(), rank=rank, world=WORLD), model=tiny_model(dtype=F64)
             )
             out[rule] = {
                 "losses": run.losses,
@@ -215,7 +233,7 @@ def test_two_gloo_ranks_equal_one_under_every_choice(tmp_path):
     ones = {}
     for rule in RULES:  # first: the forked ranks inherit the loaded modules
         cfg = _rank_config(rule)
-        ones[rule] = train(cfg, source=make_source(cfg, samples=_rank_data()), model=tiny_model(dtype=F64))
+        ones[rule] = train(cfg, source=spanning_source(cfg, _rank_data()), model=tiny_model(dtype=F64))
     out = str(tmp_path / "rank")
     run_ranks(_rank_worker, (str(tmp_path / "init"), out), WORLD)
     two = [torch.load(f"{out}.{r}") for r in range(WORLD)]

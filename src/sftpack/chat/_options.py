@@ -140,6 +140,9 @@ class BadRowReason(_StrEnum):
     #: a row's ``weight`` / ``advantage`` (or an assistant message's ``weight``) that is not a finite number,
     #: both given, on a turn that is not the assistant's, or on a preference pair
     BAD_WEIGHT = "bad_weight"
+    #: a row's ``group`` (the prompt an RL / GRPO completion belongs to) that is not a non-empty string or an
+    #: integer, or a ``group`` on a preference pair (a pair is a group of its own)
+    BAD_GROUP = "bad_group"
 
 
 class FileSkipReason(_StrEnum):

@@ -90,7 +90,7 @@ from ._json_array import MalformedArray, array_items
 from ._options import BadRowReason, FileSkipReason, OnBadRow, RowFormat, choose
 from ._parts import DataFolder
 from ._read_stats import BadFileError, ReadStats
-from ._rows import _CHAT_LISTS, FORMAT_FIELDS, ROLES, WEIGHT_FIELDS, _read_row, detect_format
+from ._rows import _CHAT_LISTS, FORMAT_FIELDS, GROUP_FIELD, ROLES, WEIGHT_FIELDS, _read_row, detect_format
 
 __all__ = ["ConversationReader", "read_conversations"]
 
@@ -537,10 +537,10 @@ class ConversationReader:
 def _columns(names: Iterable[str]) -> list[str]:
     """The columns a table's rows are read from: those of the first format (in
     :func:`~._rows.detect_format`'s order) whose deciding column the table has, and
-    ``weight`` / ``advantage`` where the table has them."""
+    ``weight`` / ``advantage`` and ``group`` where the table has them."""
     have = set(names)
     fields = _format_columns(have)
-    return fields + [c for c in WEIGHT_FIELDS if c in have] if fields else []
+    return fields + [c for c in (*WEIGHT_FIELDS, GROUP_FIELD) if c in have] if fields else []
 
 
 def _format_columns(have: set[str]) -> list[str]:

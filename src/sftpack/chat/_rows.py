@@ -101,8 +101,18 @@ def _read_row(
     if allow_list and isinstance(row, list):
         out, images = _chat_list(row, "messages", False, role_map, base, None)
         return out, images, RowFormat.MESSAGES
-    weight = row_weight(row)
+    weight, group = row_weight(row), row_group(row)
     messages, images, fmt = _read_fields(row, role_map, base)
+    if group is not None:
+        if isinstance(messages, PreferencePair):
+            raise RowProblem(
+                BadRowReason.BAD_GROUP,
+                "a preference pair has a 'group': a pair is a group of its own (its chosen and rejected answers)",
+                "remove the field from the pair's row",
+            )
+        if not isinstance(messages, FormattedMessages):
+            messages = FormattedMessages(messages, fmt)
+        messages.group = group
     if weight is not None:
         if isinstance(messages, PreferencePair):
             raise RowProblem(
@@ -360,6 +370,32 @@ def row_weight(row: Any) -> float | None:
     return _number(row[given[0]], f"'{given[0]}'", what="the conversation's weight in the loss")
 
 
+#: The row field naming the group a conversation belongs to (an RL / GRPO prompt's completions).
+GROUP_FIELD = "group"
+
+
+def row_group(row: Any) -> str | int | None:
+    """A row's ``group``: the prompt an RL completion belongs to (a non-empty string or an
+    integer), checked; ``None`` when it has none (a null counts as absent). The conversations
+    of one group are kept whole by the packers and averaged together by
+    ``weight_normalisation="group"``.
+
+    >>> row_group({"messages": [], "group": "q7"}), row_group({"messages": [], "group": 3}), row_group({})
+    ('q7', 3, None)
+    """
+    if not isinstance(row, dict) or row.get(GROUP_FIELD) is None:
+        return None
+    value = row[GROUP_FIELD]
+    if isinstance(value, bool) or not isinstance(value, (str, int)) or value == "":
+        raise RowProblem(
+            BadRowReason.BAD_GROUP,
+            f"'group' is {'an empty string' if value == '' else f'a {_type_name(value)} ({_short(value)})'}, "
+            "expected a non-empty string or an integer",
+            "write 'group' as the id of the prompt the completion answers, a string or an integer, e.g. \"q7\"",
+        )
+    return value
+
+
 # ---------------------------------------------------------------------------- tools
 
 _CALL_FIX = (
@@ -451,16 +487,21 @@ class FormattedMessages(list[dict[str, Any]]):
         self.tools = tools
         #: the row's ``weight`` / ``advantage`` (:func:`row_weight`), ``None`` without one
         self.weight: float | None = None
+        #: the row's ``group`` (:func:`row_group`), ``None`` without one
+        self.group: str | int | None = None
 
     def __repr__(self) -> str:  # names the format: two rows rendering differently never look alike
         weight = "" if self.weight is None else f", weight={self.weight!r}"  # keys a cached list apart
-        return f"FormattedMessages({self.format.value}, {list.__repr__(self)}{weight})"
+        group = "" if self.group is None else f", group={self.group!r}"  # so does a group (none: as before)
+        return f"FormattedMessages({self.format.value}, {list.__repr__(self)}{weight}{group})"
 
     def as_row(self) -> dict[str, Any]:
         """The row these messages were read from (its fields, as a file would hold them)."""
         row = self._fields()
         if self.weight is not None:
             row["weight"] = self.weight
+        if self.group is not None:
+            row[GROUP_FIELD] = self.group
         return row
 
     def _fields(self) -> dict[str, Any]:

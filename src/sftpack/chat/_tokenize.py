@@ -290,12 +290,17 @@ def _apply_policy(
     opts: _Options,
     special_text: int = 0,
     weights: np.ndarray | None = None,
+    group: str | int | None = None,
 ) -> Encoded:
     """The over-long policy on one conversation's tokens (``weights``: its tokens' weights, or
-    ``None``: a sample without weights, as before weights existed)."""
+    ``None``: a sample without weights, as before weights existed; ``group``: the row's
+    ``group``, in each sample's ``meta["group"]``, ``None``: no such key, as before groups existed)."""
 
     def w(a: int, b: int) -> np.ndarray | None:
         return None if weights is None else weights[a:b]
+
+    def meta(**more: Any) -> dict[str, Any]:
+        return more if group is None else {"group": group, **more}
 
     n = int(ids.shape[0])
     labels = int(mask[1:].sum())
@@ -303,16 +308,16 @@ def _apply_policy(
     spans = overlong_spans(n, limit, opts.overlong, f"conversation {cid!r}", cid)
     if limit is None or n <= limit:
         return Encoded(
-            [Sample(ids, mask, cid, weights=w(0, n))], Outcome.FIT, n, labels=labels, special_text=special_text
+            [Sample(ids, mask, cid, meta(), weights=w(0, n))], Outcome.FIT, n, labels=labels, special_text=special_text
         )
     if opts.overlong is Overlong.DROP:
         return Encoded([], Outcome.DROPPED, n, n, int(mask.sum()), labels, labels, special_text)
     if opts.overlong is Overlong.TRUNCATE:
-        sample = Sample(ids[:limit], mask[:limit], cid, {"truncated_from": n}, weights=w(0, limit))
+        sample = Sample(ids[:limit], mask[:limit], cid, meta(truncated_from=n), weights=w(0, limit))
         lost = int(mask[limit:].sum())  # the targets at limit..n-1 (mask[limit] was the last kept token's)
         return Encoded([sample], Outcome.TRUNCATED, n, n - limit, lost, labels, lost, special_text)
     samples = [
-        Sample(ids[a:b], mask[a:b], cid, {"piece": k, "pieces": len(spans)}, weights=w(a, b))
+        Sample(ids[a:b], mask[a:b], cid, meta(piece=k, pieces=len(spans)), weights=w(a, b))
         for k, (a, b) in enumerate(spans)
     ]
     # The first token of each later piece was the target of the token before it, now in another row.
@@ -375,6 +380,7 @@ class _Rendered:
     seam: int | None = None  # a pair member's: where its prompt's text ends (prompt and answer encoded apart)
     role: str | None = None  # a pair member's role (``PAIR_ROLES``)
     weights: TextWeights | None = None  # a weighted row's: its weight, and its weighted turns' characters
+    group: str | int | None = None  # a row's ``group`` (an RL prompt's completions): each sample's meta["group"]
 
 
 _TEMPLATE_FIX = (
@@ -392,7 +398,9 @@ def _render_one(item: Item, ctx: _Context, opts: _Options) -> list[_Rendered]:
         return [_Rendered(cid, skip=_skipped(cid, bad.reason, bad.detail, bad.fix))]
     if isinstance(messages, PreferencePair):
         return _render_pair(cid, messages, ctx, opts)
-    return [_render_messages(cid, messages, ctx, opts)]
+    rendered = _render_messages(cid, messages, ctx, opts)
+    rendered.group = getattr(messages, "group", None)
+    return [rendered]
 
 
 def _render_messages(cid: Any, messages: Sequence[Mapping[str, Any]], ctx: _Context, opts: _Options) -> _Rendered:
@@ -683,7 +691,7 @@ def _finish(rendered: Sequence[_Rendered], encodings: list[Any], tokenizer: Toke
             )
             continue
         weights = None if r.weights is None else r.weights.of_tokens(offsets, int(ids.shape[0]))
-        out.append(_apply_policy(ids, mask, r.cid, opts, r.special_text, weights))
+        out.append(_apply_policy(ids, mask, r.cid, opts, r.special_text, weights, r.group))
     return out
 
 

@@ -137,13 +137,16 @@ class PackingDataset(RowStream, IterableDataset):
         tokenizer, processor: for conversation items (default the family's ``tokenizer()``
             and ``image_processor()``, built on first use).
         groups: keep each group whole in one row: the samples of one ``meta["group"]`` that follow
-            each other in the source (a preference pair, :func:`sftpack.chat.tokenize_pair`) are read,
+            each other in the source (a preference pair, :func:`sftpack.chat.tokenize_pair`, or the N
+            completions of one prompt, a chat row's ``group``; a map-style source whose group comes
+            back after other samples is refused) are read,
             shuffled, dealt and planned as one unit (:func:`sftpack.binpack.pack`'s ``groups``); a
             pair member's sequence id is :func:`sftpack.sample.pair_sequence_id`, so
             ``sftpack.objectives.pairs_of(row, sftpack.sample.pair_meta(row.sequence_ids))`` reads
             the row's pairs. A group whose padded members do not fit one row is never split nor
             truncated: dropped whole (counted) under ``overlong="drop"``, else an
-            :class:`~sftpack.sample.OverlongError`. Default ``False``: a pair member is refused.
+            :class:`~sftpack.sample.OverlongError`. Default ``False``: a pair member is refused, an SFT
+            group's members are packed as independent conversations.
             Needs a map-style source, or one share, to find the groups.
 
     Raises:

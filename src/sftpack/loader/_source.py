@@ -227,9 +227,16 @@ class Source:
         if self._units is None:
             starts = []
             prev: Any = None
+            opened: dict[Any, int] = {}  # each group's first sample
             for i in range(len(self.samples)):
                 g = group_of(self.samples[i])
                 if g is None or g != prev:
+                    if g is not None and opened.setdefault(g, i) != i:
+                        raise ValueError(
+                            f"PackingDataset: group {g!r} comes back at sample {i} after other samples (it opened at "
+                            f"sample {opened[g]}): groups=True reads a group's members one after the other; give "
+                            "each group's samples consecutively (sort the rows by their 'group')"
+                        )
                     starts.append(i)
                 prev = g
             starts.append(len(self.samples))
@@ -301,7 +308,8 @@ class Source:
 
 def group_of(obj: Any) -> Any:
     """The group a source item belongs to: ``meta["group"]`` of a :class:`~sftpack.Sample` (a
-    preference pair's member, :func:`sftpack.chat.tokenize_pair`), else ``None``."""
+    preference pair's member, :func:`sftpack.chat.tokenize_pair`; a prompt's RL completions, a
+    row's ``group``), else ``None``."""
     meta = obj.meta if isinstance(obj, Sample) else None
     return meta.get("group") if meta else None
 

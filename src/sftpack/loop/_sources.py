@@ -18,7 +18,15 @@ How a step is chosen, and sharded over ``world`` data-parallel ranks:
   trainer path bins them into token-budget micro-batches dealt evenly to the
   ranks (:func:`sftpack.trainer.plan_microbatches`) and packs each at the step
   (:func:`sftpack.trainer.pack_step`); the baseline deals them round-robin and
-  pads each micro-batch to its longest conversation.
+  pads each micro-batch to its longest conversation. SFT groups (``Sample.meta["group"]``
+  without a role: a prompt's RL completions) are drawn whole instead
+  (:class:`GroupOrder`: a seeded order of the groups, a step as many whole groups as
+  ``batch_size`` conversations hold), and the trainer path plans each into one
+  micro-batch of one rank (``plan_microbatches(groups=)``), so ``weight_normalisation="group"``
+  sees every member; ``groups=False`` draws them as any conversations (a group then spans
+  steps, micro-batches and ranks, the normaliser exact either way). Whether data given as
+  :class:`~sftpack.chat._training_samples.ConversationSamples` has groups is read from its first
+  conversation at the first draw (a grouped run waits for every conversation).
 - ``offline`` (:mod:`._source_offline`): one seeded order of the prepack's rows per
   epoch, whatever the world size; each step's ``batch_size`` rows dealt to the ranks by
   cost (:func:`sftpack.balance.deal`).
@@ -276,6 +284,78 @@ def _too_few(batch_size: int, n: int) -> ValueError:
     )
 
 
+class GroupOrder(_EpochPosition):
+    """A seeded permutation of whole groups per epoch (``sizes[u]``: the samples of group ``u``),
+    read a step at a time: the next groups in the order while the step's samples stay within
+    ``batch_size`` (a step stops at the first group that would overflow it, so it may hold fewer
+    samples when the groups' sizes differ), the rest of an epoch dropped once it holds fewer than
+    ``batch_size`` samples. The position is ``(epoch, groups read in the epoch)``.
+
+    >>> o = GroupOrder([2, 2, 2, 1, 2], batch_size=4, seed=0)
+    >>> [o.take().tolist() for _ in range(3)]  # steps of 4 and 3 samples (group 1 would overflow), group 1 dropped
+    [[2, 4], [3, 0], [1, 4]]
+    """
+
+    def __init__(self, sizes: Sequence[int], *, batch_size: int, seed: int, name: Callable[[int], str] = str) -> None:
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.batch_size, self.seed = batch_size, seed
+        big = np.flatnonzero(self.sizes > batch_size)
+        if big.size:
+            u = int(big[0])
+            raise ValueError(
+                f"group {name(u)} has {int(self.sizes[u])} conversations, more than --batch-size {batch_size}: a step "
+                f"trains whole groups (a prompt's completions, Sample.meta['group']): raise --batch-size to at least "
+                f"{int(self.sizes[u])} (a multiple of the group size fills each step)"
+            )
+        if int(self.sizes.sum()) < batch_size:
+            raise _too_few(batch_size, int(self.sizes.sum()))
+        self.epoch, self.position = 0, 0
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.sizes))
+
+    def _end(self, perm: np.ndarray, start: int) -> int | None:
+        """Where the step starting at group ``start`` of ``perm`` ends (``None``: the epoch's rest is too few)."""
+        held = np.cumsum(self.sizes[perm[start:]])
+        if not held.size or int(held[-1]) < self.batch_size:
+            return None
+        return start + int(np.searchsorted(held, self.batch_size, side="right"))
+
+    def take(self) -> np.ndarray:
+        perm = self._perm(self.epoch)
+        end = self._end(perm, self.position)
+        if end is None:
+            self.epoch, self.position = self.epoch + 1, 0
+            perm = self._perm(self.epoch)
+            end = self._end(perm, 0)
+            assert end is not None  # __init__: the groups hold at least batch_size samples
+        out = perm[self.position : end]
+        self.position = end
+        return out
+
+    def epoch_steps(self) -> int:
+        """The steps of epoch 0 (another epoch's may differ by a step when the groups' sizes differ)."""
+        perm, start, steps = self._perm(0), 0, 0
+        while (end := self._end(perm, start)) is not None:
+            start, steps = end, steps + 1
+        return steps
+
+
+def sft_group(sample: Sample) -> Any:
+    """The group of an SFT sample (``meta["group"]`` without a ``role``: a prompt's RL completions,
+    a row's ``group`` field), else ``None`` (a preference pair's member, or a sample of no group)."""
+    meta = sample.meta or {}
+    return meta.get("group") if meta.get("role") is None else None
+
+
+def _group_units(keys: Sequence[Any]) -> list[list[int]]:
+    """The indices of each group's samples (by key), groups in order of first appearance."""
+    units: dict[Any, list[int]] = {}
+    for i, key in enumerate(keys):
+        units.setdefault(key, []).append(i)
+    return list(units.values())
+
+
 def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
     """The indices of each preference pair's samples (``meta["group"]``), pairs in order of first appearance."""
     units: dict[Any, list[int]] = {}
@@ -293,7 +373,10 @@ def _pair_units(samples: Sequence[Sample]) -> list[list[int]]:
 
 class _SampleSource(Source):
     """The step's ``batch_size`` conversations drawn in a seeded order, for ``world`` ranks of
-    ``grad_accum`` micro-batches each (the trainer path and the baseline)."""
+    ``grad_accum`` micro-batches each (the trainer path and the baseline). ``pairs``: preference
+    pairs, ``batch_size`` of them a step. ``groups``: draw SFT groups whole (:class:`GroupOrder`);
+    ``None`` (default): when the samples have any (a list: any sample; ``ConversationSamples``: its
+    first conversation), ``False``: never."""
 
     def __init__(
         self,
@@ -306,6 +389,7 @@ class _SampleSource(Source):
         grad_accum: int = 1,
         pad_id: int = 0,
         pairs: bool = False,
+        groups: bool | None = None,
     ) -> None:
         if batch_size < world * grad_accum:
             raise ValueError(
@@ -314,17 +398,29 @@ class _SampleSource(Source):
             )
         self.samples = samples
         self.pairs = pairs
-        self.order: SampleOrder | ConversationOrder
-        self._units: list[list[int]] | None = None  # pairs from a list: each pair's sample indices
+        self.order: SampleOrder | ConversationOrder | GroupOrder
+        self._units: list[list[int]] | None = None  # pairs or whole groups: each one's sample indices
+        self._group_samples: Sequence[Sample] | None = None  # whole groups: the samples _units index
+        self._seed, self._batch_size = seed, batch_size
+        #: ConversationSamples, ``groups=None``: whether the data has SFT groups is decided at the first draw
+        self._undecided = False
+        self.whole_groups = False  # each SFT group drawn whole into one step, planned into one micro-batch
+        if pairs and groups:
+            raise ValueError("groups=True is for SFT groups (a prompt's completions); pairs are always kept whole")
         if isinstance(samples, ConversationSamples):
             # a pair is one conversation of two samples, laid whole: 2 * batch_size samples are batch_size pairs
             # SFT: a preference pair is refused as its conversation is read (make_source checks a list whole)
+            self._undecided = not pairs and groups is not False
             self.order = ConversationOrder(
                 samples,
                 batch_size=2 * batch_size if pairs else batch_size,
                 seed=seed,
-                check=None if pairs else check_sft_sample,
+                check=None if pairs else self._check_sft if self._undecided else check_sft_sample,
             )
+            if groups and self._undecided:
+                self._decide()
+        elif not pairs and (groups or (groups is None and any(sft_group(s) is not None for s in samples))):
+            self._whole_groups(samples, [(_OWN_GROUP, i) for i in range(len(samples))])
         elif pairs:
             self._units = _pair_units(samples)
             self.order = SampleOrder(len(self._units), batch_size=batch_size, seed=seed)
@@ -335,6 +431,48 @@ class _SampleSource(Source):
         self._checked = False
         self._ahead: list[Sample] | None = None  # drawn by wait_first, handed over by the next step
         self.max_seq_len = 0  # for the message when no sample has a target (make_source sets it)
+
+    def _whole_groups(self, samples: Sequence[Sample], own: Sequence[Any]) -> None:
+        """Draw ``samples`` as whole SFT groups (``own[i]``: the group of sample ``i`` when it has none)."""
+        keys = [g if (g := sft_group(s)) is not None else own[i] for i, s in enumerate(samples)]
+        self._units, self._group_samples, self.whole_groups = _group_units(keys), samples, True
+
+        def name(u: int) -> str:
+            first = self._units[u][0]  # type: ignore[index]
+            key = keys[first]
+            return f"of conversation {samples[first].conversation_id!r}" if isinstance(key, tuple) else repr(key)
+
+        sizes = [len(u) for u in self._units]
+        self.order = GroupOrder(sizes, batch_size=self._batch_size, seed=self._seed, name=name)
+
+    def _check_sft(self, sample: Sample) -> None:
+        """An SFT sample laid by a run that found no groups at its first draw: a grouped one is refused."""
+        check_sft_sample(sample)
+        if sft_group(sample) is not None:
+            raise ValueError(
+                f"conversation {sample.conversation_id!r} has a 'group' ({sft_group(sample)!r}), but the data's first "
+                "conversation has none, so the run draws conversations, not whole groups: give every row a 'group' "
+                "(a lone conversation: a group of its own) or none"
+            )
+
+    def _decide(self) -> None:
+        """ConversationSamples: does the data hold SFT groups? Read from its first conversation (in file
+        order); if so, wait for every conversation and draw whole groups (a conversation without a group
+        is one of its own)."""
+        if not self._undecided:
+            return
+        self._undecided = False
+        data = self.samples
+        assert isinstance(data, ConversationSamples)
+        first = next((g for pos in range(data.n) if (g := data.group(pos))), [])
+        if not first or sft_group(first[0]) is None:
+            return
+        got = data.wait()
+        assert got.positions is not None
+        for sample in got.samples:
+            check_sft_sample(sample)
+        check_targets(got.samples, self.max_seq_len)
+        self._whole_groups(got.samples, [(_OWN_GROUP, p) for p in got.positions.tolist()])
 
     #: the position is in the global stream (the seeded order of the step's conversations, the
     #: same on every rank), so a checkpoint of ``N`` ranks resumes on ``M`` (``load_checkpoint``)
@@ -355,6 +493,10 @@ class _SampleSource(Source):
         return self._draw()
 
     def _draw(self) -> list[Sample]:
+        self._decide()
+        if self._group_samples is not None:
+            assert self._units is not None and isinstance(self.order, GroupOrder)
+            return [self._group_samples[j] for u in self.order.take().tolist() for j in self._units[u]]
         if isinstance(self.order, ConversationOrder):
             chosen = self.order.take()
             if not self._checked:  # data with no target at all is refused, as make_source does for a list
@@ -370,6 +512,9 @@ class _SampleSource(Source):
 
     def epoch_steps(self) -> int:
         """The batches of an epoch of the seeded order (the last incomplete one dropped)."""
+        self._decide()
+        if isinstance(self.order, GroupOrder):
+            return self.order.epoch_steps()
         if isinstance(self.samples, ConversationSamples):
             return len(self.samples.wait().samples) // self.order.batch_size
         if self._units is not None:
@@ -381,9 +526,11 @@ class _SampleSource(Source):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._ahead = None
+        self._decide()
         self.order.load_state_dict(state["order"])
 
     def fingerprint(self) -> str:
+        self._decide()
         if self._fp is None:  # computed when first asked (a checkpoint): it needs every sample
             if isinstance(self.samples, ConversationSamples):
                 got = self.samples.wait()
@@ -400,6 +547,8 @@ class _SampleSource(Source):
         key: dict[str, Any] = {"samples": self._fp, "kind": "samples", "batch_size": self.order.batch_size}
         if self.pairs:  # an SFT run's fingerprint stays what it was
             key["pairs"] = True
+        if self.whole_groups:  # so does a run without groups
+            key["groups"] = True
         return _hash(key)
 
 
@@ -463,7 +612,7 @@ class TrainerSource(_SampleSource):
                 "max_patches_per_row": self.max_patches_per_row,
             }
         groups = _group_numbers(chosen)  # the step's, so the same on every rank
-        if self.pairs:  # each pair whole in one micro-batch of one rank
+        if self.pairs or self.whole_groups:  # each pair (group) whole in one micro-batch of one rank
             patches["groups"] = groups
         plan = plan_microbatches(
             lengths,

@@ -169,7 +169,8 @@ def _bin_pack(
             raise
         raise PrepackError(
             f"{e}; a preference pair is packed whole in one row: raise max_seq_len to hold the longest pair's two "
-            "sequences (each padded to the pad multiple) together, or leave that pair out"
+            "sequences (each padded to the pad multiple) together, or leave that pair out (an SFT group, a prompt's "
+            "completions, likewise: all its sequences together)"
         ) from None
     order = np.asarray(bins.order, dtype=np.int64).copy()
     offsets = np.asarray(bins.offsets, dtype=np.int64).copy()

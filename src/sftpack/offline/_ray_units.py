@@ -45,7 +45,7 @@ from ..chat import Conversation, ConversationReader, OnBadRow, as_item, tokenize
 from ..data import default_tokenizer
 from ._encode import ImageCounts, ImageSettings, encoded
 from ._fingerprint import tokenizer_fingerprint
-from ._format import IMAGE_DTYPE
+from ._format import IMAGE_DTYPE, PrepackError
 from ._inputs import Inputs
 from ._plan import RowPlan
 from ._ray_session import import_ray, node_label
@@ -264,6 +264,7 @@ def _staged_result(staged: StagedSamples) -> dict[str, Any]:
         "media": staged.media,
         "roles": staged.roles,
         "weighted": staged.weighted,
+        "sft_groups": staged.sft_groups is not None,
     }
 
 
@@ -293,6 +294,11 @@ def merge(results: list[dict[str, Any]], staging: Path) -> tuple[StagedSamples, 
     np.cumsum([x.shape[0] for x in lengths], out=unit_samples[1:])
     empty64 = np.zeros(0, np.int64)
     media = _merge_media([r["media"] for r in results]) if results and results[0].get("media") is not None else None
+    if any(r.get("sft_groups") for r in results):
+        raise PrepackError(
+            "the samples carry SFT groups (meta['group'] without a role: a prompt's completions), which the Ray "
+            "engine does not keep whole in one row yet: prepack them with the local engine (engine='local')"
+        )
     staged = StagedSamples(
         directory=staging,
         lengths=np.concatenate(lengths) if lengths else empty64,

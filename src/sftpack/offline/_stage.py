@@ -135,6 +135,9 @@ class StagedSamples:
         roles: ``(S,)`` uint8 each sample's role in its preference pair (an index into
             :data:`~sftpack.offline._format.PAIR_ROLES`), ``None`` for SFT conversations.
         weighted: some sample carries weights: ``weights.f8`` holds every token's.
+        sft_groups: ``(S,)`` int64 each SFT sample's group for the planner (``meta["group"]`` without a
+            role: a prompt's RL completions, numbered by first appearance; a sample of no group, a
+            number of its own), ``None`` when no SFT sample has a group (the plan of before groups).
     """
 
     directory: Path
@@ -150,6 +153,7 @@ class StagedSamples:
     media: StagedMedia | None = None
     roles: np.ndarray | None = None
     weighted: bool = False
+    sft_groups: np.ndarray | None = None
 
     @property
     def num_samples(self) -> int:
@@ -170,8 +174,9 @@ class StagedSamples:
 
     @property
     def groups(self) -> np.ndarray | None:
-        """``(S,)`` the group of each sample for the planner (a pair's conversation number), ``None`` for SFT."""
-        return None if self.roles is None else self.conversation
+        """``(S,)`` the group of each sample for the planner, each kept whole in one row (a pair's
+        conversation number; an SFT group's number, :attr:`sft_groups`), ``None`` for SFT without groups."""
+        return self.sft_groups if self.roles is None else self.conversation
 
 
 def _id_json(cid: Any) -> bytes:
@@ -297,6 +302,31 @@ class _Pairs:
         if self.kind != "pairs":
             return None
         return np.frombuffer(self.roles, np.uint8).copy()
+
+
+class _SftGroups:
+    """Each SFT sample's group number for the planner: ``meta["group"]`` of a sample without a role
+    (a prompt's RL completions, a chat row's ``group``), numbered by first appearance; a sample of
+    no group gets a number of its own."""
+
+    def __init__(self) -> None:
+        self.numbers = array("q")
+        self.keys: dict[bytes, int] = {}
+        self.count = 0  # numbers given
+
+    def add(self, s: Sample) -> None:
+        meta = s.meta or {}
+        group = meta.get("group") if meta.get("role") is None else None
+        if group is None:
+            self.numbers.append(self.count)
+            self.count += 1
+            return
+        number = self.keys.setdefault(_id_json(group), self.count)
+        self.count += number == self.count
+        self.numbers.append(number)
+
+    def result(self) -> np.ndarray | None:
+        return np.frombuffer(self.numbers, np.int64).copy() if self.keys else None
 
 
 @dataclass
@@ -452,7 +482,7 @@ def stage_samples(
                 mask_buf.clear()
             buffered = 0
 
-        pairs, weights = _Pairs(), _Weights(directory)
+        pairs, weights, sft_groups = _Pairs(), _Weights(directory), _SftGroups()
         tokens_staged = 0
         for item in samples:
             if stager is not None:
@@ -469,6 +499,8 @@ def stage_samples(
                         "prepack would lose: prepack conversations with images with prepack(..., images=True)"
                     )
                 group = pairs.add(len(lengths), s)
+                if group is None:
+                    sft_groups.add(s)
                 weights.add(s, tokens_staged)
             ids = s.input_ids
             n = ids.shape[0]
@@ -528,6 +560,7 @@ def stage_samples(
         media=None if stager is None else stager.result(),
         roles=pairs.result(),
         weighted=weighted,
+        sft_groups=sft_groups.result(),
     )
 
 
