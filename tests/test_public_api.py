@@ -32,6 +32,7 @@ API = {
         "overlong_spans",
         "pair_meta",
         "pair_sequence_id",
+        "sft_group",
     ],
     "sftpack.handoff": [
         "Alignment",

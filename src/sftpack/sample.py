@@ -56,6 +56,7 @@ __all__ = [
     "overlong_spans",
     "pair_meta",
     "pair_sequence_id",
+    "sft_group",
 ]
 
 #: Label value that every consumer (PyTorch cross-entropy, Megatron, Hugging Face) skips.
@@ -373,6 +374,19 @@ def pair_sequence_id(sample: Sample) -> tuple[Any, str]:
     return (sample.meta["group"], str(sample.meta["role"]))
 
 
+def sft_group(sample: Sample) -> Any:
+    """The group of an SFT sample (``meta["group"]`` without a ``role``: a prompt's RL completions,
+    a chat row's ``group`` field), else ``None`` (a preference pair's member, or a sample of no group).
+
+    >>> sft_group(Sample([1, 2], [False, True], "a", {"group": "q7"}))
+    'q7'
+    >>> sft_group(Sample([1, 2], [False, True], "a", {"group": "q7", "role": "chosen"})) is None
+    True
+    """
+    meta = sample.meta or {}
+    return meta.get("group") if meta.get("role") is None else None
+
+
 def pair_meta(sequence_ids: Any) -> dict[Any, dict[str, Any]]:
     """What :func:`sftpack.objectives.pairs_of` reads, from a row's :func:`pair_sequence_id`\\ s.
 
@@ -389,11 +403,11 @@ def check_unweighted(sample: Sample, where: str) -> None:
     >>> check_unweighted(Sample([1, 2], [False, True], "a", weights=2.0), "a prepack with images")
     Traceback (most recent call last):
     ...
-    ValueError: conversation 'a' carries per-token weights (a 'weight' or 'advantage' field), which a prepack with images does not carry into its rows yet: train it on a packed path without images (--packing trainer, offline or loader), whose loss reads them, or remove the weights
+    ValueError: conversation 'a' carries per-token weights (a 'weight' or 'advantage' field), which a prepack with images does not carry into its rows yet: train it with --packing trainer, offline or loader (text, no images), whose loss reads them, or remove the weights
     """
     if sample.weights is not None:
         raise ValueError(
             f"conversation {sample.conversation_id!r} carries per-token weights (a 'weight' or 'advantage' field), "
-            f"which {where} does not carry into its rows yet: train it on a packed path without images (--packing "
-            "trainer, offline or loader), whose loss reads them, or remove the weights"
+            f"which {where} does not carry into its rows yet: train it with --packing trainer, offline or loader "
+            "(text, no images), whose loss reads them, or remove the weights"
         )

@@ -130,3 +130,15 @@ def test_a_parquet_group_column_is_read(tmp_path, tok):
     samples = [tokenize_conversation(c, tok) for c in read_conversations(tmp_path / "g.parquet")]
     assert [s.meta for s in samples] == [{"group": 5}, {"group": 5}]
     assert [sorted(set(s.weights[s.loss_mask].tolist())) for s in samples] == [[1.0], [-1.0]]
+
+
+def test_the_image_tokenizer_refuses_a_group_naming_it():
+    """A group is never dropped unseen: the image tokenizer does not keep RL groups whole yet, so a
+    record with a ``group`` is refused, naming it (a record without one tokenizes as before)."""
+    from sftpack.multimodal import tokenize_media_conversations
+
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a"}], "group": "q1"}
+    with pytest.raises(ValueError, match=r"carries a group \('q1'\): conversations with images do not keep RL"):
+        list(tokenize_media_conversations([record], on_bad_row="error"))
+    del record["group"]
+    assert len(list(tokenize_media_conversations([record], on_bad_row="error"))) == 1

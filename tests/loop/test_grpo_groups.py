@@ -215,3 +215,52 @@ def test_cli_refuses_a_group_after_a_first_row_without_one(chat, tmp_path, capsy
     assert main(_cli(tmp_path / "mixed.jsonl", run, "mixed")) != 0
     err = capsys.readouterr().err
     assert "has a 'group'" in err and "the data's first conversation has none" in err
+
+
+def loader_config(**kw):
+    # rows of 256 slots: a group of SIZE conversations of <= 60 tokens fits one row whole
+    return tiny_config(packing="loader", pad_multiple=4, batch_size=2, buffer_size=16, max_seq_len=256, **kw)
+
+
+def consecutive(data: list[Sample]) -> list[Sample]:
+    """``data`` with each group's members one after the other (the loader reads a group as a run of
+    consecutive samples), in order of the group's first member; a conversation of no group stays."""
+    first: dict[object, int] = {}
+    keys = [first.setdefault(s.meta.get("group", ("own", i)), i) for i, s in enumerate(data)]
+    return [data[i] for i in sorted(range(len(data)), key=lambda i: (keys[i], i))]
+
+
+def test_loader_rows_hold_whole_groups():
+    """The loader path (``groups=True`` from the samples' groups): every group lands whole in one
+    row, and the source numbers the step's groups for ``weight_normalisation="group"``."""
+    data = consecutive(grpo(weighted(tiny_samples(48))))
+    groups = members(data)
+    src = make_source(loader_config(grad_accum=2), samples=data)
+    for _ in range(8):
+        step = src.next_step()
+        numbers, n = src.step_groups
+        assert [len(x) for x in numbers] == [len(mb.sequence_ids) for mb in step]
+        for g in range(n):  # each of the step's groups in exactly one micro-batch (a row)
+            assert sum(g in x for x in numbers) == 1
+        for mb in step:
+            ids = set(mb.sequence_ids)
+            for name, convs in groups.items():
+                assert not (convs & ids) or convs <= ids, name
+
+
+@pytest.mark.parametrize("rule", ["sequence", "group"])
+def test_loader_groups_equal_each_conversation_alone(rule):
+    data = consecutive(grpo(weighted(tiny_samples(48))))
+    cfg = loader_config(grad_accum=2, weight_normalisation=rule, steps=4)
+    run = train(cfg, source=make_source(cfg, samples=data), model=tiny_model(dtype=F64))
+    by_id = {s.conversation_id: s for s in data}
+    steps = [[by_id[c] for c in step] for step in run.conversations]
+    assert all(sum(s.meta.get("group") is not None for s in step) >= SIZE for step in steps)
+    ref = train(loader_config(weight_normalisation=rule, steps=4), source=Alone(steps), model=tiny_model(dtype=F64))
+    dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
+    print(f"loader, whole groups, {rule}: max |dloss| {dl:.2e}, max |dparam| {dp:.2e}")
+    assert dl <= TOL and dp <= TOL, (dl, dp)
+    by_hand = rule_by_hand(tiny_model(dtype=F64), steps[0], rule)
+    assert abs(run.losses[0] - by_hand) <= TOL, (run.losses[0], by_hand)
+    if rule == "group":  # negative control: the sequence mean of the same step
+        assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0], "sequence")) > BUG

@@ -158,7 +158,7 @@ def test_sequence_mean_on_the_loader_path(samples):
     assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), step)) > BUG
 
 
-@pytest.mark.parametrize("packing", ["none", "loader", "offline"])
+@pytest.mark.parametrize("packing", ["none", "offline"])
 def test_group_refuses_the_other_paths(packing):
     with pytest.raises(ValueError, match=f"weight_normalisation group .* groups: not packing {packing} with"):
         tiny_config(packing=packing, weight_normalisation="group")
@@ -337,6 +337,6 @@ def test_cli_weight_normalisation(chat, tmp_path, capsys):
     # (and a run repeats bit for bit), 1e-5 being 20x that
     assert max(abs(a["loss"] - b["loss"]) for a, b in zip(t, s)) > 1e-5
     capsys.readouterr()
-    assert main([*_cli(chat / "chat.jsonl", run, "g", "loader"), "--weight-normalisation", "group"]) != 0
+    assert main([*_cli(chat / "chat.jsonl", run, "g", "offline"), "--weight-normalisation", "group"]) != 0
     err = capsys.readouterr().err
     assert "--weight-normalisation group averages whole packed sequences and needs their samples' groups" in err

@@ -89,6 +89,7 @@ class EvalSet:
             rank=rank,
             world=world,
             pad_id=pad_id,
+            groups=False,  # the eval loss is a token mean over every sample: no group needs keeping whole
         )
         # the eval loss is the plain token mean: weights (advantages) say how to train, not how well
         self.micro_batches = [

@@ -148,7 +148,8 @@ class TrainConfig:
         weight_normalisation: :class:`~sftpack.sample.WeightNormalisation`: how a step's
             (weighted) losses are averaged, :func:`sftpack.loss.normalise_weights`'s one rule:
             ``"token"`` (the default), ``"sequence"`` (the SFT objective on a packed path: whole
-            sequences) or ``"group"`` (the trainer path's SFT: it knows its samples' groups).
+            sequences) or ``"group"`` (SFT on the trainer and loader paths: they know their samples'
+            groups, each kept whole in one micro-batch or row).
         pad_multiple: pad every sequence to a multiple of this (``2 * CP``).
         boundaries: :class:`Boundaries`; ``None``: the path's own default.
         buffer_size: the loader's packing buffer (sequences).
@@ -262,7 +263,7 @@ class TrainConfig:
         metadata={
             "help": "how a step's losses (times their weight or advantage column) are averaged: token (sum w*loss "
             "/ sum |w| over the step's targets), sequence (each sequence's weighted mean, then their mean) or "
-            "group (each group's mean over its sequences, then their mean; --packing trainer) (default {default})"
+            "group (each group's mean over its sequences, then their mean; --packing trainer or loader) (default {default})"
         },
     )
     pad_multiple: int = field(
@@ -370,13 +371,13 @@ class TrainConfig:
         if rule is not WeightNormalisation.TOKEN and (
             self.objective is not Objective.SFT
             or self.packing is Packing.NONE
-            or (rule is WeightNormalisation.GROUP and self.packing is not Packing.TRAINER)
+            or (rule is WeightNormalisation.GROUP and self.packing not in (Packing.TRAINER, Packing.LOADER))
         ):
             raise ConfigError(
                 f"{{weight_normalisation}} {rule} averages whole packed sequences"
                 + (" and needs their samples' groups" if rule is WeightNormalisation.GROUP else "")
                 + f": not {{packing}} {self.packing} with {{objective}} {self.objective}; use "
-                + ("{packing} trainer" if rule is WeightNormalisation.GROUP else "a packed path")
+                + ("{packing} trainer or loader" if rule is WeightNormalisation.GROUP else "a packed path")
                 + " with {objective} sft, or {weight_normalisation} token"
             )
         self.boundaries = (

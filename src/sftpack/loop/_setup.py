@@ -17,7 +17,7 @@ from ..chat import ConversationSamples, default_cache_dir, start_training_sample
 from ..loader import PackingDataset
 from ..multimodal import MediaTokenizeStats, family_for, tokenize_media_conversations
 from ..offline import PrepackedDataset
-from ..sample import Sample, check_sft_sample
+from ..sample import Sample, check_sft_sample, sft_group
 from ._options import Objective, Packing, TrainConfig
 from ._source_loader import LoaderSource
 from ._source_offline import OfflineSource
@@ -273,6 +273,8 @@ def make_source(
     pairs = config.preference  # DPO or SimPO
     if pairs:  # every sample a pair's member, each pair whole (the loader reads, deals and packs it as one unit)
         _pair_units(samples)
+    # SFT groups (a prompt's RL completions, a row's 'group'): each whole in one row, as a pair is
+    group_of = {s.conversation_id: g for s in samples if (g := sft_group(s)) is not None} if not pairs else {}
     # the run's settings the loader takes under the same names
     same = ("buffer_size", "pad_multiple", "seed", "pad_between_seqs", "max_patches_per_row")
     # a pair's two members (each at most max_seq_len) share one row: config.row_width, 2 x max_seq_len for
@@ -286,7 +288,7 @@ def make_source(
         rank=0,
         world_size=1,
         pad_id=pad_id,
-        groups=pairs,  # each pair whole in one row (--batch-size counts rows, as for SFT)
+        groups=pairs or bool(group_of),  # each pair (group) whole in one row (--batch-size counts rows, as for SFT)
         max_seq_len=width,
         **{name: getattr(config, name) for name in same},
     )
@@ -298,6 +300,7 @@ def make_source(
         world=world,
         grad_accum=config.grad_accum,
         cost=cost,
+        group_of=group_of or None,
     )
 
 

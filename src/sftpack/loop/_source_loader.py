@@ -21,6 +21,7 @@ rank: every rank decides the same global rows) does, so the loop divides by ``su
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,7 @@ class LoaderSource(Source):
         world: int = 1,
         grad_accum: int = 1,
         cost: str | Path | SequenceCost | None = None,
+        group_of: Mapping[Any, Any] | None = None,
     ) -> None:
         if (dataset.rank, dataset.world_size) != (0, 1):
             raise ValueError(
@@ -70,6 +72,9 @@ class LoaderSource(Source):
         self.rows = 0  # global rows consumed
         self._fp = samples_fp
         self._it: Any = None
+        #: each grouped SFT sequence's group by its id (the dataset built with ``groups=True`` keeps a
+        #: group whole in one row): what :attr:`step_groups` numbers; ``None``: the groups are not known
+        self.group_of = group_of
 
     def _take(self) -> list[DecidedRow]:
         """The next step's ``batch_size`` rows of the global stream (decided, not laid)."""
@@ -108,7 +113,31 @@ class LoaderSource(Source):
         dealt = self.step_rows()
         # every rank decides the same global rows: so whether the step carries weights is the same on every rank
         self.step_weighted = any(r.weighted for rows in dealt for r in rows)
-        return rows_to_micro_batches([r.build() for r in dealt[self.rank]], self.grad_accum)
+        mbs = rows_to_micro_batches([r.build() for r in dealt[self.rank]], self.grad_accum)
+        if self.group_of is not None:
+            self.step_groups = self._step_groups(dealt, mbs)
+        return mbs
+
+    def _step_groups(self, dealt: list[list[DecidedRow]], mbs: list[MicroBatch]) -> tuple[list[list[int]], int]:
+        """:attr:`step_groups`: the step's groups numbered over every rank's rows (the same decisions on
+        every rank), in this rank's micro-batches' sequence order; a sequence of no group is its own."""
+        assert self.group_of is not None
+        numbers: dict[Any, int] = {}
+        mine: list[int] = []
+        for r, rows in enumerate(dealt):
+            for i, row in enumerate(rows):
+                for j, sid in enumerate(row.sequence_ids):
+                    group = self.group_of.get(sid)
+                    key = ("own", r, i, j) if group is None else ("group", group)
+                    number = numbers.setdefault(key, len(numbers))
+                    if r == self.rank:
+                        mine.append(number)
+        out, at = [], 0
+        for mb in mbs:
+            n = len(mb.sequence_ids or ())
+            out.append(mine[at : at + n])
+            at += n
+        return out, len(numbers)
 
     def epoch_steps(self) -> int:
         """The steps of the first epoch's rows (counted by deciding it once, then back to the

@@ -63,7 +63,7 @@ from .._base import positive_int, renamed
 from ..balance import SequenceCost, sequence_cost
 from ..chat import ConversationSamples, conversation_order
 from ..handoff import PackedBatch
-from ..sample import IGNORE_INDEX, Sample, check_sft_sample, check_unweighted, pair_sequence_id
+from ..sample import IGNORE_INDEX, Sample, check_sft_sample, check_unweighted, pair_sequence_id, sft_group
 from ..trainer import pack_step, padded_batch, plan_microbatches
 from ._micro_batch import MicroBatch, PaddedMicroBatch, media_of, padded_micro_batch
 
@@ -339,13 +339,6 @@ class GroupOrder(_EpochPosition):
         while (end := self._end(perm, start)) is not None:
             start, steps = end, steps + 1
         return steps
-
-
-def sft_group(sample: Sample) -> Any:
-    """The group of an SFT sample (``meta["group"]`` without a ``role``: a prompt's RL completions,
-    a row's ``group`` field), else ``None`` (a preference pair's member, or a sample of no group)."""
-    meta = sample.meta or {}
-    return meta.get("group") if meta.get("role") is None else None
 
 
 def _group_units(keys: Sequence[Any]) -> list[list[int]]:

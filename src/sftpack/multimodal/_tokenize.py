@@ -498,8 +498,14 @@ def tokenize_record(
 
 
 def _no_weights(record: dict[str, Any], messages: Any, cid: Any) -> None:
-    """Refuse a ``weight`` / ``advantage`` (the record's or a message's): samples with images do
-    not carry per-token weights yet, and a weight is never dropped unseen."""
+    """Refuse a ``weight`` / ``advantage`` / ``group`` (the record's or a message's weight):
+    samples with images do not carry per-token weights or RL groups yet, and neither is dropped
+    unseen."""
+    if record.get("group") is not None:
+        raise ValueError(
+            f"record {cid!r} carries a group ({record['group']!r}): conversations with images do not keep RL "
+            "groups whole yet; drop the field, or train the text conversations apart"
+        )
     weighted = [k for k in ("weight", "advantage") if record.get(k) is not None]
     if weighted or (
         isinstance(messages, list) and any(isinstance(m, dict) and m.get("weight") is not None for m in messages)

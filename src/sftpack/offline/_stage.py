@@ -53,7 +53,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from ..sample import Sample, check_sft_sample, check_unweighted
+from ..sample import Sample, check_sft_sample, check_unweighted, sft_group
 from ._format import IMAGE_DTYPE, PAIR_ROLES, PrepackError
 
 __all__ = ["Images", "PairsOverRow", "StagedMedia", "StagedSamples", "StagingSource", "stage_samples"]
@@ -315,8 +315,7 @@ class _SftGroups:
         self.count = 0  # numbers given
 
     def add(self, s: Sample) -> None:
-        meta = s.meta or {}
-        group = meta.get("group") if meta.get("role") is None else None
+        group = sft_group(s)
         if group is None:
             self.numbers.append(self.count)
             self.count += 1
