@@ -600,6 +600,18 @@ def dpo_loss_alone(policy: Any, reference: Any, pairs: list[tuple[Sample, Sample
 
 
 # ------------------------------------------------------------------ weighted samples
+def with_groups(samples: list[Sample], group_of: Any) -> list[Sample]:
+    """``samples`` with ``meta["group"] = group_of(i)`` (GRPO-style groups: a prompt's completions);
+    ``None`` leaves conversation ``i`` without a group (a group of its own)."""
+    out = []
+    for i, s in enumerate(samples):
+        g = group_of(i)
+        out.append(
+            Sample(s.input_ids, s.loss_mask, s.conversation_id, {} if g is None else {"group": g}, weights=s.weights)
+        )
+    return out
+
+
 def weighted_samples(samples: list[Sample]) -> list[Sample]:
     """Some samples weighted 0, some 2.5, some a negative advantage, some per token, some not at all."""
     rng = np.random.default_rng(7)

@@ -23,7 +23,7 @@ from sftpack import Sample
 from sftpack.loop import make_source, train
 from sftpack.loop._sources import GroupOrder
 from tests.helpers import WeightedAlone as Alone
-from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples
+from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples, with_groups
 from tests.helpers import weighted_cli_args as _cli
 from tests.helpers import weighted_rule_by_hand as rule_by_hand
 from tests.helpers import weighted_samples as weighted
@@ -37,16 +37,7 @@ SIZE = 4  # completions per prompt
 
 def grpo(samples: list[Sample]) -> list[Sample]:
     """Groups of SIZE consecutive conversations ("p0", "p1", ...), every 9th conversation alone (no group)."""
-    return [
-        Sample(
-            s.input_ids,
-            s.loss_mask,
-            s.conversation_id,
-            {} if i % 9 == 8 else {"group": f"p{i // SIZE}"},
-            weights=s.weights,
-        )
-        for i, s in enumerate(samples)
-    ]
+    return with_groups(samples, lambda i: None if i % 9 == 8 else f"p{i // SIZE}")
 
 
 def config(**kw):
@@ -98,24 +89,30 @@ def test_group_order():
         GroupOrder([2, 1], batch_size=4, seed=0)
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-@pytest.mark.parametrize("rule", ["token", "sequence", "group"])
-def test_whole_groups_equal_each_conversation_alone(rule, grad_accum):
-    data = grpo(weighted(tiny_samples(48)))
-    cfg = config(grad_accum=grad_accum, weight_normalisation=rule, steps=5)
+def _equal_alone(make_config, data: list[Sample], rule: str, grad_accum: int, steps: int) -> None:
+    """A run of ``data`` (whole groups) equals each conversation alone under ``rule``, step 1 equals
+    the rule by hand, and (``group``) differs from the other rules on the same step."""
+    cfg = make_config(grad_accum=grad_accum, weight_normalisation=rule, steps=steps)
     run = train(cfg, source=make_source(cfg, samples=data), model=tiny_model(dtype=F64))
     by_id = {s.conversation_id: s for s in data}
-    steps = [[by_id[c] for c in step] for step in run.conversations]
-    assert all(sum(s.meta.get("group") is not None for s in step) >= SIZE for step in steps)
-    ref = train(config(weight_normalisation=rule, steps=5), source=Alone(steps), model=tiny_model(dtype=F64))
+    steps_of = [[by_id[c] for c in step] for step in run.conversations]
+    assert all(sum(s.meta.get("group") is not None for s in step) >= SIZE for step in steps_of)
+    ref_cfg = make_config(weight_normalisation=rule, steps=steps)
+    ref = train(ref_cfg, source=Alone(steps_of), model=tiny_model(dtype=F64))
     dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
-    print(f"whole groups, {rule}, grad_accum {grad_accum}: max |dloss| {dl:.2e}, max |dparam| {dp:.2e}")
+    print(f"{cfg.packing}, whole groups, {rule}, grad_accum {grad_accum}: max |dloss| {dl:.2e}, max |dparam| {dp:.2e}")
     assert dl <= TOL and dp <= TOL, (dl, dp)
-    by_hand = rule_by_hand(tiny_model(dtype=F64), steps[0], rule)
+    by_hand = rule_by_hand(tiny_model(dtype=F64), steps_of[0], rule)
     assert abs(run.losses[0] - by_hand) <= TOL, (run.losses[0], by_hand)
     if rule == "group":  # negative controls: the other rules on the same step
         for other in ("token", "sequence"):
-            assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0], other)) > BUG
+            assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps_of[0], other)) > BUG
+
+
+@pytest.mark.parametrize("grad_accum", [1, 2])
+@pytest.mark.parametrize("rule", ["token", "sequence", "group"])
+def test_whole_groups_equal_each_conversation_alone(rule, grad_accum):
+    _equal_alone(config, grpo(weighted(tiny_samples(48))), rule, grad_accum, steps=5)
 
 
 WORLD = 2
@@ -250,17 +247,4 @@ def test_loader_rows_hold_whole_groups():
 
 @pytest.mark.parametrize("rule", ["sequence", "group"])
 def test_loader_groups_equal_each_conversation_alone(rule):
-    data = consecutive(grpo(weighted(tiny_samples(48))))
-    cfg = loader_config(grad_accum=2, weight_normalisation=rule, steps=4)
-    run = train(cfg, source=make_source(cfg, samples=data), model=tiny_model(dtype=F64))
-    by_id = {s.conversation_id: s for s in data}
-    steps = [[by_id[c] for c in step] for step in run.conversations]
-    assert all(sum(s.meta.get("group") is not None for s in step) >= SIZE for step in steps)
-    ref = train(loader_config(weight_normalisation=rule, steps=4), source=Alone(steps), model=tiny_model(dtype=F64))
-    dl, dp = max_loss_diff(run.losses, ref.losses), max_param_diff(run.model, ref.model)
-    print(f"loader, whole groups, {rule}: max |dloss| {dl:.2e}, max |dparam| {dp:.2e}")
-    assert dl <= TOL and dp <= TOL, (dl, dp)
-    by_hand = rule_by_hand(tiny_model(dtype=F64), steps[0], rule)
-    assert abs(run.losses[0] - by_hand) <= TOL, (run.losses[0], by_hand)
-    if rule == "group":  # negative control: the sequence mean of the same step
-        assert abs(run.losses[0] - rule_by_hand(tiny_model(dtype=F64), steps[0], "sequence")) > BUG
+    _equal_alone(loader_config, consecutive(grpo(weighted(tiny_samples(48)))), rule, grad_accum=2, steps=4)

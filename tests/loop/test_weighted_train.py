@@ -44,7 +44,7 @@ from sftpack.loop import make_source, train
 from sftpack.loop._sources import TrainerSource
 from sftpack.sample import WeightNormalisation
 from tests.helpers import WeightedAlone as Alone
-from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples
+from tests.helpers import max_loss_diff, max_param_diff, tiny_config, tiny_model, tiny_samples, with_groups
 from tests.helpers import weighted_chat as _weighted_chat
 from tests.helpers import weighted_cli_args as _cli
 from tests.helpers import weighted_rule_by_hand as rule_by_hand
@@ -59,16 +59,7 @@ BUG = 1e-3
 def grouped(samples: list[Sample]) -> list[Sample]:
     """GRPO-style groups (a prompt's completions): 6 groups, conversation i in group i % 6, but
     every 7th conversation has none (a group of its own). A step draws several members of a group."""
-    return [
-        Sample(
-            s.input_ids,
-            s.loss_mask,
-            s.conversation_id,
-            {} if i % 7 == 0 else {"group": f"g{i % 6}"},
-            weights=s.weights,
-        )
-        for i, s in enumerate(samples)
-    ]
+    return with_groups(samples, lambda i: None if i % 7 == 0 else f"g{i % 6}")
 
 
 def spanning_source(cfg, data: list[Sample], rank: int = 0, world: int = 1) -> TrainerSource:
