@@ -4,9 +4,7 @@
 
 from __future__ import annotations
 
-import json
 import pickle
-from pathlib import Path
 
 import pytest
 
@@ -16,6 +14,7 @@ from sftpack.chat._batch import TokenizeStats
 from sftpack.chat._cache_entry import EntryWriter, read_entry
 from sftpack.sample import check_sft_sample
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import write_rows
 
 
 def U(text: str) -> dict:
@@ -31,11 +30,6 @@ def tok():
     return tiny_chat_tokenizer("chatml")
 
 
-def write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 ROWS = [
     {"messages": [U("2+2?"), A("4")], "group": "q1", "advantage": 1.0},
     {"messages": [U("2+2?"), A("5")], "group": "q1", "advantage": -1.0},
@@ -45,7 +39,7 @@ ROWS = [
 
 
 def test_group_reaches_the_samples_meta(tmp_path, tok):
-    reader = read_conversations(write(tmp_path / "g.jsonl", ROWS))
+    reader = read_conversations(write_rows(tmp_path / "g.jsonl", ROWS))
     samples = [tokenize_conversation(c, tok) for c in reader]
     assert reader.stats.kept == len(ROWS) and reader.stats.dropped == {}
     assert [s.meta.get("group") for s in samples] == ["q1", "q1", 7, None]
@@ -53,7 +47,7 @@ def test_group_reaches_the_samples_meta(tmp_path, tok):
         ("pc", {"prompt": "3+3=", "completion": " 6", "group": 7}),
         ("text", {"text": "plain text", "group": "t", "weight": 0.5}),
     ):
-        (conv,) = read_conversations(write(tmp_path / f"{fmt}.jsonl", [row]))
+        (conv,) = read_conversations(write_rows(tmp_path / f"{fmt}.jsonl", [row]))
         assert tokenize_conversation(conv, tok).meta == {"group": row["group"]}
     for s in samples:
         check_sft_sample(s)  # SFT-trained completions: no role, accepted
@@ -91,17 +85,17 @@ BAD = [
 
 
 def test_bad_groups_are_counted_and_named(tmp_path, tok):
-    path = write(tmp_path / "bad.jsonl", [r for r, _ in BAD])
+    path = write_rows(tmp_path / "bad.jsonl", [r for r, _ in BAD])
     reader = read_conversations(path, on_bad_row="skip")
     assert list(reader) == []
     assert reader.stats.dropped == {"bad_group": len(BAD)}
     for i, (row, words) in enumerate(BAD):
         good = {"prompt": "p", "chosen": "a", "rejected": "c"} if "chosen" in row else {"messages": [U("x"), A("y")]}
-        one = write(tmp_path / f"bad{i}.jsonl", [good, row])
+        one = write_rows(tmp_path / f"bad{i}.jsonl", [good, row])
         with pytest.raises(BadRowError, match=rf"bad{i}\.jsonl, line 2: .*{words}.*\[bad_group\].*Fix:"):
             list(read_conversations(one))
     # a null is absent
-    (conv,) = read_conversations(write(tmp_path / "null.jsonl", [{"messages": [U("hi"), A("yo")], "group": None}]))
+    (conv,) = read_conversations(write_rows(tmp_path / "null.jsonl", [{"messages": [U("hi"), A("yo")], "group": None}]))
     assert tokenize_conversation(conv, tok).meta == {}
     # the tokenizer's own checks (rows not from the reader) say the same
     with pytest.raises(BadRowError, match=r"\[bad_group\]"):

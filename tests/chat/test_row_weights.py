@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import pickle
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +15,7 @@ from sftpack.chat import BadRowError, read_conversations, tokenize_conversation,
 from sftpack.chat._batch import TokenizeStats
 from sftpack.chat._cache_entry import _FILES, EntryWriter, read_entry
 from sftpack.testing import tiny_chat_tokenizer
+from tests.helpers import write_rows
 
 
 def U(text: str, **kw: object) -> dict:
@@ -31,11 +31,6 @@ def tok():
     return tiny_chat_tokenizer("chatml")
 
 
-def write(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
-
-
 def trained_weights(s: Sample) -> list[float]:
     return np.asarray(s.weights)[s.loss_mask].tolist()
 
@@ -48,18 +43,18 @@ def test_row_and_turn_weights_reach_the_trained_tokens(tmp_path, tok):
         {"messages": [U("a"), A("one"), U("b"), A("two", weight=0.5)]},
         {"messages": [U("hi"), A("yo")]},
     ]
-    reader = read_conversations(write(tmp_path / "w.jsonl", rows))
+    reader = read_conversations(write_rows(tmp_path / "w.jsonl", rows))
     samples = [tokenize_conversation(c, tok) for c in reader]
     assert reader.stats.kept == len(rows)
     s0, s1, s2, s3, s6 = samples
     (s4,) = (
         tokenize_conversation(c, tok)
-        for c in read_conversations(write(tmp_path / "t.jsonl", [{"text": "plain text to train on", "weight": 0}]))
+        for c in read_conversations(write_rows(tmp_path / "t.jsonl", [{"text": "plain text to train on", "weight": 0}]))
     )
     (s5,) = (
         tokenize_conversation(c, tok)
         for c in read_conversations(
-            write(tmp_path / "p.jsonl", [{"prompt": "2 + 3 =", "completion": " 5", "advantage": 1.5}])
+            write_rows(tmp_path / "p.jsonl", [{"prompt": "2 + 3 =", "completion": " 5", "advantage": 1.5}])
         )
     )
     assert set(trained_weights(s0)) == {2.5} and set(trained_weights(s1)) == {-0.75}
@@ -107,7 +102,7 @@ def test_bad_weights_are_counted_and_named(tmp_path, tok):
     assert reader.stats.dropped == {"bad_weight": len(BAD) + 1}  # each row counted once, under its reason
     for i, (row, words) in enumerate(BAD):
         good = {"prompt": "p", "chosen": "a", "rejected": "c"} if "chosen" in row else {"messages": [U("x"), A("y")]}
-        one = write(tmp_path / f"bad{i}.jsonl", [good, row])
+        one = write_rows(tmp_path / f"bad{i}.jsonl", [good, row])
         words = words.replace("(", r"\(").replace(")", r"\)")
         with pytest.raises(BadRowError, match=rf"bad{i}\.jsonl, line 2: .*{words}.*\[bad_weight\]"):
             list(read_conversations(one))

@@ -103,26 +103,23 @@ def _read_row(
         return out, images, RowFormat.MESSAGES
     weight, group = row_weight(row), row_group(row)
     messages, images, fmt = _read_fields(row, role_map, base)
-    if group is not None:
+    # the row's own fields that ride on its messages (a pair carries neither)
+    for name, value, reason, what in (
+        (
+            "group",
+            group,
+            BadRowReason.BAD_GROUP,
+            "a 'group': a pair is a group of its own (its chosen and rejected answers)",
+        ),
+        ("weight", weight, BadRowReason.BAD_WEIGHT, "a 'weight' / 'advantage': pairs are not weighted (yet)"),
+    ):
+        if value is None:
+            continue
         if isinstance(messages, PreferencePair):
-            raise RowProblem(
-                BadRowReason.BAD_GROUP,
-                "a preference pair has a 'group': a pair is a group of its own (its chosen and rejected answers)",
-                "remove the field from the pair's row",
-            )
+            raise RowProblem(reason, f"a preference pair has {what}", "remove the field from the pair's row")
         if not isinstance(messages, FormattedMessages):
             messages = FormattedMessages(messages, fmt)
-        messages.group = group
-    if weight is not None:
-        if isinstance(messages, PreferencePair):
-            raise RowProblem(
-                BadRowReason.BAD_WEIGHT,
-                "a preference pair has a 'weight' / 'advantage': pairs are not weighted (yet)",
-                "remove the field from the pair's row",
-            )
-        if not isinstance(messages, FormattedMessages):
-            messages = FormattedMessages(messages, fmt)
-        messages.weight = weight
+        setattr(messages, name, value)
     return messages, images, fmt
 
 
